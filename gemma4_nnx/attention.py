@@ -1,0 +1,97 @@
+"""Attention with per-layer geometry.
+
+One module serves every layer; its `LayerSpec` says the head dim (256 sliding / 512 global on the
+released sizes), KV heads, RoPE, whether V reuses the raw K projection (`attention_k_eq_v` on
+global layers) and whether the layer borrows K/V from a donor (KV sharing). Facts worth knowing:
+
+- scale 1.0: the q/k RMSNorms replace 1/sqrt(head_dim) (Gemma 3 compatibility: `attention_scale`);
+- there is no attention-logit softcap in Gemma 4;
+- V gets a weightless RMSNorm and no RoPE; with k_eq_v, V = v_norm(raw K projection), taken before
+  k_norm and RoPE;
+- sliding layers see exactly `sliding_window` keys including the query itself: (p - W, p];
+- a consumer layer runs its own q path and mask over the donor's K/V from the same forward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemma4_nnx.cache import KV, LayerCache
+from gemma4_nnx.config import Gemma4Config, LayerSpec
+from gemma4_nnx.layers import RMSNorm, apply_rope, linear
+
+Array = jax.Array
+
+
+def visibility(q_pos: Array, k_pos: Array, window: int | None) -> Array:
+    """Bool [B, S, T]: key j visible to query i iff it holds a token, j <= i, and (sliding) j > i - W."""
+    q = q_pos[:, :, None]
+    k = k_pos[:, None, :]
+    mask = (k >= 0) & (k <= q)
+    if window is not None:
+        mask = mask & (k > q - window)
+    return mask
+
+
+def attend(q: Array, kv: KV, q_pos: Array, *, window: int | None, scale: float) -> Array:
+    """q [B, S, N, H] over kv -> [B, S, N, H]. GQA: query head n reads KV head n // (N / K)."""
+    b, s, n, h = q.shape
+    k_heads = kv.k.shape[2]
+    qg = q.reshape(b, s, k_heads, n // k_heads, h)
+    scores = jnp.einsum("bskgh,btkh->bkgst", qg, kv.k.astype(q.dtype))
+    if scale != 1.0:
+        scores = scores * jnp.asarray(scale, scores.dtype)
+    mask = visibility(q_pos, kv.pos, window)[:, None, None, :, :]
+    scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgst,btkh->bskgh", probs, kv.v.astype(q.dtype))
+    return out.reshape(b, s, n, h)
+
+
+class Attention(nnx.Module):
+    """Self-attention of one decoder layer. Consumers (KV sharing) have no k/v projections or norms."""
+
+    def __init__(self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, n, h, k = config.hidden_size, config.num_attention_heads, spec.head_dim, spec.num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.window = config.sliding_window if spec.is_sliding else None
+        self.scale = config.attention_scale
+        self.is_consumer = spec.is_consumer
+        self.k_eq_v = spec.k_eq_v
+        eps = config.rms_norm_eps
+        self.q_proj = linear(d, n * h, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_norm = RMSNorm(h, eps=eps, param_dtype=param_dtype)
+        if not spec.is_consumer:
+            self.k_proj = linear(d, k * h, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.v_proj = None if spec.k_eq_v else linear(d, k * h, dtype=dtype, param_dtype=param_dtype,
+                                                          rngs=rngs)
+            self.k_norm = RMSNorm(h, eps=eps, param_dtype=param_dtype)
+            self.v_norm = RMSNorm(h, eps=eps, with_scale=False) if config.use_v_norm else None
+        self.o_proj = linear(n * h, d, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.cache: LayerCache | None = None
+
+    def __call__(self, x: Array, rope: tuple[Array, Array], q_pos: Array, k_pos: Array,
+                 shared: KV | None = None) -> tuple[Array, KV]:
+        """x [B, S, D]; q_pos [B, S] query positions; k_pos [B, S] positions of the new tokens as keys
+        (-1 for padding). Returns the output [B, S, D] and the K/V attended over (for consumers)."""
+        b, s, _ = x.shape
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim))
+        q = apply_rope(q, cos, sin)
+        if self.is_consumer:
+            if shared is None:
+                raise ValueError("a KV-consumer layer needs its donor's K/V (shared=...)")
+            kv = shared
+        else:
+            k_raw = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+            v_raw = k_raw if self.v_proj is None else self.v_proj(x).reshape(b, s, self.num_kv_heads,
+                                                                             self.head_dim)
+            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
+            kv = KV(k, v, k_pos)
+            if self.cache is not None:
+                kv = self.cache.update(kv)
+        out = attend(q, kv, q_pos, window=self.window, scale=self.scale)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), kv

@@ -1,0 +1,423 @@
+"""Gemma 4 text-model configuration.
+
+`Gemma4Config` is a frozen dataclass holding the fields of a Hugging Face `config.json`
+(`Gemma4ForCausalLM`, model_type `gemma4_text`, or the `text_config` of the multimodal
+`Gemma4ForConditionalGeneration`). Everything that differs from layer to layer (attention type,
+head dim, KV heads, RoPE, KV-sharing donor, MLP width) is derived once, in `Gemma4Config.layers`,
+so modules never re-derive it with `if layer_idx in ...`.
+
+Presets for the released sizes: `Gemma4Config.e2b()`, `.e4b()`, `.b31()` (31B dense) and
+`.b26_a4b()` (26B-A4B mixture of experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any, Literal, Mapping
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LayerType = Literal["sliding_attention", "full_attention"]
+
+_ROPE_TYPES = ("default", "proportional")
+_SUPPORTED_MODEL_TYPES = ("gemma4_text", "gemma4")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """RoPE parameters for one layer type (HF `rope_parameters[layer_type]`).
+
+    `proportional` rotates only `int(partial_rotary_factor * head_dim // 2)` frequency pairs, with
+    frequencies computed against the *full* head dim; the remaining pairs get frequency 0 (identity).
+    """
+
+    rope_type: str = "default"
+    theta: float = 10_000.0
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """Facts about one decoder layer, derived from the config once."""
+
+    index: int
+    type: LayerType
+    head_dim: int
+    num_kv_heads: int
+    rope: RopeSpec
+    k_eq_v: bool  # full layer of a k_eq_v model: no v_proj, V comes from the raw K projection
+    kv_donor: int | None  # None: the layer computes its own K/V; else the layer it borrows them from
+    stores_kv: bool  # last non-shared layer of its type: publishes K/V to consumers
+    mlp_width: int
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.type == SLIDING
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_donor is not None
+
+
+def _fail(field: str, problem: str, fix: str) -> None:
+    raise ValueError(f"Gemma4Config.{field}: {problem}. Fix: {fix}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4Config:
+    """Hyperparameters of a Gemma 4 text decoder (names follow HF `Gemma4TextConfig`)."""
+
+    vocab_size: int = 262_144
+    hidden_size: int = 1536
+    intermediate_size: int = 6144
+    num_hidden_layers: int = 35
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 1
+    num_global_key_value_heads: int | None = None
+    head_dim: int = 256
+    global_head_dim: int = 512
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 512
+    rope_sliding: RopeSpec = RopeSpec("default", 10_000.0)
+    rope_full: RopeSpec = RopeSpec("proportional", 1_000_000.0, 0.25)
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float | None = 30.0
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 262_144
+    enable_moe_block: bool = False
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    max_position_embeddings: int = 131_072
+    pad_token_id: int = 0
+    eos_token_id: tuple[int, ...] = (1, 106)
+    bos_token_id: int = 2
+    # Gemma 3 compatibility (Gemma 4 values are the defaults): Gemma 3 has no v_norm and scales
+    # attention scores by query_pre_attn_scalar**-0.5; Gemma 4's q/k norms replace that scale.
+    use_v_norm: bool = True
+    attention_scale: float = 1.0
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", default_layer_types(self.num_hidden_layers))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if isinstance(self.eos_token_id, int):
+            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
+        object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field and the fix for an inconsistent config."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                     "sliding_window"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                _fail(name, f"must be a positive integer, got {getattr(self, name)!r}", "set a positive integer")
+        if len(self.layer_types) != self.num_hidden_layers:
+            _fail("layer_types", f"has {len(self.layer_types)} entries but num_hidden_layers is "
+                  f"{self.num_hidden_layers}", "give exactly one layer type per layer")
+        bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+        if bad:
+            _fail("layer_types", f"unknown layer type(s) {bad}", f"use only {SLIDING!r} and {FULL!r}")
+        for name, heads in (("num_key_value_heads", self.num_key_value_heads),
+                            ("num_global_key_value_heads", self.full_kv_heads)):
+            if heads <= 0 or self.num_attention_heads % heads:
+                _fail(name, f"num_attention_heads={self.num_attention_heads} is not divisible by {heads}",
+                      "choose a KV head count that divides num_attention_heads")
+        for name, rope in (("rope_sliding", self.rope_sliding), ("rope_full", self.rope_full)):
+            if rope.rope_type not in _ROPE_TYPES:
+                _fail(name, f"unknown rope_type {rope.rope_type!r}", f"use one of {_ROPE_TYPES}")
+            if not 0.0 < rope.partial_rotary_factor <= 1.0:
+                _fail(name, f"partial_rotary_factor {rope.partial_rotary_factor} outside (0, 1]",
+                      "use a factor in (0, 1]")
+        if not 0 <= self.num_kv_shared_layers <= self.num_hidden_layers:
+            _fail("num_kv_shared_layers", f"{self.num_kv_shared_layers} is outside [0, num_hidden_layers="
+                  f"{self.num_hidden_layers}]", "use 0 for no sharing")
+        if self.num_kv_shared_layers:
+            first = self.first_kv_shared_layer
+            owners = set(self.layer_types[:first])
+            missing = sorted(set(self.layer_types[first:]) - owners)
+            if missing:
+                _fail("num_kv_shared_layers", f"KV-shared layers of type {missing} have no earlier layer of that "
+                      f"type to borrow K/V from (first shared layer is {first})",
+                      "lower num_kv_shared_layers or change layer_types so each consumed type has a donor")
+        if self.enable_moe_block:
+            for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value <= 0:
+                    _fail(name, f"enable_moe_block is true but {name} is {value!r}",
+                          f"set {name} to a positive integer or disable the MoE block")
+            if self.top_k_experts > self.num_experts:
+                _fail("top_k_experts", f"{self.top_k_experts} > num_experts={self.num_experts}",
+                      "choose top_k_experts <= num_experts")
+        if self.hidden_size_per_layer_input < 0:
+            _fail("hidden_size_per_layer_input", "is negative", "use 0 to disable per-layer embeddings")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            _fail("final_logit_softcapping", f"{self.final_logit_softcapping} is not positive",
+                  "use a positive cap or None")
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def full_kv_heads(self) -> int:
+        """KV heads on full layers: `num_global_key_value_heads` only applies with `attention_k_eq_v` (HF rule)."""
+        if self.attention_k_eq_v and self.num_global_key_value_heads is not None:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    @property
+    def first_kv_shared_layer(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    @property
+    def use_ple(self) -> bool:
+        return self.hidden_size_per_layer_input > 0
+
+    @functools.cached_property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """Per-layer facts. KV donor = last non-shared layer of the same type (not "F-1"/"F-2")."""
+        first = self.first_kv_shared_layer
+        donors = {}
+        if self.num_kv_shared_layers:
+            for i in range(first):
+                donors[self.layer_types[i]] = i
+        specs = []
+        for i, t in enumerate(self.layer_types):
+            full = t == FULL
+            donor = donors[t] if (self.num_kv_shared_layers and i >= first) else None
+            width = self.intermediate_size * (2 if (self.use_double_wide_mlp and donor is not None) else 1)
+            specs.append(LayerSpec(
+                index=i, type=t,
+                head_dim=self.global_head_dim if full else self.head_dim,
+                num_kv_heads=self.full_kv_heads if full else self.num_key_value_heads,
+                rope=self.rope_full if full else self.rope_sliding,
+                k_eq_v=self.attention_k_eq_v and full,
+                kv_donor=donor,
+                stores_kv=self.num_kv_shared_layers > 0 and i < first and donors.get(t) == i,
+                mlp_width=width,
+            ))
+        return tuple(specs)
+
+    @property
+    def cache_layers(self) -> tuple[LayerSpec, ...]:
+        """Layers that own a KV cache (every non-consumer layer)."""
+        return tuple(s for s in self.layers if not s.is_consumer)
+
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size)
+
+    def replace(self, **changes: Any) -> Gemma4Config:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ presets (published numbers)
+    @classmethod
+    def e2b(cls) -> Gemma4Config:
+        """Gemma 4 E2B: 35 layers, PLE, KV sharing over the last 20 layers, double-wide MLP there."""
+        return cls(vocab_size=262_144, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
+                   num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
+                   layer_types=_pattern(35, 5), sliding_window=512, num_kv_shared_layers=20,
+                   use_double_wide_mlp=True, hidden_size_per_layer_input=256, max_position_embeddings=131_072)
+
+    @classmethod
+    def e4b(cls) -> Gemma4Config:
+        """Gemma 4 E4B: 42 layers, PLE, KV sharing over the last 18 layers."""
+        return cls(vocab_size=262_144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
+                   layer_types=_pattern(42, 6), sliding_window=512, num_kv_shared_layers=18,
+                   hidden_size_per_layer_input=256, max_position_embeddings=131_072)
+
+    @classmethod
+    def b31(cls) -> Gemma4Config:
+        """Gemma 4 31B dense: K and V share the K projection on full layers (attention_k_eq_v)."""
+        return cls(vocab_size=262_144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                   num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+                   head_dim=256, global_head_dim=512, layer_types=_pattern(60, 6), sliding_window=1024,
+                   attention_k_eq_v=True, max_position_embeddings=262_144)
+
+    @classmethod
+    def b26_a4b(cls) -> Gemma4Config:
+        """Gemma 4 26B-A4B: 128 experts, top-8, plus a dense shared MLP."""
+        return cls(vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                   num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                   head_dim=256, global_head_dim=512, layer_types=_pattern(30, 6), sliding_window=1024,
+                   attention_k_eq_v=True, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                   moe_intermediate_size=704, max_position_embeddings=262_144)
+
+    # ------------------------------------------------------------------ HF config.json
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> Gemma4Config:
+        """Read an HF `config.json` (file, directory holding one, or an already-parsed dict).
+
+        Accepts `Gemma4ForCausalLM` (model_type `gemma4_text`) and the multimodal
+        `Gemma4ForConditionalGeneration` (model_type `gemma4`, text fields under `text_config`), in both
+        representations transformers has written: flat `global_head_dim` / `num_global_key_value_heads`,
+        and `per_layer_config` (newer transformers re-saves).
+        """
+        if isinstance(path_or_dict, Mapping):
+            raw = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"config.json not found at {path}: point at an HF model directory "
+                                        "that contains config.json")
+            with open(path, encoding="utf-8") as f:
+                try:
+                    raw = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint's config.json")
+        return cls._from_text_dict(_text_config_dict(raw))
+
+    @classmethod
+    def _from_text_dict(cls, d: dict[str, Any]) -> Gemma4Config:
+        n = d.get("num_hidden_layers")
+        if n is None:
+            raise ValueError("config.json has no num_hidden_layers; is this a Gemma 4 text config?")
+        layer_types = d.get("layer_types") or list(default_layer_types(n))
+        layer_types = list(layer_types)
+        if layer_types and layer_types[-1] != FULL and not d.get("_keep_last_layer_type", False):
+            layer_types[-1] = FULL  # HF forces the last layer to full attention
+        global_head_dim = d.get("global_head_dim")
+        global_kv = d.get("num_global_key_value_heads")
+        plc = d.get("per_layer_config") or {}
+        for key, over in plc.items():
+            # keys are layer indices ("5") or layer types; values override head_dim / num_key_value_heads
+            try:
+                idx = int(key)
+            except (TypeError, ValueError):
+                idx = None
+            ltype = layer_types[idx] if idx is not None and 0 <= idx < n else key
+            if ltype == FULL and isinstance(over, Mapping):
+                global_head_dim = over.get("head_dim", global_head_dim)
+                global_kv = over.get("num_key_value_heads", global_kv)
+        rope = d.get("rope_parameters") or {}
+        eos = d.get("eos_token_id", 1)
+        kwargs = dict(
+            vocab_size=d.get("vocab_size", 262_144),
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n,
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d["num_key_value_heads"],
+            num_global_key_value_heads=global_kv,
+            head_dim=d.get("head_dim", 256),
+            global_head_dim=global_head_dim if global_head_dim is not None else 512,
+            layer_types=tuple(layer_types),
+            sliding_window=d.get("sliding_window", 512),
+            rope_sliding=_rope_from_hf(rope.get(SLIDING), RopeSpec("default", 10_000.0)),
+            rope_full=_rope_from_hf(rope.get(FULL), RopeSpec("proportional", 1_000_000.0, 0.25)),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            attention_k_eq_v=bool(d.get("attention_k_eq_v", False)),
+            num_kv_shared_layers=d.get("num_kv_shared_layers", 0) or 0,
+            use_double_wide_mlp=bool(d.get("use_double_wide_mlp", False)),
+            hidden_size_per_layer_input=d.get("hidden_size_per_layer_input", 256) or 0,
+            vocab_size_per_layer_input=d.get("vocab_size_per_layer_input", 262_144),
+            enable_moe_block=bool(d.get("enable_moe_block", False)),
+            num_experts=d.get("num_experts"),
+            top_k_experts=d.get("top_k_experts"),
+            moe_intermediate_size=d.get("moe_intermediate_size"),
+            max_position_embeddings=d.get("max_position_embeddings", 131_072),
+            pad_token_id=d.get("pad_token_id", 0) if d.get("pad_token_id") is not None else 0,
+            eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
+            bos_token_id=d.get("bos_token_id", 2) if d.get("bos_token_id") is not None else 2,
+        )
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` dict of the equivalent `Gemma4ForCausalLM` (flat representation)."""
+        def rope(r: RopeSpec) -> dict[str, Any]:
+            out = {"rope_type": r.rope_type, "rope_theta": r.theta}
+            if r.rope_type == "proportional" or r.partial_rotary_factor != 1.0:
+                out["partial_rotary_factor"] = r.partial_rotary_factor
+            if r.factor != 1.0:
+                out["factor"] = r.factor
+            return out
+        return {
+            "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "num_global_key_value_heads": self.num_global_key_value_heads, "head_dim": self.head_dim,
+            "global_head_dim": self.global_head_dim, "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "rope_parameters": {SLIDING: rope(self.rope_sliding), FULL: rope(self.rope_full)},
+            "rms_norm_eps": self.rms_norm_eps, "final_logit_softcapping": self.final_logit_softcapping,
+            "attention_k_eq_v": self.attention_k_eq_v, "num_kv_shared_layers": self.num_kv_shared_layers,
+            "use_double_wide_mlp": self.use_double_wide_mlp,
+            "hidden_size_per_layer_input": self.hidden_size_per_layer_input,
+            "vocab_size_per_layer_input": self.vocab_size_per_layer_input,
+            "enable_moe_block": self.enable_moe_block, "num_experts": self.num_experts,
+            "top_k_experts": self.top_k_experts, "moe_intermediate_size": self.moe_intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings, "pad_token_id": self.pad_token_id,
+            "eos_token_id": list(self.eos_token_id), "bos_token_id": self.bos_token_id,
+            "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+        }
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """Lossless JSON form (round-trips through `from_json_dict`); stored in our checkpoints."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json_dict(cls, d: Mapping[str, Any]) -> Gemma4Config:
+        d = dict(d)
+        for key in ("rope_sliding", "rope_full"):
+            if isinstance(d.get(key), Mapping):
+                d[key] = RopeSpec(**d[key])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown Gemma4Config fields {unknown}; the checkpoint was written by a newer "
+                             "gemma4_nnx: upgrade the package")
+        return cls(**d)
+
+
+def _pattern(n: int, period: int) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(n))
+
+
+def default_layer_types(n: int) -> tuple[str, ...]:
+    """HF default: 5 sliding + 1 full, repeated, with the last layer forced to full."""
+    types = list(_pattern(n, 6))
+    if types:
+        types[-1] = FULL
+    return tuple(types)
+
+
+def _rope_from_hf(d: Mapping[str, Any] | None, default: RopeSpec) -> RopeSpec:
+    if d is None:
+        return default
+    rope_type = d.get("rope_type", d.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"Gemma4Config.rope_parameters: unsupported rope_type {rope_type!r}. "
+                         f"Fix: use one of {_ROPE_TYPES}.")
+    return RopeSpec(rope_type=rope_type, theta=float(d.get("rope_theta", default.theta)),
+                    partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0)),
+                    factor=float(d.get("factor", 1.0)))
+
+
+def _text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
+    model_type = raw.get("model_type")
+    if model_type not in _SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}: gemma4_nnx reads Gemma 4 checkpoints "
+                         f"(model_type one of {_SUPPORTED_MODEL_TYPES})")
+    if model_type == "gemma4":
+        text = raw.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ValueError("multimodal Gemma 4 config.json has no text_config; the file is incomplete")
+        text = dict(text)
+        # token ids may live at the top level of the multimodal config
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if text.get(key) is None and raw.get(key) is not None:
+                text[key] = raw[key]
+        return text
+    return raw

@@ -1,0 +1,317 @@
+"""The one map between Hugging Face tensor names/layouts and our NNX parameter paths, plus a
+streaming safetensors reader and `from_hf`.
+
+`name_map(config)` is used by `from_hf`, the converter and `to_hf` alike: a second hand-written
+table elsewhere would drift. Layout rule: HF Linear weights are [out, in], our kernels [in, out]
+("T"); HF expert tensors are [E, out, in], ours [E, in, out] ("T021"); everything else is copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from gemma4_nnx.config import Gemma4Config
+
+Path = tuple  # an NNX state path, e.g. ("layers", 3, "self_attn", "q_proj", "kernel")
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+#: Tensors of the multimodal checkpoint that the text model does not use.
+NON_TEXT_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                     "vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    hf_name: str  # without the "model." / "model.language_model." prefix
+    path: Path
+    transform: str | None  # None, "T" (swap the two axes) or "T021" (swap the last two of three)
+
+    def to_nnx(self, x: np.ndarray) -> np.ndarray:
+        return _apply(self.transform, x)
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        return _apply(self.transform, x)  # both transforms are their own inverse
+
+    def nnx_shape(self, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.transform == "T":
+            return hf_shape[::-1]
+        if self.transform == "T021":
+            return (hf_shape[0], hf_shape[2], hf_shape[1])
+        return tuple(hf_shape)
+
+
+def _apply(transform: str | None, x: np.ndarray) -> np.ndarray:
+    if transform == "T":
+        return np.ascontiguousarray(x.T)
+    if transform == "T021":
+        return np.ascontiguousarray(np.transpose(x, (0, 2, 1)))
+    return x
+
+
+def name_map(config: Gemma4Config) -> list[Entry]:
+    """Every parameter of `Gemma4(config)` with its HF name and layout transform."""
+    out = [Entry("embed_tokens.weight", ("embed_tokens", "embedding"), None),
+           Entry("norm.weight", ("norm", "scale"), None)]
+    if config.use_ple:
+        out += [Entry("embed_tokens_per_layer.weight", ("embed_tokens_per_layer", "embedding"), None),
+                Entry("per_layer_model_projection.weight", ("per_layer_model_projection", "kernel"), "T"),
+                Entry("per_layer_projection_norm.weight", ("per_layer_projection_norm", "scale"), None)]
+    for spec in config.layers:
+        i = spec.index
+        pre, root = f"layers.{i}.", ("layers", i)
+
+        def lin(hf: str, *path: str) -> Entry:
+            return Entry(pre + hf + ".weight", root + path + ("kernel",), "T")
+
+        def norm(hf: str, *path: str) -> Entry:
+            return Entry(pre + hf + ".weight", root + path + ("scale",), None)
+
+        out += [norm(n, n) for n in ("input_layernorm", "post_attention_layernorm",
+                                     "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        out += [lin("self_attn.q_proj", "self_attn", "q_proj"), lin("self_attn.o_proj", "self_attn", "o_proj"),
+                norm("self_attn.q_norm", "self_attn", "q_norm")]
+        if not spec.is_consumer:
+            out += [lin("self_attn.k_proj", "self_attn", "k_proj"), norm("self_attn.k_norm", "self_attn", "k_norm")]
+            if not spec.k_eq_v:
+                out.append(lin("self_attn.v_proj", "self_attn", "v_proj"))
+        out += [lin(f"mlp.{n}", "mlp", n) for n in ("gate_proj", "up_proj", "down_proj")]
+        out.append(Entry(pre + "layer_scalar", root + ("layer_scalar",), None))
+        if config.use_ple:
+            out += [lin("per_layer_input_gate", "per_layer_input_gate"),
+                    lin("per_layer_projection", "per_layer_projection"),
+                    norm("post_per_layer_input_norm", "post_per_layer_input_norm")]
+        if config.enable_moe_block:
+            out += [norm("post_feedforward_layernorm_1", "post_feedforward_layernorm_1"),
+                    norm("pre_feedforward_layernorm_2", "moe", "pre_feedforward_layernorm_2"),
+                    norm("post_feedforward_layernorm_2", "moe", "post_feedforward_layernorm_2"),
+                    lin("router.proj", "moe", "router", "proj"),
+                    Entry(pre + "router.scale", root + ("moe", "router", "scale"), None),
+                    Entry(pre + "router.per_expert_scale", root + ("moe", "router", "per_expert_scale"), None),
+                    Entry(pre + "experts.gate_up_proj", root + ("moe", "experts", "gate_up"), "T021"),
+                    Entry(pre + "experts.down_proj", root + ("moe", "experts", "down"), "T021")]
+    return out
+
+
+def ignored_names(config: Gemma4Config) -> set[str]:
+    """K/V tensors Google's files still carry for KV-consumer layers; HF drops them, so do we."""
+    return {f"layers.{s.index}.self_attn.{n}.weight" for s in config.layers if s.is_consumer
+            for n in ("k_proj", "v_proj", "k_norm", "v_norm")}
+
+
+# ---------------------------------------------------------------------------- safetensors reading
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as asked; the message lists every problem found."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """Header-only view of one .safetensors file; tensors are read on demand with pread.
+
+    Validates up front that the header parses and every tensor's byte range lies inside the file,
+    so a truncated download is reported before anything is converted.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) < 8:
+                    raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors "
+                                          "(truncated download?): download it again")
+                (n,) = struct.unpack("<Q", raw)
+                if n > size - 8 or n > 100 * 2**20:
+                    raise CheckpointError(f"{path}: header length {n} exceeds the file size {size} "
+                                          "(truncated or not a safetensors file): download it again")
+                header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e}): download the file again") from None
+        self.tensors: dict[str, TensorInfo] = {}
+        base = 8 + n
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = np.dtype(_DTYPES[meta["dtype"]])
+                begin, end = meta["data_offsets"]
+                shape = tuple(int(d) for d in meta["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: tensor {name!r} has an unsupported or malformed header entry "
+                                      f"{meta!r}") from None
+            if base + end > size:
+                raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {base + end} but the file "
+                                      f"has {size} bytes; download the file again")
+            if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                raise CheckpointError(f"{path}: tensor {name!r} byte range does not match its shape {shape}")
+            self.tensors[name] = TensorInfo(name, path, dtype, shape, base + begin, end - begin)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor (or rows [start, stop) of its first axis) as a NumPy array."""
+        return read_tensor(self.tensors[name], rows)
+
+
+def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
+    shape, offset, nbytes = info.shape, info.start, info.nbytes
+    if rows is not None:
+        row_bytes = nbytes // max(shape[0], 1)
+        start, stop = rows
+        shape = (stop - start,) + shape[1:]
+        offset, nbytes = offset + start * row_bytes, (stop - start) * row_bytes
+    buf = bytearray(nbytes)
+    with open(info.file, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(buf)
+    if got != nbytes:
+        raise CheckpointError(f"{info.file}: truncated while reading {info.name!r}; download the file again")
+    return np.frombuffer(buf, dtype=info.dtype).reshape(shape)
+
+
+def safetensors_files(hf_dir: str) -> list[str]:
+    """The safetensors files of an HF directory (single file or sharded index), checked to exist."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e}); download it again") from None
+        files = sorted(set(weight_map.values()))
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(hf_dir, fn))]
+        if missing:
+            raise CheckpointError(f"{index} names shard file(s) that do not exist: {missing}; download them "
+                                  "into the same directory")
+        return [os.path.join(hf_dir, fn) for fn in files]
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(fn for fn in os.listdir(hf_dir) if fn.endswith(".safetensors")) if os.path.isdir(hf_dir) else []
+    if len(found) == 1:
+        return [os.path.join(hf_dir, found[0])]
+    raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json found "
+                          f"(safetensors files present: {found}); point at an HF model directory")
+
+
+def text_tensors(hf_dir: str) -> dict[str, TensorInfo]:
+    """All text-model tensors of an HF directory keyed by their unprefixed name (vision/audio dropped)."""
+    out: dict[str, TensorInfo] = {}
+    for path in safetensors_files(hf_dir):
+        for name, info in SafetensorsFile(path).tensors.items():
+            if name.startswith(NON_TEXT_PREFIXES) or name == "lm_head.weight":
+                continue
+            for prefix in TEXT_PREFIXES:
+                if name.startswith(prefix):
+                    name = name[len(prefix):]
+                    break
+            out[name] = info
+    return out
+
+
+@dataclasses.dataclass
+class Plan:
+    """How the tensors of a checkpoint map onto the model: (entry, tensor) pairs in file order."""
+
+    items: list[tuple[Entry, TensorInfo]]
+    total_bytes: int
+
+
+def plan_load(config: Gemma4Config, tensors: dict[str, TensorInfo]) -> Plan:
+    """Match tensors to the name map; raise one CheckpointError listing every missing, unexpected and
+    misshaped tensor."""
+    entries = name_map(config)
+    expected = {e.hf_name: e for e in entries}
+    ignore = ignored_names(config)
+    shapes = expected_hf_shapes(config)
+    missing = sorted(n for n in expected if n not in tensors)
+    unexpected = sorted(n for n in tensors if n not in expected and n not in ignore)
+    misshaped = sorted(f"{n}: file {tensors[n].shape}, expected {shapes[n]}" for n in expected
+                       if n in tensors and tuple(tensors[n].shape) != shapes[n])
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
+    if misshaped:
+        problems.append(f"misshaped tensors ({len(misshaped)}): " + "; ".join(misshaped))
+    if problems:
+        raise CheckpointError("checkpoint does not match its config.json:\n  " + "\n  ".join(problems)
+                              + "\nFix: use the config.json that belongs to these weights.")
+    items = sorted(((expected[n], tensors[n]) for n in expected), key=lambda it: (it[1].file, it[1].start))
+    return Plan(items, sum(t.nbytes for _, t in items))
+
+
+def expected_hf_shapes(config: Gemma4Config) -> dict[str, tuple[int, ...]]:
+    """HF shapes of every mapped tensor, from an abstract model (no weights allocated)."""
+    abstract = abstract_model(config, jnp.float32)
+    variables = variables_by_path(abstract)
+    return {e.hf_name: e.nnx_shape(tuple(variables[e.path].shape)) for e in name_map(config)}
+
+
+# ---------------------------------------------------------------------------- model filling
+def abstract_model(config: Gemma4Config, dtype, param_dtype=None):
+    from gemma4_nnx.model import Gemma4
+
+    param_dtype = param_dtype or dtype
+    return nnx.eval_shape(lambda: Gemma4(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+
+
+def variables_by_path(model: nnx.Module) -> dict[Path, nnx.Variable]:
+    return {tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
+
+
+def iter_arrays(plan: Plan) -> Iterator[tuple[Entry, np.ndarray]]:
+    for entry, info in plan.items:
+        yield entry, entry.to_nnx(read_tensor(info))
+
+
+def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, sharding=None):
+    """Load an HF Gemma 4 checkpoint directory straight into a `Gemma4` model.
+
+    The model is built abstractly (`nnx.eval_shape`, no random weights) and filled tensor by tensor.
+    Accepts `Gemma4ForCausalLM` (`model.` prefix) and `Gemma4ForConditionalGeneration`
+    (`model.language_model.`) files, single or sharded; skips vision/audio tensors and ignores the
+    unused K/V tensors of KV-consumer layers. `sharding`: optional callable path -> jax.sharding.Sharding.
+    """
+    hf_dir = os.fspath(hf_dir)
+    config = Gemma4Config.from_hf(hf_dir)
+    param_dtype = param_dtype or dtype
+    plan = plan_load(config, text_tensors(hf_dir))
+    model = abstract_model(config, dtype, param_dtype)
+    variables = variables_by_path(model)
+    for entry, array in iter_arrays(plan):
+        var = variables[entry.path]
+        value = np.asarray(array).astype(var.dtype)
+        var.set_value(jax.device_put(value, sharding(entry.path) if sharding else None))
+    _check_filled(model)
+    return model
+
+
+def _check_filled(model: nnx.Module) -> None:
+    left = [".".join(map(str, p)) for p, v in variables_by_path(model).items()
+            if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    if left:
+        raise CheckpointError(f"parameters left unfilled: {left}")

@@ -1,0 +1,146 @@
+"""Building blocks: RMSNorm, rotary embeddings, GeGLU MLP, embeddings.
+
+Shapes in docstrings: B batch, S query length, T key length, D hidden, N heads, K KV heads,
+H head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemma4_nnx.config import RopeSpec
+
+Array = jax.Array
+
+
+class Buffer(nnx.Variable):
+    """A stored, non-trainable tensor (HF `nn.Buffer`), e.g. `layer_scalar`.
+
+    It is part of the checkpoint but not an `nnx.Param`, so optimizers over `nnx.Param` skip it, as
+    transformers does.
+    """
+
+
+def scale_f32(x: Array, s: float) -> Array:
+    """`x * s` with `s` kept in float32, rounded once to x's dtype.
+
+    torch multiplies a bf16 tensor by a Python float at float32 precision; JAX would first round a
+    weakly typed Python scalar to bf16. In float32 this is a plain multiply.
+    """
+    if x.dtype == jnp.float32:
+        return x * jnp.float32(s)
+    return (x.astype(jnp.float32) * jnp.float32(s)).astype(x.dtype)
+
+
+def gelu_tanh(x: Array) -> Array:
+    """`gelu_pytorch_tanh`, computed in float32 and rounded once (as torch does for bf16)."""
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis: `x * (mean(x^2) + eps)^-1/2 * w`.
+
+    Gemma 4 multiplies by plain `w` (not `1 + w` as Gemma 1-3): checkpoints store the effective
+    multiplier. All math is float32, cast back to the input dtype once. `with_scale=False` is the
+    parameter-free variant used by v_norm and the MoE router.
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, with_scale: bool = True,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.eps = eps
+        self.with_scale = with_scale
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype)) if with_scale else None
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.with_scale:
+            y = y * self.scale[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2], float32, computed the way transformers does.
+
+    `default`: all head_dim/2 pairs rotate. `proportional`: only `int(p * head_dim // 2)` pairs, with
+    exponents over the *full* head dim (the highest frequencies of an ordinary RoPE); the rest get
+    frequency 0, i.e. pass through. With rotate-half pairing, dim j pairs with j + head_dim/2, so on a
+    512-dim full layer with p=0.25 dims 0-63 and 256-319 rotate and the others do not.
+    """
+    if rope.rope_type == "proportional":
+        n_rot = int(rope.partial_rotary_factor * head_dim // 2)
+    else:
+        n_rot = head_dim // 2
+    exponents = np.arange(0, 2 * n_rot, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    inv = np.concatenate([inv, np.zeros(head_dim // 2 - n_rot, np.float32)])
+    if rope.rope_type == "proportional":
+        inv = (inv / np.float32(rope.factor)).astype(np.float32)
+    return inv
+
+
+def rope_tables(positions: Array, rope: RopeSpec, head_dim: int, dtype) -> tuple[Array, Array]:
+    """cos, sin [B, S, H] from integer positions [B, S]; float32 math, cast to the activation dtype."""
+    inv = jnp.asarray(rope_inv_freq(rope, head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate-half (NeoX) RoPE on x [B, S, N, H] with cos/sin [B, S, H]: dim j pairs with j + H/2."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def linear(din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A bias-free projection (Gemma has no biases). Kernel layout [in, out]."""
+    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
+
+
+class MLP(nnx.Module):
+    """GeGLU: `down(gelu_tanh(gate(x)) * up(x))`. Width is per layer (double on E2B KV consumers)."""
+
+    def __init__(self, dim: int, width: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.gate_proj = linear(dim, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.up_proj = linear(dim, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.down_proj = linear(width, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Embedding(nnx.Module):
+    """A float embedding table [V, D] with a lookup scale rounded to the table dtype.
+
+    HF casts `sqrt(D)` to the weight dtype before multiplying, so in bf16 sqrt(1536)=39.19 becomes
+    39.25; we do the same. The tied LM head (`attend`) uses the raw table, without the scale.
+    """
+
+    def __init__(self, num_embeddings: int, features: int, *, scale: float = 1.0, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        self.num_embeddings = num_embeddings
+        self.features = features
+        self.dtype = dtype
+        self.lookup_scale = float(np.asarray(scale, dtype=param_dtype).astype(np.float64))
+        self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (num_embeddings, features),
+                                                                  param_dtype))
+
+    def __call__(self, ids: Array) -> Array:
+        rows = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
+
+    def attend(self, x: Array) -> Array:
+        """Tied logits: x [..., D] @ table.T -> [..., V]."""
+        return jnp.einsum("...d,vd->...v", x, self.embedding[...].astype(self.dtype))
+
+
+def embed_scale(dim: int) -> float:
+    return math.sqrt(dim)

@@ -1,0 +1,189 @@
+"""The Gemma 4 text decoder: embed -> (PLE) -> decoder layers -> norm -> tied logits -> softcap."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemma4_nnx.attention import Attention
+from gemma4_nnx.cache import KV, LayerCache, cache_size
+from gemma4_nnx.config import Gemma4Config, LayerSpec
+from gemma4_nnx.layers import MLP, Buffer, Embedding, RMSNorm, gelu_tanh, linear, rope_tables, scale_f32
+from gemma4_nnx.moe import MoEBlock
+
+Array = jax.Array
+
+
+class DecoderLayer(nnx.Module):
+    """One block (HF order):
+
+    h1 = h + post_attn_norm(attn(input_norm(h)))
+    f  = post_ffw_norm(mlp(pre_ffw_norm(h1)))                       (dense)
+       = post_ffw_norm(post_ffw_norm_1(mlp(pre_ffw_norm(h1))) + moe(h1))   (MoE)
+    h2 = h1 + f
+    h3 = h2 + post_ple_norm(ple_proj(gelu(ple_gate(h2)) * ple_i))  (PLE models)
+    out = h3 * layer_scalar        -- the *whole* stream is scaled, not just this layer's delta
+    """
+
+    def __init__(self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, eps = config.hidden_size, config.rms_norm_eps
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.spec = spec
+        self.input_layernorm = RMSNorm(d, eps=eps, param_dtype=param_dtype)
+        self.self_attn = Attention(config, spec, rngs=rngs, **kw)
+        self.post_attention_layernorm = RMSNorm(d, eps=eps, param_dtype=param_dtype)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps=eps, param_dtype=param_dtype)
+        self.mlp = MLP(d, spec.mlp_width, rngs=rngs, **kw)
+        self.post_feedforward_layernorm = RMSNorm(d, eps=eps, param_dtype=param_dtype)
+        if config.enable_moe_block:
+            self.post_feedforward_layernorm_1 = RMSNorm(d, eps=eps, param_dtype=param_dtype)
+            self.moe = MoEBlock(config, rngs=rngs, **kw)
+        else:
+            self.post_feedforward_layernorm_1 = None
+            self.moe = None
+        if config.use_ple:
+            p = config.hidden_size_per_layer_input
+            self.per_layer_input_gate = linear(d, p, rngs=rngs, **kw)
+            self.per_layer_projection = linear(p, d, rngs=rngs, **kw)
+            self.post_per_layer_input_norm = RMSNorm(d, eps=eps, param_dtype=param_dtype)
+        else:
+            self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
+        self.layer_scalar = Buffer(jnp.ones((1,), param_dtype))
+
+    def __call__(self, h: Array, rope: tuple[Array, Array], q_pos: Array, k_pos: Array,
+                 ple: Array | None, shared: KV | None) -> tuple[Array, KV]:
+        a, kv = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared)
+        h1 = h + self.post_attention_layernorm(a)
+        f = self.mlp(self.pre_feedforward_layernorm(h1))
+        if self.moe is not None:
+            f = self.post_feedforward_layernorm_1(f) + self.moe(h1)
+        h2 = h1 + self.post_feedforward_layernorm(f)
+        if self.per_layer_input_gate is not None:
+            g = gelu_tanh(self.per_layer_input_gate(h2)) * ple
+            h2 = h2 + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return h2 * self.layer_scalar[...].astype(h2.dtype), kv
+
+
+class Gemma4(nnx.Module):
+    """Gemma 4 text model (`Gemma4ForCausalLM` equivalent) as an NNX module.
+
+    `dtype` is the compute dtype (float32 on CPU, bfloat16 on accelerators), `param_dtype` the storage
+    dtype of the weights. Parameter paths mirror HF names (`layers.3.self_attn.q_proj.kernel`), with
+    Linear kernels stored [in, out]; `gemma4_nnx.hf` holds the one name map.
+    """
+
+    def __init__(self, config: Gemma4Config, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.dtype = dtype
+        d = config.hidden_size
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = Embedding(config.vocab_size, d, scale=np.sqrt(d), rngs=rngs, **kw)
+        if config.use_ple:
+            n, p = config.num_hidden_layers, config.hidden_size_per_layer_input
+            # Unscaled lookup: the sqrt(P) factor is applied in `per_layer_inputs`, so a quantized
+            # table (gemma4_nnx.quant.QuantizedEmbedding) can replace this module as is.
+            self.embed_tokens_per_layer = Embedding(config.vocab_size_per_layer_input, n * p, rngs=rngs, **kw)
+            self.ple_scale = float(np.asarray(np.sqrt(p), dtype=param_dtype).astype(np.float64))
+            self.per_layer_model_projection = linear(d, n * p, rngs=rngs, **kw)
+            self.per_layer_projection_norm = RMSNorm(p, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        else:
+            self.embed_tokens_per_layer = self.per_layer_model_projection = self.per_layer_projection_norm = None
+        self.layers = nnx.List([DecoderLayer(config, spec, rngs=rngs, **kw) for spec in config.layers])
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
+
+    # ------------------------------------------------------------------ pieces
+    def per_layer_inputs(self, ids: Array, e: Array) -> Array:
+        """PLE [B, S, L, P] = (norm(proj(e) * D^-1/2) + table[ids] * sqrt(P)) * 2^-1/2.
+
+        `e` is the already sqrt(D)-scaled token embedding; the D^-1/2 multiplies the projection's
+        *output*, as in HF (other ports fold it into the weight or the input: equal in exact math,
+        different in bf16).
+        """
+        c = self.config
+        b, s = ids.shape
+        n, p = c.num_hidden_layers, c.hidden_size_per_layer_input
+        t = self.embed_tokens_per_layer(ids).astype(self.dtype)
+        t = (t * jnp.asarray(self.ple_scale, self.dtype)).reshape(b, s, n, p)
+        u = scale_f32(self.per_layer_model_projection(e), c.hidden_size ** -0.5).reshape(b, s, n, p)
+        u = self.per_layer_projection_norm(u)
+        return scale_f32(u + t, 2.0 ** -0.5)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> None:
+        """Give every KV-owning layer a cache: a `sliding_window` ring for sliding layers, `max_length`
+        slots for global ones. KV-consumer layers get none: they read their donor's."""
+        if batch_size < 1 or max_length < 1:
+            raise ValueError(f"init_cache: batch_size ({batch_size}) and max_length ({max_length}) must be >= 1")
+        dtype = dtype or self.dtype
+        for layer in self.layers:
+            spec = layer.spec
+            if spec.is_consumer:
+                continue
+            size = cache_size(spec, self.config, max_length)
+            layer.self_attn.cache = LayerCache(batch_size, size, spec.num_kv_heads, spec.head_dim,
+                                               ring=spec.is_sliding and size < max_length, dtype=dtype)
+
+    def clear_cache(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.cache = None
+
+    @property
+    def has_cache(self) -> bool:
+        return any(layer.self_attn.cache is not None for layer in self.layers)
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, input_ids: Array, positions: Array | None = None, attention_mask: Array | None = None,
+                 *, return_hidden: bool = False) -> Array:
+        """input_ids [B, S] -> logits [B, S, V] (softcapped), in the compute dtype.
+
+        positions [B, S]: absolute positions. Default: 0..S-1, or, with `attention_mask` (1 = real
+        token, 0 = padding), the running count of real tokens, so a left- or right-padded row computes
+        exactly what the unpadded row does. With a cache (`init_cache`), positions are required.
+        """
+        c = self.config
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        b, s = input_ids.shape
+        valid = jnp.ones((b, s), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
+        if positions is None:
+            if self.has_cache:
+                raise ValueError("positions are required when the model holds a cache (pass positions=[B, S])")
+            positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0) if attention_mask is not None \
+                else jnp.broadcast_to(jnp.arange(s), (b, s))
+        positions = jnp.asarray(positions, jnp.int32)
+        if positions.shape != (b, s):
+            raise ValueError(f"positions must have shape {(b, s)} like input_ids, got {positions.shape}")
+        k_pos = jnp.where(valid & (positions >= 0), positions, -1)
+
+        h = self.embed_tokens(input_ids)
+        ple = self.per_layer_inputs(input_ids, h) if c.use_ple else None
+        ropes = {}
+        for spec in c.layers:
+            key = (spec.type, spec.head_dim)
+            if key not in ropes:
+                ropes[key] = rope_tables(positions, spec.rope, spec.head_dim, self.dtype)
+        published: dict[int, KV] = {}
+        for layer in self.layers:
+            spec = layer.spec
+            shared = published[spec.kv_donor] if spec.is_consumer else None
+            h, kv = layer(h, ropes[(spec.type, spec.head_dim)], positions, k_pos,
+                          None if ple is None else ple[:, :, spec.index], shared)
+            if spec.stores_kv:
+                published[spec.index] = kv
+        h = self.norm(h)
+        if return_hidden:
+            return h
+        return self.logits(h)
+
+    def logits(self, h: Array) -> Array:
+        """Final hidden [..., D] -> softcapped tied logits [..., V]."""
+        z = self.embed_tokens.attend(h)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # HF order: divide, tanh, multiply (float32 scalars, one rounding each)
+            z32 = z.astype(jnp.float32)
+            z = (jnp.tanh((z32 / cap).astype(z.dtype)).astype(jnp.float32) * cap).astype(z.dtype)
+        return z

@@ -1,0 +1,362 @@
+"""Jittable logits processing and token sampling for a batched decode loop.
+
+Pure JAX, no host synchronisation, no global state. Every function takes
+float32 logits of shape ``[B, V]`` (B = batch rows, V = vocabulary size; V is
+262144 for Gemma 4) and is meant to be traced inside the jitted decode step,
+with a :class:`SamplingParams` passed as a *static* argument::
+
+    step = jax.jit(sample, static_argnames="params")
+    tokens = step(logits, key, params, seen_mask)
+
+Semantics follow Hugging Face ``transformers`` ``generate`` exactly (see
+``transformers/generation/logits_process.py`` and
+``GenerationMixin._get_logits_processor``), including the order in which the
+processors run:
+
+1. repetition penalty (``RepetitionPenaltyLogitsProcessor``) -- also applied
+   for greedy decoding, as in ``generate``;
+2. temperature (``TemperatureLogitsWarper``; skipped when it is 1.0);
+3. top-k (``TopKLogitsWarper``);
+4. top-p (``TopPLogitsWarper``; skipped when ``top_p == 1.0``);
+5. min-p (``MinPLogitsWarper``).
+
+``temperature == 0`` means greedy decoding (``do_sample=False`` in
+``transformers``): argmax of the repetition-penalised logits, no warpers.
+
+Cost on a 262144-token vocabulary
+---------------------------------
+* temperature, min-p, repetition penalty, greedy argmax: elementwise ops and
+  one reduction, O(V).
+* top-k: ``jax.lax.top_k`` on the ``[B, V]`` logits, then a ``>=``
+  comparison against the k-th value. Whether this beats a full sort depends on
+  the XLA backend and k (XLA:CPU implements it with a sort, see below). If
+  top-p is also set it is computed on the k survivors only (O(k log k)); this
+  is exact because every other token has probability zero after top-k.
+* top-p *without* top-k: one full ascending sort per row, O(V log V) -- the
+  only path that needs a full sort by construction. Setting ``top_k`` (e.g.
+  64) alongside ``top_p`` replaces it with ``lax.top_k``.
+* sampling: Gumbel-max over the filtered ``[B, V]`` logits
+  (``jax.random.categorical``), i.e. B*V random numbers per step. Its default
+  "low" Gumbel mode is biased for tokens of probability below ~1e-7 (per the
+  JAX docs); top-k / top-p / min-p normally remove such tokens anyway.
+
+Measured on CPU only (XLA:CPU, 2 cores, B=8, V=262144, jitted ``sample``):
+greedy 8 ms; plain temperature or min-p ~125 ms (dominated by the random
+numbers); top-k=64 ~800 ms and top-p alone ~810 ms, because XLA:CPU
+implements ``top_k`` with a sort. Accelerator timings have not been measured.
+
+Kept sets are expressed as a per-row *threshold* on the logit value (keep
+``logit >= threshold``), so no scatter is needed. This matches
+``transformers`` exactly except under exact ties at the cut-off, where all tied
+tokens are kept (``transformers`` already does this for top-k; for top-p it
+breaks ties by sort order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "SamplingParams",
+    "apply_repetition_penalty",
+    "filter_logits",
+    "sample",
+    "token_logprobs",
+    "update_seen",
+    "make_seen_mask",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Decoding hyper-parameters, shared by all rows of a batch.
+
+    Frozen and hashable so it can be a static ``jax.jit`` argument: each
+    distinct value compiles its own specialised decode step (only the branches
+    that are enabled are traced). Numeric fields are normalised to Python
+    ``float`` / ``int`` so equal settings hash equally.
+
+    Attributes:
+      temperature: ``0.0`` = greedy (argmax); otherwise logits are divided by
+        it before filtering. Must be finite and ``>= 0``.
+      top_k: keep the ``top_k`` highest logits (``None`` = off). Int ``>= 1``.
+      top_p: nucleus sampling; keep the smallest set of most probable tokens
+        whose cumulative probability reaches ``top_p`` (always at least one
+        token). In ``(0, 1]``; ``None`` or ``1.0`` = off.
+      min_p: drop tokens whose probability is below ``min_p`` times the
+        probability of the most likely token (after temperature and the other
+        filters). In ``[0, 1]``; ``None`` = off.
+      repetition_penalty: CTRL-style penalty on every token already present in
+        the prompt or the output: positive logits are divided by it, negative
+        ones multiplied. ``> 0``; ``None`` (or 1.0) = off.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+        # Normalise numeric types (e.g. numpy scalars) so that equal settings
+        # compare and hash equal and jit caches hit.
+        object.__setattr__(self, "temperature", float(self.temperature))
+        for name in ("top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, float(value))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", int(self.top_k))
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` (naming the argument and its valid range) if invalid."""
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(
+                f"temperature must be a finite float >= 0 (0 = greedy), got {t!r}"
+            )
+        k = self.top_k
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1
+        ):
+            raise ValueError(f"top_k must be None or an int >= 1, got {k!r}")
+        p = self.top_p
+        if p is not None and (not _is_real(p) or not 0.0 < p <= 1.0):
+            raise ValueError(f"top_p must be None or a float in (0, 1], got {p!r}")
+        m = self.min_p
+        if m is not None and (not _is_real(m) or not 0.0 <= m <= 1.0):
+            raise ValueError(f"min_p must be None or a float in [0, 1], got {m!r}")
+        r = self.repetition_penalty
+        if r is not None and (not _is_real(r) or not math.isfinite(r) or r <= 0):
+            raise ValueError(
+                f"repetition_penalty must be None or a finite float > 0, got {r!r}"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when ``temperature == 0``: decoding is a deterministic argmax."""
+        return self.temperature == 0.0
+
+
+def _is_real(x: object) -> bool:
+    # NaN fails every range comparison below, so it is rejected there.
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def apply_repetition_penalty(
+    logits: jax.Array, seen_mask: jax.Array, penalty: float
+) -> jax.Array:
+    """CTRL repetition penalty, as ``RepetitionPenaltyLogitsProcessor``.
+
+    Args:
+      logits: ``[B, V]`` float logits.
+      seen_mask: ``[B, V]`` bool, True for tokens already in the prompt or the
+        generated output of that row (see :func:`make_seen_mask`,
+        :func:`update_seen`). A mask rather than a token list keeps the shape
+        static for the whole decode loop; each token is penalised once however
+        often it occurred, as in ``transformers``.
+      penalty: ``> 1`` discourages repetition, ``< 1`` encourages it.
+
+    Returns:
+      ``[B, V]`` logits; seen tokens have negative logits multiplied by and
+      non-negative logits divided by ``penalty`` (both make them less likely
+      for ``penalty > 1``).
+    """
+    penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
+    return jnp.where(seen_mask, penalised, logits)
+
+
+def _top_p_threshold(sorted_asc: jax.Array, top_p: float) -> jax.Array:
+    """Smallest logit kept by nucleus filtering.
+
+    Args:
+      sorted_asc: ``[B, N]`` logits sorted in *ascending* order (all V logits,
+        or the k survivors of top-k: the others have probability 0 and would
+        not change the result).
+      top_p: nucleus mass in ``(0, 1)``.
+
+    Returns:
+      ``[B, 1]`` threshold; keep tokens with ``logit >= threshold``.
+
+    Mirrors ``TopPLogitsWarper`` step for step (ascending cumulative sum and
+    ``cumsum <= 1 - top_p`` removal, in float32) so that the boundary token is
+    decided with the same rounding as the reference.
+    """
+    probs = jax.nn.softmax(sorted_asc, axis=-1)
+    cumulative = jnp.cumsum(probs, axis=-1)
+    remove = cumulative <= (1.0 - top_p)
+    remove = remove.at[:, -1].set(False)  # always keep the most likely token
+    # `remove` is a prefix (cumsum is monotone), so the kept suffix starts at
+    # the smallest kept value.
+    return jnp.min(jnp.where(remove, jnp.inf, sorted_asc), axis=-1, keepdims=True)
+
+
+def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature, top-k, top-p and min-p, in ``transformers`` order.
+
+    The repetition penalty is *not* applied here (it needs the seen-token
+    mask); :func:`sample` applies it first.
+
+    Args:
+      logits: ``[B, V]`` logits (cast to float32: the softmax / cumulative sum
+        of top-p need it on a 262144-token vocabulary).
+      params: static sampling parameters.
+
+    Returns:
+      ``[B, V]`` float32 logits divided by the temperature, with every excluded
+      token set to ``-inf``; ``jax.nn.softmax`` of it is the sampling
+      distribution. For greedy params (temperature 0) only the argmax token
+      is kept (the degenerate distribution greedy decoding samples from),
+      with its logit unchanged.
+    """
+    logits = logits.astype(jnp.float32)
+    neg_inf = jnp.float32(-jnp.inf)
+    if params.is_greedy:
+        best = jnp.argmax(logits, axis=-1, keepdims=True)
+        vocab = jnp.arange(logits.shape[-1])[None, :]
+        return jnp.where(vocab == best, logits, neg_inf)
+
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+
+    use_top_p = params.top_p is not None and params.top_p < 1.0
+    threshold = None
+    if params.top_k is not None:
+        k = min(params.top_k, logits.shape[-1])
+        top_values = jax.lax.top_k(logits, k)[0]  # [B, k], descending
+        threshold = top_values[:, -1:]
+        if use_top_p:
+            threshold = jnp.maximum(
+                threshold, _top_p_threshold(top_values[:, ::-1], params.top_p)
+            )
+    elif use_top_p:
+        threshold = _top_p_threshold(jnp.sort(logits, axis=-1), params.top_p)
+    if threshold is not None:
+        logits = jnp.where(logits >= threshold, logits, neg_inf)
+
+    if params.min_p is not None:
+        # As MinPLogitsWarper: probabilities of the already filtered logits.
+        # The most likely token always survives (min_p <= 1).
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_prob = jnp.max(probs, axis=-1, keepdims=True)
+        logits = jnp.where(probs < params.min_p * top_prob, neg_inf, logits)
+    return logits
+
+
+def sample(
+    logits: jax.Array,
+    key: jax.Array,
+    params: SamplingParams,
+    seen_mask: jax.Array | None = None,
+) -> jax.Array:
+    """Pick the next token of every row.
+
+    Args:
+      logits: ``[B, V]`` logits of the last position.
+      key: a PRNG key (ignored when greedy). Either a single key (one draw for
+        the whole batch) or a batch of ``B`` keys (typed keys of shape
+        ``[B]`` or raw ``uint32[B, 2]``), one per row, which makes a row's
+        sample independent of the other rows in the batch (per-request seeds).
+        The same key and inputs always give the same tokens.
+      params: static sampling parameters.
+      seen_mask: ``[B, V]`` bool mask of tokens in prompt + output; required
+        iff ``params.repetition_penalty`` is set.
+
+    Returns:
+      ``[B]`` int32 token ids. Greedy: argmax of the (penalised) logits, ties
+      to the lowest id as ``torch.argmax``. Otherwise a categorical draw from
+      ``softmax(filter_logits(...))``; excluded tokens have probability 0 and
+      are never drawn.
+    """
+    logits = logits.astype(jnp.float32)
+    if params.repetition_penalty is not None and params.repetition_penalty != 1.0:
+        if seen_mask is None:
+            raise ValueError("repetition_penalty is set but seen_mask is None")
+        logits = apply_repetition_penalty(logits, seen_mask, params.repetition_penalty)
+    if params.is_greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    filtered = filter_logits(logits, params)
+    if _is_key_batch(key):
+        tokens = jax.vmap(jax.random.categorical)(key, filtered)
+    else:
+        tokens = jax.random.categorical(key, filtered, axis=-1)
+    return tokens.astype(jnp.int32)
+
+
+def _is_key_batch(key: jax.Array) -> bool:
+    """True for a batch of keys: typed ``[B]`` or raw ``uint32[B, 2]``."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.ndim == 1
+    return key.ndim == 2
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Log-probability of the chosen tokens under the model's *raw* distribution.
+
+    Args:
+      logits: ``[B, V]`` raw model logits: before the repetition penalty,
+        temperature and any filtering.
+      tokens: ``[B]`` int token ids.
+
+    Returns:
+      ``[B]`` float32 ``log_softmax(logits)[b, tokens[b]]``.
+
+    Deliberately the unfiltered, temperature-1 distribution: this is what
+    OpenAI-style ``logprobs`` report, it does not depend on the sampling
+    settings (so it is comparable across requests), and it is finite for every
+    token (the filtered distribution gives ``-inf`` to excluded tokens).
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+
+def update_seen(seen_mask: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Mark newly generated tokens as seen.
+
+    Args:
+      seen_mask: ``[B, V]`` bool.
+      tokens: ``[B]`` int ids just emitted; ids outside ``[0, V)`` are ignored.
+
+    Returns:
+      ``[B, V]`` bool with ``seen_mask[b, tokens[b]] = True``.
+    """
+    rows = jnp.arange(seen_mask.shape[0])
+    tokens = _out_of_range_to_v(tokens, seen_mask.shape[-1])
+    return seen_mask.at[rows, tokens].set(True, mode="drop")
+
+
+def make_seen_mask(
+    token_ids: jax.Array, vocab_size: int, valid: jax.Array | None = None
+) -> jax.Array:
+    """Seen-token mask of a (padded) prompt batch, for the repetition penalty.
+
+    Args:
+      token_ids: ``[B, T]`` int prompt ids.
+      vocab_size: V.
+      valid: optional ``[B, T]`` bool, False at padding positions (which are
+        then not marked). Ids outside ``[0, V)`` are ignored too.
+
+    Returns:
+      ``[B, V]`` bool, True where the token occurs in the row.
+    """
+    batch, _ = token_ids.shape
+    ids = _out_of_range_to_v(token_ids, vocab_size)
+    if valid is not None:
+        ids = jnp.where(valid, ids, vocab_size)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
+    mask = jnp.zeros((batch, vocab_size), dtype=bool)
+    return mask.at[rows, ids].set(True, mode="drop")
+
+
+def _out_of_range_to_v(ids: jax.Array, vocab_size: int) -> jax.Array:
+    # Negative ids would wrap around under numpy indexing rules; send every
+    # out-of-range id to V, which mode="drop" scatters discard.
+    ids = ids.astype(jnp.int32)
+    return jnp.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)

@@ -1,0 +1,150 @@
+"""Tiny random Gemma 4 checkpoints built with transformers, shared by the test modules.
+
+Each variant exercises the irregular features of one released size at toy scale. Weights are
+perturbed so that nothing accidentally equals its default: norm weights and `layer_scalar` away from
+1, and the final norm scaled up so the final logit softcap works in its non-linear range.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+S, F = "sliding_attention", "full_attention"
+WINDOW = 4  # sequences in the tests are longer than 2 * WINDOW
+
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
+               global_head_dim=32, sliding_window=WINDOW, rms_norm_eps=1e-6, final_logit_softcapping=30.0,
+               max_position_embeddings=256, vocab_size_per_layer_input=128, pad_token_id=0, eos_token_id=1,
+               bos_token_id=2, tie_word_embeddings=True)
+
+VARIANTS: dict[str, dict] = {
+    # E2B-like: PLE, KV sharing with both layer types consumed, double-wide MLP, two head dims, GQA.
+    "e2b": dict(_COMMON, num_hidden_layers=10, layer_types=[S, S, S, S, F] * 2, num_key_value_heads=2,
+                num_kv_shared_layers=5, use_double_wide_mlp=True, hidden_size_per_layer_input=8),
+    # 31B-like: attention_k_eq_v, global KV heads (1) different from sliding KV heads (2).
+    "k_eq_v": dict(_COMMON, num_hidden_layers=6, layer_types=[S, S, F, S, S, F], num_key_value_heads=2,
+                   num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0),
+    # 26B-A4B-like: MoE with 4 experts, top-2, dense branch, k_eq_v.
+    "moe": dict(_COMMON, num_hidden_layers=4, layer_types=[S, S, S, F], num_key_value_heads=2,
+                num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24),
+    # Plain: no PLE, no KV sharing.
+    "plain": dict(_COMMON, num_hidden_layers=4, layer_types=[S, F, S, F], num_key_value_heads=2,
+                  hidden_size_per_layer_input=0),
+}
+
+
+def text_config(variant: str):
+    from transformers import Gemma4TextConfig
+
+    kw = dict(VARIANTS[variant])
+    return Gemma4TextConfig(**kw)
+
+
+def _perturb(model, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "per_expert_scale" not in name:  # norms and router scale
+                p.copy_(1.0 + 0.25 * torch.randn(p.shape, generator=g))
+            elif "per_expert_scale" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=g))
+        emb = model.get_input_embeddings().weight
+        emb.copy_(torch.randn(emb.shape, generator=g) * 0.5)
+        # final norm large so that |logits| reaches the softcap's non-linear range
+        norm = model.model.language_model.norm if hasattr(model.model, "language_model") else model.model.norm
+        norm.weight.copy_(1.0 + torch.rand(norm.weight.shape, generator=g) * 1.0)
+
+
+def build_hf_model(variant: str, *, multimodal: bool = False, seed: int = 0):
+    """A float32 eager-attention transformers model for `variant`, weights perturbed."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tc = text_config(variant)
+    if multimodal:
+        cfg = Gemma4Config(text_config=tc.to_dict(), vision_config=None, audio_config=None)
+        cfg._attn_implementation = "eager"
+        model = Gemma4ForConditionalGeneration(cfg)
+    else:
+        tc._attn_implementation = "eager"
+        model = Gemma4ForCausalLM(tc)
+    model = model.float().eval()
+    _perturb(model, seed)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def save_hf_checkpoint(model, out_dir: str, *, extra_tensors: dict[str, np.ndarray] | None = None,
+                       max_shard_size: str | None = None) -> str:
+    """save_pretrained + optionally append tensors (e.g. Google's unused consumer K/V, vision weights)."""
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kw)
+    if extra_tensors:
+        from safetensors.numpy import save_file
+
+        save_file({k: np.ascontiguousarray(v) for k, v in extra_tensors.items()},
+                  os.path.join(out_dir, "extra.safetensors"))
+        index_path = os.path.join(out_dir, "model.safetensors.index.json")
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                index = json.load(f)
+        else:
+            index = {"metadata": {}, "weight_map": {}}
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(out_dir, "model.safetensors"), "np") as f:
+                for k in f.keys():
+                    index["weight_map"][k] = "model.safetensors"
+        for k in extra_tensors:
+            index["weight_map"][k] = "extra.safetensors"
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+    return out_dir
+
+
+def google_style_extras(model, variant: str, prefix: str) -> dict[str, np.ndarray]:
+    """The K/V tensors Google's E2B/E4B files carry for KV-consumer layers (ignored by loaders)."""
+    cfg = VARIANTS[variant]
+    n, shared = cfg["num_hidden_layers"], cfg.get("num_kv_shared_layers", 0)
+    rng = np.random.default_rng(1)
+    out = {}
+    for i in range(n - shared, n):
+        full = cfg["layer_types"][i] == F
+        hd = cfg["global_head_dim"] if full else cfg["head_dim"]
+        kv = cfg["num_key_value_heads"]
+        out[f"{prefix}layers.{i}.self_attn.k_proj.weight"] = rng.standard_normal((kv * hd, cfg["hidden_size"]),
+                                                                                  np.float32)
+        out[f"{prefix}layers.{i}.self_attn.v_proj.weight"] = rng.standard_normal((kv * hd, cfg["hidden_size"]),
+                                                                                  np.float32)
+        out[f"{prefix}layers.{i}.self_attn.k_norm.weight"] = rng.standard_normal((hd,), np.float32)
+    return out
+
+
+def sample_ids(batch: int, seq: int, vocab: int = 128, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, vocab, size=(batch, seq), dtype=np.int64)
+    ids[:, 0] = 2  # BOS
+    return ids
+
+
+def hf_logits(model, ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        kw = {}
+        if attention_mask is not None:
+            kw["attention_mask"] = torch.from_numpy(attention_mask)
+        out = model(input_ids=torch.from_numpy(ids), **kw)
+    return out.logits.float().numpy()
