@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` (main job) and `make test` (the test suite).
+# Each creates its own virtualenv and installs what it needs. torch is pinned and installed before
+# transformers: a looser requirement resolves to a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PY312 ?= $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
+VENV312 ?= .venv312
+
+.PHONY: demo test test-py312 lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m gemma4_nnx.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+# Newest jax/flax on Python 3.12, without torch: the reference tests are deselected there.
+$(VENV312)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install -q --upgrade pip
+	$(VENV312)/bin/python -m pip install -q --upgrade -e ".[test-notorch]"
+	touch $@
+
+test-py312: $(VENV312)/.installed
+	$(VENV312)/bin/python -m pytest -q
