@@ -25,6 +25,8 @@ LayerType = Literal["sliding_attention", "full_attention"]
 
 _ROPE_TYPES = ("default", "proportional")
 _SUPPORTED_MODEL_TYPES = ("gemma4_text", "gemma4")
+_GEMMA3_MODEL_TYPE = "gemma3_text"  # Gemma 3 text checkpoints, read as a degenerate Gemma 4 (`model_family`)
+_FAMILIES = ("gemma4", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,10 @@ class Gemma4Config:
     # attention scores by query_pre_attn_scalar**-0.5; Gemma 4's q/k norms replace that scale.
     use_v_norm: bool = True
     attention_scale: float = 1.0
+    # Checkpoint family, read only by the HF name map (gemma4_nnx.hf): "gemma3" checkpoints store each
+    # RMSNorm weight as w for a (1 + w) multiplier and have no `layer_scalar` (filled with 1). The model
+    # itself always multiplies by the stored effective weight, so it never looks at this field.
+    model_family: str = "gemma4"
 
     def __post_init__(self):
         if not self.layer_types:
@@ -161,6 +167,8 @@ class Gemma4Config:
                       "choose top_k_experts <= num_experts")
         if self.hidden_size_per_layer_input < 0:
             _fail("hidden_size_per_layer_input", "is negative", "use 0 to disable per-layer embeddings")
+        if self.model_family not in _FAMILIES:
+            _fail("model_family", f"unknown family {self.model_family!r}", f"use one of {_FAMILIES}")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             _fail("final_logit_softcapping", f"{self.final_logit_softcapping} is not positive",
                   "use a positive cap or None")
@@ -259,7 +267,8 @@ class Gemma4Config:
         Accepts `Gemma4ForCausalLM` (model_type `gemma4_text`) and the multimodal
         `Gemma4ForConditionalGeneration` (model_type `gemma4`, text fields under `text_config`), in both
         representations transformers has written: flat `global_head_dim` / `num_global_key_value_heads`,
-        and `per_layer_config` (newer transformers re-saves).
+        and `per_layer_config` (newer transformers re-saves). Also accepts Gemma 3 text checkpoints
+        (model_type `gemma3_text`, `Gemma3ForCausalLM`) as a degenerate Gemma 4: see `_from_gemma3_dict`.
         """
         if isinstance(path_or_dict, Mapping):
             raw = dict(path_or_dict)
@@ -275,7 +284,59 @@ class Gemma4Config:
                     raw = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint's config.json")
+        if raw.get("model_type") == _GEMMA3_MODEL_TYPE:
+            return cls._from_gemma3_dict(raw)
         return cls._from_text_dict(_text_config_dict(raw))
+
+    @classmethod
+    def _from_gemma3_dict(cls, d: dict[str, Any]) -> Gemma4Config:
+        """HF `Gemma3TextConfig` -> the Gemma 4 config that computes the same function.
+
+        Gemma 3 is Gemma 4 without v_norm, PLE, KV sharing, MoE or a second head dim; its scores are
+        scaled by `query_pre_attn_scalar**-0.5` (not 1.0); both layer types use plain RoPE (full layers:
+        theta `rope_theta` 1e6, optionally `linear` scaling; sliding: `rope_local_base_freq` 1e4);
+        `layer_types` are taken as written (no forcing of the last layer to full: larger Gemma 3 models
+        end on sliding layers); no final softcap unless the config sets one. Norm weights (1 + w) and
+        the absent `layer_scalar` are handled by the name map (`model_family="gemma3"`).
+        """
+        n = d.get("num_hidden_layers")
+        if n is None:
+            raise ValueError("config.json has no num_hidden_layers; is this a Gemma 3 text config?")
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if d.get(key):
+                raise ValueError(f"Gemma 3 config.json sets {key}={d[key]!r}, which gemma4_nnx does not "
+                                 "implement; only causal Gemma 3 text models without attention softcap load")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"Gemma 3 config.json: hidden_activation {act!r} is not supported "
+                             "(gemma4_nnx implements gelu_pytorch_tanh)")
+        pattern = d.get("sliding_window_pattern") or 6
+        layer_types = d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+        rope = d.get("rope_parameters") or {}
+        full = dict(rope.get(FULL) or {})
+        full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+        if not rope.get(FULL) and d.get("rope_scaling"):
+            full.update(d["rope_scaling"])
+        sliding = dict(rope.get(SLIDING) or {})
+        sliding.setdefault("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+        head_dim = d.get("head_dim", 256)
+        eos = d.get("eos_token_id", 1)
+        vocab = d.get("vocab_size", 262_144)
+        return cls(
+            vocab_size=vocab, hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n, num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d["num_key_value_heads"], head_dim=head_dim, global_head_dim=head_dim,
+            layer_types=tuple(layer_types), sliding_window=d.get("sliding_window") or 4096,
+            rope_sliding=_gemma3_rope(sliding, "sliding_attention"), rope_full=_gemma3_rope(full, "full_attention"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), final_logit_softcapping=d.get("final_logit_softcapping"),
+            hidden_size_per_layer_input=0, vocab_size_per_layer_input=vocab,
+            max_position_embeddings=d.get("max_position_embeddings", 131_072),
+            pad_token_id=d.get("pad_token_id") if d.get("pad_token_id") is not None else 0,
+            eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
+            bos_token_id=d.get("bos_token_id") if d.get("bos_token_id") is not None else 2,
+            use_v_norm=False, attention_scale=float(d.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            model_family="gemma3",
+        )
 
     @classmethod
     def _from_text_dict(cls, d: dict[str, Any]) -> Gemma4Config:
@@ -334,7 +395,10 @@ class Gemma4Config:
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` dict of the equivalent `Gemma4ForCausalLM` (flat representation)."""
+        """The `config.json` dict of the equivalent `Gemma4ForCausalLM` (flat representation), or of
+        `Gemma3ForCausalLM` for a `model_family="gemma3"` config."""
+        if self.model_family == "gemma3":
+            return self._to_gemma3_hf_dict()
         def rope(r: RopeSpec) -> dict[str, Any]:
             out = {"rope_type": r.rope_type, "rope_theta": r.theta}
             if r.rope_type == "proportional" or r.partial_rotary_factor != 1.0:
@@ -361,6 +425,26 @@ class Gemma4Config:
             "max_position_embeddings": self.max_position_embeddings, "pad_token_id": self.pad_token_id,
             "eos_token_id": list(self.eos_token_id), "bos_token_id": self.bos_token_id,
             "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+        }
+
+    def _to_gemma3_hf_dict(self) -> dict[str, Any]:
+        def rope(r: RopeSpec) -> dict[str, Any]:
+            if r.rope_type == "proportional":  # how _gemma3_rope stores `linear` scaling
+                return {"rope_type": "linear", "rope_theta": r.theta, "factor": r.factor}
+            return {"rope_type": "default", "rope_theta": r.theta}
+        return {
+            "architectures": ["Gemma3ForCausalLM"], "model_type": _GEMMA3_MODEL_TYPE,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+            "rope_parameters": {SLIDING: rope(self.rope_sliding), FULL: rope(self.rope_full)},
+            "query_pre_attn_scalar": round(self.attention_scale ** -2, 6), "rms_norm_eps": self.rms_norm_eps,
+            "final_logit_softcapping": self.final_logit_softcapping, "attn_logit_softcapping": None,
+            "max_position_embeddings": self.max_position_embeddings, "pad_token_id": self.pad_token_id,
+            "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) > 1 else self.eos_token_id[0],
+            "bos_token_id": self.bos_token_id, "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True, "attention_bias": False,
         }
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -405,11 +489,26 @@ def _rope_from_hf(d: Mapping[str, Any] | None, default: RopeSpec) -> RopeSpec:
                     factor=float(d.get("factor", 1.0)))
 
 
+def _gemma3_rope(d: Mapping[str, Any], layer_type: str) -> RopeSpec:
+    """Gemma 3 RoPE: `default`, or `linear` (frequencies / factor), which is exactly our
+    `proportional` type with partial_rotary_factor 1 (all pairs rotate, exponents over head_dim)."""
+    rope_type = d.get("rope_type", d.get("type", "default"))
+    theta = float(d["rope_theta"])
+    factor = float(d.get("factor", 1.0))
+    if rope_type == "default" or (rope_type == "linear" and factor == 1.0):
+        return RopeSpec("default", theta)
+    if rope_type == "linear":
+        return RopeSpec("proportional", theta, 1.0, factor)
+    raise ValueError(f"Gemma 3 config.json: rope_parameters[{layer_type!r}] has rope_type {rope_type!r}; "
+                     "gemma4_nnx supports 'default' and 'linear' for Gemma 3")
+
+
 def _text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type")
     if model_type not in _SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}: gemma4_nnx reads Gemma 4 checkpoints "
-                         f"(model_type one of {_SUPPORTED_MODEL_TYPES})")
+                         f"(model_type one of {_SUPPORTED_MODEL_TYPES}) and Gemma 3 text checkpoints "
+                         f"(model_type {_GEMMA3_MODEL_TYPE!r})")
     if model_type == "gemma4":
         text = raw.get("text_config")
         if not isinstance(text, Mapping):

@@ -35,11 +35,21 @@ class Entry:
     hf_name: str  # without the "model." / "model.language_model." prefix
     path: Path
     transform: str | None  # None, "T" (swap the two axes) or "T021" (swap the last two of three)
+    # Gemma 3 (`model_family="gemma3"`): RMSNorm weights are stored as w for a (1 + w) multiplier, ours
+    # hold the multiplier itself, so offset=1.0 (added in float32, as HF computes `1.0 + w.float()`).
+    offset: float = 0.0
+    # Value of a tensor the checkpoint may lack (Gemma 3 has no `layer_scalar`: 1.0); None = required.
+    default: float | None = None
 
     def to_nnx(self, x: np.ndarray) -> np.ndarray:
-        return _apply(self.transform, x)
+        x = _apply(self.transform, x)
+        if self.offset:
+            x = np.asarray(x, np.float32) + np.float32(self.offset)
+        return x
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
+        if self.offset:
+            x = np.asarray(x, np.float32) - np.float32(self.offset)
         return _apply(self.transform, x)  # both transforms are their own inverse
 
     def nnx_shape(self, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -59,9 +69,15 @@ def _apply(transform: str | None, x: np.ndarray) -> np.ndarray:
 
 
 def name_map(config: Gemma4Config) -> list[Entry]:
-    """Every parameter of `Gemma4(config)` with its HF name and layout transform."""
+    """Every parameter of `Gemma4(config)` with its HF name and layout transform.
+
+    `model_family="gemma3"`: norm entries carry offset 1 ((1 + w) storage) and `layer_scalar` is
+    optional with default 1 (Gemma 3 checkpoints have none).
+    """
+    gemma3 = config.model_family == "gemma3"
+    norm_offset = 1.0 if gemma3 else 0.0
     out = [Entry("embed_tokens.weight", ("embed_tokens", "embedding"), None),
-           Entry("norm.weight", ("norm", "scale"), None)]
+           Entry("norm.weight", ("norm", "scale"), None, offset=norm_offset)]
     if config.use_ple:
         out += [Entry("embed_tokens_per_layer.weight", ("embed_tokens_per_layer", "embedding"), None),
                 Entry("per_layer_model_projection.weight", ("per_layer_model_projection", "kernel"), "T"),
@@ -74,7 +90,7 @@ def name_map(config: Gemma4Config) -> list[Entry]:
             return Entry(pre + hf + ".weight", root + path + ("kernel",), "T")
 
         def norm(hf: str, *path: str) -> Entry:
-            return Entry(pre + hf + ".weight", root + path + ("scale",), None)
+            return Entry(pre + hf + ".weight", root + path + ("scale",), None, offset=norm_offset)
 
         out += [norm(n, n) for n in ("input_layernorm", "post_attention_layernorm",
                                      "pre_feedforward_layernorm", "post_feedforward_layernorm")]
@@ -85,7 +101,7 @@ def name_map(config: Gemma4Config) -> list[Entry]:
             if not spec.k_eq_v:
                 out.append(lin("self_attn.v_proj", "self_attn", "v_proj"))
         out += [lin(f"mlp.{n}", "mlp", n) for n in ("gate_proj", "up_proj", "down_proj")]
-        out.append(Entry(pre + "layer_scalar", root + ("layer_scalar",), None))
+        out.append(Entry(pre + "layer_scalar", root + ("layer_scalar",), None, default=1.0 if gemma3 else None))
         if config.use_ple:
             out += [lin("per_layer_input_gate", "per_layer_input_gate"),
                     lin("per_layer_projection", "per_layer_projection"),
@@ -237,6 +253,8 @@ class Plan:
 
     items: list[tuple[Entry, TensorInfo]]
     total_bytes: int
+    # entries the checkpoint lacks but that have a default (Gemma 3 `layer_scalar`), with their HF shape
+    defaults: list[tuple[Entry, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
 
 def plan_load(config: Gemma4Config, tensors: dict[str, TensorInfo]) -> Plan:
@@ -246,7 +264,7 @@ def plan_load(config: Gemma4Config, tensors: dict[str, TensorInfo]) -> Plan:
     expected = {e.hf_name: e for e in entries}
     ignore = ignored_names(config)
     shapes = expected_hf_shapes(config)
-    missing = sorted(n for n in expected if n not in tensors)
+    missing = sorted(n for n in expected if n not in tensors and expected[n].default is None)
     unexpected = sorted(n for n in tensors if n not in expected and n not in ignore)
     misshaped = sorted(f"{n}: file {tensors[n].shape}, expected {shapes[n]}" for n in expected
                        if n in tensors and tuple(tensors[n].shape) != shapes[n])
@@ -260,8 +278,10 @@ def plan_load(config: Gemma4Config, tensors: dict[str, TensorInfo]) -> Plan:
     if problems:
         raise CheckpointError("checkpoint does not match its config.json:\n  " + "\n  ".join(problems)
                               + "\nFix: use the config.json that belongs to these weights.")
-    items = sorted(((expected[n], tensors[n]) for n in expected), key=lambda it: (it[1].file, it[1].start))
-    return Plan(items, sum(t.nbytes for _, t in items))
+    items = sorted(((expected[n], tensors[n]) for n in expected if n in tensors),
+                   key=lambda it: (it[1].file, it[1].start))
+    defaults = [(expected[n], shapes[n]) for n in expected if n not in tensors]
+    return Plan(items, sum(t.nbytes for _, t in items), defaults)
 
 
 def expected_hf_shapes(config: Gemma4Config) -> dict[str, tuple[int, ...]]:
@@ -286,10 +306,12 @@ def variables_by_path(model: nnx.Module) -> dict[Path, nnx.Variable]:
 def iter_arrays(plan: Plan) -> Iterator[tuple[Entry, np.ndarray]]:
     for entry, info in plan.items:
         yield entry, entry.to_nnx(read_tensor(info))
+    for entry, shape in plan.defaults:
+        yield entry, entry.to_nnx(np.full(shape, entry.default, np.float32))
 
 
 def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, sharding=None):
-    """Load an HF Gemma 4 checkpoint directory straight into a `Gemma4` model.
+    """Load an HF Gemma 4 (or Gemma 3 text, `gemma3_text`) checkpoint directory straight into a `Gemma4` model.
 
     The model is built abstractly (`nnx.eval_shape`, no random weights) and filled tensor by tensor.
     Accepts `Gemma4ForCausalLM` (`model.` prefix) and `Gemma4ForConditionalGeneration`

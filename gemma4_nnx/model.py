@@ -123,8 +123,8 @@ class Gemma4(nnx.Module):
             if spec.is_consumer:
                 continue
             size = cache_size(spec, self.config, max_length)
-            layer.self_attn.cache = LayerCache(batch_size, size, spec.num_kv_heads, spec.head_dim,
-                                               ring=spec.is_sliding and size < max_length, dtype=dtype)
+            layer.self_attn.cache = nnx.data(LayerCache(batch_size, size, spec.num_kv_heads, spec.head_dim,
+                                                        ring=spec.is_sliding and size < max_length, dtype=dtype))
 
     def clear_cache(self) -> None:
         for layer in self.layers:
@@ -136,12 +136,17 @@ class Gemma4(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids: Array, positions: Array | None = None, attention_mask: Array | None = None,
-                 *, return_hidden: bool = False) -> Array:
+                 *, return_hidden: bool = False, select: Array | None = None) -> Array:
         """input_ids [B, S] -> logits [B, S, V] (softcapped), in the compute dtype.
 
         positions [B, S]: absolute positions. Default: 0..S-1, or, with `attention_mask` (1 = real
         token, 0 = padding), the running count of real tokens, so a left- or right-padded row computes
         exactly what the unpadded row does. With a cache (`init_cache`), positions are required.
+
+        select [B, K] (int column indices): return only those K query rows per batch row ([B, K, V] or
+        [B, K, D]). Exact, and cheap (HF's `_maybe_slice_kv_shared_inputs`, reference §8.4): the rows are
+        taken before the first KV-consumer layer, because consumers write no cache and their rows are
+        independent; donors still see (and cache) every token.
         """
         c = self.config
         input_ids = jnp.asarray(input_ids)
@@ -169,11 +174,18 @@ class Gemma4(nnx.Module):
         published: dict[int, KV] = {}
         for layer in self.layers:
             spec = layer.spec
+            if select is not None and spec.index == c.first_kv_shared_layer:
+                h, positions, ple, ropes = _take_rows((h, positions, ple, ropes), select)
+                select = None
             shared = published[spec.kv_donor] if spec.is_consumer else None
-            h, kv = layer(h, ropes[(spec.type, spec.head_dim)], positions, k_pos,
-                          None if ple is None else ple[:, :, spec.index], shared)
+            # `model.remat = True` (training): recompute each layer's activations in the backward pass.
+            call = nnx.remat(DecoderLayer.__call__) if getattr(self, "remat", False) else DecoderLayer.__call__
+            h, kv = call(layer, h, ropes[(spec.type, spec.head_dim)], positions, k_pos,
+                         None if ple is None else ple[:, :, spec.index], shared)
             if spec.stores_kv:
                 published[spec.index] = kv
+        if select is not None:  # no KV-consumer layers: take the rows at the end
+            h = _take_rows(h, select)
         h = self.norm(h)
         if return_hidden:
             return h
@@ -187,3 +199,13 @@ class Gemma4(nnx.Module):
             z32 = z.astype(jnp.float32)
             z = (jnp.tanh((z32 / cap).astype(z.dtype)).astype(jnp.float32) * cap).astype(z.dtype)
         return z
+
+
+def _take_rows(tree, select: Array):
+    """Every [B, S, ...] array of `tree` -> [B, K, ...] at the column indices select [B, K]."""
+    def take(x):
+        if x is None:
+            return None
+        idx = select.reshape(select.shape + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, idx.astype(jnp.int32), axis=1)
+    return jax.tree_util.tree_map(take, tree, is_leaf=lambda x: x is None)

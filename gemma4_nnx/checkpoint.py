@@ -1,0 +1,304 @@
+"""Our Orbax checkpoint format: streaming save, metadata, and `load` into an abstract model.
+
+Layout of a converted checkpoint directory (written by `gemma4_nnx.convert`)::
+
+    DST/
+      params/                 Orbax PyTree checkpoint (OCDBT + zarr, zstd): nested dict keyed by our
+                              NNX paths, e.g. params["layers"]["3"]["self_attn"]["q_proj"]["kernel"]
+      gemma4_config.json      Gemma4Config.to_json_dict()
+      metadata.json           format version, source files and sizes, dtype, PLE quantization
+      tokenizer.json | tokenizer.model, tokenizer_config.json, chat_template.jinja,
+      generation_config.json, special_tokens_map.json   (copied from the source when present)
+
+With a quantized PLE table, ``params["embed_tokens_per_layer"]`` holds ``codes`` (int4: uint8
+[V, L*P/2], two codes per byte; int8: int8 [V, L*P]) and ``scales`` (float32 [V, L*P/256]) instead of
+``embedding`` (format in `gemma4_nnx.quant`). Any Orbax reader restores the tree, e.g.
+``ocp.StandardCheckpointer().restore(DST / "params")``.
+
+Streaming save: Orbax would serialize a dict of host arrays all at once, holding the whole model in
+RAM. Instead every leaf is a `LazyTensor` (shape, dtype, a function producing rows [a, b)), written by
+`_StreamingHandler`, a NumpyHandler whose serialize writes one tensor at a time, one row block at a
+time, into the same zarr/OCDBT layout NumpyHandler uses, with the zarr chunk equal to the row block
+(so each write covers whole chunks and nothing is read back). Orbax still writes the tree metadata,
+the commit marker and the OCDBT manifest, so the result is an ordinary Orbax checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemma4_nnx.config import Gemma4Config
+from gemma4_nnx.hf import CheckpointError, abstract_model, name_map, variables_by_path
+
+FORMAT = "gemma4_nnx.orbax"
+FORMAT_VERSION = 1
+PARAMS_DIR = "params"
+CONFIG_FILE = "gemma4_config.json"
+METADATA_FILE = "metadata.json"
+PLE_PATH = ("embed_tokens_per_layer",)
+
+Path = tuple
+
+
+# ---------------------------------------------------------------------------- streaming save
+@dataclasses.dataclass
+class LazyTensor:
+    """A checkpoint leaf produced on demand, `block_rows` rows of axis 0 at a time.
+
+    `read(a, b)` returns rows [a, b) with exactly `shape[1:]` and `dtype`. `on_done(nbytes)` is called
+    after each block is written (progress reporting).
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[int, int], np.ndarray]
+    block_rows: int
+    on_block: Callable[[int, int], None] | None = None  # (rows written, total rows)
+
+    def __post_init__(self):
+        self.shape = tuple(int(d) for d in self.shape)
+        self.dtype = np.dtype(self.dtype)
+        self.block_rows = max(1, min(int(self.block_rows), self.shape[0] if self.shape else 1))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def blocks(self) -> Iterator[tuple[int, int]]:
+        rows = self.shape[0] if self.shape else 1
+        for a in range(0, rows, self.block_rows):
+            yield a, min(rows, a + self.block_rows)
+
+
+def _streaming_handler():
+    """A NumpyHandler (same on-disk format and typestr) that writes LazyTensors block by block."""
+    import tensorstore as ts
+    from orbax.checkpoint import future, type_handlers
+    from orbax.checkpoint._src.serialization import ocdbt_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    class StreamingHandler(type_handlers.NumpyHandler):
+        async def serialize(self, values, infos, args=None):
+            args = args or [None] * len(values)
+
+            async def write_all():
+                for value, info, arg in zip(values, infos, args):  # one tensor at a time, in tree order
+                    await info.await_path_creation()
+                    write_shape = (value.block_rows,) + value.shape[1:] if value.shape else ()
+                    spec = ts_utils.build_array_write_spec(
+                        info=info, arg=arg, global_shape=value.shape, local_shape=write_shape,
+                        dtype=value.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
+                        process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint))
+                    t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+                    for a, b in value.blocks():
+                        block = np.ascontiguousarray(value.read(a, b), dtype=value.dtype)
+                        expect = ((b - a),) + value.shape[1:] if value.shape else ()
+                        if block.shape != expect:
+                            raise CheckpointError(f"{info.name}: produced block {block.shape}, expected {expect}")
+                        if value.shape:
+                            await t[a:b].write(block)
+                        else:
+                            await t.write(block)
+                        del block
+                        if value.on_block is not None:
+                            value.on_block(b, value.shape[0] if value.shape else 1)
+
+            return [future.CommitFutureAwaitingContractedSignals(write_all(), name="gemma4_streaming_save")]
+
+    return StreamingHandler()
+
+
+def save_streaming(directory: str | os.PathLike, tree: Mapping[str, Any]) -> None:
+    """Write a nested dict of `LazyTensor`s as an Orbax PyTree checkpoint at `directory` (must not exist)."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.serialization import type_handler_registry as thr
+
+    registry = thr.create_type_handler_registry(*thr._DEFAULT_TYPE_HANDLERS, (LazyTensor, _streaming_handler()))
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(os.path.abspath(os.fspath(directory)), args=ocp.args.PyTreeSave(dict(tree)))
+
+
+def nest(flat: Mapping[Path, Any]) -> dict[str, Any]:
+    """{("layers", 3, "mlp", "kernel"): x} -> {"layers": {"3": {"mlp": {"kernel": x}}}} (string keys)."""
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = value
+    return out
+
+
+def _flatten(tree: Mapping[str, Any], prefix: tuple = ()) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+# ---------------------------------------------------------------------------- metadata
+def read_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """metadata.json of a converted checkpoint, checked to be complete and of a known format."""
+    d = os.fspath(ckpt_dir)
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"checkpoint directory {d} does not exist; convert one with "
+                                "`gemma4-convert SRC DST`")
+    meta_path = os.path.join(d, METADATA_FILE)
+    if not os.path.isfile(meta_path):
+        hint = (" It looks like the temporary directory of an interrupted conversion: delete it and run "
+                "gemma4-convert again." if ".tmp-" in os.path.basename(os.path.normpath(d)) else
+                " Convert an HF checkpoint with `gemma4-convert SRC DST` (or use gemma4_nnx.from_hf for an HF "
+                "directory).")
+        raise CheckpointError(f"{d} is not a complete gemma4_nnx checkpoint: {METADATA_FILE} is missing "
+                              "(it is written last, so the conversion did not finish)." + hint)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{meta_path} is corrupt ({e}); convert the checkpoint again") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format_version {version!r} is newer than this gemma4_nnx reads "
+                              f"({FORMAT_VERSION}); upgrade gemma4_nnx")
+    params = os.path.join(d, PARAMS_DIR)
+    if not os.path.isdir(params) or not os.path.isfile(os.path.join(params, "_METADATA")):
+        raise CheckpointError(f"{d}: the Orbax parameter checkpoint {params} is missing or incomplete; "
+                              "convert the checkpoint again")
+    return meta
+
+
+def load_config(ckpt_dir: str | os.PathLike) -> Gemma4Config:
+    path = os.path.join(os.fspath(ckpt_dir), CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing; convert the checkpoint again")
+    with open(path, encoding="utf-8") as f:
+        return Gemma4Config.from_json_dict(json.load(f))
+
+
+# ---------------------------------------------------------------------------- load
+def _dtype(value, name: str):
+    if value is None:
+        return None
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        raise ValueError(f"{name}: unknown dtype {value!r}; use 'bfloat16' or 'float32'") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"{name}: must be a floating dtype, got {dt}")
+    return dt
+
+
+def default_compute_dtype(param_dtype) -> jnp.dtype:
+    """float32 on CPU (no fast bf16 there), otherwise the parameter dtype."""
+    return jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" else jnp.dtype(param_dtype)
+
+
+def _sharding_fn(sharding) -> Callable[[Path], jax.sharding.Sharding]:
+    """Normalize `sharding` (None, one Sharding, callable path -> Sharding, or a mapping keyed by path
+    tuples or nested like the params tree) to a callable."""
+    if sharding is None:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return lambda path: default
+    if isinstance(sharding, jax.sharding.Sharding):
+        return lambda path: sharding
+    if callable(sharding):
+        return sharding
+    if isinstance(sharding, Mapping):
+        if all(isinstance(k, tuple) for k in sharding):
+            table = {tuple(map(str, k)): v for k, v in sharding.items()}
+        else:
+            table = _flatten(sharding)
+
+        def lookup(path: Path):
+            key = tuple(map(str, path))
+            if key not in table:
+                raise ValueError(f"sharding: no sharding given for parameter {'.'.join(key)}")
+            return table[key]
+
+        return lookup
+    raise ValueError(f"sharding: expected a jax.sharding.Sharding, a callable path -> Sharding or a mapping, "
+                     f"got {type(sharding).__name__}")
+
+
+def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtype=None):
+    """Restore a converted checkpoint (`gemma4-convert`) into a `Gemma4` model.
+
+    The model is built abstractly (`nnx.eval_shape`: no random weights) and Orbax reads each array
+    straight into its final placement. A quantized PLE table is restored as a
+    `QuantizedEmbedding` (int4/int8 codes + float32 scales), never expanded to float.
+
+    Args:
+      ckpt_dir: directory written by `gemma4-convert`.
+      dtype: dtype of the float parameters; None keeps the stored dtype (cast happens while reading).
+      sharding: None (first device), a `jax.sharding.Sharding` for every array, a callable
+        path -> Sharding (paths as in `gemma4_nnx.hf.name_map`, PLE codes/scales at
+        ("embed_tokens_per_layer", "codes"/"scales")), or a mapping of path tuples (or a nested dict
+        like the params tree) to shardings.
+      compute_dtype: activation dtype; None = float32 on CPU, else the parameter dtype.
+    """
+    import orbax.checkpoint as ocp
+
+    from gemma4_nnx.quant import QuantizedEmbedding
+
+    ckpt_dir = os.fspath(ckpt_dir)
+    meta = read_metadata(ckpt_dir)
+    config = load_config(ckpt_dir)
+    param_dtype = _dtype(dtype, "dtype") or jnp.dtype(meta["dtype"])
+    compute = _dtype(compute_dtype, "compute_dtype") or default_compute_dtype(param_dtype)
+    where = _sharding_fn(sharding)
+
+    model = abstract_model(config, compute, param_dtype)
+    ple = meta.get("ple") or {}
+    bits = ple.get("bits")
+    if config.use_ple and bits:
+        n = config.num_hidden_layers * config.hidden_size_per_layer_input
+        model.embed_tokens_per_layer = nnx.eval_shape(lambda: QuantizedEmbedding(
+            config.vocab_size_per_layer_input, n, bits=bits, group=ple["group"], dtype=compute))
+    variables = variables_by_path(model)
+    paths = [e.path for e in name_map(config)]
+    if config.use_ple and bits:
+        paths = [p for p in paths if p[:1] != PLE_PATH] + [PLE_PATH + ("codes",), PLE_PATH + ("scales",)]
+
+    target = {}
+    for path in paths:
+        var = variables[path]
+        want = var.get_value()
+        target[path] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=where(path))
+
+    item = ocp.args.StandardRestore(nest(target))
+    try:
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+            restored = ckptr.restore(os.path.abspath(os.path.join(ckpt_dir, PARAMS_DIR)), args=item)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise CheckpointError(f"{ckpt_dir}: the parameters do not match gemma4_config.json or are damaged "
+                              f"({type(e).__name__}: {str(e)[:500]}); convert the checkpoint again") from None
+    flat = _flatten(restored)
+    for path in paths:
+        variables[path].set_value(flat[tuple(map(str, path))])
+    left = [".".join(map(str, p)) for p, v in variables_by_path(model).items()
+            if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    if left:
+        raise CheckpointError(f"{ckpt_dir}: parameters left unfilled: {left}")
+    return model
+
+
+def load_tokenizer(ckpt_dir: str | os.PathLike):
+    """The tokenizer stored in a converted checkpoint (same as `gemma4_nnx.load_tokenizer`)."""
+    from gemma4_nnx.tokenizer import load_tokenizer as _load
+
+    return _load(ckpt_dir)

@@ -1,0 +1,127 @@
+"""`gemma4-generate CKPT --prompt TEXT | --chat TEXT [...]`: stream generated text to stdout.
+
+CKPT is a converted Orbax checkpoint directory (`gemma4-convert`, loaded with `gemma4_nnx.load`)
+or an HF checkpoint directory (config.json + *.safetensors, loaded with `gemma4_nnx.from_hf`). The
+tokenizer is read from the same directory (or `--tokenizer`).
+
+Prompts and BOS: `--prompt` text is encoded with exactly one leading <bos> (the tokenizer's BOS
+rule: prepended unless the text already starts with <bos>); `--chat` wraps the message in Gemma 4's
+chat format (`<bos><|turn>user\\n...<turn|>\\n<|turn>model\\n`, optional `--system` and `--thinking`),
+which also starts with one <bos>. Generation stops at <eos>, <turn|> or <|tool_response>, at a
+`--stop` string, or after `--max-new-tokens`. Stop tokens are not printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gemma4-generate", description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", help="converted (Orbax) or HF checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text prompt (one <bos> is prepended)")
+    src.add_argument("--chat", help="a user message, formatted as a Gemma 4 chat turn")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--thinking", action="store_true", help="turn thinking on (with --chat)")
+    p.add_argument("--show-thinking", action="store_true", help="print the thought block too")
+    p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-length", type=int, help="cache slots (context); default: bucketed")
+    p.add_argument("--prefill-chunk", type=int, help="prefill the prompt in chunks of N tokens")
+    p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
+    p.add_argument("--compile-cache", default=os.environ.get("GEMMA4_COMPILE_CACHE"),
+                   help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)")
+    p.add_argument("--stats", action="store_true", help="print timings to stderr")
+    return p
+
+
+def load_model(path: str, dtype: str | None = None):
+    """An Orbax checkpoint dir (`gemma4-convert` output) via `load`, else an HF dir via `from_hf`."""
+    import jax.numpy as jnp
+
+    import gemma4_nnx
+
+    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
+            os.path.join(path, "gemma4_config.json")):
+        kw = {"param_dtype": jnp.dtype(dtype)} if dtype else {}
+        return gemma4_nnx.from_hf(path, **kw)
+    return gemma4_nnx.load(path, dtype=dtype)
+
+
+def prompt_ids(tokenizer, args) -> list[int]:
+    """The prompt's token ids; always exactly one leading <bos> (see the module docstring)."""
+    from gemma4_nnx.tokenizer import encode_chat
+
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}]
+        return encode_chat(tokenizer, messages, thinking=args.thinking)
+    return tokenizer.encode(args.prompt, add_bos=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from gemma4_nnx.generate import enable_compilation_cache, generate_stream
+    from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, load_tokenizer
+
+    if args.compile_cache:
+        enable_compilation_cache(args.compile_cache)
+    try:
+        t0 = time.perf_counter()
+        tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
+        model = load_model(args.checkpoint, args.dtype)
+        t_load = time.perf_counter() - t0
+        ids = prompt_ids(tokenizer, args)
+        stops = set(tokenizer.stop_ids)
+        t1 = time.perf_counter()
+        t_first, n = None, 0
+        in_thought = False
+        out = sys.stdout
+        for step in generate_stream(model, [ids], args.max_new_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                    repetition_penalty=args.repetition_penalty, stop_strings=args.stop or None,
+                                    seed=args.seed, tokenizer=tokenizer, max_length=args.max_length,
+                                    prefill_chunk=args.prefill_chunk):
+            tok, piece = step.tokens[0], step.texts[0]
+            if t_first is None:
+                t_first = time.perf_counter() - t1
+            if tok is None:
+                break
+            n += 1
+            if tok in stops:
+                continue
+            if not args.show_thinking:  # hide <|channel>thought ... <channel|>
+                if START_OF_CHANNEL in piece:
+                    in_thought, piece = True, piece.split(START_OF_CHANNEL)[0]
+                if in_thought:
+                    if END_OF_CHANNEL in piece:
+                        in_thought, piece = False, piece.split(END_OF_CHANNEL, 1)[1].lstrip()
+                    else:
+                        continue
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+        if args.stats:
+            total = time.perf_counter() - t1
+            rate = (n - 1) / (total - t_first) if n > 1 and total > t_first else float("nan")
+            print(f"[load {t_load:.1f}s, prompt {len(ids)} tokens, first token {t_first:.2f}s, "
+                  f"{n} tokens, {rate:.2f} tok/s after the first]", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gemma4-generate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""HF safetensors -> Orbax conversion (`gemma4-convert SRC DST`), with the PLE table pre-quantized.
+
+Pipeline: read config.json -> match every tensor to the one name map (`gemma4_nnx.hf.plan_load`: all
+missing / unexpected / misshaped tensors reported at once) -> write each tensor as a streamed Orbax
+leaf (`gemma4_nnx.checkpoint.save_streaming`: one tensor at a time, row blocks of <= 64 MiB, the PLE
+table quantized block by block) into a temporary sibling directory -> config, tokenizer files,
+metadata.json -> rename to DST. An interrupted conversion therefore never leaves a directory named DST,
+and the temporary one lacks metadata.json, which `load` requires.
+
+Peak memory is one row block plus the largest transposed kernel (and, with a quantized PLE, its float32
+scales: 36.7 MB for E2B), not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from gemma4_nnx import checkpoint as ck
+from gemma4_nnx.config import Gemma4Config
+from gemma4_nnx.hf import CheckpointError, Entry, TensorInfo, plan_load, read_tensor, safetensors_files, text_tensors
+
+DTYPES = ("bfloat16", "float32")
+PLE_MODES = {"int4": 4, "int8": 8, "none": None}
+#: Files copied from SRC when present (the tokenizer and what generation needs).
+COPY_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "chat_template.json", "generation_config.json")
+BLOCK_BYTES = 64 * 2**20  # rows read and written per step (source bytes)
+QUANT_BLOCK_BYTES = 32 * 2**20  # smaller: quantize_rows holds ~3 float64 copies of its block
+
+
+# ---------------------------------------------------------------------------- progress
+class Progress:
+    """Bytes and tensors done, as a bar on stderr (redrawn in place on a terminal, a line per 10%
+    otherwise)."""
+
+    def __init__(self, total_bytes: int, total_tensors: int, enabled: bool, stream=None):
+        self.total_bytes, self.total_tensors = max(total_bytes, 1), total_tensors
+        self.bytes = self.tensors = 0
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self._last_draw = 0.0
+        self._last_decile = -1
+
+    def add(self, nbytes: int = 0, tensors: int = 0) -> None:
+        self.bytes += nbytes
+        self.tensors += tensors
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        done = self.bytes / self.total_bytes
+        if self.tty:
+            if now - self._last_draw > 0.2 or self.tensors == self.total_tensors:
+                self._last_draw = now
+                self.stream.write("\r" + self.line())
+                self.stream.flush()
+        elif int(done * 10) > self._last_decile:
+            self._last_decile = int(done * 10)
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+    def line(self) -> str:
+        done = self.bytes / self.total_bytes
+        bar = "#" * int(done * 30)
+        return (f"[{bar:<30}] {100 * done:5.1f}%  {self.bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB  "
+                f"{self.tensors}/{self.total_tensors} tensors  {time.monotonic() - self.start:.0f}s")
+
+    def close(self) -> None:
+        if self.enabled:  # the final state, whatever was drawn last
+            self.stream.write(("\r" if self.tty else "") + self.line() + "\n")
+            self.stream.flush()
+
+
+# ---------------------------------------------------------------------------- leaves
+def _rows_per_block(row_bytes: int, budget: int) -> int:
+    return max(1, budget // max(row_bytes, 1))
+
+
+def _tensor_leaf(entry: Entry, info: TensorInfo, dtype: np.dtype, progress: Progress) -> ck.LazyTensor:
+    """A streamed leaf for one mapped tensor: row blocks for untransposed tensors and per-expert blocks
+    for [E, in, out] experts; a whole read for transposed 2-D kernels (<= 12288 x 1536 for E2B)."""
+    shape = entry.nnx_shape(info.shape)
+    rows = info.shape[0] if info.shape else 1
+    src_row = info.nbytes // max(rows, 1)
+    whole = entry.transform == "T" or not info.shape
+    block = (shape[0] if shape else 1) if whole else _rows_per_block(src_row, BLOCK_BYTES)
+
+    def read(a: int, b: int) -> np.ndarray:
+        if whole:
+            x = entry.to_nnx(read_tensor(info))
+            progress.add(info.nbytes)
+        else:
+            x = entry.to_nnx(read_tensor(info, rows=(a, b)))
+            progress.add(src_row * (b - a))
+        return x.astype(dtype, copy=False)
+
+    def on_block(done: int, total: int) -> None:
+        if done == total:
+            progress.add(tensors=1)
+
+    return ck.LazyTensor(shape, dtype, read, block, on_block)
+
+
+class _QuantizedTable:
+    """The PLE table quantized block by block: `codes` and `scales` leaves share one pass.
+
+    Codes are written as they are produced; the float32 scales ([V, L*P/group], 36.7 MB for E2B) are
+    kept until their own leaf is written. Row-local quantization makes blocks bit-identical to
+    quantizing the whole table (gemma4_nnx.quant).
+    """
+
+    def __init__(self, info: TensorInfo, bits: int, group: int, progress: Progress):
+        self.info, self.bits, self.group, self.progress = info, bits, group, progress
+        self.rows, self.cols = info.shape
+        self.block = _rows_per_block(info.nbytes // self.rows, QUANT_BLOCK_BYTES)
+        self.scales = np.zeros((self.rows, self.cols // group), np.float32)
+        self.filled = np.zeros(-(-self.rows // self.block), bool)
+
+    def _quantize(self, a: int, b: int) -> np.ndarray:
+        from gemma4_nnx.quant import quantize_rows
+
+        codes, scales = quantize_rows(read_tensor(self.info, rows=(a, b)), self.bits, self.group)
+        self.scales[a:b] = scales
+        self.filled[a // self.block] = True
+        return codes
+
+    def leaves(self) -> dict[str, ck.LazyTensor]:
+        code_cols = self.cols // 2 if self.bits == 4 else self.cols
+        code_dtype = np.uint8 if self.bits == 4 else np.int8
+        row_bytes = self.info.nbytes // self.rows
+
+        def read_codes(a: int, b: int) -> np.ndarray:
+            codes = self._quantize(a, b)
+            self.progress.add(row_bytes * (b - a))
+            return codes
+
+        def read_scales(a: int, b: int) -> np.ndarray:
+            for i in range(a // self.block, -(-b // self.block)):
+                if not self.filled[i]:  # only if Orbax wrote scales before codes
+                    self._quantize(i * self.block, min(self.rows, (i + 1) * self.block))
+            return self.scales[a:b]
+
+        def done(n: int, total: int) -> None:
+            if n == total:
+                self.progress.add(tensors=1)
+
+        return {"codes": ck.LazyTensor((self.rows, code_cols), code_dtype, read_codes, self.block, done),
+                "scales": ck.LazyTensor(self.scales.shape, np.float32, read_scales, self.block)}
+
+
+# ---------------------------------------------------------------------------- conversion
+def _check_options(dtype: str, ple: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {DTYPES}")
+    if ple not in PLE_MODES:
+        raise ValueError(f"ple: {ple!r} is not one of {tuple(PLE_MODES)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(dst: str) -> None:
+    """Delete temporary directories of earlier conversions to `dst` whose process is gone."""
+    parent, name = os.path.split(dst)
+    prefix = f".{name}.tmp-"
+    for fn in os.listdir(parent or "."):
+        if fn.startswith(prefix):
+            try:
+                pid = int(fn[len(prefix):].split("-")[0])
+            except ValueError:
+                continue
+            if not _pid_alive(pid):
+                shutil.rmtree(os.path.join(parent, fn), ignore_errors=True)
+
+
+def _check_destination(src: str, dst: str, overwrite: bool) -> None:
+    if os.path.realpath(dst) == os.path.realpath(src):
+        raise ValueError(f"dst: {dst} is the source directory; choose another destination")
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it, "
+                                  "or choose another destination")
+        if not os.path.isdir(dst) or (os.listdir(dst) and not os.path.isfile(os.path.join(dst, ck.METADATA_FILE))):
+            raise FileExistsError(f"{dst} exists and is not a gemma4_nnx checkpoint; refusing to overwrite it "
+                                  "(delete it yourself if that is intended)")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"the parent directory of {dst} does not exist; create {parent} first")
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfloat16", ple: str = "int4",
+            overwrite: bool = False, progress: bool | None = None) -> str:
+    """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
+
+    Args:
+      src: HF directory: config.json, model.safetensors or a sharded index, tokenizer files.
+      dst: output directory; must not exist unless `overwrite` (and then must be a gemma4_nnx checkpoint).
+      dtype: "bfloat16" or "float32", the stored dtype of the float parameters.
+      ple: "int4", "int8" or "none": how the per-layer-embedding table is stored (one float32 scale per
+        (token, layer) slice of hidden_size_per_layer_input values).
+      overwrite: replace an existing checkpoint at `dst`.
+      progress: show the progress bar on stderr; None = only when stderr is a terminal.
+
+    Returns:
+      `dst` as an absolute path.
+
+    Raises:
+      FileNotFoundError, FileExistsError, ValueError (incl. CheckpointError) with a message naming the
+      problem; nothing is left at `dst` on failure.
+    """
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    _check_options(dtype, ple)
+    if os.path.isfile(src):  # a Gemma 3 GGUF: dequantized once into a cached HF-style dir (gemma4_nnx.gguf_import)
+        from gemma4_nnx.gguf_import import cached_hf_dir
+
+        src = cached_hf_dir(src, verbose=bool(progress))
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"source directory {src} does not exist")
+    config = Gemma4Config.from_hf(src)
+    files = safetensors_files(src)
+    plan = plan_load(config, text_tensors(src))
+    _check_destination(src, dst, overwrite)
+    _remove_stale_temps(dst)
+
+    out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    bits = PLE_MODES[ple] if config.use_ple else None
+    group = config.hidden_size_per_layer_input
+    bar = Progress(plan.total_bytes, len(plan.items), sys.stderr.isatty() if progress is None else progress)
+    leaves: dict[tuple, Any] = {}
+    for entry, info in plan.items:
+        if bits and entry.path[:1] == ck.PLE_PATH:
+            for name, leaf in _QuantizedTable(info, bits, group, bar).leaves().items():
+                leaves[ck.PLE_PATH + (name,)] = leaf
+        else:
+            leaves[entry.path] = _tensor_leaf(entry, info, out_dtype, bar)
+    for entry, hf_shape in getattr(plan, "defaults", ()):  # tensors the family may omit (Gemma 3 layer_scalar)
+        value = entry.to_nnx(np.full(hf_shape, entry.default, np.float32)).astype(out_dtype)
+        leaves[entry.path] = ck.LazyTensor(value.shape, out_dtype, lambda a, b, v=value: v[a:b], value.shape[0])
+    for entry, shape in plan.defaults:  # tensors the source may lack (Gemma 3 layer_scalar = 1)
+        value = entry.to_nnx(np.full(shape, entry.default, np.float32)).astype(out_dtype)
+        leaves[entry.path] = ck.LazyTensor(value.shape, out_dtype, lambda a, b, v=value: v[a:b], len(value))
+
+    parent, name = os.path.split(dst)
+    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)
+    try:
+        ck.save_streaming(os.path.join(tmp, ck.PARAMS_DIR), ck.nest(leaves))
+        bar.close()
+        _write_json(os.path.join(tmp, ck.CONFIG_FILE), config.to_json_dict())
+        shutil.copyfile(os.path.join(src, "config.json"), os.path.join(tmp, "hf_config.json"))
+        copied = [fn for fn in COPY_FILES if os.path.isfile(os.path.join(src, fn))]
+        for fn in copied:
+            shutil.copyfile(os.path.join(src, fn), os.path.join(tmp, fn))
+        meta = _metadata(src, files, config, dtype, bits, group, copied, plan.total_bytes, leaves)
+        _write_json(os.path.join(tmp, ck.METADATA_FILE), meta)  # last: its presence marks completeness
+        _fsync_dir(tmp)
+        _replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _metadata(src, files, config, dtype, bits, group, copied, src_bytes, leaves) -> dict[str, Any]:
+    from importlib import metadata as md
+
+    try:
+        version = md.version("gemma4_nnx")
+    except md.PackageNotFoundError:
+        version = "unknown"
+    ple = None
+    if bits:
+        ple = {"bits": bits, "group": group, "scheme": "symmetric absmax, codes in [-qmax, qmax]",
+               "codes": "uint8, two int4 per byte, element 2j in the low nibble" if bits == 4 else "int8",
+               "scales": "float32 [V, L*P/group]"}
+    return {
+        "format": ck.FORMAT, "format_version": ck.FORMAT_VERSION, "gemma4_nnx_version": version,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dtype": dtype, "ple": ple,
+        "params": ck.PARAMS_DIR, "num_arrays": len(leaves),
+        "param_bytes": int(sum(leaf.nbytes for leaf in leaves.values())),
+        "source": {"dir": src, "bytes": int(src_bytes),
+                   "files": [{"name": os.path.relpath(f, src), "bytes": os.path.getsize(f)}
+                             for f in [os.path.join(src, "config.json")] + files]},
+        "copied_files": copied,
+    }
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace(tmp: str, dst: str) -> None:
+    """Rename `tmp` to `dst`, moving an existing `dst` aside first and deleting it afterwards."""
+    old = None
+    if os.path.lexists(dst):
+        parent, name = os.path.split(dst)
+        old = os.path.join(parent, f".{name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    _fsync_dir(os.path.dirname(dst))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gemma4-convert",
+        description="Convert a Hugging Face Gemma 4 checkpoint (config.json + safetensors) into a gemma4_nnx "
+                    "Orbax checkpoint, with the per-layer-embedding table pre-quantized.")
+    p.add_argument("src", help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
+                               "or a Gemma 3 .gguf file (needs the gguf package)")
+    p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="stored dtype of float parameters")
+    p.add_argument("--ple", choices=tuple(PLE_MODES), default="int4",
+                   help="per-layer-embedding table storage: int4/int8 codes + float32 scale per (token, layer), "
+                        "or none (float, --dtype)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing gemma4_nnx checkpoint at DST")
+    bar = p.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
+                     help="always show the progress bar (default: when stderr is a terminal)")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`gemma4-convert SRC DST [--dtype] [--ple] [--overwrite]`; exits non-zero with a one-paragraph
+    message (no traceback) on bad input."""
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    t0 = time.monotonic()
+    try:
+        out = convert(args.src, args.dst, dtype=args.dtype, ple=args.ple, overwrite=args.overwrite,
+                      progress=args.progress)
+    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"{e.strerror or e} ({e.filename})" if getattr(e, "filename", None) else str(e))
+    except KeyboardInterrupt:
+        print("\ngemma4-convert: interrupted; nothing was written to the destination", file=sys.stderr)
+        sys.exit(130)
+    print(f"gemma4-convert: wrote {out} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return 0
+
+
+def _fail(message: str) -> None:
+    print(f"gemma4-convert: error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def _quiet_libraries() -> None:
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Export a `Gemma4` model back to a Hugging Face directory (model.safetensors + config.json).
+
+Tensor names and layouts come from `gemma4_nnx.hf.name_map` (`Entry.to_hf`), the same table the
+loaders use, so export cannot drift from import. LoRA wrappers are merged on the fly (the model is
+not modified); a quantized PLE table is dequantized (lossy by the quantization error). The result
+loads with `transformers.Gemma4ForCausalLM.from_pretrained(out_dir)`.
+
+Command: ``gemma4-export CKPT OUT [--dtype bfloat16] [--adapters DIR]`` where CKPT is a converted
+checkpoint (`gemma4-convert`) or an HF directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from gemma4_nnx.hf import name_map, variables_by_path
+
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
+              np.dtype(np.float64): "F64", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
+_DTYPE_NAMES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+#: Files copied from the source checkpoint next to the weights when present (tokenizer etc.).
+COPY_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+              "generation_config.json", "chat_template.jinja", "chat_template.json")
+_PLE = ("embed_tokens_per_layer",)
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write a single .safetensors file (tensors in the given order, 8-byte aligned header)."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    arrays = []
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {arr.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        arrays.append(arr)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for arr in arrays:
+            f.write(arr.tobytes())
+    os.replace(tmp, path)
+
+
+def _lora_kernels(model: nnx.Module) -> dict[tuple, np.ndarray]:
+    """Merged kernels of LoRA-wrapped projections, keyed by the kernel's path."""
+    from gemma4_nnx.finetune import LoRALinear
+
+    out = {}
+    for path, mod in nnx.iter_graph(model):
+        if isinstance(mod, LoRALinear):
+            k = mod.kernel[...]
+            out[tuple(path) + ("kernel",)] = np.asarray((k.astype(jnp.float32) + mod.delta()).astype(k.dtype))
+    return out
+
+
+def _dequantized_ple(module, chunk: int = 4096) -> np.ndarray:
+    rows = [np.asarray(module(jnp.arange(s, min(s + chunk, module.num_embeddings))).astype(jnp.float32))
+            for s in range(0, module.num_embeddings, chunk)]
+    return np.concatenate(rows, axis=0)
+
+
+def hf_tensors(model: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
+    """{HF name (with the `model.` prefix): array in HF layout} for every entry of the name map.
+
+    `dtype`: None keeps each parameter's own dtype; else a dtype (or "bfloat16"/"float32"/"float16")
+    every float tensor is cast to.
+    """
+    from gemma4_nnx.quant import QuantizedEmbedding
+
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
+        dtype = _DTYPE_NAMES[dtype]
+    target = None if dtype is None else np.dtype(dtype)
+    config = model.config
+    variables = variables_by_path(model)
+    merged = _lora_kernels(model)
+    out: dict[str, np.ndarray] = {}
+    missing = []
+    for entry in name_map(config):
+        if entry.path in merged:
+            value = merged[entry.path]
+        elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), QuantizedEmbedding):
+            value = _dequantized_ple(model.embed_tokens_per_layer)
+        elif entry.path in variables:
+            value = np.asarray(jax.device_get(variables[entry.path].get_value()))
+        else:
+            missing.append(".".join(map(str, entry.path)))
+            continue
+        if entry.default is not None and np.all(value == entry.default):
+            continue  # optional in the HF format (Gemma 3 has no layer_scalar)
+        src_dtype = value.dtype
+        value = entry.to_hf(value)
+        value = np.asarray(value).astype(target if target is not None else src_dtype)
+        out["model." + entry.hf_name] = value
+    if missing:
+        raise ValueError(f"model has no parameter at {missing[:10]} (total {len(missing)}); is it a Gemma4?")
+    return out
+
+
+def to_hf(model: nnx.Module, out_dir: str | os.PathLike, *, dtype=None, copy_from: str | os.PathLike | None = None,
+          ) -> str:
+    """Write `model` as an HF `Gemma4ForCausalLM` directory: model.safetensors + config.json.
+
+    dtype: None keeps the parameters' dtype; "bfloat16" / "float32" / "float16" (or a numpy/jax dtype)
+    casts every float tensor. LoRA adapters are merged on the fly. `copy_from`: a directory whose
+    tokenizer/generation files (`COPY_FILES`) are copied alongside. Returns `out_dir` (absolute).
+    """
+    from gemma4_nnx.model import Gemma4
+
+    if not isinstance(model, Gemma4):
+        raise ValueError(f"model must be a gemma4_nnx.Gemma4, got {type(model).__name__}")
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.isfile(out_dir):
+        raise ValueError(f"out_dir {out_dir} is a file; pass a directory")
+    tensors = hf_tensors(model, dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+    cfg = model.config.to_hf_dict()
+    dtypes = {str(np.dtype(v.dtype)) for v in tensors.values() if np.issubdtype(v.dtype, np.floating)
+              or v.dtype == ml_dtypes.bfloat16}
+    cfg["dtype"] = "bfloat16" if "bfloat16" in dtypes else ("float16" if "float16" in dtypes else "float32")
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    if copy_from is not None:
+        for fn in COPY_FILES:
+            src = os.path.join(os.fspath(copy_from), fn)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(out_dir, fn))
+    return out_dir
+
+
+def _load_any(path: str, dtype):
+    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
+            os.path.join(path, "gemma4_config.json")):
+        from gemma4_nnx.hf import from_hf
+
+        return from_hf(path, dtype=jnp.float32)
+    from gemma4_nnx.checkpoint import load
+
+    return load(path, dtype=dtype)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gemma4-export", description="Export a gemma4_nnx checkpoint (or an HF "
+                                "directory, e.g. with --adapters) to HF safetensors + config.json.")
+    p.add_argument("ckpt", help="converted checkpoint directory (gemma4-convert) or HF model directory")
+    p.add_argument("out", help="output directory (created)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPE_NAMES),
+                   help="dtype of the written tensors (default: the checkpoint's)")
+    p.add_argument("--adapters", default=None, help="LoRA adapters (save_adapters) to merge before export")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        model = _load_any(args.ckpt, None)
+        if args.adapters:
+            from gemma4_nnx.finetune import load_adapters, merge_lora
+
+            merge_lora(load_adapters(model, args.adapters))
+        out = to_hf(model, args.out, dtype=args.dtype, copy_from=args.ckpt)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gemma4-export: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

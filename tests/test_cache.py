@@ -1,0 +1,76 @@
+"""KV cache sizes (from abstract shapes, nothing allocated) and ring-buffer behaviour."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemma4_nnx import Gemma4, Gemma4Config
+from gemma4_nnx.cache import KV, LayerCache, cache_bytes
+
+KIB, MIB = 1024, 1024 * 1024
+
+
+def _abstract_cache_bytes(config: Gemma4Config, batch: int, max_length: int, dtype) -> tuple[int, int]:
+    """(K+V bytes, number of cache-owning layers) of `init_cache`, via nnx.eval_shape: no allocation."""
+    def build():
+        m = Gemma4(config, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        m.init_cache(batch, max_length, dtype)
+        return m
+
+    model = nnx.eval_shape(build)
+    owners = [layer.self_attn.cache for layer in model.layers if layer.self_attn.cache is not None]
+    leaves = [x.get_value() for c in owners for x in (c.k, c.v)]
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves), len(owners)
+
+
+def test_e2b_cache_bytes_match_formula():
+    config = Gemma4Config.e2b()
+    # 18 KiB per token of bf16 K+V over the 15 cache-owning layers (12 sliding x 1 KiB + 3 full x 2 KiB),
+    # as long as the context fits in the 512-slot ring.
+    per_token, owners = _abstract_cache_bytes(config, 1, 512, jnp.bfloat16)
+    assert owners == 15
+    assert per_token == 18 * KIB * 512 == cache_bytes(config, 1, 512, jnp.bfloat16)
+    # 8K context: the 12 sliding layers keep only their 512-slot ring (6 MiB), the 3 full layers 8192 slots.
+    at_8k, _ = _abstract_cache_bytes(config, 1, 8192, jnp.bfloat16)
+    assert at_8k == 54 * MIB == 6 * MIB + 48 * MIB, at_8k / MIB
+    assert cache_bytes(config, 1, 8192, jnp.bfloat16) == at_8k
+    assert cache_bytes(config, 4, 8192, jnp.bfloat16) == 4 * at_8k
+    # KV-consumer layers (15..34) own nothing: the sliding layers would cost 144 MiB without the ring.
+    assert cache_bytes(config, 1, 8192, jnp.bfloat16) < 144 * MIB
+
+
+def _kv(pos: list[list[int]], heads: int = 1, dim: int = 2) -> KV:
+    p = jnp.asarray(pos, jnp.int32)
+    val = jnp.broadcast_to(p[..., None, None].astype(jnp.float32), p.shape + (heads, dim))
+    return KV(val, -val, p)
+
+
+def test_ring_keeps_last_window_per_row_and_returns_history_plus_chunk():
+    cache = LayerCache(2, 4, 1, 2, ring=True, dtype=jnp.float32)
+    # row 0: positions 0..5 (wraps), row 1: 0..2 and then padding (-1)
+    seen = cache.update(_kv([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]]))
+    assert seen.pos.shape == (2, 4 + 6)  # empty ring ; chunk
+    stored = np.asarray(cache.pos[...])
+    assert sorted(stored[0].tolist()) == [2, 3, 4, 5]
+    assert sorted(stored[1].tolist()) == [-1, 0, 1, 2]
+    k = np.asarray(cache.k[...])[..., 0, 0]
+    np.testing.assert_array_equal(k[stored >= 0], stored[stored >= 0])  # slot content matches its position
+    seen = cache.update(_kv([[6], [3]]))
+    assert sorted(np.asarray(seen.pos[0]).tolist()) == [2, 3, 4, 5, 6]  # ring (before writing) + new
+    assert sorted(np.asarray(cache.pos[...][0]).tolist()) == [3, 4, 5, 6]
+    assert sorted(np.asarray(cache.pos[...][1]).tolist()) == [0, 1, 2, 3]
+
+
+def test_full_cache_writes_then_returns_everything_and_reset_rows():
+    cache = LayerCache(2, 8, 1, 2, ring=False, dtype=jnp.float32)
+    seen = cache.update(_kv([[0, 1, 2], [0, -1, -1]]))
+    assert seen.pos.shape == (2, 8)
+    assert np.asarray(seen.pos[0, :3]).tolist() == [0, 1, 2]
+    assert np.asarray(seen.pos[1]).tolist() == [0] + [-1] * 7
+    cache.reset_rows(jnp.asarray([False, True]))
+    assert np.asarray(cache.pos[...][1]).tolist() == [-1] * 8
+    assert np.asarray(cache.pos[...][0, :3]).tolist() == [0, 1, 2]

@@ -1,0 +1,258 @@
+"""Fine-tuning: training-path parity with transformers (forward, loss, gradients through KV sharing),
+LoRA memorization with frozen base weights, merge, adapter save/load, remat."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import gemma4_nnx
+from gemma4_nnx import finetune as ft
+from gemma4_nnx.hf import variables_by_path
+from tests import hf_fixtures as fx
+
+PROMPT = 4  # prompt tokens per row (masked out of the loss)
+
+
+def tiny_config(**over) -> gemma4_nnx.Gemma4Config:
+    """4 layers with KV sharing (sliding donor 0, full donor 1, consumers 2-3), PLE, double-wide MLP."""
+    S, F = fx.S, fx.F
+    d = dict(fx.VARIANTS["e2b"], model_type="gemma4_text", num_hidden_layers=4, layer_types=[S, F, S, F],
+             num_kv_shared_layers=2)
+    d.update(over)
+    return gemma4_nnx.Gemma4Config.from_hf(d)
+
+
+def random_model(config: gemma4_nnx.Gemma4Config, seed: int = 0) -> gemma4_nnx.Gemma4:
+    """A model filled from NumPy (no per-op JAX compiles): kernels N(0, 0.08), embeddings N(0, 0.5) so
+    logits can be sharp, norm scales 1 + N(0, 0.25), layer_scalar 1."""
+    from gemma4_nnx.hf import abstract_model
+
+    rng = np.random.default_rng(seed)
+    model = abstract_model(config, jnp.float32)
+    for path, var in variables_by_path(model).items():
+        shape = var.shape
+        if path[-1] == "layer_scalar":
+            value = np.ones(shape)
+        elif path[-1] in ("scale", "per_expert_scale"):
+            value = 1.0 + 0.25 * rng.standard_normal(shape)
+        elif path[-1] == "embedding":
+            value = 0.5 * rng.standard_normal(shape)
+        else:
+            value = 0.08 * rng.standard_normal(shape)
+        var.set_value(jnp.asarray(value, jnp.float32))
+    return model
+
+
+def tiny_model(seed: int = 0) -> gemma4_nnx.Gemma4:
+    return random_model(tiny_config(), seed)
+
+
+def micro_model(seed: int = 0) -> gemma4_nnx.Gemma4:
+    """2 layers: layer 0 a sliding KV donor, layer 1 its consumer (fast to compile)."""
+    cfg = tiny_config().replace(num_hidden_layers=2, layer_types=(fx.S, fx.S), num_kv_shared_layers=1)
+    return random_model(cfg, seed)
+
+
+def _loss_mask(ids: np.ndarray) -> np.ndarray:
+    mask = np.ones_like(ids, dtype=np.int32)
+    mask[:, :PROMPT] = 0
+    mask[1, : PROMPT + 2] = 0  # rows with different prompt lengths
+    return mask
+
+
+# ---------------------------------------------------------------------------- parity with transformers
+# Weights whose gradients are compared. Tiny e2b: layers 0-4 own K/V (sliding donor 3, full donor 4),
+# layers 5-9 are consumers, so the donors' k_proj gradients are sums over their consumers' attention.
+GRAD_WEIGHTS = {
+    "layers.3.self_attn.k_proj.weight": ("layers", 3, "self_attn", "k_proj", "kernel"),  # sliding donor
+    "layers.4.self_attn.v_proj.weight": ("layers", 4, "self_attn", "v_proj", "kernel"),  # full donor
+    "layers.6.self_attn.q_proj.weight": ("layers", 6, "self_attn", "q_proj", "kernel"),  # consumer
+    "layers.7.mlp.down_proj.weight": ("layers", 7, "mlp", "down_proj", "kernel"),  # double-wide MLP
+    "layers.8.post_attention_layernorm.weight": ("layers", 8, "post_attention_layernorm", "scale"),
+    "per_layer_model_projection.weight": ("per_layer_model_projection", "kernel"),
+    "embed_tokens.weight": ("embed_tokens", "embedding"),  # tied: input, PLE projection input and LM head
+}
+# Relative tolerance on gradients: max|ours - ref| <= GRAD_RTOL * max|ref| per tensor. Both sides
+# are float32 (unit roundoff 6e-8); the forward already differs by up to ~1e-5 relative in logits
+# (different summation orders in 10 layers, softmax and the softcap), and a gradient is a sum of
+# B*S*V such products, so agreement to ~1e-5 relative is what float32 can promise; 1e-4 leaves margin
+# while any real bug (a missing path through a consumer, a wrong mask) shows up at O(1).
+GRAD_RTOL = 1e-4
+
+
+@pytest.mark.reference
+def test_training_forward_loss_and_grads_match_transformers(hf_checkpoint):
+    import torch
+
+    hf_model, path = hf_checkpoint("e2b")
+    ids = fx.sample_ids(2, 11, seed=7)
+    mask = _loss_mask(ids)
+    labels = np.where(mask == 1, ids, -100)
+
+    hf_model.zero_grad(set_to_none=True)
+    params = dict(hf_model.named_parameters())
+    try:
+        with torch.enable_grad():
+            out = hf_model(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels))
+            out.loss.backward()
+        ref_logits = out.logits.detach().numpy()
+        ref_loss = float(out.loss.detach())
+        ref_grads = {n: params["model." + n].grad.numpy().copy() for n in GRAD_WEIGHTS}
+    finally:
+        hf_model.zero_grad(set_to_none=True)
+
+    model = gemma4_nnx.from_hf(path)
+    batch = {"input_ids": jnp.asarray(ids), "loss_mask": jnp.asarray(mask)}
+
+    @nnx.jit
+    def forward_and_grads(model, batch):
+        def f(m):
+            logits = m(batch["input_ids"])
+            return ft.masked_lm_loss(logits, batch["input_ids"], batch["loss_mask"]), logits
+        (loss, logits), grads = nnx.value_and_grad(f, has_aux=True)(model)
+        return loss, logits, grads
+
+    loss, logits, grads = forward_and_grads(model, batch)
+    diff = float(np.max(np.abs(np.asarray(logits) - ref_logits)))
+    assert diff <= 1e-4, f"training-path logits differ from transformers by {diff:.3g}"
+    assert abs(float(loss) - ref_loss) <= 1e-5 * max(1.0, ref_loss), f"loss {float(loss)} vs HF {ref_loss}"
+
+    flat = {tuple(p): v for p, v in nnx.to_flat_state(grads)}
+    report = []
+    for name, p in GRAD_WEIGHTS.items():
+        g = np.asarray(flat[p][...])
+        if p[-1] == "kernel":
+            g = g.T  # ours [in, out], HF [out, in]
+        ref = ref_grads[name]
+        assert g.shape == ref.shape, name
+        scale = float(np.max(np.abs(ref)))
+        err = float(np.max(np.abs(g - ref)))
+        report.append(f"{name}: max|g|={scale:.3g} err={err:.3g}")
+        assert scale > 0, f"{name}: reference gradient is zero, the check would be vacuous"
+        assert err <= GRAD_RTOL * scale, "gradient mismatch:\n" + "\n".join(report)
+
+
+def test_donor_k_proj_gradient_flows_through_consumers():
+    """Routing: the loss restricted to a consumer layer's path still moves the donor's k_proj."""
+    model = micro_model()
+    assert model.config.layers[1].kv_donor == 0
+    ids = jnp.asarray(fx.sample_ids(2, 10, seed=1))
+
+    # zero the donor layers' own attention output: the donor k_proj then only matters via consumers
+    for i in (0,):
+        o = model.layers[i].self_attn.o_proj.kernel
+        o[...] = jnp.zeros_like(o[...])
+
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(ids) ** 2)))(model)
+    g = np.asarray(dict(nnx.to_flat_state(grads))[("layers", 0, "self_attn", "k_proj", "kernel")][...])
+    assert np.max(np.abs(g)) > 1e-6, "no gradient reaches the sliding donor's k_proj through its consumer"
+
+
+# ---------------------------------------------------------------------------- LoRA
+@nnx.jit
+def _forward(model, ids):
+    return model(ids)
+
+
+MEMORIZE_STEPS = 80
+MEMORIZE_LOSS = 0.05  # nats/token: the 4 completions are reproduced almost deterministically
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny model with LoRA on every projection trained on 4 fixed sequences."""
+    model = tiny_model()
+    ids = fx.sample_ids(4, 12, seed=11)
+    batch = ft.make_batch([list(r[:PROMPT]) for r in ids], [list(r[PROMPT:]) for r in ids])
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    base_before = {p: np.array(v[...]) for p, v in variables_by_path(model).items()}
+    wrapped = ft.apply_lora(model, rank=8, alpha=16)
+    opt = ft.make_optimizer(model, optax.adam(1e-2))
+    losses = [float(ft.train_step(model, opt, batch)) for _ in range(MEMORIZE_STEPS)]
+    return dict(model=model, batch=batch, base_before=base_before, wrapped=wrapped, losses=losses, ids=ids)
+
+
+def test_lora_wraps_only_existing_projections(trained):
+    wrapped = set(trained["wrapped"])
+    assert "layers.0.self_attn.k_proj" in wrapped and "layers.3.self_attn.q_proj" in wrapped
+    assert not any(p.startswith(("layers.2.self_attn.k", "layers.3.self_attn.v")) for p in wrapped)
+    assert len(wrapped) == 2 * 4 + 2 * 2 + 4 * 3  # donors q,k,v,o; consumers q,o; 3 MLP projections
+    with pytest.raises(ValueError, match="rank"):
+        ft.apply_lora(tiny_model(), rank=0)
+    with pytest.raises(ValueError, match="matched no"):
+        ft.apply_lora(tiny_model(), targets=r"nothing_here$")
+
+
+def test_lora_memorizes_small_dataset(trained):
+    losses = trained["losses"]
+    assert losses[0] > 2.0, f"initial loss {losses[0]:.3f} already low: the test would be vacuous"
+    assert min(losses) < MEMORIZE_LOSS, f"loss did not fall below {MEMORIZE_LOSS} in {MEMORIZE_STEPS} steps: " \
+                                        f"first {losses[0]:.3f}, last {losses[-1]:.4f}"
+
+
+def test_base_weights_bit_identical_after_training(trained):
+    after = variables_by_path(trained["model"])
+    changed = [".".join(map(str, p)) for p, v in trained["base_before"].items()
+               if not np.array_equal(np.asarray(after[p][...]), v)]
+    assert not changed, f"frozen base weights changed: {changed[:5]}"
+    adapters = ft.adapter_paths(trained["model"])
+    assert adapters and all(p[-1] in ("lora_a", "lora_b") for p in adapters)
+
+
+def test_merged_model_logits_equal_adapted(trained):
+    model = trained["model"]
+    ids = jnp.asarray(trained["ids"])
+    adapted = np.asarray(_forward(model, ids))
+    merged = ft.merge_lora(nnx.clone(model))
+    assert not ft.lora_paths(merged)
+    assert all(type(m) is nnx.Linear for p, m in nnx.iter_graph(merged) if isinstance(m, nnx.Linear))
+    diff = float(np.max(np.abs(np.asarray(_forward(merged, ids)) - adapted)))
+    # float32: (x@W + (x@A)@B*s) vs x@(W + A@B*s) differ by reassociation only
+    assert diff <= 1e-4, f"merged vs adapted logits differ by {diff:.3g}"
+
+
+def test_adapters_save_load_round_trip(trained, tmp_path):
+    model = trained["model"]
+    ids = jnp.asarray(trained["ids"])
+    ft.save_adapters(model, tmp_path / "adapters")
+    fresh = tiny_model()  # same base weights (same seed), no adapters
+    ft.load_adapters(fresh, tmp_path / "adapters")
+    assert sorted(ft.lora_paths(fresh)) == sorted(trained["wrapped"])
+    assert np.array_equal(np.asarray(_forward(fresh, ids)), np.asarray(_forward(model, ids))), \
+        "adapter round trip changed logits"
+    with pytest.raises(ValueError, match="no LoRA"):
+        ft.save_adapters(tiny_model(), tmp_path / "none")
+
+
+def test_remat_step_equals_plain_step():
+    model = micro_model()
+    ft.apply_lora(model, rank=4)
+    ids = fx.sample_ids(2, 10, seed=5)
+    batch = {k: jnp.asarray(v) for k, v in ft.make_batch([list(r[:3]) for r in ids], [list(r[3:]) for r in ids])
+             .items()}
+    twin = nnx.clone(model)
+    twin.remat = True
+    opt, opt2 = ft.make_optimizer(model, optax.sgd(0.5)), ft.make_optimizer(twin, optax.sgd(0.5))
+    l1, l2 = ft.train_step(model, opt, batch), ft.train_step(twin, opt2, batch)
+    assert float(l1) == pytest.approx(float(l2), rel=1e-6)
+    a = nnx.to_flat_state(ft.adapter_state(model))
+    b = dict(nnx.to_flat_state(ft.adapter_state(twin)))
+    for p, v in a:
+        np.testing.assert_allclose(np.asarray(v[...]), np.asarray(b[p][...]), rtol=1e-5, atol=1e-6)
+
+
+def test_masked_loss_ignores_prompt_and_padding():
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 7))
+    ids = jnp.asarray([[1, 2, 3, 4, 5], [1, 2, 3, 0, 0]]) % 7
+    mask = jnp.asarray([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]])
+    logp = jax.nn.log_softmax(logits, -1)
+    want = -(logp[0, 1, ids[0, 2]] + logp[0, 2, ids[0, 3]] + logp[0, 3, ids[0, 4]] + logp[1, 1, ids[1, 2]]) / 4
+    assert float(ft.masked_lm_loss(logits, ids, mask)) == pytest.approx(float(want), rel=1e-6)
+    b = ft.make_batch([[2, 5], [2]], [[7, 8], [9]])
+    assert b["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
