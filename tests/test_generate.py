@@ -109,7 +109,9 @@ def test_select_rows_is_exact(models):
     full = np.asarray(model(ids))
     sel = jnp.asarray([[8], [3]])
     got = np.asarray(model(ids, select=sel))
-    assert _max_diff(got[:, 0], full[[0, 1], [8, 3]]) <= 1e-5
+    # Mathematically exact; numerically the sliced rows go through matmuls of other shapes, which XLA
+    # may block differently (jax 0.12 does): allow float32 rounding, the parity bound of the suite.
+    assert _max_diff(got[:, 0], full[[0, 1], [8, 3]]) <= 1e-4
 
 
 # ----------------------------------------------------------------------------- generate
