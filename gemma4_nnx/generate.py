@@ -356,12 +356,10 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
                                      keep_cache=keep_cache))
         return _collect(steps, len(prompts), return_logprobs, tokenizer)
 
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repetition_penalty)
-    params, rows, stops, context = _validate(model, prompts, max_new_tokens, stop_tokens, stop_strings, tokenizer,
-                                             max_length, prefill_chunk, sampling)
-    static = _Static(params, stops, bool(return_logprobs), _uses_penalty(params))
-    run = _Run(model, rows, max_new_tokens, static, seed, max_length, context, prefill_chunk, cache_dtype)
+    rows, stops, static, run = _start(model, prompts, max_new_tokens, stop_tokens, stop_strings, tokenizer,
+                                      max_length, prefill_chunk, cache_dtype, seed, return_logprobs,
+                                      dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                           repetition_penalty=repetition_penalty))
     cache, out, lps, lengths = _loop_jit(static, run.graphdef, run.weights, run.cache, run.tok, run.lp, run.pos,
                                          run.key, run.seen, run.done, jnp.int32(max_new_tokens), run.nb)
     run.cache = cache
@@ -377,6 +375,16 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
         logprobs.append(lps[r, :n].tolist())
     texts = [tokenizer.decode(t) for t in tokens] if tokenizer is not None else None
     return GenerateResult(tokens, reasons, logprobs if return_logprobs else None, texts)
+
+
+def _start(model, prompts, max_new_tokens, stop_tokens, stop_strings, tokenizer, max_length, prefill_chunk,
+           cache_dtype, seed, return_logprobs, sampling):
+    """Validate the arguments and prefill: the common start of `generate` and `generate_stream`."""
+    params, rows, stops, context = _validate(model, prompts, max_new_tokens, stop_tokens, stop_strings, tokenizer,
+                                             max_length, prefill_chunk, sampling)
+    static = _Static(params, stops, bool(return_logprobs), _uses_penalty(params))
+    run = _Run(model, rows, max_new_tokens, static, seed, max_length, context, prefill_chunk, cache_dtype)
+    return rows, stops, static, run
 
 
 def _uses_penalty(params: SamplingParams) -> bool:
@@ -395,12 +403,10 @@ def generate_stream(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     tokenizer, each step carries the new text of every row (multi-byte characters are held back until
     complete) and `stop_strings` end a row as soon as its text contains one (the piece is cut just
     before the stop string)."""
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repetition_penalty)
-    params, rows, stops, context = _validate(model, prompts, max_new_tokens, stop_tokens, stop_strings, tokenizer,
-                                             max_length, prefill_chunk, sampling)
-    static = _Static(params, stops, bool(return_logprobs), _uses_penalty(params))
-    run = _Run(model, rows, max_new_tokens, static, seed, max_length, context, prefill_chunk, cache_dtype)
+    rows, stops, static, run = _start(model, prompts, max_new_tokens, stop_tokens, stop_strings, tokenizer,
+                                      max_length, prefill_chunk, cache_dtype, seed, return_logprobs,
+                                      dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                           repetition_penalty=repetition_penalty))
     b = len(rows)
     decoders = [tokenizer.stream_decoder() for _ in range(b)] if tokenizer is not None else None
     texts_so_far = [""] * b

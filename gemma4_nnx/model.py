@@ -94,6 +94,7 @@ class Gemma4(nnx.Module):
             self.embed_tokens_per_layer = self.per_layer_model_projection = self.per_layer_projection_norm = None
         self.layers = nnx.List([DecoderLayer(config, spec, rngs=rngs, **kw) for spec in config.layers])
         self.norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.remat = False  # set True for training to rematerialize decoder layers
 
     # ------------------------------------------------------------------ pieces
     def per_layer_inputs(self, ids: Array, e: Array) -> Array:
@@ -172,14 +173,14 @@ class Gemma4(nnx.Module):
             if key not in ropes:
                 ropes[key] = rope_tables(positions, spec.rope, spec.head_dim, self.dtype)
         published: dict[int, KV] = {}
+        # `model.remat = True` (training): recompute each layer's activations in the backward pass.
+        call = nnx.remat(DecoderLayer.__call__) if self.remat else DecoderLayer.__call__
         for layer in self.layers:
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:
                 h, positions, ple, ropes = _take_rows((h, positions, ple, ropes), select)
                 select = None
             shared = published[spec.kv_donor] if spec.is_consumer else None
-            # `model.remat = True` (training): recompute each layer's activations in the backward pass.
-            call = nnx.remat(DecoderLayer.__call__) if getattr(self, "remat", False) else DecoderLayer.__call__
             h, kv = call(layer, h, ropes[(spec.type, spec.head_dim)], positions, k_pos,
                          None if ple is None else ple[:, :, spec.index], shared)
             if spec.stores_kv:
