@@ -69,6 +69,9 @@ __all__ = [
     "token_logprobs",
     "update_seen",
     "make_seen_mask",
+    "RowFeatures",
+    "sample_rows",
+    "row_arrays",
 ]
 
 
@@ -188,9 +191,14 @@ def _top_p_threshold(sorted_asc: jax.Array, top_p: float) -> jax.Array:
     ``cumsum <= 1 - top_p`` removal, in float32) so that the boundary token is
     decided with the same rounding as the reference.
     """
+    return _nucleus_threshold(sorted_asc, 1.0 - top_p)
+
+
+def _nucleus_threshold(sorted_asc: jax.Array, drop: float | jax.Array) -> jax.Array:
+    """`_top_p_threshold` given ``drop = 1 - top_p`` (a float, or float32 ``[B, 1]`` per row)."""
     probs = jax.nn.softmax(sorted_asc, axis=-1)
     cumulative = jnp.cumsum(probs, axis=-1)
-    remove = cumulative <= (1.0 - top_p)
+    remove = cumulative <= drop
     remove = remove.at[:, -1].set(False)  # always keep the most likely token
     # `remove` is a prefix (cumsum is monotone), so the kept suffix starts at
     # the smallest kept value.
@@ -360,3 +368,135 @@ def _out_of_range_to_v(ids: jax.Array, vocab_size: int) -> jax.Array:
     # out-of-range id to V, which mode="drop" scatters discard.
     ids = ids.astype(jnp.int32)
     return jnp.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-row sampling parameters (a server batches requests that each bring their own settings).
+@dataclasses.dataclass(frozen=True)
+class RowFeatures:
+    """Static summary of which filters *any* row of a batch uses (a ``jax.jit`` static argument).
+
+    With per-row parameter arrays the values are traced, so a server compiles one sampler per
+    distinct ``RowFeatures`` (at most 2 * 2 * 2 * 2 * #top-k buckets), not per temperature value.
+
+    Attributes:
+      sampled: some row has ``temperature > 0``.
+      top_k: 0 when no row uses top-k, else the static width of ``lax.top_k`` (>= every row's k).
+      top_p: some sampled row uses top-p.
+      full_sort: some sampled row uses top-p *without* top-k (needs a full sort of its row).
+      min_p: some sampled row uses min-p.
+      penalty: some row uses a repetition penalty.
+    """
+
+    sampled: bool = False
+    top_k: int = 0
+    top_p: bool = False
+    full_sort: bool = False
+    min_p: bool = False
+    penalty: bool = False
+
+
+def sample_rows(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p_drop: jax.Array,
+    min_p: jax.Array,
+    penalty: jax.Array,
+    seen_mask: jax.Array | None,
+    features: RowFeatures,
+) -> jax.Array:
+    """:func:`sample` with different parameters in every row.
+
+    Row ``r`` gets the token ``sample(logits[r:r+1], keys[r:r+1], SamplingParams(...row r...))``
+    would give: the same processors in the same order, expressed as per-row thresholds.
+
+    Args:
+      logits: ``[B, V]``.
+      keys: ``[B]`` typed PRNG keys (or raw ``uint32[B, 2]``), one per row.
+      temperature: ``float32[B]``, 0 = greedy row.
+      top_k: ``int32[B]``, 0 = off (values above V mean V).
+      top_p_drop: ``float32[B]``, ``1 - top_p`` computed on the host in float64 and then
+        rounded to float32, exactly as :func:`filter_logits` compares with the Python float
+        ``1 - top_p``; 0 = off. :func:`row_arrays` builds it.
+      min_p: ``float32[B]``, 0 = off.
+      penalty: ``float32[B]``, 1 = off.
+      seen_mask: ``[B, V]`` bool, needed when ``features.penalty``.
+      features: :class:`RowFeatures` of this batch.
+
+    Returns:
+      ``[B]`` int32 token ids.
+    """
+    logits = logits.astype(jnp.float32)
+    b, v = logits.shape
+    neg_inf = jnp.float32(-jnp.inf)
+    if features.penalty:
+        if seen_mask is None:
+            raise ValueError("features.penalty is set but seen_mask is None")
+        pen = penalty.astype(jnp.float32)[:, None]
+        use = seen_mask & (pen != 1.0)
+        logits = jnp.where(use, jnp.where(logits < 0, logits * pen, logits / pen), logits)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not features.sampled:
+        return greedy
+
+    t = temperature.astype(jnp.float32)[:, None]
+    x = jnp.where(t != 1.0, logits / jnp.where(t > 0, t, 1.0), logits)
+    threshold = jnp.full((b, 1), neg_inf)
+    k_row = jnp.clip(top_k.astype(jnp.int32), 0, v)[:, None]
+    drop = top_p_drop.astype(jnp.float32)[:, None]
+    use_p = drop > 0.0
+    if features.top_k:
+        width = min(features.top_k, v)
+        top_values = jax.lax.top_k(x, width)[0]  # [B, width], descending
+        kth = jnp.take_along_axis(top_values, jnp.clip(k_row - 1, 0, width - 1), axis=-1)
+        threshold = jnp.where(k_row > 0, kth, threshold)
+        if features.top_p:
+            # A top-k row's nucleus is computed over its k survivors (the rest have probability 0).
+            survivors = jnp.where(jnp.arange(width)[None, :] < k_row, top_values, neg_inf)
+            thr_p = _nucleus_threshold(survivors[:, ::-1], drop)
+            threshold = jnp.where(use_p & (k_row > 0), jnp.maximum(threshold, thr_p), threshold)
+    if features.full_sort:
+        thr_p = _nucleus_threshold(jnp.sort(x, axis=-1), drop)
+        threshold = jnp.where(use_p & (k_row == 0), thr_p, threshold)
+    x = jnp.where(x >= threshold, x, neg_inf)
+    if features.min_p:
+        probs = jax.nn.softmax(x, axis=-1)
+        top_prob = jnp.max(probs, axis=-1, keepdims=True)
+        x = jnp.where(probs < min_p.astype(jnp.float32)[:, None] * top_prob, neg_inf, x)
+    drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def row_arrays(params: list[SamplingParams], vocab_size: int) -> tuple[dict[str, "np.ndarray"], RowFeatures]:
+    """Per-row arrays (``temperature, top_k, top_p_drop, min_p, penalty``) and the batch's
+    :class:`RowFeatures` for :func:`sample_rows`, from one :class:`SamplingParams` per row.
+
+    The top-k width is the largest row k rounded up to a power of two (capped at V), so a server
+    compiles one sampler per power of two, not per k.
+    """
+    import numpy as np
+
+    temperature = np.array([p.temperature for p in params], np.float32)
+    sampled_rows = [p for p in params if not p.is_greedy]
+    top_k = np.array([min(p.top_k, vocab_size) if (p.top_k and not p.is_greedy) else 0 for p in params], np.int32)
+    drop = np.array([np.float32(1.0 - p.top_p) if (p.top_p is not None and p.top_p < 1.0 and not p.is_greedy)
+                     else 0.0 for p in params], np.float32)
+    min_p = np.array([p.min_p if (p.min_p is not None and not p.is_greedy) else 0.0 for p in params], np.float32)
+    penalty = np.array([p.repetition_penalty if p.repetition_penalty is not None else 1.0 for p in params],
+                       np.float32)
+    kmax = int(top_k.max()) if len(top_k) else 0
+    features = RowFeatures(
+        sampled=bool(sampled_rows),
+        top_k=min(_pow2(kmax), vocab_size) if kmax else 0,
+        top_p=bool((drop > 0).any()),
+        full_sort=bool(((drop > 0) & (top_k == 0)).any()),
+        min_p=bool((min_p > 0).any()),
+        penalty=bool((penalty != 1.0).any()),
+    )
+    return dict(temperature=temperature, top_k=top_k, top_p_drop=drop, min_p=min_p, penalty=penalty), features
