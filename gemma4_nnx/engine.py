@@ -225,6 +225,7 @@ class Engine:
         self._cv = threading.Condition()
         self._closed = False
         self.error: str | None = None
+        self.last_outcome: str | None = None  # "ok" / "error": how the last finished request ended
         self.stats: dict[str, Any] = dict(decode_steps=0, shared_decode_steps=0, max_rows_in_step=0,
                                           rows_decoded=0, prefills=0, prefill_rows=0, completed=0, cancelled=0,
                                           failed=0, tokens_generated=0)
@@ -358,6 +359,7 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         self.error = message
+        self.last_outcome = "error"
         for i, req in enumerate(self._slots):
             if req is not None:
                 self._slots[i] = None
@@ -480,6 +482,8 @@ class Engine:
         req.finish_reason = reason
         if reason is not None:
             self._slots[slot] = None
+            if reason != "cancelled":
+                self.last_outcome = "ok"
             self.stats["cancelled" if reason == "cancelled" else "completed"] += 1
         req.emit(Event(tok, text, lp, reason))
 

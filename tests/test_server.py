@@ -1,0 +1,362 @@
+"""The OpenAI-compatible server and its continuous-batching engine.
+
+One tiny E2B-like model (PLE, KV sharing, sliding ring of 4 slots) is exported to HF, converted to
+an Orbax checkpoint and loaded back, as a user would; the server runs on loopback in a thread and the
+official `openai` client talks to it. The reference for every output is `gemma4_nnx.generate` on the
+same loaded model, which the decode tests compare against transformers.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+import gemma4_nnx  # noqa: E402
+from gemma4_nnx.engine import Engine  # noqa: E402
+from gemma4_nnx.generate import generate  # noqa: E402
+from gemma4_nnx.tokenizer import StopMatcher, encode_chat  # noqa: E402
+from tests.test_generate import random_model  # noqa: E402
+
+MAX_BATCH = 4
+MAX_LENGTH = 64
+NAME = "tiny-gemma4"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(model, tokenizer, base_url, engine): a converted tiny checkpoint served on loopback."""
+    import uvicorn
+
+    from gemma4_nnx.server import create_app
+    from tests.test_tokenizer import _build_hf_json
+
+    root = tmp_path_factory.mktemp("serve")
+    _build_hf_json(root / "tokenizer.json")
+    tok = gemma4_nnx.load_tokenizer(root)
+    hf_dir, ckpt = root / "hf", root / "ckpt"
+    gemma4_nnx.to_hf(random_model("e2b", seed=3, vocab_size=tok.vocab_size), str(hf_dir))
+    (hf_dir / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+    gemma4_nnx.convert(str(hf_dir), str(ckpt), dtype="float32")
+    model = gemma4_nnx.load(str(ckpt))
+    tok = gemma4_nnx.load_tokenizer(ckpt)
+
+    engine = Engine(model, tok, max_batch=MAX_BATCH, max_length=MAX_LENGTH)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            status, _ = _get(port, "/health")
+            if status == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    else:
+        pytest.fail("the server did not become healthy within 300 s")
+    yield model, tok, port, engine
+    server.should_exit = True
+    thread.join(30)
+    engine.close()
+
+
+def _get(port, path):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path)
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def _post(port, path, body, *, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def _client(port):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _ref(model, tok, ids, n, **kw):
+    """generate() on the same loaded model: (text without stop-token text, finish reason, result)."""
+    res = generate(model, [ids], n, tokenizer=tok, max_length=MAX_LENGTH, return_logprobs=True, **kw)
+    toks = res.tokens[0]
+    stops = set(kw.get("stop_tokens", tok.stop_ids))
+    text = tok.decode([t for t in toks if t not in stops])
+    return text, res.finish_reasons[0], res
+
+
+# ----------------------------------------------------------------------------- endpoints
+def test_health_models_and_warmup_generation(served):
+    _, _, port, engine = served
+    status, body = _get(port, "/health")
+    assert status == 200 and body["ready"] and body["status"] == "ok"
+    # Ready means a real generation ran: the warm-up's prefill and decode step show in the counters.
+    _, m = _get(port, "/metrics")
+    assert m["completed"] >= 1 and m["decode_steps"] >= 1 and m["compiled_programs"]["decode"] == 1
+    models = _client(port).models.list()
+    assert [x.id for x in models.data] == [NAME]
+
+
+def test_text_completion_greedy_equals_generate(served):
+    model, tok, port, _ = served
+    client = _client(port)
+    prompt = "the model reads the text"
+    ids = tok.encode(prompt, add_bos=True)
+    text, _, res = _ref(model, tok, ids, 10, stop_tokens=[])
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    c = out.choices[0]
+    assert c.text == text and c.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10
+    # logprobs: the raw model log-softmax of each chosen token; same numbers as generate up to float32
+    # rounding of a different batch shape (4 rows here, 1 there).
+    np.testing.assert_allclose(c.logprobs.token_logprobs, res.logprobs[0], atol=1e-4)
+    # Streaming gives the same text, piece by piece.
+    pieces = [ch.choices[0].text for ch in client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True})]
+    assert "".join(pieces) == text and len([p for p in pieces if p]) > 1
+
+
+def test_token_id_prompt_and_default_stops(served):
+    """A list of token ids is used as given; with the default stops a row ends at its stop token,
+    whose text is not shown."""
+    model, tok, port, _ = served
+    ids = tok.encode("hello world", add_bos=True)
+    text, reason, res = _ref(model, tok, ids, 12)
+    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 12,
+                                                   "temperature": 0})
+    assert status == 200
+    assert body["choices"][0]["text"] == text
+    assert body["choices"][0]["finish_reason"] == ("stop" if reason == "stop" else "length")
+    assert body["usage"]["completion_tokens"] == len(res.tokens[0])
+
+
+def test_chat_greedy_equals_generate_streaming_and_not(served):
+    model, tok, port, _ = served
+    client = _client(port)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    ids = encode_chat(tok, messages)
+    text, _, _ = _ref(model, tok, ids, 8, stop_tokens=[])
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == text
+    assert out.usage.prompt_tokens == len(ids) and out.usage.total_tokens == len(ids) + 8
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_seeded_sampling_equals_generate(served):
+    """Per-request sampling parameters and seed: the same tokens generate() draws with that seed."""
+    model, tok, port, _ = served
+    ids = tok.encode("sampling with a seed", add_bos=True)
+    kw = dict(temperature=0.9, top_k=20, top_p=0.9)
+    text, _, _ = _ref(model, tok, ids, 10, stop_tokens=[], seed=11, **kw)
+    body = {"model": NAME, "prompt": "sampling with a seed", "max_tokens": 10, "seed": 11, "ignore_eos": True, **kw}
+    assert _post(port, "/v1/completions", body)[1]["choices"][0]["text"] == text
+    other = _post(port, "/v1/completions", dict(body, seed=12))[1]["choices"][0]["text"]
+    assert other != text  # the seed matters (10 draws at temperature 0.9 from a 700-token vocabulary)
+
+
+def test_stop_string_cuts_the_text(served):
+    model, tok, port, _ = served
+    prompt = "the text"
+    text, _, _ = _ref(model, tok, tok.encode(prompt, add_bos=True), 12, stop_tokens=[])
+    stop = text[3:6]
+    assert len(stop) == 3
+    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 12,
+                                                   "temperature": 0, "stop": [stop], "ignore_eos": True})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == text[: text.find(stop)]
+
+
+def test_stop_matcher_holds_back_a_stop_string_spanning_pieces():
+    m = StopMatcher(["END", "xyz"])
+    shown = [m.feed(p) for p in ["abc E", "N", "D tail"]]
+    assert shown == ["abc ", "", ""] and m.hit
+    m = StopMatcher(["END"])
+    assert [m.feed(p) for p in ["a E", "Nd", "!"]] + [m.flush()] == ["a ", "ENd", "!", ""]
+    m = StopMatcher(["END"])
+    assert m.feed("x EN") == "x " and m.flush() == "EN"  # no stop completed: the held text comes out
+
+
+# ----------------------------------------------------------------------------- batching
+def test_concurrent_requests_share_decode_steps_and_equal_each_alone(served):
+    """More concurrent requests than batch rows: every one returns exactly what it returns alone,
+    rows are reused, and the engine ran them in shared decode steps."""
+    model, tok, port, _ = served
+    prompts = [f"request number {i} says" + " more" * i for i in range(MAX_BATCH + 2)]
+    refs = [_ref(model, tok, tok.encode(p, add_bos=True), 16, stop_tokens=[])[0] for p in prompts]
+    _, before = _get(port, "/metrics")
+    client = _client(port)
+
+    def one(p):
+        return client.completions.create(model=NAME, prompt=p, max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(one, prompts))
+    assert outs == refs
+    _, after = _get(port, "/metrics")
+    assert after["shared_decode_steps"] > before["shared_decode_steps"]
+    assert after["max_rows_in_step"] >= 2
+    steps = after["decode_steps"] - before["decode_steps"]
+    tokens = after["tokens_generated"] - before["tokens_generated"]
+    assert tokens == 16 * len(prompts) and steps < tokens  # sequentially it would take 15 steps each
+    assert after["compiled_programs"]["decode"] == 1  # one decode program whatever the mix
+    assert after["active_rows"] == 0
+
+
+def test_engine_alone_batches_a_list_of_prompts(served):
+    """A list of prompts in one completions request: one choice per prompt, in order."""
+    model, tok, port, _ = served
+    prompts = ["one", "two three", "four five six"]
+    refs = [_ref(model, tok, tok.encode(p, add_bos=True), 6, stop_tokens=[])[0] for p in prompts]
+    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": prompts, "max_tokens": 6,
+                                                   "temperature": 0, "ignore_eos": True})
+    assert status == 200
+    assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == refs
+    assert body["usage"]["completion_tokens"] == 18
+
+
+# ----------------------------------------------------------------------------- bad input
+BAD = [
+    ({"prompt": "x", "max_tokens": 4}, "model", 400, None),
+    ({"model": "gpt-4", "prompt": "x"}, "model", 404, "model_not_found"),
+    ({"model": NAME, "prompt": "x", "temperature": -1}, "temperature", 400, None),
+    ({"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature", 400, None),
+    ({"model": NAME, "prompt": "x", "top_p": 0}, "top_p", 400, None),
+    ({"model": NAME, "prompt": "x", "max_tokens": 0}, "max_tokens", 400, None),
+    ({"model": NAME, "prompt": "x", "min_p": 2}, "min_p", 400, None),
+    ({"model": NAME, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400, None),
+    ({"model": NAME, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty", 400, None),
+    ({"model": NAME, "prompt": "x", "n": 2}, "n", 400, None),
+    ({"model": NAME, "prompt": "x", "stop": [""]}, "stop", 400, None),
+    ({"model": NAME, "prompt": "x", "seed": "s"}, "seed", 400, None),
+    ({"model": NAME, "prompt": ""}, "prompt", 400, None),
+    ({"model": NAME, "prompt": [1, 2, 10**9]}, "prompt", 400, None),
+    ({"model": NAME, "prompt": "word " * 80}, "prompt", 400, "context_length_exceeded"),
+    ({"model": NAME, "prompt": "x", "max_tokens": MAX_LENGTH}, "max_tokens", 400, "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("body,param,status,code", BAD)
+def test_bad_completion_requests_get_openai_errors(served, body, param, status, code):
+    port = served[2]
+    got, err = _post(port, "/v1/completions", body)
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    assert err["error"]["param"] == param and err["error"]["code"] == code
+
+
+def test_bad_chat_requests_and_malformed_json_do_not_hurt_the_server(served):
+    model, tok, port, _ = served
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        status, err = _post(port, "/v1/chat/completions", None, raw=raw)
+        assert status == 400 and "error" in err
+    for messages in ([], [{"role": "tool", "content": "x"}], [{"role": "user", "content": 3}],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                     [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]):
+        status, err = _post(port, "/v1/chat/completions", {"model": NAME, "messages": messages})
+        assert status == 400 and err["error"]["param"] == "messages", (messages, err)
+    status, err = _post(port, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                                       "logprobs": True, "top_logprobs": 3})
+    assert status == 400 and err["error"]["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError):
+        _client(port).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                              temperature=5)
+    status, err = _get(port, "/v1/nothing-here")
+    assert status == 404 and "error" in err
+    # Still healthy, and still right.
+    assert _get(port, "/health")[0] == 200
+    ids = tok.encode("still fine", add_bos=True)
+    assert _post(port, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 4, "temperature": 0,
+                                           "ignore_eos": True})[1]["choices"][0]["text"] == \
+        _ref(model, tok, ids, 4, stop_tokens=[])[0]
+
+
+def test_client_disconnect_mid_stream_frees_its_row(served):
+    _, _, port, _ = served
+    _, before = _get(port, "/metrics")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": NAME, "prompt": "a long story", "max_tokens": 50, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    first = r.readline()
+    assert first.startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        _, m = _get(port, "/metrics")
+        if m["cancelled"] > before["cancelled"] and m["active_rows"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the disconnected request kept its row: {m}")
+    # It stopped early: far fewer than its 50 tokens were generated.
+    assert m["tokens_generated"] - before["tokens_generated"] < 50
+    assert _get(port, "/health")[0] == 200
+
+
+# ----------------------------------------------------------------------------- engine and health
+def test_health_reflects_a_dead_engine(served):
+    """/health reports the engine, not the process: an engine that is gone before the warm-up
+    generation is 503, and completions get a 503 server_error."""
+    import uvicorn
+
+    from gemma4_nnx.server import create_app
+
+    model, tok, _, _ = served
+    engine = Engine(model, tok, max_batch=1, max_length=16)
+    engine.close()  # dead before it ever generated
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                status, body = _get(port, "/health")
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.1)
+        time.sleep(0.5)  # the warm-up had its chance
+        status, body = _get(port, "/health")
+        assert status == 503 and not body["ready"] and not body["engine_alive"] and body["warmup_error"]
+        status, err = _post(port, "/v1/completions", {"model": NAME, "prompt": "x"})
+        assert status == 503 and err["error"]["type"] == "server_error"
+    finally:
+        server.should_exit = True
+        thread.join(30)
