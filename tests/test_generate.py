@@ -344,3 +344,23 @@ def test_cli_chat_keeps_bos_and_streams(chat_setup, capsys, tmp_path):
     for s in stops:
         want = want.replace(s, "")
     assert out == want + "\n"
+
+
+def test_cli_on_a_converted_orbax_checkpoint(chat_setup, capsys, tmp_path):
+    """gemma4-generate on the converter's output (Orbax, loaded with `load`): the streamed text equals
+    generate() on the same loaded model, stop tokens not printed."""
+    from gemma4_nnx import cli_generate
+
+    tok, model, tok_dir = chat_setup
+    hf_dir, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    gemma4_nnx.to_hf(model, str(hf_dir))
+    (hf_dir / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    gemma4_nnx.convert(str(hf_dir), str(ckpt), dtype="float32")
+    assert (ckpt / "gemma4_config.json").is_file() and (ckpt / "tokenizer.json").is_file()
+    rc = cli_generate.main([str(ckpt), "--prompt", "the model reads", "--max-new-tokens", "9"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    loaded = gemma4_nnx.load(str(ckpt))
+    ref = generate(loaded, [tok.encode("the model reads", add_bos=True)], 9, tokenizer=tok)
+    want = tok.decode([t for t in ref.tokens[0] if t not in set(tok.stop_ids)])
+    assert out == want + "\n" and len(want) > 0
