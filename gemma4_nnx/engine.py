@@ -19,8 +19,9 @@ Sampling: each row carries its own `SamplingParams` (`sampling.sample_rows`); a 
 `s` draws from `fold_in(fold_in(key(s), 0), step)` exactly like row 0 of
 `generate(..., seed=s)`, so greedy *and* seeded sampled output equal `generate` for the same prompt.
 
-Compilations: one decode-step program per process (the batch is always `max_batch` rows and the
-cache `max_length` slots); a prefill program per (power-of-two number of joining rows, prompt
+Compilations: a decode-step program per power-of-two row count m <= `max_batch` (a step decodes the
+first m rows, m covering every active row; rows are taken lowest first, so few requests cost a
+small step); a prefill program per (power-of-two number of joining rows, prompt
 bucket) with the prompt bucket as in `generate` (or `prefill_chunk` columns); a sampler per
 distinct `RowFeatures` (which filters any row uses; at most a few dozen).
 
@@ -153,10 +154,16 @@ def _prefill(graphdef, weights, cache, rows, ids, positions, valid, last_col, la
     return jnp.where(here[:, None], logits, last_logits), _put_rows(cache, part, rows)
 
 
-def _decode(graphdef, weights, cache, tok, pos, active):
-    """One token for every row; inactive rows are masked (they write nothing)."""
-    return _forward(graphdef, weights, cache, tok[:, None], jnp.where(active, pos, -1)[:, None], active[:, None],
-                    jnp.zeros((tok.shape[0], 1), jnp.int32))
+def _decode(rows: int, graphdef, weights, cache, tok, pos, active):
+    """One token for each of the first `rows` rows (a power of two covering every active row);
+    inactive rows among them are masked (they write nothing). The other rows' caches are untouched."""
+    full = jax.tree_util.tree_leaves(cache)[0].shape[0]
+    part = cache if rows == full else jax.tree_util.tree_map(lambda x: x[:rows], cache)
+    logits, part = _forward(graphdef, weights, part, tok[:, None], jnp.where(active, pos, -1)[:, None],
+                            active[:, None], jnp.zeros((rows, 1), jnp.int32))
+    if rows != full:
+        part = jax.tree_util.tree_map(lambda x, p: jax.lax.dynamic_update_slice_in_dim(x, p, 0, axis=0), cache, part)
+    return logits, part
 
 
 def _sample(features: RowFeatures, logits, key_data, steps, temperature, top_k, top_p_drop, min_p, penalty, seen,
@@ -171,8 +178,8 @@ def _sample(features: RowFeatures, logits, key_data, steps, temperature, top_k, 
 
 
 _prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
-_decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=(2,))
-_sample_jit = jax.jit(_sample, static_argnums=0, donate_argnums=(9,))
+_decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
+_sample_jit = jax.jit(_sample, static_argnums=0)
 
 
 @jax.jit
@@ -220,7 +227,6 @@ class Engine:
         self._tok = np.zeros(n, np.int32)
         self._pos = np.zeros(n, np.int32)
         self._key_data = np.zeros((n, 2), np.uint32)
-        self._params: list[SamplingParams] = [SamplingParams()] * n
         self._pending: deque[EngineRequest] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -405,7 +411,6 @@ class Engine:
         self.stats["prefills"] += 1
         self.stats["prefill_rows"] += k
         for slot, req in pairs:
-            self._params[slot] = req.params
             self._pos[slot] = len(req.prompt)
             self._key_data[slot] = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(req.seed), 0)))
             if self.tokenizer is not None:
@@ -437,16 +442,21 @@ class Engine:
     def _step(self) -> None:
         active = np.array([s is not None for s in self._slots])
         n_active = int(active.sum())
-        logits, self._cache = _decode_jit(self._graphdef, self._weights, self._cache, jnp.asarray(self._tok),
-                                          jnp.asarray(self._pos), jnp.asarray(active))
-        arrays, features = row_arrays(self._params, self.vocab_size)
-        steps = np.array([len(s.tokens) if s is not None else 0 for s in self._slots], np.int32)
-        seen = self._seen if features.penalty else jnp.zeros((self.max_batch, 1), bool)
-        tok, lp, seen = _sample_jit(features, logits, jnp.asarray(self._key_data), jnp.asarray(steps),
+        # Decode only the first m rows, m a power of two covering every active row (rows are taken
+        # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
+        m = min(_pow2(int(np.flatnonzero(active).max()) + 1), self.max_batch)
+        act = active[:m]
+        logits, self._cache = _decode_jit(m, self._graphdef, self._weights, self._cache,
+                                          jnp.asarray(self._tok[:m]), jnp.asarray(self._pos[:m]), jnp.asarray(act))
+        arrays, features = row_arrays([s.params if s is not None else SamplingParams() for s in self._slots[:m]],
+                                      self.vocab_size)
+        steps = np.array([len(s.tokens) if s is not None else 0 for s in self._slots[:m]], np.int32)
+        seen = self._seen[:m] if features.penalty else jnp.zeros((m, 1), bool)
+        tok, lp, seen = _sample_jit(features, logits, jnp.asarray(self._key_data[:m]), jnp.asarray(steps),
                                     **{n: jnp.asarray(a) for n, a in arrays.items()}, seen=seen,
-                                    active=jnp.asarray(active))
+                                    active=jnp.asarray(act))
         if features.penalty:
-            self._seen = seen
+            self._seen = _set_seen(self._seen, jnp.arange(m), seen)
         self._pos = self._pos + active.astype(np.int32)
         self.stats["decode_steps"] += 1
         self.stats["rows_decoded"] += n_active
