@@ -56,6 +56,7 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx.sampling import SamplingParams, sample, token_logprobs, update_seen
+from gemma4_nnx.tokenizer import StopMatcher
 
 Array = jax.Array
 
@@ -401,15 +402,16 @@ def generate_stream(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     """Like :func:`generate`, but yields a :class:`StreamStep` after every decode step (the first
     after prefill). Same arguments and the same tokens as `generate` for the same seed. With a
     tokenizer, each step carries the new text of every row (multi-byte characters are held back until
-    complete) and `stop_strings` end a row as soon as its text contains one (the piece is cut just
-    before the stop string)."""
+    complete) and `stop_strings` end a row as soon as its text contains one, even one spanning several
+    tokens: text that may begin a stop string is held back until decided, so no part of a stop
+    string is ever yielded (`tokenizer.StopMatcher`)."""
     rows, stops, static, run = _start(model, prompts, max_new_tokens, stop_tokens, stop_strings, tokenizer,
                                       max_length, prefill_chunk, cache_dtype, seed, return_logprobs,
                                       dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                            repetition_penalty=repetition_penalty))
     b = len(rows)
     decoders = [tokenizer.stream_decoder() for _ in range(b)] if tokenizer is not None else None
-    texts_so_far = [""] * b
+    matchers = [StopMatcher(stop_strings) for _ in range(b)] if stop_strings else None
     finished = [False] * b
     reasons: list[str | None] = [None] * b
     stop_strings = list(stop_strings or ())
@@ -430,11 +432,12 @@ def generate_stream(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                     piece = decoders[r].feed(out_tok[r])
                     if done_h[r] or last:
                         piece += decoders[r].flush()
-                    if stop_strings:
-                        piece, hit = _cut_stop(texts_so_far[r], piece, stop_strings)
-                        if hit:
+                    if matchers is not None:  # holds back text that may begin a stop string
+                        piece = matchers[r].feed(piece)
+                        if matchers[r].hit:
                             reasons[r] = "stop_string"
-                    texts_so_far[r] += piece
+                        elif done_h[r] or last:
+                            piece += matchers[r].flush()
                     out_txt[r] = piece
                 if reasons[r] is None and done_h[r]:
                     reasons[r] = "stop"
@@ -450,16 +453,6 @@ def generate_stream(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
             run.pos = run.pos + 1
     finally:
         run.finish(keep_cache)
-
-
-def _cut_stop(before: str, piece: str, stop_strings: list[str]) -> tuple[str, bool]:
-    """Cut `piece` before the first stop string found in before + piece (which may span pieces)."""
-    text = before + piece
-    cut = min((i for i in (text.find(s, max(0, len(before) - len(s) + 1)) for s in stop_strings) if i >= 0),
-              default=-1)
-    if cut < 0:
-        return piece, False
-    return text[len(before):cut] if cut >= len(before) else "", True
 
 
 def _collect(steps: list[StreamStep], n: int, with_lp: bool, tokenizer) -> GenerateResult:

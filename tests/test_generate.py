@@ -364,3 +364,22 @@ def test_cli_on_a_converted_orbax_checkpoint(chat_setup, capsys, tmp_path):
     ref = generate(loaded, [tok.encode("the model reads", add_bos=True)], 9, tokenizer=tok)
     want = tok.decode([t for t in ref.tokens[0] if t not in set(tok.stop_ids)])
     assert out == want + "\n" and len(want) > 0
+
+
+def test_stop_string_spanning_tokens_is_cut_whole(chat_setup):
+    """A stop string made of the end of one token's text and the start of the next: no part of it
+    reaches the output, streamed or not (the held-back text is decided by the next piece)."""
+    tok, model, _ = chat_setup
+    ids = tok.encode("the model", add_bos=True)
+    free = generate(model, [ids], 12, tokenizer=tok, stop_tokens=[])
+    pieces = [tok.decode(free.tokens[0][: i + 1])[len(tok.decode(free.tokens[0][:i])):] for i in range(12)]
+    i = next(i for i in range(1, 11) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 1)
+    stop = pieces[i][-2:] + pieces[i + 1][:1]
+    text = free.texts[0]
+    want = text[: text.find(stop)]
+    res = generate(model, [ids], 12, tokenizer=tok, stop_tokens=[], stop_strings=[stop])
+    assert res.finish_reasons == ["stop_string"] and res.texts[0] == want
+    streamed = [st.texts[0] for st in generate_stream(model, [ids], 12, tokenizer=tok, stop_tokens=[],
+                                                      stop_strings=[stop])]
+    assert "".join(streamed) == want
+    assert all(stop[:2] not in p for p in streamed)  # never shown, even in part
