@@ -421,8 +421,8 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True) -> FastA
                             engine.cancel(r)
                         break
                     reason = None if ev.finish_reason is None else finish(ev.finish_reason)
-                    if ev.token is None and not ev.text and reason is None:
-                        continue
+                    if not ev.text and reason is None and (ev.token is None or not want_lp):
+                        continue  # nothing to show yet (e.g. text held back while a stop string may start)
                     if chat:
                         content, reasoning = routers[i].split(ev.text)
                         delta = {}
