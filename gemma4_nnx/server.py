@@ -10,7 +10,8 @@ Endpoints (shapes as in the OpenAI API reference):
   the model writes goes to `message.reasoning_content` (`delta.reasoning_content` when streaming),
   the rest to `content`; `"chat_template_kwargs": {"enable_thinking": true}` turns thinking on.
 * `POST /v1/completions`: `prompt` as a string (encoded with one leading <bos>), a list of
-  strings (one choice per prompt, all batched), or a list of token ids (used as given).
+  strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
+  token-id lists.
 * `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
   503 while the last request the engine ran failed); `GET /metrics` (engine counters as JSON:
   decode steps, how many were shared by several requests, rows in flight, compilations).
@@ -485,12 +486,13 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True) -> FastA
             texts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             texts = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
+            return await _run(request, [list(p) for p in prompt], body, chat=False)
+        elif _is_ids(prompt):
             return await _run(request, [list(prompt)], body, chat=False)
         else:
-            raise BadRequest("'prompt' must be a non-empty string, a list of strings or a list of token ids",
-                             "prompt")
+            raise BadRequest("'prompt' must be a non-empty string, a list of strings, a list of token ids or a "
+                             "list of token-id lists", "prompt")
         if tokenizer is None:
             raise BadRequest("text prompts need a tokenizer; send token ids", "prompt")
         if any(not t for t in texts):
@@ -498,6 +500,10 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True) -> FastA
         return await _run(request, [tokenizer.encode(t, add_bos=True) for t in texts], body, chat=False)
 
     return app
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def _sse(obj: dict) -> str:

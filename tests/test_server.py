@@ -234,8 +234,9 @@ def test_concurrent_requests_share_decode_steps_and_equal_each_alone(served):
     assert after["active_rows"] == 0
 
 
-def test_engine_alone_batches_a_list_of_prompts(served):
-    """A list of prompts in one completions request: one choice per prompt, in order."""
+def test_a_list_of_prompts_gives_one_choice_each(served):
+    """A list of prompts (strings or token-id lists) in one completions request: one choice per
+    prompt, in order."""
     model, tok, port, _ = served
     prompts = ["one", "two three", "four five six"]
     refs = [_ref(model, tok, tok.encode(p, add_bos=True), 6, stop_tokens=[])[0] for p in prompts]
@@ -244,6 +245,11 @@ def test_engine_alone_batches_a_list_of_prompts(served):
     assert status == 200
     assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == refs
     assert body["usage"]["completion_tokens"] == 18
+    ids = [tok.encode(p, add_bos=True) for p in prompts]
+    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 6,
+                                                   "temperature": 0, "ignore_eos": True})
+    assert status == 200 and [c["text"] for c in body["choices"]] == refs
+    assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
 
 
 def test_mixed_sampling_settings_share_steps_and_each_equals_generate(served):
