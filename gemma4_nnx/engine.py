@@ -203,10 +203,14 @@ class Engine:
         min(max_position_embeddings, 4096).
       prefill_chunk: prefill prompts in chunks of this many tokens (bounded activation memory).
       cache_dtype: default the model's compute dtype.
+      precompile: prompt lengths to compile ahead (e.g. `(16, 64)`): before serving, every decode
+        step program (each power-of-two row count) and the prefill programs for those prompt
+        buckets and every power-of-two number of joining rows are compiled, so no request pays a
+        compile for them. None: compile on first use.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 8, max_length: int | None = None,
-                 prefill_chunk: int | None = None, cache_dtype=None):
+                 prefill_chunk: int | None = None, cache_dtype=None, precompile: Sequence[int] | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         context = model.config.max_position_embeddings
@@ -235,6 +239,8 @@ class Engine:
         self.stats: dict[str, Any] = dict(decode_steps=0, shared_decode_steps=0, max_rows_in_step=0,
                                           rows_decoded=0, prefills=0, prefill_rows=0, completed=0, cancelled=0,
                                           failed=0, tokens_generated=0)
+        if precompile:
+            self._precompile(precompile)
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
         self._thread.start()
 
@@ -497,7 +503,38 @@ class Engine:
             self.stats["cancelled" if reason == "cancelled" else "completed"] += 1
         req.emit(Event(tok, text, lp, reason))
 
+    def _precompile(self, prompt_lengths: Sequence[int]) -> None:
+        """Run every decode-step shape with all rows inactive and every prefill shape with only
+        padding rows: both leave the cache as it is (nothing is written), but compile."""
+        m = 1
+        while True:
+            rows = min(m, self.max_batch)
+            logits, self._cache = _decode_jit(rows, self._graphdef, self._weights, self._cache,
+                                              jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32),
+                                              jnp.zeros((rows,), bool))
+            if rows == self.max_batch:
+                break
+            m *= 2
+        buckets = sorted({(-(-n // self.prefill_chunk) * self.prefill_chunk if self.prefill_chunk
+                           else max(MIN_PROMPT_BUCKET, _pow2(n))) for n in prompt_lengths
+                          if 0 < n < self.max_length})
+        k = 1
+        while True:
+            kb = min(k, _pow2(self.max_batch))
+            for pb in buckets:
+                c = self.prefill_chunk or pb
+                _, self._cache = _prefill_jit(self._graphdef, self._weights, self._cache,
+                                              jnp.full((kb,), self.max_batch, jnp.int32), jnp.zeros((kb, c), jnp.int32),
+                                              jnp.full((kb, c), -1, jnp.int32), jnp.zeros((kb, c), bool),
+                                              jnp.zeros((kb,), jnp.int32), jnp.zeros((kb, self.vocab_size), jnp.float32),
+                                              jnp.int32(0), jnp.bool_(True))
+            if kb >= self.max_batch:
+                break
+            k *= 2
+        jax.block_until_ready(self._cache)
+
     # ------------------------------------------------------------------ introspection
     def compiled_programs(self) -> dict[str, int]:
+        """Programs compiled so far in this process (all engines share them), by kind."""
         return {"prefill": _prefill_jit._cache_size(), "decode": _decode_jit._cache_size(),
                 "sampler": _sample_jit._cache_size()}

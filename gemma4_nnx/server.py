@@ -520,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, help="context per request: prompt + max_tokens (default: "
                    "min(model context, 4096))")
     p.add_argument("--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens")
+    p.add_argument("--precompile", type=int, nargs="*", default=[16], metavar="LEN",
+                   help="prompt lengths whose prefill programs (and every decode step) are compiled before "
+                        "serving (default: 16; pass no value to compile on first use)")
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
@@ -545,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
         model = load_model(args.checkpoint, args.dtype)
         engine = Engine(model, tokenizer, max_batch=args.max_batch, max_length=args.max_length,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk, precompile=args.precompile or None)
     except (ValueError, FileNotFoundError) as e:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
         return 2

@@ -267,6 +267,27 @@ def test_mixed_sampling_settings_share_steps_and_each_equals_generate(served):
     assert engine.stats["shared_decode_steps"] > before
 
 
+def test_precompile_compiles_every_decode_step_and_prefill_ahead():
+    """Engine(precompile=(16,)) compiles the decode step for each power-of-two row count and the
+    16-token prefill for each power-of-two number of joining rows, leaves the cache unchanged, and
+    later requests with short prompts compile none of those programs."""
+    model = random_model("plain", seed=5, vocab_size=97)  # a vocabulary no other test uses: fresh programs
+    before = Engine.compiled_programs(None)
+    engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
+    try:
+        ahead = engine.compiled_programs()
+        assert ahead["decode"] - before["decode"] == 3  # 1, 2, 4 rows
+        assert ahead["prefill"] - before["prefill"] == 3  # 1, 2, 4 joining rows x one 16-token bucket
+        prompts = [[2, 5, 7], [2, 9], [2, 11, 12, 13, 14]]
+        refs = [generate(model, [p], 6, stop_tokens=[]).tokens[0] for p in prompts]
+        reqs = [engine.submit(p, 6, stop_tokens=[]) for p in prompts]
+        assert [r.result()[0] for r in reqs] == refs  # the precompile runs wrote nothing into the cache
+        after = engine.compiled_programs()
+        assert after["decode"] == ahead["decode"] and after["prefill"] == ahead["prefill"]
+    finally:
+        engine.close()
+
+
 # ----------------------------------------------------------------------------- bad input
 BAD = [
     ({"prompt": "x", "max_tokens": 4}, "model", 400, None),
