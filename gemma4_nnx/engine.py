@@ -246,7 +246,11 @@ class Engine:
 
     def _new_cache(self):
         self.model.init_cache(self.max_batch, self.max_length, self._cache_dtype)
-        self._graphdef, self._cache, self._weights = nnx.split(self.model, nnx.Cache, ...)
+        self._graphdef, cache, self._weights = nnx.split(self.model, nnx.Cache, ...)
+        # Committed to the weights' device, like every cache a step returns: otherwise the first
+        # step compiles once for the fresh (uncommitted) arrays and again for its own outputs.
+        devices = jax.tree_util.tree_leaves(self._weights)[0].devices()
+        self._cache = jax.device_put(cache, next(iter(devices))) if len(devices) == 1 else cache
         self.model.clear_cache()  # the engine holds the cache state; the model object stays cache-free
         self._seen = jnp.zeros((self.max_batch, self.vocab_size), bool)
 
