@@ -1,22 +1,28 @@
 """Decode benchmark: gemma4_nnx `generate` vs transformers `generate` on the same random E2B-shaped weights.
 
     python converters/make_random_e2b.py /tmp/e2b-random       # once: 9.26 GB of random bf16 weights
-    python bench/decode.py /tmp/e2b-random                      # ~10 min on 2 cores, peak ~15 GB
+    python bench/decode.py /tmp/e2b-random                      # ~25 min on 2 cores
 
-Each side runs in its own subprocess, one after the other (both at once would not fit in 24 GB), on
-weights read from the same safetensors files, and reports its peak RSS. Ours: parameters float32
-(the CPU compute dtype; XLA:CPU bf16 dots are ~12x slower) except the per-layer-embedding table,
-which is only gathered (B rows per step) and is quantized to int4 (group 256) as `gemma4-convert`
-does by default (1.2 GB instead of 9.4 GB float32: a float32 or bf16 table did not fit next to the
-float32 weights on a 24 GB machine shared with other work). So the PLE rows differ from the bf16
-ones by int4 rounding; every other weight is identical. Transformers: bf16,
-`torch.set_num_threads(threads)`, greedy.
+Each side is a worker subprocess holding its model, on weights read from the same safetensors files;
+the timed runs alternate between the two workers (one runs while the other waits), so both see the
+same machine: on a machine shared with other jobs, runs timed one after the other in separate
+processes differed by up to 4x. Each timed pair below is run `--repeats` times per side,
+interleaved, each after an untimed warm-up call, and the medians are reported.
+
+Ours: float32 compute; weights kept bf16 as stored (`--weights bf16`, the default: products run in
+gemma4_nnx.cpu_kernels, which read 2 bytes per weight) or converted to float32 up front
+(`--weights f32`: XLA's float32 dots, 4 bytes per weight). The per-layer-embedding table is only
+gathered (B rows per step) and is quantized to int4 (group 256) as `gemma4-convert` does by default
+(1.2 GB instead of 4.7 GB bf16). So the PLE rows differ from the bf16 ones by int4 rounding; every
+other weight is identical. Transformers: bf16, `torch.set_num_threads(threads)`, greedy, parameters
+copied out of the safetensors mmap into ordinary memory (mmapped weights can be evicted under memory
+pressure from other jobs and re-read from disk: 3 s per token was seen).
 
 Figures (greedy, stop tokens off so every row runs the full length):
 - prefill tok/s: prompt tokens / time to the first token (prefill + first sample);
-- decode tok/s: B * (N - 1) / (time(N new tokens) - time(1 new token));
-- compile: first-call time minus warm-call time, in a process with an empty jax persistent cache
-  ("cold") and in a second process reusing that cache ("disk cache");
+- decode tok/s: B * (N - 1) / (time(N new tokens) - time(1 new token)), both from the same repeat;
+- compile: first-call time minus warm-call time, in a worker with an empty jax persistent cache
+  ("cold") and in a second worker reusing that cache ("disk cache");
 - bandwidth floor: bytes of weights read per decode step / the bandwidth of a large float32 matvec
   measured here; our batch-1 step time as a percentage of it.
 """
@@ -32,6 +38,21 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A worker loads its model, prints "READY {...}", then answers one JSON command per stdin line:
+# {"b": B, "n": N} -> "TIME seconds" (a timed generate of N new tokens for B random prompts);
+# {"stats": true} -> "STATS {...}" and exits.
+WORKER_LOOP = r"""
+print("READY " + json.dumps(res), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd.get("stats"):
+        res.update(stats())
+        res["peak_rss_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        print("STATS " + json.dumps(res), flush=True)
+        break
+    print(f"TIME {timed(cmd['b'], cmd['n'])}", flush=True)
+"""
 
 OURS = r"""
 import json, os, resource, sys, time
@@ -59,33 +80,26 @@ weight_bytes = 0
 for path, var in nnx.iter_graph(model):
     if isinstance(var, nnx.Param):
         if path[0] != "embed_tokens_per_layer":
-            var.set_value(var.get_value().astype(jnp.float32))
+            if args["weights"] == "f32":
+                var.set_value(var.get_value().astype(jnp.float32))
             weight_bytes += var.get_value().nbytes
 res["load_s"] = time.perf_counter() - t
 res["weight_bytes_per_step"] = weight_bytes
 rng = np.random.default_rng(0)
-P, N = args["prompt"], args["new"]
+P = args["prompt"]
 def timed(b, n):
     prompts = rng.integers(3, 262144, size=(b, P)).tolist()
     for p in prompts: p[0] = 2
     t = time.perf_counter()
     generate(model, prompts, n, stop_tokens=[])
     return time.perf_counter() - t
-for b in args["batches"]:
-    cold1 = timed(b, 1); warm1 = timed(b, 1)
-    coldn = timed(b, N); warmn = timed(b, N)
-    res[f"b{b}"] = dict(ttft_s=warm1, prefill_tok_s=b * P / warm1, decode_tok_s=b * (N - 1) / (warmn - warm1),
-                        ms_per_step=1000 * (warmn - warm1) / (N - 1),
-                        compile_s=(cold1 - warm1) + (coldn - warmn))
-# memory bandwidth: a 1 GiB float32 matvec
-w = jnp.ones((16384, 16384), jnp.float32); x = jnp.ones((16384,), jnp.float32)
-f = jax.jit(lambda w, x: w @ x); f(w, x).block_until_ready()
-t = time.perf_counter()
-for _ in range(5): f(w, x).block_until_ready()
-res["bandwidth_GBps"] = 5 * w.nbytes / (time.perf_counter() - t) / 1e9
-res["peak_rss_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-print("RESULT " + json.dumps(res))
-"""
+def stats():  # memory bandwidth: a 1 GiB float32 matvec
+    w = jnp.ones((16384, 16384), jnp.float32); x = jnp.ones((16384,), jnp.float32)
+    f = jax.jit(lambda w, x: w @ x); f(w, x).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(5): f(w, x).block_until_ready()
+    return {"bandwidth_GBps": 5 * w.nbytes / (time.perf_counter() - t) / 1e9}
+""" + WORKER_LOOP
 
 HF = r"""
 import json, resource, sys, time
@@ -95,9 +109,12 @@ args = json.loads(sys.argv[2])
 torch.set_num_threads(args["threads"])
 t = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(args["hf_dir"], dtype=torch.bfloat16).eval()
+with torch.no_grad():  # out of the safetensors mmap: page-cache pages can be evicted and re-read
+    for p in list(model.parameters()) + list(model.buffers()):
+        p.data = p.data.clone()
 res = {"load_s": time.perf_counter() - t}
 rng = np.random.default_rng(0)
-P, N = args["prompt"], args["new"]
+P = args["prompt"]
 def timed(b, n):
     ids = torch.from_numpy(rng.integers(3, 262144, size=(b, P)))
     ids[:, 0] = 2
@@ -105,25 +122,69 @@ def timed(b, n):
     with torch.no_grad():
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     return time.perf_counter() - t
-for b in args["batches"]:
-    timed(b, 1)
-    t1 = timed(b, 1); tn = timed(b, N)
-    res[f"b{b}"] = dict(ttft_s=t1, prefill_tok_s=b * P / t1, decode_tok_s=b * (N - 1) / (tn - t1),
-                        ms_per_step=1000 * (tn - t1) / (N - 1))
-res["peak_rss_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-print("RESULT " + json.dumps(res))
-"""
+def stats():
+    return {}
+""" + WORKER_LOOP
 
 
-def run(code: str, args: dict) -> dict:
-    t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, ROOT, json.dumps(args)], capture_output=True, text=True)
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    if out.returncode or not line:
-        raise SystemExit(f"subprocess failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    res = json.loads(line[0][7:])
-    res["wall_s"] = time.perf_counter() - t
-    return res
+class Worker:
+    """A model in a subprocess, timed on demand (see WORKER_LOOP)."""
+
+    def __init__(self, code: str, args: dict):
+        self.t0 = time.perf_counter()
+        self.err = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty worker must never block on it
+        self.proc = subprocess.Popen([sys.executable, "-c", code, ROOT, json.dumps(args)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
+        self.ready = json.loads(self._expect("READY "))
+
+    def _expect(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        code = self.proc.wait()
+        self.err.seek(0)
+        raise SystemExit(f"worker failed ({code}):\n{self.err.read()[-3000:]}")
+
+    def time(self, b: int, n: int) -> float:
+        self.proc.stdin.write(json.dumps({"b": b, "n": n}) + "\n")
+        self.proc.stdin.flush()
+        return float(self._expect("TIME "))
+
+    def close(self) -> dict:
+        self.proc.stdin.write(json.dumps({"stats": True}) + "\n")
+        self.proc.stdin.flush()
+        res = json.loads(self._expect("STATS "))
+        self.proc.wait()
+        res["wall_s"] = time.perf_counter() - self.t0
+        return res
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def _summary(b: int, prompt: int, new: int, pairs: list[tuple[float, float]]) -> dict:
+    ttft = _median([p[0] for p in pairs])
+    step = _median([(p[1] - p[0]) / (new - 1) for p in pairs])
+    return dict(ttft_s=ttft, prefill_tok_s=b * prompt / ttft, decode_tok_s=b / step, ms_per_step=1000 * step,
+                steps_ms=[round(1000 * (p[1] - p[0]) / (new - 1)) for p in pairs])
+
+
+def _pair(w: Worker, b: int, n: int) -> tuple[float, float]:
+    """(time of 1 new token, time of n new tokens), after an untimed call: the first call after the
+    other worker ran is slower (its memory was touched last; on a VM its pages may have been paged
+    out by the host), which would shorten n - 1 tokens' difference by up to ~1.5 s."""
+    time.sleep(0.5)  # let the other side's threads (torch's OpenMP pool) stop spinning
+    w.time(b, 1)
+    return w.time(b, 1), w.time(b, n)
+
+
+def _compile_s(w: Worker, b: int, n: int) -> float:
+    """First-call minus warm-call time of the (b, 1) and (b, n) calls."""
+    cold1, warm1 = w.time(b, 1), w.time(b, 1)
+    coldn, warmn = w.time(b, n), w.time(b, n)
+    return (cold1 - warm1) + (coldn - warmn)
 
 
 def main(argv=None) -> int:
@@ -133,26 +194,48 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=17, help="new tokens per timed decode run")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--weights", choices=["bf16", "f32"], default="bf16",
+                   help="our weights: bf16 as stored (CPU kernels) or converted to float32 (XLA dots)")
+    p.add_argument("--repeats", type=int, default=3, help="timed (1 token, N tokens) pairs per side and batch")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-disk-cache", action="store_true", help="skip the second (persistent-cache) run")
+    p.add_argument("--skip-disk-cache", action="store_true", help="skip the second (persistent-cache) worker")
     a = p.parse_args(argv)
-    common = dict(hf_dir=a.hf_dir, prompt=a.prompt, new=a.new, batches=a.batches, threads=a.threads)
+    common = dict(hf_dir=a.hf_dir, prompt=a.prompt, threads=a.threads)
+    n = a.new
     with tempfile.TemporaryDirectory() as cache_dir:
-        ours = run(OURS, dict(common, cache_dir=cache_dir))
-        print("ours:", json.dumps(ours), flush=True)
-        warm = None if a.skip_disk_cache else run(OURS, dict(common, cache_dir=cache_dir))
-        if warm:
-            print("ours (disk cache):", json.dumps(warm), flush=True)
-    hf = None if a.skip_hf else run(HF, common)
-    if hf:
-        print("transformers:", json.dumps(hf), flush=True)
+        ours_w = Worker(OURS, dict(common, cache_dir=cache_dir, weights=a.weights))
+        hf_w = None if a.skip_hf else Worker(HF, common)
+        ours, hf, compile_cold = {}, {}, {}
+        for b in a.batches:
+            compile_cold[b] = _compile_s(ours_w, b, n)
+            if hf_w:
+                hf_w.time(b, 1)  # warm-up
+            po, ph = [], []
+            for _ in range(a.repeats):  # alternate: ours, then transformers, on the same machine state
+                po.append(_pair(ours_w, b, n))
+                if hf_w:
+                    ph.append(_pair(hf_w, b, n))
+            ours[b] = dict(_summary(b, a.prompt, n, po), compile_s=compile_cold[b])
+            if hf_w:
+                hf[b] = _summary(b, a.prompt, n, ph)
+        ours_stats = ours_w.close()
+        hf_stats = hf_w.close() if hf_w else None
+        print("ours:", json.dumps(dict(ours_stats, **{f"b{b}": v for b, v in ours.items()})), flush=True)
+        if hf_w:
+            print("transformers:", json.dumps(dict(hf_stats, **{f"b{b}": v for b, v in hf.items()})), flush=True)
+        disk = {}
+        if not a.skip_disk_cache:
+            w = Worker(OURS, dict(common, cache_dir=cache_dir, weights=a.weights))
+            disk = {b: _compile_s(w, b, n) for b in a.batches}
+            w.close()
 
-    floor_ms = 1000 * ours["weight_bytes_per_step"] / (ours["bandwidth_GBps"] * 1e9)
-    print(f"\nE2B shape, prompt {a.prompt} tokens, {a.new - 1} timed decode steps, {os.cpu_count()} CPUs")
-    print("| metric | batch | gemma4_nnx (f32 compute) | transformers (bf16) | ratio |")
+    floor_ms = 1000 * ours_stats["weight_bytes_per_step"] / (ours_stats["bandwidth_GBps"] * 1e9)
+    print(f"\nE2B shape, prompt {a.prompt} tokens, {n - 1} timed decode steps, {os.cpu_count()} CPUs, "
+          f"medians of {a.repeats} interleaved repeats")
+    print(f"| metric | batch | gemma4_nnx ({a.weights} weights, f32 compute) | transformers (bf16) | ratio |")
     print("|---|---|---|---|---|")
     for b in a.batches:
-        o, h = ours[f"b{b}"], (hf or {}).get(f"b{b}")
+        o, h = ours[b], hf.get(b)
         for key, name in (("decode_tok_s", "decode tok/s"), ("prefill_tok_s", "prefill tok/s"),
                           ("ttft_s", "time to first token (s)")):
             hv = f"{h[key]:.2f}" if h else "-"
@@ -160,15 +243,18 @@ def main(argv=None) -> int:
             if h:
                 ratio = f"{(o[key] / h[key]) if key != 'ttft_s' else (h[key] / o[key]):.2f}x"
             print(f"| {name} | {b} | {o[key]:.2f} | {hv} | {ratio} |")
-        cold = o["compile_s"]
-        disk = warm[f"b{b}"]["compile_s"] if warm else float("nan")
-        print(f"| compile, cold / with disk cache (s) | {b} | {cold:.1f} / {disk:.1f} | - | - |")
-    print(f"| peak RSS (GB) | all | {ours['peak_rss_GB']:.1f} | {hf['peak_rss_GB'] if hf else float('nan'):.1f} | - |")
-    b1 = ours["b1"]["ms_per_step"] if "b1" in ours else float("nan")
-    print(f"\nweights read per decode step: {ours['weight_bytes_per_step'] / 1e9:.2f} GB (float32, PLE table "
-          f"excluded: B rows gathered); measured float32 matvec bandwidth {ours['bandwidth_GBps']:.1f} GB/s; "
-          f"floor {floor_ms:.0f} ms/token; ours at batch 1 {b1:.0f} ms/token = {100 * floor_ms / b1:.0f}% of the "
-          f"floor's speed")
+        print(f"| compile, cold / with disk cache (s) | {b} | {o['compile_s']:.1f} / "
+              f"{disk.get(b, float('nan')):.1f} | - | - |")
+    print(f"| peak RSS (GB) | all | {ours_stats['peak_rss_GB']:.1f} | "
+          f"{hf_stats['peak_rss_GB'] if hf_stats else float('nan'):.1f} | - |")
+    b1 = ours[1]["ms_per_step"] if 1 in ours else float("nan")
+    print(f"\nweights read per decode step: {ours_stats['weight_bytes_per_step'] / 1e9:.2f} GB ({a.weights}, PLE "
+          f"table excluded: B rows gathered); measured float32 matvec bandwidth {ours_stats['bandwidth_GBps']:.1f} "
+          f"GB/s; floor {floor_ms:.0f} ms/token; ours at batch 1 {b1:.0f} ms/token = {100 * floor_ms / b1:.0f}% of "
+          f"the floor's speed")
+    for b in a.batches:
+        print(f"ms per decode step in each repeat, batch {b}: ours {ours[b]['steps_ms']}"
+              + (f", transformers {hf[b]['steps_ms']}" if b in hf else ""))
     return 0
 
 

@@ -37,6 +37,8 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
+from gemma4_nnx import layers
+
 Array = jax.Array
 
 #: Every projection of attention (q/k/v/o) and the dense MLP (gate/up/down).
@@ -84,7 +86,7 @@ class LoRALinear(nnx.Module):
     def __call__(self, x: Array) -> Array:
         dtype = self.dtype or x.dtype
         x = x.astype(dtype)
-        y = jnp.matmul(x, self.kernel[...].astype(dtype), precision=self.precision)
+        y = layers.matmul(x, self.kernel[...], dtype, self.precision)  # the base projection's product
         z = jnp.matmul(jnp.matmul(x, self.lora_a[...].astype(dtype)), self.lora_b[...].astype(dtype))
         return y + z * jnp.asarray(self.scale, dtype)
 
@@ -149,9 +151,9 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     returns `model`."""
     for path, mod in _modules(model, LoRALinear):
         merged = (mod.kernel[...].astype(jnp.float32) + mod.delta()).astype(mod.kernel[...].dtype)
-        lin = nnx.eval_shape(lambda m=mod: nnx.Linear(m.in_features, m.out_features, use_bias=False,
-                                                      dtype=m.dtype, param_dtype=m.param_dtype,
-                                                      precision=m.precision, rngs=nnx.Rngs(0)))
+        lin = nnx.eval_shape(lambda m=mod: layers.linear(m.in_features, m.out_features, dtype=m.dtype,
+                                                         param_dtype=m.param_dtype, precision=m.precision,
+                                                         rngs=nnx.Rngs(0)))
         lin.kernel = nnx.Param(merged)
         _set_child(model, path, lin)
     if hasattr(model, "_lora_meta"):

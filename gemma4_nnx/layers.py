@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 
+from gemma4_nnx import cpu_kernels
 from gemma4_nnx.config import RopeSpec
 
 Array = jax.Array
@@ -99,10 +101,37 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def linear(din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    """A bias-free projection (Gemma has no biases). Kernel layout [in, out]."""
-    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(0.02))
+def matmul(x: Array, kernel: Array, dtype, precision=None) -> Array:
+    """x [..., in] @ kernel [in, out] computed in `dtype`: every projection of the model (`linear`'s
+    modules and the LoRA wrapper). A bf16 kernel under float32 compute on CPU goes through
+    `cpu_kernels` (reads the kernel as 2 bytes per weight instead of converting all of it first)."""
+    if cpu_kernels.handles(kernel.dtype, dtype):
+        return cpu_kernels.matmul(x.astype(dtype), kernel, precision)
+    return jnp.matmul(x.astype(dtype), kernel.astype(dtype), precision=precision)
+
+
+def _promote_dtype(arrays, /, *, dtype=None, inexact=True):
+    """nnx.Linear's dtype promotion, except that a kernel `cpu_kernels` multiplies stays bf16."""
+    x, kernel, bias = arrays
+    if bias is None and cpu_kernels.handles(kernel.dtype, dtype):
+        return x.astype(dtype), kernel, None
+    return nnx_dtypes.promote_dtype(arrays, dtype=dtype, inexact=inexact)
+
+
+def _dot_general(x, kernel, dimension_numbers, precision=None, **kwargs):
+    """nnx.Linear's product; a bf16 kernel left by `_promote_dtype` goes through `cpu_kernels`."""
+    if kernel.dtype != x.dtype:
+        assert dimension_numbers == (((x.ndim - 1,), (0,)), ((), ())), dimension_numbers
+        return cpu_kernels.matmul(x, kernel, precision)
+    return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
+
+
+def linear(din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs, precision=None) -> nnx.Linear:
+    """A bias-free projection (Gemma has no biases). Kernel layout [in, out]. A plain `nnx.Linear`
+    whose product is `matmul`'s (a bf16 kernel under float32 compute on CPU uses `cpu_kernels`)."""
+    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                      rngs=rngs, kernel_init=nnx.initializers.normal(0.02), promote_dtype=_promote_dtype,
+                      dot_general=_dot_general)
 
 
 class MLP(nnx.Module):
@@ -138,8 +167,12 @@ class Embedding(nnx.Module):
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
     def attend(self, x: Array) -> Array:
-        """Tied logits: x [..., D] @ table.T -> [..., V]."""
-        return jnp.einsum("...d,vd->...v", x, self.embedding[...].astype(self.dtype))
+        """Tied logits: x [..., D] @ table.T -> [..., V] (a bf16 table under float32 compute on CPU is
+        read by `cpu_kernels`: 0.8 GB per token for E2B instead of a float32 copy)."""
+        table = self.embedding[...]
+        if cpu_kernels.handles(table.dtype, self.dtype):
+            return cpu_kernels.matmul_t(x.astype(self.dtype), table)
+        return jnp.einsum("...d,vd->...v", x, table.astype(self.dtype))
 
 
 def embed_scale(dim: int) -> float:

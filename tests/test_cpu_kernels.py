@@ -1,0 +1,126 @@
+"""The CPU kernels for bfloat16 weights under float32 compute (gemma4_nnx/cpu_kernels.py).
+
+They must compute the exact products of the stored bf16 values (differences from XLA's float32 dot
+are summation order only), be what a bf16 model actually runs on one CPU device, differentiate like
+the XLA path, and leave decoding unchanged: a bf16-weight model generates the same tokens as the same
+weights held in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gemma4_nnx import cpu_kernels, generate, layers
+from tests import hf_fixtures as fx
+from tests.test_generate import PROMPTS, random_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available() or jax.default_backend() != "cpu",
+                                reason=f"CPU kernels unavailable: {cpu_kernels._state.get('error')}")
+
+# float32 summation-order differences of sums of up to ~1500 products, relative to the largest output
+REL_TOL = 1e-5
+
+
+def _rel(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 7, 33), (1, 1536, 256), (3, 64, 50), (5, 130, 17), (8, 256, 1000),
+                                   (cpu_kernels.MAX_ROWS, 40, 24), (cpu_kernels.MAX_ROWS + 1, 40, 24)])
+def test_products_equal_float64_reference(m, k, n):
+    """x @ w (kernel [in, out]) and x @ w.T (table [out, in]) with tails that are not multiples of
+    the 16-lane vectors, on both sides of MAX_ROWS (kernel vs. widen + XLA dot)."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+    w = _bf16(rng, (k, n))
+    ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    assert _rel(jax.jit(cpu_kernels.matmul)(x, w), ref) <= REL_TOL
+    wt = jnp.asarray(np.asarray(w).T.copy())
+    assert _rel(jax.jit(cpu_kernels.matmul_t)(x, wt), ref) <= REL_TOL
+    # leading dimensions are flattened into rows and restored
+    x3 = x.reshape(1, m, k)
+    assert cpu_kernels.matmul(x3, w).shape == (1, m, n)
+
+
+def test_bf16_linear_and_logits_run_in_the_kernels():
+    """A bf16 kernel under float32 compute is multiplied by the kernel (not converted by XLA), with
+    the same result as the float32 product; float32 kernels keep XLA's dot."""
+    rng = np.random.default_rng(0)
+    lin = layers.linear(64, 40, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((2, 1, 64), dtype=np.float32))
+    hlo = jax.jit(lambda x: lin(x)).lower(x).as_text()
+    assert "gemma4_bf16_cols" in hlo
+    assert _rel(lin(x), x @ lin.kernel[...].astype(jnp.float32)) <= REL_TOL
+    emb = layers.Embedding(50, 64, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    assert "gemma4_bf16_rows" in jax.jit(lambda x: emb.attend(x)).lower(x).as_text()
+    assert _rel(emb.attend(x), x @ emb.embedding[...].astype(jnp.float32).T) <= REL_TOL
+    lin32 = layers.linear(64, 40, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert "gemma4_bf16" not in jax.jit(lambda x: lin32(x)).lower(x).as_text()
+
+
+@pytest.mark.parametrize("rows", [3, cpu_kernels.MAX_ROWS + 5])
+def test_gradients_equal_the_xla_path(rows):
+    """d/dx and d/dw of both products (custom VJPs) against autodiff of `x @ w.astype(float32)`;
+    the weight gradient is bf16 like the weight, so it may differ by one bf16 rounding."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 48), dtype=np.float32))
+    w = _bf16(rng, (48, 36))
+    wt = jnp.asarray(np.asarray(w).T.copy())
+    cases = [(cpu_kernels.matmul, lambda x, w: x @ w.astype(jnp.float32), w),
+             (cpu_kernels.matmul_t, lambda x, w: x @ w.astype(jnp.float32).T, wt)]
+    for fast, slow, weight in cases:
+        def loss(f):
+            return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+        gx, gw = jax.grad(loss(fast), argnums=(0, 1))(x, weight)
+        rx, rw = jax.grad(loss(slow), argnums=(0, 1))(x, weight)
+        assert gw.dtype == rw.dtype == jnp.bfloat16
+        assert _rel(gx, rx) <= REL_TOL
+        assert _rel(gw.astype(jnp.float32), rw.astype(jnp.float32)) <= 2.0 ** -7
+
+
+def test_unavailable_kernels_fall_back_to_xla(monkeypatch):
+    """Without the kernels (no compiler, GEMMA4_NNX_CPU_KERNELS=0) a bf16 model traces XLA's path."""
+    monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    lin = layers.linear(16, 8, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 16), jnp.float32)
+    assert "gemma4_bf16" not in jax.jit(lambda x: lin(x)).lower(x).as_text()
+    assert not cpu_kernels.handles(jnp.bfloat16, jnp.float32)
+
+
+def _bf16_twins(variant):
+    """The same bf16-representable weights twice: stored bf16 (kernels) and stored float32 (XLA)."""
+    model32 = random_model(variant)
+    graph, state = nnx.split(model32)
+    rounded = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.bfloat16).astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+    model32 = nnx.merge(graph, rounded)
+    model16 = random_model(variant)
+    for (_, v16), (_, v32) in zip(nnx.iter_graph(model16), nnx.iter_graph(model32)):
+        if isinstance(v16, nnx.Param):
+            v16.set_value(v32.get_value().astype(jnp.bfloat16))
+        elif isinstance(v16, nnx.Variable):  # buffers (layer_scalar) stay float32, rounded alike
+            v16.set_value(v32.get_value())
+    return model16, model32
+
+
+@pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
+def test_bf16_weights_decode_like_float32_weights(variant):
+    """Logits of a full forward and greedy generation (ragged batch; decode steps in the kernels,
+    prefill through widen + dot or the kernels) equal those of the float32 copy of the weights."""
+    model16, model32 = _bf16_twins(variant)
+    assert model16.layers[0].mlp.gate_proj.kernel[...].dtype == jnp.bfloat16
+    ids = jnp.asarray(fx.sample_ids(2, 9, seed=3))
+    a, b = np.asarray(model16(ids)), np.asarray(model32(ids))
+    assert float(np.max(np.abs(a - b))) <= 1e-4
+    got = generate(model16, PROMPTS, 12, stop_tokens=[])
+    want = generate(model32, PROMPTS, 12, stop_tokens=[])
+    assert got.tokens == want.tokens
