@@ -171,12 +171,17 @@ _widen.defvjp(lambda w: (_widen(w), None), lambda _, g: (g.astype(jnp.bfloat16),
 
 
 # ------------------------------------------------------------------------------------------ public ops
+def _rows_of(x: Array) -> tuple[tuple[int, ...], int, int]:
+    """(leading shape, K, number of rows) of x [..., K]."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return x.shape[:-1], x.shape[-1], rows
+
+
 def matmul(x: Array, w: Array, precision=None) -> Array:
     """x [..., K] float32 @ w [K, N] bfloat16 -> [..., N] float32 (use when `handles(w.dtype, float32)`)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = 1
-    for d in lead:
-        rows *= d
+    lead, k, rows = _rows_of(x)
     if 0 < rows <= MAX_ROWS:
         return _cols(x.reshape(rows, k), w).reshape(*lead, w.shape[1])
     return jnp.matmul(x, _widen(w), precision=precision)
@@ -184,10 +189,7 @@ def matmul(x: Array, w: Array, precision=None) -> Array:
 
 def matmul_t(x: Array, w: Array, precision=None) -> Array:
     """x [..., K] float32 @ w [N, K]^T bfloat16 -> [..., N] float32 (e.g. tied logits over the table)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = 1
-    for d in lead:
-        rows *= d
+    lead, k, rows = _rows_of(x)
     if 0 < rows <= MAX_ROWS:
         return _rows(x.reshape(rows, k), w).reshape(*lead, w.shape[0])
     return jnp.einsum("...k,nk->...n", x, _widen(w), precision=precision)
