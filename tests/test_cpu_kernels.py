@@ -18,7 +18,8 @@ from gemma4_nnx import cpu_kernels, generate, layers
 from tests import hf_fixtures as fx
 from tests.test_generate import PROMPTS, random_model
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available() or jax.default_backend() != "cpu",
+# Tests that run the kernels themselves; the fallback test below runs without them.
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available() or jax.default_backend() != "cpu",
                                 reason=f"CPU kernels unavailable: {cpu_kernels._state.get('error')}")
 
 # float32 summation-order differences of sums of up to ~1500 products, relative to the largest output
@@ -36,6 +37,7 @@ def _bf16(rng, shape):
 
 @pytest.mark.parametrize("m,k,n", [(1, 7, 33), (1, 1536, 256), (3, 64, 50), (5, 130, 17), (8, 256, 1000),
                                    (cpu_kernels.MAX_ROWS, 40, 24), (cpu_kernels.MAX_ROWS + 1, 40, 24)])
+@needs_kernels
 def test_products_equal_float64_reference(m, k, n):
     """x @ w (kernel [in, out]) and x @ w.T (table [out, in]) with tails that are not multiples of
     the 16-lane vectors, on both sides of MAX_ROWS (kernel vs. widen + XLA dot)."""
@@ -51,6 +53,7 @@ def test_products_equal_float64_reference(m, k, n):
     assert cpu_kernels.matmul(x3, w).shape == (1, m, n)
 
 
+@needs_kernels
 def test_bf16_linear_and_logits_run_in_the_kernels():
     """A bf16 kernel under float32 compute is multiplied by the kernel (not converted by XLA), with
     the same result as the float32 product; float32 kernels keep XLA's dot."""
@@ -67,6 +70,7 @@ def test_bf16_linear_and_logits_run_in_the_kernels():
     assert "gemma4_bf16" not in jax.jit(lambda x: lin32(x)).lower(x).as_text()
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows", [3, cpu_kernels.MAX_ROWS + 5])
 def test_gradients_equal_the_xla_path(rows):
     """d/dx and d/dw of both products (custom VJPs) against autodiff of `x @ w.astype(float32)`;
@@ -112,6 +116,7 @@ def _bf16_twins(variant):
     return model16, model32
 
 
+@needs_kernels
 @pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
 def test_bf16_weights_decode_like_float32_weights(variant):
     """Logits of a full forward and greedy generation (ragged batch; decode steps in the kernels,
