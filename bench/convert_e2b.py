@@ -57,7 +57,7 @@ def main() -> int:
         return wall, (kb[-1] / 2**20 if kb else float("nan")), p.stdout
 
     src_gb = sum(os.path.getsize(os.path.join(args.src, f)) for f in os.listdir(args.src)) / 1e9
-    wall, peak, _ = peak_of([py, "-m", "gemma4_nnx.convert", args.src, args.dst, "--ple", args.ple,
+    wall, peak, _ = peak_of([py, "-m", "gemma4_nnx.io.convert", args.src, args.dst, "--ple", args.ple,
                              "--no-progress"])
     dst_gb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.dst) for f in fs) / 1e9
     print(f"convert --ple {args.ple}: {wall:.1f} s wall, peak RSS {peak:.2f} GiB; "

@@ -10,7 +10,7 @@ processes differed by up to 4x. Each timed pair below is run `--repeats` times p
 interleaved, each after an untimed warm-up call, and the medians are reported.
 
 Ours: float32 compute; weights kept bf16 as stored (`--weights bf16`, the default: products run in
-gemma4_nnx.cpu_kernels, which read 2 bytes per weight) or converted to float32 up front
+gemma4_nnx.model.cpu_kernels, which read 2 bytes per weight) or converted to float32 up front
 (`--weights f32`: XLA's float32 dots, 4 bytes per weight). The per-layer-embedding table is only
 gathered (B rows per step) and is quantized to int4 (group 256) as `gemma4-convert` does by default
 (1.2 GB instead of 4.7 GB bf16). So the PLE rows differ from the bf16 ones by int4 rounding; every
@@ -61,14 +61,14 @@ import numpy as np, jax, jax.numpy as jnp
 from flax import nnx
 sys.path.insert(0, sys.argv[1])
 import gemma4_nnx
-from gemma4_nnx.generate import enable_compilation_cache, generate
+from gemma4_nnx.decode.generate import enable_compilation_cache, generate
 args = json.loads(sys.argv[2])
 if args["cache_dir"]:
     enable_compilation_cache(args["cache_dir"])
 res = {}
 t = time.perf_counter()
 model = gemma4_nnx.from_hf(args["hf_dir"], dtype=jnp.float32, param_dtype=jnp.bfloat16)
-from gemma4_nnx.quant import QuantizedEmbedding, quantize_rows
+from gemma4_nnx.model.quant import QuantizedEmbedding, quantize_rows
 table = np.asarray(model.embed_tokens_per_layer.embedding.get_value())
 parts = [quantize_rows(table[i:i + 4096], 4, 256) for i in range(0, table.shape[0], 4096)]
 del table

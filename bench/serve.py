@@ -66,8 +66,8 @@ def main(argv=None) -> int:
 
     import jax
     from gemma4_nnx.cli_generate import load_model
-    from gemma4_nnx.engine import Engine
-    from gemma4_nnx.server import create_app
+    from gemma4_nnx.decode.engine import Engine
+    from gemma4_nnx.serve.app import create_app
     from gemma4_nnx.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.checkpoint)

@@ -2,7 +2,7 @@
 
     python converters/convert_hf.py SRC DST [--dtype bfloat16|float32] [--ple int4|int8|none] [--overwrite]
 
-The logic lives in `gemma4_nnx.convert` so the installed console command and this script share it and
+The logic lives in `gemma4_nnx.io.convert` so the installed console command and this script share it and
 no generic top-level `converters` package lands in site-packages.
 """
 
@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemma4_nnx.convert import main  # noqa: E402
+from gemma4_nnx.io.convert import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 import gemma4_nnx
-from gemma4_nnx import finetune as ft
+from gemma4_nnx.train import finetune as ft
 
 PAIRS = [
     ("What is the capital of France?", "Paris."),

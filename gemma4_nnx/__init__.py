@@ -1,13 +1,33 @@
-"""gemma4_nnx: Google's Gemma 4 text models in Flax NNX.
+"""gemma4_nnx: Google's Gemma 4 models in Flax NNX.
 
-The public surface; internals live in the modules named for each concern.
+The public surface; internals live in subpackages named for each concern: `model` (the network and
+its KV cache), `io` (checkpoint formats), `decode` (the decode core, `generate`, the engine),
+`serve` (the OpenAI-compatible server), `train` (fine-tuning), plus `config`, `tokenizer` and
+`sharding`.
 """
 
-from gemma4_nnx.checkpoint import load
 from gemma4_nnx.config import Gemma4Config, LayerSpec, RopeSpec
-from gemma4_nnx.convert import convert
-from gemma4_nnx.export import to_hf
-from gemma4_nnx.finetune import (
+from gemma4_nnx.decode.engine import Engine, EngineError
+from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.generate import GenerateResult, StreamStep, enable_compilation_cache, generate, generate_stream
+from gemma4_nnx.decode.sampling import SamplingParams
+from gemma4_nnx.decode.text import FinishReason
+from gemma4_nnx.io.checkpoint import load
+from gemma4_nnx.io.convert import convert
+from gemma4_nnx.io.export import to_hf
+from gemma4_nnx.io.hf import CheckpointError, from_hf
+from gemma4_nnx.model import Gemma4, KVCache
+from gemma4_nnx.model.quant import QuantizedEmbedding
+from gemma4_nnx.sharding import make_mesh, shard_batch, shard_cache, shard_model, sharding_for
+from gemma4_nnx.tokenizer import (
+    StreamDecoder,
+    Tokenizer,
+    encode_chat,
+    format_chat,
+    load_tokenizer,
+    split_thinking,
+)
+from gemma4_nnx.train.finetune import (
     LoRALinear,
     apply_lora,
     load_adapters,
@@ -18,26 +38,14 @@ from gemma4_nnx.finetune import (
     save_adapters,
     train_step,
 )
-from gemma4_nnx.generate import GenerateResult, StreamStep, enable_compilation_cache, generate, generate_stream
-from gemma4_nnx.hf import CheckpointError, from_hf
-from gemma4_nnx.model import Gemma4
-from gemma4_nnx.quant import QuantizedEmbedding
-from gemma4_nnx.sampling import SamplingParams
-from gemma4_nnx.sharding import make_mesh, shard_batch, shard_model, sharding_for
-from gemma4_nnx.tokenizer import (
-    StreamDecoder,
-    Tokenizer,
-    encode_chat,
-    format_chat,
-    load_tokenizer,
-    split_thinking,
-)
 
 __all__ = [
-    "generate", "generate_stream", "GenerateResult", "StreamStep", "enable_compilation_cache",
-    "Gemma4Config", "LayerSpec", "RopeSpec", "Gemma4", "from_hf", "load", "convert", "CheckpointError",
-    "QuantizedEmbedding", "SamplingParams",
+    "generate", "generate_stream", "GenerateResult", "StreamStep", "enable_compilation_cache", "Engine",
+    "EngineError", "RequestError", "FinishReason", "SamplingParams",
+    "Gemma4Config", "LayerSpec", "RopeSpec", "Gemma4", "KVCache", "from_hf", "load", "convert", "CheckpointError",
+    "QuantizedEmbedding",
     "Tokenizer", "StreamDecoder", "load_tokenizer", "format_chat", "encode_chat", "split_thinking",
     "to_hf", "LoRALinear", "apply_lora", "merge_lora", "save_adapters", "load_adapters", "make_batch",
-    "make_optimizer", "masked_lm_loss", "train_step", "make_mesh", "shard_model", "sharding_for", "shard_batch",
+    "make_optimizer", "masked_lm_loss", "train_step", "make_mesh", "shard_model", "shard_cache", "sharding_for",
+    "shard_batch",
 ]

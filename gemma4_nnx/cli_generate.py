@@ -46,17 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(path: str, dtype: str | None = None):
-    """An Orbax checkpoint dir (`gemma4-convert` output) via `load`, else an HF dir via `from_hf`."""
+def load_model(path: str, dtype: str | None = None, *, mesh=None):
+    """An Orbax checkpoint dir (`gemma4-convert` output) via `load`, else an HF dir via `from_hf`.
+    With a `mesh`, every array is placed straight onto its devices (`gemma4_nnx.sharding`)."""
     import jax.numpy as jnp
 
     import gemma4_nnx
+    from gemma4_nnx.config import Gemma4Config
+    from gemma4_nnx.io.checkpoint import load_config
 
-    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
-            os.path.join(path, "gemma4_config.json")):
+    is_hf = os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
+        os.path.join(path, "gemma4_config.json"))
+    sharding = None
+    if mesh is not None:
+        from gemma4_nnx.sharding import sharding_for
+
+        sharding = sharding_for(mesh, Gemma4Config.from_hf(path) if is_hf else load_config(path))
+    if is_hf:
         kw = {"param_dtype": jnp.dtype(dtype)} if dtype else {}
-        return gemma4_nnx.from_hf(path, **kw)
-    return gemma4_nnx.load(path, dtype=dtype)
+        return gemma4_nnx.from_hf(path, sharding=sharding, **kw)
+    return gemma4_nnx.load(path, dtype=dtype, sharding=sharding)
 
 
 def prompt_ids(tokenizer, args) -> list[int]:
@@ -72,7 +81,7 @@ def prompt_ids(tokenizer, args) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from gemma4_nnx.generate import enable_compilation_cache, generate_stream
+    from gemma4_nnx.decode.generate import enable_compilation_cache, generate_stream
     from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, load_tokenizer
 
     if args.compile_cache:

@@ -106,7 +106,7 @@ class Gemma4Config:
     # attention scores by query_pre_attn_scalar**-0.5; Gemma 4's q/k norms replace that scale.
     use_v_norm: bool = True
     attention_scale: float = 1.0
-    # Checkpoint family, read only by the HF name map (gemma4_nnx.hf): "gemma3" checkpoints store each
+    # Checkpoint family, read only by the HF name map (gemma4_nnx.io.hf): "gemma3" checkpoints store each
     # RMSNorm weight as w for a (1 + w) multiplier and have no `layer_scalar` (filled with 1). The model
     # itself always multiplies by the stored effective weight, so it never looks at this field.
     model_family: str = "gemma4"

@@ -7,8 +7,8 @@
 2. converts it with our converter (`gemma4-convert model.gguf checkpoints/gemma3-270m`): the GGUF is
    dequantized into an HF-style Gemma 3 directory (cached), read through the one name map and
    written as an Orbax checkpoint with the tokenizer rebuilt from the GGUF vocabulary;
-3. in a *fresh* Python process, loads that checkpoint through Orbax (`gemma4_nnx.checkpoint.load`)
-   and streams greedy completions of a few few-shot prompts (`gemma4_nnx.generate.generate_stream`).
+3. in a *fresh* Python process, loads that checkpoint through Orbax (`gemma4_nnx.io.checkpoint.load`)
+   and streams greedy completions of a few few-shot prompts (`gemma4_nnx.decode.generate.generate_stream`).
 
 Why Gemma 3: no Gemma 4 checkpoint can be downloaded offline. Gemma 3 is a degenerate Gemma 4 (no
 per-layer embeddings, no KV sharing, one head dim, no v_norm, attention scale 1/sqrt(256)), so our
@@ -61,8 +61,8 @@ def gguf_path() -> str:
 
 def ensure_checkpoint(ckpt_dir: str = DEFAULT_CHECKPOINT, *, dtype: str = "float32", verbose: bool = True) -> str:
     """Convert the 270M GGUF into `ckpt_dir` with our converter unless a complete checkpoint is there."""
-    from gemma4_nnx import checkpoint as ck
-    from gemma4_nnx.convert import convert
+    from gemma4_nnx.io import checkpoint as ck
+    from gemma4_nnx.io.convert import convert
 
     if os.path.isfile(os.path.join(ckpt_dir, ck.METADATA_FILE)):
         if verbose:
@@ -82,8 +82,8 @@ def ensure_checkpoint(ckpt_dir: str = DEFAULT_CHECKPOINT, *, dtype: str = "float
 
 def stream_completions(ckpt_dir: str, prompts=PROMPTS, max_new_tokens: int = 24, out=sys.stdout) -> list[str]:
     """Load `ckpt_dir` through Orbax and stream a greedy completion of each prompt to `out`."""
-    from gemma4_nnx.checkpoint import load, load_tokenizer
-    from gemma4_nnx.generate import generate_stream
+    from gemma4_nnx.io.checkpoint import load, load_tokenizer
+    from gemma4_nnx.decode.generate import generate_stream
 
     t0 = time.time()
     model = load(ckpt_dir)

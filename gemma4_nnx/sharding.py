@@ -4,7 +4,7 @@ Two tables, nothing else:
 
 - `PARAM_AXES`: dotted-path pattern -> *logical* axes, one name per array dimension (e.g. a q_proj
   kernel [D, N*H] is ("embed", "q_heads")). Covers every parameter, the `layer_scalar` buffers, the
-  quantized PLE table, LoRA adapters (derived from their kernel) and the KV-cache variables.
+  quantized PLE table, LoRA adapters (derived from their kernel) and the KV cache's arrays.
 - `rules` (default `DEFAULT_RULES`): logical axis -> mesh axis. With the mesh axes ("fsdp", "tp"):
   "embed" (and the batch) go over "fsdp" (ZeRO-3 style: every weight is split along the model
   width, gathered per layer by XLA), heads/MLP width/vocab go over "tp" (Megatron-style tensor
@@ -12,8 +12,8 @@ Two tables, nothing else:
 
 A dimension whose size does not divide its mesh axis is replicated instead (tiny or odd shapes, e.g.
 one KV head), so every model places on every mesh. The placement is used by `shard_model` (a live
-model, caches included), by `sharding_for(...)` as the `sharding=` callable of
-`gemma4_nnx.from_hf` and `gemma4_nnx.checkpoint.load` (arrays land directly on their devices), and by
+model), by `shard_cache` / `cache_shardings` (a `KVCache`), by `sharding_for(...)` as the `sharding=` callable of
+`gemma4_nnx.from_hf` and `gemma4_nnx.io.checkpoint.load` (arrays land directly on their devices), and by
 `shard_batch` for the inputs.
 """
 
@@ -46,7 +46,7 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("lora_rank", None),
 )
 
-#: dotted path (searched) -> logical axes, first match wins. Paths as in `gemma4_nnx.hf.name_map`.
+#: dotted path (searched) -> logical axes, first match wins. Paths as in `gemma4_nnx.io.hf.name_map`.
 PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^embed_tokens\.embedding$", ("vocab", "embed")),
     (r"^embed_tokens_per_layer\.embedding$", ("vocab", "ple")),
@@ -62,8 +62,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"\.router\.proj\.kernel$", ("embed", None)),
     (r"\.experts\.gate_up$", ("expert", "embed", "mlp")),
     (r"\.experts\.down$", ("expert", "mlp", "embed")),
-    (r"\.cache\.(k|v)$", ("batch", "cache_seq", "cache_heads", None)),
-    (r"\.cache\.pos$", ("batch", "cache_seq")),
+    # the KV cache (`gemma4_nnx.model.cache.KVCache`: layers.<donor index>.k / .v / .pos)
+    (r"^layers\.\d+\.(k|v)$", ("batch", "cache_seq", "cache_heads", None)),
+    (r"^layers\.\d+\.pos$", ("batch", "cache_seq")),
     (r"(^|\.)(scale|layer_scalar|per_expert_scale)$", (None,)),  # norms and scalars: replicated
 )
 _COMPILED = [(re.compile(p), axes) for p, axes in PARAM_AXES]
@@ -140,7 +141,7 @@ def sharding_for(mesh: Mesh, config=None, rules=DEFAULT_RULES) -> Callable[..., 
     and non-divisible dimensions fall back to replication; the callable also accepts `shape=`."""
     shapes: dict[str, tuple[int, ...]] = {}
     if config is not None:
-        from gemma4_nnx.hf import abstract_model, variables_by_path
+        from gemma4_nnx.io.hf import abstract_model, variables_by_path
 
         import jax.numpy as jnp
 
@@ -169,13 +170,34 @@ def model_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict[
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
-    """Place every variable of `model` (KV caches too: call again after `init_cache`) on `mesh` as
-    declared. In place; returns `model`."""
+    """Place every variable of `model` on `mesh` as declared. In place; returns `model`."""
     shardings = model_shardings(model, mesh, rules)
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Variable):
             var.set_value(jax.device_put(var.get_value(), shardings[tuple(path)]))
     return model
+
+
+def _key_name(key) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def cache_shardings(cache, mesh: Mesh, rules=DEFAULT_RULES):
+    """A `KVCache` (or its `jax.eval_shape`) -> the same pytree of `NamedSharding`s: batch over "fsdp",
+    KV heads over "tp" (as the K/V projections that fill them), slots and head dim replicated."""
+    def one(path, x):
+        dotted = ".".join(_key_name(k) for k in path)
+        return NamedSharding(mesh, partition_spec(dotted, tuple(x.shape), mesh, rules))
+
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
+def shard_cache(cache, mesh: Mesh, rules=DEFAULT_RULES):
+    """Place a `KVCache` on `mesh` as declared (`cache_shardings`); returns the placed cache."""
+    return jax.device_put(cache, cache_shardings(cache, mesh, rules))
 
 
 def _spec_by_suffix(path: tuple, shape: tuple[int, ...], mesh: Mesh, rules) -> PartitionSpec:

@@ -8,23 +8,19 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx import Gemma4, Gemma4Config
-from gemma4_nnx.cache import KV, LayerCache, cache_bytes
+from gemma4_nnx.model.cache import KV, KVCache, LayerCache, cache_bytes
+from tests import hf_fixtures as fx
 
 KIB, MIB = 1024, 1024 * 1024
 
 
 def _abstract_cache_bytes(config: Gemma4Config, batch: int, max_length: int, dtype) -> tuple[int, int]:
-    """(K+V bytes, number of cache-owning layers) of `init_cache`, via nnx.eval_shape: no allocation."""
-    def build():
-        m = Gemma4(config, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        m.init_cache(batch, max_length, dtype)
-        return m
-
-    model = nnx.eval_shape(build)
-    owners = [layer.self_attn.cache for layer in model.layers if layer.self_attn.cache is not None]
-    leaves = [x.get_value() for c in owners for x in (c.k, c.v)]
+    """(K+V bytes, number of cache-owning layers) of `init_cache`, via eval_shape: no allocation."""
+    model = nnx.eval_shape(lambda: Gemma4(config, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    cache = jax.eval_shape(lambda: model.init_cache(batch, max_length, dtype))
+    leaves = [x for c in cache.layers.values() for x in (c.k, c.v)]
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves), len(owners)
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves), len(cache.layers)
 
 
 def test_e2b_cache_bytes_match_formula():
@@ -50,27 +46,52 @@ def _kv(pos: list[list[int]], heads: int = 1, dim: int = 2) -> KV:
 
 
 def test_ring_keeps_last_window_per_row_and_returns_history_plus_chunk():
-    cache = LayerCache(2, 4, 1, 2, ring=True, dtype=jnp.float32)
+    cache = LayerCache.zeros(2, 4, 1, 2, ring=True, dtype=jnp.float32)
     # row 0: positions 0..5 (wraps), row 1: 0..2 and then padding (-1)
-    seen = cache.update(_kv([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]]))
+    seen, cache = cache.update(_kv([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]]))
     assert seen.pos.shape == (2, 4 + 6)  # empty ring ; chunk
-    stored = np.asarray(cache.pos[...])
+    stored = np.asarray(cache.pos)
     assert sorted(stored[0].tolist()) == [2, 3, 4, 5]
     assert sorted(stored[1].tolist()) == [-1, 0, 1, 2]
-    k = np.asarray(cache.k[...])[..., 0, 0]
+    k = np.asarray(cache.k)[..., 0, 0]
     np.testing.assert_array_equal(k[stored >= 0], stored[stored >= 0])  # slot content matches its position
-    seen = cache.update(_kv([[6], [3]]))
+    seen, cache = cache.update(_kv([[6], [3]]))
     assert sorted(np.asarray(seen.pos[0]).tolist()) == [2, 3, 4, 5, 6]  # ring (before writing) + new
-    assert sorted(np.asarray(cache.pos[...][0]).tolist()) == [3, 4, 5, 6]
-    assert sorted(np.asarray(cache.pos[...][1]).tolist()) == [0, 1, 2, 3]
+    assert sorted(np.asarray(cache.pos[0]).tolist()) == [3, 4, 5, 6]
+    assert sorted(np.asarray(cache.pos[1]).tolist()) == [0, 1, 2, 3]
 
 
 def test_full_cache_writes_then_returns_everything_and_reset_rows():
-    cache = LayerCache(2, 8, 1, 2, ring=False, dtype=jnp.float32)
-    seen = cache.update(_kv([[0, 1, 2], [0, -1, -1]]))
+    cache = LayerCache.zeros(2, 8, 1, 2, ring=False, dtype=jnp.float32)
+    seen, cache = cache.update(_kv([[0, 1, 2], [0, -1, -1]]))
     assert seen.pos.shape == (2, 8)
     assert np.asarray(seen.pos[0, :3]).tolist() == [0, 1, 2]
     assert np.asarray(seen.pos[1]).tolist() == [0] + [-1] * 7
-    cache.reset_rows(jnp.asarray([False, True]))
-    assert np.asarray(cache.pos[...][1]).tolist() == [-1] * 8
-    assert np.asarray(cache.pos[...][0, :3]).tolist() == [0, 1, 2]
+    cache = KVCache({0: cache}).reset(jnp.asarray([False, True])).layers[0]
+    assert np.asarray(cache.pos[1]).tolist() == [-1] * 8
+    assert np.asarray(cache.pos[0, :3]).tolist() == [0, 1, 2]
+
+
+def test_rows_of_a_cache_are_taken_and_put_back_exactly():
+    """`take` / `put` (the engine's joining rows) and `head` / `put_head` (a step over the first m
+    rows) move whole rows; an out-of-range index reads the last row and is dropped on the way back."""
+    config = Gemma4Config.from_hf(dict(fx.VARIANTS["e2b"], model_type="gemma4_text"))
+    rng = np.random.default_rng(0)
+    cache = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.integers(0, 9, x.shape), x.dtype),
+                                   KVCache.init(config, 4, 8))
+    part = cache.take(jnp.asarray([2, 0, 4]))
+    assert part.batch_size == 3
+    np.testing.assert_array_equal(part.layers[0].k[0], cache.layers[0].k[2])
+    np.testing.assert_array_equal(part.layers[0].k[2], cache.layers[0].k[3])  # index 4 reads the last row
+    changed = jax.tree_util.tree_map(lambda x: x + 1, part)
+    back = cache.put(jnp.asarray([2, 0, 4]), changed)
+    for i, c in back.layers.items():
+        k, old = np.asarray(c.k), np.asarray(cache.layers[i].k)
+        np.testing.assert_array_equal(k[[0, 2]], old[[0, 2]] + 1)
+        np.testing.assert_array_equal(k[[1, 3]], old[[1, 3]])  # untouched, and index 4 was dropped
+    head = cache.head(2)
+    assert head.batch_size == 2
+    restored = cache.put_head(jax.tree_util.tree_map(lambda x: x * 0, head))
+    v = np.asarray(restored.layers[1].v)
+    assert not v[:2].any() and np.array_equal(v[2:], np.asarray(cache.layers[1].v[2:]))
+    assert cache.nbytes == sum(2 * c.k.size * c.k.dtype.itemsize for c in cache.layers.values())

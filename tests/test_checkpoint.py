@@ -1,4 +1,4 @@
-"""gemma4_nnx.checkpoint: `load` (quantized PLE stays quantized, sharding, errors), the Orbax format
+"""gemma4_nnx.io.checkpoint: `load` (quantized PLE stays quantized, sharding, errors), the Orbax format
 being readable by plain Orbax, and block-streamed writes equal one-shot writes."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4_nnx import hf
-from gemma4_nnx.checkpoint import PLE_PATH, load
+from gemma4_nnx.io import hf
+from gemma4_nnx.io.checkpoint import PLE_PATH, load
 from gemma4_nnx.config import Gemma4Config
-from gemma4_nnx.convert import convert
-from gemma4_nnx.quant import QuantizedEmbedding, quantize_rows, quantized_nbytes
-from tests.test_convert import make_tiny_hf
+from gemma4_nnx.io.convert import convert
+from gemma4_nnx.model.quant import QuantizedEmbedding, quantize_rows, quantized_nbytes
+from tests.helpers import make_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_plain_orbax_can_restore_the_params(tiny):
 
 def test_streamed_blocks_equal_one_shot(tiny, tmp_path, monkeypatch):
     """Tiny row blocks (many per tensor, a ragged last one) write the same arrays as one block."""
-    conv = sys.modules["gemma4_nnx.convert"]  # the module; the package attribute is the function
+    conv = sys.modules["gemma4_nnx.io.convert"]  # the module; the package attribute is the function
     monkeypatch.setattr(conv, "BLOCK_BYTES", 700)
     monkeypatch.setattr(conv, "QUANT_BLOCK_BYTES", 700)
     for ple in ("int4", "none"):

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from gemma4_nnx import Gemma4Config
-from gemma4_nnx.attention import visibility
+from gemma4_nnx.model.attention import visibility
 from gemma4_nnx.config import RopeSpec
-from gemma4_nnx.layers import RMSNorm, apply_rope, rope_inv_freq, rope_tables
+from gemma4_nnx.model.layers import RMSNorm, apply_rope, rope_inv_freq, rope_tables
 
 
 def _rope_f64(x: np.ndarray, pos: np.ndarray, theta: float, head_dim: int, n_rot: int) -> np.ndarray:
@@ -82,7 +82,7 @@ def test_rmsnorm_plain_scale_float64():
 
 def test_moe_matches_dense_float64_enumeration():
     """Router + grouped expert matmuls equal an explicit per-token loop over the chosen experts."""
-    from gemma4_nnx.moe import MoEBlock
+    from gemma4_nnx.model.moe import MoEBlock
 
     cfg = Gemma4Config(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=8,

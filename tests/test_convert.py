@@ -1,4 +1,4 @@
-"""`gemma4-convert` (gemma4_nnx.convert): parity of convert -> load with from_hf, the quantized PLE's
+"""`gemma4-convert` (gemma4_nnx.io.convert): parity of convert -> load with from_hf, the quantized PLE's
 error bounds, dtype round trips, input layouts, and every bad input giving a clean command-line error.
 
 Checkpoints are tiny. Tests marked `reference` use transformers-built files (the `hf_checkpoint`
@@ -21,54 +21,15 @@ import numpy as np
 import pytest
 
 import gemma4_nnx
-from gemma4_nnx import hf
-from gemma4_nnx.checkpoint import load
+from gemma4_nnx.io import hf
+from gemma4_nnx.io.checkpoint import load
 from gemma4_nnx.config import Gemma4Config
-from gemma4_nnx.convert import convert, main
+from gemma4_nnx.io.convert import convert, main
 from tests import hf_fixtures as fx
+from tests.helpers import TINY, make_tiny_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S, F = "sliding_attention", "full_attention"
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, global_head_dim=32, layer_types=(S, F, S, F, S, F), sliding_window=4,
-            num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=128)
-
-
-def make_tiny_hf(path, *, dtype=np.float32, seed=0, tokenizer=False, **overrides) -> str:
-    """An HF-format Gemma 4 directory (config.json + model.safetensors) with random weights, no torch."""
-    from safetensors.numpy import save_file
-
-    config = Gemma4Config(**{**TINY, **overrides})
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config.to_hf_dict(), f)
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name, shape in hf.expected_hf_shapes(config).items():
-        x = rng.standard_normal(shape).astype(np.float32) * (0.5 if "embed" in name else 0.08)
-        if len(shape) == 1:
-            x = 1.0 + 0.25 * x / 0.08
-        tensors["model." + name] = x.astype(dtype)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    if tokenizer:
-        _write_tokenizer(path)
-    return str(path)
-
-
-def _write_tokenizer(path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "hello": 4, "world": 5}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
-        f.write("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [1, 106]}, f)
-
-
 def run_cli(capsys, *argv) -> tuple[int, str]:
     """main(argv) -> (exit code, stderr)."""
     try:
@@ -145,7 +106,7 @@ def test_quantized_ple_error_is_bounded(hf_checkpoint, tmp_path, ple, bits):
     tiny model). A format bug (nibble order, wrong group, scale per row instead of per group) moves
     logits by far more (the error becomes the size of the table's values, not of half a step).
     """
-    from gemma4_nnx.quant import QMAX, dequantize_rows
+    from gemma4_nnx.model.quant import QMAX, dequantize_rows
 
     _, src = hf_checkpoint("e2b")
     dst = convert(src, tmp_path / ple, dtype="float32", ple=ple, progress=False)
@@ -323,18 +284,18 @@ def test_bad_option_value_exits_with_usage(tmp_path, capsys):
 
 
 def test_console_command_error_has_no_traceback(tmp_path):
-    """The real process: python -m gemma4_nnx.convert (what the `gemma4-convert` script runs)."""
+    """The real process: python -m gemma4_nnx.io.convert (what the `gemma4-convert` script runs)."""
     src = make_tiny_hf(tmp_path / "src")
     os.remove(os.path.join(src, "config.json"))
-    p = subprocess.run([sys.executable, "-m", "gemma4_nnx.convert", src, str(tmp_path / "ck")],
+    p = subprocess.run([sys.executable, "-m", "gemma4_nnx.io.convert", src, str(tmp_path / "ck")],
                        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert p.returncode == 1 and "Traceback" not in p.stderr and "config.json not found" in p.stderr, p.stderr
 
 
 _KILLABLE = textwrap.dedent("""
     import sys, time
-    import gemma4_nnx.convert
-    conv = sys.modules["gemma4_nnx.convert"]  # the module (the package attribute is the function)
+    import gemma4_nnx.io.convert
+    conv = sys.modules["gemma4_nnx.io.convert"]  # the module (the package attribute is the function)
     real, n = conv.read_tensor, [0]
     def slow(info, rows=None):
         n[0] += 1

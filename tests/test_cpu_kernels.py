@@ -1,4 +1,4 @@
-"""The CPU kernels for bfloat16 weights under float32 compute (gemma4_nnx/cpu_kernels.py).
+"""The CPU kernels for bfloat16 weights under float32 compute (gemma4_nnx/model/cpu_kernels.py).
 
 They must compute the exact products of the stored bf16 values (differences from XLA's float32 dot
 are summation order only), be what a bf16 model actually runs on one CPU device, differentiate like
@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemma4_nnx import cpu_kernels, generate, layers
+from gemma4_nnx import generate
+from gemma4_nnx.model import cpu_kernels, layers
 from tests import hf_fixtures as fx
-from tests.test_generate import PROMPTS, random_model
+from tests.helpers import PROMPTS, random_model
+
+KERNELS = layers.Matmul(cpu_kernels=True)
 
 # Tests that run the kernels themselves; the fallback test below runs without them.
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available() or jax.default_backend() != "cpu",
@@ -58,15 +61,15 @@ def test_bf16_linear_and_logits_run_in_the_kernels():
     """A bf16 kernel under float32 compute is multiplied by the kernel (not converted by XLA), with
     the same result as the float32 product; float32 kernels keep XLA's dot."""
     rng = np.random.default_rng(0)
-    lin = layers.linear(64, 40, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    lin = layers.linear(64, 40, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), matmul=KERNELS)
     x = jnp.asarray(rng.standard_normal((2, 1, 64), dtype=np.float32))
     hlo = jax.jit(lambda x: lin(x)).lower(x).as_text()
     assert "gemma4_bf16_cols" in hlo
     assert _rel(lin(x), x @ lin.kernel[...].astype(jnp.float32)) <= REL_TOL
-    emb = layers.Embedding(50, 64, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    emb = layers.Embedding(50, 64, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1), matmul=KERNELS)
     assert "gemma4_bf16_rows" in jax.jit(lambda x: emb.attend(x)).lower(x).as_text()
     assert _rel(emb.attend(x), x @ emb.embedding[...].astype(jnp.float32).T) <= REL_TOL
-    lin32 = layers.linear(64, 40, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    lin32 = layers.linear(64, 40, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0), matmul=KERNELS)
     assert "gemma4_bf16" not in jax.jit(lambda x: lin32(x)).lower(x).as_text()
 
 
@@ -92,12 +95,42 @@ def test_gradients_equal_the_xla_path(rows):
 
 
 def test_unavailable_kernels_fall_back_to_xla(monkeypatch):
-    """Without the kernels (no compiler, GEMMA4_NNX_CPU_KERNELS=0) a bf16 model traces XLA's path."""
+    """Without the kernels (no compiler, GEMMA4_NNX_CPU_KERNELS=0) a bf16 model built with the default
+    matmul="auto" traces XLA's path; asking for the kernels explicitly is a clear error."""
     monkeypatch.setitem(cpu_kernels._state, "ok", False)
-    lin = layers.linear(16, 8, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    x = jnp.ones((1, 16), jnp.float32)
-    assert "gemma4_bf16" not in jax.jit(lambda x: lin(x)).lower(x).as_text()
-    assert not cpu_kernels.handles(jnp.bfloat16, jnp.float32)
+    monkeypatch.setitem(cpu_kernels._state, "error", "disabled for this test")
+    assert layers.resolve_matmul("auto", dtype=jnp.float32, param_dtype=jnp.bfloat16) == layers.XLA
+    model = random_model("plain", param_dtype=jnp.bfloat16)
+    assert model.matmul == layers.XLA
+    ids = jnp.asarray(fx.sample_ids(1, 3, seed=1))
+    assert "gemma4_bf16" not in jax.jit(lambda x: model(x)).lower(ids).as_text()
+    with pytest.raises(ValueError, match="matmul='cpu_kernels'.*disabled for this test"):
+        layers.resolve_matmul("cpu_kernels", dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        layers.resolve_matmul("fast", dtype=jnp.float32, param_dtype=jnp.bfloat16)
+
+
+@needs_kernels
+def test_the_product_is_chosen_once_when_the_model_is_built(monkeypatch):
+    """matmul="auto" picks the kernels for a bf16 model on one CPU device and "xla" keeps XLA; the
+    choice is part of the graph definition (equal models share compiled programs) and nothing
+    re-checks availability while tracing: a model built with the kernels still traces them after
+    `available()` would have said no."""
+    auto = random_model("plain", param_dtype=jnp.bfloat16)
+    xla = random_model("plain", param_dtype=jnp.bfloat16, matmul="xla")
+    assert auto.matmul.cpu_kernels and not xla.matmul.cpu_kernels
+    assert random_model("plain").matmul == layers.XLA  # float32 weights: nothing to gain
+    assert nnx.graphdef(auto) == nnx.graphdef(random_model("plain", seed=3, param_dtype=jnp.bfloat16))
+    assert nnx.graphdef(auto) != nnx.graphdef(xla)
+    ids = jnp.asarray(fx.sample_ids(1, 3, seed=1))
+    assert "gemma4_bf16" not in jax.jit(lambda x: xla(x)).lower(ids).as_text()
+
+    def boom():
+        raise AssertionError("availability re-checked while tracing")
+
+    monkeypatch.setattr(cpu_kernels, "available", boom)
+    hlo = jax.jit(lambda x: auto(x)).lower(ids).as_text()
+    assert "gemma4_bf16_cols" in hlo and "gemma4_bf16_rows" in hlo
 
 
 def _bf16_twins(variant):
@@ -107,7 +140,9 @@ def _bf16_twins(variant):
     rounded = jax.tree_util.tree_map(
         lambda a: a.astype(jnp.bfloat16).astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
     model32 = nnx.merge(graph, rounded)
-    model16 = random_model(variant)
+    # Built like the float32 model (its embedding scales are float32 roundings, not bf16 ones), with
+    # the kernels asked for explicitly ("auto" picks them only for weights stored bf16 at build time).
+    model16 = random_model(variant, matmul="cpu_kernels")
     for (_, v16), (_, v32) in zip(nnx.iter_graph(model16), nnx.iter_graph(model32)):
         if isinstance(v16, nnx.Param):
             v16.set_value(v32.get_value().astype(jnp.bfloat16))

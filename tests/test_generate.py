@@ -14,38 +14,14 @@ import pytest
 from flax import nnx
 
 import gemma4_nnx
-from gemma4_nnx import Gemma4, Gemma4Config, generate, generate_stream
-from gemma4_nnx.generate import bucket_shapes, compiled_programs
+from gemma4_nnx import generate, generate_stream
+from gemma4_nnx.decode.batching import bucket_shapes
+from gemma4_nnx.decode.core import compiled_programs
 from tests import hf_fixtures as fx
+from tests.helpers import PROMPTS, build_hf_json, random_model
 
 F32_TOL = 1e-4
 WINDOW = fx.WINDOW
-
-
-def random_model(variant: str, *, seed: int = 0, vocab_size: int | None = None) -> Gemma4:
-    """A tiny float32 model with weights perturbed like the HF fixtures (norms away from 1, large
-    final norm so the softcap is non-linear), built without torch."""
-    d = dict(fx.VARIANTS[variant], model_type="gemma4_text")
-    if vocab_size is not None:
-        d.update(vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size)
-    config = Gemma4Config.from_hf(d)
-    model = Gemma4(config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Variable) or isinstance(var, nnx.Cache):
-            continue
-        x = var.get_value()
-        name = ".".join(map(str, path))
-        if x.ndim == 1:
-            new = 1.0 + 0.25 * rng.standard_normal(x.shape)
-            if name.startswith("norm."):
-                new = 1.0 + rng.random(x.shape)
-        elif name == "embed_tokens.embedding":
-            new = 0.5 * rng.standard_normal(x.shape)
-        else:
-            new = 0.08 * rng.standard_normal(x.shape)
-        var.set_value(jnp.asarray(new, x.dtype))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -76,30 +52,29 @@ def test_cached_decoding_reproduces_full_forward_logits(models, variant, chunk):
     ids = fx.sample_ids(2, total, seed=11)
     full = np.asarray(model(jnp.asarray(ids)))
     lengths = [prompt, prompt - 2]  # row 1 is shorter: its prompt is padded
-    model.init_cache(2, 32)
-    try:
-        got = np.zeros_like(full)
-        chunk_len = chunk or prompt
-        for c0 in range(0, prompt, chunk_len):
-            cols = np.arange(c0, min(c0 + chunk_len, prompt))
-            valid = np.stack([cols < n for n in lengths])
-            pos = np.where(valid, cols[None, :], -1)
-            out = np.asarray(model(jnp.asarray(ids[:, cols]), jnp.asarray(pos), jnp.asarray(valid)))
-            for r, n in enumerate(lengths):
-                keep = cols < n
-                got[r, cols[keep]] = out[r, keep]
-        pos = np.asarray(lengths)
-        while pos.min() < total:
-            step_ids = ids[np.arange(2), np.minimum(pos, total - 1)][:, None]
-            out = np.asarray(model(jnp.asarray(step_ids), jnp.asarray(pos[:, None])))
-            for r in range(2):
-                if pos[r] < total:
-                    got[r, pos[r]] = out[r, 0]
-            pos = pos + 1
-        diff = _max_diff(got, full)
-        assert diff <= F32_TOL, f"{variant} chunk={chunk}: max |cached - full| = {diff:.3g}"
-    finally:
-        model.clear_cache()
+    cache = model.init_cache(2, 32)
+    got = np.zeros_like(full)
+    chunk_len = chunk or prompt
+    for c0 in range(0, prompt, chunk_len):
+        cols = np.arange(c0, min(c0 + chunk_len, prompt))
+        valid = np.stack([cols < n for n in lengths])
+        pos = np.where(valid, cols[None, :], -1)
+        out, cache = model(jnp.asarray(ids[:, cols]), jnp.asarray(pos), jnp.asarray(valid), cache=cache)
+        out = np.asarray(out)
+        for r, n in enumerate(lengths):
+            keep = cols < n
+            got[r, cols[keep]] = out[r, keep]
+    pos = np.asarray(lengths)
+    while pos.min() < total:
+        step_ids = ids[np.arange(2), np.minimum(pos, total - 1)][:, None]
+        out, cache = model(jnp.asarray(step_ids), jnp.asarray(pos[:, None]), cache=cache)
+        out = np.asarray(out)
+        for r in range(2):
+            if pos[r] < total:
+                got[r, pos[r]] = out[r, 0]
+        pos = pos + 1
+    diff = _max_diff(got, full)
+    assert diff <= F32_TOL, f"{variant} chunk={chunk}: max |cached - full| = {diff:.3g}"
 
 
 def test_select_rows_is_exact(models):
@@ -115,9 +90,6 @@ def test_select_rows_is_exact(models):
 
 
 # ----------------------------------------------------------------------------- generate
-PROMPTS = [fx.sample_ids(1, n, seed=20 + n)[0].tolist() for n in (3, 10, 6)]
-
-
 def test_ragged_batch_equals_each_prompt_alone(models):
     model = models("e2b")
     n = 12  # > 2 * window past each prompt
@@ -200,18 +172,18 @@ def test_sampling_is_reproducible_and_temperature_to_zero_is_greedy(models):
 # ----------------------------------------------------------------------------- compilation bound
 def test_compilations_equal_the_bucket_bound():
     """Programs compiled = one prefill per (Bb, Pb, T) + one decode loop per (Bb, Nb, T) + one first-token
-    sampler per Bb, bounded by 2 * #(Bb, Pb, Nb) + #Bb; a second pass over the same buckets compiles
+    draw per Bb, bounded by 2 * #(Bb, Pb, Nb) + #Bb; a second pass over the same buckets compiles
     nothing at all (no XLA compile events)."""
-    model = random_model("plain", seed=1)
-    static = dict(stop_tokens=[5, 7])  # options no other test uses: fresh jit cache entries
+    model = random_model("plain", seed=1, vocab_size=131)  # a vocabulary no other test uses: fresh programs
+    static = dict(stop_tokens=[5, 7])
     calls = [(1, 3, 5), (1, 12, 9), (3, 5, 5), (4, 16, 3), (1, 20, 5), (2, 9, 17)]
     ctx = model.config.max_position_embeddings
     shapes = [bucket_shapes(b, p, n, max_length=None, context=ctx, prefill_chunk=None) for b, p, n in calls]
     triples = {(bb, pb, nb) for bb, pb, nb, _ in shapes}
     batch_buckets = {s[0] for s in shapes}
     expected = {"prefill": len({(bb, pb, t) for bb, pb, _, t in shapes}),
-                "decode_loop": len({(bb, nb, t) for bb, _, nb, t in shapes}),
-                "first_token": len(batch_buckets)}
+                "loop": len({(bb, nb, t) for bb, _, nb, t in shapes}),
+                "draw": len(batch_buckets)}
     bound = 2 * len(triples) + len(batch_buckets)
 
     def run_all():
@@ -239,7 +211,7 @@ def test_compilations_equal_the_bucket_bound():
         generate(model, [fx.sample_ids(1, p, seed=p)[0].tolist()], 4, max_length=64, prefill_chunk=8, **static)
     after = compiled_programs()
     assert after["prefill"] - before["prefill"] == 1  # the [1, 8] chunk program, for every prompt length
-    assert after["decode_loop"] == before["decode_loop"]  # (Bb=1, Nb=16, T=64) was compiled above
+    assert after["loop"] == before["loop"]  # (Bb=1, Nb=16, T=64) was compiled above
 
 
 # ----------------------------------------------------------------------------- validation
@@ -268,10 +240,8 @@ def test_bad_arguments_raise_value_error_naming_them(models, kwargs, prompts, ma
 @pytest.fixture(scope="module")
 def chat_setup(tmp_path_factory):
     """A tiny Gemma-layout tokenizer (specials at Gemma's ids) and a model over its vocabulary."""
-    from tests.test_tokenizer import _build_hf_json
-
     d = tmp_path_factory.mktemp("gen_tok")
-    _build_hf_json(d / "tokenizer.json")
+    build_hf_json(d / "tokenizer.json")
     tok = gemma4_nnx.load_tokenizer(d)
     model = random_model("plain", seed=3, vocab_size=tok.vocab_size)
     return tok, model, d

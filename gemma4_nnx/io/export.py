@@ -1,6 +1,6 @@
 """Export a `Gemma4` model back to a Hugging Face directory (model.safetensors + config.json).
 
-Tensor names and layouts come from `gemma4_nnx.hf.name_map` (`Entry.to_hf`), the same table the
+Tensor names and layouts come from `gemma4_nnx.io.hf.name_map` (`Entry.to_hf`), the same table the
 loaders use, so export cannot drift from import. LoRA wrappers are merged on the fly (the model is
 not modified); a quantized PLE table is dequantized (lossy by the quantization error). The result
 loads with `transformers.Gemma4ForCausalLM.from_pretrained(out_dir)`.
@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from gemma4_nnx.hf import name_map, variables_by_path
+from gemma4_nnx.io.hf import name_map, variables_by_path
 
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
               np.dtype(np.float64): "F64", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
@@ -60,7 +60,7 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
 
 def _lora_kernels(model: nnx.Module) -> dict[tuple, np.ndarray]:
     """Merged kernels of LoRA-wrapped projections, keyed by the kernel's path."""
-    from gemma4_nnx.finetune import LoRALinear
+    from gemma4_nnx.train.finetune import LoRALinear
 
     out = {}
     for path, mod in nnx.iter_graph(model):
@@ -82,7 +82,7 @@ def hf_tensors(model: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
     `dtype`: None keeps each parameter's own dtype; else a dtype (or "bfloat16"/"float32"/"float16")
     every float tensor is cast to.
     """
-    from gemma4_nnx.quant import QuantizedEmbedding
+    from gemma4_nnx.model.quant import QuantizedEmbedding
 
     if isinstance(dtype, str):
         if dtype not in _DTYPE_NAMES:
@@ -150,10 +150,10 @@ def to_hf(model: nnx.Module, out_dir: str | os.PathLike, *, dtype=None, copy_fro
 def _load_any(path: str, dtype):
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
             os.path.join(path, "gemma4_config.json")):
-        from gemma4_nnx.hf import from_hf
+        from gemma4_nnx.io.hf import from_hf
 
         return from_hf(path, dtype=jnp.float32)
-    from gemma4_nnx.checkpoint import load
+    from gemma4_nnx.io.checkpoint import load
 
     return load(path, dtype=dtype)
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = _load_any(args.ckpt, None)
         if args.adapters:
-            from gemma4_nnx.finetune import load_adapters, merge_lora
+            from gemma4_nnx.train.finetune import load_adapters, merge_lora
 
             merge_lora(load_adapters(model, args.adapters))
         out = to_hf(model, args.out, dtype=args.dtype, copy_from=args.ckpt)

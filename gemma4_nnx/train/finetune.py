@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
-from gemma4_nnx import layers
+from gemma4_nnx.model import layers
 
 Array = jax.Array
 
@@ -62,6 +62,7 @@ class LoRALinear(nnx.Module):
         self.dtype = base.dtype
         self.param_dtype = base.param_dtype
         self.precision = base.precision
+        self.matmul = layers.matmul_of(base)  # the base projection's product
         self.kernel = base.kernel
         self.rank = int(rank)
         self.alpha = float(alpha)
@@ -86,7 +87,7 @@ class LoRALinear(nnx.Module):
     def __call__(self, x: Array) -> Array:
         dtype = self.dtype or x.dtype
         x = x.astype(dtype)
-        y = layers.matmul(x, self.kernel[...], dtype, self.precision)  # the base projection's product
+        y = self.matmul(x, self.kernel[...], dtype, self.precision)
         z = jnp.matmul(jnp.matmul(x, self.lora_a[...].astype(dtype)), self.lora_b[...].astype(dtype))
         return y + z * jnp.asarray(self.scale, dtype)
 
@@ -153,7 +154,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         merged = (mod.kernel[...].astype(jnp.float32) + mod.delta()).astype(mod.kernel[...].dtype)
         lin = nnx.eval_shape(lambda m=mod: layers.linear(m.in_features, m.out_features, dtype=m.dtype,
                                                          param_dtype=m.param_dtype, precision=m.precision,
-                                                         rngs=nnx.Rngs(0)))
+                                                         rngs=nnx.Rngs(0), matmul=m.matmul))
         lin.kernel = nnx.Param(merged)
         _set_child(model, path, lin)
     if hasattr(model, "_lora_meta"):

@@ -7,11 +7,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gemma4_nnx.attention import Attention
-from gemma4_nnx.cache import KV, LayerCache, cache_size
 from gemma4_nnx.config import Gemma4Config, LayerSpec
-from gemma4_nnx.layers import MLP, Buffer, Embedding, RMSNorm, gelu_tanh, linear, rope_tables, scale_f32
-from gemma4_nnx.moe import MoEBlock
+from gemma4_nnx.model.attention import Attention
+from gemma4_nnx.model.cache import KV, KVCache, LayerCache
+from gemma4_nnx.model.layers import (
+    MLP,
+    XLA,
+    Buffer,
+    Embedding,
+    Matmul,
+    MatmulOption,
+    RMSNorm,
+    gelu_tanh,
+    linear,
+    resolve_matmul,
+    rope_tables,
+    scale_f32,
+)
+from gemma4_nnx.model.moe import MoEBlock
 
 Array = jax.Array
 
@@ -27,9 +40,10 @@ class DecoderLayer(nnx.Module):
     out = h3 * layer_scalar        -- the *whole* stream is scaled, not just this layer's delta
     """
 
-    def __init__(self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 matmul: Matmul = XLA):
         d, eps = config.hidden_size, config.rms_norm_eps
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, matmul=matmul)
         self.spec = spec
         self.input_layernorm = RMSNorm(d, eps=eps, param_dtype=param_dtype)
         self.self_attn = Attention(config, spec, rngs=rngs, **kw)
@@ -53,8 +67,9 @@ class DecoderLayer(nnx.Module):
         self.layer_scalar = Buffer(jnp.ones((1,), param_dtype))
 
     def __call__(self, h: Array, rope: tuple[Array, Array], q_pos: Array, k_pos: Array,
-                 ple: Array | None, shared: KV | None) -> tuple[Array, KV]:
-        a, kv = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared)
+                 ple: Array | None, shared: KV | None, cache: LayerCache | None
+                 ) -> tuple[Array, KV, LayerCache | None]:
+        a, kv, cache = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared, cache)
         h1 = h + self.post_attention_layernorm(a)
         f = self.mlp(self.pre_feedforward_layernorm(h1))
         if self.moe is not None:
@@ -63,7 +78,7 @@ class DecoderLayer(nnx.Module):
         if self.per_layer_input_gate is not None:
             g = gelu_tanh(self.per_layer_input_gate(h2)) * ple
             h2 = h2 + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return h2 * self.layer_scalar[...].astype(h2.dtype), kv
+        return h2 * self.layer_scalar[...].astype(h2.dtype), kv, cache
 
 
 class Gemma4(nnx.Module):
@@ -71,21 +86,28 @@ class Gemma4(nnx.Module):
 
     `dtype` is the compute dtype (float32 on CPU, bfloat16 on accelerators), `param_dtype` the storage
     dtype of the weights. Parameter paths mirror HF names (`layers.3.self_attn.q_proj.kernel`), with
-    Linear kernels stored [in, out]; `gemma4_nnx.hf` holds the one name map.
+    Linear kernels stored [in, out]; `gemma4_nnx.io.hf` holds the one name map.
+
+    `matmul` picks the product of every projection once, here ("auto": the CPU bf16 kernels where they
+    pay and are available, else XLA; "xla"; "cpu_kernels"; see `layers.resolve_matmul`).
+
+    The model holds weights only. A KV cache is an explicit pytree (`init_cache` returns one) passed
+    in and returned: `model(ids, positions, cache=cache) -> (logits, cache)`.
     """
 
     def __init__(self, config: Gemma4Config, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs | None = None):
+                 rngs: nnx.Rngs | None = None, matmul: MatmulOption | Matmul = "auto"):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.dtype = dtype
+        self.matmul = resolve_matmul(matmul, dtype=dtype, param_dtype=param_dtype)
         d = config.hidden_size
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, matmul=self.matmul)
         self.embed_tokens = Embedding(config.vocab_size, d, scale=np.sqrt(d), rngs=rngs, **kw)
         if config.use_ple:
             n, p = config.num_hidden_layers, config.hidden_size_per_layer_input
             # Unscaled lookup: the sqrt(P) factor is applied in `per_layer_inputs`, so a quantized
-            # table (gemma4_nnx.quant.QuantizedEmbedding) can replace this module as is.
+            # table (gemma4_nnx.model.quant.QuantizedEmbedding) can replace this module as is.
             self.embed_tokens_per_layer = Embedding(config.vocab_size_per_layer_input, n * p, rngs=rngs, **kw)
             self.ple_scale = float(np.asarray(np.sqrt(p), dtype=param_dtype).astype(np.float64))
             self.per_layer_model_projection = linear(d, n * p, rngs=rngs, **kw)
@@ -113,36 +135,24 @@ class Gemma4(nnx.Module):
         u = self.per_layer_projection_norm(u)
         return scale_f32(u + t, 2.0 ** -0.5)
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> None:
-        """Give every KV-owning layer a cache: a `sliding_window` ring for sliding layers, `max_length`
-        slots for global ones. KV-consumer layers get none: they read their donor's."""
-        if batch_size < 1 or max_length < 1:
-            raise ValueError(f"init_cache: batch_size ({batch_size}) and max_length ({max_length}) must be >= 1")
-        dtype = dtype or self.dtype
-        for layer in self.layers:
-            spec = layer.spec
-            if spec.is_consumer:
-                continue
-            size = cache_size(spec, self.config, max_length)
-            layer.self_attn.cache = nnx.data(LayerCache(batch_size, size, spec.num_kv_heads, spec.head_dim,
-                                                        ring=spec.is_sliding and size < max_length, dtype=dtype))
-
-    def clear_cache(self) -> None:
-        for layer in self.layers:
-            layer.self_attn.cache = None
-
-    @property
-    def has_cache(self) -> bool:
-        return any(layer.self_attn.cache is not None for layer in self.layers)
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """An empty KV cache for `batch_size` rows and `max_length` positions (`KVCache.init`); the
+        model itself is not changed. `dtype`: default the compute dtype."""
+        return KVCache.init(self.config, batch_size, max_length, dtype or self.dtype)
 
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids: Array, positions: Array | None = None, attention_mask: Array | None = None,
-                 *, return_hidden: bool = False, select: Array | None = None) -> Array:
-        """input_ids [B, S] -> logits [B, S, V] (softcapped), in the compute dtype.
+                 *, cache: KVCache | None = None, return_hidden: bool = False,
+                 select: Array | None = None) -> Array | tuple[Array, KVCache]:
+        """input_ids [B, S] -> logits [B, S, V] (softcapped), in the compute dtype; with a `cache`,
+        (logits, updated cache).
 
         positions [B, S]: absolute positions. Default: 0..S-1, or, with `attention_mask` (1 = real
         token, 0 = padding), the running count of real tokens, so a left- or right-padded row computes
-        exactly what the unpadded row does. With a cache (`init_cache`), positions are required.
+        exactly what the unpadded row does. With a cache, positions are required.
+
+        cache: a `KVCache` (`init_cache`) of B rows. The new tokens' K/V are written at their positions
+        (padding, key position -1, writes nothing) and the queries attend over everything cached.
 
         select [B, K] (int column indices): return only those K query rows per batch row ([B, K, V] or
         [B, K, D]). Exact, and cheap (HF's `_maybe_slice_kv_shared_inputs`, reference §8.4): the rows are
@@ -156,8 +166,8 @@ class Gemma4(nnx.Module):
         b, s = input_ids.shape
         valid = jnp.ones((b, s), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
         if positions is None:
-            if self.has_cache:
-                raise ValueError("positions are required when the model holds a cache (pass positions=[B, S])")
+            if cache is not None:
+                raise ValueError("positions are required with a cache (pass positions=[B, S])")
             positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0) if attention_mask is not None \
                 else jnp.broadcast_to(jnp.arange(s), (b, s))
         positions = jnp.asarray(positions, jnp.int32)
@@ -173,6 +183,7 @@ class Gemma4(nnx.Module):
             if key not in ropes:
                 ropes[key] = rope_tables(positions, spec.rope, spec.head_dim, self.dtype)
         published: dict[int, KV] = {}
+        updated: dict[int, LayerCache] = {}
         # `model.remat = True` (training): recompute each layer's activations in the backward pass.
         call = nnx.remat(DecoderLayer.__call__) if self.remat else DecoderLayer.__call__
         for layer in self.layers:
@@ -181,16 +192,18 @@ class Gemma4(nnx.Module):
                 h, positions, ple, ropes = _take_rows((h, positions, ple, ropes), select)
                 select = None
             shared = published[spec.kv_donor] if spec.is_consumer else None
-            h, kv = call(layer, h, ropes[(spec.type, spec.head_dim)], positions, k_pos,
-                         None if ple is None else ple[:, :, spec.index], shared)
+            layer_cache = cache.layers[spec.index] if cache is not None and not spec.is_consumer else None
+            h, kv, layer_cache = call(layer, h, ropes[(spec.type, spec.head_dim)], positions, k_pos,
+                                      None if ple is None else ple[:, :, spec.index], shared, layer_cache)
+            if layer_cache is not None:
+                updated[spec.index] = layer_cache
             if spec.stores_kv:
                 published[spec.index] = kv
         if select is not None:  # no KV-consumer layers: take the rows at the end
             h = _take_rows(h, select)
         h = self.norm(h)
-        if return_hidden:
-            return h
-        return self.logits(h)
+        out = h if return_hidden else self.logits(h)
+        return out if cache is None else (out, KVCache(updated))
 
     def logits(self, h: Array) -> Array:
         """Final hidden [..., D] -> softcapped tied logits [..., V]."""

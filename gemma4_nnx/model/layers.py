@@ -6,7 +6,9 @@ H head dim, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from gemma4_nnx import cpu_kernels
+from gemma4_nnx.model import cpu_kernels
 from gemma4_nnx.config import RopeSpec
 
 Array = jax.Array
@@ -101,46 +103,119 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def matmul(x: Array, kernel: Array, dtype, precision=None) -> Array:
-    """x [..., in] @ kernel [in, out] computed in `dtype`: every projection of the model (`linear`'s
-    modules and the LoRA wrapper). A bf16 kernel under float32 compute on CPU goes through
-    `cpu_kernels` (reads the kernel as 2 bytes per weight instead of converting all of it first)."""
-    if cpu_kernels.handles(kernel.dtype, dtype):
-        return cpu_kernels.matmul(x.astype(dtype), kernel, precision)
-    return jnp.matmul(x.astype(dtype), kernel.astype(dtype), precision=precision)
+MatmulOption = Literal["auto", "xla", "cpu_kernels"]
+MATMUL_OPTIONS = ("auto", "xla", "cpu_kernels")
 
 
-def _promote_dtype(arrays, /, *, dtype=None, inexact=True):
-    """nnx.Linear's dtype promotion, except that a kernel `cpu_kernels` multiplies stays bf16."""
-    x, kernel, bias = arrays
-    if bias is None and cpu_kernels.handles(kernel.dtype, dtype):
-        return x.astype(dtype), kernel, None
-    return nnx_dtypes.promote_dtype(arrays, dtype=dtype, inexact=inexact)
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """How every projection of one model multiplies: `x @ kernel` computed in `dtype`.
+
+    Chosen once, when the model is built or loaded (`resolve_matmul`), and stored on each projection
+    (frozen and hashable: part of the graph definition, so two models with the same choice share
+    compiled programs). With `cpu_kernels=True`, a bf16 kernel under float32 compute goes through
+    `gemma4_nnx.model.cpu_kernels` (reads the kernel as 2 bytes per weight instead of converting all
+    of it first); every other product is XLA's.
+    """
+
+    cpu_kernels: bool = False
+
+    def takes(self, kernel_dtype, dtype) -> bool:
+        """Whether the CPU kernels multiply a `kernel_dtype` kernel in `dtype`."""
+        return (self.cpu_kernels and jnp.dtype(kernel_dtype) == jnp.bfloat16 and dtype is not None
+                and jnp.dtype(dtype) == jnp.float32)
+
+    def __call__(self, x: Array, kernel: Array, dtype, precision=None) -> Array:
+        """x [..., in] @ kernel [in, out] in `dtype`."""
+        if self.takes(kernel.dtype, dtype):
+            return cpu_kernels.matmul(x.astype(dtype), kernel, precision)
+        return jnp.matmul(x.astype(dtype), kernel.astype(dtype), precision=precision)
+
+    def transposed(self, x: Array, table: Array, dtype) -> Array:
+        """x [..., D] @ table [V, D]^T in `dtype` (tied logits)."""
+        if self.takes(table.dtype, dtype):
+            return cpu_kernels.matmul_t(x.astype(dtype), table)
+        return jnp.einsum("...d,vd->...v", x.astype(dtype), table.astype(dtype))
 
 
-def _dot_general(x, kernel, dimension_numbers, precision=None, **kwargs):
-    """nnx.Linear's product; a bf16 kernel left by `_promote_dtype` goes through `cpu_kernels`."""
-    if kernel.dtype != x.dtype:
-        assert dimension_numbers == (((x.ndim - 1,), (0,)), ((), ())), dimension_numbers
-        return cpu_kernels.matmul(x, kernel, precision)
-    return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
+XLA = Matmul(cpu_kernels=False)
 
 
-def linear(din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs, precision=None) -> nnx.Linear:
+def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype) -> Matmul:
+    """The product for a model of compute `dtype` and weights `param_dtype`.
+
+    "auto": the CPU kernels where they pay (bf16 weights, float32 compute, one CPU device) and are
+    available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else.
+    "xla": always XLA. "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
+    """
+    if isinstance(option, Matmul):
+        return option
+    if option not in MATMUL_OPTIONS:
+        raise ValueError(f"matmul must be one of {MATMUL_OPTIONS}, got {option!r}")
+    if option == "xla":
+        return XLA
+    one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
+    if option == "cpu_kernels":
+        if not one_cpu:
+            raise ValueError(f"matmul='cpu_kernels' needs a single CPU device (backend {jax.default_backend()!r}, "
+                             f"{jax.device_count()} devices); use matmul='xla'")
+        if not cpu_kernels.available():
+            raise ValueError(f"matmul='cpu_kernels': the kernels are unavailable ({cpu_kernels.unavailable_reason()});"
+                             " use matmul='xla'")
+        return Matmul(cpu_kernels=True)
+    wanted = jnp.dtype(param_dtype) == jnp.bfloat16 and dtype is not None and jnp.dtype(dtype) == jnp.float32
+    return Matmul(cpu_kernels=bool(wanted and one_cpu and cpu_kernels.available()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Promote:
+    """nnx.Linear's dtype promotion, except that a kernel the CPU kernels multiply stays bf16."""
+
+    matmul: Matmul
+
+    def __call__(self, arrays, /, *, dtype=None, inexact=True):
+        x, kernel, bias = arrays
+        if bias is None and self.matmul.takes(kernel.dtype, dtype):
+            return x.astype(dtype), kernel, None
+        return nnx_dtypes.promote_dtype(arrays, dtype=dtype, inexact=inexact)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DotGeneral:
+    """nnx.Linear's product; a bf16 kernel left by `_Promote` goes through the CPU kernels."""
+
+    matmul: Matmul
+
+    def __call__(self, x, kernel, dimension_numbers, precision=None, **kwargs):
+        if kernel.dtype != x.dtype:
+            assert dimension_numbers == (((x.ndim - 1,), (0,)), ((), ())), dimension_numbers
+            return self.matmul(x, kernel, x.dtype, precision)
+        return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
+
+
+def linear(din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs, precision=None,
+           matmul: Matmul = XLA) -> nnx.Linear:
     """A bias-free projection (Gemma has no biases). Kernel layout [in, out]. A plain `nnx.Linear`
-    whose product is `matmul`'s (a bf16 kernel under float32 compute on CPU uses `cpu_kernels`)."""
+    whose product is `matmul`'s."""
     return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                      rngs=rngs, kernel_init=nnx.initializers.normal(0.02), promote_dtype=_promote_dtype,
-                      dot_general=_dot_general)
+                      rngs=rngs, kernel_init=nnx.initializers.normal(0.02), promote_dtype=_Promote(matmul),
+                      dot_general=_DotGeneral(matmul))
+
+
+def matmul_of(lin: nnx.Module) -> Matmul:
+    """The product a projection built by `linear` was given (XLA for any other module)."""
+    dot = getattr(lin, "dot_general", None)
+    return dot.matmul if isinstance(dot, _DotGeneral) else XLA
 
 
 class MLP(nnx.Module):
     """GeGLU: `down(gelu_tanh(gate(x)) * up(x))`. Width is per layer (double on E2B KV consumers)."""
 
-    def __init__(self, dim: int, width: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.gate_proj = linear(dim, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.up_proj = linear(dim, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.down_proj = linear(width, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, dim: int, width: int, *, dtype, param_dtype, rngs: nnx.Rngs, matmul: Matmul = XLA):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
+        self.gate_proj = linear(dim, width, **kw)
+        self.up_proj = linear(dim, width, **kw)
+        self.down_proj = linear(width, dim, **kw)
 
     def __call__(self, x: Array) -> Array:
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
@@ -154,8 +229,9 @@ class Embedding(nnx.Module):
     """
 
     def __init__(self, num_embeddings: int, features: int, *, scale: float = 1.0, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, matmul: Matmul = XLA):
         self.num_embeddings = num_embeddings
+        self.matmul = matmul
         self.features = features
         self.dtype = dtype
         self.lookup_scale = float(np.asarray(scale, dtype=param_dtype).astype(np.float64))
@@ -167,12 +243,9 @@ class Embedding(nnx.Module):
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
     def attend(self, x: Array) -> Array:
-        """Tied logits: x [..., D] @ table.T -> [..., V] (a bf16 table under float32 compute on CPU is
-        read by `cpu_kernels`: 0.8 GB per token for E2B instead of a float32 copy)."""
-        table = self.embedding[...]
-        if cpu_kernels.handles(table.dtype, self.dtype):
-            return cpu_kernels.matmul_t(x.astype(self.dtype), table)
-        return jnp.einsum("...d,vd->...v", x, table.astype(self.dtype))
+        """Tied logits: x [..., D] @ table.T -> [..., V] (with the CPU kernels, a bf16 table under
+        float32 compute is read as stored: 0.8 GB per token for E2B instead of a float32 copy)."""
+        return self.matmul.transposed(x, self.embedding[...], self.dtype)
 
 
 def embed_scale(dim: int) -> float:

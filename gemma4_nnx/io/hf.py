@@ -292,11 +292,13 @@ def expected_hf_shapes(config: Gemma4Config) -> dict[str, tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------------------- model filling
-def abstract_model(config: Gemma4Config, dtype, param_dtype=None):
+def abstract_model(config: Gemma4Config, dtype, param_dtype=None, matmul="auto"):
+    """`Gemma4(config)` with shapes only (`nnx.eval_shape`): no weights allocated."""
     from gemma4_nnx.model import Gemma4
 
     param_dtype = param_dtype or dtype
-    return nnx.eval_shape(lambda: Gemma4(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: Gemma4(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0),
+                                         matmul=matmul))
 
 
 def variables_by_path(model: nnx.Module) -> dict[Path, nnx.Variable]:
@@ -310,19 +312,20 @@ def iter_arrays(plan: Plan) -> Iterator[tuple[Entry, np.ndarray]]:
         yield entry, entry.to_nnx(np.full(shape, entry.default, np.float32))
 
 
-def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, sharding=None):
+def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, sharding=None, matmul="auto"):
     """Load an HF Gemma 4 (or Gemma 3 text, `gemma3_text`) checkpoint directory straight into a `Gemma4` model.
 
     The model is built abstractly (`nnx.eval_shape`, no random weights) and filled tensor by tensor.
     Accepts `Gemma4ForCausalLM` (`model.` prefix) and `Gemma4ForConditionalGeneration`
     (`model.language_model.`) files, single or sharded; skips vision/audio tensors and ignores the
     unused K/V tensors of KV-consumer layers. `sharding`: optional callable path -> jax.sharding.Sharding.
+    `matmul`: the projections' product ("auto", "xla", "cpu_kernels"; `gemma4_nnx.model.layers`).
     """
     hf_dir = os.fspath(hf_dir)
     config = Gemma4Config.from_hf(hf_dir)
     param_dtype = param_dtype or dtype
     plan = plan_load(config, text_tensors(hf_dir))
-    model = abstract_model(config, dtype, param_dtype)
+    model = abstract_model(config, dtype, param_dtype, matmul)
     variables = variables_by_path(model)
     for entry, array in iter_arrays(plan):
         var = variables[entry.path]

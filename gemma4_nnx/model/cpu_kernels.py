@@ -20,7 +20,8 @@ The kernels (`cpu_kernels.cc`) are compiled with the system C++ compiler on firs
 (`-O3 -march=native`, a few seconds), cached in `$GEMMA4_NNX_CACHE` (default
 `~/.cache/gemma4_nnx`) and registered as XLA FFI targets. They are used only on a single CPU device;
 without a compiler, or with `GEMMA4_NNX_CPU_KERNELS=0`, everything stays on XLA (same results up to
-summation order, slower).
+summation order, slower). Whether a model uses them is decided once, when it is built or loaded
+(`Gemma4(..., matmul="auto" | "xla" | "cpu_kernels")`, `gemma4_nnx.model.layers.resolve_matmul`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import jaxlib
 
 Array = jax.Array
 
-__all__ = ["MAX_ROWS", "available", "handles", "matmul", "matmul_t"]
+__all__ = ["MAX_ROWS", "available", "unavailable_reason", "matmul", "matmul_t"]
 
 #: Products with at most this many rows run in the kernels; more rows widen the weight and use XLA's
 #: dot (measured on 1536x6144: the kernel is 1.6x faster at 32 rows, 2x slower at 64).
@@ -122,18 +123,16 @@ def available() -> bool:
         return _state["ok"]
 
 
-def handles(weight_dtype, compute_dtype) -> bool:
-    """True when a product of a `weight_dtype` weight in `compute_dtype` should use these kernels:
-    bf16 weights, float32 compute, a single CPU device and the kernels available."""
-    return (jnp.dtype(weight_dtype) == jnp.bfloat16 and compute_dtype is not None
-            and jnp.dtype(compute_dtype) == jnp.float32 and jax.default_backend() == "cpu"
-            and jax.device_count() == 1 and available())
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (None while undecided or when the kernels are available)."""
+    return _state.get("error")
 
 
 # ------------------------------------------------------------------------------------------ primitives
 def _call(target: str, shape: tuple[int, ...], *args: Array) -> Array:
-    if not available():
-        raise RuntimeError(f"gemma4_nnx.cpu_kernels are unavailable: {_state.get('error')}")
+    if not _state.get("ok"):  # decided when the model was built (`available()`), not here
+        raise RuntimeError(f"gemma4_nnx CPU kernels are not registered ({_state.get('error') or 'never built'}); "
+                           "build the model with matmul='auto' or 'xla'")
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")(*args)
 
 
@@ -180,7 +179,7 @@ def _rows_of(x: Array) -> tuple[tuple[int, ...], int, int]:
 
 
 def matmul(x: Array, w: Array, precision=None) -> Array:
-    """x [..., K] float32 @ w [K, N] bfloat16 -> [..., N] float32 (use when `handles(w.dtype, float32)`)."""
+    """x [..., K] float32 @ w [K, N] bfloat16 -> [..., N] float32 (what `layers.Matmul` calls for a bf16 kernel)."""
     lead, k, rows = _rows_of(x)
     if 0 < rows <= MAX_ROWS:
         return _cols(x.reshape(rows, k), w).reshape(*lead, w.shape[1])

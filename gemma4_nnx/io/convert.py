@@ -1,8 +1,8 @@
 """HF safetensors -> Orbax conversion (`gemma4-convert SRC DST`), with the PLE table pre-quantized.
 
-Pipeline: read config.json -> match every tensor to the one name map (`gemma4_nnx.hf.plan_load`: all
+Pipeline: read config.json -> match every tensor to the one name map (`gemma4_nnx.io.hf.plan_load`: all
 missing / unexpected / misshaped tensors reported at once) -> write each tensor as a streamed Orbax
-leaf (`gemma4_nnx.checkpoint.save_streaming`: one tensor at a time, row blocks of <= 64 MiB, the PLE
+leaf (`gemma4_nnx.io.checkpoint.save_streaming`: one tensor at a time, row blocks of <= 64 MiB, the PLE
 table quantized block by block) into a temporary sibling directory -> config, tokenizer files,
 metadata.json -> rename to DST. An interrupted conversion therefore never leaves a directory named DST,
 and the temporary one lacks metadata.json, which `load` requires.
@@ -25,9 +25,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gemma4_nnx import checkpoint as ck
+from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.config import Gemma4Config
-from gemma4_nnx.hf import CheckpointError, Entry, TensorInfo, plan_load, read_tensor, safetensors_files, text_tensors
+from gemma4_nnx.io.hf import CheckpointError, Entry, TensorInfo, plan_load, read_tensor, safetensors_files, text_tensors
 
 DTYPES = ("bfloat16", "float32")
 PLE_MODES = {"int4": 4, "int8": 8, "none": None}
@@ -117,7 +117,7 @@ class _QuantizedTable:
 
     Codes are written as they are produced; the float32 scales ([V, L*P/group], 36.7 MB for E2B) are
     kept until their own leaf is written. Row-local quantization makes blocks bit-identical to
-    quantizing the whole table (gemma4_nnx.quant).
+    quantizing the whole table (gemma4_nnx.model.quant).
     """
 
     def __init__(self, info: TensorInfo, bits: int, group: int, progress: Progress):
@@ -128,7 +128,7 @@ class _QuantizedTable:
         self.filled = np.zeros(-(-self.rows // self.block), bool)
 
     def _quantize(self, a: int, b: int) -> np.ndarray:
-        from gemma4_nnx.quant import quantize_rows
+        from gemma4_nnx.model.quant import quantize_rows
 
         codes, scales = quantize_rows(read_tensor(self.info, rows=(a, b)), self.bits, self.group)
         self.scales[a:b] = scales
@@ -228,8 +228,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfl
     """
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     _check_options(dtype, ple)
-    if os.path.isfile(src):  # a Gemma 3 GGUF: dequantized once into a cached HF-style dir (gemma4_nnx.gguf_import)
-        from gemma4_nnx.gguf_import import cached_hf_dir
+    if os.path.isfile(src):  # a Gemma 3 GGUF: dequantized once into a cached HF-style dir (gemma4_nnx.io.gguf_import)
+        from gemma4_nnx.io.gguf_import import cached_hf_dir
 
         src = cached_hf_dir(src, verbose=bool(progress))
     if not os.path.isdir(src):

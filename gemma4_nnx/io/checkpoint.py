@@ -1,6 +1,6 @@
 """Our Orbax checkpoint format: streaming save, metadata, and `load` into an abstract model.
 
-Layout of a converted checkpoint directory (written by `gemma4_nnx.convert`)::
+Layout of a converted checkpoint directory (written by `gemma4_nnx.io.convert`)::
 
     DST/
       params/                 Orbax PyTree checkpoint (OCDBT + zarr, zstd): nested dict keyed by our
@@ -12,7 +12,7 @@ Layout of a converted checkpoint directory (written by `gemma4_nnx.convert`)::
 
 With a quantized PLE table, ``params["embed_tokens_per_layer"]`` holds ``codes`` (int4: uint8
 [V, L*P/2], two codes per byte; int8: int8 [V, L*P]) and ``scales`` (float32 [V, L*P/256]) instead of
-``embedding`` (format in `gemma4_nnx.quant`). Any Orbax reader restores the tree, e.g.
+``embedding`` (format in `gemma4_nnx.model.quant`). Any Orbax reader restores the tree, e.g.
 ``ocp.StandardCheckpointer().restore(DST / "params")``.
 
 Streaming save: Orbax would serialize a dict of host arrays all at once, holding the whole model in
@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config
-from gemma4_nnx.hf import CheckpointError, abstract_model, name_map, variables_by_path
+from gemma4_nnx.io.hf import CheckpointError, abstract_model, name_map, variables_by_path
 
 FORMAT = "gemma4_nnx.orbax"
 FORMAT_VERSION = 1
@@ -235,7 +235,7 @@ def _sharding_fn(sharding) -> Callable[[Path], jax.sharding.Sharding]:
                      f"got {type(sharding).__name__}")
 
 
-def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtype=None):
+def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtype=None, matmul="auto"):
     """Restore a converted checkpoint (`gemma4-convert`) into a `Gemma4` model.
 
     The model is built abstractly (`nnx.eval_shape`: no random weights) and Orbax reads each array
@@ -246,14 +246,17 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
       ckpt_dir: directory written by `gemma4-convert`.
       dtype: dtype of the float parameters; None keeps the stored dtype (cast happens while reading).
       sharding: None (first device), a `jax.sharding.Sharding` for every array, a callable
-        path -> Sharding (paths as in `gemma4_nnx.hf.name_map`, PLE codes/scales at
+        path -> Sharding (paths as in `gemma4_nnx.io.hf.name_map`, PLE codes/scales at
         ("embed_tokens_per_layer", "codes"/"scales")), or a mapping of path tuples (or a nested dict
         like the params tree) to shardings.
       compute_dtype: activation dtype; None = float32 on CPU, else the parameter dtype.
+      matmul: the projections' product, chosen here once: "auto" (the CPU bf16 kernels for bf16
+        weights under float32 compute on one CPU device, when available; else XLA), "xla" or
+        "cpu_kernels" (`gemma4_nnx.model.layers.resolve_matmul`).
     """
     import orbax.checkpoint as ocp
 
-    from gemma4_nnx.quant import QuantizedEmbedding
+    from gemma4_nnx.model.quant import QuantizedEmbedding
 
     ckpt_dir = os.fspath(ckpt_dir)
     meta = read_metadata(ckpt_dir)
@@ -262,7 +265,7 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
     compute = _dtype(compute_dtype, "compute_dtype") or default_compute_dtype(param_dtype)
     where = _sharding_fn(sharding)
 
-    model = abstract_model(config, compute, param_dtype)
+    model = abstract_model(config, compute, param_dtype, matmul)
     ple = meta.get("ple") or {}
     bits = ple.get("bits")
     if config.use_ple and bits:

@@ -1,0 +1,18 @@
+"""The decode core and its two drivers.
+
+`core` (the `Decoder`: KV cache + per-row state, and the prefill / decode / draw / loop programs),
+`batching` (prompt batches, shape buckets), `sampling` (per-row samplers), `requests` + `errors`
+(one validation, `RequestError`), `text` (detokenizing, stop strings, finish reasons); drivers:
+`generate` (a fixed batch: `generate`, `generate_stream`) and `engine` (continuous batching).
+"""
+
+from gemma4_nnx.decode.core import Decoder, compiled_programs
+from gemma4_nnx.decode.engine import Engine, EngineError, EngineRequest, Event
+from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.generate import GenerateResult, StreamStep, enable_compilation_cache, generate, generate_stream
+from gemma4_nnx.decode.sampling import SamplingParams
+from gemma4_nnx.decode.text import FinishReason
+
+__all__ = ["generate", "generate_stream", "GenerateResult", "StreamStep", "enable_compilation_cache", "Engine",
+           "EngineRequest", "EngineError", "Event", "Decoder", "RequestError", "SamplingParams", "FinishReason",
+           "compiled_programs"]

@@ -1,0 +1,95 @@
+"""Prompt batches and shape buckets: the host side of prefill, shared by `generate` and the engine.
+
+Shapes are rounded up to powers of two so that a bounded number of programs serves every request:
+
+* rows: `pow2(n)`;
+* prompt columns: `max(MIN_PROMPT_BUCKET, pow2(longest prompt))`, or, with `prefill_chunk=C`, the
+  longest prompt rounded up to a multiple of C (every chunk then has the same shape [rows, C]);
+* new tokens (`generate`'s on-device output buffer): `max(MIN_NEW_BUCKET, pow2(max_new_tokens))`.
+
+A prompt batch is right-padded: each row keeps its own positions 0..n-1; padding columns (and rows
+that only pad the batch to its bucket) get key position -1, so they are never attended to or cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+__all__ = ["MIN_PROMPT_BUCKET", "MIN_NEW_BUCKET", "pow2", "prompt_columns", "bucket_shapes", "PromptBatch"]
+
+MIN_PROMPT_BUCKET = 16
+MIN_NEW_BUCKET = 16
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
+def prompt_columns(longest: int, prefill_chunk: int | None) -> tuple[int, int]:
+    """(padded prompt length, chunk width) for a batch whose longest prompt has `longest` tokens."""
+    if prefill_chunk:
+        return -(-longest // prefill_chunk) * prefill_chunk, prefill_chunk
+    padded = max(MIN_PROMPT_BUCKET, pow2(longest))
+    return padded, padded
+
+
+def bucket_shapes(batch: int, prompt_len: int, max_new_tokens: int, *, max_length: int | None,
+                  context: int, prefill_chunk: int | None) -> tuple[int, int, int, int]:
+    """`generate`'s (batch bucket, padded prompt length, new-token bucket, cache slots) for a call.
+
+    Cache slots: `max_length` if given, else `min(pow2(padded prompt + new bucket), context)`, at least
+    the prompt plus the new tokens."""
+    pb, _ = prompt_columns(prompt_len, prefill_chunk)
+    nb = max(MIN_NEW_BUCKET, pow2(max_new_tokens))
+    if max_length is not None:
+        t = max_length
+    else:
+        t = max(min(pow2(pb + nb), context), prompt_len + max_new_tokens)
+    return pow2(batch), pb, nb, t
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """Right-padded prompts of `rows` rows (NumPy, host side).
+
+    ids [R, P] int32; positions [R, P] int32 (-1 at padding); valid [R, P] bool; last [R] int32: the
+    column of each row's last prompt token (0 for padding rows); chunk: prefill chunk width (P is a
+    multiple of it); lengths [R]: prompt lengths (0 for padding rows).
+    """
+
+    ids: np.ndarray
+    positions: np.ndarray
+    valid: np.ndarray
+    last: np.ndarray
+    lengths: np.ndarray
+    chunk: int
+
+    @classmethod
+    def build(cls, prompts: Sequence[Sequence[int]], rows: int, prefill_chunk: int | None = None) -> PromptBatch:
+        """Pad `prompts` (token-id lists) into `rows` >= len(prompts) rows of bucketed width."""
+        if rows < len(prompts):
+            raise ValueError(f"PromptBatch.build: {len(prompts)} prompts do not fit {rows} rows")
+        width, chunk = prompt_columns(max(len(p) for p in prompts), prefill_chunk)
+        ids = np.zeros((rows, width), np.int32)
+        valid = np.zeros((rows, width), bool)
+        lengths = np.zeros((rows,), np.int32)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = p
+            valid[r, : len(p)] = True
+            lengths[r] = len(p)
+        positions = np.where(valid, np.arange(width)[None, :], -1).astype(np.int32)
+        return cls(ids, positions, valid, np.maximum(lengths - 1, 0), lengths, chunk)
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+    def chunks(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """(first column c0, ids, positions, valid) of each [R, chunk] slice, in order."""
+        for c0 in range(0, self.width, self.chunk):
+            sl = slice(c0, c0 + self.chunk)
+            yield c0, self.ids[:, sl], self.positions[:, sl], self.valid[:, sl]

@@ -1,0 +1,408 @@
+"""The decode core: the one implementation of prefill, decode step and sampling over batch rows.
+
+`generate` / `generate_stream` (a fixed batch) and the serving engine (rows that join and leave) are
+thin drivers over `Decoder`, which owns the only KV cache of a decode and the per-row state next to
+it, as one typed pytree (`DecodeState`). Four jitted programs do the work, shared by both drivers:
+
+* `prefill`: one chunk of right-padded prompts written into rows `idx` of the cache (all rows for
+  `generate`; the joining rows, gathered, cleared and scattered back, for the engine); returns each
+  row's next-token logits once its last prompt token has been seen. Program per (rows, chunk width,
+  cache shape).
+* `decode`: one token for each of the first m rows (m a power of two covering every active row); done
+  rows are masked (key position -1: they write nothing). Program per (m, cache shape).
+* `draw`: sample the next token of rows `idx` from their logits with each row's own parameters
+  (`sampling.sample_rows`), per-row keys `fold_in(row key, step)`, stop-token and length checks, the
+  repetition penalty's seen-token mask; optionally first writes those rows' initial state (a request
+  joining). Program per (rows, `DrawConfig`): the static features in use, not their values.
+* `loop`: `generate`'s whole decode on device, a `jax.lax.while_loop` whose body is `decode` +
+  `draw`. Program per (rows, output length, cache shape, `DrawConfig`).
+
+The model is split once (`nnx.split`): its weights are a jit *argument* (not constants folded into
+the programs) and the cache is *donated*, so each program updates it in place.
+
+Why the cache is an explicit pytree, passed in and returned (`model(ids, positions, cache=cache) ->
+(logits, cache)`), rather than NNX variables inside the model: exactly one object owns it (the
+`Decoder`), a model stays usable for plain forward passes at any time, and the operations serving
+needs (gather / scatter / clear rows, a prefix of rows, sharding, later copying a prefix or rolling
+back rejected draft tokens) are plain functions of arrays instead of module surgery inside jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemma4_nnx.decode.batching import PromptBatch
+from gemma4_nnx.decode.requests import Request
+from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams, sample_rows, token_logprobs, update_seen
+from gemma4_nnx.model.cache import KVCache
+
+Array = jax.Array
+
+__all__ = ["RowState", "DecodeState", "Drawn", "DrawConfig", "Decoder", "compiled_programs"]
+
+
+def _take(tree, idx: Array):
+    """Rows `idx` [k] of every [B, ...] leaf (an index >= B reads the last row; `_put` drops it)."""
+    return jax.tree_util.tree_map(lambda x: jnp.take(x, idx, axis=0, mode="clip"), tree)
+
+
+def _put(tree, idx: Array, part):
+    return jax.tree_util.tree_map(lambda full, p: full.at[idx].set(p, mode="drop"), tree, part)
+
+
+# ------------------------------------------------------------------------------------------- state
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowState:
+    """Everything a batch row carries between steps besides its cache (leading axis: rows).
+
+    token [B] int32: the row's last token, fed at the next step; pos [B] int32: its position.
+    key [B, W] uint32: key data of `fold_in(key(seed), row)`; a draw uses `fold_in(that, step)`.
+    step [B] int32: tokens drawn so far; limit [B] int32: the row's max new tokens.
+    done [B] bool: finished (or a free/padding row): masked in every program.
+    stops [B, S] int32: stop-token ids, -1 padded.
+    seen [B, V] bool: prompt + output tokens, for the repetition penalty ([B, 1] when no row uses it).
+    sampling: per-row sampling parameters.
+    """
+
+    token: Array
+    pos: Array
+    key: Array
+    step: Array
+    limit: Array
+    done: Array
+    stops: Array
+    seen: Array
+    sampling: RowParams
+
+    @classmethod
+    def build(cls, requests: Sequence[Request | None], *, vocab_size: int, stop_width: int,
+              seen_width: int) -> RowState:
+        """Initial host-side (NumPy) state of rows for these requests; None: an empty row (done)."""
+        n = len(requests)
+        real = [r for r in requests if r is not None]
+        keys = _row_keys([r.seed for r in real], [r.row for r in real]) if real else None
+        key = np.zeros((n, _key_width()), np.uint32)
+        params = [SamplingParams() if r is None else r.params for r in requests]
+        sampling, _ = RowParams.of(params, vocab_size)
+        state = cls(token=np.zeros(n, np.int32), pos=np.zeros(n, np.int32), key=key, step=np.zeros(n, np.int32),
+                    limit=np.zeros(n, np.int32), done=np.ones(n, bool), stops=np.full((n, stop_width), -1, np.int32),
+                    seen=np.zeros((n, seen_width), bool), sampling=sampling)
+        j = 0
+        for i, r in enumerate(requests):
+            if r is None:
+                continue
+            if len(r.stop_tokens) > stop_width:
+                raise ValueError(f"{len(r.stop_tokens)} stop tokens do not fit stop_width={stop_width}")
+            state.key[i] = keys[j]
+            j += 1
+            state.pos[i] = len(r.prompt) - 1  # the last prompt token's; the first draw advances it
+            state.limit[i] = r.max_tokens
+            state.done[i] = False
+            state.stops[i, : len(r.stop_tokens)] = r.stop_tokens
+            if seen_width > 1 and r.params.uses_penalty:
+                state.seen[i, list(r.prompt)] = True
+        return state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The whole state of a decode: the KV cache and the rows' state (the `loop` carry's core)."""
+
+    cache: KVCache
+    rows: RowState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """What one draw produced, per drawn row ([k]): token, its logprob (raw model distribution; 0
+    unless `DrawConfig.logprobs`), stopped (a stop token), done (the row has finished: stop or
+    length), active (the row was running: its token is real)."""
+
+    token: Array
+    logprob: Array
+    stopped: Array
+    done: Array
+    active: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawConfig:
+    """Static options of a draw (a jit static argument): the sampling features any drawn row uses,
+    and whether logprobs are computed."""
+
+    features: RowFeatures = RowFeatures()
+    logprobs: bool = False
+
+
+@jax.jit
+def _row_keys_jit(seeds: Array, rows: Array) -> Array:
+    return jax.vmap(lambda s, r: jax.random.key_data(jax.random.fold_in(jax.random.key(s), r)))(seeds, rows)
+
+
+def _row_keys(seeds: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+    return np.asarray(_row_keys_jit(np.asarray(seeds, np.int32), np.asarray(rows, np.int32)))
+
+
+@functools.cache
+def _key_width() -> int:
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape[-1]
+
+
+# ------------------------------------------------------------------------------------------- programs
+def _forward(graphdef, weights, cache, ids, positions, valid, select):
+    """Next-token logits [B, V] (float32) at the columns `select` [B, 1], and the updated cache."""
+    model = nnx.merge(graphdef, weights)
+    h, cache = model(ids, positions, valid, cache=cache, return_hidden=True, select=select)
+    return model.logits(h[:, 0]).astype(jnp.float32), cache
+
+
+def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last, logits, c0, fresh):
+    """Prompt chunk [c0, c0 + C) of rows `idx` [k] (None: every row). last [k]: column of each row's
+    last prompt token in the full padded prompt; rows whose last token is in this chunk take their
+    next-token logits from it, the others keep `logits`. fresh: clear those rows first (first chunk)."""
+    part = cache if idx is None else cache.take(idx)
+    part = part.reset(jnp.full((ids.shape[0],), fresh))
+    c = ids.shape[1]
+    local = jnp.clip(last - c0, 0, c - 1)
+    new, part = _forward(graphdef, weights, part, ids, positions, valid, local[:, None])
+    here = (last >= c0) & (last < c0 + c)
+    cache = part if idx is None else cache.put(idx, part)
+    return cache, jnp.where(here[:, None], new, logits)
+
+
+def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done):
+    """Feed each of the first m rows its last token at its position -> (cache, logits [m, V])."""
+    active = ~done[:m]
+    part = cache.head(m)
+    logits, part = _forward(graphdef, weights, part, token[:m, None], jnp.where(active, pos[:m], -1)[:, None],
+                            active[:, None], jnp.zeros((m, 1), jnp.int32))
+    return cache.put_head(part), logits
+
+
+def _draw(cfg: DrawConfig, rows: RowState, idx, logits, init: RowState | None = None):
+    """Sample the next token of rows `idx` [k] (None: every row) from logits [k, V]; `init`: first
+    write those rows' initial state (joining requests). Returns (rows, Drawn)."""
+    if init is not None:
+        rows = _put(rows, idx, init)
+    sub = rows if idx is None else _take(rows, idx)
+    keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(sub.key, sub.step)
+    penalty = cfg.features.penalty
+    tok = sample_rows(logits, keys, sub.sampling, sub.seen if penalty else None, cfg.features)
+    lp = token_logprobs(logits, tok) if cfg.logprobs else jnp.zeros(tok.shape, jnp.float32)
+    active = ~sub.done
+    stopped = active & jnp.any(tok[:, None] == sub.stops, axis=1)
+    step = sub.step + active
+    done = sub.done | stopped | (active & (step >= sub.limit))
+    seen = update_seen(sub.seen, jnp.where(active, tok, -1)) if penalty else sub.seen
+    sub = dataclasses.replace(sub, token=jnp.where(active, tok, sub.token), pos=sub.pos + active, step=step,
+                              done=done, seen=seen)
+    rows = sub if idx is None else _put(rows, idx, sub)
+    return rows, Drawn(tok, lp, stopped, done, active)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _LoopCarry:
+    state: DecodeState
+    out: Array  # [B, N] int32 tokens (column 0: the prefill's)
+    logprobs: Array  # [B, N] float32
+    lengths: Array  # [B] int32 tokens per row
+    i: Array  # next column
+
+
+def _loop(cfg: DrawConfig, graphdef, weights, state: DecodeState, first: Drawn, out_size: int):
+    """Decode on device until every row is done: out[:, 0] is `first` (the prefill's draw)."""
+    b = first.token.shape[0]
+    carry = _LoopCarry(state, jnp.zeros((b, out_size), jnp.int32).at[:, 0].set(first.token),
+                       jnp.zeros((b, out_size), jnp.float32).at[:, 0].set(first.logprob),
+                       jnp.ones((b,), jnp.int32), jnp.int32(1))
+
+    def cond(c: _LoopCarry):
+        return (c.i < out_size) & ~jnp.all(c.state.rows.done)
+
+    def body(c: _LoopCarry):
+        rows = c.state.rows
+        cache, logits = _decode(b, graphdef, weights, c.state.cache, rows.token, rows.pos, rows.done)
+        rows, d = _draw(cfg, rows, None, logits)
+        return _LoopCarry(DecodeState(cache, rows), c.out.at[:, c.i].set(jnp.where(d.active, d.token, 0)),
+                          c.logprobs.at[:, c.i].set(jnp.where(d.active, d.logprob, 0.0)),
+                          c.lengths + d.active.astype(jnp.int32), c.i + 1)
+
+    c = jax.lax.while_loop(cond, body, carry)
+    return c.state, c.out, c.logprobs, c.lengths
+
+
+# graphdef and the static options are hashable jit static arguments; the weights are traced
+# arguments; the cache (and the rows' state) are donated.
+_prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
+_decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
+_draw_jit = jax.jit(_draw, static_argnums=0, donate_argnums=(1,))
+_loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
+
+PROGRAMS = {"prefill": _prefill_jit, "decode": _decode_jit, "draw": _draw_jit, "loop": _loop_jit}
+
+
+def compiled_programs() -> dict[str, int]:
+    """How many programs each jitted stage has compiled in this process (all decoders together)."""
+    return {name: fn._cache_size() for name, fn in PROGRAMS.items()}
+
+
+# ------------------------------------------------------------------------------------------- compile counting
+_counting = threading.local()  # .counts: the dict of the Decoder whose program this thread is running
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+def _on_event(name: str, *args, **kwargs) -> None:
+    counts = getattr(_counting, "counts", None)
+    if counts is not None and name == _LOWERING_EVENT:
+        counts[_counting.kind] = counts.get(_counting.kind, 0) + 1
+
+
+_listening = False
+_listen_lock = threading.Lock()
+
+
+def _listen() -> None:
+    """Register the compile listener once (on first use of a Decoder, not at import)."""
+    global _listening
+    with _listen_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listening = True
+
+
+# ------------------------------------------------------------------------------------------- the driver's handle
+class Decoder:
+    """`rows` decode rows over one model: the KV cache and the rows' state, and the four programs.
+
+    `generate` makes one per call (a fixed batch); the engine keeps one (rows join and leave).
+    `compiles` counts the programs this decoder had to compile (by kind), measured by jax's
+    lowering events on the calling thread.
+
+    mesh: a `jax.sharding.Mesh` the model's weights are placed on (tensor/FSDP parallel): the cache is
+    placed by `gemma4_nnx.sharding` (KV heads over "tp"), the rows' state replicated. Without one, the
+    state is committed to the weights' device.
+    """
+
+    def __init__(self, model, *, rows: int, max_length: int, cache_dtype=None, stop_width: int = 4,
+                 seen_width: int = 1, mesh=None):
+        _listen()
+        self.config = model.config
+        self.graphdef, self.weights = nnx.split(model)
+        self.rows, self.max_length = rows, max_length
+        self.vocab_size = model.config.vocab_size
+        self.cache_dtype = cache_dtype or model.dtype
+        self.stop_width, self.seen_width = stop_width, seen_width
+        self.mesh = mesh
+        self.compiles: dict[str, int] = {}
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def _place(self, tree):
+        """Small state arrays: replicated over the mesh, or on the weights' device."""
+        if self.mesh is not None:
+            return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        # Committed to the weights' device, like every array a program returns: otherwise the first
+        # call compiles once for the fresh (uncommitted) arrays and again for its own outputs.
+        devices = jax.tree_util.tree_leaves(self.weights)[0].devices()
+        return jax.device_put(tree, next(iter(devices))) if len(devices) == 1 else tree
+
+    def reset(self) -> None:
+        """A fresh cache and empty (done) rows."""
+        if self.mesh is not None:  # created in place, shard by shard
+            from gemma4_nnx import sharding
+
+            def init():
+                return KVCache.init(self.config, self.rows, self.max_length, self.cache_dtype)
+
+            cache = jax.jit(init, out_shardings=sharding.cache_shardings(jax.eval_shape(init), self.mesh))()
+        else:
+            cache = self._place(KVCache.init(self.config, self.rows, self.max_length, self.cache_dtype))
+        empty = RowState.build([None] * self.rows, vocab_size=self.vocab_size, stop_width=self.stop_width,
+                               seen_width=self.seen_width)
+        self.state = DecodeState(cache, self._place(empty))
+
+    def start(self, requests: Sequence[Request | None]) -> None:
+        """Set every row's initial state at once (`generate`: the batch is known up front)."""
+        rows = RowState.build(requests, vocab_size=self.vocab_size, stop_width=self.stop_width,
+                              seen_width=self.seen_width)
+        self.state = dataclasses.replace(self.state, rows=self._place(rows))
+
+    def widen_stops(self, stop_width: int) -> None:
+        """Grow the rows' stop-token arrays to `stop_width` (a request brings more stop tokens than
+        fit); rows keep their contents. The programs compile once more for the new width."""
+        if stop_width <= self.stop_width:
+            return
+        rows = jax.device_get(self.state.rows)
+        stops = np.full((self.rows, stop_width), -1, np.int32)
+        stops[:, : self.stop_width] = rows.stops
+        self.stop_width = stop_width
+        self.state = dataclasses.replace(self.state, rows=self._place(dataclasses.replace(rows, stops=stops)))
+
+    # ------------------------------------------------------------------ programs
+    def _run(self, kind: str, fn, *args):
+        _counting.counts, _counting.kind = self.compiles, kind
+        try:
+            return fn(*args)
+        finally:
+            _counting.counts = None
+
+    def prefill(self, batch: PromptBatch, idx: np.ndarray | None = None) -> Array:
+        """Run the prompts of `batch` into rows `idx` (None: every row, in order; else [R] row indices,
+        an index >= rows pads). Returns next-token logits [R, V] (float32, on device)."""
+        r = batch.ids.shape[0]
+        # committed like the logits each chunk returns (a mix of committed and uncommitted arguments
+        # would compile the chunk program twice)
+        logits = self._place(jnp.zeros((r, self.vocab_size), jnp.float32))
+        last = jnp.asarray(batch.last)
+        idx = None if idx is None else jnp.asarray(idx, jnp.int32)
+        cache = self.state.cache
+        for c0, ids, pos, valid in batch.chunks():
+            cache, logits = self._run("prefill", _prefill_jit, self.graphdef, self.weights, cache, idx,
+                                      jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(valid), last, logits,
+                                      jnp.int32(c0), jnp.bool_(c0 == 0))
+        self.state = dataclasses.replace(self.state, cache=cache)
+        return logits
+
+    def draw(self, cfg: DrawConfig, logits: Array, idx: np.ndarray | None = None,
+             init: RowState | None = None) -> Drawn:
+        """Sample rows `idx` (None: every row) from `logits`; `init`: their initial state, written
+        first (`RowState.build` of the joining requests). Returns the `Drawn` on the host (NumPy)."""
+        idx = None if idx is None else jnp.asarray(idx, jnp.int32)
+        rows, drawn = self._run("draw", _draw_jit, cfg, self.state.rows, idx, logits,
+                                None if init is None else self._place(init))
+        self.state = dataclasses.replace(self.state, rows=rows)
+        return jax.device_get(drawn)
+
+    def step(self, cfg: DrawConfig, m: int | None = None) -> Drawn:
+        """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m."""
+        m = self.rows if m is None else m
+        rows = self.state.rows
+        cache, logits = self._run("decode", _decode_jit, m, self.graphdef, self.weights, self.state.cache,
+                                  rows.token, rows.pos, rows.done)
+        self.state = dataclasses.replace(self.state, cache=cache)
+        return self.draw(cfg, logits, None if m == self.rows else np.arange(m))
+
+    def finish(self, rows: np.ndarray) -> None:
+        """Mark rows (bool [rows]) done on the device: the host ended them (stop string, cancel)."""
+        if rows.any():
+            done = self.state.rows.done | self._place(jnp.asarray(rows))
+            self.state = dataclasses.replace(self.state, rows=dataclasses.replace(self.state.rows, done=done))
+
+    def loop(self, cfg: DrawConfig, first: Drawn, out_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decode on device until every row is done (at most `out_size` tokens a row, `first`
+        included). Returns host (tokens [B, out_size], logprobs [B, out_size], lengths [B])."""
+        self.state, out, lps, lengths = self._run("loop", _loop_jit, cfg, self.graphdef, self.weights, self.state,
+                                                  jax.tree_util.tree_map(jnp.asarray, first), out_size)
+        return np.asarray(out), np.asarray(lps), np.asarray(lengths)

@@ -1,0 +1,371 @@
+"""Continuous batching: a scheduler that admits requests into rows of one decode core and retires them.
+
+The engine keeps one `core.Decoder` of `max_batch` rows (the KV cache and per-row state) and a
+background thread that repeats:
+
+1. **Admit.** Pending requests take free rows. Their prompts are prefilled together into those rows
+   (`Decoder.prefill` with row indices: the rows are cleared first, the other rows' caches are
+   untouched), their row state is written and their first tokens drawn (`Decoder.draw` with `init`).
+2. **Decode.** One step for the first m rows (m a power of two covering every active row; rows are
+   taken lowest first, so few requests cost a small step): every active row feeds its last token at
+   its own position; done and free rows are masked (key position -1: they write nothing). Rows are
+   independent (per-row positions, sampling parameters and keys), so a request's tokens do not
+   depend on who else shares the step.
+3. **Retire.** A row that produced a stop token or reached its `max_tokens` (both decided on the
+   device), completed a stop string, or whose client went away (:meth:`Engine.cancel`) frees its
+   slot at once; the next admit reuses it.
+
+Sampling: a request with seed `s` draws from `fold_in(fold_in(key(s), 0), step)` exactly like row 0
+of `generate(..., seed=s)`, so greedy *and* seeded sampled output equal `generate` for the same prompt.
+
+Compilations: a decode program per power-of-two row count m <= `max_batch`; a prefill program per
+(power-of-two number of joining rows, prompt bucket) with the prompt bucket as in `generate` (or
+`prefill_chunk` columns); a draw per (row count, `RowFeatures`: which processors any row uses).
+:meth:`Engine.compiled_programs` counts what this engine compiled; :attr:`Engine.stats` counts
+decode steps and how many rows shared them (the server reports both at `/metrics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from gemma4_nnx.decode.batching import PromptBatch, pow2
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, RowState
+from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.requests import Request, check_int, make_request
+from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams
+from gemma4_nnx.decode.text import FinishReason, TextStream
+
+__all__ = ["Engine", "EngineRequest", "EngineStats", "Event", "EngineError", "DEFAULT_MAX_LENGTH"]
+
+DEFAULT_MAX_LENGTH = 4096
+
+
+class EngineError(RuntimeError):
+    """The engine is not running, or failed while running a request (its error event carries it)."""
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request produced in one step.
+
+    token: the new id (None on the final event of a cancelled/failed request).
+    text: the text this token makes visible (tokenizer given; stop tokens and stop strings are not
+      shown; text that may start a stop string is held back until decided).
+    logprob: the token's log-probability under the raw model distribution.
+    finish_reason: None while running; then a `FinishReason`: "stop" (stop token), "stop_string",
+      "length" (max_tokens), "cancelled" or "error".
+    """
+
+    token: int | None
+    text: str
+    logprob: float | None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    decode_steps: int = 0  # shared decode steps run
+    shared_decode_steps: int = 0  # ... of which decoded more than one request
+    max_rows_in_step: int = 0  # most requests decoded in one step
+    rows_decoded: int = 0  # sum over steps of the requests decoded
+    prefills: int = 0  # admissions (one prefill of one or more prompts each)
+    prefill_rows: int = 0  # prompts prefilled
+    completed: int = 0  # requests that ended with stop / stop_string / length
+    cancelled: int = 0
+    failed: int = 0
+    tokens_generated: int = 0
+
+
+class EngineRequest:
+    """One submitted request; iterate it (or :meth:`result`) to read its events."""
+
+    _ids = itertools.count()
+
+    def __init__(self, request: Request, stream: TextStream, sink: Callable[[Event], None] | None):
+        self.id = next(self._ids)
+        self.request = request
+        self.stream = stream
+        self._queue: queue.Queue[Event] | None = None if sink is not None else queue.Queue()
+        self._sink = sink if sink is not None else self._queue.put
+        self.tokens: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        self.first_token_s: float | None = None
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt
+
+    def emit(self, event: Event) -> None:
+        self._sink(event)
+
+    def __iter__(self) -> Iterator[Event]:
+        if self._queue is None:
+            raise TypeError("this request delivers its events to a callback (sink=...)")
+        while True:
+            ev = self._queue.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def result(self) -> tuple[list[int], str, FinishReason, list[float]]:
+        """Block until done: (tokens, text, finish_reason, logprobs). Raises EngineError on failure."""
+        text, lps, tokens = [], [], []
+        for ev in self:
+            if ev.token is not None:
+                tokens.append(ev.token)
+                lps.append(ev.logprob)
+            text.append(ev.text)
+            if ev.finish_reason == FinishReason.ERROR:
+                raise EngineError(ev.error)
+        return tokens, "".join(text), ev.finish_reason, lps
+
+
+class Engine:
+    """Continuous-batching generation over one model.
+
+    Args:
+      model: a `Gemma4` (e.g. from `gemma4_nnx.load`); it is not changed (the engine's decoder owns
+        the KV cache).
+      tokenizer: optional; needed for stop strings and text in events.
+      max_batch: rows decoded together (requests beyond it wait for a free row).
+      max_length: cache slots per row: prompt + max_tokens of one request must fit. Default:
+        min(max_position_embeddings, 4096).
+      prefill_chunk: prefill prompts in chunks of this many tokens (bounded activation memory).
+      cache_dtype: default the model's compute dtype.
+      precompile: prompt lengths to compile ahead (e.g. `(16, 64)`): before serving, every decode
+        step program (each power-of-two row count, with its greedy draw) and the prefill and first
+        draw programs for those prompt buckets and every power-of-two number of joining rows are
+        compiled, so no request pays a compile for them. None: compile on first use.
+      mesh: the `jax.sharding.Mesh` the model's weights are sharded over (tensor parallel serving);
+        the KV cache is sharded the same way (`gemma4_nnx.sharding`).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_batch: int = 8, max_length: int | None = None,
+                 prefill_chunk: int | None = None, cache_dtype=None, precompile: Sequence[int] | None = None,
+                 mesh=None):
+        check_int(max_batch, "max_batch", lo=1)
+        context = model.config.max_position_embeddings
+        max_length = min(context, DEFAULT_MAX_LENGTH) if max_length is None else max_length
+        check_int(max_length, "max_length", lo=2)
+        if max_length > context:
+            raise RequestError(f"max_length must be an int in [2, {context}] (the model's context), got {max_length}",
+                               "max_length")
+        check_int(prefill_chunk, "prefill_chunk", lo=1, optional=True)
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
+        self.vocab_size = model.config.vocab_size
+        self.default_stops = tuple(tokenizer.stop_ids) if tokenizer is not None else tuple(model.config.eos_token_id)
+        self.decoder = Decoder(model, rows=max_batch, max_length=max_length, cache_dtype=cache_dtype,
+                               stop_width=max(4, pow2(len(self.default_stops))), seen_width=self.vocab_size,
+                               mesh=mesh)
+        self._slots: list[EngineRequest | None] = [None] * max_batch
+        self._pending: deque[EngineRequest] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.error: str | None = None
+        self.last_outcome: str | None = None  # "ok" / "error": how the last finished request ended
+        self.stats = EngineStats()
+        if precompile:
+            self._precompile(precompile)
+        self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    @property
+    def active_rows(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def validate(self, prompt: Sequence[int], max_tokens: int | None = None, *, seed: int | None = None,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 stop_tokens: Sequence[int] | None = None, stop_strings: Sequence[str] | None = None) -> Request:
+        """Check a request; raises `RequestError` naming the argument ("prompt", "max_tokens",
+        "temperature", ..., "stop_tokens", "stop_strings", "seed"). `max_tokens=None`: as many as the
+        context leaves; `seed=None`: a random seed."""
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little") >> 1
+        return make_request(prompt, max_tokens, vocab_size=self.vocab_size, context=self.max_length,
+                            context_name=f"max_length={self.max_length}",
+                            sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                          repetition_penalty=repetition_penalty),
+                            seed=seed, stop_tokens=stop_tokens, stop_strings=stop_strings,
+                            default_stops=self.default_stops, has_tokenizer=self.tokenizer is not None)
+
+    def submit(self, prompt: Sequence[int] | Request, max_tokens: int | None = None, *,
+               sink: Callable[[Event], None] | None = None, **options) -> EngineRequest:
+        """Queue a request (token ids and the options of :meth:`validate`, or a validated `Request`);
+        returns at once. Events arrive through `sink` (called from the engine thread) or, without one,
+        by iterating the returned request. Raises `RequestError` for bad input, `EngineError` when the
+        engine is not running."""
+        if not self.alive:
+            raise EngineError(f"the engine is not running{': ' + self.error if self.error else ''}")
+        request = prompt if isinstance(prompt, Request) else self.validate(prompt, max_tokens, **options)
+        req = EngineRequest(request, TextStream(self.tokenizer, request.stop_strings, show_stop_token=False), sink)
+        with self._cv:
+            self._pending.append(req)
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: EngineRequest) -> None:
+        """The client went away: free the request's row at the next step (or drop it from the queue)."""
+        req.cancelled = True
+        with self._cv:
+            if req in self._pending:
+                self._pending.remove(req)
+                self._end(req, FinishReason.CANCELLED)
+            self._cv.notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def compiled_programs(self) -> dict[str, int]:
+        """Programs this engine had to compile so far, by kind ("prefill", "decode", "draw")."""
+        return dict(self.decoder.compiles)
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._pending and self.active_rows == 0:
+                    self._cv.wait()
+                if self._closed:
+                    break
+                free = [i for i, s in enumerate(self._slots) if s is None]
+                joining = []
+                while self._pending and len(joining) < len(free):
+                    joining.append(self._pending.popleft())
+            try:
+                self._retire_cancelled()
+                if joining:
+                    self._admit(list(zip(free, joining)))
+                if self.active_rows:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+                self._fail_all(f"{type(e).__name__}: {e}")
+        for req in [s for s in self._slots if s is not None] + list(self._pending):
+            self._end(req, FinishReason.CANCELLED)
+
+    def _retire_cancelled(self) -> None:
+        gone = np.array([s is not None and s.cancelled for s in self._slots])
+        for slot in np.flatnonzero(gone):
+            req, self._slots[slot] = self._slots[slot], None
+            self._end(req, FinishReason.CANCELLED)
+        self.decoder.finish(gone)
+
+    def _fail_all(self, message: str) -> None:
+        self.error = message
+        self.last_outcome = "error"
+        for i, req in enumerate(self._slots):
+            if req is not None:
+                self._slots[i] = None
+                req.finish_reason = FinishReason.ERROR
+                req.emit(Event(None, "", None, FinishReason.ERROR, message))
+                self.stats.failed += 1
+        self.decoder.reset()  # the donated cache may be gone: start clean
+
+    def _end(self, req: EngineRequest, reason: FinishReason) -> None:
+        """A request ends without a token (cancelled while queued or between steps, or at close)."""
+        req.finish_reason = reason
+        self.stats.cancelled += 1
+        req.emit(Event(None, "", None, reason))
+
+    def _admit(self, pairs: list[tuple[int, EngineRequest]]) -> None:
+        k = len(pairs)
+        for slot, req in pairs:  # taken now, so a failure below fails these requests too
+            self._slots[slot] = req
+        kb = min(pow2(k), pow2(self.max_batch))
+        requests = [req.request for _, req in pairs]
+        self.decoder.widen_stops(max(pow2(len(r.stop_tokens)) for r in requests))
+        idx = np.array([slot for slot, _ in pairs] + [self.max_batch] * (kb - k), np.int32)  # padding: dropped
+        logits = self.decoder.prefill(PromptBatch.build([r.prompt for r in requests], kb, self.prefill_chunk), idx)
+        init = RowState.build(requests + [None] * (kb - k), vocab_size=self.vocab_size,
+                              stop_width=self.decoder.stop_width, seen_width=self.decoder.seen_width)
+        drawn = self.decoder.draw(self._config([r.params for r in requests]), logits, idx, init)
+        self.stats.prefills += 1
+        self.stats.prefill_rows += k
+        now = time.perf_counter()
+        for _, req in pairs:
+            req.first_token_s = now - req.submitted
+        self._deliver([(slot, j) for j, (slot, _) in enumerate(pairs)], drawn)
+
+    def _config(self, params: Sequence[SamplingParams]) -> DrawConfig:
+        return DrawConfig(RowParams.of(params, self.vocab_size)[1] if params else RowFeatures(), logprobs=True)
+
+    def _step(self) -> None:
+        active = [i for i, s in enumerate(self._slots) if s is not None]
+        # Decode only the first m rows, m a power of two covering every active row (rows are taken
+        # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
+        m = min(pow2(active[-1] + 1), self.max_batch)
+        drawn = self.decoder.step(self._config([self._slots[i].request.params for i in active]), m)
+        n = len(active)
+        self.stats.decode_steps += 1
+        self.stats.rows_decoded += n
+        self.stats.shared_decode_steps += int(n > 1)
+        self.stats.max_rows_in_step = max(self.stats.max_rows_in_step, n)
+        self._deliver([(slot, slot) for slot in active], drawn)
+
+    def _deliver(self, rows: Sequence[tuple[int, int]], drawn: Drawn) -> None:
+        """For each (slot, j): record the slot's new token (row j of `drawn`), emit its event, and free
+        the slot if its request is done (rows the host ended are marked done on the device too)."""
+        host_ended = np.zeros(self.max_batch, bool)
+        for slot, j in rows:
+            req = self._slots[slot]
+            tok, stopped, done = int(drawn.token[j]), bool(drawn.stopped[j]), bool(drawn.done[j])
+            req.tokens.append(tok)
+            self.stats.tokens_generated += 1
+            text, reason = req.stream.feed(tok, stopped=stopped, last=done and not stopped)
+            if req.cancelled:
+                reason = FinishReason.CANCELLED
+            req.finish_reason = reason
+            if reason is not None:
+                self._slots[slot] = None
+                host_ended[slot] = not done
+                if reason == FinishReason.CANCELLED:
+                    self.stats.cancelled += 1
+                else:
+                    self.stats.completed += 1
+                    self.last_outcome = "ok"
+            req.emit(Event(tok, text, float(drawn.logprob[j]), reason))
+        self.decoder.finish(host_ended)
+
+    def _precompile(self, prompt_lengths: Sequence[int]) -> None:
+        """Run every decode step (all rows done: nothing is written or drawn), and every prefill and
+        first draw shape with only padding rows (dropped): the state stays as it is, but compiles."""
+        greedy = DrawConfig(RowFeatures(), logprobs=True)
+        steps = sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)})
+        for m in steps:
+            self.decoder.step(greedy, m)
+        joining = sorted({min(1 << i, pow2(self.max_batch)) for i in range(self.max_batch.bit_length() + 1)})
+        for n in sorted({n for n in prompt_lengths if 0 < n < self.max_length}):
+            for kb in joining:
+                idx = np.full((kb,), self.max_batch, np.int32)
+                logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
+                init = RowState.build([None] * kb, vocab_size=self.vocab_size, stop_width=self.decoder.stop_width,
+                                      seen_width=self.decoder.seen_width)
+                self.decoder.draw(greedy, logits, idx, init)

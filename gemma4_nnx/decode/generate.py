@@ -1,0 +1,246 @@
+"""`generate` and `generate_stream`: a fixed batch of prompts, driven through the decode core.
+
+How a call runs
+---------------
+1. Every prompt is validated (`requests.make_request`) and the batch is right-padded into a
+   `[Bb, Pb]` `PromptBatch` (`batching`: `Bb` and `Pb` bucketed). Rows that pad the batch to `Bb` are
+   empty (done from the start).
+2. A `core.Decoder` of `Bb` rows allocates the KV cache (an explicit pytree it owns; the model is not
+   changed) and the rows' state (per-row keys, limits, stop tokens, sampling parameters).
+3. Prefill runs the padded prompt (in chunks of `prefill_chunk` columns if set) and keeps only each
+   row's last real position (`Gemma4.__call__(select=...)`, which also skips the KV-consumer layers
+   for every other position: exact, reference §8.4). The first token is drawn from it.
+4. Decode: `generate` runs the whole loop on device (`Decoder.loop`, one `jax.lax.while_loop`) until
+   every row has produced a stop token or `max_new_tokens`; `generate_stream` runs the same decode
+   step and draw from Python (`Decoder.step`) and yields after each step. Text, stop strings and
+   finish reasons come from one `text.TextStream` per row.
+
+Buckets and the compilation bound
+---------------------------------
+Shapes are rounded up to powers of two (`batching`):
+
+* batch: `Bb = 2^ceil(log2 B)`;
+* prompt: `Pb = max(16, 2^ceil(log2 P))` (P = longest prompt); with `prefill_chunk=C`, `Pb` is
+  `P` rounded up to a multiple of C and every chunk has the same shape `[Bb, C]`;
+* new tokens: `Nb = max(16, 2^ceil(log2 max_new_tokens))` (the size of the on-device output buffer;
+  the loop still stops after `max_new_tokens`);
+* cache slots: `T = max_length` if given, else `min(2^ceil(log2 (Pb + Nb)), max_position_embeddings)`.
+
+For one model and one setting of the static options (which sampling processors are on, whether
+logprobs are returned; the *values* of temperature, top-k, ... and the stop tokens are traced), the
+programs are: a prefill per distinct `(Bb, Pb or C, T)`, a decode loop per distinct `(Bb, Nb, T)`
+(`generate_stream`: a decode step per `(Bb, T)`), and a draw (first-token sampler) per `Bb`. **Bound:
+at most `2 * #triples + #batch buckets` compilations, where a triple is a distinct `(Bb, Pb or C,
+Nb)`.** So prompts of lengths 1..2^k (k >= 4), batch sizes 1..2^j and max_new_tokens up to 2^m
+(m >= 4) compile at most `(j+1) * (2 * (k-3) * (m-3) + 1)` programs; with `prefill_chunk` the prompt
+length drops out: `(j+1) * (2 * (m-3) + 1)`. Besides these, only jax's tiny eager ops (zeroed cache,
+per-row keys) compile, once per shape. A warm call in a seen bucket compiles nothing.
+`core.compiled_programs` reports the counts; tests/test_generate.py checks them.
+`enable_compilation_cache(dir)` keeps compiled programs on disk across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from gemma4_nnx.decode.batching import PromptBatch, bucket_shapes, pow2
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn
+from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.requests import Request, check_int, make_request
+from gemma4_nnx.decode.sampling import RowParams
+from gemma4_nnx.decode.text import FinishReason, TextStream
+
+__all__ = ["GenerateResult", "StreamStep", "generate", "generate_stream", "enable_compilation_cache"]
+
+
+# ------------------------------------------------------------------------------------------- results
+@dataclasses.dataclass
+class GenerateResult:
+    """Output of :func:`generate`, one entry per prompt, in order.
+
+    tokens: generated ids, the stop token included when one ended the row (as transformers does).
+    finish_reasons: "stop" (a stop token), "stop_string", or "length" (max_new_tokens reached), as
+      `FinishReason` (a `str`).
+    logprobs: per-token log-probabilities under the raw model distribution (temperature 1, no
+      filtering; see `sampling.token_logprobs`), or None unless `return_logprobs=True`.
+    texts: decoded text (special tokens kept, cut before a stop string) when a tokenizer was given.
+    """
+
+    tokens: list[list[int]]
+    finish_reasons: list[FinishReason]
+    logprobs: list[list[float]] | None = None
+    texts: list[str] | None = None
+
+
+@dataclasses.dataclass
+class StreamStep:
+    """One step of :func:`generate_stream`: for each prompt, the new token (None once finished),
+    its logprob (None unless requested or finished), its text piece (tokenizer given), whether the
+    row has finished, and why ("stop", "stop_string", "length"; None while running)."""
+
+    tokens: list[int | None]
+    logprobs: list[float | None] | None
+    texts: list[str] | None
+    done: list[bool]
+    finish_reasons: list[FinishReason | None]
+
+
+def enable_compilation_cache(directory: str | os.PathLike) -> None:
+    """Keep compiled programs on disk (jax's persistent compilation cache), so a new process skips
+    the compile of every bucket it has seen before. Call before the first `generate`."""
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+# ------------------------------------------------------------------------------------------- start
+@dataclasses.dataclass
+class _Run:
+    """A validated, prefilled batch: the decoder after the first draw."""
+
+    requests: list[Request]
+    decoder: Decoder
+    cfg: DrawConfig
+    first: Drawn  # the first tokens (host)
+    new_bucket: int
+
+
+def _start(model, prompts, max_new_tokens, *, sampling, stop_tokens, stop_strings, seed, tokenizer,
+           return_logprobs, max_length, prefill_chunk, cache_dtype) -> _Run:
+    """Validate every argument, prefill, draw the first tokens: the common start of both drivers."""
+    config = model.config
+    check_int(max_new_tokens, "max_new_tokens", lo=1)
+    check_int(max_length, "max_length", lo=2, optional=True)
+    check_int(prefill_chunk, "prefill_chunk", lo=1, optional=True)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise RequestError("prompts must be a non-empty list of token-id lists", "prompts")
+    context = max_length if max_length is not None else config.max_position_embeddings
+    context_name = f"max_length={context}" if max_length is not None else f"max_position_embeddings={context}"
+    default_stops = tokenizer.stop_ids if tokenizer is not None else config.eos_token_id
+    requests = [make_request(p, max_new_tokens, vocab_size=config.vocab_size, context=context,
+                             context_name=context_name, sampling=sampling, seed=seed, row=r, stop_tokens=stop_tokens,
+                             stop_strings=stop_strings, default_stops=default_stops,
+                             has_tokenizer=tokenizer is not None,
+                             names=dict(prompt=f"prompts[{r}]", max_tokens="max_new_tokens"))
+                for r, p in enumerate(prompts)]
+    bb, _, nb, t = bucket_shapes(len(requests), max(len(r.prompt) for r in requests), max_new_tokens,
+                                 max_length=max_length, context=context, prefill_chunk=prefill_chunk)
+    params = requests[0].params
+    features = RowParams.of([params], config.vocab_size)[1]
+    decoder = Decoder(model, rows=bb, max_length=t, cache_dtype=cache_dtype,
+                      stop_width=max(4, pow2(len(requests[0].stop_tokens))),
+                      seen_width=config.vocab_size if params.uses_penalty else 1)
+    decoder.start(requests + [None] * (bb - len(requests)))
+    logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk))
+    cfg = DrawConfig(features, bool(return_logprobs))
+    return _Run(requests, decoder, cfg, decoder.draw(cfg, logits), nb)
+
+
+# ------------------------------------------------------------------------------------------- drivers
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None, stop_tokens: Sequence[int] | None = None,
+             stop_strings: Sequence[str] | None = None, seed: int = 0, tokenizer=None,
+             return_logprobs: bool = False, max_length: int | None = None, prefill_chunk: int | None = None,
+             cache_dtype=None) -> GenerateResult:
+    """Generate up to `max_new_tokens` tokens for each prompt (token-id lists of any lengths).
+
+    Greedy when `temperature == 0`; otherwise samples with top-k / top-p / min-p in transformers'
+    order (`gemma4_nnx.decode.sampling`). A row stops at its first stop token (default: the
+    tokenizer's `stop_ids` <eos>, <turn|>, <|tool_response> if a tokenizer is given, else the config's
+    `eos_token_id`). `stop_strings` are matched on the decoded text (needs `tokenizer`); with them the
+    loop runs step by step from the host (as `generate_stream`) so rows can stop early.
+    `max_length`: cache slots (context) to allocate; default: bucketed prompt + new tokens.
+    `prefill_chunk`: prefill the prompt in chunks of this many tokens (bounded activation memory).
+    `seed`: with a fixed seed, output is reproducible (row r draws from fold_in(key(seed), r)).
+    `cache_dtype`: default the compute dtype. The KV cache lives for the call only; the model is
+    not changed (a plain `model(ids)` works at any time).
+    Raises `RequestError` (a ValueError naming the argument) for invalid input.
+    """
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+              repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, stop_strings=stop_strings, seed=seed,
+              tokenizer=tokenizer, return_logprobs=return_logprobs, max_length=max_length,
+              prefill_chunk=prefill_chunk, cache_dtype=cache_dtype)
+    if stop_strings:
+        return _collect(list(generate_stream(model, prompts, max_new_tokens, **kw)), len(prompts), return_logprobs,
+                        tokenizer)
+    run = _start(model, prompts, max_new_tokens, **_start_kwargs(kw))
+    out, lps, lengths = run.decoder.loop(run.cfg, run.first, run.new_bucket)
+    tokens, reasons, logprobs = [], [], []
+    for r, req in enumerate(run.requests):
+        toks = out[r, : lengths[r]].tolist()
+        tokens.append(toks)
+        reasons.append(FinishReason.STOP if toks and toks[-1] in req.stop_tokens else FinishReason.LENGTH)
+        logprobs.append(lps[r, : lengths[r]].tolist())
+    texts = [tokenizer.decode(t) for t in tokens] if tokenizer is not None else None
+    return GenerateResult(tokens, reasons, logprobs if return_logprobs else None, texts)
+
+
+def _start_kwargs(kw: dict) -> dict:
+    sampling = {k: kw.pop(k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+    return dict(kw, sampling=sampling)
+
+
+def generate_stream(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                    top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                    repetition_penalty: float | None = None, stop_tokens: Sequence[int] | None = None,
+                    stop_strings: Sequence[str] | None = None, seed: int = 0, tokenizer=None,
+                    return_logprobs: bool = False, max_length: int | None = None,
+                    prefill_chunk: int | None = None, cache_dtype=None) -> Iterator[StreamStep]:
+    """Like :func:`generate`, but yields a :class:`StreamStep` after every decode step (the first
+    after prefill). Same arguments and the same tokens as `generate` for the same seed. With a
+    tokenizer, each step carries the new text of every row (multi-byte characters are held back until
+    complete) and `stop_strings` end a row as soon as its text contains one, even one spanning several
+    tokens: text that may begin a stop string is held back until decided, so no part of a stop
+    string is ever yielded (`text.StopMatcher`)."""
+    run = _start(model, prompts, max_new_tokens, **_start_kwargs(dict(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        stop_tokens=stop_tokens, stop_strings=stop_strings, seed=seed, tokenizer=tokenizer,
+        return_logprobs=return_logprobs, max_length=max_length, prefill_chunk=prefill_chunk,
+        cache_dtype=cache_dtype)))
+    b, bb = len(run.requests), run.decoder.rows
+    streams = [TextStream(tokenizer, r.stop_strings) for r in run.requests]
+    reasons: list[FinishReason | None] = [None] * b
+    drawn = run.first
+    for step in range(max_new_tokens):
+        out_tok: list[int | None] = [None] * b
+        out_lp: list[float | None] = [None] * b
+        out_txt: list[str] | None = [""] * b if tokenizer is not None else None
+        for r in range(b):
+            if reasons[r] is not None:
+                continue
+            out_tok[r] = int(drawn.token[r])
+            out_lp[r] = float(drawn.logprob[r]) if return_logprobs else None
+            text, reasons[r] = streams[r].feed(out_tok[r], stopped=bool(drawn.stopped[r]),
+                                               last=step == max_new_tokens - 1)
+            if out_txt is not None:
+                out_txt[r] = text
+        finished = [x is not None for x in reasons]
+        yield StreamStep(out_tok, out_lp if return_logprobs else None, out_txt, finished, list(reasons))
+        if all(finished):
+            return
+        # Rows the host ended (a stop string) stop on the device too.
+        run.decoder.finish(np.array(finished + [False] * (bb - b)) & ~np.asarray(drawn.done))
+        drawn = run.decoder.step(run.cfg)
+
+
+def _collect(steps: list[StreamStep], n: int, with_lp: bool, tokenizer) -> GenerateResult:
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
+    texts = [""] * n
+    for st in steps:
+        for r in range(n):
+            if st.tokens[r] is not None:
+                tokens[r].append(st.tokens[r])
+                if with_lp:
+                    lps[r].append(st.logprobs[r])
+                if st.texts is not None:
+                    texts[r] += st.texts[r]
+    return GenerateResult(tokens, list(steps[-1].finish_reasons), lps if with_lp else None,
+                          texts if tokenizer is not None else None)

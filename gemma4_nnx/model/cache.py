@@ -1,0 +1,164 @@
+"""The KV cache: an explicit pytree that the forward pass takes and returns.
+
+`model(ids, positions, cache=cache) -> (logits, cache)`; `model(ids)` needs no cache at all. Whoever
+calls the model with a cache owns it (in this package: the decode core, `gemma4_nnx.decode.core`).
+The model object never holds one, so a plain forward pass works before, during and after any
+generation, and a cache can be kept, copied, split into rows, sharded or rolled back with ordinary
+array operations.
+
+Only layers that compute their own K/V own a cache (`LayerCache`); KV-consumer layers store nothing
+and attend over what their donor returned in the same forward pass. A sliding-window donor keeps a
+*ring* of `sliding_window` slots, a global donor keeps `max_length` slots. Every slot remembers the
+absolute position of the token in it (-1 = empty), per batch row, so masks are computed from
+positions: ragged batches, ring wrap-around and padding need no special cases.
+
+Shapes: B batch rows, T slots, K KV heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gemma4_nnx.config import Gemma4Config, LayerSpec
+
+Array = jax.Array
+
+__all__ = ["KV", "LayerCache", "KVCache", "cache_size", "cache_bytes"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KV:
+    """Keys [B, T, K, H], values [B, T, K, H] and key positions [B, T] (int32, -1 = no token):
+    what an attention layer attends over."""
+
+    k: Array
+    v: Array
+    pos: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """One donor layer's cache: `size` slots per row; the slot of position p is p % size.
+
+    ring=True (sliding layers): the new queries attend over [stored ring ; new tokens] and only then
+    are the new tokens written, so a chunk of any length C sees the previous window even though the
+    ring has only W slots (the C new tokens would otherwise overwrite the window they need).
+    ring=False (global layers): size is the maximum context; the new tokens are written first and the
+    whole cache is attended over (no concatenation copy).
+    """
+
+    k: Array  # [B, T, K, H]
+    v: Array  # [B, T, K, H]
+    pos: Array  # [B, T] int32, -1 = empty slot
+    ring: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @classmethod
+    def zeros(cls, batch_size: int, size: int, num_kv_heads: int, head_dim: int, *, ring: bool, dtype) -> LayerCache:
+        shape = (batch_size, size, num_kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch_size, size), -1, jnp.int32), ring)
+
+    @property
+    def size(self) -> int:
+        return self.pos.shape[1]
+
+    def _write(self, new: KV) -> LayerCache:
+        b, s = new.pos.shape
+        # Only the last `size` positions of each row can survive; writing just those keeps slots unique
+        # within one update (scatter order for duplicate indices is unspecified).
+        last = jnp.max(new.pos, axis=1, keepdims=True)
+        keep = (new.pos >= 0) & (new.pos > last - self.size)
+        slots = jnp.where(keep, new.pos % self.size, self.size)  # out of range -> dropped
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
+        return dataclasses.replace(
+            self,
+            k=self.k.at[rows, slots].set(new.k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[rows, slots].set(new.v.astype(self.v.dtype), mode="drop"),
+            pos=self.pos.at[rows, slots].set(new.pos, mode="drop"))
+
+    def update(self, new: KV) -> tuple[KV, LayerCache]:
+        """Store the new tokens' K/V; return (everything the new queries may attend over, new cache)."""
+        if self.ring:
+            seen = KV(jnp.concatenate([self.k, new.k.astype(self.k.dtype)], axis=1),
+                      jnp.concatenate([self.v, new.v.astype(self.v.dtype)], axis=1),
+                      jnp.concatenate([self.pos, new.pos], axis=1))
+            return seen, self._write(new)
+        written = self._write(new)
+        return KV(written.k, written.v, written.pos), written
+
+
+jax.tree_util.register_dataclass(LayerCache, data_fields=["k", "v", "pos"], meta_fields=["ring"])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The caches of every KV-owning layer of a batch: `layers[i]` is layer i's `LayerCache`.
+
+    Row operations (the decode core's continuous batching) are pure functions returning a new cache:
+    `take` / `put` gather and scatter rows, `head` / `put_head` the first m rows, `reset` forgets rows
+    (positions -1: nothing of a row's previous sequence stays visible).
+    """
+
+    layers: dict[int, LayerCache]
+
+    @classmethod
+    def init(cls, config: Gemma4Config, batch_size: int, max_length: int, dtype=jnp.float32) -> KVCache:
+        """Empty caches: a `sliding_window`-slot ring per sliding donor (a plain cache when the context
+        is no longer than the window), `max_length` slots per global donor, none for consumers."""
+        if batch_size < 1 or max_length < 1:
+            raise ValueError(f"KVCache.init: batch_size ({batch_size}) and max_length ({max_length}) must be >= 1")
+        layers = {}
+        for spec in config.cache_layers:
+            size = cache_size(spec, config, max_length)
+            layers[spec.index] = LayerCache.zeros(batch_size, size, spec.num_kv_heads, spec.head_dim,
+                                                  ring=spec.is_sliding and size < max_length, dtype=dtype)
+        return cls(layers)
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.layers.values())).pos.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V (positions excluded)."""
+        return sum(int(c.k.size) * c.k.dtype.itemsize + int(c.v.size) * c.v.dtype.itemsize
+                   for c in self.layers.values())
+
+    def take(self, rows: Array) -> KVCache:
+        """Rows `rows` [k] (an index >= batch_size reads the last row; `put` drops it again)."""
+        return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), self)
+
+    def put(self, rows: Array, part: KVCache) -> KVCache:
+        """Write `part` (k rows) into rows `rows` [k]; indices >= batch_size are dropped."""
+        return jax.tree_util.tree_map(lambda full, p: full.at[rows].set(p, mode="drop"), self, part)
+
+    def head(self, m: int) -> KVCache:
+        return self if m == self.batch_size else jax.tree_util.tree_map(lambda x: x[:m], self)
+
+    def put_head(self, part: KVCache) -> KVCache:
+        if part.batch_size == self.batch_size:
+            return part
+        return jax.tree_util.tree_map(lambda x, p: jax.lax.dynamic_update_slice_in_dim(x, p, 0, axis=0), self, part)
+
+    def reset(self, rows: Array) -> KVCache:
+        """Forget rows (bool [B]) so their slots can take a new sequence."""
+        return KVCache({i: dataclasses.replace(c, pos=jnp.where(rows[:, None], -1, c.pos))
+                        for i, c in self.layers.items()})
+
+
+def cache_size(spec: LayerSpec, config: Gemma4Config, max_length: int) -> int:
+    """Slots a donor layer needs: the window for sliding layers, the full context for global ones."""
+    if spec.is_sliding:
+        return min(config.sliding_window, max_length)
+    return max_length
+
+
+def cache_bytes(config: Gemma4Config, batch_size: int, max_length: int, dtype=jnp.bfloat16) -> int:
+    """Bytes of K+V cache `KVCache.init` allocates (positions excluded), from the config alone."""
+    item = jnp.dtype(dtype).itemsize
+    return sum(2 * batch_size * cache_size(s, config, max_length) * s.num_kv_heads * s.head_dim * item
+               for s in config.cache_layers)

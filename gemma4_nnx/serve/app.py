@@ -1,0 +1,228 @@
+"""`gemma4-serve CKPT`: the FastAPI app (thin routes over `serving.Serving`) and its command line.
+
+    gemma4-serve checkpoints/gemma3-270m --port 8000 --max-batch 8 --max-length 2048
+    gemma4-serve checkpoints/gemma-4-31B-it --tensor-parallel-size 8
+
+Endpoints (shapes as in the OpenAI API reference; the request models are in `protocol`, so
+`/openapi.json` and `/docs` describe them):
+
+* `POST /v1/chat/completions`: `messages` (system/developer, user, assistant; text content as a
+  string or a list of `{"type": "text"}` parts), rendered in Gemma 4's chat format (one <bos>).
+  Streams with `"stream": true` (server-sent events, `data: [DONE]` at the end). A thinking block
+  the model writes goes to `message.reasoning_content` (`delta.reasoning_content` when streaming),
+  the rest to `content`; `"chat_template_kwargs": {"enable_thinking": true}` turns thinking on.
+* `POST /v1/completions`: `prompt` as a string (encoded with one leading <bos>), a list of
+  strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
+  token-id lists.
+* `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
+  503 while the last request the engine ran failed); `GET /metrics` (engine counters as JSON:
+  decode steps, how many were shared by several requests, rows in flight, compilations).
+
+Every bad request gets a 4xx with an OpenAI-style body `{"error": {"message", "type", "param",
+"code"}}` (`param` names the field); a client that disconnects frees its batch row at the next step.
+
+Tensor parallel: `--tensor-parallel-size N` loads the weights sharded over N local devices (heads,
+MLP width and vocabulary over the mesh axis "tp", `gemma4_nnx.sharding`) and the engine shards its
+KV cache the same way; the tokens served are those of the one-device server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+import time
+from contextlib import asynccontextmanager
+
+from gemma4_nnx.decode.engine import Engine, EngineError
+from gemma4_nnx.serve.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from gemma4_nnx.serve.serving import ApiError, Serving
+
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ImportError as e:  # pragma: no cover - the `serve` extra
+    raise ImportError("gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' "
+                      "(fastapi, uvicorn)") from e
+
+__all__ = ["create_app", "main", "build_parser"]
+
+_ERRORS = {400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
+           404: {"model": ErrorResponse, "description": "Unknown model"},
+           503: {"model": ErrorResponse, "description": "The engine is not running"}}
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    """The first pydantic error as an OpenAI-style 400: `param` is the top-level body field."""
+    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return ApiError(f"the request body is not valid JSON: {err.get('msg')}")
+    if not loc:
+        return ApiError(f"the request body must be a JSON object ({err.get('msg')})")
+    field = str(loc[0])
+    where = ".".join(str(x) for x in loc)
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        return ApiError(f"'{where}' is required", field)
+    return ApiError(f"'{where}': {msg.removeprefix('Value error, ')}", field)
+
+
+def create_app(engine: Engine, model_name: str, *, warmup: bool = True) -> FastAPI:
+    """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
+    has succeeded."""
+    serving = Serving(engine, model_name)
+    state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
+
+    def run_warmup() -> None:
+        tok = engine.tokenizer
+        bos = tok.bos_id if tok is not None and tok.bos_id is not None else engine.model.config.bos_token_id
+        try:
+            tokens, _, reason, _ = engine.submit([int(bos)], 2, temperature=0.0, stop_tokens=[]).result()
+            if len(tokens) != 2 or reason != "length":
+                raise EngineError(f"warm-up generated {tokens} ({reason}), expected 2 tokens")
+            state["ready"] = True
+        except Exception as e:  # noqa: BLE001 - reported by /health
+            state["warmup_error"] = f"{type(e).__name__}: {e}"
+
+    @asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(asyncio.to_thread(run_warmup)) if warmup else None
+        yield
+        if task is not None:
+            await task
+
+    app = FastAPI(title="gemma4_nnx", description="OpenAI-compatible API over a Gemma 4 model", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.status = state
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(str(exc.detail), type_=type_).body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        return JSONResponse(_validation_error(exc).body(), status_code=400)
+
+    @app.exception_handler(ApiError)
+    async def refused(request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health():
+        failing = engine.last_outcome == "error"
+        ok = state["ready"] and engine.alive and not failing
+        body = {"status": "ok" if ok else "unavailable", "ready": state["ready"], "engine_alive": engine.alive,
+                "warmup_error": state["warmup_error"], "last_error": engine.error if failing else None}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return dict(dataclasses.asdict(engine.stats), active_rows=engine.active_rows, pending=engine.pending,
+                    max_batch=engine.max_batch, max_length=engine.max_length,
+                    compiled_programs=engine.compiled_programs(), ready=state["ready"])
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[ModelCard(id=model_name, created=state["created"])])
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request):
+        serving.check_model(body.model)
+        requests = serving.engine_requests(serving.completion_prompts(body), body, chat=False)
+        return await serving.run(request, requests, body, chat=False)
+
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        serving.check_model(body.model)
+        requests = serving.engine_requests([serving.chat_prompt(body)], body, chat=True)
+        return await serving.run(request, requests, body, chat=True)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gemma4-serve", description="OpenAI-compatible server for a Gemma 4 checkpoint")
+    p.add_argument("checkpoint", help="converted (Orbax) or HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
+    p.add_argument("--max-length", type=int, help="context per request: prompt + max_tokens (default: "
+                   "min(model context, 4096))")
+    p.add_argument("--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens")
+    p.add_argument("--precompile", type=int, nargs="*", default=[16], metavar="LEN",
+                   help="prompt lengths whose prefill programs (and every decode step) are compiled before "
+                        "serving (default: 16; pass no value to compile on first use)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the weights and KV cache over N local devices (default 1)")
+    p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
+    p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
+    p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
+    p.add_argument("--compile-cache", default=os.environ.get("GEMMA4_COMPILE_CACHE"),
+                   help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)")
+    return p
+
+
+def make_engine(args: argparse.Namespace) -> Engine:
+    """Load the checkpoint (sharded with --tensor-parallel-size) and start the engine over it."""
+    from gemma4_nnx.cli_generate import load_model
+    from gemma4_nnx.tokenizer import load_tokenizer
+
+    mesh = None
+    tp = args.tensor_parallel_size
+    if tp != 1:
+        import jax
+
+        from gemma4_nnx.sharding import make_mesh
+
+        if not isinstance(tp, int) or tp < 1 or tp > len(jax.devices()):
+            raise ValueError(f"--tensor-parallel-size {tp}: this machine has {len(jax.devices())} "
+                             f"{jax.default_backend()} device(s); pass at most that many")
+        mesh = make_mesh(fsdp=1, tp=tp)
+    tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
+    model = load_model(args.checkpoint, args.dtype, mesh=mesh)
+    return Engine(model, tokenizer, max_batch=args.max_batch, max_length=args.max_length,
+                  prefill_chunk=args.prefill_chunk, precompile=args.precompile or None, mesh=mesh)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print("gemma4-serve: uvicorn is missing: pip install 'gemma4_nnx[serve]'", file=sys.stderr)
+        return 2
+    from gemma4_nnx.decode.generate import enable_compilation_cache
+
+    if args.compile_cache:
+        enable_compilation_cache(args.compile_cache)
+    try:
+        engine = make_engine(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gemma4-serve: error: {e}", file=sys.stderr)
+        return 2
+    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    print(f"gemma4-serve: {name} on http://{args.host}:{args.port}/v1 (max_batch={engine.max_batch}, "
+          f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /health turns 200 "
+          "after the warm-up generation", file=sys.stderr)
+    uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="info")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""The OpenAI-compatible HTTP API as pydantic models: requests (validated on arrival) and responses.
+
+FastAPI builds `/openapi.json` and `/docs` from these models. Numbers, booleans and strings are
+*strict* (no "0.5" for 0.5, no 1 for true), as the OpenAI API is. Fields the OpenAI API defines but
+this server does not implement are declared and refused by name when set to anything but their
+neutral value (`presence_penalty` other than 0, `n` > 1, `tools`, ...), so a client learns which
+parameter to drop; fields nobody defined are ignored (clients add their own, e.g. `user`).
+
+Extensions beyond OpenAI (as vLLM spells them): `top_k` (-1 / 0 = off), `min_p`,
+`repetition_penalty`, `ignore_eos`, `chat_template_kwargs.enable_thinking`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+__all__ = [
+    "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextPart", "StreamOptions",
+    "ChatTemplateKwargs", "Usage", "CompletionLogprobs", "CompletionChoice", "CompletionResponse",
+    "ChatLogprob", "ChatLogprobs", "ChatResponseMessage", "ChatChoice", "ChatCompletionResponse",
+    "ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "ModelCard", "ModelList", "ErrorDetail", "ErrorResponse",
+    "UNSUPPORTED",
+]
+
+StrictFloat = Annotated[float, Field(strict=True)]
+StrictInt = Annotated[int, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
+StrictStr = Annotated[str, Field(strict=True)]
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+
+#: OpenAI fields this server does not implement: refused (400 naming them) unless neutral.
+UNSUPPORTED: dict[str, Any] = {
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "logit_bias": lambda v: bool(v),
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "echo": lambda v: bool(v),
+    "suffix": lambda v: v not in (None, ""),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+}
+
+
+class _Api(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Response(_Api):
+    """A response body: fields named in `_omit_if_none` are left out while None (OpenAI omits them)."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        data = handler(self)
+        for key in self._omit_if_none:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class StreamOptions(_Api):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Api):
+    """What completions and chat completions share."""
+
+    model: StrictStr = Field(description="The model id (GET /v1/models lists it).")
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = Field(
+        None, description="New tokens at most. Default: 16 for completions, what the context leaves for chat.")
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] = Field(
+        1.0, description="0 = greedy; default 1 as in OpenAI's API.")
+    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
+    stop: StrictStr | list[Annotated[str, Field(strict=True, min_length=1)]] | None = Field(
+        None, description="A stop string or a list of them (cut from the output).")
+    seed: StrictInt | None = Field(None, description="Sampling seed (reduced modulo 2**31); same seed, same draws.")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # extensions
+    top_k: StrictInt | None = Field(None, description="Extension: keep the k most likely tokens (-1 / 0 = off).")
+    min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = Field(None, description="Extension.")
+    repetition_penalty: Annotated[float, Field(strict=True, gt=0.0)] | None = Field(None, description="Extension.")
+    ignore_eos: StrictBool = Field(False, description="Extension: do not stop at the end-of-sequence tokens.")
+    # OpenAI fields refused unless neutral (see UNSUPPORTED)
+    presence_penalty: StrictFloat | None = Field(None, description="Not supported (use repetition_penalty); only 0.")
+    frequency_penalty: StrictFloat | None = Field(None, description="Not supported (use repetition_penalty); only 0.")
+    logit_bias: dict[str, Any] | None = Field(None, description="Not supported.")
+    n: StrictInt | None = Field(None, description="Not supported: only 1.")
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, str) and not v:
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator(*[k for k in UNSUPPORTED if k in ("presence_penalty", "frequency_penalty", "logit_bias", "n")])
+    @classmethod
+    def _unsupported(cls, v, info):
+        return _refuse_unless_neutral(v, info)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _refuse_unless_neutral(v, info):
+    if UNSUPPORTED[info.field_name](v):
+        hint = " (use 'repetition_penalty')" if info.field_name.endswith("_penalty") else ""
+        raise ValueError(f"'{info.field_name}' is not supported by this server{hint}")
+    return v
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: Annotated[StrictStr, Field(min_length=1)] | list[Annotated[StrictStr, Field(min_length=1)]] | \
+        TokenIds | list[TokenIds] = Field(
+            description="A string (encoded with one leading <bos>), a list of strings (one choice each), a list "
+                        "of token ids (used as given), or a list of token-id lists.")
+    logprobs: StrictInt | None = Field(
+        None, description="0: the chosen tokens' logprobs (raw model distribution); alternatives (> 0) are not "
+                          "offered yet.")
+    echo: StrictBool | None = Field(None, description="Not supported.")
+    suffix: StrictStr | None = Field(None, description="Not supported.")
+    best_of: StrictInt | None = Field(None, description="Not supported: only 1.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("'prompt' must be a non-empty string, a list of strings, a list of token ids or a list "
+                             "of token-id lists")
+        return v
+
+    @field_validator("echo", "suffix", "best_of")
+    @classmethod
+    def _unsupported_here(cls, v, info):
+        return _refuse_unless_neutral(v, info)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and v < 0:
+            raise ValueError("'logprobs' must be an integer >= 0")
+        if v:
+            raise ValueError("'logprobs' > 0 (alternatives) is not supported; use 0 for the chosen tokens' logprobs")
+        return v
+
+
+class TextPart(_Api):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Api):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="'developer' is treated as 'system'; tool messages are not supported yet.")
+    content: StrictStr | list[TextPart] = Field(description="Text, or a list of text parts (joined).")
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatTemplateKwargs(_Api):
+    enable_thinking: StrictBool = False
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = Field(
+        None, description="Same as max_tokens (takes precedence).")
+    logprobs: StrictBool | None = Field(None, description="The chosen tokens' logprobs.")
+    top_logprobs: StrictInt | None = Field(None, description="Only 0: alternatives are not offered yet.")
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[Any] | None = Field(None, description="Not supported yet.")
+    functions: list[Any] | None = Field(None, description="Not supported.")
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _unsupported_here(cls, v, info):
+        return _refuse_unless_neutral(v, info)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v:
+            raise ValueError("'top_logprobs' > 0 is not supported (only the chosen token's logprob)")
+        return v
+
+    @property
+    def max_new_tokens(self) -> tuple[int | None, str]:
+        """(the requested maximum, the field that set it)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+# ------------------------------------------------------------------------------------------- responses
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(_Response):
+    """A completion, or (object "text_completion" too) one streamed chunk of it."""
+
+    _omit_if_none = ("usage",)
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[Any] = []
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprob]
+
+
+class ChatResponseMessage(_Response):
+    _omit_if_none = ("reasoning_content",)
+    role: Literal["assistant"] = "assistant"
+    content: str
+    reasoning_content: str | None = Field(None, description="The thinking block, when the model wrote one.")
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Response):
+    _omit_if_none = ("role", "content", "reasoning_content")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    _omit_if_none = ("usage",)
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gemma4_nnx"
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """Every error: `{"error": {"message", "type", "param", "code"}}`, as OpenAI's API."""
+
+    error: ErrorDetail
+

@@ -1,0 +1,323 @@
+"""Serving logic: a validated request (`protocol`) -> engine requests -> a response or an SSE stream.
+
+Errors: every refusal is an `ApiError` carrying its status, OpenAI error type, `param` and `code` as
+data. The engine's `RequestError` names the engine argument ("prompt", "max_tokens", "stop_strings",
+...); `ENGINE_PARAMS` maps it to the request field the client sent, never by reading message text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+
+from gemma4_nnx.decode.engine import Engine, EngineError, Event
+from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.requests import Request, normalize_seed
+from gemma4_nnx.decode.text import FinishReason
+from gemma4_nnx.serve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    Usage,
+)
+from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, encode_chat
+
+__all__ = ["ApiError", "Serving", "ENGINE_PARAMS", "DEFAULT_COMPLETION_TOKENS"]
+
+#: OpenAI's default `max_tokens` for completions (chat defaults to what the context leaves).
+DEFAULT_COMPLETION_TOKENS = 16
+
+#: Engine argument -> request field (chat, completions); None: the field the client used.
+ENGINE_PARAMS: dict[str, tuple[str | None, str | None]] = {
+    "prompt": ("messages", "prompt"),
+    "max_tokens": (None, None),
+    "stop_strings": ("stop", "stop"),
+    "stop_tokens": ("ignore_eos", "ignore_eos"),
+}
+
+
+class ApiError(Exception):
+    """A request the server refuses: an OpenAI-style error body with this status."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.type = status, param, code, type_
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorDetail(message=str(self), type=self.type, param=self.param,
+                                               code=self.code)).model_dump()
+
+
+def _sse(obj) -> str:
+    data = obj.model_dump() if hasattr(obj, "model_dump") else obj
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _finish(reason: FinishReason) -> str:
+    if reason == FinishReason.ERROR:
+        raise EngineError("generation failed")
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+class _Thinking:
+    """Routes streamed chat text: inside <|channel>...<channel|> to reasoning, the rest to content."""
+
+    def __init__(self):
+        self.inside = False
+        self.started = False
+
+    def split(self, piece: str) -> tuple[str, str]:
+        content, reasoning = [], []
+        while piece:
+            if self.inside:
+                i = piece.find(END_OF_CHANNEL)
+                if i < 0:
+                    reasoning.append(piece)
+                    break
+                reasoning.append(piece[:i])
+                piece, self.inside = piece[i + len(END_OF_CHANNEL):], False
+            else:
+                i = piece.find(START_OF_CHANNEL)
+                if i < 0:
+                    content.append(piece)
+                    break
+                content.append(piece[:i])
+                piece, self.inside = piece[i + len(START_OF_CHANNEL):], True
+                if piece.startswith("thought\n") and not self.started:
+                    piece = piece[len("thought\n"):]
+                self.started = True
+        return "".join(content), "".join(reasoning)
+
+
+class Serving:
+    """Turns protocol requests into engine requests and engine events into OpenAI responses."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = engine.tokenizer
+
+    # ------------------------------------------------------------------ requests
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(f"the model {name!r} does not exist; this server serves {self.model_name!r}", "model",
+                           status=404, code="model_not_found", type_="not_found_error")
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            return [list(p) for p in prompt]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return [list(prompt)]
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if self.tokenizer is None:
+            raise ApiError("text prompts need a tokenizer; send token ids", "prompt")
+        return [self.tokenizer.encode(t, add_bos=True) for t in texts]
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError("chat needs a tokenizer; this server has none")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
+                    for m in body.messages]
+        thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
+        try:
+            return encode_chat(self.tokenizer, messages, thinking=thinking)
+        except ValueError as e:
+            raise ApiError(str(e), "messages") from None
+
+    def engine_requests(self, prompts: list[list[int]], body, *, chat: bool) -> list[Request]:
+        """Validate every prompt with the body's settings before any is queued (503 when the engine
+        is not running: no request could be served, valid or not)."""
+        if not self.engine.alive:
+            raise ApiError(f"the engine is not running{': ' + self.engine.error if self.engine.error else ''}",
+                           status=503, type_="server_error")
+        if chat:
+            max_tokens, field = body.max_new_tokens
+        else:
+            max_tokens, field = body.max_tokens, "max_tokens"
+            if max_tokens is None:
+                max_tokens = DEFAULT_COMPLETION_TOKENS
+        options = dict(temperature=body.temperature, top_p=body.top_p,
+                       top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None,  # -1 / 0: off
+                       min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                       stop_strings=body.stop_strings, stop_tokens=[] if body.ignore_eos else None,
+                       seed=None if body.seed is None else normalize_seed(body.seed % (1 << 31)))
+        try:
+            return [self.engine.validate(ids, max_tokens, **options) for ids in prompts]
+        except RequestError as e:
+            chat_field, text_field = ENGINE_PARAMS.get(e.param, (e.param, e.param))
+            param = (chat_field if chat else text_field) or field
+            raise ApiError(str(e), param, code=e.code) from None
+
+    # ------------------------------------------------------------------ responses
+    def _logprob(self, ev: Event) -> ChatLogprob:
+        piece = self.tokenizer.decode([ev.token]) if self.tokenizer is not None else str(ev.token)
+        return ChatLogprob(token=piece, logprob=ev.logprob, bytes=list(piece.encode()), top_logprobs=[])
+
+    async def run(self, http, requests: list[Request], body, *, chat: bool):
+        """Queue the requests; a response body (dict) or, with `stream`, an SSE `StreamingResponse`."""
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink_for(i: int) -> Callable[[Event], None]:
+            def sink(ev: Event) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                except RuntimeError:  # the event loop is gone (shutdown)
+                    pass
+            return sink
+
+        reqs = []
+        try:
+            for i, request in enumerate(requests):
+                reqs.append(self.engine.submit(request, sink=sink_for(i)))
+        except EngineError as e:
+            for r in reqs:
+                self.engine.cancel(r)
+            raise ApiError(str(e), status=503, type_="server_error") from None
+        want_lp = bool(body.logprobs is not None if not chat else body.logprobs)
+        ctx = dict(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()),
+                   model=self.model_name)
+        n_prompt = sum(len(r.prompt) for r in requests)
+
+        def usage() -> Usage:
+            n_out = sum(len(r.tokens) for r in reqs)
+            return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+
+        def cancel_all() -> None:
+            for r in reqs:
+                if r.finish_reason is None:
+                    self.engine.cancel(r)
+
+        if not body.stream:
+            collected: list[list[Event]] = [[] for _ in requests]
+            left = len(requests)
+            try:
+                while left:
+                    try:
+                        i, ev = await asyncio.wait_for(events.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await http.is_disconnected():
+                            cancel_all()
+                            return JSONResponse(ApiError("client disconnected").body(), 499)
+                        continue
+                    collected[i].append(ev)
+                    if ev.finish_reason == FinishReason.ERROR:
+                        cancel_all()
+                        return JSONResponse(ApiError(f"generation failed: {ev.error}", status=500,
+                                                     type_="server_error").body(), 500)
+                    left -= ev.finish_reason is not None
+            except asyncio.CancelledError:
+                cancel_all()
+                raise
+            build = self._chat_response if chat else self._completion_response
+            return build(ctx, collected, want_lp, usage()).model_dump()
+
+        stream = self._chat_chunks if chat else self._completion_chunks
+
+        async def sse():
+            try:
+                async for chunk in stream(ctx, events, len(requests), want_lp, body.include_usage, usage):
+                    yield chunk
+                yield "data: [DONE]\n\n"
+            finally:  # also on client disconnect (the response task is cancelled)
+                cancel_all()
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _completion_response(self, ctx, collected, want_lp, usage) -> CompletionResponse:
+        choices = []
+        for i, evs in enumerate(collected):
+            toks = [e for e in evs if e.token is not None]
+            lp = None
+            if want_lp:
+                pieces = [self._logprob(e).token for e in toks]
+                offsets = [sum(len(p) for p in pieces[:j]) for j in range(len(pieces))]
+                lp = CompletionLogprobs(tokens=pieces, token_logprobs=[e.logprob for e in toks], text_offset=offsets)
+            choices.append(CompletionChoice(index=i, text="".join(e.text for e in evs), logprobs=lp,
+                                            finish_reason=_finish(evs[-1].finish_reason)))
+        return CompletionResponse(**ctx, choices=choices, usage=usage)
+
+    def _chat_response(self, ctx, collected, want_lp, usage) -> ChatCompletionResponse:
+        choices = []
+        for i, evs in enumerate(collected):
+            text = "".join(e.text for e in evs)
+            content, reasoning = _Thinking().split(text)
+            msg = ChatResponseMessage(content=content)
+            if reasoning or START_OF_CHANNEL in text:
+                msg = ChatResponseMessage(content=content.strip(), reasoning_content=reasoning.strip())
+            lp = ChatLogprobs(content=[self._logprob(e) for e in evs if e.token is not None]) if want_lp else None
+            choices.append(ChatChoice(index=i, message=msg, finish_reason=_finish(evs[-1].finish_reason),
+                                      logprobs=lp))
+        return ChatCompletionResponse(**ctx, choices=choices, usage=usage)
+
+    async def _events(self, events: asyncio.Queue, n: int):
+        """(index, event, OpenAI finish reason or None) until every request ended; an engine failure
+        becomes an error chunk and ends the stream."""
+        left = n
+        while left:
+            i, ev = await events.get()
+            if ev.finish_reason == FinishReason.ERROR:
+                yield None, ApiError(f"generation failed: {ev.error}", status=500, type_="server_error"), None
+                return
+            reason = None if ev.finish_reason is None else _finish(ev.finish_reason)
+            left -= reason is not None
+            yield i, ev, reason
+
+    async def _completion_chunks(self, ctx, events, n, want_lp, include_usage, usage):
+        async for i, ev, reason in self._events(events, n):
+            if i is None:
+                yield _sse(ev.body())
+                return
+            if not ev.text and reason is None and (ev.token is None or not want_lp):
+                continue  # nothing to show yet (e.g. text held back while a stop string may start)
+            lp = None
+            if want_lp and ev.token is not None:
+                lp = CompletionLogprobs(tokens=[self._logprob(ev).token], token_logprobs=[ev.logprob], text_offset=[0])
+            chunk = CompletionResponse(**ctx, choices=[CompletionChoice(index=i, text=ev.text, logprobs=lp,
+                                                                        finish_reason=reason)])
+            yield _sse(chunk)
+        if include_usage:
+            yield _sse(CompletionResponse(**ctx, choices=[], usage=usage()))
+
+    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage):
+        for i in range(n):
+            yield _sse(ChatCompletionChunk(**ctx, choices=[ChatChunkChoice(
+                index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None, finish_reason=None)]))
+        routers = [_Thinking() for _ in range(n)]
+        async for i, ev, reason in self._events(events, n):
+            if i is None:
+                yield _sse(ev.body())
+                return
+            if not ev.text and reason is None and (ev.token is None or not want_lp):
+                continue
+            content, reasoning = routers[i].split(ev.text)
+            delta = ChatDelta()
+            if content:
+                delta.content = content
+            if reasoning:
+                delta.reasoning_content = reasoning
+            lp = ChatLogprobs(content=[self._logprob(ev)]) if want_lp and ev.token is not None else None
+            chunk = ChatCompletionChunk(**ctx, choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=reason,
+                                                                        logprobs=lp)])
+            yield _sse(chunk)
+        if include_usage:
+            yield _sse(ChatCompletionChunk(**ctx, choices=[], usage=usage()))

@@ -1,0 +1,203 @@
+"""Torch-free builders shared by the test modules: tiny random models, tokenizers and checkpoints.
+
+(The transformers-built reference checkpoints are in `hf_fixtures`.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import gemma4_nnx
+from gemma4_nnx import Gemma4, Gemma4Config
+from gemma4_nnx.io.hf import abstract_model, expected_hf_shapes, variables_by_path
+from tests import hf_fixtures as fx
+
+S, F = fx.S, fx.F
+
+
+# ----------------------------------------------------------------------------- models
+def random_model(variant: str, *, seed: int = 0, vocab_size: int | None = None, param_dtype=jnp.float32,
+                 matmul: str = "auto") -> Gemma4:
+    """A tiny float32 model with weights perturbed like the HF fixtures (norms away from 1, large
+    final norm so the softcap is non-linear), built without torch."""
+    d = dict(fx.VARIANTS[variant], model_type="gemma4_text")
+    if vocab_size is not None:
+        d.update(vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size)
+    config = Gemma4Config.from_hf(d)
+    model = Gemma4(config, dtype=jnp.float32, param_dtype=param_dtype, rngs=nnx.Rngs(seed), matmul=matmul)
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        x = var.get_value()
+        name = ".".join(map(str, path))
+        if x.ndim == 1:
+            new = 1.0 + 0.25 * rng.standard_normal(x.shape)
+            if name.startswith("norm."):
+                new = 1.0 + rng.random(x.shape)
+        elif name == "embed_tokens.embedding":
+            new = 0.5 * rng.standard_normal(x.shape)
+        else:
+            new = 0.08 * rng.standard_normal(x.shape)
+        var.set_value(jnp.asarray(new, x.dtype))
+    return model
+
+
+PROMPTS = [fx.sample_ids(1, n, seed=20 + n)[0].tolist() for n in (3, 10, 6)]
+
+
+def tiny_config(**over) -> gemma4_nnx.Gemma4Config:
+    """4 layers with KV sharing (sliding donor 0, full donor 1, consumers 2-3), PLE, double-wide MLP."""
+    d = dict(fx.VARIANTS["e2b"], model_type="gemma4_text", num_hidden_layers=4, layer_types=[S, F, S, F],
+             num_kv_shared_layers=2)
+    d.update(over)
+    return gemma4_nnx.Gemma4Config.from_hf(d)
+
+
+def model_from_config(config: gemma4_nnx.Gemma4Config, seed: int = 0) -> gemma4_nnx.Gemma4:
+    """A model filled from NumPy (no per-op JAX compiles): kernels N(0, 0.08), embeddings N(0, 0.5) so
+    logits can be sharp, norm scales 1 + N(0, 0.25), layer_scalar 1."""
+    rng = np.random.default_rng(seed)
+    model = abstract_model(config, jnp.float32)
+    for path, var in variables_by_path(model).items():
+        shape = var.shape
+        if path[-1] == "layer_scalar":
+            value = np.ones(shape)
+        elif path[-1] in ("scale", "per_expert_scale"):
+            value = 1.0 + 0.25 * rng.standard_normal(shape)
+        elif path[-1] == "embedding":
+            value = 0.5 * rng.standard_normal(shape)
+        else:
+            value = 0.08 * rng.standard_normal(shape)
+        var.set_value(jnp.asarray(value, jnp.float32))
+    return model
+
+
+def tiny_model(seed: int = 0) -> gemma4_nnx.Gemma4:
+    return model_from_config(tiny_config(), seed)
+
+
+def micro_model(seed: int = 0) -> gemma4_nnx.Gemma4:
+    """2 layers: layer 0 a sliding KV donor, layer 1 its consumer (fast to compile)."""
+    cfg = tiny_config().replace(num_hidden_layers=2, layer_types=(fx.S, fx.S), num_kv_shared_layers=1)
+    return model_from_config(cfg, seed)
+
+
+
+# ----------------------------------------------------------------------------- tokenizers
+# Gemma 4 special tokens at their real ids (reference doc section 18).
+GEMMA_SPECIALS = {
+    0: "<pad>",
+    1: "<eos>",
+    2: "<bos>",
+    3: "<unk>",
+    4: "<mask>",
+    46: "<|tool>",
+    47: "<tool|>",
+    48: "<|tool_call>",
+    49: "<tool_call|>",
+    50: "<|tool_response>",
+    51: "<tool_response|>",
+    52: '<|"|>',
+    98: "<|think|>",
+    100: "<|channel>",
+    101: "<channel|>",
+    105: "<|turn>",
+    106: "<turn|>",
+}
+
+def _corpus(n: int = 600) -> list[str]:
+    """Deterministic training text: ASCII words plus a few accented letters.
+
+    No CJK or emoji, so those must go through byte fallback in the tests.
+    """
+    rng = random.Random(0)
+    words = (
+        "the a model token turn user system answer think thought hello world "
+        "gemma text chat large small fast slow naïve café Zürich déjà vu über "
+        "0 1 2 3 42 2024 , . ! ? : ; ( ) - tab"
+    ).split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(n)]
+
+
+def build_hf_json(path: str | Path) -> None:
+    """A Gemma-layout BPE tokenizer.json (specials at Gemma's ids, byte fallback), trained on `_corpus`."""
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    def configure(tok: HFTokenizer) -> None:  # Gemma-style: spaces as "▁", no prefix space
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+    base = HFTokenizer(models.BPE())
+    configure(base)
+    base.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=400, show_progress=False))
+    trained = json.loads(base.to_str())["model"]
+
+    # Re-lay the vocabulary the Gemma way: specials at their ids (gaps filled
+    # with <unusedN>), "\n" at 107, then the 256 byte tokens, then the BPE pieces.
+    specials = [GEMMA_SPECIALS.get(i, f"<unused{i}>") for i in range(107)]
+    pieces = specials + ["\n"] + [f"<0x{b:02X}>" for b in range(256)]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    for piece in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m) if not isinstance(m, str) else tuple(m.split(" ")) for m in trained["merges"]]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    configure(tok)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    for i, s in GEMMA_SPECIALS.items():
+        assert tok.token_to_id(s) == i, (s, tok.token_to_id(s), i)
+    tok.save(str(path))
+
+
+
+# ----------------------------------------------------------------------------- HF checkpoints
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, global_head_dim=32, layer_types=(S, F, S, F, S, F), sliding_window=4,
+            num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=128)
+
+
+
+def make_tiny_hf(path, *, dtype=np.float32, seed=0, tokenizer=False, **overrides) -> str:
+    """An HF-format Gemma 4 directory (config.json + model.safetensors) with random weights, no torch."""
+    from safetensors.numpy import save_file
+
+    config = Gemma4Config(**{**TINY, **overrides})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config.to_hf_dict(), f)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in expected_hf_shapes(config).items():
+        x = rng.standard_normal(shape).astype(np.float32) * (0.5 if "embed" in name else 0.08)
+        if len(shape) == 1:
+            x = 1.0 + 0.25 * x / 0.08
+        tensors["model." + name] = x.astype(dtype)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    if tokenizer:
+        _write_tokenizer(path)
+    return str(path)
+
+
+def _write_tokenizer(path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "hello": 4, "world": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [1, 106]}, f)
+
+

@@ -1,0 +1,180 @@
+"""The decode core's own contracts: one cache owner, typed request errors, the text stream.
+
+Models are the tiny torch-free builds of tests/helpers.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gemma4_nnx import Engine, RequestError, generate, generate_stream
+from gemma4_nnx.decode.batching import PromptBatch, pow2, prompt_columns
+from gemma4_nnx.decode.requests import make_request
+from gemma4_nnx.decode.text import FinishReason, TextStream
+from gemma4_nnx.model.cache import KVCache
+from tests import hf_fixtures as fx
+from tests.helpers import PROMPTS, random_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("e2b", seed=4)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = Engine(model, max_batch=1, max_length=32)
+    yield engine
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- the cache has one owner
+def test_model_holds_no_cache_and_plain_forward_works_after_generation(model):
+    """Generation leaves the model as it was: no cache variables, the same weights, and a plain
+    `model(ids)` (no positions, no flags) gives the same logits before and after."""
+    ids = jnp.asarray(fx.sample_ids(2, 9, seed=5))
+    before = np.asarray(model(ids))
+    state_before = jax.tree_util.tree_map(np.asarray, nnx.state(model))
+    generate(model, PROMPTS, 6, stop_tokens=[])
+    list(generate_stream(model, PROMPTS, 3, stop_tokens=[]))
+    engine = Engine(model, max_batch=2, max_length=32)
+    try:
+        engine.submit(PROMPTS[0], 4, stop_tokens=[]).result()
+    finally:
+        engine.close()
+    assert not [p for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Cache)]
+    after = jax.tree_util.tree_map(np.asarray, nnx.state(model))
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, state_before, after))
+    np.testing.assert_array_equal(np.asarray(model(ids)), before)
+
+
+def test_cache_is_an_explicit_pytree_in_and_out(model):
+    """`model(ids, positions, cache=c)` returns (logits, new cache) and leaves `c` untouched, so a
+    cache can be kept and reused: prefilling the same prompt twice from one empty cache gives the
+    same logits, and both equal the plain forward at the last position."""
+    ids = jnp.asarray(fx.sample_ids(1, 7, seed=6))
+    pos = jnp.arange(7)[None, :]
+    empty = model.init_cache(1, 16)
+    assert isinstance(empty, KVCache) and set(empty.layers) == {s.index for s in model.config.cache_layers}
+    a, cache_a = model(ids, pos, cache=empty)
+    b, _ = model(ids, pos, cache=empty)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(jnp.max(empty.layers[0].pos)) == -1  # the input cache is not changed
+    assert int(jnp.max(cache_a.layers[0].pos)) == 6
+    np.testing.assert_allclose(np.asarray(a)[0, -1], np.asarray(model(ids))[0, -1], atol=1e-4)
+    with pytest.raises(ValueError, match="positions"):
+        model(ids, cache=empty)
+
+
+# ----------------------------------------------------------------------------- typed request errors
+SAMPLING_CASES = [("temperature", -1.0), ("temperature", float("nan")), ("top_k", 0), ("top_k", 2.5),
+                  ("top_p", 0.0), ("top_p", 1.5), ("min_p", -0.1), ("repetition_penalty", 0.0)]
+
+
+@pytest.mark.parametrize("name,value", SAMPLING_CASES)
+def test_sampling_errors_carry_the_parameter_name(model, engine, name, value):
+    for call in (lambda: generate(model, PROMPTS, 4, **{name: value}),
+                 lambda: engine.submit(PROMPTS[0], 4, **{name: value})):
+        with pytest.raises(RequestError) as e:
+            call()
+        assert e.value.param == name and name in str(e.value)
+        assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("kwargs,param,code", [
+    (dict(prompt=[]), "prompt", None),
+    (dict(prompt="text"), "prompt", None),
+    (dict(prompt=[2, 999]), "prompt", None),
+    (dict(prompt=[2, 2.5]), "prompt", None),
+    (dict(prompt=[2] * 32), "prompt", "context_length_exceeded"),
+    (dict(max_tokens=0), "max_tokens", None),
+    (dict(max_tokens=True), "max_tokens", None),
+    (dict(max_tokens=31), "max_tokens", "context_length_exceeded"),
+    (dict(stop_tokens=[-1]), "stop_tokens", None),
+    (dict(stop_strings="x"), "stop_strings", None),
+    (dict(stop_strings=["x"]), "stop_strings", None),  # no tokenizer to decode with
+    (dict(stop_strings=[""]), "stop_strings", None),
+    (dict(seed=-3), "seed", None),
+    (dict(seed="7"), "seed", None),
+])
+def test_request_errors_per_parameter_class(model, kwargs, param, code):
+    """Prompt, length, stop and seed errors name their parameter (and the context code) as data,
+    for the engine's spelling and for generate's (prompts[i], max_new_tokens)."""
+    args = dict(prompt=[2, 5, 7], max_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(RequestError) as e:
+        make_request(args.pop("prompt"), args.pop("max_tokens"), vocab_size=model.config.vocab_size, context=32,
+                     context_name="max_length=32", **args)
+    assert (e.value.param, e.value.code) == (param, code), str(e.value)
+    if param in ("prompt", "max_tokens"):
+        gen_kw = {k: v for k, v in kwargs.items() if k not in ("prompt", "max_tokens")}
+        prompt = kwargs.get("prompt", [2, 5, 7])
+        with pytest.raises(RequestError) as g:
+            generate(model, [[2, 5], prompt], kwargs.get("max_tokens", 4), max_length=32, **gen_kw)
+        assert g.value.param == ("prompts[1]" if param == "prompt" else "max_new_tokens"), str(g.value)
+        assert g.value.code == code
+
+
+def test_engine_and_generate_arguments_are_checked_by_name(model):
+    for kwargs, param in ((dict(max_batch=0), "max_batch"), (dict(max_length=1), "max_length"),
+                          (dict(max_length=10**6), "max_length"), (dict(prefill_chunk=0), "prefill_chunk")):
+        with pytest.raises(RequestError) as e:
+            Engine(model, **kwargs)
+        assert e.value.param == param
+    for kwargs, param in ((dict(max_length=1), "max_length"), (dict(prefill_chunk=0), "prefill_chunk")):
+        with pytest.raises(RequestError) as e:
+            generate(model, PROMPTS, 4, **kwargs)
+        assert e.value.param == param
+    with pytest.raises(RequestError) as e:
+        generate(model, [], 4)
+    assert e.value.param == "prompts"
+
+
+# ----------------------------------------------------------------------------- batching and text
+def test_prompt_batch_pads_right_with_invalid_positions():
+    batch = PromptBatch.build([[5, 6, 7], [8]], 4, prefill_chunk=None)
+    assert batch.ids.shape == (4, 16) and batch.chunk == 16
+    assert batch.positions[0, :4].tolist() == [0, 1, 2, -1] and batch.positions[1, :2].tolist() == [0, -1]
+    assert batch.last.tolist() == [2, 0, 0, 0] and batch.lengths.tolist() == [3, 1, 0, 0]
+    assert not batch.valid[2:].any()
+    chunked = PromptBatch.build([[1] * 10], 1, prefill_chunk=4)
+    assert chunked.width == 12 and [c0 for c0, *_ in chunked.chunks()] == [0, 4, 8]
+    assert [pow2(n) for n in (0, 1, 2, 3, 5, 16, 17)] == [1, 1, 2, 4, 8, 16, 32]
+    assert prompt_columns(17, None) == (32, 32) and prompt_columns(3, None) == (16, 16)
+
+
+class _CharTokenizer:
+    """Token i is chr(i); 0 is a 'special' spelled <s>."""
+
+    def decode(self, ids, skip_special=False):
+        return "".join("<s>" if i == 0 else chr(i) for i in ids)
+
+    def stream_decoder(self):
+        from gemma4_nnx.tokenizer import StreamDecoder
+
+        return StreamDecoder(self)
+
+    def _check_id(self, i):
+        pass
+
+
+def test_text_stream_reasons_and_stop_text():
+    tok = _CharTokenizer()
+    s = TextStream(tok, ["cd"])
+    out = [s.feed(ord(c), stopped=False, last=False) for c in "abc"] + [s.feed(ord("d"), stopped=False, last=False)]
+    assert "".join(t for t, _ in out) == "ab" and out[-1][1] == FinishReason.STOP_STRING
+    shown, hidden = TextStream(tok), TextStream(tok, show_stop_token=False)
+    assert shown.feed(ord("x"), stopped=False, last=False) == ("x", None)
+    assert shown.feed(0, stopped=True, last=False) == ("<s>", FinishReason.STOP)
+    hidden.feed(ord("x"), stopped=False, last=False)
+    assert hidden.feed(0, stopped=True, last=False) == ("", FinishReason.STOP)
+    held = TextStream(tok, ["yz"])
+    assert held.feed(ord("y"), stopped=False, last=False) == ("", None)  # may begin "yz": held back
+    assert held.feed(ord("q"), stopped=False, last=True) == ("yq", FinishReason.LENGTH)
+    assert FinishReason.LENGTH == "length" and str(FinishReason.STOP_STRING) == "stop_string"
+    with pytest.raises(RuntimeError):
+        held.feed(ord("a"), stopped=False, last=False)

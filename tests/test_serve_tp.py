@@ -1,0 +1,172 @@
+"""Tensor-parallel serving on 8 simulated CPU devices: `gemma4-serve --tensor-parallel-size N` serves
+exactly the tokens of the one-device server.
+
+XLA's device count is fixed when jax initializes and the rest of the suite runs with one device, so
+the servers run in a subprocess (`_SCRIPT`, XLA_FLAGS=--xla_force_host_platform_device_count=8)
+started when this module is collected (it overlaps with the rest of the suite); it prints one JSON
+report the tests read. The checkpoint is a tiny E2B-like model (PLE, KV sharing, 2 KV heads, 4 query
+heads) exported to HF and converted to Orbax, loaded by the server's own `make_engine` as
+`gemma4-serve` does. Servers: one device, TP=2 (KV heads, so the KV cache, split in two) and TP=8
+(query heads replicated, MLP width and vocabulary split in eight).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = r'''
+import json, os, socket, sys, tempfile, threading, time, http.client
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+import uvicorn
+import gemma4_nnx
+from gemma4_nnx.serve.app import build_parser, create_app, make_engine
+from tests.helpers import build_hf_json, random_model
+
+assert len(jax.devices()) == 8, jax.devices()
+root = tempfile.mkdtemp()
+build_hf_json(os.path.join(root, "tokenizer.json"))
+tok = gemma4_nnx.load_tokenizer(root)
+hf_dir, ckpt = os.path.join(root, "hf"), os.path.join(root, "ckpt")
+gemma4_nnx.to_hf(random_model("e2b", seed=3, vocab_size=tok.vocab_size), hf_dir)
+with open(os.path.join(root, "tokenizer.json"), "rb") as f, open(os.path.join(hf_dir, "tokenizer.json"), "wb") as g:
+    g.write(f.read())
+gemma4_nnx.convert(hf_dir, ckpt, dtype="float32")
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def post(port, body):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+def serve(tp):
+    args = build_parser().parse_args([ckpt, "--tensor-parallel-size", str(tp), "--max-batch", "4", "--max-length", "64",
+                                      "--precompile"])
+    engine = make_engine(args)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return engine, server, port
+
+REQUESTS = [
+    {"prompt": "the model reads the text", "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+    {"prompt": ["hello world", "a longer prompt about the chat model"], "max_tokens": 10, "temperature": 0,
+     "ignore_eos": True},
+    {"prompt": "sampling with a seed", "max_tokens": 12, "seed": 11, "temperature": 0.9, "top_k": 20, "top_p": 0.9,
+     "ignore_eos": True},
+    {"prompt": "another seeded draw", "max_tokens": 12, "seed": 5, "temperature": 1.2, "min_p": 0.02,
+     "ignore_eos": True},
+]
+report = {"devices": len(jax.devices())}
+for tp in (1, 2, 8):
+    engine, server, port = serve(tp)
+    outs = []
+    for body in REQUESTS:
+        status, out = post(port, dict(body, model="tiny"))
+        assert status == 200, out
+        outs.append([c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])])
+    concurrent = []
+    threads = [threading.Thread(target=lambda b=b: concurrent.append((REQUESTS.index(b), post(port, dict(b, model="tiny"))[1])))
+               for b in REQUESTS]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    leaves = jax.tree_util.tree_leaves(engine.decoder.state.cache)  # the live cache (each step donates it)
+    weights = jax.tree_util.tree_leaves(engine.decoder.weights)
+    report[str(tp)] = {
+        "texts": outs,
+        "concurrent": [[c["text"] for c in sorted(o["choices"], key=lambda c: c["index"])] for _, o in sorted(concurrent, key=lambda x: x[0])],
+        "cache_devices": sorted({len(x.devices()) for x in leaves}),
+        "cache_split": sum(1 for x in leaves if not x.sharding.is_fully_replicated),
+        "cache_arrays": len(leaves),
+        "weights_split": sum(1 for x in weights if not x.sharding.is_fully_replicated),
+        "compiled": engine.compiled_programs(),
+    }
+    server.should_exit = True
+    engine.close()
+print("REPORT " + json.dumps(report))
+'''
+
+
+def _start() -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    fd, log = tempfile.mkstemp(prefix="gemma4_serve_tp_", suffix=".log")
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, stdout=fd, stderr=subprocess.STDOUT)
+    os.close(fd)
+    atexit.register(lambda: proc.poll() is None and proc.kill())
+    return proc, log
+
+
+_RUN = _start()
+
+
+@pytest.fixture(scope="module")
+def report():
+    proc, log = _RUN
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    with open(log, encoding="utf-8", errors="replace") as f:
+        out = f.read()
+    lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, f"8-device serving subprocess failed (rc {proc.returncode}):\n{out[-6000:]}"
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+@pytest.mark.parametrize("tp", ["2", "8"])
+def test_tensor_parallel_server_serves_the_one_device_tokens(report, tp):
+    """Greedy and seeded sampled completions, one at a time and concurrently (sharing decode steps),
+    equal the one-device server's, text for text."""
+    assert report["devices"] == 8
+    one, many = report["1"], report[tp]
+    assert many["texts"] == one["texts"]
+    assert many["concurrent"] == one["texts"] and one["concurrent"] == one["texts"]
+    assert all(t for texts in one["texts"] for t in texts)  # something was generated
+    assert len(set(one["texts"][2] + one["texts"][3])) == 2  # the seeded draws are not trivial repeats
+
+
+def test_tensor_parallel_server_really_shards(report):
+    """The weights are split over the devices; with TP=2 the KV cache is split too (2 KV heads), with
+    TP=8 it is replicated (heads do not divide 8) but lives on all 8 devices; one device: one device."""
+    assert report["1"]["cache_devices"] == [1] and report["1"]["weights_split"] == 0
+    assert report["2"]["cache_devices"] == [2] and report["8"]["cache_devices"] == [8]
+    k_v = 2 * 5  # K and V of the 5 cache-owning layers of the e2b variant (positions are not split)
+    assert report["2"]["cache_split"] == k_v
+    assert report["2"]["weights_split"] >= 10 and report["8"]["weights_split"] >= 10
+
+
+def test_tensor_parallel_engine_compiles_one_decode_program_per_row_count(report):
+    """Shardings stay stable from step to step: no recompiles beyond one decode program per
+    power-of-two row count (1, 2, 4 with max_batch 4)."""
+    for tp in ("1", "2", "8"):
+        assert report[tp]["compiled"]["decode"] <= 3, report[tp]["compiled"]
