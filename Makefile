@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PY312 ?= $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
 VENV312 ?= .venv312
 
-.PHONY: demo demo-tiny test test-py312
+.PHONY: demo demo-tiny test test-py312 lint format
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,10 @@ demo: $(VENV)/.installed-demo
 demo-tiny: $(VENV)/.installed-demo
 	$(PY) -m gemma4_nnx.demo
 
+# Lint and format checks first (seconds), then the suite.
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 # Newest jax/flax on Python 3.12, without torch: the reference tests are deselected there.
@@ -42,4 +45,14 @@ $(VENV312)/.installed: pyproject.toml
 	touch $@
 
 test-py312: $(VENV312)/.installed
+	$(VENV312)/bin/ruff check .
 	$(VENV312)/bin/python -m pytest -q
+
+# ruff: `make lint` checks, `make format` rewrites.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .

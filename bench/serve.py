@@ -20,6 +20,7 @@ Checks that every concurrent output equals its sequential output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
         prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(n)]
         row = {"streams": n}
         for mode in ("sequential", "concurrent"):
-            before = dict(engine.stats)
+            before = dataclasses.replace(engine.stats)
             t = time.perf_counter()
             if mode == "sequential":
                 outs = [one(q) for q in prompts]
@@ -129,8 +130,8 @@ def main(argv=None) -> int:
             agg = n * args.max_tokens / wall
             per = statistics.mean(o["decode_tps"] for o in outs)
             ttft = statistics.mean(o["ttft"] for o in outs)
-            steps = engine.stats["decode_steps"] - before["decode_steps"]
-            rows = engine.stats["rows_decoded"] - before["rows_decoded"]
+            steps = engine.stats.decode_steps - before.decode_steps
+            rows = engine.stats.rows_decoded - before.rows_decoded
             row[mode] = dict(wall_s=wall, aggregate_tps=agg, per_request_tps=per, ttft_s=ttft, decode_steps=steps,
                              rows_per_step=rows / max(steps, 1), texts=[o["text"] for o in outs])
             print(f"{n:>7} {mode:>10} {wall:>7.2f} {agg:>9.2f} {per:>13.2f} {ttft:>7.2f}   "

@@ -402,3 +402,79 @@ def test_health_reflects_a_dead_engine(served):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# ----------------------------------------------------------------------------- protocol
+def test_openapi_schema_describes_the_request_fields(served):
+    """/openapi.json comes from the protocol models: both endpoints name their fields, with types and
+    ranges, and /docs is served."""
+    port = served[2]
+    status, schema = _get(port, "/openapi.json")
+    assert status == 200
+    comps = schema["components"]["schemas"]
+    for path, model, fields in (
+            ("/v1/completions", "CompletionRequest", {"model", "prompt", "max_tokens", "temperature", "top_p", "stop",
+                                                      "seed", "stream", "logprobs", "top_k", "min_p", "ignore_eos"}),
+            ("/v1/chat/completions", "ChatCompletionRequest", {"model", "messages", "max_completion_tokens",
+                                                               "temperature", "stream_options",
+                                                               "chat_template_kwargs"})):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].endswith("/" + model)
+        props = comps[model]["properties"]
+        assert fields <= set(props), fields - set(props)
+        assert set(comps[model]["required"]) == {"model", "prompt" if model == "CompletionRequest" else "messages"}
+    temperature = comps["CompletionRequest"]["properties"]["temperature"]
+    assert temperature["maximum"] == 2.0 and temperature["minimum"] == 0.0 and temperature["default"] == 1.0
+    assert "ErrorResponse" in comps and "CompletionResponse" in comps
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/docs")
+    assert conn.getresponse().status == 200
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body,param,code", [
+    # protocol-level (pydantic): the field itself
+    ({"messages": CHAT, "temperature": "0.5"}, "temperature", None),  # strict: no strings for numbers
+    ({"messages": CHAT, "stream": 1}, "stream", None),
+    ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", None),
+    ({"messages": CHAT, "stream_options": {"include_usage": "yes"}}, "stream_options", None),
+    ({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs", None),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", None),
+    ({"messages": CHAT, "logit_bias": {"5": 1}}, "logit_bias", None),
+    ({"messages": CHAT, "frequency_penalty": 0.3}, "frequency_penalty", None),
+    # engine-level (RequestError.param, mapped to the field the client sent)
+    ({"messages": [{"role": "user", "content": "word " * 80}]}, "messages", "context_length_exceeded"),
+    ({"messages": CHAT, "max_completion_tokens": MAX_LENGTH}, "max_completion_tokens", "context_length_exceeded"),
+    ({"messages": CHAT, "max_tokens": MAX_LENGTH}, "max_tokens", "context_length_exceeded"),
+])
+def test_chat_errors_name_the_request_field(served, body, param, code):
+    status, err = _post(served[2], "/v1/chat/completions", dict(body, model=NAME))
+    assert status == 400, err
+    assert err["error"]["param"] == param and err["error"]["code"] == code, err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+
+
+def test_engine_errors_map_by_parameter_not_message():
+    """The serving layer maps an engine `RequestError` by its `param` only: the same message with
+    another param lands on another field."""
+    from gemma4_nnx.decode.errors import RequestError
+    from gemma4_nnx.serve.protocol import CompletionRequest
+    from gemma4_nnx.serve.serving import ApiError, Serving
+
+    class FakeEngine:
+        alive, error, tokenizer = True, None, None
+
+        def __init__(self, param):
+            self.param = param
+
+        def validate(self, *a, **k):
+            raise RequestError("max_tokens prompt stop context", self.param, "some_code")
+
+    body = CompletionRequest(model="m", prompt=[1, 2], stop="x")
+    for engine_param, field in (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("stop_strings", "stop"),
+                                ("temperature", "temperature"), ("seed", "seed")):
+        with pytest.raises(ApiError) as e:
+            Serving(FakeEngine(engine_param), "m").engine_requests([[1, 2]], body, chat=False)
+        assert (e.value.param, e.value.code, e.value.status) == (field, "some_code", 400)
