@@ -62,10 +62,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
     import openai
     import uvicorn
 
-    import jax
     from gemma4_nnx.cli_generate import load_model
     from gemma4_nnx.decode.engine import Engine
     from gemma4_nnx.serve.app import create_app
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as r:
                     if r.status == 200:
                         break
-        except Exception:  # noqa: BLE001 - not up yet
+        except Exception:
             pass
         time.sleep(0.2)
     print(f"server ready after {time.perf_counter() - t0:.1f} s (warm-up generation included); "
@@ -96,13 +96,12 @@ def main(argv=None) -> int:
 
     def one(prompt: str) -> dict:
         t = time.perf_counter()
-        first, text, n = None, [], 0
+        first, text = None, []
         for ch in client.completions.create(model="bench", prompt=prompt, max_tokens=args.max_tokens, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True}):
             if first is None:
                 first = time.perf_counter() - t
             text.append(ch.choices[0].text)
-            n += 1
         total = time.perf_counter() - t
         return dict(text="".join(text), ttft=first, total=total,
                     decode_tps=(args.max_tokens - 1) / (total - first) if total > first else float("nan"))

@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemma4_nnx.io.convert import main  # noqa: E402
+from gemma4_nnx.io.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

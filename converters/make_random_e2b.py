@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemma4_nnx.config import Gemma4Config  # noqa: E402
-from gemma4_nnx.io.hf import expected_hf_shapes, name_map  # noqa: E402
+from gemma4_nnx.config import Gemma4Config
+from gemma4_nnx.io.hf import expected_hf_shapes, name_map
 
 SHARD_BYTES = 4 * 10**9
 BLOCK = 16 * 2**20  # elements per write

@@ -17,7 +17,8 @@ import functools
 import json
 import math
 import os
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -283,7 +284,8 @@ class Gemma4Config:
                 try:
                     raw = json.load(f)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint's config.json")
+                    raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint's "
+                                     "config.json") from None
         if raw.get("model_type") == _GEMMA3_MODEL_TYPE:
             return cls._from_gemma3_dict(raw)
         return cls._from_text_dict(_text_config_dict(raw))

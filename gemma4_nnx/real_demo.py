@@ -82,8 +82,8 @@ def ensure_checkpoint(ckpt_dir: str = DEFAULT_CHECKPOINT, *, dtype: str = "float
 
 def stream_completions(ckpt_dir: str, prompts=PROMPTS, max_new_tokens: int = 24, out=sys.stdout) -> list[str]:
     """Load `ckpt_dir` through Orbax and stream a greedy completion of each prompt to `out`."""
-    from gemma4_nnx.io.checkpoint import load, load_tokenizer
     from gemma4_nnx.decode.generate import generate_stream
+    from gemma4_nnx.io.checkpoint import load, load_tokenizer
 
     t0 = time.time()
     model = load(ckpt_dir)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -141,9 +142,9 @@ def sharding_for(mesh: Mesh, config=None, rules=DEFAULT_RULES) -> Callable[..., 
     and non-divisible dimensions fall back to replication; the callable also accepts `shape=`."""
     shapes: dict[str, tuple[int, ...]] = {}
     if config is not None:
-        from gemma4_nnx.io.hf import abstract_model, variables_by_path
-
         import jax.numpy as jnp
+
+        from gemma4_nnx.io.hf import abstract_model, variables_by_path
 
         abstract = abstract_model(config, jnp.float32)
         shapes = {_dotted(p): tuple(v.shape) for p, v in variables_by_path(abstract).items()}
@@ -241,8 +242,8 @@ def describe(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> str:
     variables = {tuple(p): v for p, v in nnx.iter_graph(model)}
     for path, sh in model_shardings(model, mesh, rules).items():
         var = variables[path]
-        lines.append(f"{_dotted(path):60s} {str(tuple(np.shape(var.get_value()))):18s} "
-                     f"{str(logical_axes(path)):32s} {sh.spec}")
+        lines.append(f"{_dotted(path):60s} {tuple(np.shape(var.get_value()))!s:18s} "
+                     f"{logical_axes(path)!s:32s} {sh.spec}")
     return "\n".join(lines)
 
 

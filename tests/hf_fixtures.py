@@ -105,7 +105,7 @@ def save_hf_checkpoint(model, out_dir: str, *, extra_tensors: dict[str, np.ndarr
             from safetensors import safe_open
 
             with safe_open(os.path.join(out_dir, "model.safetensors"), "np") as f:
-                for k in f.keys():
+                for k in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     index["weight_map"][k] = "model.safetensors"
         for k in extra_tensors:
             index["weight_map"][k] = "extra.safetensors"

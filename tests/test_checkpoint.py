@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gemma4_nnx.config import Gemma4Config
 from gemma4_nnx.io import hf
 from gemma4_nnx.io.checkpoint import PLE_PATH, load
-from gemma4_nnx.config import Gemma4Config
 from gemma4_nnx.io.convert import convert
 from gemma4_nnx.model.quant import QuantizedEmbedding, quantize_rows, quantized_nbytes
 from tests.helpers import make_tiny_hf
@@ -94,7 +94,7 @@ def test_sharding_forms(tiny):
         model = load(tiny["int4"], sharding=sharding)
         assert model.embed_tokens.embedding[...].sharding == one
     assert sorted(map(str, seen)) == sorted(map(str, paths))
-    with pytest.raises(ValueError, match="sharding: no sharding given for parameter norm.scale"):
+    with pytest.raises(ValueError, match=r"sharding: no sharding given for parameter norm\.scale"):
         load(tiny["int4"], sharding={p: one for p in paths if p != ("norm", "scale")})
     with pytest.raises(ValueError, match="sharding: expected"):
         load(tiny["int4"], sharding=3)
@@ -114,7 +114,7 @@ def test_load_errors_are_clear(tiny, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="does not exist; convert one with"):
         load(tmp_path / "missing")
-    with pytest.raises(hf.CheckpointError, match="metadata.json is missing"):
+    with pytest.raises(hf.CheckpointError, match=r"metadata\.json is missing"):
         load(tiny["src"])  # an HF directory, not a converted one
     bad = tmp_path / "bad"
     shutil.copytree(tiny["int8"], bad)
@@ -127,5 +127,5 @@ def test_load_errors_are_clear(tiny, tmp_path):
         load(bad)
     json.dump(meta, open(bad / "metadata.json", "w"))
     shutil.rmtree(bad / "params")
-    with pytest.raises(hf.CheckpointError, match="parameter checkpoint .* is missing or incomplete"):
+    with pytest.raises(hf.CheckpointError, match=r"parameter checkpoint .* is missing or incomplete"):
         load(bad)

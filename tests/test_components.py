@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from gemma4_nnx import Gemma4Config
-from gemma4_nnx.model.attention import visibility
 from gemma4_nnx.config import RopeSpec
+from gemma4_nnx.model.attention import visibility
 from gemma4_nnx.model.layers import RMSNorm, apply_rope, rope_inv_freq, rope_tables
 
 

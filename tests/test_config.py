@@ -116,7 +116,7 @@ def test_inconsistent_config_names_field_and_fix(changes, field):
 
 
 def test_bad_config_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         Gemma4Config.from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):

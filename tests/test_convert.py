@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 import gemma4_nnx
+from gemma4_nnx.config import Gemma4Config
 from gemma4_nnx.io import hf
 from gemma4_nnx.io.checkpoint import load
-from gemma4_nnx.config import Gemma4Config
 from gemma4_nnx.io.convert import convert, main
 from tests import hf_fixtures as fx
-from tests.helpers import TINY, make_tiny_hf
+from tests.helpers import make_tiny_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S, F = "sliding_attention", "full_attention"

@@ -104,7 +104,7 @@ def test_unavailable_kernels_fall_back_to_xla(monkeypatch):
     assert model.matmul == layers.XLA
     ids = jnp.asarray(fx.sample_ids(1, 3, seed=1))
     assert "gemma4_bf16" not in jax.jit(lambda x: model(x)).lower(ids).as_text()
-    with pytest.raises(ValueError, match="matmul='cpu_kernels'.*disabled for this test"):
+    with pytest.raises(ValueError, match=r"matmul='cpu_kernels'.*disabled for this test"):
         layers.resolve_matmul("cpu_kernels", dtype=jnp.float32, param_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="matmul must be one of"):
         layers.resolve_matmul("fast", dtype=jnp.float32, param_dtype=jnp.bfloat16)

@@ -12,8 +12,8 @@ from flax import nnx
 
 import gemma4_nnx
 from gemma4_nnx.io import export
-from gemma4_nnx.train import finetune as ft
 from gemma4_nnx.io.hf import SafetensorsFile
+from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx
 
 pytestmark = pytest.mark.reference

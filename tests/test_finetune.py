@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import gemma4_nnx
-from gemma4_nnx.train import finetune as ft
 from gemma4_nnx.io.hf import variables_by_path
+from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx
-from tests.helpers import micro_model, model_from_config, tiny_config, tiny_model
+from tests.helpers import micro_model, tiny_model
 
 PROMPT = 4  # prompt tokens per row (masked out of the loss)
 

@@ -321,8 +321,8 @@ def test_real_greedy_continuations_through_orbax(real_checkpoint, real_hf_model)
     the same 20 tokens as transformers' greedy generate."""
     import torch
 
-    from gemma4_nnx.io.checkpoint import load, load_tokenizer
     from gemma4_nnx.decode.generate import generate, generate_stream
+    from gemma4_nnx.io.checkpoint import load, load_tokenizer
     from gemma4_nnx.real_demo import REFERENCE
 
     model = load(real_checkpoint)

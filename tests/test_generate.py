@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import gemma4_nnx
 from gemma4_nnx import generate, generate_stream

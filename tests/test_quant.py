@@ -7,6 +7,8 @@ cannot make both sides agree.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -170,10 +172,10 @@ def test_chunked_quantization_is_bit_identical(bits: int, in_dtype) -> None:
     n, group = 203, 32
     x = awkward_table(rng, n, group, 4, QMAX[bits]).astype(in_dtype)
     whole_c, whole_s = quantize_rows(x, bits, group)
-    for trial in range(5):
+    for _ in range(5):
         cuts = np.sort(rng.integers(0, n + 1, size=rng.integers(1, 12)))
         bounds = [0, *cuts.tolist(), n]  # may contain empty and 1-row chunks
-        parts = [quantize_rows(x[a:b], bits, group) for a, b in zip(bounds[:-1], bounds[1:])]
+        parts = [quantize_rows(x[a:b], bits, group) for a, b in itertools.pairwise(bounds)]
         c = np.concatenate([p[0] for p in parts], axis=0)
         s = np.concatenate([p[1] for p in parts], axis=0)
         assert c.dtype == whole_c.dtype and s.dtype == whole_s.dtype
@@ -299,7 +301,7 @@ def test_e2b_sizes_from_shapes_only() -> None:
         bits: nnx.eval_shape(lambda b=bits: QuantizedEmbedding(v, m, bits=b, group=256))
         for bits in (4, 8)
     }
-    for bits, emb in abstract.items():
+    for emb in abstract.values():
         for p in (emb.codes, emb.scales):
             assert isinstance(p.get_value(), jax.ShapeDtypeStruct)  # nothing allocated
         assert emb.scales.get_value().shape == (v, 35)

@@ -59,11 +59,12 @@ def post(port, body):
     return r.status, json.loads(r.read())
 
 def serve(tp):
-    args = build_parser().parse_args([ckpt, "--tensor-parallel-size", str(tp), "--max-batch", "4", "--max-length", "64",
-                                      "--precompile"])
+    args = build_parser().parse_args([ckpt, "--tensor-parallel-size", str(tp), "--max-batch", "4",
+                                      "--max-length", "64", "--precompile"])
     engine = make_engine(args)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -95,15 +96,19 @@ for tp in (1, 2, 8):
         assert status == 200, out
         outs.append([c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])])
     concurrent = []
-    threads = [threading.Thread(target=lambda b=b: concurrent.append((REQUESTS.index(b), post(port, dict(b, model="tiny"))[1])))
-               for b in REQUESTS]
+
+    def one(i, body):
+        concurrent.append((i, post(port, dict(body, model="tiny"))[1]))
+
+    threads = [threading.Thread(target=one, args=(i, b)) for i, b in enumerate(REQUESTS)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     leaves = jax.tree_util.tree_leaves(engine.decoder.state.cache)  # the live cache (each step donates it)
     weights = jax.tree_util.tree_leaves(engine.decoder.weights)
     report[str(tp)] = {
         "texts": outs,
-        "concurrent": [[c["text"] for c in sorted(o["choices"], key=lambda c: c["index"])] for _, o in sorted(concurrent, key=lambda x: x[0])],
+        "concurrent": [[c["text"] for c in sorted(o["choices"], key=lambda c: c["index"])]
+                       for _, o in sorted(concurrent, key=lambda x: x[0])],
         "cache_devices": sorted({len(x.devices()) for x in leaves}),
         "cache_split": sum(1 for x in leaves if not x.sharding.is_fully_replicated),
         "cache_arrays": len(leaves),

@@ -109,7 +109,7 @@ def _ref(model, tok, ids, n, **kw):
 
 # ----------------------------------------------------------------------------- endpoints
 def test_health_models_and_warmup_generation(served):
-    _, _, port, engine = served
+    port = served[2]
     status, body = _get(port, "/health")
     assert status == 200 and body["ready"] and body["status"] == "ok"
     # Ready means a real generation ran: the warm-up's prefill and decode step show in the counters.

@@ -197,8 +197,8 @@ def test_kv_cache_sharded_and_prefill_matches(multi):
 
 # ---------------------------------------------------------------------------- the declared table
 def test_every_parameter_has_declared_axes():
-    from tests.helpers import tiny_config
     from gemma4_nnx.io.hf import abstract_model, variables_by_path
+    from tests.helpers import tiny_config
 
     for cfg in (tiny_config(), tiny_config(enable_moe_block=True, num_experts=4, top_k_experts=2,
                                            moe_intermediate_size=24)):
@@ -225,8 +225,8 @@ def test_partition_spec_rules():
 
 
 def test_shard_model_covers_lora_adapters():
-    from tests.helpers import micro_model
     from gemma4_nnx.train import finetune as ft
+    from tests.helpers import micro_model
 
     model = micro_model()
     ft.apply_lora(model, rank=4)

@@ -9,13 +9,10 @@ byte fallback). The HF one is also checked against transformers' own
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import GEMMA_SPECIALS, _corpus, build_hf_json
 from gemma4_nnx.tokenizer import (
     StreamDecoder,
     Tokenizer,
@@ -25,6 +22,7 @@ from gemma4_nnx.tokenizer import (
     split_thinking,
     strip_thinking,
 )
+from tests.helpers import GEMMA_SPECIALS, _corpus, build_hf_json
 
 CHAT_MARKERS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool_response>", "<tool_response|>"]
 
@@ -119,7 +117,7 @@ def test_load_tokenizer_prefers_json(tmp_path: Path, hf_dir: Path, sp_dir: Path)
 
 
 def test_load_tokenizer_errors_name_directory_and_files(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="tokenizer.json or tokenizer.model") as e:
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json or tokenizer\.model") as e:
         load_tokenizer(tmp_path)
     assert str(tmp_path) in str(e.value)
     missing = tmp_path / "nope"

@@ -13,6 +13,19 @@ from gemma4_nnx.decode.generate import GenerateResult, StreamStep, enable_compil
 from gemma4_nnx.decode.sampling import SamplingParams
 from gemma4_nnx.decode.text import FinishReason
 
-__all__ = ["generate", "generate_stream", "GenerateResult", "StreamStep", "enable_compilation_cache", "Engine",
-           "EngineRequest", "EngineError", "Event", "Decoder", "RequestError", "SamplingParams", "FinishReason",
-           "compiled_programs"]
+__all__ = [
+           "Decoder",
+           "Engine",
+           "EngineError",
+           "EngineRequest",
+           "Event",
+           "FinishReason",
+           "GenerateResult",
+           "RequestError",
+           "SamplingParams",
+           "StreamStep",
+           "compiled_programs",
+           "enable_compilation_cache",
+           "generate",
+           "generate_stream",
+]

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["MIN_PROMPT_BUCKET", "MIN_NEW_BUCKET", "pow2", "prompt_columns", "bucket_shapes", "PromptBatch"]
+__all__ = ["MIN_NEW_BUCKET", "MIN_PROMPT_BUCKET", "PromptBatch", "bucket_shapes", "pow2", "prompt_columns"]
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_BUCKET = 16

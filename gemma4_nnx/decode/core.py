@@ -46,7 +46,7 @@ from gemma4_nnx.model.cache import KVCache
 
 Array = jax.Array
 
-__all__ = ["RowState", "DecodeState", "Drawn", "DrawConfig", "Decoder", "compiled_programs"]
+__all__ = ["DecodeState", "Decoder", "DrawConfig", "Drawn", "RowState", "compiled_programs"]
 
 
 def _take(tree, idx: Array):
@@ -141,7 +141,7 @@ class DrawConfig:
     """Static options of a draw (a jit static argument): the sampling features any drawn row uses,
     and whether logprobs are computed."""
 
-    features: RowFeatures = RowFeatures()
+    features: RowFeatures = dataclasses.field(default_factory=RowFeatures)
     logprobs: bool = False
 
 

@@ -45,7 +45,7 @@ from gemma4_nnx.decode.requests import Request, check_int, make_request
 from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
-__all__ = ["Engine", "EngineRequest", "EngineStats", "Event", "EngineError", "DEFAULT_MAX_LENGTH"]
+__all__ = ["DEFAULT_MAX_LENGTH", "Engine", "EngineError", "EngineRequest", "EngineStats", "Event"]
 
 DEFAULT_MAX_LENGTH = 4096
 
@@ -266,7 +266,7 @@ class Engine:
                     self._admit(list(zip(free, joining)))
                 if self.active_rows:
                     self._step()
-            except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+            except Exception as e:
                 self._fail_all(f"{type(e).__name__}: {e}")
         for req in [s for s in self._slots if s is not None] + list(self._pending):
             self._end(req, FinishReason.CANCELLED)

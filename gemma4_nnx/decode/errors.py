@@ -9,7 +9,7 @@ reads the message text.
 
 from __future__ import annotations
 
-__all__ = ["RequestError", "CONTEXT_LENGTH_EXCEEDED"]
+__all__ = ["CONTEXT_LENGTH_EXCEEDED", "RequestError"]
 
 #: `RequestError.code` when a prompt, or a prompt plus its new tokens, does not fit the context.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

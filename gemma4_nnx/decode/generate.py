@@ -55,7 +55,7 @@ from gemma4_nnx.decode.requests import Request, check_int, make_request
 from gemma4_nnx.decode.sampling import RowParams
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
-__all__ = ["GenerateResult", "StreamStep", "generate", "generate_stream", "enable_compilation_cache"]
+__all__ = ["GenerateResult", "StreamStep", "enable_compilation_cache", "generate", "generate_stream"]
 
 
 # ------------------------------------------------------------------------------------------- results

@@ -17,7 +17,7 @@ import numpy as np
 from gemma4_nnx.decode.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from gemma4_nnx.decode.sampling import SamplingParams
 
-__all__ = ["Request", "make_request", "check_int", "normalize_seed", "SEED_MODULUS"]
+__all__ = ["SEED_MODULUS", "Request", "check_int", "make_request", "normalize_seed"]
 
 #: Seeds are reduced modulo 2**31 (jax.random.key takes an int32 seed).
 SEED_MODULUS = 1 << 31

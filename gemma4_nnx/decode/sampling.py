@@ -72,16 +72,16 @@ from gemma4_nnx.decode.batching import pow2
 from gemma4_nnx.decode.errors import RequestError
 
 __all__ = [
-    "SamplingParams",
-    "RowParams",
     "RowFeatures",
+    "RowParams",
+    "SamplingParams",
     "apply_repetition_penalty",
     "filter_logits",
+    "make_seen_mask",
     "sample",
     "sample_rows",
     "token_logprobs",
     "update_seen",
-    "make_seen_mask",
 ]
 
 

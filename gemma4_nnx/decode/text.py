@@ -12,7 +12,7 @@ from collections.abc import Sequence
 __all__ = ["FinishReason", "StopMatcher", "TextStream"]
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a row ended. A `str`, so it compares equal to its value ("stop" == FinishReason.STOP)."""
 
     STOP = "stop"  # a stop token (kept as the row's last token)
@@ -20,9 +20,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens / max_new_tokens reached
     CANCELLED = "cancelled"  # the engine's client went away
     ERROR = "error"  # the engine failed while running the request
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class StopMatcher:

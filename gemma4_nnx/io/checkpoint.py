@@ -29,7 +29,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -25,8 +25,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.config import Gemma4Config
+from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.io.hf import CheckpointError, Entry, TensorInfo, plan_load, read_tensor, safetensors_files, text_tensors
 
 DTYPES = ("bfloat16", "float32")

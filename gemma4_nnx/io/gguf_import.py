@@ -37,8 +37,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GGUF_TO_HF", "is_gguf", "gguf_to_hf_dir", "cached_hf_dir", "default_cache_dir", "hf_config_from_gguf",
-           "tokenizer_model_from_gguf"]
+__all__ = [
+    "GGUF_TO_HF",
+    "cached_hf_dir",
+    "default_cache_dir",
+    "gguf_to_hf_dir",
+    "hf_config_from_gguf",
+    "is_gguf",
+    "tokenizer_model_from_gguf",
+]
 
 #: GGUF tensor name -> HF `Gemma3ForCausalLM` name ("{i}" = layer index).
 GGUF_TO_HF: dict[str, str] = {

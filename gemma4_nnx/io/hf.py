@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -86,10 +86,10 @@ def name_map(config: Gemma4Config) -> list[Entry]:
         i = spec.index
         pre, root = f"layers.{i}.", ("layers", i)
 
-        def lin(hf: str, *path: str) -> Entry:
+        def lin(hf: str, *path: str, pre=pre, root=root) -> Entry:
             return Entry(pre + hf + ".weight", root + path + ("kernel",), "T")
 
-        def norm(hf: str, *path: str) -> Entry:
+        def norm(hf: str, *path: str, pre=pre, root=root) -> Entry:
             return Entry(pre + hf + ".weight", root + path + ("scale",), None, offset=norm_offset)
 
         out += [norm(n, n) for n in ("input_layernorm", "post_attention_layernorm",

@@ -9,4 +9,4 @@ table), `cpu_kernels` (CPU products of bf16 weights in float32).
 from gemma4_nnx.model.cache import KV, KVCache, LayerCache
 from gemma4_nnx.model.transformer import DecoderLayer, Gemma4
 
-__all__ = ["Gemma4", "DecoderLayer", "KVCache", "LayerCache", "KV"]
+__all__ = ["KV", "DecoderLayer", "Gemma4", "KVCache", "LayerCache"]

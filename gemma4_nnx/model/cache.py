@@ -26,7 +26,7 @@ from gemma4_nnx.config import Gemma4Config, LayerSpec
 
 Array = jax.Array
 
-__all__ = ["KV", "LayerCache", "KVCache", "cache_size", "cache_bytes"]
+__all__ = ["KV", "KVCache", "LayerCache", "cache_bytes", "cache_size"]
 
 
 @jax.tree_util.register_dataclass

@@ -16,8 +16,8 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from gemma4_nnx.model import cpu_kernels
 from gemma4_nnx.config import RopeSpec
+from gemma4_nnx.model import cpu_kernels
 
 Array = jax.Array
 

@@ -53,7 +53,7 @@ class Experts(nnx.Module):
 
     def __call__(self, x: Array, weights: Array, index: Array) -> Array:
         """x [T, D], weights/index [T, k] -> [T, D]."""
-        t, k = index.shape
+        k = index.shape[1]
         num_experts = self.gate_up.shape[0]
         flat = index.reshape(-1)
         order = jnp.argsort(flat, stable=True)

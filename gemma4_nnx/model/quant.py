@@ -291,7 +291,7 @@ class QuantizedEmbedding(nnx.Module):
         bits: int,
         group: int = 256,
         dtype: Any = jnp.bfloat16,
-    ) -> "QuantizedEmbedding":
+    ) -> QuantizedEmbedding:
         """Wraps already-quantized arrays (e.g. from :func:`quantize_rows`)."""
         _check_bits_group(bits, group)
         codes = jnp.asarray(codes)
@@ -321,7 +321,7 @@ class QuantizedEmbedding(nnx.Module):
         group: int = 256,
         dtype: Any = jnp.bfloat16,
         rngs: nnx.Rngs | None = None,
-    ) -> "QuantizedEmbedding":
+    ) -> QuantizedEmbedding:
         """Quantizes a float ``[V, F]`` table with :func:`quantize_rows`."""
         del rngs
         codes, scales = quantize_rows(np.asarray(table), bits, group)

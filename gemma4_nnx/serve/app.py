@@ -57,7 +57,7 @@ except ImportError as e:  # pragma: no cover - the `serve` extra
     raise ImportError("gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' "
                       "(fastapi, uvicorn)") from e
 
-__all__ = ["create_app", "main", "build_parser"]
+__all__ = ["build_parser", "create_app", "main"]
 
 _ERRORS = {400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
            404: {"model": ErrorResponse, "description": "Unknown model"},
@@ -94,7 +94,7 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True) -> FastA
             if len(tokens) != 2 or reason != "length":
                 raise EngineError(f"warm-up generated {tokens} ({reason}), expected 2 tokens")
             state["ready"] = True
-        except Exception as e:  # noqa: BLE001 - reported by /health
+        except Exception as e:
             state["warmup_error"] = f"{type(e).__name__}: {e}"
 
     @asynccontextmanager

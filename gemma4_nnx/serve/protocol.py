@@ -17,11 +17,29 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 __all__ = [
-    "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextPart", "StreamOptions",
-    "ChatTemplateKwargs", "Usage", "CompletionLogprobs", "CompletionChoice", "CompletionResponse",
-    "ChatLogprob", "ChatLogprobs", "ChatResponseMessage", "ChatChoice", "ChatCompletionResponse",
-    "ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "ModelCard", "ModelList", "ErrorDetail", "ErrorResponse",
     "UNSUPPORTED",
+    "ChatChoice",
+    "ChatChunkChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatDelta",
+    "ChatLogprob",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatResponseMessage",
+    "ChatTemplateKwargs",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "ErrorDetail",
+    "ErrorResponse",
+    "ModelCard",
+    "ModelList",
+    "StreamOptions",
+    "TextPart",
+    "Usage",
 ]
 
 StrictFloat = Annotated[float, Field(strict=True)]

@@ -8,6 +8,7 @@ data. The engine's `RequestError` names the engine argument ("prompt", "max_toke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -37,7 +38,7 @@ from gemma4_nnx.serve.protocol import (
 )
 from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, encode_chat
 
-__all__ = ["ApiError", "Serving", "ENGINE_PARAMS", "DEFAULT_COMPLETION_TOKENS"]
+__all__ = ["DEFAULT_COMPLETION_TOKENS", "ENGINE_PARAMS", "ApiError", "Serving"]
 
 #: OpenAI's default `max_tokens` for completions (chat defaults to what the context leaves).
 DEFAULT_COMPLETION_TOKENS = 16
@@ -178,10 +179,8 @@ class Serving:
 
         def sink_for(i: int) -> Callable[[Event], None]:
             def sink(ev: Event) -> None:
-                try:
+                with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
                     loop.call_soon_threadsafe(events.put_nowait, (i, ev))
-                except RuntimeError:  # the event loop is gone (shutdown)
-                    pass
             return sink
 
         reqs = []
@@ -213,7 +212,7 @@ class Serving:
                 while left:
                     try:
                         i, ev = await asyncio.wait_for(events.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         if await http.is_disconnected():
                             cancel_all()
                             return JSONResponse(ApiError("client disconnected").body(), 499)

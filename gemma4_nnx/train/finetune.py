@@ -29,7 +29,8 @@ import functools
 import json
 import os
 import re
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
