@@ -57,20 +57,25 @@ def main() -> int:
         return wall, (kb[-1] / 2**20 if kb else float("nan")), p.stdout
 
     src_gb = sum(os.path.getsize(os.path.join(args.src, f)) for f in os.listdir(args.src)) / 1e9
-    wall, peak, _ = peak_of([py, "-m", "gemma4_nnx.io.convert", args.src, args.dst, "--ple", args.ple,
-                             "--no-progress"])
+    wall, peak, _ = peak_of([py, "-m", "gemma4_nnx.io.convert", args.src, args.dst, "--ple", args.ple, "--no-progress"])
     dst_gb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.dst) for f in fs) / 1e9
-    print(f"convert --ple {args.ple}: {wall:.1f} s wall, peak RSS {peak:.2f} GiB; "
-          f"source {src_gb:.2f} GB -> checkpoint {dst_gb:.2f} GB on disk")
+    print(
+        f"convert --ple {args.ple}: {wall:.1f} s wall, peak RSS {peak:.2f} GiB; "
+        f"source {src_gb:.2f} GB -> checkpoint {dst_gb:.2f} GB on disk"
+    )
     wall, peak, out = peak_of([py, "-c", LOAD_SNIPPET, "load", args.dst])
     r = json.loads(out.strip().splitlines()[-1])
-    print(f"load(dst):                 {r['load_s']:.1f} s (+{r['import_s']:.1f} s import), "
-          f"params {r['param_bytes'] / 1e9:.2f} GB, peak RSS {peak:.2f} GiB")
+    print(
+        f"load(dst):                 {r['load_s']:.1f} s (+{r['import_s']:.1f} s import), "
+        f"params {r['param_bytes'] / 1e9:.2f} GB, peak RSS {peak:.2f} GiB"
+    )
     if not args.skip_from_hf:
         wall, peak, out = peak_of([py, "-c", LOAD_SNIPPET, "from_hf", args.src])
         r = json.loads(out.strip().splitlines()[-1])
-        print(f"from_hf(src, bfloat16):    {r['load_s']:.1f} s (+{r['import_s']:.1f} s import), "
-              f"params {r['param_bytes'] / 1e9:.2f} GB, peak RSS {peak:.2f} GiB")
+        print(
+            f"from_hf(src, bfloat16):    {r['load_s']:.1f} s (+{r['import_s']:.1f} s import), "
+            f"params {r['param_bytes'] / 1e9:.2f} GB, peak RSS {peak:.2f} GiB"
+        )
     return 0
 
 

@@ -54,7 +54,8 @@ for line in sys.stdin:
     print(f"TIME {timed(cmd['b'], cmd['n'])}", flush=True)
 """
 
-OURS = r"""
+OURS = (
+    r"""
 import json, os, resource, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np, jax, jax.numpy as jnp
@@ -99,9 +100,12 @@ def stats():  # memory bandwidth: a 1 GiB float32 matvec
     t = time.perf_counter()
     for _ in range(5): f(w, x).block_until_ready()
     return {"bandwidth_GBps": 5 * w.nbytes / (time.perf_counter() - t) / 1e9}
-""" + WORKER_LOOP
+"""
+    + WORKER_LOOP
+)
 
-HF = r"""
+HF = (
+    r"""
 import json, resource, sys, time
 import numpy as np, torch
 from transformers import AutoModelForCausalLM
@@ -124,7 +128,9 @@ def timed(b, n):
     return time.perf_counter() - t
 def stats():
     return {}
-""" + WORKER_LOOP
+"""
+    + WORKER_LOOP
+)
 
 
 class Worker:
@@ -133,14 +139,19 @@ class Worker:
     def __init__(self, code: str, args: dict):
         self.t0 = time.perf_counter()
         self.err = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty worker must never block on it
-        self.proc = subprocess.Popen([sys.executable, "-c", code, ROOT, json.dumps(args)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, ROOT, json.dumps(args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+        )
         self.ready = json.loads(self._expect("READY "))
 
     def _expect(self, prefix: str) -> str:
         for line in self.proc.stdout:
             if line.startswith(prefix):
-                return line[len(prefix):]
+                return line[len(prefix) :]
         code = self.proc.wait()
         self.err.seek(0)
         raise SystemExit(f"worker failed ({code}):\n{self.err.read()[-3000:]}")
@@ -167,8 +178,13 @@ def _median(xs):
 def _summary(b: int, prompt: int, new: int, pairs: list[tuple[float, float]]) -> dict:
     ttft = _median([p[0] for p in pairs])
     step = _median([(p[1] - p[0]) / (new - 1) for p in pairs])
-    return dict(ttft_s=ttft, prefill_tok_s=b * prompt / ttft, decode_tok_s=b / step, ms_per_step=1000 * step,
-                steps_ms=[round(1000 * (p[1] - p[0]) / (new - 1)) for p in pairs])
+    return dict(
+        ttft_s=ttft,
+        prefill_tok_s=b * prompt / ttft,
+        decode_tok_s=b / step,
+        ms_per_step=1000 * step,
+        steps_ms=[round(1000 * (p[1] - p[0]) / (new - 1)) for p in pairs],
+    )
 
 
 def _pair(w: Worker, b: int, n: int) -> tuple[float, float]:
@@ -194,8 +210,12 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=17, help="new tokens per timed decode run")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--weights", choices=["bf16", "f32"], default="bf16",
-                   help="our weights: bf16 as stored (CPU kernels) or converted to float32 (XLA dots)")
+    p.add_argument(
+        "--weights",
+        choices=["bf16", "f32"],
+        default="bf16",
+        help="our weights: bf16 as stored (CPU kernels) or converted to float32 (XLA dots)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed (1 token, N tokens) pairs per side and batch")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-disk-cache", action="store_true", help="skip the second (persistent-cache) worker")
@@ -230,31 +250,44 @@ def main(argv=None) -> int:
             w.close()
 
     floor_ms = 1000 * ours_stats["weight_bytes_per_step"] / (ours_stats["bandwidth_GBps"] * 1e9)
-    print(f"\nE2B shape, prompt {a.prompt} tokens, {n - 1} timed decode steps, {os.cpu_count()} CPUs, "
-          f"medians of {a.repeats} interleaved repeats")
+    print(
+        f"\nE2B shape, prompt {a.prompt} tokens, {n - 1} timed decode steps, {os.cpu_count()} CPUs, "
+        f"medians of {a.repeats} interleaved repeats"
+    )
     print(f"| metric | batch | gemma4_nnx ({a.weights} weights, f32 compute) | transformers (bf16) | ratio |")
     print("|---|---|---|---|---|")
     for b in a.batches:
         o, h = ours[b], hf.get(b)
-        for key, name in (("decode_tok_s", "decode tok/s"), ("prefill_tok_s", "prefill tok/s"),
-                          ("ttft_s", "time to first token (s)")):
+        for key, name in (
+            ("decode_tok_s", "decode tok/s"),
+            ("prefill_tok_s", "prefill tok/s"),
+            ("ttft_s", "time to first token (s)"),
+        ):
             hv = f"{h[key]:.2f}" if h else "-"
             ratio = "-"
             if h:
                 ratio = f"{(o[key] / h[key]) if key != 'ttft_s' else (h[key] / o[key]):.2f}x"
             print(f"| {name} | {b} | {o[key]:.2f} | {hv} | {ratio} |")
-        print(f"| compile, cold / with disk cache (s) | {b} | {o['compile_s']:.1f} / "
-              f"{disk.get(b, float('nan')):.1f} | - | - |")
-    print(f"| peak RSS (GB) | all | {ours_stats['peak_rss_GB']:.1f} | "
-          f"{hf_stats['peak_rss_GB'] if hf_stats else float('nan'):.1f} | - |")
+        print(
+            f"| compile, cold / with disk cache (s) | {b} | {o['compile_s']:.1f} / "
+            f"{disk.get(b, float('nan')):.1f} | - | - |"
+        )
+    print(
+        f"| peak RSS (GB) | all | {ours_stats['peak_rss_GB']:.1f} | "
+        f"{hf_stats['peak_rss_GB'] if hf_stats else float('nan'):.1f} | - |"
+    )
     b1 = ours[1]["ms_per_step"] if 1 in ours else float("nan")
-    print(f"\nweights read per decode step: {ours_stats['weight_bytes_per_step'] / 1e9:.2f} GB ({a.weights}, PLE "
-          f"table excluded: B rows gathered); measured float32 matvec bandwidth {ours_stats['bandwidth_GBps']:.1f} "
-          f"GB/s; floor {floor_ms:.0f} ms/token; ours at batch 1 {b1:.0f} ms/token = {100 * floor_ms / b1:.0f}% of "
-          f"the floor's speed")
+    print(
+        f"\nweights read per decode step: {ours_stats['weight_bytes_per_step'] / 1e9:.2f} GB ({a.weights}, PLE "
+        f"table excluded: B rows gathered); measured float32 matvec bandwidth {ours_stats['bandwidth_GBps']:.1f} "
+        f"GB/s; floor {floor_ms:.0f} ms/token; ours at batch 1 {b1:.0f} ms/token = {100 * floor_ms / b1:.0f}% of "
+        f"the floor's speed"
+    )
     for b in a.batches:
-        print(f"ms per decode step in each repeat, batch {b}: ours {ours[b]['steps_ms']}"
-              + (f", transformers {hf[b]['steps_ms']}" if b in hf else ""))
+        print(
+            f"ms per decode step in each repeat, batch {b}: ours {ours[b]['steps_ms']}"
+            + (f", transformers {hf[b]['steps_ms']}" if b in hf else "")
+        )
     return 0
 
 

@@ -75,8 +75,9 @@ def main(argv=None) -> int:
     model = load_model(args.checkpoint)
     engine = Engine(model, tok, max_batch=args.max_batch, max_length=args.max_length, precompile=(16,))
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "bench"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, "bench"), host="127.0.0.1", port=port, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=3600)
     t0 = time.perf_counter()
@@ -84,27 +85,41 @@ def main(argv=None) -> int:
         try:
             if client.with_options(timeout=5).models.list():
                 import urllib.request
+
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as r:
                     if r.status == 200:
                         break
         except Exception:
             pass
         time.sleep(0.2)
-    print(f"server ready after {time.perf_counter() - t0:.1f} s (warm-up generation included); "
-          f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs, "
-          f"max_batch={args.max_batch}", flush=True)
+    print(
+        f"server ready after {time.perf_counter() - t0:.1f} s (warm-up generation included); "
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs, "
+        f"max_batch={args.max_batch}",
+        flush=True,
+    )
 
     def one(prompt: str) -> dict:
         t = time.perf_counter()
         first, text = None, []
-        for ch in client.completions.create(model="bench", prompt=prompt, max_tokens=args.max_tokens, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True}):
+        for ch in client.completions.create(
+            model="bench",
+            prompt=prompt,
+            max_tokens=args.max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
             if first is None:
                 first = time.perf_counter() - t
             text.append(ch.choices[0].text)
         total = time.perf_counter() - t
-        return dict(text="".join(text), ttft=first, total=total,
-                    decode_tps=(args.max_tokens - 1) / (total - first) if total > first else float("nan"))
+        return dict(
+            text="".join(text),
+            ttft=first,
+            total=total,
+            decode_tps=(args.max_tokens - 1) / (total - first) if total > first else float("nan"),
+        )
 
     # The engine compiled every decode step and the 16-token prefills up front (precompile=(16,));
     # one more round settles the samplers.
@@ -131,10 +146,20 @@ def main(argv=None) -> int:
             ttft = statistics.mean(o["ttft"] for o in outs)
             steps = engine.stats.decode_steps - before.decode_steps
             rows = engine.stats.rows_decoded - before.rows_decoded
-            row[mode] = dict(wall_s=wall, aggregate_tps=agg, per_request_tps=per, ttft_s=ttft, decode_steps=steps,
-                             rows_per_step=rows / max(steps, 1), texts=[o["text"] for o in outs])
-            print(f"{n:>7} {mode:>10} {wall:>7.2f} {agg:>9.2f} {per:>13.2f} {ttft:>7.2f}   "
-                  f"({steps} decode steps, {rows / max(steps, 1):.1f} rows/step)", flush=True)
+            row[mode] = dict(
+                wall_s=wall,
+                aggregate_tps=agg,
+                per_request_tps=per,
+                ttft_s=ttft,
+                decode_steps=steps,
+                rows_per_step=rows / max(steps, 1),
+                texts=[o["text"] for o in outs],
+            )
+            print(
+                f"{n:>7} {mode:>10} {wall:>7.2f} {agg:>9.2f} {per:>13.2f} {ttft:>7.2f}   "
+                f"({steps} decode steps, {rows / max(steps, 1):.1f} rows/step)",
+                flush=True,
+            )
         same = row["sequential"]["texts"] == row["concurrent"]["texts"]
         row["ratio"] = row["concurrent"]["aggregate_tps"] / row["sequential"]["aggregate_tps"]
         row["outputs_equal"] = same

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                 while done < count:
                     m = min(BLOCK, count - done)
                     start = int(rng.integers(0, pool.size - m + 1))
-                    f.write(pool[start:start + m].tobytes())
+                    f.write(pool[start : start + m].tobytes())
                     done += m
         total += off
         print(f"wrote {fn}: {off / 1e9:.2f} GB", file=sys.stderr)

@@ -36,9 +36,20 @@ def chat_pair_ids(tokenizer, question: str, answer: str) -> tuple[list[int], lis
     return prompt, completion
 
 
-def lora_finetune(model: gemma4_nnx.Gemma4, prompts: list[list[int]], completions: list[list[int]], *,
-                  steps: int = 100, rank: int = 8, alpha: float = 16.0, learning_rate: float = 1e-3,
-                  targets: str = ft.DEFAULT_TARGETS, remat: bool = False, mesh=None, log_every: int = 10):
+def lora_finetune(
+    model: gemma4_nnx.Gemma4,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    *,
+    steps: int = 100,
+    rank: int = 8,
+    alpha: float = 16.0,
+    learning_rate: float = 1e-3,
+    targets: str = ft.DEFAULT_TARGETS,
+    remat: bool = False,
+    mesh=None,
+    log_every: int = 10,
+):
     """Add LoRA adapters to `model` (in place) and train them on (prompt, completion) token ids.
 
     Returns the list of losses. Afterwards: `ft.save_adapters(model, dir)`; `ft.merge_lora(model)`;
@@ -68,11 +79,22 @@ def lora_finetune(model: gemma4_nnx.Gemma4, prompts: list[list[int]], completion
 def _tiny_demo_model() -> tuple[gemma4_nnx.Gemma4, list[list[int]], list[list[int]]]:
     """A random E2B-shaped toy (KV sharing, PLE) and random token data, for a run without weights."""
     S, F = "sliding_attention", "full_attention"
-    config = gemma4_nnx.Gemma4Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                                     layer_types=(S, F, S, F), sliding_window=4, num_kv_shared_layers=2,
-                                     use_double_wide_mlp=True, hidden_size_per_layer_input=8,
-                                     vocab_size_per_layer_input=128)
+    config = gemma4_nnx.Gemma4Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=(S, F, S, F),
+        sliding_window=4,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+    )
     model = gemma4_nnx.Gemma4(config)
     model.embed_tokens.embedding[...] = model.embed_tokens.embedding[...] * 25.0
     rng = np.random.default_rng(0)

@@ -40,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, help="cache slots (context); default: bucketed")
     p.add_argument("--prefill-chunk", type=int, help="prefill the prompt in chunks of N tokens")
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
-    p.add_argument("--compile-cache", default=os.environ.get("GEMMA4_COMPILE_CACHE"),
-                   help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)")
+    p.add_argument(
+        "--compile-cache",
+        default=os.environ.get("GEMMA4_COMPILE_CACHE"),
+        help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)",
+    )
     p.add_argument("--stats", action="store_true", help="print timings to stderr")
     return p
 
@@ -56,7 +59,8 @@ def load_model(path: str, dtype: str | None = None, *, mesh=None):
     from gemma4_nnx.io.checkpoint import load_config
 
     is_hf = os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
-        os.path.join(path, "gemma4_config.json"))
+        os.path.join(path, "gemma4_config.json")
+    )
     sharding = None
     if mesh is not None:
         from gemma4_nnx.sharding import sharding_for
@@ -74,7 +78,8 @@ def prompt_ids(tokenizer, args) -> list[int]:
 
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.chat}]
+            {"role": "user", "content": args.chat}
+        ]
         return encode_chat(tokenizer, messages, thinking=args.thinking)
     return tokenizer.encode(args.prompt, add_bos=True)
 
@@ -97,11 +102,21 @@ def main(argv: list[str] | None = None) -> int:
         t_first, n = None, 0
         in_thought = False
         out = sys.stdout
-        for step in generate_stream(model, [ids], args.max_new_tokens, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                    repetition_penalty=args.repetition_penalty, stop_strings=args.stop or None,
-                                    seed=args.seed, tokenizer=tokenizer, max_length=args.max_length,
-                                    prefill_chunk=args.prefill_chunk):
+        for step in generate_stream(
+            model,
+            [ids],
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            stop_strings=args.stop or None,
+            seed=args.seed,
+            tokenizer=tokenizer,
+            max_length=args.max_length,
+            prefill_chunk=args.prefill_chunk,
+        ):
             tok, piece = step.tokens[0], step.texts[0]
             if t_first is None:
                 t_first = time.perf_counter() - t1
@@ -124,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.stats:
             total = time.perf_counter() - t1
             rate = (n - 1) / (total - t_first) if n > 1 and total > t_first else float("nan")
-            print(f"[load {t_load:.1f}s, prompt {len(ids)} tokens, first token {t_first:.2f}s, "
-                  f"{n} tokens, {rate:.2f} tok/s after the first]", file=sys.stderr)
+            print(
+                f"[load {t_load:.1f}s, prompt {len(ids)} tokens, first token {t_first:.2f}s, "
+                f"{n} tokens, {rate:.2f} tok/s after the first]",
+                file=sys.stderr,
+            )
     except (ValueError, FileNotFoundError) as e:
         print(f"gemma4-generate: error: {e}", file=sys.stderr)
         return 2

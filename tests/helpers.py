@@ -23,8 +23,9 @@ S, F = fx.S, fx.F
 
 
 # ----------------------------------------------------------------------------- models
-def random_model(variant: str, *, seed: int = 0, vocab_size: int | None = None, param_dtype=jnp.float32,
-                 matmul: str = "auto") -> Gemma4:
+def random_model(
+    variant: str, *, seed: int = 0, vocab_size: int | None = None, param_dtype=jnp.float32, matmul: str = "auto"
+) -> Gemma4:
     """A tiny float32 model with weights perturbed like the HF fixtures (norms away from 1, large
     final norm so the softcap is non-linear), built without torch."""
     d = dict(fx.VARIANTS[variant], model_type="gemma4_text")
@@ -55,8 +56,13 @@ PROMPTS = [fx.sample_ids(1, n, seed=20 + n)[0].tolist() for n in (3, 10, 6)]
 
 def tiny_config(**over) -> gemma4_nnx.Gemma4Config:
     """4 layers with KV sharing (sliding donor 0, full donor 1, consumers 2-3), PLE, double-wide MLP."""
-    d = dict(fx.VARIANTS["e2b"], model_type="gemma4_text", num_hidden_layers=4, layer_types=[S, F, S, F],
-             num_kv_shared_layers=2)
+    d = dict(
+        fx.VARIANTS["e2b"],
+        model_type="gemma4_text",
+        num_hidden_layers=4,
+        layer_types=[S, F, S, F],
+        num_kv_shared_layers=2,
+    )
     d.update(over)
     return gemma4_nnx.Gemma4Config.from_hf(d)
 
@@ -90,7 +96,6 @@ def micro_model(seed: int = 0) -> gemma4_nnx.Gemma4:
     return model_from_config(cfg, seed)
 
 
-
 # ----------------------------------------------------------------------------- tokenizers
 # Gemma 4 special tokens at their real ids (reference doc section 18).
 GEMMA_SPECIALS = {
@@ -112,6 +117,7 @@ GEMMA_SPECIALS = {
     105: "<|turn>",
     106: "<turn|>",
 }
+
 
 def _corpus(n: int = 600) -> list[str]:
     """Deterministic training text: ASCII words plus a few accented letters.
@@ -158,13 +164,23 @@ def build_hf_json(path: str | Path) -> None:
     tok.save(str(path))
 
 
-
 # ----------------------------------------------------------------------------- HF checkpoints
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, global_head_dim=32, layer_types=(S, F, S, F, S, F), sliding_window=4,
-            num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=128)
-
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    layer_types=(S, F, S, F, S, F),
+    sliding_window=4,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=128,
+)
 
 
 def make_tiny_hf(path, *, dtype=np.float32, seed=0, tokenizer=False, **overrides) -> str:
@@ -199,5 +215,3 @@ def _write_tokenizer(path) -> None:
         f.write("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [1, 106]}, f)
-
-

@@ -15,25 +15,63 @@ import numpy as np
 S, F = "sliding_attention", "full_attention"
 WINDOW = 4  # sequences in the tests are longer than 2 * WINDOW
 
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
-               global_head_dim=32, sliding_window=WINDOW, rms_norm_eps=1e-6, final_logit_softcapping=30.0,
-               max_position_embeddings=256, vocab_size_per_layer_input=128, pad_token_id=0, eos_token_id=1,
-               bos_token_id=2, tie_word_embeddings=True)
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=WINDOW,
+    rms_norm_eps=1e-6,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=256,
+    vocab_size_per_layer_input=128,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+    tie_word_embeddings=True,
+)
 
 VARIANTS: dict[str, dict] = {
     # E2B-like: PLE, KV sharing with both layer types consumed, double-wide MLP, two head dims, GQA.
-    "e2b": dict(_COMMON, num_hidden_layers=10, layer_types=[S, S, S, S, F] * 2, num_key_value_heads=2,
-                num_kv_shared_layers=5, use_double_wide_mlp=True, hidden_size_per_layer_input=8),
+    "e2b": dict(
+        _COMMON,
+        num_hidden_layers=10,
+        layer_types=[S, S, S, S, F] * 2,
+        num_key_value_heads=2,
+        num_kv_shared_layers=5,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+    ),
     # 31B-like: attention_k_eq_v, global KV heads (1) different from sliding KV heads (2).
-    "k_eq_v": dict(_COMMON, num_hidden_layers=6, layer_types=[S, S, F, S, S, F], num_key_value_heads=2,
-                   num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0),
+    "k_eq_v": dict(
+        _COMMON,
+        num_hidden_layers=6,
+        layer_types=[S, S, F, S, S, F],
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=0,
+    ),
     # 26B-A4B-like: MoE with 4 experts, top-2, dense branch, k_eq_v.
-    "moe": dict(_COMMON, num_hidden_layers=4, layer_types=[S, S, S, F], num_key_value_heads=2,
-                num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
-                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24),
+    "moe": dict(
+        _COMMON,
+        num_hidden_layers=4,
+        layer_types=[S, S, S, F],
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=24,
+    ),
     # Plain: no PLE, no KV sharing.
-    "plain": dict(_COMMON, num_hidden_layers=4, layer_types=[S, F, S, F], num_key_value_heads=2,
-                  hidden_size_per_layer_input=0),
+    "plain": dict(
+        _COMMON, num_hidden_layers=4, layer_types=[S, F, S, F], num_key_value_heads=2, hidden_size_per_layer_input=0
+    ),
 }
 
 
@@ -86,16 +124,18 @@ def build_hf_model(variant: str, *, multimodal: bool = False, seed: int = 0):
     return model
 
 
-def save_hf_checkpoint(model, out_dir: str, *, extra_tensors: dict[str, np.ndarray] | None = None,
-                       max_shard_size: str | None = None) -> str:
+def save_hf_checkpoint(
+    model, out_dir: str, *, extra_tensors: dict[str, np.ndarray] | None = None, max_shard_size: str | None = None
+) -> str:
     """save_pretrained + optionally append tensors (e.g. Google's unused consumer K/V, vision weights)."""
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kw)
     if extra_tensors:
         from safetensors.numpy import save_file
 
-        save_file({k: np.ascontiguousarray(v) for k, v in extra_tensors.items()},
-                  os.path.join(out_dir, "extra.safetensors"))
+        save_file(
+            {k: np.ascontiguousarray(v) for k, v in extra_tensors.items()}, os.path.join(out_dir, "extra.safetensors")
+        )
         index_path = os.path.join(out_dir, "model.safetensors.index.json")
         if os.path.exists(index_path):
             with open(index_path) as f:
@@ -124,10 +164,12 @@ def google_style_extras(model, variant: str, prefix: str) -> dict[str, np.ndarra
         full = cfg["layer_types"][i] == F
         hd = cfg["global_head_dim"] if full else cfg["head_dim"]
         kv = cfg["num_key_value_heads"]
-        out[f"{prefix}layers.{i}.self_attn.k_proj.weight"] = rng.standard_normal((kv * hd, cfg["hidden_size"]),
-                                                                                  np.float32)
-        out[f"{prefix}layers.{i}.self_attn.v_proj.weight"] = rng.standard_normal((kv * hd, cfg["hidden_size"]),
-                                                                                  np.float32)
+        out[f"{prefix}layers.{i}.self_attn.k_proj.weight"] = rng.standard_normal(
+            (kv * hd, cfg["hidden_size"]), np.float32
+        )
+        out[f"{prefix}layers.{i}.self_attn.v_proj.weight"] = rng.standard_normal(
+            (kv * hd, cfg["hidden_size"]), np.float32
+        )
         out[f"{prefix}layers.{i}.self_attn.k_norm.weight"] = rng.standard_normal((hd,), np.float32)
     return out
 

@@ -77,8 +77,9 @@ def test_rows_of_a_cache_are_taken_and_put_back_exactly():
     rows) move whole rows; an out-of-range index reads the last row and is dropped on the way back."""
     config = Gemma4Config.from_hf(dict(fx.VARIANTS["e2b"], model_type="gemma4_text"))
     rng = np.random.default_rng(0)
-    cache = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.integers(0, 9, x.shape), x.dtype),
-                                   KVCache.init(config, 4, 8))
+    cache = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.integers(0, 9, x.shape), x.dtype), KVCache.init(config, 4, 8)
+    )
     part = cache.take(jnp.asarray([2, 0, 4]))
     assert part.batch_size == 3
     np.testing.assert_array_equal(part.layers[0].k[0], cache.layers[0].k[2])

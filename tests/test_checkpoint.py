@@ -43,12 +43,16 @@ def test_ple_stays_quantized_on_device(tiny, ple, bits, code_dtype):
     assert codes.shape == (v, f * bits // 8) and scales.shape == (v, f // emb.group) and scales.dtype == jnp.float32
     assert codes.nbytes + scales.nbytes == quantized_nbytes(v, f, bits, emb.group)
     # no float copy of the table anywhere in the model's state
-    floats = [p for p, var in hf.variables_by_path(model).items()
-              if var.get_value().shape == (v, f) and jnp.issubdtype(var.get_value().dtype, jnp.floating)]
+    floats = [
+        p
+        for p, var in hf.variables_by_path(model).items()
+        if var.get_value().shape == (v, f) and jnp.issubdtype(var.get_value().dtype, jnp.floating)
+    ]
     assert not floats
     # and the stored codes are exactly what quantize_rows makes of the source table
     table = hf.SafetensorsFile(os.path.join(tiny["src"], "model.safetensors")).read(
-        "model.embed_tokens_per_layer.weight")
+        "model.embed_tokens_per_layer.weight"
+    )
     want_codes, want_scales = quantize_rows(table, bits, emb.group)
     np.testing.assert_array_equal(np.asarray(codes), want_codes)
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
@@ -60,8 +64,10 @@ def test_plain_orbax_can_restore_the_params(tiny):
     tree = ocp.PyTreeCheckpointer().restore(os.path.join(tiny["int4"], "params"))
     assert set(tree["embed_tokens_per_layer"]) == {"codes", "scales"}
     model = load(tiny["int4"])
-    np.testing.assert_array_equal(np.asarray(tree["layers"]["1"]["self_attn"]["q_proj"]["kernel"]),
-                                  np.asarray(model.layers[1].self_attn.q_proj.kernel[...]))
+    np.testing.assert_array_equal(
+        np.asarray(tree["layers"]["1"]["self_attn"]["q_proj"]["kernel"]),
+        np.asarray(model.layers[1].self_attn.q_proj.kernel[...]),
+    )
 
 
 def test_streamed_blocks_equal_one_shot(tiny, tmp_path, monkeypatch):
@@ -74,8 +80,9 @@ def test_streamed_blocks_equal_one_shot(tiny, tmp_path, monkeypatch):
         a, b = hf.variables_by_path(load(dst)), hf.variables_by_path(load(tiny[ple]))
         assert a.keys() == b.keys()
         for path in a:
-            np.testing.assert_array_equal(np.asarray(a[path].get_value()), np.asarray(b[path].get_value()),
-                                          err_msg=str(path))
+            np.testing.assert_array_equal(
+                np.asarray(a[path].get_value()), np.asarray(b[path].get_value()), err_msg=str(path)
+            )
 
 
 def test_sharding_forms(tiny):

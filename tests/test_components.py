@@ -27,10 +27,13 @@ def _rope_f64(x: np.ndarray, pos: np.ndarray, theta: float, head_dim: int, n_rot
     return out
 
 
-@pytest.mark.parametrize("rope, head_dim, n_rot", [
-    (RopeSpec("default", 1e4), 256, 128),
-    (RopeSpec("proportional", 1e6, 0.25), 512, 64),
-])
+@pytest.mark.parametrize(
+    "rope, head_dim, n_rot",
+    [
+        (RopeSpec("default", 1e4), 256, 128),
+        (RopeSpec("proportional", 1e6, 0.25), 512, 64),
+    ],
+)
 def test_rope_matches_float64_and_rotates_the_right_dims(rope, head_dim, n_rot):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 6, 2, head_dim)).astype(np.float32)
@@ -42,7 +45,7 @@ def test_rope_matches_float64_and_rotates_the_right_dims(rope, head_dim, n_rot):
     np.testing.assert_allclose(ours, ref, atol=2e-3, rtol=0)
     moved = np.abs(ours - x).max(axis=(0, 1, 2)) > 1e-6
     expected = np.zeros(head_dim, bool)
-    expected[:n_rot] = expected[head_dim // 2: head_dim // 2 + n_rot] = True
+    expected[:n_rot] = expected[head_dim // 2 : head_dim // 2 + n_rot] = True
     assert (moved == expected).all(), f"rotated dims {np.flatnonzero(moved)}"
 
 
@@ -84,9 +87,20 @@ def test_moe_matches_dense_float64_enumeration():
     """Router + grouped expert matmuls equal an explicit per-token loop over the chosen experts."""
     from gemma4_nnx.model.moe import MoEBlock
 
-    cfg = Gemma4Config(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=8,
-                       enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=6)
+    cfg = Gemma4Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        global_head_dim=8,
+        enable_moe_block=True,
+        num_experts=5,
+        top_k_experts=2,
+        moe_intermediate_size=6,
+    )
     moe = MoEBlock(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(3))
     rng = np.random.default_rng(2)
     moe.experts.gate_up[...] = jnp.asarray(rng.standard_normal((5, 16, 12)).astype(np.float32) * 0.3)
@@ -97,15 +111,15 @@ def test_moe_matches_dense_float64_enumeration():
         ours = np.asarray(moe(jnp.asarray(h)))
 
     def rms(x, w=None):
-        y = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+        y = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)
         return y if w is None else y * w
 
     def gelu(z):
-        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
 
     f64 = lambda v: np.asarray(v[...], np.float64)  # noqa: E731
     x = h.reshape(-1, 16).astype(np.float64)
-    r = rms(x) * f64(moe.router.scale) * 16 ** -0.5
+    r = rms(x) * f64(moe.router.scale) * 16**-0.5
     logits = r @ f64(moe.router.proj.kernel)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)

@@ -11,14 +11,30 @@ from gemma4_nnx.config import FULL, SLIDING
 
 # A flat (Google-release style) E2B text config, as in google/gemma-4-E2B-it/config.json.
 E2B_FLAT = {
-    "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 1536, "intermediate_size": 6144,
-    "num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
-    "global_head_dim": 512, "num_global_key_value_heads": None, "sliding_window": 512,
-    "layer_types": ([SLIDING] * 4 + [FULL]) * 7, "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
-    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0,
-    "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
-                        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}},
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "eos_token_id": [1, 106],
+    "model_type": "gemma4_text",
+    "vocab_size": 262144,
+    "hidden_size": 1536,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 35,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "num_global_key_value_heads": None,
+    "sliding_window": 512,
+    "layer_types": ([SLIDING] * 4 + [FULL]) * 7,
+    "num_kv_shared_layers": 20,
+    "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262144,
+    "final_logit_softcapping": 30.0,
+    "rope_parameters": {
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+    },
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "eos_token_id": [1, 106],
 }
 
 
@@ -31,8 +47,11 @@ def test_multimodal_wrapper_and_per_layer_config_representation(tmp_path):
     config nests the text fields under text_config. Both must read as the same model."""
     text = dict(Gemma4Config.b31().to_hf_dict())
     glob_hd, glob_kv = text.pop("global_head_dim"), text.pop("num_global_key_value_heads")
-    text["per_layer_config"] = {str(i): {"head_dim": glob_hd, "num_key_value_heads": glob_kv}
-                                for i, t in enumerate(text["layer_types"]) if t == FULL}
+    text["per_layer_config"] = {
+        str(i): {"head_dim": glob_hd, "num_key_value_heads": glob_kv}
+        for i, t in enumerate(text["layer_types"])
+        if t == FULL
+    }
     wrapped = {"model_type": "gemma4", "text_config": text, "vision_config": None}
     (tmp_path / "config.json").write_text(json.dumps(wrapped))
     assert Gemma4Config.from_hf(tmp_path) == Gemma4Config.b31()
@@ -101,14 +120,17 @@ def test_json_roundtrip():
         assert Gemma4Config.from_json_dict(json.loads(json.dumps(c.to_json_dict()))) == c
 
 
-@pytest.mark.parametrize("changes, field", [
-    (dict(layer_types=(SLIDING,) * 3), "layer_types"),
-    (dict(num_attention_heads=6, num_key_value_heads=4), "num_key_value_heads"),
-    (dict(layer_types=(SLIDING,) * 34 + (FULL,)), "num_kv_shared_layers"),  # full consumer, no full donor
-    (dict(enable_moe_block=True), "num_experts"),
-    (dict(rope_full=Gemma4Config().rope_full.__class__("yarn", 1e6)), "rope_full"),
-    (dict(layer_types=("local",) * 35), "layer_types"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(layer_types=(SLIDING,) * 3), "layer_types"),
+        (dict(num_attention_heads=6, num_key_value_heads=4), "num_key_value_heads"),
+        (dict(layer_types=(SLIDING,) * 34 + (FULL,)), "num_kv_shared_layers"),  # full consumer, no full donor
+        (dict(enable_moe_block=True), "num_experts"),
+        (dict(rope_full=Gemma4Config().rope_full.__class__("yarn", 1e6)), "rope_full"),
+        (dict(layer_types=("local",) * 35), "layer_types"),
+    ],
+)
 def test_inconsistent_config_names_field_and_fix(changes, field):
     with pytest.raises(ValueError) as e:
         Gemma4Config.e2b().replace(**changes)

@@ -30,6 +30,8 @@ from tests.helpers import make_tiny_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S, F = "sliding_attention", "full_attention"
+
+
 def run_cli(capsys, *argv) -> tuple[int, str]:
     """main(argv) -> (exit code, stderr)."""
     try:
@@ -135,8 +137,10 @@ def test_quantized_ple_error_is_bounded(hf_checkpoint, tmp_path, ple, bits):
     noise = np.asarray(ref_model(ids), np.float64)
     q_err, n_err = np.abs(ours - ref), np.abs(noise - ref)
     agree = int(np.sum(ours[:, -1].argmax(-1) == ref[:, -1].argmax(-1)))
-    print(f"{ple}: logit |diff| max {q_err.max():.4f} mean {q_err.mean():.4f} (noise model max {n_err.max():.4f} "
-          f"mean {n_err.mean():.4f}); greedy next-token agreement {agree}/{len(PROMPTS)}")
+    print(
+        f"{ple}: logit |diff| max {q_err.max():.4f} mean {q_err.mean():.4f} (noise model max {n_err.max():.4f} "
+        f"mean {n_err.mean():.4f}); greedy next-token agreement {agree}/{len(PROMPTS)}"
+    )
     assert q_err.max() <= 2 * n_err.max() and q_err.mean() <= 2 * n_err.mean()
     assert agree >= (len(PROMPTS) * 3) // 4, agree
 
@@ -176,8 +180,14 @@ def test_bfloat16_source_round_trips_exactly_at_both_dtypes(tmp_path):
 def test_tokenizer_and_generation_files_are_copied(tmp_path):
     src = make_tiny_hf(tmp_path / "src", tokenizer=True)
     dst = convert(src, tmp_path / "ck", progress=False)
-    for fn in ("tokenizer.json", "chat_template.jinja", "generation_config.json", "gemma4_config.json",
-               "hf_config.json", "metadata.json"):
+    for fn in (
+        "tokenizer.json",
+        "chat_template.jinja",
+        "generation_config.json",
+        "gemma4_config.json",
+        "hf_config.json",
+        "metadata.json",
+    ):
         assert os.path.isfile(os.path.join(dst, fn)), fn
     tok = gemma4_nnx.load_tokenizer(dst)
     assert tok.encode("hello world", add_bos=True) == [2, 4, 5]
@@ -225,9 +235,13 @@ def test_missing_unexpected_and_misshaped_tensors_listed_at_once(tmp_path, capsy
     t["model.norm.weight"] = np.zeros((63,), np.float32)
     save_file(t, path)
     code, err = run_cli(capsys, src, tmp_path / "ck")
-    assert_clean_failure(code, err, "missing tensors (1): layers.1.mlp.up_proj.weight",
-                         "unexpected tensors (1): layers.0.surprise.weight",
-                         "misshaped tensors (1): norm.weight: file (63,), expected (64,)")
+    assert_clean_failure(
+        code,
+        err,
+        "missing tensors (1): layers.1.mlp.up_proj.weight",
+        "unexpected tensors (1): layers.0.surprise.weight",
+        "misshaped tensors (1): norm.weight: file (63,), expected (64,)",
+    )
     assert not os.path.exists(tmp_path / "ck")
 
 
@@ -252,12 +266,20 @@ def test_corrupt_safetensors_header(tmp_path, capsys):
 
 def test_index_naming_a_missing_shard(tmp_path, capsys):
     src = make_tiny_hf(tmp_path / "src")
-    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors",
-                                            "model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "model.norm.weight": "model-00001-of-00002.safetensors",
+            "model.embed_tokens.weight": "model-00002-of-00002.safetensors",
+        },
+    }
     os.remove(os.path.join(src, "model.safetensors"))
     json.dump(index, open(os.path.join(src, "model.safetensors.index.json"), "w"))
-    assert_clean_failure(*run_cli(capsys, src, tmp_path / "ck"), "names shard file(s) that do not exist",
-                         "model-00001-of-00002.safetensors")
+    assert_clean_failure(
+        *run_cli(capsys, src, tmp_path / "ck"),
+        "names shard file(s) that do not exist",
+        "model-00001-of-00002.safetensors",
+    )
 
 
 def test_existing_destination_needs_overwrite(tmp_path, capsys):
@@ -287,8 +309,13 @@ def test_console_command_error_has_no_traceback(tmp_path):
     """The real process: python -m gemma4_nnx.io.convert (what the `gemma4-convert` script runs)."""
     src = make_tiny_hf(tmp_path / "src")
     os.remove(os.path.join(src, "config.json"))
-    p = subprocess.run([sys.executable, "-m", "gemma4_nnx.io.convert", src, str(tmp_path / "ck")],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    p = subprocess.run(
+        [sys.executable, "-m", "gemma4_nnx.io.convert", src, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr and "config.json not found" in p.stderr, p.stderr
 
 
@@ -311,9 +338,14 @@ _KILLABLE = textwrap.dedent("""
 def test_killed_conversion_leaves_nothing_load_accepts(tmp_path, capsys):
     src = make_tiny_hf(tmp_path / "src")
     dst = tmp_path / "ck"
-    p = subprocess.Popen([sys.executable, "-c", _KILLABLE, src, str(dst), "--no-progress"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    p = subprocess.Popen(
+        [sys.executable, "-c", _KILLABLE, src, str(dst), "--no-progress"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     try:
         line = p.stdout.readline()
         assert line.strip() == "MIDWAY", (line, p.stderr.read() if p.poll() is not None else "")

@@ -22,8 +22,10 @@ from tests.helpers import PROMPTS, random_model
 KERNELS = layers.Matmul(cpu_kernels=True)
 
 # Tests that run the kernels themselves; the fallback test below runs without them.
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available() or jax.default_backend() != "cpu",
-                                reason=f"CPU kernels unavailable: {cpu_kernels._state.get('error')}")
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available() or jax.default_backend() != "cpu",
+    reason=f"CPU kernels unavailable: {cpu_kernels._state.get('error')}",
+)
 
 # float32 summation-order differences of sums of up to ~1500 products, relative to the largest output
 REL_TOL = 1e-5
@@ -38,8 +40,18 @@ def _bf16(rng, shape):
     return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 7, 33), (1, 1536, 256), (3, 64, 50), (5, 130, 17), (8, 256, 1000),
-                                   (cpu_kernels.MAX_ROWS, 40, 24), (cpu_kernels.MAX_ROWS + 1, 40, 24)])
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (1, 7, 33),
+        (1, 1536, 256),
+        (3, 64, 50),
+        (5, 130, 17),
+        (8, 256, 1000),
+        (cpu_kernels.MAX_ROWS, 40, 24),
+        (cpu_kernels.MAX_ROWS + 1, 40, 24),
+    ],
+)
 @needs_kernels
 def test_products_equal_float64_reference(m, k, n):
     """x @ w (kernel [in, out]) and x @ w.T (table [out, in]) with tails that are not multiples of
@@ -82,16 +94,20 @@ def test_gradients_equal_the_xla_path(rows):
     x = jnp.asarray(rng.standard_normal((rows, 48), dtype=np.float32))
     w = _bf16(rng, (48, 36))
     wt = jnp.asarray(np.asarray(w).T.copy())
-    cases = [(cpu_kernels.matmul, lambda x, w: x @ w.astype(jnp.float32), w),
-             (cpu_kernels.matmul_t, lambda x, w: x @ w.astype(jnp.float32).T, wt)]
+    cases = [
+        (cpu_kernels.matmul, lambda x, w: x @ w.astype(jnp.float32), w),
+        (cpu_kernels.matmul_t, lambda x, w: x @ w.astype(jnp.float32).T, wt),
+    ]
     for fast, slow, weight in cases:
+
         def loss(f):
             return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
         gx, gw = jax.grad(loss(fast), argnums=(0, 1))(x, weight)
         rx, rw = jax.grad(loss(slow), argnums=(0, 1))(x, weight)
         assert gw.dtype == rw.dtype == jnp.bfloat16
         assert _rel(gx, rx) <= REL_TOL
-        assert _rel(gw.astype(jnp.float32), rw.astype(jnp.float32)) <= 2.0 ** -7
+        assert _rel(gw.astype(jnp.float32), rw.astype(jnp.float32)) <= 2.0**-7
 
 
 def test_unavailable_kernels_fall_back_to_xla(monkeypatch):
@@ -138,7 +154,8 @@ def _bf16_twins(variant):
     model32 = random_model(variant)
     graph, state = nnx.split(model32)
     rounded = jax.tree_util.tree_map(
-        lambda a: a.astype(jnp.bfloat16).astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+        lambda a: a.astype(jnp.bfloat16).astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state
+    )
     model32 = nnx.merge(graph, rounded)
     # Built like the float32 model (its embedding scales are float32 roundings, not bf16 ones), with
     # the kernels asked for explicitly ("auto" picks them only for weights stored bf16 at build time).

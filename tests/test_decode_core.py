@@ -71,44 +71,63 @@ def test_cache_is_an_explicit_pytree_in_and_out(model):
 
 
 # ----------------------------------------------------------------------------- typed request errors
-SAMPLING_CASES = [("temperature", -1.0), ("temperature", float("nan")), ("top_k", 0), ("top_k", 2.5),
-                  ("top_p", 0.0), ("top_p", 1.5), ("min_p", -0.1), ("repetition_penalty", 0.0)]
+SAMPLING_CASES = [
+    ("temperature", -1.0),
+    ("temperature", float("nan")),
+    ("top_k", 0),
+    ("top_k", 2.5),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("min_p", -0.1),
+    ("repetition_penalty", 0.0),
+]
 
 
 @pytest.mark.parametrize("name,value", SAMPLING_CASES)
 def test_sampling_errors_carry_the_parameter_name(model, engine, name, value):
-    for call in (lambda: generate(model, PROMPTS, 4, **{name: value}),
-                 lambda: engine.submit(PROMPTS[0], 4, **{name: value})):
+    for call in (
+        lambda: generate(model, PROMPTS, 4, **{name: value}),
+        lambda: engine.submit(PROMPTS[0], 4, **{name: value}),
+    ):
         with pytest.raises(RequestError) as e:
             call()
         assert e.value.param == name and name in str(e.value)
         assert isinstance(e.value, ValueError)
 
 
-@pytest.mark.parametrize("kwargs,param,code", [
-    (dict(prompt=[]), "prompt", None),
-    (dict(prompt="text"), "prompt", None),
-    (dict(prompt=[2, 999]), "prompt", None),
-    (dict(prompt=[2, 2.5]), "prompt", None),
-    (dict(prompt=[2] * 32), "prompt", "context_length_exceeded"),
-    (dict(max_tokens=0), "max_tokens", None),
-    (dict(max_tokens=True), "max_tokens", None),
-    (dict(max_tokens=31), "max_tokens", "context_length_exceeded"),
-    (dict(stop_tokens=[-1]), "stop_tokens", None),
-    (dict(stop_strings="x"), "stop_strings", None),
-    (dict(stop_strings=["x"]), "stop_strings", None),  # no tokenizer to decode with
-    (dict(stop_strings=[""]), "stop_strings", None),
-    (dict(seed=-3), "seed", None),
-    (dict(seed="7"), "seed", None),
-])
+@pytest.mark.parametrize(
+    "kwargs,param,code",
+    [
+        (dict(prompt=[]), "prompt", None),
+        (dict(prompt="text"), "prompt", None),
+        (dict(prompt=[2, 999]), "prompt", None),
+        (dict(prompt=[2, 2.5]), "prompt", None),
+        (dict(prompt=[2] * 32), "prompt", "context_length_exceeded"),
+        (dict(max_tokens=0), "max_tokens", None),
+        (dict(max_tokens=True), "max_tokens", None),
+        (dict(max_tokens=31), "max_tokens", "context_length_exceeded"),
+        (dict(stop_tokens=[-1]), "stop_tokens", None),
+        (dict(stop_strings="x"), "stop_strings", None),
+        (dict(stop_strings=["x"]), "stop_strings", None),  # no tokenizer to decode with
+        (dict(stop_strings=[""]), "stop_strings", None),
+        (dict(seed=-3), "seed", None),
+        (dict(seed="7"), "seed", None),
+    ],
+)
 def test_request_errors_per_parameter_class(model, kwargs, param, code):
     """Prompt, length, stop and seed errors name their parameter (and the context code) as data,
     for the engine's spelling and for generate's (prompts[i], max_new_tokens)."""
     args = dict(prompt=[2, 5, 7], max_tokens=4)
     args.update(kwargs)
     with pytest.raises(RequestError) as e:
-        make_request(args.pop("prompt"), args.pop("max_tokens"), vocab_size=model.config.vocab_size, context=32,
-                     context_name="max_length=32", **args)
+        make_request(
+            args.pop("prompt"),
+            args.pop("max_tokens"),
+            vocab_size=model.config.vocab_size,
+            context=32,
+            context_name="max_length=32",
+            **args,
+        )
     assert (e.value.param, e.value.code) == (param, code), str(e.value)
     if param in ("prompt", "max_tokens"):
         gen_kw = {k: v for k, v in kwargs.items() if k not in ("prompt", "max_tokens")}
@@ -120,8 +139,12 @@ def test_request_errors_per_parameter_class(model, kwargs, param, code):
 
 
 def test_engine_and_generate_arguments_are_checked_by_name(model):
-    for kwargs, param in ((dict(max_batch=0), "max_batch"), (dict(max_length=1), "max_length"),
-                          (dict(max_length=10**6), "max_length"), (dict(prefill_chunk=0), "prefill_chunk")):
+    for kwargs, param in (
+        (dict(max_batch=0), "max_batch"),
+        (dict(max_length=1), "max_length"),
+        (dict(max_length=10**6), "max_length"),
+        (dict(prefill_chunk=0), "prefill_chunk"),
+    ):
         with pytest.raises(RequestError) as e:
             Engine(model, **kwargs)
         assert e.value.param == param

@@ -29,10 +29,12 @@ def _hf_reload(out_dir: str):
     """transformers' own loader on our export: no missing/unexpected keys, eager attention, float32."""
     from transformers import Gemma4ForCausalLM
 
-    model, info = Gemma4ForCausalLM.from_pretrained(out_dir, attn_implementation="eager", dtype="float32",
-                                                    output_loading_info=True)
-    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys",
-                                                                "mismatched_keys", "error_msgs")}
+    model, info = Gemma4ForCausalLM.from_pretrained(
+        out_dir, attn_implementation="eager", dtype="float32", output_loading_info=True
+    )
+    problems = {
+        k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+    }
     assert not problems, f"transformers reported loading problems: {problems}"
     return model.eval()
 
@@ -83,8 +85,11 @@ def test_convert_load_export_and_command(hf_checkpoint, tmp_path):
     convert = pytest.importorskip("gemma4_nnx.io.convert")
     hf_model, path = hf_checkpoint("e2b")
     ckpt = convert.convert(path, tmp_path / "ckpt", dtype="float32", ple="none")
-    model = gemma4_nnx.load(ckpt) if hasattr(gemma4_nnx, "load") else __import__(
-        "gemma4_nnx.io.checkpoint", fromlist=["load"]).load(ckpt)
+    model = (
+        gemma4_nnx.load(ckpt)
+        if hasattr(gemma4_nnx, "load")
+        else __import__("gemma4_nnx.io.checkpoint", fromlist=["load"]).load(ckpt)
+    )
     out = tmp_path / "exported"
     assert export.main([str(ckpt), str(out), "--dtype", "float32"]) == 0
     _assert_logits_match(model, str(out), "convert -> load -> gemma4-export", source_hf=hf_model)
@@ -101,7 +106,7 @@ def test_bfloat16_export_writes_bf16(hf_checkpoint, tmp_path):
     reloaded = gemma4_nnx.from_hf(out)  # our own loader reads it back, HF-layout names included
     a = np.asarray(model.layers[0].self_attn.q_proj.kernel[...])
     b = np.asarray(reloaded.layers[0].self_attn.q_proj.kernel[...])
-    np.testing.assert_allclose(b, a, rtol=2 ** -8, atol=1e-6)
+    np.testing.assert_allclose(b, a, rtol=2**-8, atol=1e-6)
 
 
 def test_to_hf_validates_arguments(tmp_path):

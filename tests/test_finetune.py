@@ -75,6 +75,7 @@ def test_training_forward_loss_and_grads_match_transformers(hf_checkpoint):
         def f(m):
             logits = m(batch["input_ids"])
             return ft.masked_lm_loss(logits, batch["input_ids"], batch["loss_mask"]), logits
+
         (loss, logits), grads = nnx.value_and_grad(f, has_aux=True)(model)
         return loss, logits, grads
 
@@ -152,14 +153,19 @@ def test_lora_wraps_only_existing_projections(trained):
 def test_lora_memorizes_small_dataset(trained):
     losses = trained["losses"]
     assert losses[0] > 2.0, f"initial loss {losses[0]:.3f} already low: the test would be vacuous"
-    assert min(losses) < MEMORIZE_LOSS, f"loss did not fall below {MEMORIZE_LOSS} in {MEMORIZE_STEPS} steps: " \
-                                        f"first {losses[0]:.3f}, last {losses[-1]:.4f}"
+    assert min(losses) < MEMORIZE_LOSS, (
+        f"loss did not fall below {MEMORIZE_LOSS} in {MEMORIZE_STEPS} steps: "
+        f"first {losses[0]:.3f}, last {losses[-1]:.4f}"
+    )
 
 
 def test_base_weights_bit_identical_after_training(trained):
     after = variables_by_path(trained["model"])
-    changed = [".".join(map(str, p)) for p, v in trained["base_before"].items()
-               if not np.array_equal(np.asarray(after[p][...]), v)]
+    changed = [
+        ".".join(map(str, p))
+        for p, v in trained["base_before"].items()
+        if not np.array_equal(np.asarray(after[p][...]), v)
+    ]
     assert not changed, f"frozen base weights changed: {changed[:5]}"
     adapters = ft.adapter_paths(trained["model"])
     assert adapters and all(p[-1] in ("lora_a", "lora_b") for p in adapters)
@@ -184,8 +190,9 @@ def test_adapters_save_load_round_trip(trained, tmp_path):
     fresh = tiny_model()  # same base weights (same seed), no adapters
     ft.load_adapters(fresh, tmp_path / "adapters")
     assert sorted(ft.lora_paths(fresh)) == sorted(trained["wrapped"])
-    assert np.array_equal(np.asarray(_forward(fresh, ids)), np.asarray(_forward(model, ids))), \
+    assert np.array_equal(np.asarray(_forward(fresh, ids)), np.asarray(_forward(model, ids))), (
         "adapter round trip changed logits"
+    )
     with pytest.raises(ValueError, match="no LoRA"):
         ft.save_adapters(tiny_model(), tmp_path / "none")
 
@@ -194,8 +201,9 @@ def test_remat_step_equals_plain_step():
     model = micro_model()
     ft.apply_lora(model, rank=4)
     ids = fx.sample_ids(2, 10, seed=5)
-    batch = {k: jnp.asarray(v) for k, v in ft.make_batch([list(r[:3]) for r in ids], [list(r[3:]) for r in ids])
-             .items()}
+    batch = {
+        k: jnp.asarray(v) for k, v in ft.make_batch([list(r[:3]) for r in ids], [list(r[3:]) for r in ids]).items()
+    }
     twin = nnx.clone(model)
     twin.remat = True
     opt, opt2 = ft.make_optimizer(model, optax.sgd(0.5)), ft.make_optimizer(twin, optax.sgd(0.5))

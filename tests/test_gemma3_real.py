@@ -44,13 +44,27 @@ def _tiny_gemma3(layer_types, *, query_pre_attn_scalar=24, full_rope=None, seed=
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": full_rope or {"rope_type": "default", "rope_theta": 1_000_000.0}}
-    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=len(layer_types),
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
-                           query_pre_attn_scalar=query_pre_attn_scalar, layer_types=list(layer_types),
-                           rope_parameters=rope, max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
-                           bos_token_id=2)
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": full_rope or {"rope_type": "default", "rope_theta": 1_000_000.0},
+    }
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        layer_types=list(layer_types),
+        rope_parameters=rope,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(cfg).float().eval()
@@ -81,11 +95,23 @@ def _hf_logits(model, ids):
 
 
 def test_gemma3_config_maps_to_degenerate_gemma4():
-    d = {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
-         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
-         "sliding_window": 512, "query_pre_attn_scalar": 256, "rope_theta": 1_000_000.0,
-         "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-         "final_logit_softcapping": None, "eos_token_id": [1, 106]}
+    d = {
+        "model_type": "gemma3_text",
+        "vocab_size": 262144,
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 256,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "final_logit_softcapping": None,
+        "eos_token_id": [1, 106],
+    }
     c = Gemma4Config.from_hf(d)
     assert c.model_family == "gemma3" and not c.use_v_norm and not c.use_ple
     assert c.attention_scale == pytest.approx(1 / 16)
@@ -94,8 +120,12 @@ def test_gemma3_config_maps_to_degenerate_gemma4():
     assert c.layer_types == (S,) * 5 + (F,) + (S,) * 2
     assert c.rope_sliding.rope_type == "default" and c.rope_sliding.theta == 10_000.0
     # linear scaling == proportional with partial factor 1 (all pairs rotate, frequencies / factor)
-    assert (c.rope_full.rope_type, c.rope_full.theta, c.rope_full.partial_rotary_factor, c.rope_full.factor) == \
-        ("proportional", 1_000_000.0, 1.0, 8.0)
+    assert (c.rope_full.rope_type, c.rope_full.theta, c.rope_full.partial_rotary_factor, c.rope_full.factor) == (
+        "proportional",
+        1_000_000.0,
+        1.0,
+        8.0,
+    )
     assert c.final_logit_softcapping is None and c.num_kv_shared_layers == 0 and not c.attention_k_eq_v
     assert c.eos_token_id == (1, 106)
     # lossless through our checkpoint JSON and back to an HF Gemma 3 config
@@ -107,16 +137,32 @@ def test_gemma3_config_maps_to_degenerate_gemma4():
 
 @pytest.mark.parametrize("key,value", [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)])
 def test_gemma3_config_rejects_unsupported_features(key, value):
-    d = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 1, key: value}
+    d = {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        key: value,
+    }
     with pytest.raises(ValueError, match=key):
         Gemma4Config.from_hf(d)
 
 
 def test_gemma3_name_map_adds_one_to_norms_and_defaults_layer_scalar():
-    c = Gemma4Config.from_hf({"model_type": "gemma3_text", "vocab_size": 32, "hidden_size": 8,
-                              "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                              "num_key_value_heads": 1, "head_dim": 4})
+    c = Gemma4Config.from_hf(
+        {
+            "model_type": "gemma3_text",
+            "vocab_size": 32,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 4,
+        }
+    )
     entries = {e.hf_name: e for e in name_map(c)}
     norms = [n for n in entries if "norm" in n]
     assert norms and all(entries[n].offset == 1.0 for n in norms)
@@ -137,8 +183,11 @@ def test_tiny_gemma3_logits_match_transformers(tmp_path, case):
     if case == "last_sliding_scale24":
         model = _tiny_gemma3([S, S, F, S, S])
     else:
-        model = _tiny_gemma3([S, F, S, F], query_pre_attn_scalar=16,
-                             full_rope={"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 4.0})
+        model = _tiny_gemma3(
+            [S, F, S, F],
+            query_pre_attn_scalar=16,
+            full_rope={"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 4.0},
+        )
     model.save_pretrained(tmp_path, safe_serialization=True)
     ids = _ids()
     ref = _hf_logits(model, ids)
@@ -169,11 +218,17 @@ def _write_tiny_gguf(model, path):
     toks, scores, types = _tiny_vocab()
     assert len(toks) == cfg.vocab_size
     w = gguf.GGUFWriter(str(path), "gemma3")
-    for key, value in [("block_count", cfg.num_hidden_layers), ("embedding_length", cfg.hidden_size),
-                       ("feed_forward_length", cfg.intermediate_size), ("context_length", 256),
-                       ("attention.head_count", cfg.num_attention_heads),
-                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim),
-                       ("attention.value_length", cfg.head_dim), ("attention.sliding_window", cfg.sliding_window)]:
+    for key, value in [
+        ("block_count", cfg.num_hidden_layers),
+        ("embedding_length", cfg.hidden_size),
+        ("feed_forward_length", cfg.intermediate_size),
+        ("context_length", 256),
+        ("attention.head_count", cfg.num_attention_heads),
+        ("attention.head_count_kv", cfg.num_key_value_heads),
+        ("attention.key_length", cfg.head_dim),
+        ("attention.value_length", cfg.head_dim),
+        ("attention.sliding_window", cfg.sliding_window),
+    ]:
         w.add_uint32(f"gemma3.{key}", value)
     w.add_float32("gemma3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_float32("gemma3.rope.freq_base", 1_000_000.0)
@@ -221,8 +276,13 @@ def test_tiny_gguf_import_convert_and_tokenizer(tmp_path, monkeypatch):
     _write_tiny_gguf(model, path)
     assert is_gguf(path) and not is_gguf(tmp_path)
     hf_dir = gguf_to_hf_dir(path, tmp_path / "hf")
-    assert sorted(os.listdir(hf_dir)) == ["config.json", "generation_config.json", "gguf_import.json",
-                                          "model.safetensors", "tokenizer.model"]
+    assert sorted(os.listdir(hf_dir)) == [
+        "config.json",
+        "generation_config.json",
+        "gguf_import.json",
+        "model.safetensors",
+        "tokenizer.model",
+    ]
     ids = _ids(vocab=270)
     ref = _hf_logits(model, ids)
     reloaded = Gemma3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
@@ -247,8 +307,11 @@ def test_tiny_gguf_import_convert_and_tokenizer(tmp_path, monkeypatch):
 
 
 # ============================================================================ real weights (270M)
-REAL_PROMPTS = ["The capital of France is Paris. The capital of Germany is", "Monday, Tuesday, Wednesday,",
-                "def fibonacci(n):"]
+REAL_PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is",
+    "Monday, Tuesday, Wednesday,",
+    "def fibonacci(n):",
+]
 NEW_TOKENS = 20
 
 
@@ -291,9 +354,18 @@ def test_real_tokenizer_known_ids_and_round_trip(real_tokenizer):
     assert tok.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
     assert tok.encode("<start_of_turn>user\nhi<end_of_turn>\n", add_bos=False) == [105, 2364, 107, 2202, 106, 107]
     assert tok.encode("    ", add_bos=False) == [140]  # whitespace-run user piece
-    texts = ["Hello, world!", " leading space", "trailing  ", "a    b\tc\n\n\nd", "naïve café — 東京 🙂 Ünïcödé",
-             "def f(x):\n    return x ** 2  # square\n", "1234567890 3.14159 -42", "\x00\x01 control bytes",
-             "<bos>not at the start", "emoji 👩\u200d💻 and Ελληνικά, русский, العربية, हिन्दी"]
+    texts = [
+        "Hello, world!",
+        " leading space",
+        "trailing  ",
+        "a    b\tc\n\n\nd",
+        "naïve café — 東京 🙂 Ünïcödé",
+        "def f(x):\n    return x ** 2  # square\n",
+        "1234567890 3.14159 -42",
+        "\x00\x01 control bytes",
+        "<bos>not at the start",
+        "emoji 👩\u200d💻 and Ελληνικά, русский, العربية, हिन्दी",
+    ]
     for text in texts:
         ids = tok.encode(text, add_bos=False)
         assert tok.decode(ids) == text, (text, ids)
@@ -309,8 +381,9 @@ def test_real_logits_match_transformers_gemma3(real_hf_dir, real_tokenizer, real
         ref = _hf_logits(real_hf_model, ids)
         got = np.asarray(ours(jnp.asarray(ids)))
         diff = _max_diff(got, ref)
-        assert diff <= REAL_TOL, f"{prompt!r}: max |logit diff| {diff:.3g} > {REAL_TOL} (max |logit| " \
-                                 f"{np.abs(ref).max():.1f})"
+        assert diff <= REAL_TOL, (
+            f"{prompt!r}: max |logit diff| {diff:.3g} > {REAL_TOL} (max |logit| {np.abs(ref).max():.1f})"
+        )
         np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
@@ -333,7 +406,7 @@ def test_real_greedy_continuations_through_orbax(real_checkpoint, real_hf_model)
         assert text.startswith(REFERENCE[prompt]), f"{prompt!r}: got {text!r}, expected {REFERENCE[prompt]!r}..."
         with torch.no_grad():
             hf = real_hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert got == hf[0, len(ids):].tolist(), f"{prompt!r}: tokens differ from transformers' greedy generate"
+        assert got == hf[0, len(ids) :].tolist(), f"{prompt!r}: tokens differ from transformers' greedy generate"
     streamed = "".join(step.texts[0] or "" for step in generate_stream(model, [prompts[0]], NEW_TOKENS, tokenizer=tok))
     assert streamed == result.texts[0]
 
@@ -343,8 +416,24 @@ def test_real_demo_fresh_process(real_checkpoint):
     """The main job's second half: a fresh interpreter loads the Orbax checkpoint and streams text."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "gemma4_nnx.real_demo", "--checkpoint", str(real_checkpoint),
-                          "--skip-convert", "--max-new-tokens", "12", "--prompt", REAL_PROMPTS[0]],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gemma4_nnx.real_demo",
+            "--checkpoint",
+            str(real_checkpoint),
+            "--skip-convert",
+            "--max-new-tokens",
+            "12",
+            "--prompt",
+            REAL_PROMPTS[0],
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=root,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[fresh process]" in out.stdout and REAL_PROMPTS[0] + " Berlin." in out.stdout, out.stdout

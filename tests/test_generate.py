@@ -146,7 +146,7 @@ def test_greedy_generate_matches_transformers(hf_checkpoint, variant):
     for p, toks in zip(PROMPTS, ours.tokens):
         with torch.no_grad():
             out = hf_model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-        ref = out[0, len(p):].tolist()
+        ref = out[0, len(p) :].tolist()
         if 1 in ref:  # HF pads after eos
             ref = ref[: ref.index(1) + 1]
         assert toks == ref, f"{variant}: ours {toks} vs transformers {ref}"
@@ -180,9 +180,11 @@ def test_compilations_equal_the_bucket_bound():
     shapes = [bucket_shapes(b, p, n, max_length=None, context=ctx, prefill_chunk=None) for b, p, n in calls]
     triples = {(bb, pb, nb) for bb, pb, nb, _ in shapes}
     batch_buckets = {s[0] for s in shapes}
-    expected = {"prefill": len({(bb, pb, t) for bb, pb, _, t in shapes}),
-                "loop": len({(bb, nb, t) for bb, _, nb, t in shapes}),
-                "draw": len(batch_buckets)}
+    expected = {
+        "prefill": len({(bb, pb, t) for bb, pb, _, t in shapes}),
+        "loop": len({(bb, nb, t) for bb, _, nb, t in shapes}),
+        "draw": len(batch_buckets),
+    }
     bound = 2 * len(triples) + len(batch_buckets)
 
     def run_all():
@@ -199,7 +201,8 @@ def test_compilations_equal_the_bucket_bound():
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+        lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
     run_all()
     assert compiled_programs() == after
     assert compiles == [], f"{len(compiles)} XLA compilations on a warm second pass"
@@ -214,20 +217,23 @@ def test_compilations_equal_the_bucket_bound():
 
 
 # ----------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("kwargs, prompts, match", [
-    (dict(temperature=-0.5), None, "temperature"),
-    (dict(top_p=0.0), None, "top_p"),
-    (dict(top_p=1.5), None, "top_p"),
-    ({}, [[2, 5], []], r"prompts\[1\] is empty"),
-    ({}, [], "prompts"),
-    ({}, [[2, 128]], r"prompts\[0\].*outside the vocabulary"),
-    ({}, [[2, -1]], r"prompts\[0\].*outside the vocabulary"),
-    (dict(max_length=8), [[2] * 8], r"prompts\[0\].*longer than the context"),
-    (dict(max_length=8), [[2] * 5], "max_new_tokens"),
-    (dict(stop_tokens=[999]), None, "stop_tokens"),
-    (dict(stop_strings=["x"]), None, "tokenizer"),
-    (dict(prefill_chunk=0), None, "prefill_chunk"),
-])
+@pytest.mark.parametrize(
+    "kwargs, prompts, match",
+    [
+        (dict(temperature=-0.5), None, "temperature"),
+        (dict(top_p=0.0), None, "top_p"),
+        (dict(top_p=1.5), None, "top_p"),
+        ({}, [[2, 5], []], r"prompts\[1\] is empty"),
+        ({}, [], "prompts"),
+        ({}, [[2, 128]], r"prompts\[0\].*outside the vocabulary"),
+        ({}, [[2, -1]], r"prompts\[0\].*outside the vocabulary"),
+        (dict(max_length=8), [[2] * 8], r"prompts\[0\].*longer than the context"),
+        (dict(max_length=8), [[2] * 5], "max_new_tokens"),
+        (dict(stop_tokens=[999]), None, "stop_tokens"),
+        (dict(stop_strings=["x"]), None, "tokenizer"),
+        (dict(prefill_chunk=0), None, "prefill_chunk"),
+    ],
+)
 def test_bad_arguments_raise_value_error_naming_them(models, kwargs, prompts, match):
     with pytest.raises(ValueError, match=match):
         generate(models("plain"), PROMPTS if prompts is None else prompts, 4, **kwargs)
@@ -291,7 +297,8 @@ def test_cli_chat_keeps_bos_and_streams(chat_setup, capsys, tmp_path):
     chat_ids = cli_generate.prompt_ids(tok, parser.parse_args(["x", "--chat", "Hi there", "--system", "Be brief"]))
     assert chat_ids[0] == tok.bos_id and chat_ids.count(tok.bos_id) == 1
     assert chat_ids == tok.encode(
-        "<bos><|turn>system\nBe brief<turn|>\n<|turn>user\nHi there<turn|>\n<|turn>model\n", add_bos=False)
+        "<bos><|turn>system\nBe brief<turn|>\n<|turn>user\nHi there<turn|>\n<|turn>model\n", add_bos=False
+    )
     for text in ("plain text", "<bos>already has one"):
         raw = cli_generate.prompt_ids(tok, parser.parse_args(["x", "--prompt", text]))
         assert raw[0] == tok.bos_id and raw.count(tok.bos_id) == 1
@@ -306,8 +313,9 @@ def test_cli_chat_keeps_bos_and_streams(chat_setup, capsys, tmp_path):
     rc = cli_generate.main([str(ckpt), "--chat", "Hi there", "--max-new-tokens", "8"])
     out = capsys.readouterr().out
     assert rc == 0
-    ref = generate(model, [tok.encode(gemma4_nnx.format_chat([{"role": "user", "content": "Hi there"}]))], 8,
-                   tokenizer=tok)
+    ref = generate(
+        model, [tok.encode(gemma4_nnx.format_chat([{"role": "user", "content": "Hi there"}]))], 8, tokenizer=tok
+    )
     stops = {tok.decode([s]) for s in tok.stop_ids}
     want = ref.texts[0]
     for s in stops:
@@ -341,14 +349,15 @@ def test_stop_string_spanning_tokens_is_cut_whole(chat_setup):
     tok, model, _ = chat_setup
     ids = tok.encode("the model", add_bos=True)
     free = generate(model, [ids], 12, tokenizer=tok, stop_tokens=[])
-    pieces = [tok.decode(free.tokens[0][: i + 1])[len(tok.decode(free.tokens[0][:i])):] for i in range(12)]
+    pieces = [tok.decode(free.tokens[0][: i + 1])[len(tok.decode(free.tokens[0][:i])) :] for i in range(12)]
     i = next(i for i in range(1, 11) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 1)
     stop = pieces[i][-2:] + pieces[i + 1][:1]
     text = free.texts[0]
     want = text[: text.find(stop)]
     res = generate(model, [ids], 12, tokenizer=tok, stop_tokens=[], stop_strings=[stop])
     assert res.finish_reasons == ["stop_string"] and res.texts[0] == want
-    streamed = [st.texts[0] for st in generate_stream(model, [ids], 12, tokenizer=tok, stop_tokens=[],
-                                                      stop_strings=[stop])]
+    streamed = [
+        st.texts[0] for st in generate_stream(model, [ids], 12, tokenizer=tok, stop_tokens=[], stop_strings=[stop])
+    ]
     assert "".join(streamed) == want
     assert all(stop[:2] not in p for p in streamed)  # never shown, even in part

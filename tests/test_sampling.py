@@ -75,9 +75,7 @@ def _ours_filtered_many(pairs: tuple, params: SamplingParams) -> tuple:
     return tuple(_penalise_and_filter(x, i, params) for x, i in pairs)
 
 
-def ours_filtered(
-    pairs: list[tuple[np.ndarray, np.ndarray]], params: SamplingParams
-) -> list[np.ndarray]:
+def ours_filtered(pairs: list[tuple[np.ndarray, np.ndarray]], params: SamplingParams) -> list[np.ndarray]:
     """Repetition penalty + filter_logits on each (logits [B, V], ids [B, T]) pair."""
     args = tuple((jnp.asarray(x, jnp.float32), jnp.asarray(i)) for x, i in pairs)
     return [np.asarray(y) for y in _ours_filtered_many(args, params=params)]
@@ -109,15 +107,11 @@ HAND = np.array(
     np.float32,
 )
 # Prompt+output token ids per row (with repeats) for the repetition penalty.
-HAND_IDS = np.array(
-    [[0, 3, 3, 7, 11], [9, 9, 1, 10, 4], [0, 0, 5, 6, 9], [7, 2, 2, 10, 3]], np.int64
-)
+HAND_IDS = np.array([[0, 3, 3, 7, 11], [9, 9, 1, 10, 4], [0, 0, 5, 6, 9], [7, 2, 2, 10, 3]], np.int64)
 
 
 def random_logits(seed: int, batch: int, vocab: int, scale: float = 3.0) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal((batch, vocab)) * scale).astype(
-        np.float32
-    )
+    return (np.random.default_rng(seed).standard_normal((batch, vocab)) * scale).astype(np.float32)
 
 
 PARAM_CASES = [
@@ -201,9 +195,7 @@ def test_filter_matches_transformers_full_vocab(params: SamplingParams) -> None:
 
 @pytest.mark.reference
 def test_repetition_penalty_matches_transformers() -> None:
-    ref = RepetitionPenaltyLogitsProcessor(1.7)(
-        torch.from_numpy(HAND_IDS), torch.from_numpy(HAND.copy())
-    ).numpy()
+    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.from_numpy(HAND_IDS), torch.from_numpy(HAND.copy())).numpy()
     seen = make_seen_mask(jnp.asarray(HAND_IDS), HAND.shape[1])
     ours = np.asarray(apply_repetition_penalty(jnp.asarray(HAND), seen, 1.7))
     np.testing.assert_allclose(ours, ref, rtol=1e-7)
@@ -431,10 +423,11 @@ def test_sample_rows_equals_sample_row_by_row():
     keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(7), r))(jnp.arange(len(grid)))
     rows, features = RowParams.of(grid, v)
     assert features.top_k == 64 and features.full_sort and features.min_p and features.penalty
-    batched = np.asarray(jax.jit(sample_rows, static_argnames="features")(
-        logits, keys, rows, seen_mask=seen, features=features))
+    batched = np.asarray(
+        jax.jit(sample_rows, static_argnames="features")(logits, keys, rows, seen_mask=seen, features=features)
+    )
     for r, params in enumerate(grid):
-        alone = sample_jit(logits[r:r + 1], keys[r:r + 1], params=params, seen_mask=seen[r:r + 1])
+        alone = sample_jit(logits[r : r + 1], keys[r : r + 1], params=params, seen_mask=seen[r : r + 1])
         assert batched[r] == int(alone[0]), (r, params)
     # The draws are not all trivially greedy: sampled rows differ from the argmax somewhere.
     greedy = np.asarray(jnp.argmax(logits, -1))

@@ -26,7 +26,7 @@ pytest.importorskip("uvicorn")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import json, os, socket, sys, tempfile, threading, time, http.client
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -118,7 +118,7 @@ for tp in (1, 2, 8):
     server.should_exit = True
     engine.close()
 print("REPORT " + json.dumps(report))
-'''
+"""
 
 
 def _start() -> tuple[subprocess.Popen, str]:
@@ -145,7 +145,7 @@ def report():
         out = f.read()
     lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, f"8-device serving subprocess failed (rc {proc.returncode}):\n{out[-6000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    return json.loads(lines[-1][len("REPORT ") :])
 
 
 @pytest.mark.parametrize("tp", ["2", "8"])

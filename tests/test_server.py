@@ -125,8 +125,9 @@ def test_text_completion_greedy_equals_generate(served):
     prompt = "the model reads the text"
     ids = tok.encode(prompt, add_bos=True)
     text, _, res = _ref(model, tok, ids, 10, stop_tokens=[])
-    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
-                                     extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
     c = out.choices[0]
     assert c.text == text and c.finish_reason == "length"
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10
@@ -134,8 +135,12 @@ def test_text_completion_greedy_equals_generate(served):
     # rounding of a different batch shape (4 rows here, 1 there).
     np.testing.assert_allclose(c.logprobs.token_logprobs, res.logprobs[0], atol=1e-4)
     # Streaming gives the same text, piece by piece.
-    pieces = [ch.choices[0].text for ch in client.completions.create(
-        model=NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True})]
+    pieces = [
+        ch.choices[0].text
+        for ch in client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+    ]
     assert "".join(pieces) == text and len([p for p in pieces if p]) > 1
 
 
@@ -145,8 +150,7 @@ def test_token_id_prompt_and_default_stops(served):
     model, tok, port, _ = served
     ids = tok.encode("hello world", add_bos=True)
     text, reason, res = _ref(model, tok, ids, 12)
-    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 12,
-                                                   "temperature": 0})
+    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 0})
     assert status == 200
     assert body["choices"][0]["text"] == text
     assert body["choices"][0]["finish_reason"] == ("stop" if reason == "stop" else "length")
@@ -159,13 +163,21 @@ def test_chat_greedy_equals_generate_streaming_and_not(served):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
     ids = encode_chat(tok, messages)
     text, _, _ = _ref(model, tok, ids, 8, stop_tokens=[])
-    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == text
     assert out.usage.prompt_tokens == len(ids) and out.usage.total_tokens == len(ids) + 8
-    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
@@ -190,8 +202,11 @@ def test_stop_string_cuts_the_text(served):
     text, _, _ = _ref(model, tok, tok.encode(prompt, add_bos=True), 12, stop_tokens=[])
     stop = text[3:6]
     assert len(stop) == 3
-    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 12,
-                                                   "temperature": 0, "stop": [stop], "ignore_eos": True})
+    status, body = _post(
+        port,
+        "/v1/completions",
+        {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop], "ignore_eos": True},
+    )
     assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
     assert body["choices"][0]["text"] == text[: text.find(stop)]
 
@@ -217,8 +232,13 @@ def test_concurrent_requests_share_decode_steps_and_equal_each_alone(served):
     client = _client(port)
 
     def one(p):
-        return client.completions.create(model=NAME, prompt=p, max_tokens=16, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=NAME, prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(one, prompts))
@@ -240,14 +260,18 @@ def test_a_list_of_prompts_gives_one_choice_each(served):
     model, tok, port, _ = served
     prompts = ["one", "two three", "four five six"]
     refs = [_ref(model, tok, tok.encode(p, add_bos=True), 6, stop_tokens=[])[0] for p in prompts]
-    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": prompts, "max_tokens": 6,
-                                                   "temperature": 0, "ignore_eos": True})
+    status, body = _post(
+        port,
+        "/v1/completions",
+        {"model": NAME, "prompt": prompts, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+    )
     assert status == 200
     assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == refs
     assert body["usage"]["completion_tokens"] == 18
     ids = [tok.encode(p, add_bos=True) for p in prompts]
-    status, body = _post(port, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 6,
-                                                   "temperature": 0, "ignore_eos": True})
+    status, body = _post(
+        port, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    )
     assert status == 200 and [c["text"] for c in body["choices"]] == refs
     assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
 
@@ -256,11 +280,17 @@ def test_mixed_sampling_settings_share_steps_and_each_equals_generate(served):
     """Rows with different settings (greedy, seeded top-k/top-p, min-p, repetition penalty) decoded
     in the same steps: each equals generate() with its own settings alone."""
     model, tok, _, engine = served
-    settings = [dict(), dict(temperature=0.8, top_k=12, top_p=0.85, seed=3), dict(temperature=1.1, min_p=0.05, seed=4),
-                dict(repetition_penalty=1.6)]
+    settings = [
+        dict(),
+        dict(temperature=0.8, top_k=12, top_p=0.85, seed=3),
+        dict(temperature=1.1, min_p=0.05, seed=4),
+        dict(repetition_penalty=1.6),
+    ]
     prompts = [tok.encode(t, add_bos=True) for t in ("alpha beta", "gamma", "delta epsilon zeta", "eta")]
-    refs = [generate(model, [p], 12, stop_tokens=[], max_length=MAX_LENGTH, **kw).tokens[0]
-            for p, kw in zip(prompts, settings)]
+    refs = [
+        generate(model, [p], 12, stop_tokens=[], max_length=MAX_LENGTH, **kw).tokens[0]
+        for p, kw in zip(prompts, settings)
+    ]
     before = engine.stats.shared_decode_steps
     reqs = [engine.submit(p, 12, stop_tokens=[], **kw) for p, kw in zip(prompts, settings)]
     assert [r.result()[0] for r in reqs] == refs
@@ -322,33 +352,50 @@ def test_bad_chat_requests_and_malformed_json_do_not_hurt_the_server(served):
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         status, err = _post(port, "/v1/chat/completions", None, raw=raw)
         assert status == 400 and "error" in err
-    for messages in ([], [{"role": "tool", "content": "x"}], [{"role": "user", "content": 3}],
-                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                     [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]):
+    for messages in (
+        [],
+        [{"role": "tool", "content": "x"}],
+        [{"role": "user", "content": 3}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}],
+    ):
         status, err = _post(port, "/v1/chat/completions", {"model": NAME, "messages": messages})
         assert status == 400 and err["error"]["param"] == "messages", (messages, err)
-    status, err = _post(port, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
-                                                       "logprobs": True, "top_logprobs": 3})
+    status, err = _post(
+        port,
+        "/v1/chat/completions",
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
+    )
     assert status == 400 and err["error"]["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError):
-        _client(port).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
-                                              temperature=5)
+        _client(port).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=5)
     status, err = _get(port, "/v1/nothing-here")
     assert status == 404 and "error" in err
     # Still healthy, and still right.
     assert _get(port, "/health")[0] == 200
     ids = tok.encode("still fine", add_bos=True)
-    assert _post(port, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 4, "temperature": 0,
-                                           "ignore_eos": True})[1]["choices"][0]["text"] == \
-        _ref(model, tok, ids, 4, stop_tokens=[])[0]
+    assert (
+        _post(
+            port,
+            "/v1/completions",
+            {"model": NAME, "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        )[1]["choices"][0]["text"]
+        == _ref(model, tok, ids, 4, stop_tokens=[])[0]
+    )
 
 
 def test_client_disconnect_mid_stream_frees_its_row(served):
     _, _, port, _ = served
     _, before = _get(port, "/metrics")
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = {"model": NAME, "prompt": "a long story", "max_tokens": 50, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": NAME,
+        "prompt": "a long story",
+        "max_tokens": 50,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200
@@ -413,11 +460,30 @@ def test_openapi_schema_describes_the_request_fields(served):
     assert status == 200
     comps = schema["components"]["schemas"]
     for path, model, fields in (
-            ("/v1/completions", "CompletionRequest", {"model", "prompt", "max_tokens", "temperature", "top_p", "stop",
-                                                      "seed", "stream", "logprobs", "top_k", "min_p", "ignore_eos"}),
-            ("/v1/chat/completions", "ChatCompletionRequest", {"model", "messages", "max_completion_tokens",
-                                                               "temperature", "stream_options",
-                                                               "chat_template_kwargs"})):
+        (
+            "/v1/completions",
+            "CompletionRequest",
+            {
+                "model",
+                "prompt",
+                "max_tokens",
+                "temperature",
+                "top_p",
+                "stop",
+                "seed",
+                "stream",
+                "logprobs",
+                "top_k",
+                "min_p",
+                "ignore_eos",
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            "ChatCompletionRequest",
+            {"model", "messages", "max_completion_tokens", "temperature", "stream_options", "chat_template_kwargs"},
+        ),
+    ):
         body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body["$ref"].endswith("/" + model)
         props = comps[model]["properties"]
@@ -434,21 +500,24 @@ def test_openapi_schema_describes_the_request_fields(served):
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("body,param,code", [
-    # protocol-level (pydantic): the field itself
-    ({"messages": CHAT, "temperature": "0.5"}, "temperature", None),  # strict: no strings for numbers
-    ({"messages": CHAT, "stream": 1}, "stream", None),
-    ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", None),
-    ({"messages": CHAT, "stream_options": {"include_usage": "yes"}}, "stream_options", None),
-    ({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs", None),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", None),
-    ({"messages": CHAT, "logit_bias": {"5": 1}}, "logit_bias", None),
-    ({"messages": CHAT, "frequency_penalty": 0.3}, "frequency_penalty", None),
-    # engine-level (RequestError.param, mapped to the field the client sent)
-    ({"messages": [{"role": "user", "content": "word " * 80}]}, "messages", "context_length_exceeded"),
-    ({"messages": CHAT, "max_completion_tokens": MAX_LENGTH}, "max_completion_tokens", "context_length_exceeded"),
-    ({"messages": CHAT, "max_tokens": MAX_LENGTH}, "max_tokens", "context_length_exceeded"),
-])
+@pytest.mark.parametrize(
+    "body,param,code",
+    [
+        # protocol-level (pydantic): the field itself
+        ({"messages": CHAT, "temperature": "0.5"}, "temperature", None),  # strict: no strings for numbers
+        ({"messages": CHAT, "stream": 1}, "stream", None),
+        ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", None),
+        ({"messages": CHAT, "stream_options": {"include_usage": "yes"}}, "stream_options", None),
+        ({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs", None),
+        ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", None),
+        ({"messages": CHAT, "logit_bias": {"5": 1}}, "logit_bias", None),
+        ({"messages": CHAT, "frequency_penalty": 0.3}, "frequency_penalty", None),
+        # engine-level (RequestError.param, mapped to the field the client sent)
+        ({"messages": [{"role": "user", "content": "word " * 80}]}, "messages", "context_length_exceeded"),
+        ({"messages": CHAT, "max_completion_tokens": MAX_LENGTH}, "max_completion_tokens", "context_length_exceeded"),
+        ({"messages": CHAT, "max_tokens": MAX_LENGTH}, "max_tokens", "context_length_exceeded"),
+    ],
+)
 def test_chat_errors_name_the_request_field(served, body, param, code):
     status, err = _post(served[2], "/v1/chat/completions", dict(body, model=NAME))
     assert status == 400, err
@@ -473,8 +542,13 @@ def test_engine_errors_map_by_parameter_not_message():
             raise RequestError("max_tokens prompt stop context", self.param, "some_code")
 
     body = CompletionRequest(model="m", prompt=[1, 2], stop="x")
-    for engine_param, field in (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("stop_strings", "stop"),
-                                ("temperature", "temperature"), ("seed", "seed")):
+    for engine_param, field in (
+        ("prompt", "prompt"),
+        ("max_tokens", "max_tokens"),
+        ("stop_strings", "stop"),
+        ("temperature", "temperature"),
+        ("seed", "seed"),
+    ):
         with pytest.raises(ApiError) as e:
             Serving(FakeEngine(engine_param), "m").engine_requests([[1, 2]], body, chat=False)
         assert (e.value.param, e.value.code, e.value.status) == (field, "some_code", 400)

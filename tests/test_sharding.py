@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGIT_TOL = 1e-4  # float32; sharded matmuls/reductions only reassociate sums (observed ~1e-6)
 STEP_TOL = 1e-5  # |param after one SGD step| difference (lr 0.1 times a float32-noise gradient difference)
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import json, os, sys, tempfile
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -126,7 +126,7 @@ cached, _ = nnx.jit(lambda m, i, p, c: m(i, positions=p, cache=c))(restored, sh.
                                                                   pos, cache)
 report["cache"]["logit_diff"] = maxdiff(cached, ref_logits)
 print("REPORT " + json.dumps(report))
-'''
+"""
 
 
 def _start() -> tuple[subprocess.Popen, str]:
@@ -155,7 +155,7 @@ def multi():
         out = f.read()
     lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, f"8-device subprocess failed (rc {proc.returncode}):\n{out[-6000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    return json.loads(lines[-1][len("REPORT ") :])
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "tp"])
@@ -164,8 +164,12 @@ def test_sharded_logits_equal_single_device(multi, kind):
     assert multi["devices"] == 8
     assert not r["misplaced"], r["misplaced"][:5]
     # norms are replicated by declaration; the big matrices must really be split
-    for name in ("embed_tokens.embedding", "layers.2.mlp.down_proj.kernel", "layers.1.self_attn.q_proj.kernel",
-                 "layers.1.self_attn.k_proj.kernel"):
+    for name in (
+        "embed_tokens.embedding",
+        "layers.2.mlp.down_proj.kernel",
+        "layers.1.self_attn.q_proj.kernel",
+        "layers.1.self_attn.k_proj.kernel",
+    ):
         assert name in r["kernels_split"], f"{kind}: {name} is not split: {r['kernels_split']}"
     assert r["logit_diff"] <= LOGIT_TOL, f"{kind}: logits differ from one device by {r['logit_diff']:.3g}"
 
@@ -200,8 +204,10 @@ def test_every_parameter_has_declared_axes():
     from gemma4_nnx.io.hf import abstract_model, variables_by_path
     from tests.helpers import tiny_config
 
-    for cfg in (tiny_config(), tiny_config(enable_moe_block=True, num_experts=4, top_k_experts=2,
-                                           moe_intermediate_size=24)):
+    for cfg in (
+        tiny_config(),
+        tiny_config(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24),
+    ):
         for path, var in variables_by_path(abstract_model(cfg, jax.numpy.float32)).items():
             axes = sh.logical_axes(path)
             assert len(axes) == len(var.shape) or axes == (None,), (path, axes, var.shape)

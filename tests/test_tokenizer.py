@@ -271,9 +271,7 @@ def test_chat_single_user_turn() -> None:
 
 def test_chat_system_and_user() -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert format_chat(msgs) == (
-        "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
-    )
+    assert format_chat(msgs) == ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n")
 
 
 def test_chat_multi_turn_strips_prior_thoughts() -> None:

@@ -37,8 +37,9 @@ def prompt_columns(longest: int, prefill_chunk: int | None) -> tuple[int, int]:
     return padded, padded
 
 
-def bucket_shapes(batch: int, prompt_len: int, max_new_tokens: int, *, max_length: int | None,
-                  context: int, prefill_chunk: int | None) -> tuple[int, int, int, int]:
+def bucket_shapes(
+    batch: int, prompt_len: int, max_new_tokens: int, *, max_length: int | None, context: int, prefill_chunk: int | None
+) -> tuple[int, int, int, int]:
     """`generate`'s (batch bucket, padded prompt length, new-token bucket, cache slots) for a call.
 
     Cache slots: `max_length` if given, else `min(pow2(padded prompt + new bucket), context)`, at least

@@ -84,8 +84,9 @@ class RowState:
     sampling: RowParams
 
     @classmethod
-    def build(cls, requests: Sequence[Request | None], *, vocab_size: int, stop_width: int,
-              seen_width: int) -> RowState:
+    def build(
+        cls, requests: Sequence[Request | None], *, vocab_size: int, stop_width: int, seen_width: int
+    ) -> RowState:
         """Initial host-side (NumPy) state of rows for these requests; None: an empty row (done)."""
         n = len(requests)
         real = [r for r in requests if r is not None]
@@ -93,9 +94,17 @@ class RowState:
         key = np.zeros((n, _key_width()), np.uint32)
         params = [SamplingParams() if r is None else r.params for r in requests]
         sampling, _ = RowParams.of(params, vocab_size)
-        state = cls(token=np.zeros(n, np.int32), pos=np.zeros(n, np.int32), key=key, step=np.zeros(n, np.int32),
-                    limit=np.zeros(n, np.int32), done=np.ones(n, bool), stops=np.full((n, stop_width), -1, np.int32),
-                    seen=np.zeros((n, seen_width), bool), sampling=sampling)
+        state = cls(
+            token=np.zeros(n, np.int32),
+            pos=np.zeros(n, np.int32),
+            key=key,
+            step=np.zeros(n, np.int32),
+            limit=np.zeros(n, np.int32),
+            done=np.ones(n, bool),
+            stops=np.full((n, stop_width), -1, np.int32),
+            seen=np.zeros((n, seen_width), bool),
+            sampling=sampling,
+        )
         j = 0
         for i, r in enumerate(requests):
             if r is None:
@@ -185,8 +194,15 @@ def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done):
     """Feed each of the first m rows its last token at its position -> (cache, logits [m, V])."""
     active = ~done[:m]
     part = cache.head(m)
-    logits, part = _forward(graphdef, weights, part, token[:m, None], jnp.where(active, pos[:m], -1)[:, None],
-                            active[:, None], jnp.zeros((m, 1), jnp.int32))
+    logits, part = _forward(
+        graphdef,
+        weights,
+        part,
+        token[:m, None],
+        jnp.where(active, pos[:m], -1)[:, None],
+        active[:, None],
+        jnp.zeros((m, 1), jnp.int32),
+    )
     return cache.put_head(part), logits
 
 
@@ -205,8 +221,9 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, logits, init: RowState | None = 
     step = sub.step + active
     done = sub.done | stopped | (active & (step >= sub.limit))
     seen = update_seen(sub.seen, jnp.where(active, tok, -1)) if penalty else sub.seen
-    sub = dataclasses.replace(sub, token=jnp.where(active, tok, sub.token), pos=sub.pos + active, step=step,
-                              done=done, seen=seen)
+    sub = dataclasses.replace(
+        sub, token=jnp.where(active, tok, sub.token), pos=sub.pos + active, step=step, done=done, seen=seen
+    )
     rows = sub if idx is None else _put(rows, idx, sub)
     return rows, Drawn(tok, lp, stopped, done, active)
 
@@ -224,9 +241,13 @@ class _LoopCarry:
 def _loop(cfg: DrawConfig, graphdef, weights, state: DecodeState, first: Drawn, out_size: int):
     """Decode on device until every row is done: out[:, 0] is `first` (the prefill's draw)."""
     b = first.token.shape[0]
-    carry = _LoopCarry(state, jnp.zeros((b, out_size), jnp.int32).at[:, 0].set(first.token),
-                       jnp.zeros((b, out_size), jnp.float32).at[:, 0].set(first.logprob),
-                       jnp.ones((b,), jnp.int32), jnp.int32(1))
+    carry = _LoopCarry(
+        state,
+        jnp.zeros((b, out_size), jnp.int32).at[:, 0].set(first.token),
+        jnp.zeros((b, out_size), jnp.float32).at[:, 0].set(first.logprob),
+        jnp.ones((b,), jnp.int32),
+        jnp.int32(1),
+    )
 
     def cond(c: _LoopCarry):
         return (c.i < out_size) & ~jnp.all(c.state.rows.done)
@@ -235,9 +256,13 @@ def _loop(cfg: DrawConfig, graphdef, weights, state: DecodeState, first: Drawn, 
         rows = c.state.rows
         cache, logits = _decode(b, graphdef, weights, c.state.cache, rows.token, rows.pos, rows.done)
         rows, d = _draw(cfg, rows, None, logits)
-        return _LoopCarry(DecodeState(cache, rows), c.out.at[:, c.i].set(jnp.where(d.active, d.token, 0)),
-                          c.logprobs.at[:, c.i].set(jnp.where(d.active, d.logprob, 0.0)),
-                          c.lengths + d.active.astype(jnp.int32), c.i + 1)
+        return _LoopCarry(
+            DecodeState(cache, rows),
+            c.out.at[:, c.i].set(jnp.where(d.active, d.token, 0)),
+            c.logprobs.at[:, c.i].set(jnp.where(d.active, d.logprob, 0.0)),
+            c.lengths + d.active.astype(jnp.int32),
+            c.i + 1,
+        )
 
     c = jax.lax.while_loop(cond, body, carry)
     return c.state, c.out, c.logprobs, c.lengths
@@ -295,8 +320,17 @@ class Decoder:
     state is committed to the weights' device.
     """
 
-    def __init__(self, model, *, rows: int, max_length: int, cache_dtype=None, stop_width: int = 4,
-                 seen_width: int = 1, mesh=None):
+    def __init__(
+        self,
+        model,
+        *,
+        rows: int,
+        max_length: int,
+        cache_dtype=None,
+        stop_width: int = 4,
+        seen_width: int = 1,
+        mesh=None,
+    ):
         _listen()
         self.config = model.config
         self.graphdef, self.weights = nnx.split(model)
@@ -329,14 +363,16 @@ class Decoder:
             cache = jax.jit(init, out_shardings=sharding.cache_shardings(jax.eval_shape(init), self.mesh))()
         else:
             cache = self._place(KVCache.init(self.config, self.rows, self.max_length, self.cache_dtype))
-        empty = RowState.build([None] * self.rows, vocab_size=self.vocab_size, stop_width=self.stop_width,
-                               seen_width=self.seen_width)
+        empty = RowState.build(
+            [None] * self.rows, vocab_size=self.vocab_size, stop_width=self.stop_width, seen_width=self.seen_width
+        )
         self.state = DecodeState(cache, self._place(empty))
 
     def start(self, requests: Sequence[Request | None]) -> None:
         """Set every row's initial state at once (`generate`: the batch is known up front)."""
-        rows = RowState.build(requests, vocab_size=self.vocab_size, stop_width=self.stop_width,
-                              seen_width=self.seen_width)
+        rows = RowState.build(
+            requests, vocab_size=self.vocab_size, stop_width=self.stop_width, seen_width=self.seen_width
+        )
         self.state = dataclasses.replace(self.state, rows=self._place(rows))
 
     def widen_stops(self, stop_width: int) -> None:
@@ -369,19 +405,33 @@ class Decoder:
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         cache = self.state.cache
         for c0, ids, pos, valid in batch.chunks():
-            cache, logits = self._run("prefill", _prefill_jit, self.graphdef, self.weights, cache, idx,
-                                      jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(valid), last, logits,
-                                      jnp.int32(c0), jnp.bool_(c0 == 0))
+            cache, logits = self._run(
+                "prefill",
+                _prefill_jit,
+                self.graphdef,
+                self.weights,
+                cache,
+                idx,
+                jnp.asarray(ids),
+                jnp.asarray(pos),
+                jnp.asarray(valid),
+                last,
+                logits,
+                jnp.int32(c0),
+                jnp.bool_(c0 == 0),
+            )
         self.state = dataclasses.replace(self.state, cache=cache)
         return logits
 
-    def draw(self, cfg: DrawConfig, logits: Array, idx: np.ndarray | None = None,
-             init: RowState | None = None) -> Drawn:
+    def draw(
+        self, cfg: DrawConfig, logits: Array, idx: np.ndarray | None = None, init: RowState | None = None
+    ) -> Drawn:
         """Sample rows `idx` (None: every row) from `logits`; `init`: their initial state, written
         first (`RowState.build` of the joining requests). Returns the `Drawn` on the host (NumPy)."""
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
-        rows, drawn = self._run("draw", _draw_jit, cfg, self.state.rows, idx, logits,
-                                None if init is None else self._place(init))
+        rows, drawn = self._run(
+            "draw", _draw_jit, cfg, self.state.rows, idx, logits, None if init is None else self._place(init)
+        )
         self.state = dataclasses.replace(self.state, rows=rows)
         return jax.device_get(drawn)
 
@@ -389,8 +439,9 @@ class Decoder:
         """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m."""
         m = self.rows if m is None else m
         rows = self.state.rows
-        cache, logits = self._run("decode", _decode_jit, m, self.graphdef, self.weights, self.state.cache,
-                                  rows.token, rows.pos, rows.done)
+        cache, logits = self._run(
+            "decode", _decode_jit, m, self.graphdef, self.weights, self.state.cache, rows.token, rows.pos, rows.done
+        )
         self.state = dataclasses.replace(self.state, cache=cache)
         return self.draw(cfg, logits, None if m == self.rows else np.arange(m))
 
@@ -403,6 +454,14 @@ class Decoder:
     def loop(self, cfg: DrawConfig, first: Drawn, out_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decode on device until every row is done (at most `out_size` tokens a row, `first`
         included). Returns host (tokens [B, out_size], logprobs [B, out_size], lengths [B])."""
-        self.state, out, lps, lengths = self._run("loop", _loop_jit, cfg, self.graphdef, self.weights, self.state,
-                                                  jax.tree_util.tree_map(jnp.asarray, first), out_size)
+        self.state, out, lps, lengths = self._run(
+            "loop",
+            _loop_jit,
+            cfg,
+            self.graphdef,
+            self.weights,
+            self.state,
+            jax.tree_util.tree_map(jnp.asarray, first),
+            out_size,
+        )
         return np.asarray(out), np.asarray(lps), np.asarray(lengths)

@@ -155,24 +155,40 @@ class Engine:
         the KV cache is sharded the same way (`gemma4_nnx.sharding`).
     """
 
-    def __init__(self, model, tokenizer=None, *, max_batch: int = 8, max_length: int | None = None,
-                 prefill_chunk: int | None = None, cache_dtype=None, precompile: Sequence[int] | None = None,
-                 mesh=None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_batch: int = 8,
+        max_length: int | None = None,
+        prefill_chunk: int | None = None,
+        cache_dtype=None,
+        precompile: Sequence[int] | None = None,
+        mesh=None,
+    ):
         check_int(max_batch, "max_batch", lo=1)
         context = model.config.max_position_embeddings
         max_length = min(context, DEFAULT_MAX_LENGTH) if max_length is None else max_length
         check_int(max_length, "max_length", lo=2)
         if max_length > context:
-            raise RequestError(f"max_length must be an int in [2, {context}] (the model's context), got {max_length}",
-                               "max_length")
+            raise RequestError(
+                f"max_length must be an int in [2, {context}] (the model's context), got {max_length}", "max_length"
+            )
         check_int(prefill_chunk, "prefill_chunk", lo=1, optional=True)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
         self.vocab_size = model.config.vocab_size
         self.default_stops = tuple(tokenizer.stop_ids) if tokenizer is not None else tuple(model.config.eos_token_id)
-        self.decoder = Decoder(model, rows=max_batch, max_length=max_length, cache_dtype=cache_dtype,
-                               stop_width=max(4, pow2(len(self.default_stops))), seen_width=self.vocab_size,
-                               mesh=mesh)
+        self.decoder = Decoder(
+            model,
+            rows=max_batch,
+            max_length=max_length,
+            cache_dtype=cache_dtype,
+            stop_width=max(4, pow2(len(self.default_stops))),
+            seen_width=self.vocab_size,
+            mesh=mesh,
+        )
         self._slots: list[EngineRequest | None] = [None] * max_batch
         self._pending: deque[EngineRequest] = deque()
         self._cv = threading.Condition()
@@ -198,24 +214,49 @@ class Engine:
     def pending(self) -> int:
         return len(self._pending)
 
-    def validate(self, prompt: Sequence[int], max_tokens: int | None = None, *, seed: int | None = None,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 min_p: float | None = None, repetition_penalty: float | None = None,
-                 stop_tokens: Sequence[int] | None = None, stop_strings: Sequence[str] | None = None) -> Request:
+    def validate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int | None = None,
+        *,
+        seed: int | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        stop_tokens: Sequence[int] | None = None,
+        stop_strings: Sequence[str] | None = None,
+    ) -> Request:
         """Check a request; raises `RequestError` naming the argument ("prompt", "max_tokens",
         "temperature", ..., "stop_tokens", "stop_strings", "seed"). `max_tokens=None`: as many as the
         context leaves; `seed=None`: a random seed."""
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") >> 1
-        return make_request(prompt, max_tokens, vocab_size=self.vocab_size, context=self.max_length,
-                            context_name=f"max_length={self.max_length}",
-                            sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                          repetition_penalty=repetition_penalty),
-                            seed=seed, stop_tokens=stop_tokens, stop_strings=stop_strings,
-                            default_stops=self.default_stops, has_tokenizer=self.tokenizer is not None)
+        return make_request(
+            prompt,
+            max_tokens,
+            vocab_size=self.vocab_size,
+            context=self.max_length,
+            context_name=f"max_length={self.max_length}",
+            sampling=dict(
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
+            ),
+            seed=seed,
+            stop_tokens=stop_tokens,
+            stop_strings=stop_strings,
+            default_stops=self.default_stops,
+            has_tokenizer=self.tokenizer is not None,
+        )
 
-    def submit(self, prompt: Sequence[int] | Request, max_tokens: int | None = None, *,
-               sink: Callable[[Event], None] | None = None, **options) -> EngineRequest:
+    def submit(
+        self,
+        prompt: Sequence[int] | Request,
+        max_tokens: int | None = None,
+        *,
+        sink: Callable[[Event], None] | None = None,
+        **options,
+    ) -> EngineRequest:
         """Queue a request (token ids and the options of :meth:`validate`, or a validated `Request`);
         returns at once. Events arrive through `sink` (called from the engine thread) or, without one,
         by iterating the returned request. Raises `RequestError` for bad input, `EngineError` when the
@@ -304,8 +345,12 @@ class Engine:
         self.decoder.widen_stops(max(pow2(len(r.stop_tokens)) for r in requests))
         idx = np.array([slot for slot, _ in pairs] + [self.max_batch] * (kb - k), np.int32)  # padding: dropped
         logits = self.decoder.prefill(PromptBatch.build([r.prompt for r in requests], kb, self.prefill_chunk), idx)
-        init = RowState.build(requests + [None] * (kb - k), vocab_size=self.vocab_size,
-                              stop_width=self.decoder.stop_width, seen_width=self.decoder.seen_width)
+        init = RowState.build(
+            requests + [None] * (kb - k),
+            vocab_size=self.vocab_size,
+            stop_width=self.decoder.stop_width,
+            seen_width=self.decoder.seen_width,
+        )
         drawn = self.decoder.draw(self._config([r.params for r in requests]), logits, idx, init)
         self.stats.prefills += 1
         self.stats.prefill_rows += k
@@ -366,6 +411,10 @@ class Engine:
             for kb in joining:
                 idx = np.full((kb,), self.max_batch, np.int32)
                 logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
-                init = RowState.build([None] * kb, vocab_size=self.vocab_size, stop_width=self.decoder.stop_width,
-                                      seen_width=self.decoder.seen_width)
+                init = RowState.build(
+                    [None] * kb,
+                    vocab_size=self.vocab_size,
+                    stop_width=self.decoder.stop_width,
+                    seen_width=self.decoder.seen_width,
+                )
                 self.decoder.draw(greedy, logits, idx, init)

@@ -111,8 +111,21 @@ class _Run:
     new_bucket: int
 
 
-def _start(model, prompts, max_new_tokens, *, sampling, stop_tokens, stop_strings, seed, tokenizer,
-           return_logprobs, max_length, prefill_chunk, cache_dtype) -> _Run:
+def _start(
+    model,
+    prompts,
+    max_new_tokens,
+    *,
+    sampling,
+    stop_tokens,
+    stop_strings,
+    seed,
+    tokenizer,
+    return_logprobs,
+    max_length,
+    prefill_chunk,
+    cache_dtype,
+) -> _Run:
     """Validate every argument, prefill, draw the first tokens: the common start of both drivers."""
     config = model.config
     check_int(max_new_tokens, "max_new_tokens", lo=1)
@@ -123,19 +136,42 @@ def _start(model, prompts, max_new_tokens, *, sampling, stop_tokens, stop_string
     context = max_length if max_length is not None else config.max_position_embeddings
     context_name = f"max_length={context}" if max_length is not None else f"max_position_embeddings={context}"
     default_stops = tokenizer.stop_ids if tokenizer is not None else config.eos_token_id
-    requests = [make_request(p, max_new_tokens, vocab_size=config.vocab_size, context=context,
-                             context_name=context_name, sampling=sampling, seed=seed, row=r, stop_tokens=stop_tokens,
-                             stop_strings=stop_strings, default_stops=default_stops,
-                             has_tokenizer=tokenizer is not None,
-                             names=dict(prompt=f"prompts[{r}]", max_tokens="max_new_tokens"))
-                for r, p in enumerate(prompts)]
-    bb, _, nb, t = bucket_shapes(len(requests), max(len(r.prompt) for r in requests), max_new_tokens,
-                                 max_length=max_length, context=context, prefill_chunk=prefill_chunk)
+    requests = [
+        make_request(
+            p,
+            max_new_tokens,
+            vocab_size=config.vocab_size,
+            context=context,
+            context_name=context_name,
+            sampling=sampling,
+            seed=seed,
+            row=r,
+            stop_tokens=stop_tokens,
+            stop_strings=stop_strings,
+            default_stops=default_stops,
+            has_tokenizer=tokenizer is not None,
+            names=dict(prompt=f"prompts[{r}]", max_tokens="max_new_tokens"),
+        )
+        for r, p in enumerate(prompts)
+    ]
+    bb, _, nb, t = bucket_shapes(
+        len(requests),
+        max(len(r.prompt) for r in requests),
+        max_new_tokens,
+        max_length=max_length,
+        context=context,
+        prefill_chunk=prefill_chunk,
+    )
     params = requests[0].params
     features = RowParams.of([params], config.vocab_size)[1]
-    decoder = Decoder(model, rows=bb, max_length=t, cache_dtype=cache_dtype,
-                      stop_width=max(4, pow2(len(requests[0].stop_tokens))),
-                      seen_width=config.vocab_size if params.uses_penalty else 1)
+    decoder = Decoder(
+        model,
+        rows=bb,
+        max_length=t,
+        cache_dtype=cache_dtype,
+        stop_width=max(4, pow2(len(requests[0].stop_tokens))),
+        seen_width=config.vocab_size if params.uses_penalty else 1,
+    )
     decoder.start(requests + [None] * (bb - len(requests)))
     logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk))
     cfg = DrawConfig(features, bool(return_logprobs))
@@ -143,12 +179,25 @@ def _start(model, prompts, max_new_tokens, *, sampling, stop_tokens, stop_string
 
 
 # ------------------------------------------------------------------------------------------- drivers
-def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-             repetition_penalty: float | None = None, stop_tokens: Sequence[int] | None = None,
-             stop_strings: Sequence[str] | None = None, seed: int = 0, tokenizer=None,
-             return_logprobs: bool = False, max_length: int | None = None, prefill_chunk: int | None = None,
-             cache_dtype=None) -> GenerateResult:
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    stop_strings: Sequence[str] | None = None,
+    seed: int = 0,
+    tokenizer=None,
+    return_logprobs: bool = False,
+    max_length: int | None = None,
+    prefill_chunk: int | None = None,
+    cache_dtype=None,
+) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens for each prompt (token-id lists of any lengths).
 
     Greedy when `temperature == 0`; otherwise samples with top-k / top-p / min-p in transformers'
@@ -163,13 +212,25 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
     not changed (a plain `model(ids)` works at any time).
     Raises `RequestError` (a ValueError naming the argument) for invalid input.
     """
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-              repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, stop_strings=stop_strings, seed=seed,
-              tokenizer=tokenizer, return_logprobs=return_logprobs, max_length=max_length,
-              prefill_chunk=prefill_chunk, cache_dtype=cache_dtype)
+    kw = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        stop_tokens=stop_tokens,
+        stop_strings=stop_strings,
+        seed=seed,
+        tokenizer=tokenizer,
+        return_logprobs=return_logprobs,
+        max_length=max_length,
+        prefill_chunk=prefill_chunk,
+        cache_dtype=cache_dtype,
+    )
     if stop_strings:
-        return _collect(list(generate_stream(model, prompts, max_new_tokens, **kw)), len(prompts), return_logprobs,
-                        tokenizer)
+        return _collect(
+            list(generate_stream(model, prompts, max_new_tokens, **kw)), len(prompts), return_logprobs, tokenizer
+        )
     run = _start(model, prompts, max_new_tokens, **_start_kwargs(kw))
     out, lps, lengths = run.decoder.loop(run.cfg, run.first, run.new_bucket)
     tokens, reasons, logprobs = [], [], []
@@ -187,23 +248,53 @@ def _start_kwargs(kw: dict) -> dict:
     return dict(kw, sampling=sampling)
 
 
-def generate_stream(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                    top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                    repetition_penalty: float | None = None, stop_tokens: Sequence[int] | None = None,
-                    stop_strings: Sequence[str] | None = None, seed: int = 0, tokenizer=None,
-                    return_logprobs: bool = False, max_length: int | None = None,
-                    prefill_chunk: int | None = None, cache_dtype=None) -> Iterator[StreamStep]:
+def generate_stream(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    stop_strings: Sequence[str] | None = None,
+    seed: int = 0,
+    tokenizer=None,
+    return_logprobs: bool = False,
+    max_length: int | None = None,
+    prefill_chunk: int | None = None,
+    cache_dtype=None,
+) -> Iterator[StreamStep]:
     """Like :func:`generate`, but yields a :class:`StreamStep` after every decode step (the first
     after prefill). Same arguments and the same tokens as `generate` for the same seed. With a
     tokenizer, each step carries the new text of every row (multi-byte characters are held back until
     complete) and `stop_strings` end a row as soon as its text contains one, even one spanning several
     tokens: text that may begin a stop string is held back until decided, so no part of a stop
     string is ever yielded (`text.StopMatcher`)."""
-    run = _start(model, prompts, max_new_tokens, **_start_kwargs(dict(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-        stop_tokens=stop_tokens, stop_strings=stop_strings, seed=seed, tokenizer=tokenizer,
-        return_logprobs=return_logprobs, max_length=max_length, prefill_chunk=prefill_chunk,
-        cache_dtype=cache_dtype)))
+    run = _start(
+        model,
+        prompts,
+        max_new_tokens,
+        **_start_kwargs(
+            dict(
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                repetition_penalty=repetition_penalty,
+                stop_tokens=stop_tokens,
+                stop_strings=stop_strings,
+                seed=seed,
+                tokenizer=tokenizer,
+                return_logprobs=return_logprobs,
+                max_length=max_length,
+                prefill_chunk=prefill_chunk,
+                cache_dtype=cache_dtype,
+            )
+        ),
+    )
     b, bb = len(run.requests), run.decoder.rows
     streams = [TextStream(tokenizer, r.stop_strings) for r in run.requests]
     reasons: list[FinishReason | None] = [None] * b
@@ -217,8 +308,9 @@ def generate_stream(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
                 continue
             out_tok[r] = int(drawn.token[r])
             out_lp[r] = float(drawn.logprob[r]) if return_logprobs else None
-            text, reasons[r] = streams[r].feed(out_tok[r], stopped=bool(drawn.stopped[r]),
-                                               last=step == max_new_tokens - 1)
+            text, reasons[r] = streams[r].feed(
+                out_tok[r], stopped=bool(drawn.stopped[r]), last=step == max_new_tokens - 1
+            )
             if out_txt is not None:
                 out_txt[r] = text
         finished = [x is not None for x in reasons]
@@ -242,5 +334,6 @@ def _collect(steps: list[StreamStep], n: int, with_lp: bool, tokenizer) -> Gener
                     lps[r].append(st.logprobs[r])
                 if st.texts is not None:
                     texts[r] += st.texts[r]
-    return GenerateResult(tokens, list(steps[-1].finish_reasons), lps if with_lp else None,
-                          texts if tokenizer is not None else None)
+    return GenerateResult(
+        tokens, list(steps[-1].finish_reasons), lps if with_lp else None, texts if tokenizer is not None else None
+    )

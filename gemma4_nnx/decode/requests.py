@@ -74,10 +74,22 @@ def _token_ids(prompt, name: str, vocab_size: int) -> tuple[int, ...]:
     return ids
 
 
-def make_request(prompt, max_tokens: int | None, *, vocab_size: int, context: int, context_name: str,
-                 sampling: Mapping | None = None, seed=0, row: int = 0, stop_tokens=None,
-                 stop_strings=None, default_stops: Sequence[int] = (), has_tokenizer: bool = False,
-                 names: Mapping[str, str] | None = None) -> Request:
+def make_request(
+    prompt,
+    max_tokens: int | None,
+    *,
+    vocab_size: int,
+    context: int,
+    context_name: str,
+    sampling: Mapping | None = None,
+    seed=0,
+    row: int = 0,
+    stop_tokens=None,
+    stop_strings=None,
+    default_stops: Sequence[int] = (),
+    has_tokenizer: bool = False,
+    names: Mapping[str, str] | None = None,
+) -> Request:
     """Validate one request; `max_tokens=None` means: as many as the context leaves.
 
     context: the cache slots a row has (`context_name` names where that number comes from, e.g.
@@ -89,13 +101,20 @@ def make_request(prompt, max_tokens: int | None, *, vocab_size: int, context: in
     params = SamplingParams(**(sampling or {}))  # raises RequestError naming temperature / top_p / ...
     ids = _token_ids(prompt, p_name, vocab_size)
     if len(ids) >= context:
-        raise RequestError(f"{p_name} has {len(ids)} tokens, longer than the context ({context_name}) leaves room "
-                           "for", p_name, CONTEXT_LENGTH_EXCEEDED)
+        raise RequestError(
+            f"{p_name} has {len(ids)} tokens, longer than the context ({context_name}) leaves room for",
+            p_name,
+            CONTEXT_LENGTH_EXCEEDED,
+        )
     room = context - len(ids)
     n = room if max_tokens is None else check_int(max_tokens, n_name, lo=1)
     if n > room:
-        raise RequestError(f"{n_name}={n}: {p_name} ({len(ids)} tokens) plus the new tokens exceed the context "
-                           f"({context_name}); at most {room} new tokens fit", n_name, CONTEXT_LENGTH_EXCEEDED)
+        raise RequestError(
+            f"{n_name}={n}: {p_name} ({len(ids)} tokens) plus the new tokens exceed the context "
+            f"({context_name}); at most {room} new tokens fit",
+            n_name,
+            CONTEXT_LENGTH_EXCEEDED,
+        )
     if stop_tokens is None:
         stops = tuple(int(t) for t in default_stops)
     else:
@@ -104,8 +123,7 @@ def make_request(prompt, max_tokens: int | None, *, vocab_size: int, context: in
         try:
             stops = tuple(int(t) for t in stop_tokens)
         except (TypeError, ValueError):
-            raise RequestError(f"stop_tokens must be a list of token ids, got {stop_tokens!r}", "stop_tokens") \
-                from None
+            raise RequestError(f"stop_tokens must be a list of token ids, got {stop_tokens!r}", "stop_tokens") from None
         bad = [t for t in stops if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"stop_tokens has id {bad[0]} outside the vocabulary [0, {vocab_size})", "stop_tokens")

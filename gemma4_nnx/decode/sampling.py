@@ -143,8 +143,9 @@ class SamplingParams:
             raise RequestError(f"min_p must be None or a float in [0, 1], got {m!r}", "min_p")
         r = self.repetition_penalty
         if r is not None and (not _is_real(r) or not math.isfinite(r) or r <= 0):
-            raise RequestError(f"repetition_penalty must be None or a finite float > 0, got {r!r}",
-                               "repetition_penalty")
+            raise RequestError(
+                f"repetition_penalty must be None or a finite float > 0, got {r!r}", "repetition_penalty"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -159,7 +160,6 @@ class SamplingParams:
 def _is_real(x: object) -> bool:
     # NaN fails every range comparison below, so it is rejected there.
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,8 +182,9 @@ class RowParams:
     penalty: jax.Array
 
     @classmethod
-    def of(cls, params: Sequence[SamplingParams], vocab_size: int, *,
-           exact_top_k: bool = False) -> tuple[RowParams, RowFeatures]:
+    def of(
+        cls, params: Sequence[SamplingParams], vocab_size: int, *, exact_top_k: bool = False
+    ) -> tuple[RowParams, RowFeatures]:
         """NumPy arrays for one :class:`SamplingParams` per row, and the rows' :class:`RowFeatures`.
 
         The top-k width is the largest row k rounded up to a power of two (capped at V), so a server
@@ -191,12 +192,19 @@ class RowParams:
         sampled = [not p.is_greedy for p in params]
         rows = cls(
             temperature=np.array([p.temperature for p in params], np.float32),
-            top_k=np.array([min(p.top_k, vocab_size) if (p.top_k and s) else 0 for p, s in zip(params, sampled)],
-                           np.int32),
-            top_p_drop=np.array([np.float32(1.0 - p.top_p) if (s and p.top_p is not None and p.top_p < 1.0) else 0.0
-                                 for p, s in zip(params, sampled)], np.float32),
-            min_p=np.array([p.min_p if (s and p.min_p is not None) else 0.0 for p, s in zip(params, sampled)],
-                           np.float32),
+            top_k=np.array(
+                [min(p.top_k, vocab_size) if (p.top_k and s) else 0 for p, s in zip(params, sampled)], np.int32
+            ),
+            top_p_drop=np.array(
+                [
+                    np.float32(1.0 - p.top_p) if (s and p.top_p is not None and p.top_p < 1.0) else 0.0
+                    for p, s in zip(params, sampled)
+                ],
+                np.float32,
+            ),
+            min_p=np.array(
+                [p.min_p if (s and p.min_p is not None) else 0.0 for p, s in zip(params, sampled)], np.float32
+            ),
             penalty=np.array([p.repetition_penalty if p.uses_penalty else 1.0 for p in params], np.float32),
         )
         kmax = int(rows.top_k.max()) if len(params) else 0
@@ -295,8 +303,9 @@ def _filter(logits: jax.Array, rows: RowParams, features: RowFeatures) -> jax.Ar
     return x
 
 
-def sample_rows(logits: jax.Array, keys: jax.Array, rows: RowParams, seen_mask: jax.Array | None,
-                features: RowFeatures) -> jax.Array:
+def sample_rows(
+    logits: jax.Array, keys: jax.Array, rows: RowParams, seen_mask: jax.Array | None, features: RowFeatures
+) -> jax.Array:
     """Pick the next token of every row with that row's parameters.
 
     Args:
@@ -365,8 +374,7 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return _filter(logits, rows, features)
 
 
-def sample(logits: jax.Array, key: jax.Array, params: SamplingParams,
-           seen_mask: jax.Array | None = None) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, seen_mask: jax.Array | None = None) -> jax.Array:
     """Pick the next token of every row, all rows with the same static `params`.
 
     Args:

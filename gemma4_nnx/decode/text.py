@@ -51,10 +51,10 @@ class StopMatcher:
         hold = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(text)), hold, -1):
-                if s.startswith(text[len(text) - n:]):
+                if s.startswith(text[len(text) - n :]):
                     hold = n
                     break
-        self._held = text[len(text) - hold:] if hold else ""
+        self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
 
     def flush(self) -> str:

@@ -96,9 +96,14 @@ def _streaming_handler():
                     await info.await_path_creation()
                     write_shape = (value.block_rows,) + value.shape[1:] if value.shape else ()
                     spec = ts_utils.build_array_write_spec(
-                        info=info, arg=arg, global_shape=value.shape, local_shape=write_shape,
-                        dtype=value.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
-                        process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint))
+                        info=info,
+                        arg=arg,
+                        global_shape=value.shape,
+                        local_shape=write_shape,
+                        dtype=value.dtype,
+                        use_ocdbt=info.is_ocdbt_checkpoint,
+                        process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
+                    )
                     t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
                     for a, b in value.blocks():
                         block = np.ascontiguousarray(value.read(a, b), dtype=value.dtype)
@@ -155,16 +160,20 @@ def read_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     """metadata.json of a converted checkpoint, checked to be complete and of a known format."""
     d = os.fspath(ckpt_dir)
     if not os.path.isdir(d):
-        raise FileNotFoundError(f"checkpoint directory {d} does not exist; convert one with "
-                                "`gemma4-convert SRC DST`")
+        raise FileNotFoundError(f"checkpoint directory {d} does not exist; convert one with `gemma4-convert SRC DST`")
     meta_path = os.path.join(d, METADATA_FILE)
     if not os.path.isfile(meta_path):
-        hint = (" It looks like the temporary directory of an interrupted conversion: delete it and run "
-                "gemma4-convert again." if ".tmp-" in os.path.basename(os.path.normpath(d)) else
-                " Convert an HF checkpoint with `gemma4-convert SRC DST` (or use gemma4_nnx.from_hf for an HF "
-                "directory).")
-        raise CheckpointError(f"{d} is not a complete gemma4_nnx checkpoint: {METADATA_FILE} is missing "
-                              "(it is written last, so the conversion did not finish)." + hint)
+        hint = (
+            " It looks like the temporary directory of an interrupted conversion: delete it and run "
+            "gemma4-convert again."
+            if ".tmp-" in os.path.basename(os.path.normpath(d))
+            else " Convert an HF checkpoint with `gemma4-convert SRC DST` (or use gemma4_nnx.from_hf for an HF "
+            "directory)."
+        )
+        raise CheckpointError(
+            f"{d} is not a complete gemma4_nnx checkpoint: {METADATA_FILE} is missing "
+            "(it is written last, so the conversion did not finish)." + hint
+        )
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
@@ -174,12 +183,15 @@ def read_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}")
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{meta_path}: format_version {version!r} is newer than this gemma4_nnx reads "
-                              f"({FORMAT_VERSION}); upgrade gemma4_nnx")
+        raise CheckpointError(
+            f"{meta_path}: format_version {version!r} is newer than this gemma4_nnx reads "
+            f"({FORMAT_VERSION}); upgrade gemma4_nnx"
+        )
     params = os.path.join(d, PARAMS_DIR)
     if not os.path.isdir(params) or not os.path.isfile(os.path.join(params, "_METADATA")):
-        raise CheckpointError(f"{d}: the Orbax parameter checkpoint {params} is missing or incomplete; "
-                              "convert the checkpoint again")
+        raise CheckpointError(
+            f"{d}: the Orbax parameter checkpoint {params} is missing or incomplete; convert the checkpoint again"
+        )
     return meta
 
 
@@ -232,8 +244,10 @@ def _sharding_fn(sharding) -> Callable[[Path], jax.sharding.Sharding]:
             return table[key]
 
         return lookup
-    raise ValueError(f"sharding: expected a jax.sharding.Sharding, a callable path -> Sharding or a mapping, "
-                     f"got {type(sharding).__name__}")
+    raise ValueError(
+        f"sharding: expected a jax.sharding.Sharding, a callable path -> Sharding or a mapping, "
+        f"got {type(sharding).__name__}"
+    )
 
 
 def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtype=None, matmul="auto"):
@@ -271,8 +285,11 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
     bits = ple.get("bits")
     if config.use_ple and bits:
         n = config.num_hidden_layers * config.hidden_size_per_layer_input
-        model.embed_tokens_per_layer = nnx.eval_shape(lambda: QuantizedEmbedding(
-            config.vocab_size_per_layer_input, n, bits=bits, group=ple["group"], dtype=compute))
+        model.embed_tokens_per_layer = nnx.eval_shape(
+            lambda: QuantizedEmbedding(
+                config.vocab_size_per_layer_input, n, bits=bits, group=ple["group"], dtype=compute
+            )
+        )
     variables = variables_by_path(model)
     paths = [e.path for e in name_map(config)]
     if config.use_ple and bits:
@@ -289,13 +306,18 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
             restored = ckptr.restore(os.path.abspath(os.path.join(ckpt_dir, PARAMS_DIR)), args=item)
     except (ValueError, KeyError, FileNotFoundError) as e:
-        raise CheckpointError(f"{ckpt_dir}: the parameters do not match gemma4_config.json or are damaged "
-                              f"({type(e).__name__}: {str(e)[:500]}); convert the checkpoint again") from None
+        raise CheckpointError(
+            f"{ckpt_dir}: the parameters do not match gemma4_config.json or are damaged "
+            f"({type(e).__name__}: {str(e)[:500]}); convert the checkpoint again"
+        ) from None
     flat = _flatten(restored)
     for path in paths:
         variables[path].set_value(flat[tuple(map(str, path))])
-    left = [".".join(map(str, p)) for p, v in variables_by_path(model).items()
-            if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    left = [
+        ".".join(map(str, p))
+        for p, v in variables_by_path(model).items()
+        if isinstance(v.get_value(), jax.ShapeDtypeStruct)
+    ]
     if left:
         raise CheckpointError(f"{ckpt_dir}: parameters left unfilled: {left}")
     return model

@@ -32,8 +32,15 @@ from gemma4_nnx.io.hf import CheckpointError, Entry, TensorInfo, plan_load, read
 DTYPES = ("bfloat16", "float32")
 PLE_MODES = {"int4": 4, "int8": 8, "none": None}
 #: Files copied from SRC when present (the tokenizer and what generation needs).
-COPY_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-              "chat_template.jinja", "chat_template.json", "generation_config.json")
+COPY_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 BLOCK_BYTES = 64 * 2**20  # rows read and written per step (source bytes)
 QUANT_BLOCK_BYTES = 32 * 2**20  # smaller: quantize_rows holds ~3 float64 copies of its block
 
@@ -73,8 +80,10 @@ class Progress:
     def line(self) -> str:
         done = self.bytes / self.total_bytes
         bar = "#" * int(done * 30)
-        return (f"[{bar:<30}] {100 * done:5.1f}%  {self.bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB  "
-                f"{self.tensors}/{self.total_tensors} tensors  {time.monotonic() - self.start:.0f}s")
+        return (
+            f"[{bar:<30}] {100 * done:5.1f}%  {self.bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB  "
+            f"{self.tensors}/{self.total_tensors} tensors  {time.monotonic() - self.start:.0f}s"
+        )
 
     def close(self) -> None:
         if self.enabled:  # the final state, whatever was drawn last
@@ -155,8 +164,10 @@ class _QuantizedTable:
             if n == total:
                 self.progress.add(tensors=1)
 
-        return {"codes": ck.LazyTensor((self.rows, code_cols), code_dtype, read_codes, self.block, done),
-                "scales": ck.LazyTensor(self.scales.shape, np.float32, read_scales, self.block)}
+        return {
+            "codes": ck.LazyTensor((self.rows, code_cols), code_dtype, read_codes, self.block, done),
+            "scales": ck.LazyTensor(self.scales.shape, np.float32, read_scales, self.block),
+        }
 
 
 # ---------------------------------------------------------------------------- conversion
@@ -184,7 +195,7 @@ def _remove_stale_temps(dst: str) -> None:
     for fn in os.listdir(parent or "."):
         if fn.startswith(prefix):
             try:
-                pid = int(fn[len(prefix):].split("-")[0])
+                pid = int(fn[len(prefix) :].split("-")[0])
             except ValueError:
                 continue
             if not _pid_alive(pid):
@@ -196,18 +207,28 @@ def _check_destination(src: str, dst: str, overwrite: bool) -> None:
         raise ValueError(f"dst: {dst} is the source directory; choose another destination")
     if os.path.lexists(dst):
         if not overwrite:
-            raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it, "
-                                  "or choose another destination")
+            raise FileExistsError(
+                f"{dst} already exists; pass --overwrite (overwrite=True) to replace it, or choose another destination"
+            )
         if not os.path.isdir(dst) or (os.listdir(dst) and not os.path.isfile(os.path.join(dst, ck.METADATA_FILE))):
-            raise FileExistsError(f"{dst} exists and is not a gemma4_nnx checkpoint; refusing to overwrite it "
-                                  "(delete it yourself if that is intended)")
+            raise FileExistsError(
+                f"{dst} exists and is not a gemma4_nnx checkpoint; refusing to overwrite it "
+                "(delete it yourself if that is intended)"
+            )
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"the parent directory of {dst} does not exist; create {parent} first")
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "bfloat16", ple: str = "int4",
-            overwrite: bool = False, progress: bool | None = None) -> str:
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    dtype: str = "bfloat16",
+    ple: str = "int4",
+    overwrite: bool = False,
+    progress: bool | None = None,
+) -> str:
     """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
 
     Args:
@@ -288,18 +309,31 @@ def _metadata(src, files, config, dtype, bits, group, copied, src_bytes, leaves)
         version = "unknown"
     ple = None
     if bits:
-        ple = {"bits": bits, "group": group, "scheme": "symmetric absmax, codes in [-qmax, qmax]",
-               "codes": "uint8, two int4 per byte, element 2j in the low nibble" if bits == 4 else "int8",
-               "scales": "float32 [V, L*P/group]"}
+        ple = {
+            "bits": bits,
+            "group": group,
+            "scheme": "symmetric absmax, codes in [-qmax, qmax]",
+            "codes": "uint8, two int4 per byte, element 2j in the low nibble" if bits == 4 else "int8",
+            "scales": "float32 [V, L*P/group]",
+        }
     return {
-        "format": ck.FORMAT, "format_version": ck.FORMAT_VERSION, "gemma4_nnx_version": version,
+        "format": ck.FORMAT,
+        "format_version": ck.FORMAT_VERSION,
+        "gemma4_nnx_version": version,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "dtype": dtype, "ple": ple,
-        "params": ck.PARAMS_DIR, "num_arrays": len(leaves),
+        "dtype": dtype,
+        "ple": ple,
+        "params": ck.PARAMS_DIR,
+        "num_arrays": len(leaves),
         "param_bytes": int(sum(leaf.nbytes for leaf in leaves.values())),
-        "source": {"dir": src, "bytes": int(src_bytes),
-                   "files": [{"name": os.path.relpath(f, src), "bytes": os.path.getsize(f)}
-                             for f in [os.path.join(src, "config.json")] + files]},
+        "source": {
+            "dir": src,
+            "bytes": int(src_bytes),
+            "files": [
+                {"name": os.path.relpath(f, src), "bytes": os.path.getsize(f)}
+                for f in [os.path.join(src, "config.json")] + files
+            ],
+        },
         "copied_files": copied,
     }
 
@@ -342,18 +376,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gemma4-convert",
         description="Convert a Hugging Face Gemma 4 checkpoint (config.json + safetensors) into a gemma4_nnx "
-                    "Orbax checkpoint, with the per-layer-embedding table pre-quantized.")
-    p.add_argument("src", help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
-                               "or a Gemma 3 .gguf file (needs the gguf package)")
+        "Orbax checkpoint, with the per-layer-embedding table pre-quantized.",
+    )
+    p.add_argument(
+        "src",
+        help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
+        "or a Gemma 3 .gguf file (needs the gguf package)",
+    )
     p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="stored dtype of float parameters")
-    p.add_argument("--ple", choices=tuple(PLE_MODES), default="int4",
-                   help="per-layer-embedding table storage: int4/int8 codes + float32 scale per (token, layer), "
-                        "or none (float, --dtype)")
+    p.add_argument(
+        "--ple",
+        choices=tuple(PLE_MODES),
+        default="int4",
+        help="per-layer-embedding table storage: int4/int8 codes + float32 scale per (token, layer), "
+        "or none (float, --dtype)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing gemma4_nnx checkpoint at DST")
     bar = p.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
-                     help="always show the progress bar (default: when stderr is a terminal)")
+    bar.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="always show the progress bar (default: when stderr is a terminal)",
+    )
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
     return p
 
@@ -365,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     t0 = time.monotonic()
     try:
-        out = convert(args.src, args.dst, dtype=args.dtype, ple=args.ple, overwrite=args.overwrite,
-                      progress=args.progress)
+        out = convert(
+            args.src, args.dst, dtype=args.dtype, ple=args.ple, overwrite=args.overwrite, progress=args.progress
+        )
     except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         _fail(str(e))
     except OSError as e:

@@ -25,12 +25,25 @@ from flax import nnx
 
 from gemma4_nnx.io.hf import name_map, variables_by_path
 
-_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
-              np.dtype(np.float64): "F64", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
+_ST_DTYPES = {
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(np.float64): "F64",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.int64): "I64",
+}
 _DTYPE_NAMES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 #: Files copied from the source checkpoint next to the weights when present (tokenizer etc.).
-COPY_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-              "generation_config.json", "chat_template.jinja", "chat_template.json")
+COPY_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _PLE = ("embed_tokens_per_layer",)
 
 
@@ -43,8 +56,11 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
         arr = np.ascontiguousarray(arr)
         if arr.dtype not in _ST_DTYPES:
             raise ValueError(f"tensor {name}: dtype {arr.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {
+            "dtype": _ST_DTYPES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
         arrays.append(arr)
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -71,8 +87,10 @@ def _lora_kernels(model: nnx.Module) -> dict[tuple, np.ndarray]:
 
 
 def _dequantized_ple(module, chunk: int = 4096) -> np.ndarray:
-    rows = [np.asarray(module(jnp.arange(s, min(s + chunk, module.num_embeddings))).astype(jnp.float32))
-            for s in range(0, module.num_embeddings, chunk)]
+    rows = [
+        np.asarray(module(jnp.arange(s, min(s + chunk, module.num_embeddings))).astype(jnp.float32))
+        for s in range(0, module.num_embeddings, chunk)
+    ]
     return np.concatenate(rows, axis=0)
 
 
@@ -115,8 +133,13 @@ def hf_tensors(model: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
     return out
 
 
-def to_hf(model: nnx.Module, out_dir: str | os.PathLike, *, dtype=None, copy_from: str | os.PathLike | None = None,
-          ) -> str:
+def to_hf(
+    model: nnx.Module,
+    out_dir: str | os.PathLike,
+    *,
+    dtype=None,
+    copy_from: str | os.PathLike | None = None,
+) -> str:
     """Write `model` as an HF `Gemma4ForCausalLM` directory: model.safetensors + config.json.
 
     dtype: None keeps the parameters' dtype; "bfloat16" / "float32" / "float16" (or a numpy/jax dtype)
@@ -134,8 +157,11 @@ def to_hf(model: nnx.Module, out_dir: str | os.PathLike, *, dtype=None, copy_fro
     os.makedirs(out_dir, exist_ok=True)
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
     cfg = model.config.to_hf_dict()
-    dtypes = {str(np.dtype(v.dtype)) for v in tensors.values() if np.issubdtype(v.dtype, np.floating)
-              or v.dtype == ml_dtypes.bfloat16}
+    dtypes = {
+        str(np.dtype(v.dtype))
+        for v in tensors.values()
+        if np.issubdtype(v.dtype, np.floating) or v.dtype == ml_dtypes.bfloat16
+    }
     cfg["dtype"] = "bfloat16" if "bfloat16" in dtypes else ("float16" if "float16" in dtypes else "float32")
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
@@ -149,7 +175,8 @@ def to_hf(model: nnx.Module, out_dir: str | os.PathLike, *, dtype=None, copy_fro
 
 def _load_any(path: str, dtype):
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
-            os.path.join(path, "gemma4_config.json")):
+        os.path.join(path, "gemma4_config.json")
+    ):
         from gemma4_nnx.io.hf import from_hf
 
         return from_hf(path, dtype=jnp.float32)
@@ -159,12 +186,19 @@ def _load_any(path: str, dtype):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gemma4-export", description="Export a gemma4_nnx checkpoint (or an HF "
-                                "directory, e.g. with --adapters) to HF safetensors + config.json.")
+    p = argparse.ArgumentParser(
+        prog="gemma4-export",
+        description="Export a gemma4_nnx checkpoint (or an HF "
+        "directory, e.g. with --adapters) to HF safetensors + config.json.",
+    )
     p.add_argument("ckpt", help="converted checkpoint directory (gemma4-convert) or HF model directory")
     p.add_argument("out", help="output directory (created)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPE_NAMES),
-                   help="dtype of the written tensors (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(_DTYPE_NAMES),
+        help="dtype of the written tensors (default: the checkpoint's)",
+    )
     p.add_argument("--adapters", default=None, help="LoRA adapters (save_adapters) to merge before export")
     return p
 

@@ -84,8 +84,9 @@ def _reader(gguf_path: str | os.PathLike):
     try:
         import gguf
     except ImportError:
-        raise ImportError("reading GGUF files needs the `gguf` package: pip install 'gemma4_nnx[gguf]' "
-                          "(or pip install gguf)") from None
+        raise ImportError(
+            "reading GGUF files needs the `gguf` package: pip install 'gemma4_nnx[gguf]' (or pip install gguf)"
+        ) from None
     path = Path(gguf_path)
     if not is_gguf(path):
         raise ValueError(f"gguf_path: {path} is not a GGUF file (missing or no GGUF magic)")
@@ -102,8 +103,10 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
     """The HF `config.json` dict (`Gemma3ForCausalLM`, model_type `gemma3_text`) of a Gemma 3 GGUF."""
     arch = _field(reader, "general.architecture")
     if arch != "gemma3":
-        raise ValueError(f"GGUF architecture is {arch!r}; only Gemma 3 ('gemma3') GGUF files can be imported "
-                         "(there is no llama.cpp Gemma 4 format to read)")
+        raise ValueError(
+            f"GGUF architecture is {arch!r}; only Gemma 3 ('gemma3') GGUF files can be imported "
+            "(there is no llama.cpp Gemma 4 format to read)"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"gemma3.{key}", default)
@@ -129,21 +132,32 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
     eps = float(get("attention.layer_norm_rms_epsilon", 1e-6))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     return {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-        "vocab_size": len(tokens.data), "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": n,
-        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": head_dim, "layer_types": layer_types, "sliding_window": int(get("attention.sliding_window", 4096)),
-        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                            "full_attention": full_rope},
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": len(tokens.data),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "layer_types": layer_types,
+        "sliding_window": int(get("attention.sliding_window", 4096)),
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": full_rope,
+        },
         "query_pre_attn_scalar": query_pre_attn_scalar,
         "rms_norm_eps": float(f"{eps:.6g}"),  # the GGUF holds float32(1e-6)
-        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
         "max_position_embeddings": int(get("context_length", 32768)),
         "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
         "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 1)),
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
-        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "attention_bias": False,
         "torch_dtype": "float32",
     }
 
@@ -215,8 +229,9 @@ def tokenizer_model_from_gguf(reader) -> bytes:
     ts.bos_id = int(_field(reader, "tokenizer.ggml.bos_token_id", 2))
     ts.eos_id = int(_field(reader, "tokenizer.ggml.eos_token_id", 1))
     ts.pad_id = int(_field(reader, "tokenizer.ggml.padding_token_id", 0))
-    ts.unk_piece, ts.bos_piece, ts.eos_piece, ts.pad_piece = (pieces[i] for i in (ts.unk_id, ts.bos_id,
-                                                                                  ts.eos_id, ts.pad_id))
+    ts.unk_piece, ts.bos_piece, ts.eos_piece, ts.pad_piece = (
+        pieces[i] for i in (ts.unk_id, ts.bos_id, ts.eos_id, ts.pad_id)
+    )
     ns = m.normalizer_spec
     ns.name = "identity"
     ns.add_dummy_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", False))
@@ -236,8 +251,9 @@ def tokenizer_model_from_gguf(reader) -> bytes:
 
 
 # ---------------------------------------------------------------------------- directory
-def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32",
-                   verbose: bool = False) -> str:
+def gguf_to_hf_dir(
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32", verbose: bool = False
+) -> str:
     """Write an HF-style Gemma 3 directory (config.json, model.safetensors, tokenizer.model) for a GGUF.
 
     dtype: "float32" (exact dequantized values, ~1 GiB for 270M) or "bfloat16". The directory is
@@ -271,17 +287,37 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, 
     tmp.mkdir()
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-             "pad_token_id": config["pad_token_id"]}, indent=2) + "\n", encoding="utf-8")
+        (tmp / "generation_config.json").write_text(
+            json.dumps(
+                {
+                    "bos_token_id": config["bos_token_id"],
+                    "eos_token_id": config["eos_token_id"],
+                    "pad_token_id": config["pad_token_id"],
+                },
+                indent=2,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
         (tmp / "tokenizer.model").write_bytes(tok)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         st = gguf_path.stat()
-        (tmp / _MARKER).write_text(json.dumps(
-            {"format_version": _FORMAT_VERSION, "source": str(gguf_path.resolve()), "source_bytes": st.st_size,
-             "source_mtime": st.st_mtime, "dtype": dtype,
-             "note": "derived from the GGUF weights: do not commit"}, indent=2) + "\n", encoding="utf-8")
+        (tmp / _MARKER).write_text(
+            json.dumps(
+                {
+                    "format_version": _FORMAT_VERSION,
+                    "source": str(gguf_path.resolve()),
+                    "source_bytes": st.st_size,
+                    "source_mtime": st.st_mtime,
+                    "dtype": dtype,
+                    "note": "derived from the GGUF weights: do not commit",
+                },
+                indent=2,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -305,13 +341,22 @@ def _is_current(hf_dir: Path, gguf_path: Path, dtype: str) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     st = gguf_path.stat()
-    return (meta.get("format_version") == _FORMAT_VERSION and meta.get("source_bytes") == st.st_size
-            and meta.get("source_mtime") == st.st_mtime and meta.get("dtype") == dtype
-            and all((hf_dir / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.model")))
+    return (
+        meta.get("format_version") == _FORMAT_VERSION
+        and meta.get("source_bytes") == st.st_size
+        and meta.get("source_mtime") == st.st_mtime
+        and meta.get("dtype") == dtype
+        and all((hf_dir / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.model"))
+    )
 
 
-def cached_hf_dir(gguf_path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
-                  dtype: str = "float32", verbose: bool = False) -> str:
+def cached_hf_dir(
+    gguf_path: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    verbose: bool = False,
+) -> str:
     """`gguf_to_hf_dir` into `<cache>/gguf/<name>-<dtype>/`, reused while the GGUF is unchanged
     (same size and mtime). The first import of the 270M GGUF takes about 30 s; a reuse is instant."""
     gguf_path = Path(gguf_path)

@@ -26,8 +26,16 @@ Path = tuple  # an NNX state path, e.g. ("layers", 3, "self_attn", "q_proj", "ke
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 #: Tensors of the multimodal checkpoint that the text model does not use.
-NON_TEXT_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
-                     "vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
+NON_TEXT_PREFIXES = (
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+    "vision_tower.",
+    "audio_tower.",
+    "embed_vision.",
+    "embed_audio.",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +84,16 @@ def name_map(config: Gemma4Config) -> list[Entry]:
     """
     gemma3 = config.model_family == "gemma3"
     norm_offset = 1.0 if gemma3 else 0.0
-    out = [Entry("embed_tokens.weight", ("embed_tokens", "embedding"), None),
-           Entry("norm.weight", ("norm", "scale"), None, offset=norm_offset)]
+    out = [
+        Entry("embed_tokens.weight", ("embed_tokens", "embedding"), None),
+        Entry("norm.weight", ("norm", "scale"), None, offset=norm_offset),
+    ]
     if config.use_ple:
-        out += [Entry("embed_tokens_per_layer.weight", ("embed_tokens_per_layer", "embedding"), None),
-                Entry("per_layer_model_projection.weight", ("per_layer_model_projection", "kernel"), "T"),
-                Entry("per_layer_projection_norm.weight", ("per_layer_projection_norm", "scale"), None)]
+        out += [
+            Entry("embed_tokens_per_layer.weight", ("embed_tokens_per_layer", "embedding"), None),
+            Entry("per_layer_model_projection.weight", ("per_layer_model_projection", "kernel"), "T"),
+            Entry("per_layer_projection_norm.weight", ("per_layer_projection_norm", "scale"), None),
+        ]
     for spec in config.layers:
         i = spec.index
         pre, root = f"layers.{i}.", ("layers", i)
@@ -92,10 +104,20 @@ def name_map(config: Gemma4Config) -> list[Entry]:
         def norm(hf: str, *path: str, pre=pre, root=root) -> Entry:
             return Entry(pre + hf + ".weight", root + path + ("scale",), None, offset=norm_offset)
 
-        out += [norm(n, n) for n in ("input_layernorm", "post_attention_layernorm",
-                                     "pre_feedforward_layernorm", "post_feedforward_layernorm")]
-        out += [lin("self_attn.q_proj", "self_attn", "q_proj"), lin("self_attn.o_proj", "self_attn", "o_proj"),
-                norm("self_attn.q_norm", "self_attn", "q_norm")]
+        out += [
+            norm(n, n)
+            for n in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        ]
+        out += [
+            lin("self_attn.q_proj", "self_attn", "q_proj"),
+            lin("self_attn.o_proj", "self_attn", "o_proj"),
+            norm("self_attn.q_norm", "self_attn", "q_norm"),
+        ]
         if not spec.is_consumer:
             out += [lin("self_attn.k_proj", "self_attn", "k_proj"), norm("self_attn.k_norm", "self_attn", "k_norm")]
             if not spec.k_eq_v:
@@ -103,31 +125,50 @@ def name_map(config: Gemma4Config) -> list[Entry]:
         out += [lin(f"mlp.{n}", "mlp", n) for n in ("gate_proj", "up_proj", "down_proj")]
         out.append(Entry(pre + "layer_scalar", root + ("layer_scalar",), None, default=1.0 if gemma3 else None))
         if config.use_ple:
-            out += [lin("per_layer_input_gate", "per_layer_input_gate"),
-                    lin("per_layer_projection", "per_layer_projection"),
-                    norm("post_per_layer_input_norm", "post_per_layer_input_norm")]
+            out += [
+                lin("per_layer_input_gate", "per_layer_input_gate"),
+                lin("per_layer_projection", "per_layer_projection"),
+                norm("post_per_layer_input_norm", "post_per_layer_input_norm"),
+            ]
         if config.enable_moe_block:
-            out += [norm("post_feedforward_layernorm_1", "post_feedforward_layernorm_1"),
-                    norm("pre_feedforward_layernorm_2", "moe", "pre_feedforward_layernorm_2"),
-                    norm("post_feedforward_layernorm_2", "moe", "post_feedforward_layernorm_2"),
-                    lin("router.proj", "moe", "router", "proj"),
-                    Entry(pre + "router.scale", root + ("moe", "router", "scale"), None),
-                    Entry(pre + "router.per_expert_scale", root + ("moe", "router", "per_expert_scale"), None),
-                    Entry(pre + "experts.gate_up_proj", root + ("moe", "experts", "gate_up"), "T021"),
-                    Entry(pre + "experts.down_proj", root + ("moe", "experts", "down"), "T021")]
+            out += [
+                norm("post_feedforward_layernorm_1", "post_feedforward_layernorm_1"),
+                norm("pre_feedforward_layernorm_2", "moe", "pre_feedforward_layernorm_2"),
+                norm("post_feedforward_layernorm_2", "moe", "post_feedforward_layernorm_2"),
+                lin("router.proj", "moe", "router", "proj"),
+                Entry(pre + "router.scale", root + ("moe", "router", "scale"), None),
+                Entry(pre + "router.per_expert_scale", root + ("moe", "router", "per_expert_scale"), None),
+                Entry(pre + "experts.gate_up_proj", root + ("moe", "experts", "gate_up"), "T021"),
+                Entry(pre + "experts.down_proj", root + ("moe", "experts", "down"), "T021"),
+            ]
     return out
 
 
 def ignored_names(config: Gemma4Config) -> set[str]:
     """K/V tensors Google's files still carry for KV-consumer layers; HF drops them, so do we."""
-    return {f"layers.{s.index}.self_attn.{n}.weight" for s in config.layers if s.is_consumer
-            for n in ("k_proj", "v_proj", "k_norm", "v_norm")}
+    return {
+        f"layers.{s.index}.self_attn.{n}.weight"
+        for s in config.layers
+        if s.is_consumer
+        for n in ("k_proj", "v_proj", "k_norm", "v_norm")
+    }
 
 
 # ---------------------------------------------------------------------------- safetensors reading
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
 
 
 class CheckpointError(ValueError):
@@ -158,12 +199,16 @@ class SafetensorsFile:
             with open(path, "rb") as f:
                 raw = f.read(8)
                 if len(raw) < 8:
-                    raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors "
-                                          "(truncated download?): download it again")
+                    raise CheckpointError(
+                        f"{path}: file is {size} bytes, too short to be safetensors "
+                        "(truncated download?): download it again"
+                    )
                 (n,) = struct.unpack("<Q", raw)
                 if n > size - 8 or n > 100 * 2**20:
-                    raise CheckpointError(f"{path}: header length {n} exceeds the file size {size} "
-                                          "(truncated or not a safetensors file): download it again")
+                    raise CheckpointError(
+                        f"{path}: header length {n} exceeds the file size {size} "
+                        "(truncated or not a safetensors file): download it again"
+                    )
                 header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e}): download the file again") from None
@@ -177,11 +222,14 @@ class SafetensorsFile:
                 begin, end = meta["data_offsets"]
                 shape = tuple(int(d) for d in meta["shape"])
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: tensor {name!r} has an unsupported or malformed header entry "
-                                      f"{meta!r}") from None
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has an unsupported or malformed header entry {meta!r}"
+                ) from None
             if base + end > size:
-                raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {base + end} but the file "
-                                      f"has {size} bytes; download the file again")
+                raise CheckpointError(
+                    f"{path}: truncated: tensor {name!r} ends at byte {base + end} but the file "
+                    f"has {size} bytes; download the file again"
+                )
             if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
                 raise CheckpointError(f"{path}: tensor {name!r} byte range does not match its shape {shape}")
             self.tensors[name] = TensorInfo(name, path, dtype, shape, base + begin, end - begin)
@@ -220,16 +268,19 @@ def safetensors_files(hf_dir: str) -> list[str]:
         files = sorted(set(weight_map.values()))
         missing = [fn for fn in files if not os.path.isfile(os.path.join(hf_dir, fn))]
         if missing:
-            raise CheckpointError(f"{index} names shard file(s) that do not exist: {missing}; download them "
-                                  "into the same directory")
+            raise CheckpointError(
+                f"{index} names shard file(s) that do not exist: {missing}; download them into the same directory"
+            )
         return [os.path.join(hf_dir, fn) for fn in files]
     if os.path.isfile(single):
         return [single]
     found = sorted(fn for fn in os.listdir(hf_dir) if fn.endswith(".safetensors")) if os.path.isdir(hf_dir) else []
     if len(found) == 1:
         return [os.path.join(hf_dir, found[0])]
-    raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json found "
-                          f"(safetensors files present: {found}); point at an HF model directory")
+    raise CheckpointError(
+        f"{hf_dir}: no model.safetensors or model.safetensors.index.json found "
+        f"(safetensors files present: {found}); point at an HF model directory"
+    )
 
 
 def text_tensors(hf_dir: str) -> dict[str, TensorInfo]:
@@ -241,7 +292,7 @@ def text_tensors(hf_dir: str) -> dict[str, TensorInfo]:
                 continue
             for prefix in TEXT_PREFIXES:
                 if name.startswith(prefix):
-                    name = name[len(prefix):]
+                    name = name[len(prefix) :]
                     break
             out[name] = info
     return out
@@ -266,8 +317,11 @@ def plan_load(config: Gemma4Config, tensors: dict[str, TensorInfo]) -> Plan:
     shapes = expected_hf_shapes(config)
     missing = sorted(n for n in expected if n not in tensors and expected[n].default is None)
     unexpected = sorted(n for n in tensors if n not in expected and n not in ignore)
-    misshaped = sorted(f"{n}: file {tensors[n].shape}, expected {shapes[n]}" for n in expected
-                       if n in tensors and tuple(tensors[n].shape) != shapes[n])
+    misshaped = sorted(
+        f"{n}: file {tensors[n].shape}, expected {shapes[n]}"
+        for n in expected
+        if n in tensors and tuple(tensors[n].shape) != shapes[n]
+    )
     problems = []
     if missing:
         problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing))
@@ -276,10 +330,14 @@ def plan_load(config: Gemma4Config, tensors: dict[str, TensorInfo]) -> Plan:
     if misshaped:
         problems.append(f"misshaped tensors ({len(misshaped)}): " + "; ".join(misshaped))
     if problems:
-        raise CheckpointError("checkpoint does not match its config.json:\n  " + "\n  ".join(problems)
-                              + "\nFix: use the config.json that belongs to these weights.")
-    items = sorted(((expected[n], tensors[n]) for n in expected if n in tensors),
-                   key=lambda it: (it[1].file, it[1].start))
+        raise CheckpointError(
+            "checkpoint does not match its config.json:\n  "
+            + "\n  ".join(problems)
+            + "\nFix: use the config.json that belongs to these weights."
+        )
+    items = sorted(
+        ((expected[n], tensors[n]) for n in expected if n in tensors), key=lambda it: (it[1].file, it[1].start)
+    )
     defaults = [(expected[n], shapes[n]) for n in expected if n not in tensors]
     return Plan(items, sum(t.nbytes for _, t in items), defaults)
 
@@ -297,8 +355,7 @@ def abstract_model(config: Gemma4Config, dtype, param_dtype=None, matmul="auto")
     from gemma4_nnx.model import Gemma4
 
     param_dtype = param_dtype or dtype
-    return nnx.eval_shape(lambda: Gemma4(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0),
-                                         matmul=matmul))
+    return nnx.eval_shape(lambda: Gemma4(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), matmul=matmul))
 
 
 def variables_by_path(model: nnx.Module) -> dict[Path, nnx.Variable]:
@@ -336,7 +393,10 @@ def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, s
 
 
 def _check_filled(model: nnx.Module) -> None:
-    left = [".".join(map(str, p)) for p, v in variables_by_path(model).items()
-            if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    left = [
+        ".".join(map(str, p))
+        for p, v in variables_by_path(model).items()
+        if isinstance(v.get_value(), jax.ShapeDtypeStruct)
+    ]
     if left:
         raise CheckpointError(f"parameters left unfilled: {left}")

@@ -53,8 +53,9 @@ def attend(q: Array, kv: KV, q_pos: Array, *, window: int | None, scale: float) 
 class Attention(nnx.Module):
     """Self-attention of one decoder layer. Consumers (KV sharing) have no k/v projections or norms."""
 
-    def __init__(self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs,
-                 matmul: Matmul = XLA):
+    def __init__(
+        self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs, matmul: Matmul = XLA
+    ):
         d, n, h, k = config.hidden_size, config.num_attention_heads, spec.head_dim, spec.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         self.window = config.sliding_window if spec.is_sliding else None
@@ -72,9 +73,15 @@ class Attention(nnx.Module):
             self.v_norm = RMSNorm(h, eps=eps, with_scale=False) if config.use_v_norm else None
         self.o_proj = linear(n * h, d, **kw)
 
-    def __call__(self, x: Array, rope: tuple[Array, Array], q_pos: Array, k_pos: Array,
-                 shared: KV | None = None, cache: LayerCache | None = None
-                 ) -> tuple[Array, KV, LayerCache | None]:
+    def __call__(
+        self,
+        x: Array,
+        rope: tuple[Array, Array],
+        q_pos: Array,
+        k_pos: Array,
+        shared: KV | None = None,
+        cache: LayerCache | None = None,
+    ) -> tuple[Array, KV, LayerCache | None]:
         """x [B, S, D]; q_pos [B, S] query positions; k_pos [B, S] positions of the new tokens as keys
         (-1 for padding); `cache`: this layer's cache (donor layers, when decoding). Returns the output
         [B, S, D], the K/V attended over (for consumers) and the updated cache."""
@@ -88,8 +95,7 @@ class Attention(nnx.Module):
             kv = shared
         else:
             k_raw = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-            v_raw = k_raw if self.v_proj is None else self.v_proj(x).reshape(b, s, self.num_kv_heads,
-                                                                             self.head_dim)
+            v_raw = k_raw if self.v_proj is None else self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
             k = apply_rope(self.k_norm(k_raw), cos, sin)
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
             kv = KV(k, v, k_pos)

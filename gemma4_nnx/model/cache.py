@@ -77,14 +77,17 @@ class LayerCache:
             self,
             k=self.k.at[rows, slots].set(new.k.astype(self.k.dtype), mode="drop"),
             v=self.v.at[rows, slots].set(new.v.astype(self.v.dtype), mode="drop"),
-            pos=self.pos.at[rows, slots].set(new.pos, mode="drop"))
+            pos=self.pos.at[rows, slots].set(new.pos, mode="drop"),
+        )
 
     def update(self, new: KV) -> tuple[KV, LayerCache]:
         """Store the new tokens' K/V; return (everything the new queries may attend over, new cache)."""
         if self.ring:
-            seen = KV(jnp.concatenate([self.k, new.k.astype(self.k.dtype)], axis=1),
-                      jnp.concatenate([self.v, new.v.astype(self.v.dtype)], axis=1),
-                      jnp.concatenate([self.pos, new.pos], axis=1))
+            seen = KV(
+                jnp.concatenate([self.k, new.k.astype(self.k.dtype)], axis=1),
+                jnp.concatenate([self.v, new.v.astype(self.v.dtype)], axis=1),
+                jnp.concatenate([self.pos, new.pos], axis=1),
+            )
             return seen, self._write(new)
         written = self._write(new)
         return KV(written.k, written.v, written.pos), written
@@ -114,8 +117,14 @@ class KVCache:
         layers = {}
         for spec in config.cache_layers:
             size = cache_size(spec, config, max_length)
-            layers[spec.index] = LayerCache.zeros(batch_size, size, spec.num_kv_heads, spec.head_dim,
-                                                  ring=spec.is_sliding and size < max_length, dtype=dtype)
+            layers[spec.index] = LayerCache.zeros(
+                batch_size,
+                size,
+                spec.num_kv_heads,
+                spec.head_dim,
+                ring=spec.is_sliding and size < max_length,
+                dtype=dtype,
+            )
         return cls(layers)
 
     @property
@@ -125,8 +134,9 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V (positions excluded)."""
-        return sum(int(c.k.size) * c.k.dtype.itemsize + int(c.v.size) * c.v.dtype.itemsize
-                   for c in self.layers.values())
+        return sum(
+            int(c.k.size) * c.k.dtype.itemsize + int(c.v.size) * c.v.dtype.itemsize for c in self.layers.values()
+        )
 
     def take(self, rows: Array) -> KVCache:
         """Rows `rows` [k] (an index >= batch_size reads the last row; `put` drops it again)."""
@@ -146,8 +156,9 @@ class KVCache:
 
     def reset(self, rows: Array) -> KVCache:
         """Forget rows (bool [B]) so their slots can take a new sequence."""
-        return KVCache({i: dataclasses.replace(c, pos=jnp.where(rows[:, None], -1, c.pos))
-                        for i, c in self.layers.items()})
+        return KVCache(
+            {i: dataclasses.replace(c, pos=jnp.where(rows[:, None], -1, c.pos)) for i, c in self.layers.items()}
+        )
 
 
 def cache_size(spec: LayerSpec, config: Gemma4Config, max_length: int) -> int:
@@ -160,5 +171,7 @@ def cache_size(spec: LayerSpec, config: Gemma4Config, max_length: int) -> int:
 def cache_bytes(config: Gemma4Config, batch_size: int, max_length: int, dtype=jnp.bfloat16) -> int:
     """Bytes of K+V cache `KVCache.init` allocates (positions excluded), from the config alone."""
     item = jnp.dtype(dtype).itemsize
-    return sum(2 * batch_size * cache_size(s, config, max_length) * s.num_kv_heads * s.head_dim * item
-               for s in config.cache_layers)
+    return sum(
+        2 * batch_size * cache_size(s, config, max_length) * s.num_kv_heads * s.head_dim * item
+        for s in config.cache_layers
+    )

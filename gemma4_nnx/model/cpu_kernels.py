@@ -49,15 +49,19 @@ __all__ = ["MAX_ROWS", "available", "matmul", "matmul_t", "unavailable_reason"]
 MAX_ROWS = 32
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
-_TARGETS = {"gemma4_bf16_cols": "Gemma4Bf16Cols", "gemma4_bf16_rows": "Gemma4Bf16Rows",
-            "gemma4_bf16_widen": "Gemma4Bf16Widen"}
+_TARGETS = {
+    "gemma4_bf16_cols": "Gemma4Bf16Cols",
+    "gemma4_bf16_rows": "Gemma4Bf16Rows",
+    "gemma4_bf16_widen": "Gemma4Bf16Widen",
+}
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once decided, "lib": the loaded library (kept alive), "error": why not
 
 
 def _cache_dir() -> str:
     return os.environ.get("GEMMA4_NNX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gemma4_nnx")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "gemma4_nnx"
+    )
 
 
 def _cpu_id() -> str:
@@ -79,8 +83,9 @@ def _build() -> str:
         raise RuntimeError("no C++ compiler found (set CXX)")
     with open(_SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), jaxlib.__version__.encode(),
-                                     cxx.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([source, jax.__version__.encode(), jaxlib.__version__.encode(), cxx.encode(), _cpu_id().encode()])
+    ).hexdigest()[:16]
     directory = _cache_dir()
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"cpu_kernels-{key}.so")
@@ -88,8 +93,20 @@ def _build() -> str:
         return path
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-           "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp]
+    cmd = [
+        cxx,
+        "-O3",
+        "-march=native",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-w",
+        "-I",
+        jax.ffi.include_dir(),
+        _SOURCE,
+        "-o",
+        tmp,
+    ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if out.returncode:
@@ -118,8 +135,12 @@ def available() -> bool:
             _state.update(ok=True, lib=lib)
         except Exception as e:  # no compiler, a failed build, an old jaxlib: XLA does the work instead
             _state.update(ok=False, error=f"{type(e).__name__}: {e}")
-            warnings.warn(f"gemma4_nnx: CPU bf16 kernels unavailable, using XLA (slower decode with bf16 "
-                          f"weights): {_state['error'][:500]}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"gemma4_nnx: CPU bf16 kernels unavailable, using XLA (slower decode with bf16 "
+                f"weights): {_state['error'][:500]}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return _state["ok"]
 
 
@@ -131,8 +152,10 @@ def unavailable_reason() -> str | None:
 # ------------------------------------------------------------------------------------------ primitives
 def _call(target: str, shape: tuple[int, ...], *args: Array) -> Array:
     if not _state.get("ok"):  # decided when the model was built (`available()`), not here
-        raise RuntimeError(f"gemma4_nnx CPU kernels are not registered ({_state.get('error') or 'never built'}); "
-                           "build the model with matmul='auto' or 'xla'")
+        raise RuntimeError(
+            f"gemma4_nnx CPU kernels are not registered ({_state.get('error') or 'never built'}); "
+            "build the model with matmul='auto' or 'xla'"
+        )
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")(*args)
 
 

@@ -54,8 +54,15 @@ class RMSNorm(nnx.Module):
     parameter-free variant used by v_norm and the MoE router.
     """
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, with_scale: bool = True,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-6,
+        with_scale: bool = True,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ):
         self.eps = eps
         self.with_scale = with_scale
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype)) if with_scale else None
@@ -122,8 +129,12 @@ class Matmul:
 
     def takes(self, kernel_dtype, dtype) -> bool:
         """Whether the CPU kernels multiply a `kernel_dtype` kernel in `dtype`."""
-        return (self.cpu_kernels and jnp.dtype(kernel_dtype) == jnp.bfloat16 and dtype is not None
-                and jnp.dtype(dtype) == jnp.float32)
+        return (
+            self.cpu_kernels
+            and jnp.dtype(kernel_dtype) == jnp.bfloat16
+            and dtype is not None
+            and jnp.dtype(dtype) == jnp.float32
+        )
 
     def __call__(self, x: Array, kernel: Array, dtype, precision=None) -> Array:
         """x [..., in] @ kernel [in, out] in `dtype`."""
@@ -157,11 +168,15 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype) -> Matm
     one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     if option == "cpu_kernels":
         if not one_cpu:
-            raise ValueError(f"matmul='cpu_kernels' needs a single CPU device (backend {jax.default_backend()!r}, "
-                             f"{jax.device_count()} devices); use matmul='xla'")
+            raise ValueError(
+                f"matmul='cpu_kernels' needs a single CPU device (backend {jax.default_backend()!r}, "
+                f"{jax.device_count()} devices); use matmul='xla'"
+            )
         if not cpu_kernels.available():
-            raise ValueError(f"matmul='cpu_kernels': the kernels are unavailable ({cpu_kernels.unavailable_reason()});"
-                             " use matmul='xla'")
+            raise ValueError(
+                f"matmul='cpu_kernels': the kernels are unavailable ({cpu_kernels.unavailable_reason()});"
+                " use matmul='xla'"
+            )
         return Matmul(cpu_kernels=True)
     wanted = jnp.dtype(param_dtype) == jnp.bfloat16 and dtype is not None and jnp.dtype(dtype) == jnp.float32
     return Matmul(cpu_kernels=bool(wanted and one_cpu and cpu_kernels.available()))
@@ -193,13 +208,23 @@ class _DotGeneral:
         return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision, **kwargs)
 
 
-def linear(din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs, precision=None,
-           matmul: Matmul = XLA) -> nnx.Linear:
+def linear(
+    din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs, precision=None, matmul: Matmul = XLA
+) -> nnx.Linear:
     """A bias-free projection (Gemma has no biases). Kernel layout [in, out]. A plain `nnx.Linear`
     whose product is `matmul`'s."""
-    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                      rngs=rngs, kernel_init=nnx.initializers.normal(0.02), promote_dtype=_Promote(matmul),
-                      dot_general=_DotGeneral(matmul))
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        rngs=rngs,
+        kernel_init=nnx.initializers.normal(0.02),
+        promote_dtype=_Promote(matmul),
+        dot_general=_DotGeneral(matmul),
+    )
 
 
 def matmul_of(lin: nnx.Module) -> Matmul:
@@ -228,15 +253,25 @@ class Embedding(nnx.Module):
     39.25; we do the same. The tied LM head (`attend`) uses the raw table, without the scale.
     """
 
-    def __init__(self, num_embeddings: int, features: int, *, scale: float = 1.0, dtype, param_dtype,
-                 rngs: nnx.Rngs, matmul: Matmul = XLA):
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        scale: float = 1.0,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+        matmul: Matmul = XLA,
+    ):
         self.num_embeddings = num_embeddings
         self.matmul = matmul
         self.features = features
         self.dtype = dtype
         self.lookup_scale = float(np.asarray(scale, dtype=param_dtype).astype(np.float64))
-        self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (num_embeddings, features),
-                                                                  param_dtype))
+        self.embedding = nnx.Param(
+            nnx.initializers.normal(0.02)(rngs.params(), (num_embeddings, features), param_dtype)
+        )
 
     def __call__(self, ids: Array) -> Array:
         rows = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)

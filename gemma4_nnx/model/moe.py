@@ -32,7 +32,7 @@ class Router(nnx.Module):
 
     def __call__(self, x: Array) -> tuple[Array, Array]:
         """x [T, D] -> (weights [T, k] float32, expert indices [T, k] int32)."""
-        r = scale_f32(self.norm(x) * self.scale[...].astype(x.dtype), self.dim ** -0.5)
+        r = scale_f32(self.norm(x) * self.scale[...].astype(x.dtype), self.dim**-0.5)
         probs = jax.nn.softmax(self.proj(r).astype(jnp.float32), axis=-1)
         weights, index = jax.lax.top_k(probs, self.top_k)
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -61,7 +61,7 @@ class Experts(nnx.Module):
         sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
         xs = x[token].astype(self.dtype)
         gu = jax.lax.ragged_dot(xs, self.gate_up[...].astype(self.dtype), sizes)
-        h = gelu_tanh(gu[:, : self.width]) * gu[:, self.width:]
+        h = gelu_tanh(gu[:, : self.width]) * gu[:, self.width :]
         out = jax.lax.ragged_dot(h, self.down[...].astype(self.dtype), sizes)
         out = (out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
         return jnp.zeros_like(x).at[token].add(out)

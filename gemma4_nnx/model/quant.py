@@ -126,9 +126,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def quantize_rows(
-    x: np.ndarray, bits: int, group: int = 256
-) -> tuple[np.ndarray, np.ndarray]:
+def quantize_rows(x: np.ndarray, bits: int, group: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Quantizes a row-major table group-wise and symmetrically (NumPy).
 
     Works on any row chunk of a table: results depend only on each row, so
@@ -221,9 +219,7 @@ def dequantize_rows(
     g = m // group
     lead = q.shape[:-1]
     if scales.shape != (*lead, g):
-        raise ValueError(
-            f"scales shape {scales.shape} does not match codes: expected {(*lead, g)}"
-        )
+        raise ValueError(f"scales shape {scales.shape} does not match codes: expected {(*lead, g)}")
     out = q.reshape(*lead, g, group).astype(jnp.float32) * scales.astype(jnp.float32)[..., None]
     return out.reshape(*lead, m).astype(dtype)
 
@@ -300,15 +296,11 @@ class QuantizedEmbedding(nnx.Module):
             raise ValueError(f"codes must be 2-D, got shape {codes.shape}")
         features = codes.shape[1] * (2 if bits == 4 else 1)
         # Build abstractly so the zero placeholders are never allocated.
-        mod = nnx.eval_shape(
-            lambda: cls(codes.shape[0], features, bits=bits, group=group, dtype=dtype)
-        )
+        mod = nnx.eval_shape(lambda: cls(codes.shape[0], features, bits=bits, group=group, dtype=dtype))
         for name, arr in (("codes", codes), ("scales", scales)):
             want = getattr(mod, name).get_value()
             if arr.shape != want.shape or arr.dtype != want.dtype:
-                raise ValueError(
-                    f"{name} must be {want.dtype}{list(want.shape)}, got {arr.dtype}{list(arr.shape)}"
-                )
+                raise ValueError(f"{name} must be {want.dtype}{list(want.shape)}, got {arr.dtype}{list(arr.shape)}")
         mod.codes = nnx.Param(codes)
         mod.scales = nnx.Param(scales)
         return mod

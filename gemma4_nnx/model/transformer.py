@@ -40,8 +40,9 @@ class DecoderLayer(nnx.Module):
     out = h3 * layer_scalar        -- the *whole* stream is scaled, not just this layer's delta
     """
 
-    def __init__(self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs,
-                 matmul: Matmul = XLA):
+    def __init__(
+        self, config: Gemma4Config, spec: LayerSpec, *, dtype, param_dtype, rngs: nnx.Rngs, matmul: Matmul = XLA
+    ):
         d, eps = config.hidden_size, config.rms_norm_eps
         kw = dict(dtype=dtype, param_dtype=param_dtype, matmul=matmul)
         self.spec = spec
@@ -66,9 +67,16 @@ class DecoderLayer(nnx.Module):
             self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
         self.layer_scalar = Buffer(jnp.ones((1,), param_dtype))
 
-    def __call__(self, h: Array, rope: tuple[Array, Array], q_pos: Array, k_pos: Array,
-                 ple: Array | None, shared: KV | None, cache: LayerCache | None
-                 ) -> tuple[Array, KV, LayerCache | None]:
+    def __call__(
+        self,
+        h: Array,
+        rope: tuple[Array, Array],
+        q_pos: Array,
+        k_pos: Array,
+        ple: Array | None,
+        shared: KV | None,
+        cache: LayerCache | None,
+    ) -> tuple[Array, KV, LayerCache | None]:
         a, kv, cache = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared, cache)
         h1 = h + self.post_attention_layernorm(a)
         f = self.mlp(self.pre_feedforward_layernorm(h1))
@@ -95,8 +103,15 @@ class Gemma4(nnx.Module):
     in and returned: `model(ids, positions, cache=cache) -> (logits, cache)`.
     """
 
-    def __init__(self, config: Gemma4Config, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs | None = None, matmul: MatmulOption | Matmul = "auto"):
+    def __init__(
+        self,
+        config: Gemma4Config,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        matmul: MatmulOption | Matmul = "auto",
+    ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.dtype = dtype
@@ -131,9 +146,9 @@ class Gemma4(nnx.Module):
         n, p = c.num_hidden_layers, c.hidden_size_per_layer_input
         t = self.embed_tokens_per_layer(ids).astype(self.dtype)
         t = (t * jnp.asarray(self.ple_scale, self.dtype)).reshape(b, s, n, p)
-        u = scale_f32(self.per_layer_model_projection(e), c.hidden_size ** -0.5).reshape(b, s, n, p)
+        u = scale_f32(self.per_layer_model_projection(e), c.hidden_size**-0.5).reshape(b, s, n, p)
         u = self.per_layer_projection_norm(u)
-        return scale_f32(u + t, 2.0 ** -0.5)
+        return scale_f32(u + t, 2.0**-0.5)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """An empty KV cache for `batch_size` rows and `max_length` positions (`KVCache.init`); the
@@ -141,9 +156,16 @@ class Gemma4(nnx.Module):
         return KVCache.init(self.config, batch_size, max_length, dtype or self.dtype)
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, input_ids: Array, positions: Array | None = None, attention_mask: Array | None = None,
-                 *, cache: KVCache | None = None, return_hidden: bool = False,
-                 select: Array | None = None) -> Array | tuple[Array, KVCache]:
+    def __call__(
+        self,
+        input_ids: Array,
+        positions: Array | None = None,
+        attention_mask: Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
+        select: Array | None = None,
+    ) -> Array | tuple[Array, KVCache]:
         """input_ids [B, S] -> logits [B, S, V] (softcapped), in the compute dtype; with a `cache`,
         (logits, updated cache).
 
@@ -168,8 +190,11 @@ class Gemma4(nnx.Module):
         if positions is None:
             if cache is not None:
                 raise ValueError("positions are required with a cache (pass positions=[B, S])")
-            positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0) if attention_mask is not None \
+            positions = (
+                jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+                if attention_mask is not None
                 else jnp.broadcast_to(jnp.arange(s), (b, s))
+            )
         positions = jnp.asarray(positions, jnp.int32)
         if positions.shape != (b, s):
             raise ValueError(f"positions must have shape {(b, s)} like input_ids, got {positions.shape}")
@@ -193,8 +218,16 @@ class Gemma4(nnx.Module):
                 select = None
             shared = published[spec.kv_donor] if spec.is_consumer else None
             layer_cache = cache.layers[spec.index] if cache is not None and not spec.is_consumer else None
-            h, kv, layer_cache = call(layer, h, ropes[(spec.type, spec.head_dim)], positions, k_pos,
-                                      None if ple is None else ple[:, :, spec.index], shared, layer_cache)
+            h, kv, layer_cache = call(
+                layer,
+                h,
+                ropes[(spec.type, spec.head_dim)],
+                positions,
+                k_pos,
+                None if ple is None else ple[:, :, spec.index],
+                shared,
+                layer_cache,
+            )
             if layer_cache is not None:
                 updated[spec.index] = layer_cache
             if spec.stores_kv:
@@ -217,9 +250,11 @@ class Gemma4(nnx.Module):
 
 def _take_rows(tree, select: Array):
     """Every [B, S, ...] array of `tree` -> [B, K, ...] at the column indices select [B, K]."""
+
     def take(x):
         if x is None:
             return None
         idx = select.reshape(select.shape + (1,) * (x.ndim - 2))
         return jnp.take_along_axis(x, idx.astype(jnp.int32), axis=1)
+
     return jax.tree_util.tree_map(take, tree, is_leaf=lambda x: x is None)

@@ -54,14 +54,17 @@ try:
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # pragma: no cover - the `serve` extra
-    raise ImportError("gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' "
-                      "(fastapi, uvicorn)") from e
+    raise ImportError(
+        "gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' (fastapi, uvicorn)"
+    ) from e
 
 __all__ = ["build_parser", "create_app", "main"]
 
-_ERRORS = {400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
-           404: {"model": ErrorResponse, "description": "Unknown model"},
-           503: {"model": ErrorResponse, "description": "The engine is not running"}}
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    503: {"model": ErrorResponse, "description": "The engine is not running"},
+}
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -125,15 +128,26 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True) -> FastA
     async def health():
         failing = engine.last_outcome == "error"
         ok = state["ready"] and engine.alive and not failing
-        body = {"status": "ok" if ok else "unavailable", "ready": state["ready"], "engine_alive": engine.alive,
-                "warmup_error": state["warmup_error"], "last_error": engine.error if failing else None}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "ready": state["ready"],
+            "engine_alive": engine.alive,
+            "warmup_error": state["warmup_error"],
+            "last_error": engine.error if failing else None,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
-        return dict(dataclasses.asdict(engine.stats), active_rows=engine.active_rows, pending=engine.pending,
-                    max_batch=engine.max_batch, max_length=engine.max_length,
-                    compiled_programs=engine.compiled_programs(), ready=state["ready"])
+        return dict(
+            dataclasses.asdict(engine.stats),
+            active_rows=engine.active_rows,
+            pending=engine.pending,
+            max_batch=engine.max_batch,
+            max_length=engine.max_length,
+            compiled_programs=engine.compiled_programs(),
+            ready=state["ready"],
+        )
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
@@ -161,19 +175,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
-    p.add_argument("--max-length", type=int, help="context per request: prompt + max_tokens (default: "
-                   "min(model context, 4096))")
+    p.add_argument(
+        "--max-length", type=int, help="context per request: prompt + max_tokens (default: min(model context, 4096))"
+    )
     p.add_argument("--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens")
-    p.add_argument("--precompile", type=int, nargs="*", default=[16], metavar="LEN",
-                   help="prompt lengths whose prefill programs (and every decode step) are compiled before "
-                        "serving (default: 16; pass no value to compile on first use)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="shard the weights and KV cache over N local devices (default 1)")
+    p.add_argument(
+        "--precompile",
+        type=int,
+        nargs="*",
+        default=[16],
+        metavar="LEN",
+        help="prompt lengths whose prefill programs (and every decode step) are compiled before "
+        "serving (default: 16; pass no value to compile on first use)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the weights and KV cache over N local devices (default 1)",
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
-    p.add_argument("--compile-cache", default=os.environ.get("GEMMA4_COMPILE_CACHE"),
-                   help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)")
+    p.add_argument(
+        "--compile-cache",
+        default=os.environ.get("GEMMA4_COMPILE_CACHE"),
+        help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)",
+    )
     return p
 
 
@@ -190,13 +219,22 @@ def make_engine(args: argparse.Namespace) -> Engine:
         from gemma4_nnx.sharding import make_mesh
 
         if not isinstance(tp, int) or tp < 1 or tp > len(jax.devices()):
-            raise ValueError(f"--tensor-parallel-size {tp}: this machine has {len(jax.devices())} "
-                             f"{jax.default_backend()} device(s); pass at most that many")
+            raise ValueError(
+                f"--tensor-parallel-size {tp}: this machine has {len(jax.devices())} "
+                f"{jax.default_backend()} device(s); pass at most that many"
+            )
         mesh = make_mesh(fsdp=1, tp=tp)
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     model = load_model(args.checkpoint, args.dtype, mesh=mesh)
-    return Engine(model, tokenizer, max_batch=args.max_batch, max_length=args.max_length,
-                  prefill_chunk=args.prefill_chunk, precompile=args.precompile or None, mesh=mesh)
+    return Engine(
+        model,
+        tokenizer,
+        max_batch=args.max_batch,
+        max_length=args.max_length,
+        prefill_chunk=args.prefill_chunk,
+        precompile=args.precompile or None,
+        mesh=mesh,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,9 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
         return 2
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    print(f"gemma4-serve: {name} on http://{args.host}:{args.port}/v1 (max_batch={engine.max_batch}, "
-          f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /health turns 200 "
-          "after the warm-up generation", file=sys.stderr)
+    print(
+        f"gemma4-serve: {name} on http://{args.host}:{args.port}/v1 (max_batch={engine.max_batch}, "
+        f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /health turns 200 "
+        "after the warm-up generation",
+        file=sys.stderr,
+    )
     uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="info")
     engine.close()
     return 0

@@ -89,12 +89,15 @@ class _Sampling(_Api):
 
     model: StrictStr = Field(description="The model id (GET /v1/models lists it).")
     max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = Field(
-        None, description="New tokens at most. Default: 16 for completions, what the context leaves for chat.")
+        None, description="New tokens at most. Default: 16 for completions, what the context leaves for chat."
+    )
     temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] = Field(
-        1.0, description="0 = greedy; default 1 as in OpenAI's API.")
+        1.0, description="0 = greedy; default 1 as in OpenAI's API."
+    )
     top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
     stop: StrictStr | list[Annotated[str, Field(strict=True, min_length=1)]] | None = Field(
-        None, description="A stop string or a list of them (cut from the output).")
+        None, description="A stop string or a list of them (cut from the output)."
+    )
     seed: StrictInt | None = Field(None, description="Sampling seed (reduced modulo 2**31); same seed, same draws.")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -141,13 +144,19 @@ def _refuse_unless_neutral(v, info):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: Annotated[StrictStr, Field(min_length=1)] | list[Annotated[StrictStr, Field(min_length=1)]] | \
-        TokenIds | list[TokenIds] = Field(
-            description="A string (encoded with one leading <bos>), a list of strings (one choice each), a list "
-                        "of token ids (used as given), or a list of token-id lists.")
+    prompt: (
+        Annotated[StrictStr, Field(min_length=1)]
+        | list[Annotated[StrictStr, Field(min_length=1)]]
+        | TokenIds
+        | list[TokenIds]
+    ) = Field(
+        description="A string (encoded with one leading <bos>), a list of strings (one choice each), a list "
+        "of token ids (used as given), or a list of token-id lists."
+    )
     logprobs: StrictInt | None = Field(
-        None, description="0: the chosen tokens' logprobs (raw model distribution); alternatives (> 0) are not "
-                          "offered yet.")
+        None,
+        description="0: the chosen tokens' logprobs (raw model distribution); alternatives (> 0) are not offered yet.",
+    )
     echo: StrictBool | None = Field(None, description="Not supported.")
     suffix: StrictStr | None = Field(None, description="Not supported.")
     best_of: StrictInt | None = Field(None, description="Not supported: only 1.")
@@ -156,8 +165,10 @@ class CompletionRequest(_Sampling):
     @classmethod
     def _prompt_not_empty(cls, v):
         if isinstance(v, list) and not v:
-            raise ValueError("'prompt' must be a non-empty string, a list of strings, a list of token ids or a list "
-                             "of token-id lists")
+            raise ValueError(
+                "'prompt' must be a non-empty string, a list of strings, a list of token ids or a list "
+                "of token-id lists"
+            )
         return v
 
     @field_validator("echo", "suffix", "best_of")
@@ -182,7 +193,8 @@ class TextPart(_Api):
 
 class ChatMessage(_Api):
     role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="'developer' is treated as 'system'; tool messages are not supported yet.")
+        description="'developer' is treated as 'system'; tool messages are not supported yet."
+    )
     content: StrictStr | list[TextPart] = Field(description="Text, or a list of text parts (joined).")
 
     @property
@@ -199,7 +211,8 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = Field(
-        None, description="Same as max_tokens (takes precedence).")
+        None, description="Same as max_tokens (takes precedence)."
+    )
     logprobs: StrictBool | None = Field(None, description="The chosen tokens' logprobs.")
     top_logprobs: StrictInt | None = Field(None, description="Only 0: alternatives are not offered yet.")
     chat_template_kwargs: ChatTemplateKwargs | None = None
@@ -341,4 +354,3 @@ class ErrorResponse(_Response):
     """Every error: `{"error": {"message", "type", "param", "code"}}`, as OpenAI's API."""
 
     error: ErrorDetail
-

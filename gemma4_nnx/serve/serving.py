@@ -55,14 +55,22 @@ ENGINE_PARAMS: dict[str, tuple[str | None, str | None]] = {
 class ApiError(Exception):
     """A request the server refuses: an OpenAI-style error body with this status."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int = 400,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.param, self.code, self.type = status, param, code, type_
 
     def body(self) -> dict:
-        return ErrorResponse(error=ErrorDetail(message=str(self), type=self.type, param=self.param,
-                                               code=self.code)).model_dump()
+        return ErrorResponse(
+            error=ErrorDetail(message=str(self), type=self.type, param=self.param, code=self.code)
+        ).model_dump()
 
 
 def _sse(obj) -> str:
@@ -92,16 +100,16 @@ class _Thinking:
                     reasoning.append(piece)
                     break
                 reasoning.append(piece[:i])
-                piece, self.inside = piece[i + len(END_OF_CHANNEL):], False
+                piece, self.inside = piece[i + len(END_OF_CHANNEL) :], False
             else:
                 i = piece.find(START_OF_CHANNEL)
                 if i < 0:
                     content.append(piece)
                     break
                 content.append(piece[:i])
-                piece, self.inside = piece[i + len(START_OF_CHANNEL):], True
+                piece, self.inside = piece[i + len(START_OF_CHANNEL) :], True
                 if piece.startswith("thought\n") and not self.started:
-                    piece = piece[len("thought\n"):]
+                    piece = piece[len("thought\n") :]
                 self.started = True
         return "".join(content), "".join(reasoning)
 
@@ -116,8 +124,13 @@ class Serving:
     # ------------------------------------------------------------------ requests
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise ApiError(f"the model {name!r} does not exist; this server serves {self.model_name!r}", "model",
-                           status=404, code="model_not_found", type_="not_found_error")
+            raise ApiError(
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+                type_="not_found_error",
+            )
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
@@ -133,8 +146,7 @@ class Serving:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
             raise ApiError("chat needs a tokenizer; this server has none")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
-                    for m in body.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
         thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
         try:
             return encode_chat(self.tokenizer, messages, thinking=thinking)
@@ -145,19 +157,27 @@ class Serving:
         """Validate every prompt with the body's settings before any is queued (503 when the engine
         is not running: no request could be served, valid or not)."""
         if not self.engine.alive:
-            raise ApiError(f"the engine is not running{': ' + self.engine.error if self.engine.error else ''}",
-                           status=503, type_="server_error")
+            raise ApiError(
+                f"the engine is not running{': ' + self.engine.error if self.engine.error else ''}",
+                status=503,
+                type_="server_error",
+            )
         if chat:
             max_tokens, field = body.max_new_tokens
         else:
             max_tokens, field = body.max_tokens, "max_tokens"
             if max_tokens is None:
                 max_tokens = DEFAULT_COMPLETION_TOKENS
-        options = dict(temperature=body.temperature, top_p=body.top_p,
-                       top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None,  # -1 / 0: off
-                       min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-                       stop_strings=body.stop_strings, stop_tokens=[] if body.ignore_eos else None,
-                       seed=None if body.seed is None else normalize_seed(body.seed % (1 << 31)))
+        options = dict(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None,  # -1 / 0: off
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            stop_strings=body.stop_strings,
+            stop_tokens=[] if body.ignore_eos else None,
+            seed=None if body.seed is None else normalize_seed(body.seed % (1 << 31)),
+        )
         try:
             return [self.engine.validate(ids, max_tokens, **options) for ids in prompts]
         except RequestError as e:
@@ -181,6 +201,7 @@ class Serving:
             def sink(ev: Event) -> None:
                 with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
                     loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+
             return sink
 
         reqs = []
@@ -192,8 +213,11 @@ class Serving:
                 self.engine.cancel(r)
             raise ApiError(str(e), status=503, type_="server_error") from None
         want_lp = bool(body.logprobs is not None if not chat else body.logprobs)
-        ctx = dict(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], created=int(time.time()),
-                   model=self.model_name)
+        ctx = dict(
+            id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+            created=int(time.time()),
+            model=self.model_name,
+        )
         n_prompt = sum(len(r.prompt) for r in requests)
 
         def usage() -> Usage:
@@ -220,8 +244,9 @@ class Serving:
                     collected[i].append(ev)
                     if ev.finish_reason == FinishReason.ERROR:
                         cancel_all()
-                        return JSONResponse(ApiError(f"generation failed: {ev.error}", status=500,
-                                                     type_="server_error").body(), 500)
+                        return JSONResponse(
+                            ApiError(f"generation failed: {ev.error}", status=500, type_="server_error").body(), 500
+                        )
                     left -= ev.finish_reason is not None
             except asyncio.CancelledError:
                 cancel_all()
@@ -239,8 +264,9 @@ class Serving:
             finally:  # also on client disconnect (the response task is cancelled)
                 cancel_all()
 
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     def _completion_response(self, ctx, collected, want_lp, usage) -> CompletionResponse:
         choices = []
@@ -251,8 +277,14 @@ class Serving:
                 pieces = [self._logprob(e).token for e in toks]
                 offsets = [sum(len(p) for p in pieces[:j]) for j in range(len(pieces))]
                 lp = CompletionLogprobs(tokens=pieces, token_logprobs=[e.logprob for e in toks], text_offset=offsets)
-            choices.append(CompletionChoice(index=i, text="".join(e.text for e in evs), logprobs=lp,
-                                            finish_reason=_finish(evs[-1].finish_reason)))
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text="".join(e.text for e in evs),
+                    logprobs=lp,
+                    finish_reason=_finish(evs[-1].finish_reason),
+                )
+            )
         return CompletionResponse(**ctx, choices=choices, usage=usage)
 
     def _chat_response(self, ctx, collected, want_lp, usage) -> ChatCompletionResponse:
@@ -264,8 +296,7 @@ class Serving:
             if reasoning or START_OF_CHANNEL in text:
                 msg = ChatResponseMessage(content=content.strip(), reasoning_content=reasoning.strip())
             lp = ChatLogprobs(content=[self._logprob(e) for e in evs if e.token is not None]) if want_lp else None
-            choices.append(ChatChoice(index=i, message=msg, finish_reason=_finish(evs[-1].finish_reason),
-                                      logprobs=lp))
+            choices.append(ChatChoice(index=i, message=msg, finish_reason=_finish(evs[-1].finish_reason), logprobs=lp))
         return ChatCompletionResponse(**ctx, choices=choices, usage=usage)
 
     async def _events(self, events: asyncio.Queue, n: int):
@@ -291,16 +322,25 @@ class Serving:
             lp = None
             if want_lp and ev.token is not None:
                 lp = CompletionLogprobs(tokens=[self._logprob(ev).token], token_logprobs=[ev.logprob], text_offset=[0])
-            chunk = CompletionResponse(**ctx, choices=[CompletionChoice(index=i, text=ev.text, logprobs=lp,
-                                                                        finish_reason=reason)])
+            chunk = CompletionResponse(
+                **ctx, choices=[CompletionChoice(index=i, text=ev.text, logprobs=lp, finish_reason=reason)]
+            )
             yield _sse(chunk)
         if include_usage:
             yield _sse(CompletionResponse(**ctx, choices=[], usage=usage()))
 
     async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage):
         for i in range(n):
-            yield _sse(ChatCompletionChunk(**ctx, choices=[ChatChunkChoice(
-                index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None, finish_reason=None)]))
+            yield _sse(
+                ChatCompletionChunk(
+                    **ctx,
+                    choices=[
+                        ChatChunkChoice(
+                            index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None, finish_reason=None
+                        )
+                    ],
+                )
+            )
         routers = [_Thinking() for _ in range(n)]
         async for i, ev, reason in self._events(events, n):
             if i is None:
@@ -315,8 +355,9 @@ class Serving:
             if reasoning:
                 delta.reasoning_content = reasoning
             lp = ChatLogprobs(content=[self._logprob(ev)]) if want_lp and ev.token is not None else None
-            chunk = ChatCompletionChunk(**ctx, choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=reason,
-                                                                        logprobs=lp)])
+            chunk = ChatCompletionChunk(
+                **ctx, choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=reason, logprobs=lp)]
+            )
             yield _sse(chunk)
         if include_usage:
             yield _sse(ChatCompletionChunk(**ctx, choices=[], usage=usage()))

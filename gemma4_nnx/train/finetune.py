@@ -112,8 +112,15 @@ def _set_child(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
         setattr(parent, path[-1], new)
 
 
-def apply_lora(model: nnx.Module, *, rank: int = 8, alpha: float | None = None, targets: str = DEFAULT_TARGETS,
-               rngs: nnx.Rngs | None = None, adapter_dtype=jnp.float32) -> list[str]:
+def apply_lora(
+    model: nnx.Module,
+    *,
+    rank: int = 8,
+    alpha: float | None = None,
+    targets: str = DEFAULT_TARGETS,
+    rngs: nnx.Rngs | None = None,
+    adapter_dtype=jnp.float32,
+) -> list[str]:
     """Wrap every `nnx.Linear` whose dotted path matches the regex `targets` (searched) in `LoRALinear`.
 
     In place; returns the wrapped paths. `alpha` defaults to `rank` (scale 1). Raises ValueError when
@@ -130,8 +137,11 @@ def apply_lora(model: nnx.Module, *, rank: int = 8, alpha: float | None = None, 
     except (re.error, TypeError) as e:
         raise ValueError(f"targets must be a regular expression string, got {targets!r} ({e})") from None
     rngs = rngs if rngs is not None else nnx.Rngs(0)
-    chosen = [(p, m) for p, m in _modules(model, nnx.Linear)
-              if pattern.search("." + _dotted(p)) and not isinstance(m, LoRALinear)]
+    chosen = [
+        (p, m)
+        for p, m in _modules(model, nnx.Linear)
+        if pattern.search("." + _dotted(p)) and not isinstance(m, LoRALinear)
+    ]
     if not chosen:
         raise ValueError(f"targets {targets!r} matched no nnx.Linear projection of the model")
     for path, lin in chosen:
@@ -153,9 +163,17 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     returns `model`."""
     for path, mod in _modules(model, LoRALinear):
         merged = (mod.kernel[...].astype(jnp.float32) + mod.delta()).astype(mod.kernel[...].dtype)
-        lin = nnx.eval_shape(lambda m=mod: layers.linear(m.in_features, m.out_features, dtype=m.dtype,
-                                                         param_dtype=m.param_dtype, precision=m.precision,
-                                                         rngs=nnx.Rngs(0), matmul=m.matmul))
+        lin = nnx.eval_shape(
+            lambda m=mod: layers.linear(
+                m.in_features,
+                m.out_features,
+                dtype=m.dtype,
+                param_dtype=m.param_dtype,
+                precision=m.precision,
+                rngs=nnx.Rngs(0),
+                matmul=m.matmul,
+            )
+        )
         lin.kernel = nnx.Param(merged)
         _set_child(model, path, lin)
     if hasattr(model, "_lora_meta"):
@@ -186,13 +204,19 @@ def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
     return masked_lm_loss(logits, batch["input_ids"], batch["loss_mask"])
 
 
-def make_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_id: int = 0,
-               length: int | None = None) -> dict[str, np.ndarray]:
+def make_batch(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    pad_id: int = 0,
+    length: int | None = None,
+) -> dict[str, np.ndarray]:
     """Right-padded batch from token-id prompts and completions: input_ids, attention_mask and loss_mask
     (1 on completion tokens only, so the prompt is not trained on)."""
     if len(prompts) != len(completions) or not prompts:
-        raise ValueError(f"prompts and completions must be non-empty and of equal length, got {len(prompts)} "
-                         f"and {len(completions)}")
+        raise ValueError(
+            f"prompts and completions must be non-empty and of equal length, got {len(prompts)} and {len(completions)}"
+        )
     rows = [list(p) + list(c) for p, c in zip(prompts, completions)]
     length = length or max(map(len, rows))
     if max(map(len, rows)) > length:
@@ -204,7 +228,7 @@ def make_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[
         n = len(p) + len(c)
         ids[r, :n] = rows[r]
         attn[r, :n] = 1
-        loss[r, len(p):n] = 1
+        loss[r, len(p) : n] = 1
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
 
 
@@ -215,8 +239,9 @@ def trainable_params(path, value) -> bool:
     return isinstance(value, nnx.Param) and jnp.issubdtype(value.get_value().dtype, jnp.floating)
 
 
-def make_optimizer(model: nnx.Module, tx: optax.GradientTransformation | float = 1e-3, *,
-                   wrt=nnx.LoRAParam) -> nnx.Optimizer:
+def make_optimizer(
+    model: nnx.Module, tx: optax.GradientTransformation | float = 1e-3, *, wrt=nnx.LoRAParam
+) -> nnx.Optimizer:
     """An `nnx.Optimizer` over the variables selected by `wrt` (default: LoRA adapters only; use
     `trainable_params` for full fine-tuning). `tx` is an optax transformation or an AdamW learning rate."""
     if isinstance(tx, (int, float)):
@@ -283,14 +308,16 @@ def load_adapters(model: nnx.Module, directory: str | os.PathLike, *, sharding=N
         exact = r"^\.(?:" + "|".join(re.escape(p) for p in meta["paths"]) + r")$"
         apply_lora(model, rank=meta["rank"], alpha=meta["alpha"], targets=exact)
     if sorted(lora_paths(model)) != sorted(meta["paths"]):
-        raise ValueError("the model's LoRA wrappers do not match the saved adapters' paths: "
-                         f"{sorted(set(lora_paths(model)) ^ set(meta['paths']))[:8]}")
+        raise ValueError(
+            "the model's LoRA wrappers do not match the saved adapters' paths: "
+            f"{sorted(set(lora_paths(model)) ^ set(meta['paths']))[:8]}"
+        )
     state = adapter_state(model)
     abstract = nnx.to_pure_dict(state)
     flat = traverse_util.flatten_dict(abstract)
-    abstract = traverse_util.unflatten_dict({
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k) if sharding else None)
-        for k, v in flat.items()})
+    abstract = traverse_util.unflatten_dict(
+        {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k) if sharding else None) for k, v in flat.items()}
+    )
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(os.path.join(directory, "adapters"), abstract)
     nnx.replace_by_pure_dict(state, restored)
