@@ -446,47 +446,6 @@ class StreamDecoder:
         return delta
 
 
-class StopMatcher:
-    """Cuts streamed text at the first stop string, even one that spans several pieces.
-
-    Text that could still turn out to be the start of a stop string is held back (not emitted)
-    until the next piece decides it, so a stream never shows part of a stop string. Concatenating
-    every ``feed`` result and the final :meth:`flush` gives the full text cut before the first stop
-    string (or all of it when none occurs).
-    """
-
-    def __init__(self, stop_strings: Sequence[str]) -> None:
-        if any(not isinstance(s, str) or not s for s in stop_strings):
-            raise ValueError("stop strings must be non-empty strings")
-        self.stops = tuple(stop_strings)
-        self._held = ""
-        self.hit = False
-
-    def feed(self, piece: str) -> str:
-        """Add a text piece; return what can be shown now. After a hit, returns ``""``."""
-        if self.hit:
-            return ""
-        text = self._held + piece
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit, self._held = True, ""
-            return text[:cut]
-        # Hold the longest suffix that is a proper prefix of some stop string.
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(text)), hold, -1):
-                if s.startswith(text[len(text) - n :]):
-                    hold = n
-                    break
-        self._held = text[len(text) - hold :] if hold else ""
-        return text[: len(text) - hold]
-
-    def flush(self) -> str:
-        """The held-back text, at the end of the stream (no stop string completed it)."""
-        out, self._held = ("" if self.hit else self._held), ""
-        return out
-
-
 def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
     """Load the tokenizer of a checkpoint directory.
 

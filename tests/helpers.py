@@ -5,9 +5,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -215,3 +219,36 @@ def _write_tokenizer(path) -> None:
         f.write("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [1, 106]}, f)
+
+
+# ----------------------------------------------------------------------------- multi-device subprocesses
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ScriptRun:
+    """A Python script run in a subprocess started at once (XLA's device count is fixed when jax starts,
+    so 8 simulated CPU devices need their own process); it ends by printing `REPORT <json>`.
+
+    Start it when a test module is collected so it overlaps with the rest of the suite; `report()`
+    waits for it and returns the parsed report (or fails the test with the script's output)."""
+
+    def __init__(self, script: str, name: str):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("XLA_FLAGS", None)
+        fd, self.log = tempfile.mkstemp(prefix=f"gemma4_{name}_", suffix=".log")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script], cwd=ROOT, env=env, stdout=fd, stderr=subprocess.STDOUT
+        )
+        os.close(fd)
+        atexit.register(lambda: self.proc.poll() is None and self.proc.kill())
+
+    def report(self, timeout: float) -> dict:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        with open(self.log, encoding="utf-8", errors="replace") as f:
+            out = f.read()
+        lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
+        assert self.proc.returncode == 0 and lines, f"subprocess failed (rc {self.proc.returncode}):\n{out[-6000:]}"
+        return json.loads(lines[-1][len("REPORT ") :])

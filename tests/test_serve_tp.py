@@ -12,19 +12,12 @@ heads) exported to HF and converted to Orbax, loaded by the server's own `make_e
 
 from __future__ import annotations
 
-import atexit
-import json
-import os
-import subprocess
-import sys
-import tempfile
-
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ScriptRun
 
 _SCRIPT = r"""
 import json, os, socket, sys, tempfile, threading, time, http.client
@@ -121,31 +114,12 @@ print("REPORT " + json.dumps(report))
 """
 
 
-def _start() -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    fd, log = tempfile.mkstemp(prefix="gemma4_serve_tp_", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, stdout=fd, stderr=subprocess.STDOUT)
-    os.close(fd)
-    atexit.register(lambda: proc.poll() is None and proc.kill())
-    return proc, log
-
-
-_RUN = _start()
+_RUN = ScriptRun(_SCRIPT, "serve_tp")
 
 
 @pytest.fixture(scope="module")
 def report():
-    proc, log = _RUN
-    try:
-        proc.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    with open(log, encoding="utf-8", errors="replace") as f:
-        out = f.read()
-    lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, f"8-device serving subprocess failed (rc {proc.returncode}):\n{out[-6000:]}"
-    return json.loads(lines[-1][len("REPORT ") :])
+    return _RUN.report(timeout=900)
 
 
 @pytest.mark.parametrize("tp", ["2", "8"])

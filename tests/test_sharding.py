@@ -8,19 +8,12 @@ The in-process tests check the declared partitioning itself (pure functions of p
 
 from __future__ import annotations
 
-import atexit
-import json
-import os
-import subprocess
-import sys
-import tempfile
-
 import jax
 import pytest
 
 from gemma4_nnx import sharding as sh
+from tests.helpers import ScriptRun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGIT_TOL = 1e-4  # float32; sharded matmuls/reductions only reassociate sums (observed ~1e-6)
 STEP_TOL = 1e-5  # |param after one SGD step| difference (lr 0.1 times a float32-noise gradient difference)
 
@@ -129,33 +122,14 @@ print("REPORT " + json.dumps(report))
 """
 
 
-def _start() -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    fd, log = tempfile.mkstemp(prefix="gemma4_sharding_", suffix=".log")
-    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, stdout=fd, stderr=subprocess.STDOUT)
-    os.close(fd)
-    atexit.register(lambda: proc.poll() is None and proc.kill())
-    return proc, log
-
-
 # Started when this module is collected, so the 8-device run (mostly single-threaded XLA compiles)
 # overlaps with the rest of the suite instead of adding its ~40 s at the end.
-_RUN = _start()
+_RUN = ScriptRun(_SCRIPT, "sharding")
 
 
 @pytest.fixture(scope="module")
 def multi():
-    proc, log = _RUN
-    try:
-        proc.wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    with open(log, encoding="utf-8", errors="replace") as f:
-        out = f.read()
-    lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, f"8-device subprocess failed (rc {proc.returncode}):\n{out[-6000:]}"
-    return json.loads(lines[-1][len("REPORT ") :])
+    return _RUN.report(timeout=600)
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "tp"])

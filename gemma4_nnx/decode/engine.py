@@ -220,17 +220,14 @@ class Engine:
         max_tokens: int | None = None,
         *,
         seed: int | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
         stop_tokens: Sequence[int] | None = None,
         stop_strings: Sequence[str] | None = None,
+        **sampling,
     ) -> Request:
         """Check a request; raises `RequestError` naming the argument ("prompt", "max_tokens",
         "temperature", ..., "stop_tokens", "stop_strings", "seed"). `max_tokens=None`: as many as the
-        context leaves; `seed=None`: a random seed."""
+        context leaves; `seed=None`: a random seed; `sampling`: the fields of `SamplingParams`
+        (temperature, default 0 = greedy; top_k, top_p, min_p, repetition_penalty)."""
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") >> 1
         return make_request(
@@ -239,14 +236,12 @@ class Engine:
             vocab_size=self.vocab_size,
             context=self.max_length,
             context_name=f"max_length={self.max_length}",
-            sampling=dict(
-                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
-            ),
             seed=seed,
             stop_tokens=stop_tokens,
             stop_strings=stop_strings,
             default_stops=self.default_stops,
             has_tokenizer=self.tokenizer is not None,
+            **sampling,
         )
 
     def submit(

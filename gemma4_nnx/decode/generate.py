@@ -116,7 +116,6 @@ def _start(
     prompts,
     max_new_tokens,
     *,
-    sampling,
     stop_tokens,
     stop_strings,
     seed,
@@ -125,6 +124,7 @@ def _start(
     max_length,
     prefill_chunk,
     cache_dtype,
+    **sampling,
 ) -> _Run:
     """Validate every argument, prefill, draw the first tokens: the common start of both drivers."""
     config = model.config
@@ -143,14 +143,14 @@ def _start(
             vocab_size=config.vocab_size,
             context=context,
             context_name=context_name,
-            sampling=sampling,
             seed=seed,
             row=r,
             stop_tokens=stop_tokens,
             stop_strings=stop_strings,
             default_stops=default_stops,
             has_tokenizer=tokenizer is not None,
-            names=dict(prompt=f"prompts[{r}]", max_tokens="max_new_tokens"),
+            names={"prompt": f"prompts[{r}]", "max_tokens": "max_new_tokens"},
+            **sampling,
         )
         for r, p in enumerate(prompts)
     ]
@@ -212,26 +212,11 @@ def generate(
     not changed (a plain `model(ids)` works at any time).
     Raises `RequestError` (a ValueError naming the argument) for invalid input.
     """
-    kw = dict(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        stop_tokens=stop_tokens,
-        stop_strings=stop_strings,
-        seed=seed,
-        tokenizer=tokenizer,
-        return_logprobs=return_logprobs,
-        max_length=max_length,
-        prefill_chunk=prefill_chunk,
-        cache_dtype=cache_dtype,
-    )
+    options = {k: v for k, v in locals().items() if k not in ("model", "prompts", "max_new_tokens")}
     if stop_strings:
-        return _collect(
-            list(generate_stream(model, prompts, max_new_tokens, **kw)), len(prompts), return_logprobs, tokenizer
-        )
-    run = _start(model, prompts, max_new_tokens, **_start_kwargs(kw))
+        steps = list(generate_stream(model, prompts, max_new_tokens, **options))
+        return _collect(steps, len(prompts), return_logprobs, tokenizer)
+    run = _start(model, prompts, max_new_tokens, **options)
     out, lps, lengths = run.decoder.loop(run.cfg, run.first, run.new_bucket)
     tokens, reasons, logprobs = [], [], []
     for r, req in enumerate(run.requests):
@@ -241,11 +226,6 @@ def generate(
         logprobs.append(lps[r, : lengths[r]].tolist())
     texts = [tokenizer.decode(t) for t in tokens] if tokenizer is not None else None
     return GenerateResult(tokens, reasons, logprobs if return_logprobs else None, texts)
-
-
-def _start_kwargs(kw: dict) -> dict:
-    sampling = {k: kw.pop(k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
-    return dict(kw, sampling=sampling)
 
 
 def generate_stream(
@@ -273,28 +253,13 @@ def generate_stream(
     complete) and `stop_strings` end a row as soon as its text contains one, even one spanning several
     tokens: text that may begin a stop string is held back until decided, so no part of a stop
     string is ever yielded (`text.StopMatcher`)."""
-    run = _start(
-        model,
-        prompts,
-        max_new_tokens,
-        **_start_kwargs(
-            dict(
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                min_p=min_p,
-                repetition_penalty=repetition_penalty,
-                stop_tokens=stop_tokens,
-                stop_strings=stop_strings,
-                seed=seed,
-                tokenizer=tokenizer,
-                return_logprobs=return_logprobs,
-                max_length=max_length,
-                prefill_chunk=prefill_chunk,
-                cache_dtype=cache_dtype,
-            )
-        ),
-    )
+    options = {k: v for k, v in locals().items() if k not in ("model", "prompts", "max_new_tokens")}
+    run = _start(model, prompts, max_new_tokens, **options)
+    return _stream(run, max_new_tokens, tokenizer, return_logprobs)
+
+
+def _stream(run: _Run, max_new_tokens: int, tokenizer, return_logprobs: bool) -> Iterator[StreamStep]:
+    """`generate_stream`'s loop: one decode step and draw per iteration, text from a TextStream per row."""
     b, bb = len(run.requests), run.decoder.rows
     streams = [TextStream(tokenizer, r.stop_strings) for r in run.requests]
     reasons: list[FinishReason | None] = [None] * b

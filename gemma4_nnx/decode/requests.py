@@ -81,7 +81,6 @@ def make_request(
     vocab_size: int,
     context: int,
     context_name: str,
-    sampling: Mapping | None = None,
     seed=0,
     row: int = 0,
     stop_tokens=None,
@@ -89,16 +88,18 @@ def make_request(
     default_stops: Sequence[int] = (),
     has_tokenizer: bool = False,
     names: Mapping[str, str] | None = None,
+    **sampling,
 ) -> Request:
     """Validate one request; `max_tokens=None` means: as many as the context leaves.
 
     context: the cache slots a row has (`context_name` names where that number comes from, e.g.
     "max_length=64"). names: how the caller spells "prompt" and "max_tokens" in its own API.
     `stop_tokens=None` takes `default_stops`; `[]` means none (e.g. to ignore <eos>).
+    sampling: the fields of `SamplingParams` (temperature, top_k, top_p, min_p, repetition_penalty).
     """
     names = {"prompt": "prompt", "max_tokens": "max_tokens", **(names or {})}
     p_name, n_name = names["prompt"], names["max_tokens"]
-    params = SamplingParams(**(sampling or {}))  # raises RequestError naming temperature / top_p / ...
+    params = SamplingParams(**sampling)  # raises RequestError naming temperature / top_p / ...
     ids = _token_ids(prompt, p_name, vocab_size)
     if len(ids) >= context:
         raise RequestError(
