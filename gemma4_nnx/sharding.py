@@ -166,7 +166,7 @@ def sharding_for(mesh: Mesh, config=None, rules=DEFAULT_RULES) -> Callable[..., 
 
 
 def model_shardings(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> dict[tuple, NamedSharding]:
-    """{variable path: NamedSharding} for every variable of `model` (params, buffers, adapters, caches)."""
+    """{variable path: NamedSharding} for every variable of `model` (params, buffers, adapters)."""
     out = {}
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Variable):

@@ -42,20 +42,11 @@ from flax import nnx
 from gemma4_nnx.decode.batching import PromptBatch
 from gemma4_nnx.decode.requests import Request
 from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams, sample_rows, token_logprobs, update_seen
-from gemma4_nnx.model.cache import KVCache
+from gemma4_nnx.model.cache import KVCache, put_rows, take_rows
 
 Array = jax.Array
 
 __all__ = ["DecodeState", "Decoder", "DrawConfig", "Drawn", "RowState", "compiled_programs"]
-
-
-def _take(tree, idx: Array):
-    """Rows `idx` [k] of every [B, ...] leaf (an index >= B reads the last row; `_put` drops it)."""
-    return jax.tree_util.tree_map(lambda x: jnp.take(x, idx, axis=0, mode="clip"), tree)
-
-
-def _put(tree, idx: Array, part):
-    return jax.tree_util.tree_map(lambda full, p: full.at[idx].set(p, mode="drop"), tree, part)
 
 
 # ------------------------------------------------------------------------------------------- state
@@ -210,8 +201,8 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, logits, init: RowState | None = 
     """Sample the next token of rows `idx` [k] (None: every row) from logits [k, V]; `init`: first
     write those rows' initial state (joining requests). Returns (rows, Drawn)."""
     if init is not None:
-        rows = _put(rows, idx, init)
-    sub = rows if idx is None else _take(rows, idx)
+        rows = put_rows(rows, idx, init)
+    sub = rows if idx is None else take_rows(rows, idx)
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(sub.key, sub.step)
     penalty = cfg.features.penalty
     tok = sample_rows(logits, keys, sub.sampling, sub.seen if penalty else None, cfg.features)
@@ -224,7 +215,7 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, logits, init: RowState | None = 
     sub = dataclasses.replace(
         sub, token=jnp.where(active, tok, sub.token), pos=sub.pos + active, step=step, done=done, seen=seen
     )
-    rows = sub if idx is None else _put(rows, idx, sub)
+    rows = sub if idx is None else put_rows(rows, idx, sub)
     return rows, Drawn(tok, lp, stopped, done, active)
 
 

@@ -140,11 +140,11 @@ class KVCache:
 
     def take(self, rows: Array) -> KVCache:
         """Rows `rows` [k] (an index >= batch_size reads the last row; `put` drops it again)."""
-        return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), self)
+        return take_rows(self, rows)
 
     def put(self, rows: Array, part: KVCache) -> KVCache:
         """Write `part` (k rows) into rows `rows` [k]; indices >= batch_size are dropped."""
-        return jax.tree_util.tree_map(lambda full, p: full.at[rows].set(p, mode="drop"), self, part)
+        return put_rows(self, rows, part)
 
     def head(self, m: int) -> KVCache:
         return self if m == self.batch_size else jax.tree_util.tree_map(lambda x: x[:m], self)
@@ -159,6 +159,16 @@ class KVCache:
         return KVCache(
             {i: dataclasses.replace(c, pos=jnp.where(rows[:, None], -1, c.pos)) for i, c in self.layers.items()}
         )
+
+
+def take_rows(tree, rows: Array):
+    """Rows `rows` [k] of every [B, ...] leaf of `tree` (an index >= B reads the last row)."""
+    return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), tree)
+
+
+def put_rows(tree, rows: Array, part):
+    """`tree` with rows `rows` [k] of every leaf replaced by `part`'s; indices >= B are dropped."""
+    return jax.tree_util.tree_map(lambda full, p: full.at[rows].set(p, mode="drop"), tree, part)
 
 
 def cache_size(spec: LayerSpec, config: Gemma4Config, max_length: int) -> int:
