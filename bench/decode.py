@@ -9,6 +9,9 @@ same machine: on a machine shared with other jobs, runs timed one after the othe
 processes differed by up to 4x. Each timed pair below is run `--repeats` times per side,
 interleaved, each after an untimed warm-up call, and the medians are reported.
 
+Before/after a change of our own: `--baseline-tree DIR` times gemma4_nnx from another checkout in the
+transformers worker's place (`git worktree add /tmp/base REV`), same prompts, same interleaving.
+
 Ours: float32 compute; weights kept bf16 as stored (`--weights bf16`, the default: products run in
 gemma4_nnx.model.cpu_kernels, which read 2 bytes per weight) or converted to float32 up front
 (`--weights f32`: XLA's float32 dots, 4 bytes per weight). The per-layer-embedding table is only
@@ -62,14 +65,17 @@ import numpy as np, jax, jax.numpy as jnp
 from flax import nnx
 sys.path.insert(0, sys.argv[1])
 import gemma4_nnx
-from gemma4_nnx.decode.generate import enable_compilation_cache, generate
+from gemma4_nnx import enable_compilation_cache, generate  # top-level names: any tree (--baseline-tree)
+try:
+    from gemma4_nnx.model.quant import QuantizedEmbedding, quantize_rows
+except ImportError:  # trees before the subpackage layout
+    from gemma4_nnx.quant import QuantizedEmbedding, quantize_rows
 args = json.loads(sys.argv[2])
 if args["cache_dir"]:
     enable_compilation_cache(args["cache_dir"])
 res = {}
 t = time.perf_counter()
 model = gemma4_nnx.from_hf(args["hf_dir"], dtype=jnp.float32, param_dtype=jnp.bfloat16)
-from gemma4_nnx.model.quant import QuantizedEmbedding, quantize_rows
 table = np.asarray(model.embed_tokens_per_layer.embedding.get_value())
 parts = [quantize_rows(table[i:i + 4096], 4, 256) for i in range(0, table.shape[0], 4096)]
 del table
@@ -136,11 +142,11 @@ def stats():
 class Worker:
     """A model in a subprocess, timed on demand (see WORKER_LOOP)."""
 
-    def __init__(self, code: str, args: dict):
+    def __init__(self, code: str, args: dict, root: str = ROOT):
         self.t0 = time.perf_counter()
         self.err = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty worker must never block on it
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, ROOT, json.dumps(args)],
+            [sys.executable, "-c", code, root, json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.err,
@@ -218,13 +224,24 @@ def main(argv=None) -> int:
     )
     p.add_argument("--repeats", type=int, default=3, help="timed (1 token, N tokens) pairs per side and batch")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument(
+        "--baseline-tree",
+        metavar="DIR",
+        help="instead of transformers, time gemma4_nnx from another checkout (e.g. a `git worktree` of an "
+        "earlier commit) in the same interleaved way: a before/after comparison of our own code",
+    )
     p.add_argument("--skip-disk-cache", action="store_true", help="skip the second (persistent-cache) worker")
     a = p.parse_args(argv)
     common = dict(hf_dir=a.hf_dir, prompt=a.prompt, threads=a.threads)
     n = a.new
     with tempfile.TemporaryDirectory() as cache_dir:
         ours_w = Worker(OURS, dict(common, cache_dir=cache_dir, weights=a.weights))
-        hf_w = None if a.skip_hf else Worker(HF, common)
+        if a.baseline_tree:
+            base_cache = tempfile.mkdtemp(prefix="baseline-cache-")
+            hf_w = Worker(OURS, dict(common, cache_dir=base_cache, weights=a.weights), root=a.baseline_tree)
+        else:
+            hf_w = None if a.skip_hf else Worker(HF, common)
+        other = f"baseline ({a.baseline_tree})" if a.baseline_tree else "transformers (bf16)"
         ours, hf, compile_cold = {}, {}, {}
         for b in a.batches:
             compile_cold[b] = _compile_s(ours_w, b, n)
@@ -242,7 +259,8 @@ def main(argv=None) -> int:
         hf_stats = hf_w.close() if hf_w else None
         print("ours:", json.dumps(dict(ours_stats, **{f"b{b}": v for b, v in ours.items()})), flush=True)
         if hf_w:
-            print("transformers:", json.dumps(dict(hf_stats, **{f"b{b}": v for b, v in hf.items()})), flush=True)
+            label = "baseline:" if a.baseline_tree else "transformers:"
+            print(label, json.dumps(dict(hf_stats, **{f"b{b}": v for b, v in hf.items()})), flush=True)
         disk = {}
         if not a.skip_disk_cache:
             w = Worker(OURS, dict(common, cache_dir=cache_dir, weights=a.weights))
@@ -254,7 +272,7 @@ def main(argv=None) -> int:
         f"\nE2B shape, prompt {a.prompt} tokens, {n - 1} timed decode steps, {os.cpu_count()} CPUs, "
         f"medians of {a.repeats} interleaved repeats"
     )
-    print(f"| metric | batch | gemma4_nnx ({a.weights} weights, f32 compute) | transformers (bf16) | ratio |")
+    print(f"| metric | batch | gemma4_nnx ({a.weights} weights, f32 compute) | {other} | ratio |")
     print("|---|---|---|---|---|")
     for b in a.batches:
         o, h = ours[b], hf.get(b)
@@ -286,7 +304,7 @@ def main(argv=None) -> int:
     for b in a.batches:
         print(
             f"ms per decode step in each repeat, batch {b}: ours {ours[b]['steps_ms']}"
-            + (f", transformers {hf[b]['steps_ms']}" if b in hf else "")
+            + (f", {other} {hf[b]['steps_ms']}" if b in hf else "")
         )
     return 0
 
