@@ -41,8 +41,17 @@ from flax import nnx
 
 from gemma4_nnx.decode.batching import PromptBatch
 from gemma4_nnx.decode.requests import Request
-from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams, sample_rows, token_logprobs, update_seen
-from gemma4_nnx.model.cache import KVCache, put_rows, take_rows
+from gemma4_nnx.decode.sampling import (
+    RowFeatures,
+    RowParams,
+    SamplingParams,
+    filter_rows,
+    penalize_rows,
+    sample_rows,
+    token_logprobs,
+    update_seen,
+)
+from gemma4_nnx.model.cache import KVCache, head_rows, put_head_rows, put_rows, take_rows
 
 Array = jax.Array
 
@@ -259,14 +268,108 @@ def _loop(cfg: DrawConfig, graphdef, weights, state: DecodeState, first: Drawn, 
     return c.state, c.out, c.logprobs, c.lengths
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What one speculative step produced, per verified row ([m]): tokens [m, S] (the first `count`
+    are emitted), their logprobs [m, S] (raw model distribution), count (0 for inactive rows),
+    accepted (drafts among the emitted tokens), stopped (the last emitted token is a stop token),
+    done, active."""
+
+    token: Array
+    logprob: Array
+    count: Array
+    accepted: Array
+    stopped: Array
+    done: Array
+    active: Array
+
+
+def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: RowState, drafts, ndraft):
+    """One speculative step for the first m rows: feed each row's last token and its drafts
+    `drafts [m, k]` (the first `ndraft [m]` valid) at consecutive positions, accept drafts as the
+    target's own decoding would emit them (greedy: equal to the argmax; sampled: rejection rule, see
+    `decode.speculative`), emit the correction / bonus token, apply stop tokens and limits, and forget
+    the cache slots of every rejected position. Returns (cache, rows, Verified)."""
+    features = cfg.features
+    k = drafts.shape[1]
+    s = k + 1
+    sub = head_rows(rows, m)
+    active = ~sub.done
+    cols = jnp.arange(s)
+    ids = jnp.concatenate([sub.token[:, None], drafts], axis=1)  # [m, S]
+    valid = active[:, None] & (cols[None, :] <= ndraft[:, None])
+    positions = jnp.where(valid, sub.pos[:, None] + cols[None, :], -1)
+    model = nnx.merge(graphdef, weights)
+    raw, part = model(ids, positions, valid, cache=cache.head(m))
+    raw = raw.astype(jnp.float32)  # [m, S, V]: column j predicts the token at position pos + j + 1
+    v = raw.shape[-1]
+    x = raw
+    draft_ok = cols[None, :k] < ndraft[:, None]  # [m, k]
+    if features.penalty:  # column j has seen the drafts before it
+        hot = jax.nn.one_hot(drafts, v, dtype=jnp.bool_) & draft_ok[..., None]
+        before = jnp.cumsum(hot, axis=1) > 0  # [m, k, V]
+        seen = sub.seen[:, None, :] | jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)
+        x = penalize_rows(x, sub.sampling.penalty.astype(jnp.float32)[:, None, None], seen)
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [m, S]
+    ok = drafts == greedy[:, :k]
+    base = jax.vmap(
+        lambda key, st: jax.vmap(lambda j: jax.random.fold_in(jax.random.wrap_key_data(key), st + j))(cols)
+    )(sub.key, sub.step)  # [m, S] keys
+    sampled = sub.sampling.temperature > 0
+    if features.sampled:
+        rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, s, axis=0), sub.sampling)
+        logp = jax.nn.log_softmax(filter_rows(x.reshape(m * s, v), rep, features).reshape(m, s, v), axis=-1)
+        u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(base)  # [m, S]
+        p_draft = jnp.exp(jnp.take_along_axis(logp[:, :k], drafts[..., None], axis=-1)[..., 0])
+        ok = jnp.where(sampled[:, None], u[:, :k] < p_draft, ok)
+    ok = ok & draft_ok
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # accepted drafts [m]
+    correction = jnp.take_along_axis(greedy, a[:, None], axis=1)[:, 0]
+    if features.sampled:
+        la = jnp.take_along_axis(logp, a[:, None, None], axis=1)[:, 0]  # [m, V]
+        rejected = a < ndraft
+        d_rej = jnp.take_along_axis(drafts, jnp.minimum(a, k - 1)[:, None], axis=1)[:, 0]
+        la = jnp.where(rejected[:, None] & (jnp.arange(v)[None, :] == d_rej[:, None]), -jnp.inf, la)
+        key_a = jnp.take_along_axis(jax.random.key_data(base), a[:, None, None], axis=1)[:, 0]
+        drawn = jax.vmap(
+            lambda kd, lg: jax.random.categorical(jax.random.fold_in(jax.random.wrap_key_data(kd), 2), lg)
+        )(key_a, la).astype(jnp.int32)
+        correction = jnp.where(sampled, drawn, correction)
+    padded = jnp.concatenate([drafts, jnp.zeros((m, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(
+        cols[None, :] < a[:, None], padded, jnp.where(cols[None, :] == a[:, None], correction[:, None], 0)
+    )
+    n = a + 1
+    is_stop = jnp.any(emitted[..., None] == sub.stops[:, None, :], axis=-1) & (cols[None, :] < n[:, None])
+    n = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, n)
+    n = jnp.where(active, jnp.minimum(n, sub.limit - sub.step), 0)
+    stopped = jnp.any(is_stop & (cols[None, :] == (n - 1)[:, None]), axis=1)
+    step = sub.step + n
+    done = sub.done | stopped | (active & (step >= sub.limit))
+    lp = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), emitted[..., None], axis=-1)[..., 0]
+    keep = cols[None, :] < n[:, None]
+    last = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+    seen = sub.seen
+    if features.penalty:
+        seen = seen | jnp.any(jax.nn.one_hot(emitted, v, dtype=jnp.bool_) & keep[..., None], axis=1)
+    new = dataclasses.replace(
+        sub, token=jnp.where(active, last, sub.token), pos=sub.pos + n, step=step, done=done, seen=seen
+    )
+    part = part.forget_from(jnp.where(active, sub.pos + n, jnp.iinfo(jnp.int32).max))
+    out = Verified(jnp.where(keep, emitted, 0), jnp.where(keep, lp, 0.0), n, jnp.minimum(a, n), stopped, done, active)
+    return cache.put_head(part), put_head_rows(rows, new), out
+
+
 # graphdef and the static options are hashable jit static arguments; the weights are traced
 # arguments; the cache (and the rows' state) are donated.
 _prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
 _draw_jit = jax.jit(_draw, static_argnums=0, donate_argnums=(1,))
 _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
+_verify_jit = jax.jit(_verify, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 
-PROGRAMS = {"prefill": _prefill_jit, "decode": _decode_jit, "draw": _draw_jit, "loop": _loop_jit}
+PROGRAMS = {"prefill": _prefill_jit, "decode": _decode_jit, "draw": _draw_jit, "loop": _loop_jit, "verify": _verify_jit}
 
 
 def compiled_programs() -> dict[str, int]:
@@ -321,6 +424,7 @@ class Decoder:
         stop_width: int = 4,
         seen_width: int = 1,
         mesh=None,
+        speculative_tokens: int = 0,
     ):
         _listen()
         self.config = model.config
@@ -330,6 +434,7 @@ class Decoder:
         self.cache_dtype = cache_dtype or model.dtype
         self.stop_width, self.seen_width = stop_width, seen_width
         self.mesh = mesh
+        self.speculative_tokens = speculative_tokens
         self.compiles: dict[str, int] = {}
         self.reset()
 
@@ -349,11 +454,17 @@ class Decoder:
             from gemma4_nnx import sharding
 
             def init():
-                return KVCache.init(self.config, self.rows, self.max_length, self.cache_dtype)
+                return KVCache.init(
+                    self.config, self.rows, self.max_length, self.cache_dtype, ring_extra=self.speculative_tokens
+                )
 
             cache = jax.jit(init, out_shardings=sharding.cache_shardings(jax.eval_shape(init), self.mesh))()
         else:
-            cache = self._place(KVCache.init(self.config, self.rows, self.max_length, self.cache_dtype))
+            cache = self._place(
+                KVCache.init(
+                    self.config, self.rows, self.max_length, self.cache_dtype, ring_extra=self.speculative_tokens
+                )
+            )
         empty = RowState.build(
             [None] * self.rows, vocab_size=self.vocab_size, stop_width=self.stop_width, seen_width=self.seen_width
         )
@@ -435,6 +546,31 @@ class Decoder:
         )
         self.state = dataclasses.replace(self.state, cache=cache)
         return self.draw(cfg, logits, None if m == self.rows else np.arange(m))
+
+    def verify(self, cfg: DrawConfig, drafts: np.ndarray, ndraft: np.ndarray) -> Verified:
+        """One speculative step of the first m = len(drafts) rows: drafts [m, k] (k <= the decoder's
+        `speculative_tokens`), ndraft [m] valid drafts per row (0: a plain step for that row). Returns
+        the host `Verified` of those m rows."""
+        m, k = drafts.shape
+        if k > self.speculative_tokens:
+            raise ValueError(
+                f"{k} drafts per row do not fit this decoder's ring slots "
+                f"(speculative_tokens={self.speculative_tokens})"
+            )
+        cache, rows, out = self._run(
+            "verify",
+            _verify_jit,
+            cfg,
+            m,
+            self.graphdef,
+            self.weights,
+            self.state.cache,
+            self.state.rows,
+            jnp.asarray(drafts, jnp.int32),
+            jnp.asarray(ndraft, jnp.int32),
+        )
+        self.state = DecodeState(cache, rows)
+        return jax.device_get(out)
 
     def finish(self, rows: np.ndarray) -> None:
         """Mark rows (bool [rows]) done on the device: the host ended them (stop string, cancel)."""

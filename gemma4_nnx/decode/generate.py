@@ -49,10 +49,11 @@ import jax
 import numpy as np
 
 from gemma4_nnx.decode.batching import PromptBatch, bucket_shapes, pow2
-from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, check_int, make_request
 from gemma4_nnx.decode.sampling import RowParams
+from gemma4_nnx.decode.speculative import AcceptanceGate, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
 __all__ = ["GenerateResult", "StreamStep", "enable_compilation_cache", "generate", "generate_stream"]
@@ -69,25 +70,35 @@ class GenerateResult:
     logprobs: per-token log-probabilities under the raw model distribution (temperature 1, no
       filtering; see `sampling.token_logprobs`), or None unless `return_logprobs=True`.
     texts: decoded text (special tokens kept, cut before a stop string) when a tokenizer was given.
+    drafted / accepted: with `speculative`, per prompt, draft tokens proposed and accepted.
     """
 
     tokens: list[list[int]]
     finish_reasons: list[FinishReason]
     logprobs: list[list[float]] | None = None
     texts: list[str] | None = None
+    drafted: list[int] | None = None
+    accepted: list[int] | None = None
 
 
 @dataclasses.dataclass
 class StreamStep:
     """One step of :func:`generate_stream`: for each prompt, the new token (None once finished),
     its logprob (None unless requested or finished), its text piece (tokenizer given), whether the
-    row has finished, and why ("stop", "stop_string", "length"; None while running)."""
+    row has finished, and why ("stop", "stop_string", "length"; None while running).
+
+    With `speculative`, one verify step emits several tokens per row; they come as consecutive
+    StreamSteps, and a row that emitted fewer tokens than another has None in the later ones while it
+    is still running (`done` False). drafted / accepted: per row, draft tokens proposed and accepted
+    so far (None without `speculative`)."""
 
     tokens: list[int | None]
     logprobs: list[float | None] | None
     texts: list[str] | None
     done: list[bool]
     finish_reasons: list[FinishReason | None]
+    drafted: list[int] | None = None
+    accepted: list[int] | None = None
 
 
 def enable_compilation_cache(directory: str | os.PathLike) -> None:
@@ -109,6 +120,7 @@ class _Run:
     cfg: DrawConfig
     first: Drawn  # the first tokens (host)
     new_bucket: int
+    speculative: SpeculativeConfig | None = None
 
 
 def _start(
@@ -124,6 +136,7 @@ def _start(
     max_length,
     prefill_chunk,
     cache_dtype,
+    speculative=None,
     **sampling,
 ) -> _Run:
     """Validate every argument, prefill, draw the first tokens: the common start of both drivers."""
@@ -131,6 +144,7 @@ def _start(
     check_int(max_new_tokens, "max_new_tokens", lo=1)
     check_int(max_length, "max_length", lo=2, optional=True)
     check_int(prefill_chunk, "prefill_chunk", lo=1, optional=True)
+    spec = speculative_config(speculative)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise RequestError("prompts must be a non-empty list of token-id lists", "prompts")
     context = max_length if max_length is not None else config.max_position_embeddings
@@ -171,11 +185,12 @@ def _start(
         cache_dtype=cache_dtype,
         stop_width=max(4, pow2(len(requests[0].stop_tokens))),
         seen_width=config.vocab_size if params.uses_penalty else 1,
+        speculative_tokens=spec.k if spec else 0,
     )
     decoder.start(requests + [None] * (bb - len(requests)))
     logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk))
     cfg = DrawConfig(features, bool(return_logprobs))
-    return _Run(requests, decoder, cfg, decoder.draw(cfg, logits), nb)
+    return _Run(requests, decoder, cfg, decoder.draw(cfg, logits), nb, spec)
 
 
 # ------------------------------------------------------------------------------------------- drivers
@@ -197,6 +212,7 @@ def generate(
     max_length: int | None = None,
     prefill_chunk: int | None = None,
     cache_dtype=None,
+    speculative: SpeculativeConfig | dict | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens for each prompt (token-id lists of any lengths).
 
@@ -210,10 +226,14 @@ def generate(
     `seed`: with a fixed seed, output is reproducible (row r draws from fold_in(key(seed), r)).
     `cache_dtype`: default the compute dtype. The KV cache lives for the call only; the model is
     not changed (a plain `model(ids)` works at any time).
+    `speculative`: draft and verify several tokens per step (`decode.speculative`), e.g.
+    `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`:
+    greedy output is the same as without it, sampled output has the same distribution; the result
+    reports `drafted` / `accepted` counts. Runs the step loop from the host (as `generate_stream`).
     Raises `RequestError` (a ValueError naming the argument) for invalid input.
     """
     options = {k: v for k, v in locals().items() if k not in ("model", "prompts", "max_new_tokens")}
-    if stop_strings:
+    if stop_strings or speculative:
         steps = list(generate_stream(model, prompts, max_new_tokens, **options))
         return _collect(steps, len(prompts), return_logprobs, tokenizer)
     run = _start(model, prompts, max_new_tokens, **options)
@@ -246,6 +266,7 @@ def generate_stream(
     max_length: int | None = None,
     prefill_chunk: int | None = None,
     cache_dtype=None,
+    speculative: SpeculativeConfig | dict | None = None,
 ) -> Iterator[StreamStep]:
     """Like :func:`generate`, but yields a :class:`StreamStep` after every decode step (the first
     after prefill). Same arguments and the same tokens as `generate` for the same seed. With a
@@ -259,32 +280,92 @@ def generate_stream(
 
 
 def _stream(run: _Run, max_new_tokens: int, tokenizer, return_logprobs: bool) -> Iterator[StreamStep]:
-    """`generate_stream`'s loop: one decode step and draw per iteration, text from a TextStream per row."""
+    """`generate_stream`'s loop: per iteration one decode step and draw (or, with `speculative`, one
+    verify step over each row's drafts), then one `StreamStep` per emitted token position; text from
+    a TextStream per row."""
     b, bb = len(run.requests), run.decoder.rows
     streams = [TextStream(tokenizer, r.stop_strings) for r in run.requests]
     reasons: list[FinishReason | None] = [None] * b
-    drawn = run.first
-    for step in range(max_new_tokens):
-        out_tok: list[int | None] = [None] * b
-        out_lp: list[float | None] = [None] * b
-        out_txt: list[str] | None = [""] * b if tokenizer is not None else None
-        for r in range(b):
-            if reasons[r] is not None:
-                continue
-            out_tok[r] = int(drawn.token[r])
-            out_lp[r] = float(drawn.logprob[r]) if return_logprobs else None
-            text, reasons[r] = streams[r].feed(
-                out_tok[r], stopped=bool(drawn.stopped[r]), last=step == max_new_tokens - 1
+    spec = run.speculative
+    drafter = spec.drafter() if spec else None
+    gates = [AcceptanceGate() for _ in range(b)]
+    histories = [list(r.prompt) for r in run.requests]
+    drafted, accepted = [0] * b, [0] * b
+    # this iteration's tokens per row: (token, logprob, is a stop token, ends the row's length)
+    emitted = _emitted_of_draw(run.first, b)
+    for _ in range(max_new_tokens):  # every iteration emits at least one token per running row
+        for j in range(max(len(e) for e in emitted)):
+            out_tok: list[int | None] = [None] * b
+            out_lp: list[float | None] = [None] * b
+            out_txt: list[str] | None = [""] * b if tokenizer is not None else None
+            for r in range(b):
+                if reasons[r] is not None or j >= len(emitted[r]):
+                    continue
+                tok, lp, stopped, done = emitted[r][j]
+                out_tok[r], out_lp[r] = tok, (lp if return_logprobs else None)
+                histories[r].append(tok)
+                text, reasons[r] = streams[r].feed(tok, stopped=stopped, last=done and not stopped)
+                if out_txt is not None:
+                    out_txt[r] = text
+            finished = [x is not None for x in reasons]
+            yield StreamStep(
+                out_tok,
+                out_lp if return_logprobs else None,
+                out_txt,
+                finished,
+                list(reasons),
+                list(drafted) if spec else None,
+                list(accepted) if spec else None,
             )
-            if out_txt is not None:
-                out_txt[r] = text
-        finished = [x is not None for x in reasons]
-        yield StreamStep(out_tok, out_lp if return_logprobs else None, out_txt, finished, list(reasons))
-        if all(finished):
+        if all(reasons[r] is not None for r in range(b)):
             return
         # Rows the host ended (a stop string) stop on the device too.
-        run.decoder.finish(np.array(finished + [False] * (bb - b)) & ~np.asarray(drawn.done))
-        drawn = run.decoder.step(run.cfg)
+        host_ended = [reasons[r] is not None and not (emitted[r] and emitted[r][-1][3]) for r in range(b)]
+        run.decoder.finish(np.array(host_ended + [False] * (bb - b)))
+        drafts = np.zeros((bb, spec.k if spec else 0), np.int32)
+        ndraft = np.zeros((bb,), np.int32)
+        if spec:
+            for r in range(b):
+                if reasons[r] is None and gates[r].allow():
+                    d = drafter.propose(histories[r], spec.k)
+                    drafts[r, : len(d)], ndraft[r] = d, len(d)
+        if ndraft.any():
+            out = run.decoder.verify(run.cfg, drafts, ndraft)
+            emitted = _emitted_of_verify(out, b)
+            for r in range(b):
+                if reasons[r] is None:
+                    gates[r].record(int(ndraft[r]), int(out.accepted[r]))
+                    drafted[r] += int(ndraft[r])
+                    accepted[r] += int(out.accepted[r])
+        else:
+            emitted = _emitted_of_draw(run.decoder.step(run.cfg), b)
+
+
+def _emitted_of_draw(drawn: Drawn, b: int) -> list[list[tuple]]:
+    return [
+        [(int(drawn.token[r]), float(drawn.logprob[r]), bool(drawn.stopped[r]), bool(drawn.done[r]))]
+        if drawn.active[r]
+        else []
+        for r in range(b)
+    ]
+
+
+def _emitted_of_verify(out: Verified, b: int) -> list[list[tuple]]:
+    rows = []
+    for r in range(b):
+        n = int(out.count[r])
+        rows.append(
+            [
+                (
+                    int(out.token[r, i]),
+                    float(out.logprob[r, i]),
+                    i == n - 1 and bool(out.stopped[r]),
+                    i == n - 1 and bool(out.done[r]),
+                )
+                for i in range(n)
+            ]
+        )
+    return rows
 
 
 def _collect(steps: list[StreamStep], n: int, with_lp: bool, tokenizer) -> GenerateResult:
@@ -299,6 +380,12 @@ def _collect(steps: list[StreamStep], n: int, with_lp: bool, tokenizer) -> Gener
                     lps[r].append(st.logprobs[r])
                 if st.texts is not None:
                     texts[r] += st.texts[r]
+    last = steps[-1]
     return GenerateResult(
-        tokens, list(steps[-1].finish_reasons), lps if with_lp else None, texts if tokenizer is not None else None
+        tokens,
+        list(last.finish_reasons),
+        lps if with_lp else None,
+        texts if tokenizer is not None else None,
+        last.drafted,
+        last.accepted,
     )

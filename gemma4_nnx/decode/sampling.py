@@ -244,7 +244,7 @@ class RowFeatures:
     penalty: bool = False
 
 
-def _penalize(logits: jax.Array, penalty: jax.Array, seen_mask: jax.Array) -> jax.Array:
+def penalize_rows(logits: jax.Array, penalty: jax.Array, seen_mask: jax.Array) -> jax.Array:
     """CTRL repetition penalty with a per-row factor penalty [B, 1] (1 = off)."""
     penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
     return jnp.where(seen_mask & (penalty != 1.0), penalised, logits)
@@ -267,7 +267,7 @@ def _nucleus_threshold(sorted_asc: jax.Array, drop: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(remove, jnp.inf, sorted_asc), axis=-1, keepdims=True)
 
 
-def _filter(logits: jax.Array, rows: RowParams, features: RowFeatures) -> jax.Array:
+def filter_rows(logits: jax.Array, rows: RowParams, features: RowFeatures) -> jax.Array:
     """Temperature, top-k, top-p and min-p, in transformers' order, with each row's parameters.
 
     Returns float32 [B, V] logits divided by the row's temperature (greedy rows: by 1), every
@@ -324,11 +324,11 @@ def sample_rows(
     if features.penalty:
         if seen_mask is None:
             raise ValueError("features.penalty is set but seen_mask is None")
-        logits = _penalize(logits, rows.penalty.astype(jnp.float32)[:, None], seen_mask)
+        logits = penalize_rows(logits, rows.penalty.astype(jnp.float32)[:, None], seen_mask)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not features.sampled:
         return greedy
-    drawn = jax.vmap(jax.random.categorical)(keys, _filter(logits, rows, features)).astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(keys, filter_rows(logits, rows, features)).astype(jnp.int32)
     return jnp.where(rows.temperature > 0, drawn, greedy)
 
 
@@ -355,7 +355,7 @@ def apply_repetition_penalty(logits: jax.Array, seen_mask: jax.Array, penalty: f
       ``[B, V]`` logits; seen tokens have negative logits multiplied by and non-negative logits
       divided by ``penalty`` (both make them less likely for ``penalty > 1``).
     """
-    return _penalize(logits, jnp.float32(penalty), seen_mask)
+    return penalize_rows(logits, jnp.float32(penalty), seen_mask)
 
 
 def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -371,7 +371,7 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
         best = jnp.argmax(logits, axis=-1, keepdims=True)
         return jnp.where(jnp.arange(logits.shape[-1])[None, :] == best, logits, jnp.float32(-jnp.inf))
     rows, features = _broadcast(params, *logits.shape)
-    return _filter(logits, rows, features)
+    return filter_rows(logits, rows, features)
 
 
 def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, seen_mask: jax.Array | None = None) -> jax.Array:
@@ -398,7 +398,7 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, seen_mask:
     if params.is_greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     rows, features = _broadcast(params, *logits.shape)
-    filtered = _filter(logits, rows, features)
+    filtered = filter_rows(logits, rows, features)
     if _is_key_batch(key):
         return jax.vmap(jax.random.categorical)(key, filtered).astype(jnp.int32)
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)

@@ -26,7 +26,17 @@ from gemma4_nnx.config import Gemma4Config, LayerSpec
 
 Array = jax.Array
 
-__all__ = ["KV", "KVCache", "LayerCache", "cache_bytes", "cache_size"]
+__all__ = [
+    "KV",
+    "KVCache",
+    "LayerCache",
+    "cache_bytes",
+    "cache_size",
+    "head_rows",
+    "put_head_rows",
+    "put_rows",
+    "take_rows",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -109,14 +119,20 @@ class KVCache:
     layers: dict[int, LayerCache]
 
     @classmethod
-    def init(cls, config: Gemma4Config, batch_size: int, max_length: int, dtype=jnp.float32) -> KVCache:
+    def init(
+        cls, config: Gemma4Config, batch_size: int, max_length: int, dtype=jnp.float32, *, ring_extra: int = 0
+    ) -> KVCache:
         """Empty caches: a `sliding_window`-slot ring per sliding donor (a plain cache when the context
-        is no longer than the window), `max_length` slots per global donor, none for consumers."""
+        is no longer than the window), `max_length` slots per global donor, none for consumers.
+
+        ring_extra: slots added to every ring, for steps that write positions which may be taken back
+        (speculative decoding writes k drafts: with k extra slots no position the accepted prefix still
+        needs is evicted). Visibility stays the model's window."""
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"KVCache.init: batch_size ({batch_size}) and max_length ({max_length}) must be >= 1")
         layers = {}
         for spec in config.cache_layers:
-            size = cache_size(spec, config, max_length)
+            size = cache_size(spec, config, max_length, ring_extra)
             layers[spec.index] = LayerCache.zeros(
                 batch_size,
                 size,
@@ -138,6 +154,15 @@ class KVCache:
             int(c.k.size) * c.k.dtype.itemsize + int(c.v.size) * c.v.dtype.itemsize for c in self.layers.values()
         )
 
+    def forget_from(self, lengths: Array) -> KVCache:
+        """Forget every slot holding a position >= lengths[row] (int [B]): rejected draft tokens."""
+        return KVCache(
+            {
+                i: dataclasses.replace(c, pos=jnp.where(c.pos >= lengths[:, None], -1, c.pos))
+                for i, c in self.layers.items()
+            }
+        )
+
     def take(self, rows: Array) -> KVCache:
         """Rows `rows` [k] (an index >= batch_size reads the last row; `put` drops it again)."""
         return take_rows(self, rows)
@@ -147,12 +172,10 @@ class KVCache:
         return put_rows(self, rows, part)
 
     def head(self, m: int) -> KVCache:
-        return self if m == self.batch_size else jax.tree_util.tree_map(lambda x: x[:m], self)
+        return head_rows(self, m)
 
     def put_head(self, part: KVCache) -> KVCache:
-        if part.batch_size == self.batch_size:
-            return part
-        return jax.tree_util.tree_map(lambda x, p: jax.lax.dynamic_update_slice_in_dim(x, p, 0, axis=0), self, part)
+        return put_head_rows(self, part)
 
     def reset(self, rows: Array) -> KVCache:
         """Forget rows (bool [B]) so their slots can take a new sequence."""
@@ -171,10 +194,25 @@ def put_rows(tree, rows: Array, part):
     return jax.tree_util.tree_map(lambda full, p: full.at[rows].set(p, mode="drop"), tree, part)
 
 
-def cache_size(spec: LayerSpec, config: Gemma4Config, max_length: int) -> int:
-    """Slots a donor layer needs: the window for sliding layers, the full context for global ones."""
+def head_rows(tree, m: int):
+    """The first m rows of every [B, ...] leaf of `tree`."""
+    return jax.tree_util.tree_map(lambda x: x[:m], tree)
+
+
+def put_head_rows(tree, part):
+    """`tree` with its first rows replaced by `part`'s (as many as `part` has)."""
+    return jax.tree_util.tree_map(
+        lambda x, p: p if p.shape[0] == x.shape[0] else jax.lax.dynamic_update_slice_in_dim(x, p, 0, axis=0),
+        tree,
+        part,
+    )
+
+
+def cache_size(spec: LayerSpec, config: Gemma4Config, max_length: int, ring_extra: int = 0) -> int:
+    """Slots a donor layer needs: the window (plus `ring_extra`) for sliding layers, the full context
+    for global ones."""
     if spec.is_sliding:
-        return min(config.sliding_window, max_length)
+        return min(config.sliding_window + ring_extra, max_length)
     return max_length
 
 

@@ -1,0 +1,234 @@
+"""Speculative decoding is exact: greedy output equals plain greedy token for token, sampled output has
+the target's distribution, rejected positions leave no trace in the cache.
+
+Test-only drafters (a `SpeculativeConfig` subclass whose `drafter()` is ours): an oracle that proposes
+the known plain continuation (everything accepted), a half-wrong one (the continuation with a wrong
+token at a varying place: partial acceptance) and an all-wrong one (nothing accepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemma4_nnx import RequestError, generate, generate_stream
+from gemma4_nnx.decode.speculative import NgramDrafter, SpeculativeConfig
+from tests import hf_fixtures as fx
+from tests.helpers import random_model
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(variant, **kw):
+        key = (variant, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = random_model(variant, seed=7, **kw)
+        return cache[key]
+
+    return get
+
+
+class _Table:
+    """Proposes from a fixed continuation of each prompt: oracle (exact), or with a wrong token."""
+
+    def __init__(self, prompts, continuations, mode):
+        self.known = [(list(p), list(c)) for p, c in zip(prompts, continuations)]
+        self.mode = mode
+        self.calls = 0
+
+    def propose(self, history, k):
+        self.calls += 1
+        history = list(history)
+        for prompt, cont in self.known:
+            if history[: len(prompt)] == prompt and len(history) >= len(prompt):
+                done = len(history) - len(prompt)
+                if history[len(prompt) :] != cont[:done]:
+                    continue
+                d = cont[done : done + k]
+                if self.mode == "half" and d:
+                    i = self.calls % len(d)  # a wrong token at a varying place
+                    d = d[:i] + [(d[i] + 1) % 128] + d[i + 1 :]
+                elif self.mode == "wrong":
+                    d = [(t + 1) % 128 for t in d]
+                return d
+        return []
+
+
+def _config(drafter, k=K):
+    @dataclasses.dataclass(frozen=True)
+    class Fixed(SpeculativeConfig):
+        def drafter(self):
+            return drafter
+
+    return Fixed(num_speculative_tokens=k)
+
+
+PROMPTS = [fx.sample_ids(1, n, seed=30 + n)[0].tolist() for n in (3, 11, 6)]  # 11 > 2 x window 4
+
+
+@pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
+@pytest.mark.parametrize("mode", ["oracle", "half", "wrong"])
+def test_greedy_speculation_equals_plain_greedy(models, variant, mode):
+    """A ragged batch whose rows wrap the sliding ring: every drafter gives the plain greedy tokens,
+    and acceptance is what the drafter deserves (all, some, none)."""
+    model = models(variant)
+    n = 14
+    plain = generate(model, PROMPTS, n, stop_tokens=[])
+    drafter = _Table(PROMPTS, plain.tokens, mode)
+    spec = generate(model, PROMPTS, n, stop_tokens=[], speculative=_config(drafter))
+    assert spec.tokens == plain.tokens, (mode, spec.tokens, plain.tokens)
+    assert spec.finish_reasons == plain.finish_reasons
+    assert all(0 <= a <= d for a, d in zip(spec.accepted, spec.drafted)) and sum(spec.drafted) > 0
+    if mode == "oracle":
+        assert spec.accepted == spec.drafted
+    elif mode == "wrong":
+        assert sum(spec.accepted) == 0
+    else:
+        assert 0 < sum(spec.accepted) < sum(spec.drafted)
+
+
+def test_stop_token_inside_an_accepted_run(models):
+    """A stop token in the middle of accepted drafts ends the row there, as plain decoding does."""
+    model = models("e2b")
+    free = generate(model, PROMPTS, 14, stop_tokens=[])
+    stop = free.tokens[1][5]
+    plain = generate(model, PROMPTS, 14, stop_tokens=[stop])
+    spec = generate(model, PROMPTS, 14, stop_tokens=[stop], speculative=_config(_Table(PROMPTS, free.tokens, "oracle")))
+    assert spec.tokens == plain.tokens and spec.finish_reasons == plain.finish_reasons
+    assert spec.tokens[1][-1] == stop and spec.finish_reasons[1] == "stop"
+
+
+def test_ngram_speculation_on_repetitive_text_and_streaming(models):
+    """Prompt lookup on prompts that repeat themselves: same tokens as plain greedy, drafts accepted,
+    and the stream (several tokens per step) carries the same tokens and logprobs."""
+    model = models("e2b")
+    base = fx.sample_ids(1, 7, seed=9)[0].tolist()
+    prompts = [base * 3, PROMPTS[1]]
+    plain = generate(model, prompts, 16, stop_tokens=[], return_logprobs=True)
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    spec = generate(model, prompts, 16, stop_tokens=[], speculative=cfg, return_logprobs=True)
+    assert spec.tokens == plain.tokens
+    np.testing.assert_allclose(np.concatenate(spec.logprobs), np.concatenate(plain.logprobs), atol=1e-4)
+    assert spec.accepted[0] > 0
+    steps = list(generate_stream(model, prompts, 16, stop_tokens=[], speculative=cfg))
+    for r in range(2):
+        assert [s.tokens[r] for s in steps if s.tokens[r] is not None] == plain.tokens[r]
+    assert len(steps) == 16  # the longest row's tokens, one StreamStep each
+    assert steps[-1].done == [True, True] and steps[-1].accepted == spec.accepted
+
+
+def test_rejected_positions_leave_no_trace(models):
+    """After a verify step whose drafts are all rejected, no cache slot holds a position at or beyond
+    a row's length, and the next plain step gives the plain logits' token."""
+    from gemma4_nnx.decode.batching import PromptBatch
+    from gemma4_nnx.decode.core import Decoder, DrawConfig
+    from gemma4_nnx.decode.requests import make_request
+
+    model = models("e2b")
+    reqs = [
+        make_request(p, 12, vocab_size=128, context=64, context_name="test", stop_tokens=[], row=r)
+        for r, p in enumerate(PROMPTS[:2])
+    ]
+    dec = Decoder(model, rows=2, max_length=64, speculative_tokens=K)
+    dec.start(reqs)
+    cfg = DrawConfig()
+    dec.draw(cfg, dec.prefill(PromptBatch.build([r.prompt for r in reqs], 2)))
+    plain_next = generate(model, PROMPTS[:2], 3, stop_tokens=[]).tokens
+    pos_before = np.asarray(dec.state.rows.pos)
+    wrong = np.array([[(plain_next[r][1] + 1) % 128] * K for r in range(2)], np.int32)
+    out = dec.verify(cfg, wrong, np.array([K, K], np.int32))
+    assert [int(t) for t in out.token[:, 0]] == [plain_next[0][1], plain_next[1][1]]
+    assert out.count.tolist() == [1, 1] and out.accepted.tolist() == [0, 0]
+    lengths = pos_before + 1  # positions 0..pos are written: the last token's; nothing beyond
+    for c in dec.state.cache.layers.values():
+        p = np.asarray(c.pos)
+        assert (p < lengths[:, None]).all(), (p, lengths)
+
+
+def test_sampled_speculation_has_the_target_distribution():
+    """Rejection sampling is exact: on a 12-token vocabulary, with constant drafts (likely and
+    unlikely tokens), the 2nd and 3rd generated tokens of 2048 sampled rows follow the target's own
+    distribution (enumerated exactly from the model's logits), within 5 standard errors per cell."""
+    v = 12
+    model = random_model("plain", seed=3, vocab_size=v)
+    norm = model.norm.scale  # small final norm: logits of order 1, so no token is certain
+    norm.set_value(norm.get_value() * 0.03)
+    prompt = [2, 5, 7, 1]
+    kw = dict(temperature=0.9, top_k=8, stop_tokens=[])
+
+    def probs(seqs):
+        """Filtered next-token distributions after each sequence (as the sampler draws)."""
+        from gemma4_nnx.decode.sampling import SamplingParams, filter_logits
+
+        logits = model(jnp.asarray(seqs))[:, -1].astype(jnp.float32)
+        return np.asarray(
+            jax.nn.softmax(filter_logits(logits, SamplingParams(**{k: kw[k] for k in ("temperature", "top_k")})), -1),
+            np.float64,
+        )
+
+    p1 = probs([prompt])[0]
+    p2 = probs([prompt + [a] for a in range(v)])  # [t1, t2]
+    p3 = probs([prompt + [a, b] for a, b in itertools.product(range(v), range(v))]).reshape(v, v, v)
+    want2 = p1 @ p2
+    want3 = np.einsum("a,ab,abc->c", p1, p2, p3)
+    likely = int(np.argmax(want2))
+    assert (want2 > 0.02).sum() >= 4 and (want3 > 0.02).sum() >= 4, (want2, want3)  # not degenerate
+
+    class Constant:
+        def propose(self, history, k):
+            return [likely, (likely + 1) % v][:k]
+
+    rows, seeds = 256, 8
+    got2, got3 = np.zeros(v), np.zeros(v)
+    for seed in range(seeds):
+        out = generate(model, [prompt] * rows, 3, seed=seed, speculative=_config(Constant(), k=2), **kw)
+        for toks in out.tokens:
+            got2[toks[1]] += 1
+            got3[toks[2]] += 1
+        assert 0 < sum(out.accepted) < sum(out.drafted)
+    n = rows * seeds
+    for got, want in ((got2, want2), (got3, want3)):
+        freq = got / n
+        se = np.sqrt(want * np.clip(1 - want, 0, 1) / n)
+        assert np.all(np.abs(freq - want) <= 5 * se + 1.0 / n), (freq, want)
+
+
+def test_ngram_drafter_finds_the_latest_match():
+    d = NgramDrafter(1, 3)
+    assert d.propose([1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3], 2) == [8, 7]  # latest earlier 3-gram wins
+    assert d.propose([5, 6, 5, 6, 7, 5, 6], 3) == [7, 5, 6]
+    assert d.propose([4, 9, 1, 2], 2) == []  # no earlier occurrence of any suffix
+    assert d.propose([3, 4, 3], 4) == [4, 3]  # the 1-gram 3 at index 0 continues with [4, 3]
+    assert NgramDrafter(2, 2).propose([3, 4, 5, 3], 2) == []  # 1-grams not tried
+    # exhaustive against a direct search on short binary sequences
+    for n in range(2, 9):
+        for seq in itertools.product([0, 1], repeat=n):
+            seq = list(seq)
+            want = []
+            for g in range(min(3, n - 1), 0, -1):
+                starts = [i for i in range(n - g) if seq[i : i + g] == seq[n - g :] and i + g < n]
+                if starts:
+                    want = seq[starts[-1] + g : starts[-1] + g + 2]
+                    break
+            assert d.propose(seq, 2) == want, (seq, d.propose(seq, 2), want)
+
+
+def test_speculative_config_is_validated():
+    for bad, name in (
+        ({"method": "eagle"}, "method"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"nope": 1}, "unknown"),
+    ):
+        with pytest.raises(RequestError, match=name) as e:
+            generate(random_model("plain"), [[2, 3]], 2, speculative=bad)
+        assert e.value.param == "speculative"
