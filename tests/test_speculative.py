@@ -232,3 +232,28 @@ def test_speculative_config_is_validated():
         with pytest.raises(RequestError, match=name) as e:
             generate(random_model("plain"), [[2, 3]], 2, speculative=bad)
         assert e.value.param == "speculative"
+
+
+def test_engine_rows_accept_their_own_drafts(models):
+    """Continuous batching with speculation: concurrent requests (more than the rows) each return the
+    plain greedy tokens; every row accepted its own number of drafts per step; the counters add up."""
+    from gemma4_nnx import Engine
+
+    model = models("e2b")
+    n = 12
+    prompts = PROMPTS + [PROMPTS[0] * 2, PROMPTS[2][:4]]
+    plain = [generate(model, [p], n, stop_tokens=[]).tokens[0] for p in prompts]
+    drafter = _Table(prompts, plain, "half")
+    engine = Engine(model, max_batch=4, max_length=64, speculative=_config(drafter), precompile=(16,))
+    try:
+        reqs = [engine.submit(p, n, stop_tokens=[]) for p in prompts]
+        assert [r.result()[0] for r in reqs] == plain
+        st = engine.stats
+        assert st.verify_steps > 0 and 0 < st.accepted_tokens < st.drafted_tokens
+        assert st.tokens_generated == n * len(prompts)
+        assert st.decode_steps < st.tokens_generated - len(prompts)  # fewer steps than one token each
+    finally:
+        engine.close()
+    with pytest.raises(RequestError) as e:
+        Engine(model, speculative={"num_speculative_tokens": -1})
+    assert e.value.param == "speculative"

@@ -144,6 +144,12 @@ class Drawn:
     done: Array
     active: Array
 
+    def emitted(self, j: int) -> list[tuple[int, float, bool, bool]]:
+        """Row j's new tokens on the host: [(token, logprob, is a stop token, the row is done)]."""
+        if not self.active[j]:
+            return []
+        return [(int(self.token[j]), float(self.logprob[j]), bool(self.stopped[j]), bool(self.done[j]))]
+
 
 @dataclasses.dataclass(frozen=True)
 class DrawConfig:
@@ -283,6 +289,20 @@ class Verified:
     stopped: Array
     done: Array
     active: Array
+
+    def emitted(self, j: int) -> list[tuple[int, float, bool, bool]]:
+        """Row j's new tokens on the host, as `Drawn.emitted` (the flags belong to the last one)."""
+        n = int(self.count[j])
+        last = n - 1
+        return [
+            (
+                int(self.token[j, i]),
+                float(self.logprob[j, i]),
+                i == last and bool(self.stopped[j]),
+                i == last and bool(self.done[j]),
+            )
+            for i in range(n)
+        ]
 
 
 def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: RowState, drafts, ndraft):

@@ -39,10 +39,11 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from gemma4_nnx.decode.batching import PromptBatch, pow2
-from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, RowState
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, RowState, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, check_int, make_request
 from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams
+from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
 __all__ = ["DEFAULT_MAX_LENGTH", "Engine", "EngineError", "EngineRequest", "EngineStats", "Event"]
@@ -87,6 +88,9 @@ class EngineStats:
     cancelled: int = 0
     failed: int = 0
     tokens_generated: int = 0
+    verify_steps: int = 0  # speculative steps (the rest of decode_steps were plain)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class EngineRequest:
@@ -153,6 +157,10 @@ class Engine:
         compiled, so no request pays a compile for them. None: compile on first use.
       mesh: the `jax.sharding.Mesh` the model's weights are sharded over (tensor parallel serving);
         the KV cache is sharded the same way (`gemma4_nnx.sharding`).
+      speculative: draft and verify several tokens per step for every request
+        (`decode.speculative.SpeculativeConfig` or its dict, e.g. `{"method": "ngram",
+        "num_speculative_tokens": 4}`); each row accepts its own number of tokens per step. Greedy
+        output is unchanged; sampled output keeps its distribution (not its exact draws).
     """
 
     def __init__(
@@ -166,8 +174,10 @@ class Engine:
         cache_dtype=None,
         precompile: Sequence[int] | None = None,
         mesh=None,
+        speculative: SpeculativeConfig | dict | None = None,
     ):
         check_int(max_batch, "max_batch", lo=1)
+        self.speculative = speculative_config(speculative)
         context = model.config.max_position_embeddings
         max_length = min(context, DEFAULT_MAX_LENGTH) if max_length is None else max_length
         check_int(max_length, "max_length", lo=2)
@@ -188,7 +198,9 @@ class Engine:
             stop_width=max(4, pow2(len(self.default_stops))),
             seen_width=self.vocab_size,
             mesh=mesh,
+            speculative_tokens=self.speculative.k if self.speculative else 0,
         )
+        self.drafting = Drafting(self.speculative, max_batch) if self.speculative else None
         self._slots: list[EngineRequest | None] = [None] * max_batch
         self._pending: deque[EngineRequest] = deque()
         self._cv = threading.Condition()
@@ -349,6 +361,9 @@ class Engine:
         drawn = self.decoder.draw(self._config([r.params for r in requests]), logits, idx, init)
         self.stats.prefills += 1
         self.stats.prefill_rows += k
+        if self.drafting is not None:
+            for slot, _ in pairs:
+                self.drafting.reset(slot)
         now = time.perf_counter()
         for _, req in pairs:
             req.first_token_s = now - req.submitted
@@ -362,36 +377,52 @@ class Engine:
         # Decode only the first m rows, m a power of two covering every active row (rows are taken
         # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
         m = min(pow2(active[-1] + 1), self.max_batch)
-        drawn = self.decoder.step(self._config([self._slots[i].request.params for i in active]), m)
+        cfg = self._config([self._slots[i].request.params for i in active])
+        drafts, ndraft = None, None
+        if self.drafting is not None:
+            histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
+            drafts, ndraft = self.drafting.propose(histories, m)
+        if ndraft is not None and ndraft.any():
+            out = self.decoder.verify(cfg, drafts, ndraft)
+            for i in active:
+                self.drafting.record(i, int(ndraft[i]), int(out.accepted[i]))
+            self.stats.verify_steps += 1
+            self.stats.drafted_tokens += int(ndraft.sum())
+            self.stats.accepted_tokens += int(out.accepted.sum())
+        else:
+            out = self.decoder.step(cfg, m)
         n = len(active)
         self.stats.decode_steps += 1
         self.stats.rows_decoded += n
         self.stats.shared_decode_steps += int(n > 1)
         self.stats.max_rows_in_step = max(self.stats.max_rows_in_step, n)
-        self._deliver([(slot, slot) for slot in active], drawn)
+        self._deliver([(slot, slot) for slot in active], out)
 
-    def _deliver(self, rows: Sequence[tuple[int, int]], drawn: Drawn) -> None:
-        """For each (slot, j): record the slot's new token (row j of `drawn`), emit its event, and free
-        the slot if its request is done (rows the host ended are marked done on the device too)."""
+    def _deliver(self, rows: Sequence[tuple[int, int]], out: Drawn | Verified) -> None:
+        """For each (slot, j): record the slot's new tokens (row j of `out`: one, or several after a
+        speculative step), emit an event per token, and free the slot once its request is done (rows
+        the host ended are marked done on the device too)."""
         host_ended = np.zeros(self.max_batch, bool)
         for slot, j in rows:
             req = self._slots[slot]
-            tok, stopped, done = int(drawn.token[j]), bool(drawn.stopped[j]), bool(drawn.done[j])
-            req.tokens.append(tok)
-            self.stats.tokens_generated += 1
-            text, reason = req.stream.feed(tok, stopped=stopped, last=done and not stopped)
-            if req.cancelled:
-                reason = FinishReason.CANCELLED
-            req.finish_reason = reason
-            if reason is not None:
-                self._slots[slot] = None
-                host_ended[slot] = not done
-                if reason == FinishReason.CANCELLED:
-                    self.stats.cancelled += 1
-                else:
-                    self.stats.completed += 1
-                    self.last_outcome = "ok"
-            req.emit(Event(tok, text, float(drawn.logprob[j]), reason))
+            for tok, lp, stopped, done in out.emitted(j):
+                req.tokens.append(tok)
+                self.stats.tokens_generated += 1
+                text, reason = req.stream.feed(tok, stopped=stopped, last=done and not stopped)
+                if req.cancelled:
+                    reason = FinishReason.CANCELLED
+                req.finish_reason = reason
+                if reason is not None:
+                    self._slots[slot] = None
+                    host_ended[slot] = not done
+                    if reason == FinishReason.CANCELLED:
+                        self.stats.cancelled += 1
+                    else:
+                        self.stats.completed += 1
+                        self.last_outcome = "ok"
+                req.emit(Event(tok, text, lp, reason))
+                if reason is not None:
+                    break
         self.decoder.finish(host_ended)
 
     def _precompile(self, prompt_lengths: Sequence[int]) -> None:
@@ -401,6 +432,9 @@ class Engine:
         steps = sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)})
         for m in steps:
             self.decoder.step(greedy, m)
+            if self.speculative:
+                k = self.speculative.k
+                self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.zeros((m,), np.int32))
         joining = sorted({min(1 << i, pow2(self.max_batch)) for i in range(self.max_batch.bit_length() + 1)})
         for n in sorted({n for n in prompt_lengths if 0 < n < self.max_length}):
             for kb in joining:

@@ -49,11 +49,11 @@ import jax
 import numpy as np
 
 from gemma4_nnx.decode.batching import PromptBatch, bucket_shapes, pow2
-from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Verified
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, check_int, make_request
 from gemma4_nnx.decode.sampling import RowParams
-from gemma4_nnx.decode.speculative import AcceptanceGate, SpeculativeConfig, speculative_config
+from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
 __all__ = ["GenerateResult", "StreamStep", "enable_compilation_cache", "generate", "generate_stream"]
@@ -287,12 +287,9 @@ def _stream(run: _Run, max_new_tokens: int, tokenizer, return_logprobs: bool) ->
     streams = [TextStream(tokenizer, r.stop_strings) for r in run.requests]
     reasons: list[FinishReason | None] = [None] * b
     spec = run.speculative
-    drafter = spec.drafter() if spec else None
-    gates = [AcceptanceGate() for _ in range(b)]
+    drafting = Drafting(spec, bb) if spec else None
     histories = [list(r.prompt) for r in run.requests]
-    drafted, accepted = [0] * b, [0] * b
-    # this iteration's tokens per row: (token, logprob, is a stop token, ends the row's length)
-    emitted = _emitted_of_draw(run.first, b)
+    emitted = [run.first.emitted(r) for r in range(b)]
     for _ in range(max_new_tokens):  # every iteration emits at least one token per running row
         for j in range(max(len(e) for e in emitted)):
             out_tok: list[int | None] = [None] * b
@@ -314,58 +311,24 @@ def _stream(run: _Run, max_new_tokens: int, tokenizer, return_logprobs: bool) ->
                 out_txt,
                 finished,
                 list(reasons),
-                list(drafted) if spec else None,
-                list(accepted) if spec else None,
+                drafting.drafted[:b] if spec else None,
+                drafting.accepted[:b] if spec else None,
             )
         if all(reasons[r] is not None for r in range(b)):
             return
         # Rows the host ended (a stop string) stop on the device too.
         host_ended = [reasons[r] is not None and not (emitted[r] and emitted[r][-1][3]) for r in range(b)]
         run.decoder.finish(np.array(host_ended + [False] * (bb - b)))
-        drafts = np.zeros((bb, spec.k if spec else 0), np.int32)
-        ndraft = np.zeros((bb,), np.int32)
-        if spec:
-            for r in range(b):
-                if reasons[r] is None and gates[r].allow():
-                    d = drafter.propose(histories[r], spec.k)
-                    drafts[r, : len(d)], ndraft[r] = d, len(d)
-        if ndraft.any():
+        running = {r: histories[r] for r in range(b) if reasons[r] is None}
+        drafts, ndraft = drafting.propose(running, bb) if spec else (None, None)
+        if spec and ndraft.any():
             out = run.decoder.verify(run.cfg, drafts, ndraft)
-            emitted = _emitted_of_verify(out, b)
-            for r in range(b):
-                if reasons[r] is None:
-                    gates[r].record(int(ndraft[r]), int(out.accepted[r]))
-                    drafted[r] += int(ndraft[r])
-                    accepted[r] += int(out.accepted[r])
+            emitted = [out.emitted(r) for r in range(b)]
+            for r in running:
+                drafting.record(r, int(ndraft[r]), int(out.accepted[r]))
         else:
-            emitted = _emitted_of_draw(run.decoder.step(run.cfg), b)
-
-
-def _emitted_of_draw(drawn: Drawn, b: int) -> list[list[tuple]]:
-    return [
-        [(int(drawn.token[r]), float(drawn.logprob[r]), bool(drawn.stopped[r]), bool(drawn.done[r]))]
-        if drawn.active[r]
-        else []
-        for r in range(b)
-    ]
-
-
-def _emitted_of_verify(out: Verified, b: int) -> list[list[tuple]]:
-    rows = []
-    for r in range(b):
-        n = int(out.count[r])
-        rows.append(
-            [
-                (
-                    int(out.token[r, i]),
-                    float(out.logprob[r, i]),
-                    i == n - 1 and bool(out.stopped[r]),
-                    i == n - 1 and bool(out.done[r]),
-                )
-                for i in range(n)
-            ]
-        )
-    return rows
+            drawn = run.decoder.step(run.cfg)
+            emitted = [drawn.emitted(r) for r in range(b)]
 
 
 def _collect(steps: list[StreamStep], n: int, with_lp: bool, tokenizer) -> GenerateResult:

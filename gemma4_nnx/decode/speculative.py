@@ -32,7 +32,7 @@ import numpy as np
 
 from gemma4_nnx.decode.errors import RequestError
 
-__all__ = ["AcceptanceGate", "NgramDrafter", "SpeculativeConfig", "speculative_config"]
+__all__ = ["AcceptanceGate", "Drafting", "NgramDrafter", "SpeculativeConfig", "speculative_config"]
 
 METHODS = ("ngram",)
 
@@ -133,3 +133,37 @@ class AcceptanceGate:
         self.misses += 1
         if self.misses >= self.patience:
             self.misses, self.wait = 0, self.pause
+
+
+class Drafting:
+    """Drafting for the rows of one decoder: one drafter, a gate and counters per row. `propose`
+    builds the [rows, k] draft array a verify step takes; `record` books what was accepted."""
+
+    def __init__(self, spec: SpeculativeConfig, rows: int):
+        self.spec = spec
+        self.drafter = spec.drafter()
+        self.gates = [AcceptanceGate() for _ in range(rows)]
+        self.drafted = [0] * rows
+        self.accepted = [0] * rows
+
+    def reset(self, row: int) -> None:
+        """A new sequence takes the row (the engine reuses rows)."""
+        self.gates[row] = AcceptanceGate()
+        self.drafted[row] = self.accepted[row] = 0
+
+    def propose(self, histories: Mapping[int, Sequence[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts [rows, k] and their counts [rows] for the running rows `histories` (row -> tokens so
+        far, prompt included); rows not given, or paused by their gate, draft nothing."""
+        k = self.spec.k
+        drafts = np.zeros((rows, k), np.int32)
+        counts = np.zeros((rows,), np.int32)
+        for r, history in histories.items():
+            if self.gates[r].allow():
+                d = self.drafter.propose(history, k)[:k]
+                drafts[r, : len(d)], counts[r] = d, len(d)
+        return drafts, counts
+
+    def record(self, row: int, proposed: int, accepted: int) -> None:
+        self.gates[row].record(proposed, accepted)
+        self.drafted[row] += proposed
+        self.accepted[row] += accepted

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -195,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="shard the weights and KV cache over N local devices (default 1)",
     )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding for every request, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (vLLM\'s flag and names)',
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
@@ -224,6 +231,12 @@ def make_engine(args: argparse.Namespace) -> Engine:
                 f"{jax.default_backend()} device(s); pass at most that many"
             )
         mesh = make_mesh(fsdp=1, tp=tp)
+    speculative = None
+    if args.speculative_config:
+        try:
+            speculative = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     model = load_model(args.checkpoint, args.dtype, mesh=mesh)
     return Engine(
@@ -234,6 +247,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         prefill_chunk=args.prefill_chunk,
         precompile=args.precompile or None,
         mesh=mesh,
+        speculative=speculative,
     )
 
 
