@@ -63,13 +63,16 @@ class _Table:
         return []
 
 
-def _config(drafter, k=K):
+def _config(drafter, k=K, adaptive=False):
+    """Drafts from `drafter`; not adaptive by default, so every step with drafts verifies them (the
+    counts the tests assert do not depend on measured step times)."""
+
     @dataclasses.dataclass(frozen=True)
     class Fixed(SpeculativeConfig):
         def drafter(self):
             return drafter
 
-    return Fixed(num_speculative_tokens=k)
+    return Fixed(num_speculative_tokens=k, adaptive=adaptive)
 
 
 PROMPTS = [fx.sample_ids(1, n, seed=30 + n)[0].tolist() for n in (3, 11, 6)]  # 11 > 2 x window 4
@@ -114,7 +117,8 @@ def test_ngram_speculation_on_repetitive_text_and_streaming(models):
     base = fx.sample_ids(1, 7, seed=9)[0].tolist()
     prompts = [base * 3, PROMPTS[1]]
     plain = generate(model, prompts, 16, stop_tokens=[], return_logprobs=True)
-    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+           "adaptive": False}
     spec = generate(model, prompts, 16, stop_tokens=[], speculative=cfg, return_logprobs=True)
     assert spec.tokens == plain.tokens
     np.testing.assert_allclose(np.concatenate(spec.logprobs), np.concatenate(plain.logprobs), atol=1e-4)
@@ -257,3 +261,31 @@ def test_engine_rows_accept_their_own_drafts(models):
     with pytest.raises(RequestError) as e:
         Engine(model, speculative={"num_speculative_tokens": -1})
     assert e.value.param == "speculative"
+
+
+def test_adaptive_policy_verifies_only_when_it_pays():
+    """`Drafting.worth_verifying`: unmeasured kinds are tried first, then the expected tokens per
+    second decide; a row whose drafts fail stops verifying, and its rate recovers so it retries."""
+    from gemma4_nnx.decode.speculative import Drafting
+
+    d = Drafting(SpeculativeConfig(num_speculative_tokens=4), rows=2)
+    counts = np.array([4, 0])
+    assert d.worth_verifying(counts, [0, 1], 2)  # verify time unknown: try it
+    d.timed(0.30, 2, 4)
+    assert not d.worth_verifying(counts, [0, 1], 2)  # plain time unknown: try that
+    d.timed(0.10, 2)
+    # expected tokens: row 0: 1 + 0.8 * 4 = 4.2, row 1: 1 -> 5.2 / 0.30 s = 17 tok/s > 2 / 0.10 s = 20? no
+    assert not d.worth_verifying(counts, [0, 1], 2)
+    assert d.worth_verifying(np.array([4, 4]), [0, 1], 2)  # 8.4 / 0.3 = 28 > 20
+    for _ in range(6):
+        d.record(0, 4, 0)
+        d.record(1, 4, 0)
+    assert d.rate[0] < 0.1 and not d.worth_verifying(np.array([4, 4]), [0, 1], 2)
+    for _ in range(40):  # rates recover while plain steps run, so drafting is tried again
+        d.worth_verifying(np.array([4, 4]), [0, 1], 2)
+    assert d.worth_verifying(np.array([4, 4]), [0, 1], 2)
+    assert not d.worth_verifying(np.array([0, 0]), [0, 1], 2)  # nothing proposed
+    fixed = Drafting(SpeculativeConfig(num_speculative_tokens=4, adaptive=False), rows=1)
+    fixed.timed(9.0, 1, 4)
+    fixed.timed(0.01, 1)
+    assert fixed.worth_verifying(np.array([1]), [0], 1)  # not adaptive: always verify drafts

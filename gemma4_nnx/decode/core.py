@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gemma4_nnx.decode.batching import PromptBatch
+from gemma4_nnx.decode.batching import PromptBatch, pow2
 from gemma4_nnx.decode.requests import Request
 from gemma4_nnx.decode.sampling import (
     RowFeatures,
@@ -367,7 +367,10 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     stopped = jnp.any(is_stop & (cols[None, :] == (n - 1)[:, None]), axis=1)
     step = sub.step + n
     done = sub.done | stopped | (active & (step >= sub.limit))
-    lp = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), emitted[..., None], axis=-1)[..., 0]
+    if cfg.logprobs:
+        lp = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), emitted[..., None], axis=-1)[..., 0]
+    else:
+        lp = jnp.zeros(emitted.shape, jnp.float32)
     keep = cols[None, :] < n[:, None]
     last = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
     seen = sub.seen
@@ -572,6 +575,11 @@ class Decoder:
         `speculative_tokens`), ndraft [m] valid drafts per row (0: a plain step for that row). Returns
         the host `Verified` of those m rows."""
         m, k = drafts.shape
+        # Only as many draft columns as the longest proposal (bucketed: 1, 2, 4, ... programs), so a
+        # step whose rows propose little costs little.
+        width = min(pow2(int(ndraft.max())), k) if len(ndraft) else 0
+        drafts = drafts[:, :width]
+        k = width
         if k > self.speculative_tokens:
             raise ValueError(
                 f"{k} drafts per row do not fit this decoder's ring slots "

@@ -382,8 +382,10 @@ class Engine:
         if self.drafting is not None:
             histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
             drafts, ndraft = self.drafting.propose(histories, m)
-        if ndraft is not None and ndraft.any():
+        t0 = time.perf_counter()
+        if self.drafting is not None and self.drafting.worth_verifying(ndraft, active, m):
             out = self.decoder.verify(cfg, drafts, ndraft)
+            self.drafting.timed(time.perf_counter() - t0, m, int(ndraft.max()))
             for i in active:
                 self.drafting.record(i, int(ndraft[i]), int(out.accepted[i]))
             self.stats.verify_steps += 1
@@ -391,6 +393,8 @@ class Engine:
             self.stats.accepted_tokens += int(out.accepted.sum())
         else:
             out = self.decoder.step(cfg, m)
+            if self.drafting is not None:
+                self.drafting.timed(time.perf_counter() - t0, m)
         n = len(active)
         self.stats.decode_steps += 1
         self.stats.rows_decoded += n
@@ -432,9 +436,10 @@ class Engine:
         steps = sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)})
         for m in steps:
             self.decoder.step(greedy, m)
-            if self.speculative:
+            if self.speculative:  # every draft width a step can use (1, 2, 4, ... up to k)
                 k = self.speculative.k
-                self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.zeros((m,), np.int32))
+                for w in sorted({min(1 << i, k) for i in range(k.bit_length() + 1)}):
+                    self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.full((m,), w, np.int32))
         joining = sorted({min(1 << i, pow2(self.max_batch)) for i in range(self.max_batch.bit_length() + 1)})
         for n in sorted({n for n in prompt_lengths if 0 < n < self.max_length}):
             for kb in joining:

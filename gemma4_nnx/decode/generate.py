@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -321,13 +322,17 @@ def _stream(run: _Run, max_new_tokens: int, tokenizer, return_logprobs: bool) ->
         run.decoder.finish(np.array(host_ended + [False] * (bb - b)))
         running = {r: histories[r] for r in range(b) if reasons[r] is None}
         drafts, ndraft = drafting.propose(running, bb) if spec else (None, None)
-        if spec and ndraft.any():
+        t0 = time.perf_counter()
+        if spec and drafting.worth_verifying(ndraft, list(running), bb):
             out = run.decoder.verify(run.cfg, drafts, ndraft)
+            drafting.timed(time.perf_counter() - t0, bb, int(ndraft.max()))
             emitted = [out.emitted(r) for r in range(b)]
             for r in running:
                 drafting.record(r, int(ndraft[r]), int(out.accepted[r]))
         else:
             drawn = run.decoder.step(run.cfg)
+            if spec:
+                drafting.timed(time.perf_counter() - t0, bb)
             emitted = [drawn.emitted(r) for r in range(b)]
 
 
