@@ -117,8 +117,13 @@ def test_ngram_speculation_on_repetitive_text_and_streaming(models):
     base = fx.sample_ids(1, 7, seed=9)[0].tolist()
     prompts = [base * 3, PROMPTS[1]]
     plain = generate(model, prompts, 16, stop_tokens=[], return_logprobs=True)
-    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-           "adaptive": False}
+    cfg = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+        "adaptive": False,
+    }
     spec = generate(model, prompts, 16, stop_tokens=[], speculative=cfg, return_logprobs=True)
     assert spec.tokens == plain.tokens
     np.testing.assert_allclose(np.concatenate(spec.logprobs), np.concatenate(plain.logprobs), atol=1e-4)
@@ -264,28 +269,29 @@ def test_engine_rows_accept_their_own_drafts(models):
 
 
 def test_adaptive_policy_verifies_only_when_it_pays():
-    """`Drafting.worth_verifying`: unmeasured kinds are tried first, then the expected tokens per
-    second decide; a row whose drafts fail stops verifying, and its rate recovers so it retries."""
+    """`Drafting.choose_width`: a plain step and each width are measured first (narrow before wide),
+    then the expected tokens per second decide; a row whose drafts fail stops verifying, and its rate
+    recovers so that it retries; without `adaptive` the longest proposal's width is verified."""
     from gemma4_nnx.decode.speculative import Drafting
 
     d = Drafting(SpeculativeConfig(num_speculative_tokens=4), rows=2)
     counts = np.array([4, 0])
-    assert d.worth_verifying(counts, [0, 1], 2)  # verify time unknown: try it
-    d.timed(0.30, 2, 4)
-    assert not d.worth_verifying(counts, [0, 1], 2)  # plain time unknown: try that
+    assert d.choose_width(counts, [0, 1], 2) == 0  # plain time unknown: measure it first
     d.timed(0.10, 2)
-    # expected tokens: row 0: 1 + 0.8 * 4 = 4.2, row 1: 1 -> 5.2 / 0.30 s = 17 tok/s > 2 / 0.10 s = 20? no
-    assert not d.worth_verifying(counts, [0, 1], 2)
-    assert d.worth_verifying(np.array([4, 4]), [0, 1], 2)  # 8.4 / 0.3 = 28 > 20
-    for _ in range(6):
-        d.record(0, 4, 0)
-        d.record(1, 4, 0)
-    assert d.rate[0] < 0.1 and not d.worth_verifying(np.array([4, 4]), [0, 1], 2)
-    for _ in range(40):  # rates recover while plain steps run, so drafting is tried again
-        d.worth_verifying(np.array([4, 4]), [0, 1], 2)
-    assert d.worth_verifying(np.array([4, 4]), [0, 1], 2)
-    assert not d.worth_verifying(np.array([0, 0]), [0, 1], 2)  # nothing proposed
-    fixed = Drafting(SpeculativeConfig(num_speculative_tokens=4, adaptive=False), rows=1)
-    fixed.timed(9.0, 1, 4)
-    fixed.timed(0.01, 1)
-    assert fixed.worth_verifying(np.array([1]), [0], 1)  # not adaptive: always verify drafts
+    assert d.choose_width(counts, [0, 1], 2) == 1  # then the narrowest width
+    d.timed(0.11, 2, 1)
+    assert d.choose_width(counts, [0, 1], 2) == 2
+    d.timed(0.13, 2, 2)
+    assert d.choose_width(counts, [0, 1], 2) == 4
+    d.timed(0.40, 2, 4)
+    # plain: 2 / 0.10 = 20 tok/s; width 1: (1.8 + 1) / 0.11 = 25; width 2: (2.6 + 1) / 0.13 = 28; 4: 4.2 / 0.4
+    assert d.choose_width(counts, [0, 1], 2) == 2
+    assert d.choose_width(np.array([0, 0]), [0, 1], 2) == 0  # nothing proposed
+    for _ in range(8):
+        d.record(0, 2, 0)
+    assert d.rate[0] < 0.1 and d.choose_width(counts, [0, 1], 2) == 0
+    for _ in range(60):  # rates recover while plain steps run, so drafting is tried again
+        d.choose_width(counts, [0, 1], 2)
+    assert d.choose_width(counts, [0, 1], 2) > 0
+    fixed = Drafting(SpeculativeConfig(num_speculative_tokens=8, adaptive=False), rows=1)
+    assert fixed.choose_width(np.array([3]), [0], 1) == 4  # not adaptive: the longest proposal's width

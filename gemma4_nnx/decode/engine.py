@@ -382,10 +382,12 @@ class Engine:
         if self.drafting is not None:
             histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
             drafts, ndraft = self.drafting.propose(histories, m)
+        width = self.drafting.choose_width(ndraft, active, m) if self.drafting is not None else 0
         t0 = time.perf_counter()
-        if self.drafting is not None and self.drafting.worth_verifying(ndraft, active, m):
-            out = self.decoder.verify(cfg, drafts, ndraft)
-            self.drafting.timed(time.perf_counter() - t0, m, int(ndraft.max()))
+        if width:
+            ndraft = np.minimum(ndraft, width)
+            out = self.decoder.verify(cfg, drafts[:, :width], ndraft)
+            self.drafting.timed(time.perf_counter() - t0, m, width)
             for i in active:
                 self.drafting.record(i, int(ndraft[i]), int(out.accepted[i]))
             self.stats.verify_steps += 1

@@ -322,10 +322,12 @@ def _stream(run: _Run, max_new_tokens: int, tokenizer, return_logprobs: bool) ->
         run.decoder.finish(np.array(host_ended + [False] * (bb - b)))
         running = {r: histories[r] for r in range(b) if reasons[r] is None}
         drafts, ndraft = drafting.propose(running, bb) if spec else (None, None)
+        width = drafting.choose_width(ndraft, list(running), bb) if spec else 0
         t0 = time.perf_counter()
-        if spec and drafting.worth_verifying(ndraft, list(running), bb):
-            out = run.decoder.verify(run.cfg, drafts, ndraft)
-            drafting.timed(time.perf_counter() - t0, bb, int(ndraft.max()))
+        if width:
+            ndraft = np.minimum(ndraft, width)
+            out = run.decoder.verify(run.cfg, drafts[:, :width], ndraft)
+            drafting.timed(time.perf_counter() - t0, bb, width)
             emitted = [out.emitted(r) for r in range(b)]
             for r in running:
                 drafting.record(r, int(ndraft[r]), int(out.accepted[r]))

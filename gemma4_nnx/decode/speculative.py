@@ -21,7 +21,7 @@ k+1 positions written per step never evict a position the accepted prefix still 
 Drafters: `NgramDrafter` (prompt lookup: the continuation of the latest earlier occurrence of the
 sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; no model). Whether a
 step verifies at all is decided per step from measured step times and recent acceptance
-(`Drafting.worth_verifying`), so free generation falls back to plain steps.
+(`Drafting.choose_width`), so free generation falls back to plain steps.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup). num_speculative_tokens: k, drafts per step (>= 1).
     prompt_lookup_max / prompt_lookup_min: the n-gram lengths tried, longest first.
     adaptive: verify only when the measured step times and recent acceptance predict more tokens per
-      second than a plain step (`Drafting.worth_verifying`); False: verify whenever there are drafts
+      second than a plain step (`Drafting.choose_width`); False: verify whenever there are drafts
       (right where verifying costs what a plain step costs, e.g. a memory-bound accelerator).
     """
 
@@ -122,10 +122,10 @@ class Drafting:
     A verify step over k drafts costs more than a plain step (on a 2-core CPU about 1.1x at k = 1 and
     1.6x at k = 4 for one row, much more for several rows: the target's compute grows with rows x
     columns; on an accelerator it is nearly flat), so drafting pays only when enough drafts are
-    accepted. `worth_verifying` compares the expected tokens per second of both kinds of step, from
+    accepted. `choose_width` compares the expected tokens per second of both kinds of step, from
     measured step times (`timed`, kept per row count and draft width) and each row's recent
     acceptance rate (`record`); a row's rate drifts back up while it does not verify, so drafting is
-    tried again now and then. `propose` builds the [rows, k] draft array a verify step takes."""
+    tried again now and then (`choose_width`). `propose` builds the [rows, k] draft array a verify step takes."""
 
     def __init__(
         self, spec: SpeculativeConfig, rows: int, *, prior: float = 0.8, decay: float = 0.7, recovery: float = 0.02
@@ -154,23 +154,35 @@ class Drafting:
             drafts[r, : len(d)], counts[r] = d, len(d)
         return drafts, counts
 
-    def worth_verifying(self, counts: np.ndarray, running: Sequence[int], m: int) -> bool:
-        """Verify these proposals (True) or take a plain step (False)? Unmeasured step kinds are
-        tried first; then the kind with more expected tokens per second wins."""
-        if not counts.any():
-            return False
+    def choose_width(self, counts: np.ndarray, running: Sequence[int], m: int) -> int:
+        """How many draft columns this step should verify (0: a plain step), for proposals `counts`.
+
+        Widths are the powers of two up to k (one compiled program each). Not adaptive: the longest
+        proposal's width. Adaptive: an unmeasured plain step or width is tried first (narrow widths
+        before wide ones); then the choice with the most expected tokens per second wins, expecting
+        `1 + rate[r] * min(counts[r], width)` tokens from row r in a verify step."""
+        longest = int(counts.max()) if len(counts) else 0
+        if longest == 0:
+            return 0
+        top = min(pow2(longest), self.spec.k)
         if not self.spec.adaptive:
-            return True
-        width = min(pow2(int(counts.max())), self.spec.k)
-        t_verify, t_plain = self.seconds.get(("verify", m, width)), self.seconds.get(("plain", m))
-        if t_verify is None or t_plain is None:
-            return t_verify is None
-        expected = sum(1.0 + self.rate[r] * counts[r] for r in running)
-        if expected / t_verify > len(running) / t_plain:
-            return True
-        for r in running:  # not verifying now: let the rates recover so that drafting is retried later
-            self.rate[r] = min(self.prior, self.rate[r] + self.recovery)
-        return False
+            return top
+        widths = [w for w in (1 << i for i in range(top.bit_length())) if w <= top]
+        if ("plain", m) not in self.seconds:
+            return 0
+        for w in widths:
+            if ("verify", m, w) not in self.seconds:
+                return w
+        best, best_rate = 0, len(running) / self.seconds[("plain", m)]
+        for w in widths:
+            expected = sum(1.0 + self.rate[r] * min(int(counts[r]), w) for r in running)
+            rate = expected / self.seconds[("verify", m, w)]
+            if rate > best_rate:
+                best, best_rate = w, rate
+        if best == 0:  # not verifying now: let the rates recover so that drafting is retried later
+            for r in running:
+                self.rate[r] = min(self.prior, self.rate[r] + self.recovery)
+        return best
 
     def timed(self, seconds: float, m: int, width: int = 0) -> None:
         """Book a step's wall time (width 0: a plain step)."""
