@@ -158,9 +158,10 @@ class Drafting:
         """How many draft columns this step should verify (0: a plain step), for proposals `counts`.
 
         Widths are the powers of two up to k (one compiled program each). Not adaptive: the longest
-        proposal's width. Adaptive: an unmeasured plain step or width is tried first (narrow widths
-        before wide ones); then the choice with the most expected tokens per second wins, expecting
-        `1 + rate[r] * min(counts[r], width)` tokens from row r in a verify step."""
+        proposal's width. Adaptive: a plain step is measured first, then width 1, and a wider width
+        only once the one half as wide was the best so far (so costly wide steps are not tried when
+        narrow ones already lose); among measured choices the one with the most expected tokens per
+        second wins, expecting `1 + rate[r] * min(counts[r], width)` tokens from row r."""
         longest = int(counts.max()) if len(counts) else 0
         if longest == 0:
             return 0
@@ -170,13 +171,15 @@ class Drafting:
         widths = [w for w in (1 << i for i in range(top.bit_length())) if w <= top]
         if ("plain", m) not in self.seconds:
             return 0
-        for w in widths:
-            if ("verify", m, w) not in self.seconds:
-                return w
         best, best_rate = 0, len(running) / self.seconds[("plain", m)]
         for w in widths:
+            seconds = self.seconds.get(("verify", m, w))
+            if seconds is None:  # try it: the narrowest width, or one whose half was the best so far
+                if w == 1 or best == w // 2:
+                    return w
+                break
             expected = sum(1.0 + self.rate[r] * min(int(counts[r]), w) for r in running)
-            rate = expected / self.seconds[("verify", m, w)]
+            rate = expected / seconds
             if rate > best_rate:
                 best, best_rate = w, rate
         if best == 0:  # not verifying now: let the rates recover so that drafting is retried later
