@@ -26,6 +26,7 @@ LayerType = Literal["sliding_attention", "full_attention"]
 
 _ROPE_TYPES = ("default", "proportional")
 _SUPPORTED_MODEL_TYPES = ("gemma4_text", "gemma4")
+ASSISTANT_MODEL_TYPE = "gemma4_assistant"  # Gemma 4 MTP drafters (`AssistantConfig`)
 _GEMMA3_MODEL_TYPE = "gemma3_text"  # Gemma 3 text checkpoints, read as a degenerate Gemma 4 (`model_family`)
 _FAMILIES = ("gemma4", "gemma3")
 
@@ -251,6 +252,12 @@ class Gemma4Config:
         return tuple(specs)
 
     @property
+    def assistant_donors(self) -> dict[str, int]:
+        """Layer type -> the layer whose K/V an MTP assistant reads: the last non-consumer layer of that
+        type (HF `kv_sharing_modes == "store"`; with or without KV sharing in the target)."""
+        return {t: i for i, t in enumerate(self.layer_types[: self.first_kv_shared_layer])}
+
+    @property
     def cache_layers(self) -> tuple[LayerSpec, ...]:
         """Layers that own a KV cache (every non-consumer layer)."""
         return tuple(s for s in self.layers if not s.is_consumer)
@@ -354,23 +361,7 @@ class Gemma4Config:
         and `per_layer_config` (newer transformers re-saves). Also accepts Gemma 3 text checkpoints
         (model_type `gemma3_text`, `Gemma3ForCausalLM`) as a degenerate Gemma 4: see `_from_gemma3_dict`.
         """
-        if isinstance(path_or_dict, Mapping):
-            raw = dict(path_or_dict)
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"config.json not found at {path}: point at an HF model directory that contains config.json"
-                )
-            with open(path, encoding="utf-8") as f:
-                try:
-                    raw = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"{path} is not valid JSON ({e}); re-download the checkpoint's config.json"
-                    ) from None
+        raw = _read_config_json(path_or_dict)
         if raw.get("model_type") == _GEMMA3_MODEL_TYPE:
             return cls._from_gemma3_dict(raw)
         return cls._from_text_dict(_text_config_dict(raw))
@@ -642,6 +633,12 @@ def _gemma3_rope(d: Mapping[str, Any], layer_type: str) -> RopeSpec:
 
 def _text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type")
+    if model_type == ASSISTANT_MODEL_TYPE:
+        raise ValueError(
+            "this config.json is a Gemma 4 MTP assistant (drafter), not a model to run on its own: read it "
+            "with AssistantConfig.from_hf, load it with gemma4_nnx.from_hf / gemma4_nnx.load, and pass it to "
+            'generate(..., speculative={"method": "assistant", "model": assistant})'
+        )
     if model_type not in _SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported model_type {model_type!r}: gemma4_nnx reads Gemma 4 checkpoints "
@@ -659,3 +656,167 @@ def _text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
                 text[key] = raw[key]
         return text
     return raw
+
+
+# ------------------------------------------------------------------------------------------- MTP assistants
+@dataclasses.dataclass(frozen=True)
+class AssistantConfig:
+    """A Gemma 4 MTP assistant (drafter; HF `Gemma4AssistantConfig`, model_type `gemma4_assistant`).
+
+    `text` is the drafter's own small decoder (HF `text_config`). Every one of its layers is a
+    KV consumer of the *target*: a sliding layer reads the target's last non-consumer sliding layer,
+    a full layer its last full one (`Gemma4Config.assistant_donors`), so `text` is kept here with
+    `num_kv_shared_layers=0` and the layer specs come from `layers` (all consumers, donor -1 = "the
+    target's"). backbone_hidden_size: the target's hidden size. use_ordered_embeddings: logits
+    through the centroid-masked head (`num_centroids`, `centroid_intermediate_top_k`) instead of the
+    whole tied table.
+    """
+
+    text: Gemma4Config
+    backbone_hidden_size: int
+    use_ordered_embeddings: bool = False
+    num_centroids: int = 2048
+    centroid_intermediate_top_k: int = 32
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        t = self.text
+        for name in ("backbone_hidden_size", "num_centroids", "centroid_intermediate_top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                _fail_assistant(name, f"must be a positive integer, got {v!r}", "set a positive integer")
+        if t.use_ple or t.enable_moe_block or t.use_double_wide_mlp or t.num_kv_shared_layers:
+            _fail_assistant(
+                "text_config",
+                "an assistant's decoder has no per-layer inputs, MoE, double-wide MLP or KV donors of its own",
+                "use the config.json that came with the assistant weights",
+            )
+        if self.use_ordered_embeddings:
+            if t.vocab_size % self.num_centroids:
+                _fail_assistant(
+                    "num_centroids",
+                    f"vocab_size {t.vocab_size} is not a multiple of num_centroids {self.num_centroids}",
+                    "use the config.json that came with the assistant weights",
+                )
+            if self.centroid_intermediate_top_k > self.num_centroids:
+                _fail_assistant(
+                    "centroid_intermediate_top_k",
+                    f"{self.centroid_intermediate_top_k} > num_centroids {self.num_centroids}",
+                    "choose top-k <= num_centroids",
+                )
+
+    @functools.cached_property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """The decoder's layers, every one a KV consumer of the target (kv_donor -1)."""
+        return tuple(dataclasses.replace(s, kv_donor=-1, stores_kv=False) for s in self.text.layers)
+
+    def check_target(self, target: Gemma4Config) -> None:
+        """Raise ValueError naming the mismatch when this assistant cannot draft for `target`: it
+        reads the target's K/V (same head dims, KV heads and window per layer type), takes the
+        target's hidden states and embeddings, and proposes tokens of the target's vocabulary."""
+        problems = []
+        if self.backbone_hidden_size != target.hidden_size:
+            problems.append(
+                f"backbone_hidden_size {self.backbone_hidden_size} != target hidden_size {target.hidden_size}"
+            )
+        if self.text.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.text.vocab_size} != target vocab_size {target.vocab_size}")
+        donors = target.assistant_donors
+        for spec in self.layers:
+            donor = donors.get(spec.type)
+            if donor is None:
+                problems.append(f"layer {spec.index} ({spec.type}) has no {spec.type} layer in the target to read")
+                continue
+            d = target.layers[donor]
+            if (spec.head_dim, spec.num_kv_heads) != (d.head_dim, d.num_kv_heads):
+                problems.append(
+                    f"layer {spec.index} ({spec.type}): head_dim/KV heads {spec.head_dim}/{spec.num_kv_heads} "
+                    f"!= the target's layer {donor}: {d.head_dim}/{d.num_kv_heads}"
+                )
+        if SLIDING in self.text.layer_types and self.text.sliding_window != target.sliding_window:
+            problems.append(
+                f"sliding_window {self.text.sliding_window} != target sliding_window {target.sliding_window}"
+            )
+        if problems:
+            raise ValueError(
+                "this assistant does not match the target model's KV geometry: "
+                + "; ".join(problems)
+                + ". Fix: use the assistant released for this target (e.g. gemma-4-E2B-it-assistant for E2B)."
+            )
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> AssistantConfig:
+        """Read an HF `Gemma4AssistantForCausalLM` config.json (file, directory, or parsed dict)."""
+        raw = _read_config_json(path_or_dict)
+        if raw.get("model_type") != ASSISTANT_MODEL_TYPE:
+            raise ValueError(
+                f"model_type {raw.get('model_type')!r} is not {ASSISTANT_MODEL_TYPE!r}: this is not a Gemma 4 "
+                "assistant (load targets with Gemma4Config.from_hf)"
+            )
+        text = raw.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ValueError("assistant config.json has no text_config; the file is incomplete")
+        text = dict(text)
+        n = text.get("num_hidden_layers")
+        shared = text.get("num_kv_shared_layers") or n  # HF: 0/None means "all layers"
+        if shared != n:
+            _fail_assistant(
+                "text_config.num_kv_shared_layers",
+                f"{shared} != num_hidden_layers {n}: every assistant layer must read the target's K/V",
+                "use the config.json that came with the assistant weights",
+            )
+        for key, bad in (("hidden_size_per_layer_input", 0), ("vocab_size_per_layer_input", 0)):
+            if text.get(key, bad) not in (0, None):
+                _fail_assistant(f"text_config.{key}", f"must be 0, got {text[key]!r}", "an assistant has no PLE")
+        text["num_kv_shared_layers"] = 0
+        text["hidden_size_per_layer_input"] = 0
+        if text.get("use_bidirectional_attention") == "all":  # HF's conversion of the window
+            text["sliding_window"] = text.get("sliding_window", 512) // 2 + 1
+        tied = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        return cls(
+            text=Gemma4Config._from_text_dict(text),
+            backbone_hidden_size=raw.get("backbone_hidden_size", 1536),
+            use_ordered_embeddings=bool(raw.get("use_ordered_embeddings", False)),
+            num_centroids=raw.get("num_centroids", 2048),
+            centroid_intermediate_top_k=raw.get("centroid_intermediate_top_k", 32),
+            tie_word_embeddings=bool(tied),
+        )
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """Lossless JSON form (`from_json_dict`); stored in our checkpoints."""
+        d = dataclasses.asdict(self)
+        d["text"] = self.text.to_json_dict()
+        return d
+
+    @classmethod
+    def from_json_dict(cls, d: Mapping[str, Any]) -> AssistantConfig:
+        d = dict(d)
+        d["text"] = Gemma4Config.from_json_dict(d["text"])
+        return cls(**d)
+
+
+def _fail_assistant(field: str, problem: str, fix: str) -> None:
+    raise ValueError(f"AssistantConfig.{field}: {problem}. Fix: {fix}.")
+
+
+def _read_config_json(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json as a dict, from a file, a directory holding one, or an already-parsed dict."""
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"config.json not found at {path}: point at an HF model directory that contains config.json"
+        )
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); re-download the checkpoint's config.json") from None
+
+
+def model_type(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> str | None:
+    """The `model_type` of an HF config.json (what a loader dispatches on)."""
+    return _read_config_json(path_or_dict).get("model_type")

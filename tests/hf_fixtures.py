@@ -190,3 +190,82 @@ def hf_logits(model, ids: np.ndarray, attention_mask: np.ndarray | None = None) 
             kw["attention_mask"] = torch.from_numpy(attention_mask)
         out = model(input_ids=torch.from_numpy(ids), **kw)
     return out.logits.float().numpy()
+
+
+def build_hf_assistant(target_variant: str, *, ordered: bool, seed: int = 0):
+    """A float32 eager transformers `Gemma4AssistantForCausalLM` that fits the target `target_variant`
+    (same head dims, KV heads and window per layer type), weights perturbed; `ordered`: the centroid
+    head with a random token ordering."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    target = VARIANTS[target_variant]
+    text = {k: v for k, v in _COMMON.items() if k not in ("final_logit_softcapping",)}
+    text.update(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        layer_types=[S, F, S],  # HF forces the last one to full: [S, F, F]
+        num_key_value_heads=target["num_key_value_heads"],
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        final_logit_softcapping=None,
+    )
+    if target.get("attention_k_eq_v"):
+        text.update(attention_k_eq_v=True, num_global_key_value_heads=target["num_global_key_value_heads"])
+    cfg = Gemma4AssistantConfig(
+        text_config=text,
+        backbone_hidden_size=target["hidden_size"],
+        use_ordered_embeddings=ordered,
+        num_centroids=8,
+        centroid_intermediate_top_k=3,
+    )
+    cfg._attn_implementation = "eager"
+    cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.25 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=g))
+            elif name.endswith("token_ordering"):
+                b.copy_(torch.randperm(b.numel(), generator=g))
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def hf_assistant_drafts(target, assistant, ids: np.ndarray, steps: int):
+    """transformers' first MTP drafting round after a prefill of `ids` [1, L] (the loop of
+    `SinglePositionMultiTokenCandidateGenerator.get_candidates`): the target's next token, then
+    `steps` assistant steps at the constant position L. Returns (next token, [logits [V]], [state [D]])."""
+    import torch
+
+    ids_t = torch.from_numpy(ids)
+    with torch.no_grad():
+        out = target(input_ids=ids_t, output_hidden_states=True, return_shared_kv_states=True, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        first = int(token[0, 0])
+        state = out.hidden_states[-1][:, -1:]
+        length = ids.shape[1] + 1
+        position = torch.tensor([[ids.shape[1]]])
+        logits, states = [], []
+        for _ in range(steps):
+            x = torch.cat([target.get_input_embeddings()(token), state], dim=-1)
+            o = assistant(
+                inputs_embeds=x,
+                position_ids=position,
+                attention_mask=torch.ones(1, length, dtype=torch.long),
+                shared_kv_states=out.shared_kv_states,
+                use_cache=False,
+            )
+            token = o.logits.argmax(-1)
+            state = o.last_hidden_state
+            logits.append(o.logits[0, 0].float().numpy())
+            states.append(state[0, 0].float().numpy())
+    return first, logits, states

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from gemma4_nnx.config import Gemma4Config
+from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config, model_type
 
 Path = tuple  # an NNX state path, e.g. ("layers", 3, "self_attn", "q_proj", "kernel")
 
@@ -95,53 +95,110 @@ def name_map(config: Gemma4Config) -> list[Entry]:
             Entry("per_layer_projection_norm.weight", ("per_layer_projection_norm", "scale"), None),
         ]
     for spec in config.layers:
-        i = spec.index
-        pre, root = f"layers.{i}.", ("layers", i)
-
-        def lin(hf: str, *path: str, pre=pre, root=root) -> Entry:
-            return Entry(pre + hf + ".weight", root + path + ("kernel",), "T")
-
-        def norm(hf: str, *path: str, pre=pre, root=root) -> Entry:
-            return Entry(pre + hf + ".weight", root + path + ("scale",), None, offset=norm_offset)
-
-        out += [
-            norm(n, n)
-            for n in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "post_feedforward_layernorm",
-            )
-        ]
-        out += [
-            lin("self_attn.q_proj", "self_attn", "q_proj"),
-            lin("self_attn.o_proj", "self_attn", "o_proj"),
-            norm("self_attn.q_norm", "self_attn", "q_norm"),
-        ]
-        if not spec.is_consumer:
-            out += [lin("self_attn.k_proj", "self_attn", "k_proj"), norm("self_attn.k_norm", "self_attn", "k_norm")]
-            if not spec.k_eq_v:
-                out.append(lin("self_attn.v_proj", "self_attn", "v_proj"))
-        out += [lin(f"mlp.{n}", "mlp", n) for n in ("gate_proj", "up_proj", "down_proj")]
-        out.append(Entry(pre + "layer_scalar", root + ("layer_scalar",), None, default=1.0 if gemma3 else None))
-        if config.use_ple:
-            out += [
-                lin("per_layer_input_gate", "per_layer_input_gate"),
-                lin("per_layer_projection", "per_layer_projection"),
-                norm("post_per_layer_input_norm", "post_per_layer_input_norm"),
-            ]
-        if config.enable_moe_block:
-            out += [
-                norm("post_feedforward_layernorm_1", "post_feedforward_layernorm_1"),
-                norm("pre_feedforward_layernorm_2", "moe", "pre_feedforward_layernorm_2"),
-                norm("post_feedforward_layernorm_2", "moe", "post_feedforward_layernorm_2"),
-                lin("router.proj", "moe", "router", "proj"),
-                Entry(pre + "router.scale", root + ("moe", "router", "scale"), None),
-                Entry(pre + "router.per_expert_scale", root + ("moe", "router", "per_expert_scale"), None),
-                Entry(pre + "experts.gate_up_proj", root + ("moe", "experts", "gate_up"), "T021"),
-                Entry(pre + "experts.down_proj", root + ("moe", "experts", "down"), "T021"),
-            ]
+        out += layer_entries(config, spec)
     return out
+
+
+def layer_entries(config: Gemma4Config, spec) -> list[Entry]:
+    """The entries of decoder layer `spec` (`layers.{i}.` names and paths)."""
+    gemma3 = config.model_family == "gemma3"
+    norm_offset = 1.0 if gemma3 else 0.0
+    out: list[Entry] = []
+    i = spec.index
+    pre, root = f"layers.{i}.", ("layers", i)
+
+    def lin(hf: str, *path: str) -> Entry:
+        return Entry(pre + hf + ".weight", root + path + ("kernel",), "T")
+
+    def norm(hf: str, *path: str) -> Entry:
+        return Entry(pre + hf + ".weight", root + path + ("scale",), None, offset=norm_offset)
+
+    out += [
+        norm(n, n)
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
+    ]
+    out += [
+        lin("self_attn.q_proj", "self_attn", "q_proj"),
+        lin("self_attn.o_proj", "self_attn", "o_proj"),
+        norm("self_attn.q_norm", "self_attn", "q_norm"),
+    ]
+    if not spec.is_consumer:
+        out += [lin("self_attn.k_proj", "self_attn", "k_proj"), norm("self_attn.k_norm", "self_attn", "k_norm")]
+        if not spec.k_eq_v:
+            out.append(lin("self_attn.v_proj", "self_attn", "v_proj"))
+    out += [lin(f"mlp.{n}", "mlp", n) for n in ("gate_proj", "up_proj", "down_proj")]
+    out.append(Entry(pre + "layer_scalar", root + ("layer_scalar",), None, default=1.0 if gemma3 else None))
+    if config.use_ple:
+        out += [
+            lin("per_layer_input_gate", "per_layer_input_gate"),
+            lin("per_layer_projection", "per_layer_projection"),
+            norm("post_per_layer_input_norm", "post_per_layer_input_norm"),
+        ]
+    if config.enable_moe_block:
+        out += [
+            norm("post_feedforward_layernorm_1", "post_feedforward_layernorm_1"),
+            norm("pre_feedforward_layernorm_2", "moe", "pre_feedforward_layernorm_2"),
+            norm("post_feedforward_layernorm_2", "moe", "post_feedforward_layernorm_2"),
+            lin("router.proj", "moe", "router", "proj"),
+            Entry(pre + "router.scale", root + ("moe", "router", "scale"), None),
+            Entry(pre + "router.per_expert_scale", root + ("moe", "router", "per_expert_scale"), None),
+            Entry(pre + "experts.gate_up_proj", root + ("moe", "experts", "gate_up"), "T021"),
+            Entry(pre + "experts.down_proj", root + ("moe", "experts", "down"), "T021"),
+        ]
+    return out
+
+
+def assistant_name_map(config: AssistantConfig) -> list[Entry]:
+    """Every parameter of `Gemma4Assistant(config)` with its HF name (the `model.` prefix of the
+    decoder's tensors dropped, like the target's)."""
+    out = [
+        Entry("embed_tokens.weight", ("embed_tokens", "embedding"), None),
+        Entry("norm.weight", ("norm", "scale"), None),
+        Entry("pre_projection.weight", ("pre_projection", "kernel"), "T"),
+        Entry("post_projection.weight", ("post_projection", "kernel"), "T"),
+    ]
+    for spec in config.layers:
+        out += layer_entries(config.text, spec)
+    if not config.tie_word_embeddings:
+        out.append(Entry("lm_head.weight", ("lm_head", "kernel"), "T"))
+    if config.use_ordered_embeddings:
+        out += [
+            Entry("masked_embedding.centroids.weight", ("centroids", "kernel"), "T"),
+            Entry("masked_embedding.token_ordering", ("token_ordering",), None),
+        ]
+    return out
+
+
+def assistant_tensors(hf_dir: str) -> dict[str, TensorInfo]:
+    """An assistant checkpoint's tensors by name, `model.` dropped (a tied `lm_head.weight` too)."""
+    config = AssistantConfig.from_hf(hf_dir)
+    out = {}
+    for path in safetensors_files(hf_dir):
+        for name, info in SafetensorsFile(path).tensors.items():
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            out[name.removeprefix("model.")] = info
+    return out
+
+
+def abstract_assistant(config: AssistantConfig, dtype, param_dtype=None, matmul="auto"):
+    """`Gemma4Assistant(config)` with shapes only."""
+    from gemma4_nnx.model.assistant import Gemma4Assistant
+
+    param_dtype = param_dtype or dtype
+    return nnx.eval_shape(
+        lambda: Gemma4Assistant(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), matmul=matmul)
+    )
+
+
+def plan_assistant(config: AssistantConfig, abstract, tensors: dict[str, TensorInfo]) -> Plan:
+    entries = assistant_name_map(config)
+    return match_tensors(entries, expected_hf_shapes(config.text, entries, abstract), tensors)
 
 
 def ignored_names(config: Gemma4Config) -> set[str]:
@@ -311,10 +368,14 @@ class Plan:
 def plan_load(config: Gemma4Config, tensors: dict[str, TensorInfo]) -> Plan:
     """Match tensors to the name map; raise one CheckpointError listing every missing, unexpected and
     misshaped tensor."""
-    entries = name_map(config)
+    return match_tensors(name_map(config), expected_hf_shapes(config), tensors, ignored_names(config))
+
+
+def match_tensors(
+    entries: list[Entry], shapes: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo], ignore=frozenset()
+) -> Plan:
+    """The `Plan` of `entries` (with their expected HF `shapes`) over a checkpoint's `tensors`."""
     expected = {e.hf_name: e for e in entries}
-    ignore = ignored_names(config)
-    shapes = expected_hf_shapes(config)
     missing = sorted(n for n in expected if n not in tensors and expected[n].default is None)
     unexpected = sorted(n for n in tensors if n not in expected and n not in ignore)
     misshaped = sorted(
@@ -342,11 +403,10 @@ def plan_load(config: Gemma4Config, tensors: dict[str, TensorInfo]) -> Plan:
     return Plan(items, sum(t.nbytes for _, t in items), defaults)
 
 
-def expected_hf_shapes(config: Gemma4Config) -> dict[str, tuple[int, ...]]:
-    """HF shapes of every mapped tensor, from an abstract model (no weights allocated)."""
-    abstract = abstract_model(config, jnp.float32)
-    variables = variables_by_path(abstract)
-    return {e.hf_name: e.nnx_shape(tuple(variables[e.path].shape)) for e in name_map(config)}
+def expected_hf_shapes(config: Gemma4Config, entries: list[Entry] | None = None, abstract=None):
+    """HF shapes of every mapped tensor ({name: shape}), from an abstract model (no weights allocated)."""
+    variables = variables_by_path(abstract if abstract is not None else abstract_model(config, jnp.float32))
+    return {e.hf_name: e.nnx_shape(tuple(variables[e.path].shape)) for e in entries or name_map(config)}
 
 
 # ---------------------------------------------------------------------------- model filling
@@ -370,7 +430,8 @@ def iter_arrays(plan: Plan) -> Iterator[tuple[Entry, np.ndarray]]:
 
 
 def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, sharding=None, matmul="auto"):
-    """Load an HF Gemma 4 (or Gemma 3 text, `gemma3_text`) checkpoint directory straight into a `Gemma4` model.
+    """Load an HF Gemma 4 (or Gemma 3 text, `gemma3_text`) checkpoint directory straight into a `Gemma4` model;
+    a Gemma 4 MTP assistant (model_type `gemma4_assistant`) into a `Gemma4Assistant`.
 
     The model is built abstractly (`nnx.eval_shape`, no random weights) and filled tensor by tensor.
     Accepts `Gemma4ForCausalLM` (`model.` prefix) and `Gemma4ForConditionalGeneration`
@@ -379,10 +440,15 @@ def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, s
     `matmul`: the projections' product ("auto", "xla", "cpu_kernels"; `gemma4_nnx.model.layers`).
     """
     hf_dir = os.fspath(hf_dir)
-    config = Gemma4Config.from_hf(hf_dir)
     param_dtype = param_dtype or dtype
-    plan = plan_load(config, text_tensors(hf_dir))
-    model = abstract_model(config, dtype, param_dtype, matmul)
+    if model_type(hf_dir) == ASSISTANT_MODEL_TYPE:
+        config = AssistantConfig.from_hf(hf_dir)
+        model = abstract_assistant(config, dtype, param_dtype, matmul)
+        plan = plan_assistant(config, model, assistant_tensors(hf_dir))
+    else:
+        config = Gemma4Config.from_hf(hf_dir)
+        plan = plan_load(config, text_tensors(hf_dir))
+        model = abstract_model(config, dtype, param_dtype, matmul)
     variables = variables_by_path(model)
     for entry, array in iter_arrays(plan):
         var = variables[entry.path]

@@ -1,0 +1,154 @@
+"""Gemma 4 MTP assistants: draft logits against transformers, loading, and the KV-geometry check.
+
+Reference: transformers' `Gemma4AssistantForCausalLM` driven as its
+`SinglePositionMultiTokenCandidateGenerator` drives it in the first drafting round after a prefill
+(float32, eager, CPU). Ours reads the target's own KV cache (a ring with extra slots, as the
+decode core allocates it), so the comparison also covers which target layers are read and which of
+their keys are visible.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemma4_nnx
+from gemma4_nnx.config import AssistantConfig
+from gemma4_nnx.model.assistant import Gemma4Assistant
+from gemma4_nnx.model.cache import KVCache
+from tests import hf_fixtures as fx
+
+F32_TOL = 1e-4
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def hf_assistant(tmp_path_factory):
+    """get(target_variant, ordered) -> (hf_assistant, checkpoint_dir), cached."""
+    cache = {}
+
+    def get(variant: str, ordered: bool):
+        if (variant, ordered) not in cache:
+            model = fx.build_hf_assistant(variant, ordered=ordered)
+            out = str(tmp_path_factory.mktemp(f"assistant_{variant}_{int(ordered)}"))
+            model.save_pretrained(out, safe_serialization=True)
+            cache[variant, ordered] = (model, out)
+        return cache[variant, ordered]
+
+    return get
+
+
+def _our_drafts(target, assistant, ids: np.ndarray, steps: int):
+    """Our first drafting round: prefill the target into a ring cache with extra slots, then
+    `steps` assistant steps reading that cache."""
+    length = ids.shape[1]
+    cache = KVCache.init(target.config, 1, 32, jnp.float32, ring_extra=STEPS + 1)
+    pos = jnp.arange(length, dtype=jnp.int32)[None]
+    h, cache = target(jnp.asarray(ids), pos, cache=cache, return_hidden=True)
+    token = jnp.argmax(target.logits(h[:, -1]), axis=-1)
+    first = int(token[0])
+    state = h[:, -1]
+    kv = assistant.donor_kv(target.config, cache)
+    logits, states = [], []
+    for _ in range(steps):
+        z, state = assistant(target.embed_tokens(token), state, jnp.full((1,), length, jnp.int32), kv)
+        token = jnp.argmax(z, axis=-1)
+        logits.append(np.asarray(z[0]))
+        states.append(np.asarray(state[0]))
+    return first, logits, states
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(("variant", "ordered"), [("e2b", True), ("e2b", False), ("k_eq_v", False), ("k_eq_v", True)])
+def test_draft_logits_match_transformers(hf_checkpoint, hf_assistant, variant, ordered):
+    hf_target, target_dir = hf_checkpoint(variant)
+    hf_asst, asst_dir = hf_assistant(variant, ordered)
+    target = gemma4_nnx.from_hf(target_dir)
+    assistant = gemma4_nnx.from_hf(asst_dir)
+    assert isinstance(assistant, Gemma4Assistant)
+    assistant.config.check_target(target.config)
+    for length in (3, 11):  # inside the window, and past it (the sliding layers see the last W + 1 keys)
+        ids = fx.sample_ids(1, length, seed=40 + length)
+        ref_first, ref_logits, ref_states = fx.hf_assistant_drafts(hf_target, hf_asst, ids, STEPS)
+        first, logits, states = _our_drafts(target, assistant, ids, STEPS)
+        assert first == ref_first
+        for step, (a, b, sa, sb) in enumerate(zip(logits, ref_logits, states, ref_states, strict=True)):
+            diff = float(np.max(np.abs(a.astype(np.float64) - b)))
+            assert diff <= F32_TOL, f"{variant} ordered={ordered} L={length} step {step}: logits differ by {diff:.3g}"
+            sdiff = float(np.max(np.abs(sa.astype(np.float64) - sb)))
+            assert sdiff <= F32_TOL, f"{variant} L={length} step {step}: projected state differs by {sdiff:.3g}"
+            assert int(np.argmax(a)) == int(np.argmax(b))
+
+
+@pytest.mark.reference
+def test_window_is_one_key_wider_than_the_target(hf_checkpoint, hf_assistant):
+    """The check above can fail: showing the assistant only the target's own window (W keys)
+    changes its logits on a prompt longer than the window."""
+    hf_target, target_dir = hf_checkpoint("e2b")
+    hf_asst, asst_dir = hf_assistant("e2b", False)
+    target = gemma4_nnx.from_hf(target_dir)
+    assistant = gemma4_nnx.from_hf(asst_dir)
+    narrow = gemma4_nnx.from_hf(asst_dir)
+    for layer in narrow.layers:
+        if layer.self_attn.window is not None:
+            layer.self_attn.window -= 1
+    ids = fx.sample_ids(1, 11, seed=51)
+    _, ref, _ = fx.hf_assistant_drafts(hf_target, hf_asst, ids, 1)
+    _, ours, _ = _our_drafts(target, assistant, ids, 1)
+    _, off, _ = _our_drafts(target, narrow, ids, 1)
+    assert np.max(np.abs(ours[0] - ref[0])) <= F32_TOL
+    assert np.max(np.abs(off[0] - ref[0])) > 1e-3
+
+
+def _assistant_config(**over) -> AssistantConfig:
+    target = fx.VARIANTS["e2b"]
+    text = dict(
+        model_type="gemma4_text",
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=target["num_key_value_heads"],
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=fx.WINDOW,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        num_kv_shared_layers=2,
+    )
+    text.update(over.pop("text", {}))
+    raw = dict(model_type="gemma4_assistant", backbone_hidden_size=64, text_config=text)
+    raw.update(over)
+    return AssistantConfig.from_hf(raw)
+
+
+def test_geometry_mismatch_is_a_clear_error():
+    target = gemma4_nnx.Gemma4Config.from_hf(dict(fx.VARIANTS["e2b"], model_type="gemma4_text"))
+    _assistant_config().check_target(target)
+    cases = [
+        (dict(backbone_hidden_size=48), "backbone_hidden_size 48 != target hidden_size 64"),
+        (dict(text=dict(head_dim=8)), "head_dim/KV heads 8/2"),
+        (dict(text=dict(sliding_window=8)), "sliding_window 8 != target sliding_window 4"),
+        (dict(text=dict(vocab_size=256)), "vocab_size 256 != target vocab_size 128"),
+    ]
+    for over, message in cases:
+        with pytest.raises(ValueError, match="KV geometry") as err:
+            _assistant_config(**over).check_target(target)
+        assert message in str(err.value)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"text_config\.num_kv_shared_layers"):
+        _assistant_config(text=dict(num_kv_shared_layers=1))
+    with pytest.raises(ValueError, match=r"text_config\.hidden_size_per_layer_input"):
+        _assistant_config(text=dict(hidden_size_per_layer_input=8))
+    with pytest.raises(ValueError, match="num_centroids"):
+        _assistant_config(use_ordered_embeddings=True, num_centroids=5)
+    with pytest.raises(ValueError, match="MTP assistant"):
+        gemma4_nnx.Gemma4Config.from_hf(dict(model_type="gemma4_assistant"))
+    # HF: num_kv_shared_layers 0 / missing means "all layers"
+    assert len(_assistant_config(text=dict(num_kv_shared_layers=0)).layers) == 2
+    assert AssistantConfig.from_json_dict(_assistant_config().to_json_dict()) == _assistant_config()
