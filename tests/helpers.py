@@ -252,3 +252,55 @@ class ScriptRun:
         lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
         assert self.proc.returncode == 0 and lines, f"subprocess failed (rc {self.proc.returncode}):\n{out[-6000:]}"
         return json.loads(lines[-1][len("REPORT ") :])
+
+
+def random_assistant(target: Gemma4Config, *, ordered: bool, seed: int = 0):
+    """A tiny random MTP assistant that fits `target` (its KV geometry and hidden size), filled from
+    NumPy like `model_from_config`; `ordered`: the centroid head with a random token ordering."""
+    from gemma4_nnx.config import AssistantConfig
+    from gemma4_nnx.io.hf import abstract_assistant
+
+    text = dict(
+        model_type="gemma4_text",
+        vocab_size=target.vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        global_head_dim=target.global_head_dim,
+        layer_types=[S, F, S],
+        sliding_window=target.sliding_window,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        attention_k_eq_v=target.attention_k_eq_v,
+        num_global_key_value_heads=target.num_global_key_value_heads,
+    )
+    centroids = 4 if target.vocab_size % 4 == 0 else 1
+    config = AssistantConfig.from_hf(
+        dict(
+            model_type="gemma4_assistant",
+            backbone_hidden_size=target.hidden_size,
+            use_ordered_embeddings=ordered,
+            num_centroids=centroids,
+            centroid_intermediate_top_k=min(2, centroids),
+            text_config=text,
+        )
+    )
+    rng = np.random.default_rng(seed)
+    model = abstract_assistant(config, jnp.float32)
+    for path, var in variables_by_path(model).items():
+        shape = var.shape
+        if path[-1] == "token_ordering":
+            value = rng.permutation(shape[0]).astype(np.int32)
+        elif path[-1] == "layer_scalar":
+            value = np.ones(shape)
+        elif path[-1] == "scale":
+            value = 1.0 + 0.25 * rng.standard_normal(shape)
+        elif path[-1] == "embedding":
+            value = 0.5 * rng.standard_normal(shape)
+        else:
+            value = 0.15 * rng.standard_normal(shape)
+        var.set_value(jnp.asarray(value, var.dtype))
+    return model

@@ -295,3 +295,125 @@ def test_adaptive_policy_verifies_only_when_it_pays():
     assert d.choose_width(counts, [0, 1], 2) > 0
     fixed = Drafting(SpeculativeConfig(num_speculative_tokens=8, adaptive=False), rows=1)
     assert fixed.choose_width(np.array([3]), [0], 1) == 4  # not adaptive: the longest proposal's width
+
+
+# ------------------------------------------------------------------------------------------- MTP assistants
+V_SMALL = 12  # a small vocabulary: a random assistant's drafts are right often enough to be accepted
+
+
+@pytest.fixture(scope="module")
+def assisted():
+    """get(variant, ordered) -> (target, assistant): random, vocabulary V_SMALL, cached."""
+    from tests.helpers import random_assistant
+
+    cache = {}
+
+    def get(variant, ordered):
+        if (variant, ordered) not in cache:
+            target = random_model(variant, seed=11, vocab_size=V_SMALL)
+            cache[variant, ordered] = (target, random_assistant(target.config, ordered=ordered, seed=12))
+        return cache[variant, ordered]
+
+    return get
+
+
+def _small_prompts():
+    return [[t % V_SMALL for t in p] for p in PROMPTS]
+
+
+@pytest.mark.parametrize(("variant", "ordered"), [("e2b", True), ("k_eq_v", False)])
+def test_assistant_speculation_equals_plain_greedy(assisted, variant, ordered):
+    """Greedy with the MTP assistant gives the plain greedy tokens on a ragged batch whose rows wrap
+    the sliding ring; on the e2b-like target its drafts are partly accepted (both the accept and the
+    rollback paths run); the stream carries the same tokens."""
+    target, assistant = assisted(variant, ordered)
+    prompts, n = _small_prompts(), 16
+    plain = generate(target, prompts, n, stop_tokens=[])
+    spec = {"method": "assistant", "model": assistant, "num_speculative_tokens": K, "adaptive": False}
+    out = generate(target, prompts, n, stop_tokens=[], speculative=spec)
+    assert out.tokens == plain.tokens
+    assert sum(out.accepted) < sum(out.drafted)
+    if variant == "e2b":  # (the tiny k_eq_v target repeats one token a row, which this assistant never drafts)
+        assert sum(out.accepted) > 0
+    streamed = [[] for _ in prompts]
+    for st in generate_stream(target, prompts, n, stop_tokens=[], speculative=spec):
+        for r, t in enumerate(st.tokens):
+            if t is not None:
+                streamed[r].append(t)
+    assert streamed == plain.tokens
+
+
+def test_assistant_drafts_see_only_the_accepted_sequence(assisted):
+    """After verify steps that rejected drafts, the device drafts equal the assistant run afresh on
+    the accepted sequence alone (a new prefill of prompt + emitted tokens): rows' hidden states and
+    the rolled-back cache hold exactly what plain decoding would."""
+    from gemma4_nnx.decode.batching import PromptBatch
+    from gemma4_nnx.decode.core import Decoder, DrawConfig
+    from gemma4_nnx.decode.requests import make_request
+    from gemma4_nnx.model.cache import KVCache
+
+    target, assistant = assisted("e2b", True)
+    prompts = _small_prompts()[:2]
+    reqs = [
+        make_request(p, 30, vocab_size=V_SMALL, context=64, context_name="test", stop_tokens=[], row=r)
+        for r, p in enumerate(prompts)
+    ]
+    dec = Decoder(target, rows=2, max_length=64, speculative_tokens=K, assistant=assistant)
+    dec.start(reqs)
+    cfg = DrawConfig()
+    first = dec.draw(cfg, dec.prefill(PromptBatch.build([r.prompt for r in reqs], 2)))
+    seqs = [list(p) + [int(first.token[r])] for r, p in enumerate(prompts)]
+    rejected = 0
+    for _ in range(5):
+        drafts = np.asarray(dec.draft(2, K))
+        out = dec.verify(cfg, drafts, np.array([K, K], np.int32))
+        rejected += int((out.accepted < K).sum())
+        for r in range(2):
+            seqs[r] += [t for t, *_ in out.emitted(r)]
+    assert rejected > 0
+    drafts = np.asarray(dec.draft(2, K))
+    for r, seq in enumerate(seqs):  # afresh: the target over seq[:-1], the assistant from its last state
+        cache = KVCache.init(target.config, 1, 64, jnp.float32)
+        ids = jnp.asarray([seq[:-1]])
+        h, cache = target(ids, jnp.arange(len(seq) - 1)[None], cache=cache, return_hidden=True)
+        kv = assistant.donor_kv(target.config, cache)
+        token, state, ref = jnp.asarray([seq[-1]]), h[:, -1], []
+        for _ in range(K):
+            z, state = assistant(target.embed_tokens(token), state, jnp.asarray([len(seq) - 1]), kv)
+            token = jnp.argmax(z, axis=-1)
+            ref.append(int(token[0]))
+        assert drafts[r].tolist() == ref, (r, drafts[r], ref)
+
+
+def test_engine_with_an_assistant(assisted):
+    """Concurrent requests through the engine with an assistant: each returns the plain greedy tokens;
+    drafts were verified and some accepted."""
+    from gemma4_nnx import Engine
+
+    target, assistant = assisted("e2b", True)
+    prompts, n = _small_prompts() + [_small_prompts()[0] * 2], 12
+    plain = [generate(target, [p], n, stop_tokens=[]).tokens[0] for p in prompts]
+    spec = {"method": "assistant", "model": assistant, "num_speculative_tokens": K, "adaptive": False}
+    engine = Engine(target, max_batch=2, max_length=64, speculative=spec)
+    try:
+        reqs = [engine.submit(p, n, stop_tokens=[]) for p in prompts]
+        assert [r.result()[0] for r in reqs] == plain
+        st = engine.stats
+        assert st.verify_steps > 0 and 0 < st.accepted_tokens < st.drafted_tokens
+    finally:
+        engine.close()
+
+
+def test_assistant_config_errors(assisted, tmp_path):
+    target, assistant = assisted("e2b", True)
+    other = random_model("k_eq_v", seed=1, vocab_size=V_SMALL)
+    with pytest.raises(ValueError, match="KV geometry"):
+        generate(other, [[2, 3]], 2, speculative={"method": "assistant", "model": assistant})
+    for bad, message in (
+        ({"method": "assistant"}, "needs model="),
+        ({"method": "ngram", "model": assistant}, "only used with method 'assistant'"),
+        ({"method": "assistant", "model": str(tmp_path)}, "config.json not found"),
+    ):
+        with pytest.raises(RequestError, match=message) as e:
+            generate(target, [[2, 3]], 2, speculative=bad)
+        assert e.value.param == "speculative"

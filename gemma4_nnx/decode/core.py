@@ -55,7 +55,7 @@ from gemma4_nnx.model.cache import KVCache, head_rows, put_head_rows, put_rows, 
 
 Array = jax.Array
 
-__all__ = ["DecodeState", "Decoder", "DrawConfig", "Drawn", "RowState", "compiled_programs"]
+__all__ = ["DecodeState", "Decoder", "DrawConfig", "Drawn", "Next", "RowState", "Verified", "compiled_programs"]
 
 
 # ------------------------------------------------------------------------------------------- state
@@ -71,6 +71,8 @@ class RowState:
     stops [B, S] int32: stop-token ids, -1 padded.
     seen [B, V] bool: prompt + output tokens, for the repetition penalty ([B, 1] when no row uses it).
     sampling: per-row sampling parameters.
+    hidden [B, D]: the target's final-norm hidden state at pos - 1, the one `token` was drawn from
+    (what an MTP assistant drafts from; [B, 0] when the decoder has no assistant).
     """
 
     token: Array
@@ -82,10 +84,17 @@ class RowState:
     stops: Array
     seen: Array
     sampling: RowParams
+    hidden: Array
 
     @classmethod
     def build(
-        cls, requests: Sequence[Request | None], *, vocab_size: int, stop_width: int, seen_width: int
+        cls,
+        requests: Sequence[Request | None],
+        *,
+        vocab_size: int,
+        stop_width: int,
+        seen_width: int,
+        hidden_width: int = 0,
     ) -> RowState:
         """Initial host-side (NumPy) state of rows for these requests; None: an empty row (done)."""
         n = len(requests)
@@ -104,6 +113,7 @@ class RowState:
             stops=np.full((n, stop_width), -1, np.int32),
             seen=np.zeros((n, seen_width), bool),
             sampling=sampling,
+            hidden=np.zeros((n, hidden_width), np.float32),
         )
         j = 0
         for i, r in enumerate(requests):
@@ -129,6 +139,16 @@ class DecodeState:
 
     cache: KVCache
     rows: RowState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Next:
+    """What the target computed for each row's next token: logits [R, V] (float32) and the final
+    hidden state they came from [R, D] (kept in `RowState.hidden` when an assistant drafts)."""
+
+    logits: Array
+    hidden: Array
 
 
 @jax.tree_util.register_dataclass
@@ -175,17 +195,17 @@ def _key_width() -> int:
 
 
 # ------------------------------------------------------------------------------------------- programs
-def _forward(graphdef, weights, cache, ids, positions, valid, select):
-    """Next-token logits [B, V] (float32) at the columns `select` [B, 1], and the updated cache."""
+def _forward(graphdef, weights, cache, ids, positions, valid, select) -> tuple[Next, KVCache]:
+    """The `Next` at the columns `select` [B, 1], and the updated cache."""
     model = nnx.merge(graphdef, weights)
     h, cache = model(ids, positions, valid, cache=cache, return_hidden=True, select=select)
-    return model.logits(h[:, 0]).astype(jnp.float32), cache
+    return Next(model.logits(h[:, 0]).astype(jnp.float32), h[:, 0].astype(jnp.float32)), cache
 
 
-def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last, logits, c0, fresh):
+def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last, nxt: Next, c0, fresh):
     """Prompt chunk [c0, c0 + C) of rows `idx` [k] (None: every row). last [k]: column of each row's
     last prompt token in the full padded prompt; rows whose last token is in this chunk take their
-    next-token logits from it, the others keep `logits`. fresh: clear those rows first (first chunk)."""
+    `Next` from it, the others keep `nxt`. fresh: clear those rows first (first chunk)."""
     part = cache if idx is None else cache.take(idx)
     part = part.reset(jnp.full((ids.shape[0],), fresh))
     c = ids.shape[1]
@@ -193,14 +213,14 @@ def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last
     new, part = _forward(graphdef, weights, part, ids, positions, valid, local[:, None])
     here = (last >= c0) & (last < c0 + c)
     cache = part if idx is None else cache.put(idx, part)
-    return cache, jnp.where(here[:, None], new, logits)
+    return cache, jax.tree_util.tree_map(lambda a, b: jnp.where(here[:, None], a, b), new, nxt)
 
 
 def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done):
-    """Feed each of the first m rows its last token at its position -> (cache, logits [m, V])."""
+    """Feed each of the first m rows its last token at its position -> (cache, `Next` of m rows)."""
     active = ~done[:m]
     part = cache.head(m)
-    logits, part = _forward(
+    nxt, part = _forward(
         graphdef,
         weights,
         part,
@@ -209,15 +229,16 @@ def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done):
         active[:, None],
         jnp.zeros((m, 1), jnp.int32),
     )
-    return cache.put_head(part), logits
+    return cache.put_head(part), nxt
 
 
-def _draw(cfg: DrawConfig, rows: RowState, idx, logits, init: RowState | None = None):
-    """Sample the next token of rows `idx` [k] (None: every row) from logits [k, V]; `init`: first
+def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None = None):
+    """Sample the next token of rows `idx` [k] (None: every row) from `nxt` [k]; `init`: first
     write those rows' initial state (joining requests). Returns (rows, Drawn)."""
     if init is not None:
         rows = put_rows(rows, idx, init)
     sub = rows if idx is None else take_rows(rows, idx)
+    logits = nxt.logits
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(sub.key, sub.step)
     penalty = cfg.features.penalty
     tok = sample_rows(logits, keys, sub.sampling, sub.seen if penalty else None, cfg.features)
@@ -227,8 +248,17 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, logits, init: RowState | None = 
     step = sub.step + active
     done = sub.done | stopped | (active & (step >= sub.limit))
     seen = update_seen(sub.seen, jnp.where(active, tok, -1)) if penalty else sub.seen
+    hidden = sub.hidden
+    if hidden.shape[1]:
+        hidden = jnp.where(active[:, None], nxt.hidden, hidden)
     sub = dataclasses.replace(
-        sub, token=jnp.where(active, tok, sub.token), pos=sub.pos + active, step=step, done=done, seen=seen
+        sub,
+        token=jnp.where(active, tok, sub.token),
+        pos=sub.pos + active,
+        step=step,
+        done=done,
+        seen=seen,
+        hidden=hidden,
     )
     rows = sub if idx is None else put_rows(rows, idx, sub)
     return rows, Drawn(tok, lp, stopped, done, active)
@@ -260,8 +290,8 @@ def _loop(cfg: DrawConfig, graphdef, weights, state: DecodeState, first: Drawn, 
 
     def body(c: _LoopCarry):
         rows = c.state.rows
-        cache, logits = _decode(b, graphdef, weights, c.state.cache, rows.token, rows.pos, rows.done)
-        rows, d = _draw(cfg, rows, None, logits)
+        cache, nxt = _decode(b, graphdef, weights, c.state.cache, rows.token, rows.pos, rows.done)
+        rows, d = _draw(cfg, rows, None, nxt)
         return _LoopCarry(
             DecodeState(cache, rows),
             c.out.at[:, c.i].set(jnp.where(d.active, d.token, 0)),
@@ -321,8 +351,8 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     valid = active[:, None] & (cols[None, :] <= ndraft[:, None])
     positions = jnp.where(valid, sub.pos[:, None] + cols[None, :], -1)
     model = nnx.merge(graphdef, weights)
-    raw, part = model(ids, positions, valid, cache=cache.head(m))
-    raw = raw.astype(jnp.float32)  # [m, S, V]: column j predicts the token at position pos + j + 1
+    h, part = model(ids, positions, valid, cache=cache.head(m), return_hidden=True)
+    raw = model.logits(h).astype(jnp.float32)  # [m, S, V]: column j predicts the token at position pos + j + 1
     v = raw.shape[-1]
     x = raw
     draft_ok = cols[None, :k] < ndraft[:, None]  # [m, k]
@@ -376,12 +406,42 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     seen = sub.seen
     if features.penalty:
         seen = seen | jnp.any(jax.nn.one_hot(emitted, v, dtype=jnp.bool_) & keep[..., None], axis=1)
+    hidden = sub.hidden
+    if hidden.shape[1]:  # the state the last emitted token was drawn from: column n - 1
+        at = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+        hidden = jnp.where(active[:, None], at, hidden)
     new = dataclasses.replace(
-        sub, token=jnp.where(active, last, sub.token), pos=sub.pos + n, step=step, done=done, seen=seen
+        sub,
+        token=jnp.where(active, last, sub.token),
+        pos=sub.pos + n,
+        step=step,
+        done=done,
+        seen=seen,
+        hidden=hidden,
     )
     part = part.forget_from(jnp.where(active, sub.pos + n, jnp.iinfo(jnp.int32).max))
     out = Verified(jnp.where(keep, emitted, 0), jnp.where(keep, lp, 0.0), n, jnp.minimum(a, n), stopped, done, active)
     return cache.put_head(part), put_head_rows(rows, new), out
+
+
+def _draft(k: int, m: int, a_graphdef, a_weights, graphdef, weights, cache: KVCache, rows: RowState):
+    """k MTP assistant steps for the first m rows (`model.assistant`): each row drafts from its last
+    token and `hidden` at its position, over the target's cache, feeding back its own argmax and
+    projected state. Returns drafts [m, k] int32 (done rows draft garbage, verified as nothing)."""
+    assistant = nnx.merge(a_graphdef, a_weights)
+    target = nnx.merge(graphdef, weights)
+    sub = head_rows(rows, m)
+    kv = assistant.donor_kv(target.config, cache.head(m))
+    positions = jnp.where(sub.done, -1, sub.pos)
+
+    def body(carry, _):
+        tok, state = carry
+        logits, state = assistant(target.embed_tokens(tok), state, positions, kv)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return (tok, state.astype(jnp.float32)), tok
+
+    _, drafts = jax.lax.scan(body, (sub.token, sub.hidden), None, length=k)
+    return drafts.T
 
 
 # graphdef and the static options are hashable jit static arguments; the weights are traced
@@ -391,8 +451,16 @@ _decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
 _draw_jit = jax.jit(_draw, static_argnums=0, donate_argnums=(1,))
 _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
 _verify_jit = jax.jit(_verify, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+_draft_jit = jax.jit(_draft, static_argnums=(0, 1, 2, 4))
 
-PROGRAMS = {"prefill": _prefill_jit, "decode": _decode_jit, "draw": _draw_jit, "loop": _loop_jit, "verify": _verify_jit}
+PROGRAMS = {
+    "prefill": _prefill_jit,
+    "decode": _decode_jit,
+    "draw": _draw_jit,
+    "loop": _loop_jit,
+    "verify": _verify_jit,
+    "draft": _draft_jit,
+}
 
 
 def compiled_programs() -> dict[str, int]:
@@ -435,6 +503,11 @@ class Decoder:
     mesh: a `jax.sharding.Mesh` the model's weights are placed on (tensor/FSDP parallel): the cache is
     placed by `gemma4_nnx.sharding` (KV heads over "tp"), the rows' state replicated. Without one, the
     state is committed to the weights' device.
+
+    speculative_tokens: the most drafts a verify step takes (rings get that many extra slots).
+    assistant: a `Gemma4Assistant` that drafts from this decoder's cache (`draft`); checked against
+    the model's KV geometry; rows then keep their hidden state and rings one slot more (the
+    assistant sees one key more than the target's window).
     """
 
     def __init__(
@@ -448,10 +521,22 @@ class Decoder:
         seen_width: int = 1,
         mesh=None,
         speculative_tokens: int = 0,
+        assistant=None,
     ):
         _listen()
         self.config = model.config
         self.graphdef, self.weights = nnx.split(model)
+        self.assistant = None
+        if assistant is not None:
+            assistant.config.check_target(model.config)
+            if speculative_tokens < 1:
+                raise ValueError("an assistant drafts speculative_tokens >= 1 tokens per step")
+            self.assistant = nnx.split(assistant)
+            if mesh is not None:  # a small model: a full copy on every device
+                replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                self.assistant = (self.assistant[0], jax.device_put(self.assistant[1], replicated))
+        self.ring_extra = speculative_tokens + (1 if assistant is not None else 0)
+        self.hidden_width = model.config.hidden_size if assistant is not None else 0
         self.rows, self.max_length = rows, max_length
         self.vocab_size = model.config.vocab_size
         self.cache_dtype = cache_dtype or model.dtype
@@ -473,32 +558,31 @@ class Decoder:
 
     def reset(self) -> None:
         """A fresh cache and empty (done) rows."""
+
+        def init():
+            return KVCache.init(self.config, self.rows, self.max_length, self.cache_dtype, ring_extra=self.ring_extra)
+
         if self.mesh is not None:  # created in place, shard by shard
             from gemma4_nnx import sharding
 
-            def init():
-                return KVCache.init(
-                    self.config, self.rows, self.max_length, self.cache_dtype, ring_extra=self.speculative_tokens
-                )
-
             cache = jax.jit(init, out_shardings=sharding.cache_shardings(jax.eval_shape(init), self.mesh))()
         else:
-            cache = self._place(
-                KVCache.init(
-                    self.config, self.rows, self.max_length, self.cache_dtype, ring_extra=self.speculative_tokens
-                )
-            )
-        empty = RowState.build(
-            [None] * self.rows, vocab_size=self.vocab_size, stop_width=self.stop_width, seen_width=self.seen_width
+            cache = self._place(init())
+        self.state = DecodeState(cache, self._place(self.build_rows([None] * self.rows)))
+
+    def build_rows(self, requests: Sequence[Request | None]) -> RowState:
+        """Host `RowState` of these requests (None: an empty row) with this decoder's widths."""
+        return RowState.build(
+            requests,
+            vocab_size=self.vocab_size,
+            stop_width=self.stop_width,
+            seen_width=self.seen_width,
+            hidden_width=self.hidden_width,
         )
-        self.state = DecodeState(cache, self._place(empty))
 
     def start(self, requests: Sequence[Request | None]) -> None:
         """Set every row's initial state at once (`generate`: the batch is known up front)."""
-        rows = RowState.build(
-            requests, vocab_size=self.vocab_size, stop_width=self.stop_width, seen_width=self.seen_width
-        )
-        self.state = dataclasses.replace(self.state, rows=self._place(rows))
+        self.state = dataclasses.replace(self.state, rows=self._place(self.build_rows(requests)))
 
     def widen_stops(self, stop_width: int) -> None:
         """Grow the rows' stop-token arrays to `stop_width` (a request brings more stop tokens than
@@ -519,13 +603,15 @@ class Decoder:
         finally:
             _counting.counts = None
 
-    def prefill(self, batch: PromptBatch, idx: np.ndarray | None = None) -> Array:
+    def prefill(self, batch: PromptBatch, idx: np.ndarray | None = None) -> Next:
         """Run the prompts of `batch` into rows `idx` (None: every row, in order; else [R] row indices,
-        an index >= rows pads). Returns next-token logits [R, V] (float32, on device)."""
+        an index >= rows pads). Returns their `Next` (next-token logits [R, V], on device)."""
         r = batch.ids.shape[0]
-        # committed like the logits each chunk returns (a mix of committed and uncommitted arguments
+        # committed like the `Next` each chunk returns (a mix of committed and uncommitted arguments
         # would compile the chunk program twice)
-        logits = self._place(jnp.zeros((r, self.vocab_size), jnp.float32))
+        logits = self._place(
+            Next(jnp.zeros((r, self.vocab_size), jnp.float32), jnp.zeros((r, self.config.hidden_size), jnp.float32))
+        )
         last = jnp.asarray(batch.last)
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         cache = self.state.cache
@@ -548,11 +634,9 @@ class Decoder:
         self.state = dataclasses.replace(self.state, cache=cache)
         return logits
 
-    def draw(
-        self, cfg: DrawConfig, logits: Array, idx: np.ndarray | None = None, init: RowState | None = None
-    ) -> Drawn:
-        """Sample rows `idx` (None: every row) from `logits`; `init`: their initial state, written
-        first (`RowState.build` of the joining requests). Returns the `Drawn` on the host (NumPy)."""
+    def draw(self, cfg: DrawConfig, logits: Next, idx: np.ndarray | None = None, init: RowState | None = None) -> Drawn:
+        """Sample rows `idx` (None: every row) from `logits` (a `Next`); `init`: their initial state,
+        written first (`build_rows` of the joining requests). Returns the `Drawn` on the host (NumPy)."""
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         rows, drawn = self._run(
             "draw", _draw_jit, cfg, self.state.rows, idx, logits, None if init is None else self._place(init)
@@ -570,6 +654,23 @@ class Decoder:
         self.state = dataclasses.replace(self.state, cache=cache)
         return self.draw(cfg, logits, None if m == self.rows else np.arange(m))
 
+    def draft(self, m: int, k: int) -> Array:
+        """k assistant drafts for each of the first m rows ([m, k] int32, on device)."""
+        if self.assistant is None:
+            raise ValueError("this decoder has no assistant to draft with")
+        return self._run(
+            "draft",
+            _draft_jit,
+            k,
+            m,
+            self.assistant[0],
+            self.assistant[1],
+            self.graphdef,
+            self.weights,
+            self.state.cache,
+            self.state.rows,
+        )
+
     def verify(self, cfg: DrawConfig, drafts: np.ndarray, ndraft: np.ndarray) -> Verified:
         """One speculative step of the first m = len(drafts) rows: drafts [m, k] (k <= the decoder's
         `speculative_tokens`), ndraft [m] valid drafts per row (0: a plain step for that row). Returns
@@ -579,6 +680,7 @@ class Decoder:
         # step whose rows propose little costs little.
         width = min(pow2(int(ndraft.max())), k) if len(ndraft) else 0
         drafts = drafts[:, :width]
+        ndraft = np.minimum(ndraft, width)  # a row's proposal beyond the verified columns is not a draft
         k = width
         if k > self.speculative_tokens:
             raise ValueError(

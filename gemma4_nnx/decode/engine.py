@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from gemma4_nnx.decode.batching import PromptBatch, pow2
-from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, RowState, Verified
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, check_int, make_request
 from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams
@@ -199,6 +199,7 @@ class Engine:
             seen_width=self.vocab_size,
             mesh=mesh,
             speculative_tokens=self.speculative.k if self.speculative else 0,
+            assistant=self.speculative.assistant if self.speculative else None,
         )
         self.drafting = Drafting(self.speculative, max_batch) if self.speculative else None
         self._slots: list[EngineRequest | None] = [None] * max_batch
@@ -352,12 +353,7 @@ class Engine:
         self.decoder.widen_stops(max(pow2(len(r.stop_tokens)) for r in requests))
         idx = np.array([slot for slot, _ in pairs] + [self.max_batch] * (kb - k), np.int32)  # padding: dropped
         logits = self.decoder.prefill(PromptBatch.build([r.prompt for r in requests], kb, self.prefill_chunk), idx)
-        init = RowState.build(
-            requests + [None] * (kb - k),
-            vocab_size=self.vocab_size,
-            stop_width=self.decoder.stop_width,
-            seen_width=self.decoder.seen_width,
-        )
+        init = self.decoder.build_rows(requests + [None] * (kb - k))
         drawn = self.decoder.draw(self._config([r.params for r in requests]), logits, idx, init)
         self.stats.prefills += 1
         self.stats.prefill_rows += k
@@ -378,25 +374,15 @@ class Engine:
         # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
         m = min(pow2(active[-1] + 1), self.max_batch)
         cfg = self._config([self._slots[i].request.params for i in active])
-        drafts, ndraft = None, None
         if self.drafting is not None:
             histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
-            drafts, ndraft = self.drafting.propose(histories, m)
-        width = self.drafting.choose_width(ndraft, active, m) if self.drafting is not None else 0
-        t0 = time.perf_counter()
-        if width:
-            ndraft = np.minimum(ndraft, width)
-            out = self.decoder.verify(cfg, drafts[:, :width], ndraft)
-            self.drafting.timed(time.perf_counter() - t0, m, width)
-            for i in active:
-                self.drafting.record(i, int(ndraft[i]), int(out.accepted[i]))
-            self.stats.verify_steps += 1
-            self.stats.drafted_tokens += int(ndraft.sum())
-            self.stats.accepted_tokens += int(out.accepted.sum())
+            out, drafted, accepted = self.drafting.step(self.decoder, cfg, histories, m)
+            if isinstance(out, Verified):
+                self.stats.verify_steps += 1
+                self.stats.drafted_tokens += drafted
+                self.stats.accepted_tokens += accepted
         else:
             out = self.decoder.step(cfg, m)
-            if self.drafting is not None:
-                self.drafting.timed(time.perf_counter() - t0, m)
         n = len(active)
         self.stats.decode_steps += 1
         self.stats.rows_decoded += n
@@ -442,15 +428,12 @@ class Engine:
                 k = self.speculative.k
                 for w in sorted({min(1 << i, k) for i in range(k.bit_length() + 1)}):
                     self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.full((m,), w, np.int32))
+                    if self.speculative.assistant is not None:
+                        self.decoder.draft(m, w)
         joining = sorted({min(1 << i, pow2(self.max_batch)) for i in range(self.max_batch.bit_length() + 1)})
         for n in sorted({n for n in prompt_lengths if 0 < n < self.max_length}):
             for kb in joining:
                 idx = np.full((kb,), self.max_batch, np.int32)
                 logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
-                init = RowState.build(
-                    [None] * kb,
-                    vocab_size=self.vocab_size,
-                    stop_width=self.decoder.stop_width,
-                    seen_width=self.decoder.seen_width,
-                )
+                init = self.decoder.build_rows([None] * kb)
                 self.decoder.draw(greedy, logits, idx, init)

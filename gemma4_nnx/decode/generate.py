@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -187,6 +186,7 @@ def _start(
         stop_width=max(4, pow2(len(requests[0].stop_tokens))),
         seen_width=config.vocab_size if params.uses_penalty else 1,
         speculative_tokens=spec.k if spec else 0,
+        assistant=spec.assistant if spec else None,
     )
     decoder.start(requests + [None] * (bb - len(requests)))
     logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk))
@@ -321,21 +321,8 @@ def _stream(run: _Run, max_new_tokens: int, tokenizer, return_logprobs: bool) ->
         host_ended = [reasons[r] is not None and not (emitted[r] and emitted[r][-1][3]) for r in range(b)]
         run.decoder.finish(np.array(host_ended + [False] * (bb - b)))
         running = {r: histories[r] for r in range(b) if reasons[r] is None}
-        drafts, ndraft = drafting.propose(running, bb) if spec else (None, None)
-        width = drafting.choose_width(ndraft, list(running), bb) if spec else 0
-        t0 = time.perf_counter()
-        if width:
-            ndraft = np.minimum(ndraft, width)
-            out = run.decoder.verify(run.cfg, drafts[:, :width], ndraft)
-            drafting.timed(time.perf_counter() - t0, bb, width)
-            emitted = [out.emitted(r) for r in range(b)]
-            for r in running:
-                drafting.record(r, int(ndraft[r]), int(out.accepted[r]))
-        else:
-            drawn = run.decoder.step(run.cfg)
-            if spec:
-                drafting.timed(time.perf_counter() - t0, bb)
-            emitted = [drawn.emitted(r) for r in range(b)]
+        out = drafting.step(run.decoder, run.cfg, running, bb)[0] if spec else run.decoder.step(run.cfg)
+        emitted = [out.emitted(r) for r in range(b)]
 
 
 def _collect(steps: list[StreamStep], n: int, with_lp: bool, tokenizer) -> GenerateResult:

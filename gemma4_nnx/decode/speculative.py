@@ -19,15 +19,20 @@ row's new length (`KVCache.forget_from`), and sliding-window rings get `k` extra
 k+1 positions written per step never evict a position the accepted prefix still needs.
 
 Drafters: `NgramDrafter` (prompt lookup: the continuation of the latest earlier occurrence of the
-sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; no model). Whether a
-step verifies at all is decided per step from measured step times and recent acceptance
-(`Drafting.choose_width`), so free generation falls back to plain steps.
+sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; no model), and
+Gemma 4's MTP assistants (`method="assistant"`, `gemma4_nnx.model.assistant`), which draft on the
+device from the target's own KV cache and hidden state (`core.Decoder.draft`). Whether a step
+verifies at all, and how many drafts, is decided per step from measured step times and recent
+acceptance (`Drafting.choose_width`), so free generation falls back to plain steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,15 +41,18 @@ from gemma4_nnx.decode.errors import RequestError
 
 __all__ = ["Drafting", "NgramDrafter", "SpeculativeConfig", "speculative_config"]
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "assistant")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """What to draft with (vLLM's names).
 
-    method: "ngram" (prompt lookup). num_speculative_tokens: k, drafts per step (>= 1).
-    prompt_lookup_max / prompt_lookup_min: the n-gram lengths tried, longest first.
+    method: "ngram" (prompt lookup) or "assistant" (a Gemma 4 MTP drafter).
+    num_speculative_tokens: k, drafts per step (>= 1).
+    prompt_lookup_max / prompt_lookup_min: the n-gram lengths tried, longest first ("ngram").
+    model: the assistant ("assistant"): a loaded `Gemma4Assistant`, or the path of an HF assistant
+      checkpoint directory (`speculative_config` loads it).
     adaptive: verify only when the measured step times and recent acceptance predict more tokens per
       second than a plain step (`Drafting.choose_width`); False: verify whenever there are drafts
       (right where verifying costs what a plain step costs, e.g. a memory-bound accelerator).
@@ -55,6 +63,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     adaptive: bool = True
+    model: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         def bad(message: str):
@@ -70,13 +79,29 @@ class SpeculativeConfig:
             bad(f"adaptive must be a boolean, got {self.adaptive!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             bad(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "assistant":
+            from gemma4_nnx.model.assistant import Gemma4Assistant
+
+            if not isinstance(self.model, Gemma4Assistant):
+                bad(
+                    "method 'assistant' needs model=<a Gemma4Assistant, or the path of an assistant checkpoint>, "
+                    f"got {type(self.model).__name__}"
+                )
+        elif self.model is not None:
+            bad(f"model is only used with method 'assistant' (method is {self.method!r})")
 
     @property
     def k(self) -> int:
         return self.num_speculative_tokens
 
-    def drafter(self) -> NgramDrafter:
-        return NgramDrafter(self.prompt_lookup_min, self.prompt_lookup_max)
+    @property
+    def assistant(self):
+        """The `Gemma4Assistant` (method "assistant"), else None."""
+        return self.model if self.method == "assistant" else None
+
+    def drafter(self) -> NgramDrafter | None:
+        """The host-side drafter (None: the assistant drafts on the device)."""
+        return NgramDrafter(self.prompt_lookup_min, self.prompt_lookup_max) if self.method == "ngram" else None
 
 
 def speculative_config(spec: SpeculativeConfig | Mapping | None) -> SpeculativeConfig | None:
@@ -90,7 +115,29 @@ def speculative_config(spec: SpeculativeConfig | Mapping | None) -> SpeculativeC
     unknown = sorted(set(spec) - fields)
     if unknown:
         raise RequestError(f"speculative: unknown keys {unknown}; known: {sorted(fields)}", "speculative")
+    spec = dict(spec)
+    if spec.get("method") == "assistant" and isinstance(spec.get("model"), (str, os.PathLike)):
+        spec["model"] = load_assistant(spec["model"])
     return SpeculativeConfig(**spec)
+
+
+def load_assistant(path: str | os.PathLike):
+    """A `Gemma4Assistant` from an HF assistant checkpoint directory (float32 compute; bf16 files stay
+    bf16 on the device only where the CPU kernels take them: see `gemma4_nnx.from_hf`)."""
+    from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, model_type
+    from gemma4_nnx.io.hf import from_hf
+
+    try:
+        kind = model_type(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise RequestError(f"speculative: model: {e}", "speculative") from None
+    if kind != ASSISTANT_MODEL_TYPE:
+        raise RequestError(
+            f"speculative: model {os.fspath(path)!r} has model_type {kind!r}, not {ASSISTANT_MODEL_TYPE!r}: "
+            "give the assistant checkpoint released for the target (e.g. gemma-4-E2B-it-assistant)",
+            "speculative",
+        )
+    return from_hf(path)
 
 
 class NgramDrafter:
@@ -142,6 +189,30 @@ class Drafting:
         """A new sequence takes the row (the engine reuses rows)."""
         self.rate[row] = self.prior
         self.drafted[row] = self.accepted[row] = 0
+
+    def step(self, decoder, cfg, histories: Mapping[int, Sequence[int]], m: int):
+        """One step of the first m rows of `decoder` (`core.Decoder`): draft for the running rows
+        `histories` (row -> tokens so far), choose the width, then verify, or take a plain step.
+        Returns (the step's `Verified` or `Drawn`, drafts verified, drafts accepted)."""
+        running = list(histories)
+        if self.drafter is None:  # the assistant: k drafts for every running row, made on the device
+            drafts, counts = None, np.zeros((m,), np.int32)
+            counts[running] = self.spec.k
+        else:
+            drafts, counts = self.propose(histories, m)
+        width = self.choose_width(counts, running, m)
+        t0 = time.perf_counter()
+        if not width:
+            out = decoder.step(cfg, m)
+            self.timed(time.perf_counter() - t0, m)
+            return out, 0, 0
+        counts = np.minimum(counts, width)
+        drafts = decoder.draft(m, width) if drafts is None else drafts[:, :width]
+        out = decoder.verify(cfg, drafts, counts)
+        self.timed(time.perf_counter() - t0, m, width)
+        for r in running:
+            self.record(r, int(counts[r]), int(out.accepted[r]))
+        return out, int(counts.sum()), int(out.accepted.sum())
 
     def propose(self, histories: Mapping[int, Sequence[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
         """Drafts [rows, k] and their counts [rows] for the running rows `histories` (row -> tokens so
