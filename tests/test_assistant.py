@@ -152,3 +152,26 @@ def test_config_errors_name_the_field():
     # HF: num_kv_shared_layers 0 / missing means "all layers"
     assert len(_assistant_config(text=dict(num_kv_shared_layers=0)).layers) == 2
     assert AssistantConfig.from_json_dict(_assistant_config().to_json_dict()) == _assistant_config()
+
+
+@pytest.mark.reference
+def test_convert_and_load_an_assistant(hf_checkpoint, hf_assistant, tmp_path):
+    """gemma4-convert detects an assistant by model_type; `load` (and a speculative config naming the
+    directory) restores it; its drafts equal the HF-loaded assistant's exactly (float32 storage)."""
+    from gemma4_nnx.decode.speculative import speculative_config
+
+    _, target_dir = hf_checkpoint("e2b")
+    _, asst_dir = hf_assistant("e2b", True)
+    out = gemma4_nnx.convert(asst_dir, tmp_path / "asst", dtype="float32")
+    loaded = gemma4_nnx.load(out)
+    assert isinstance(loaded, Gemma4Assistant) and loaded.config == gemma4_nnx.from_hf(asst_dir).config
+    target = gemma4_nnx.from_hf(target_dir)
+    ids = fx.sample_ids(1, 9, seed=60)
+    _, ref, ref_states = _our_drafts(target, gemma4_nnx.from_hf(asst_dir), ids, 2)
+    _, got, got_states = _our_drafts(target, loaded, ids, 2)
+    np.testing.assert_array_equal(np.stack(got), np.stack(ref))
+    np.testing.assert_array_equal(np.stack(got_states), np.stack(ref_states))
+    spec = speculative_config({"method": "assistant", "model": str(out), "num_speculative_tokens": 2})
+    assert isinstance(spec.assistant, Gemma4Assistant)
+    with pytest.raises(gemma4_nnx.RequestError, match="not an assistant"):
+        speculative_config({"method": "assistant", "model": str(gemma4_nnx.convert(target_dir, tmp_path / "t"))})

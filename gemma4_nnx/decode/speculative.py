@@ -51,8 +51,8 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup) or "assistant" (a Gemma 4 MTP drafter).
     num_speculative_tokens: k, drafts per step (>= 1).
     prompt_lookup_max / prompt_lookup_min: the n-gram lengths tried, longest first ("ngram").
-    model: the assistant ("assistant"): a loaded `Gemma4Assistant`, or the path of an HF assistant
-      checkpoint directory (`speculative_config` loads it).
+    model: the assistant ("assistant"): a loaded `Gemma4Assistant`, or the path of an assistant
+      checkpoint directory, converted or HF (`speculative_config` loads it).
     adaptive: verify only when the measured step times and recent acceptance predict more tokens per
       second than a plain step (`Drafting.choose_width`); False: verify whenever there are drafts
       (right where verifying costs what a plain step costs, e.g. a memory-bound accelerator).
@@ -122,11 +122,22 @@ def speculative_config(spec: SpeculativeConfig | Mapping | None) -> SpeculativeC
 
 
 def load_assistant(path: str | os.PathLike):
-    """A `Gemma4Assistant` from an HF assistant checkpoint directory (float32 compute; bf16 files stay
-    bf16 on the device only where the CPU kernels take them: see `gemma4_nnx.from_hf`)."""
+    """A `Gemma4Assistant` from a checkpoint directory: converted (`gemma4-convert`, read with
+    `gemma4_nnx.load`) or HF (`gemma4_nnx.from_hf`)."""
     from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, model_type
+    from gemma4_nnx.io import checkpoint as ck
     from gemma4_nnx.io.hf import from_hf
+    from gemma4_nnx.model.assistant import Gemma4Assistant
 
+    if os.path.isfile(os.path.join(os.fspath(path), ck.METADATA_FILE)):
+        model = ck.load(path)
+        if not isinstance(model, Gemma4Assistant):
+            raise RequestError(
+                f"speculative: model {os.fspath(path)!r} is a converted target model, not an assistant: "
+                "give the assistant checkpoint released for the target (e.g. gemma-4-E2B-it-assistant)",
+                "speculative",
+            )
+        return model
     try:
         kind = model_type(path)
     except (FileNotFoundError, ValueError) as e:

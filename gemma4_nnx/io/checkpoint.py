@@ -37,8 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gemma4_nnx.config import Gemma4Config
-from gemma4_nnx.io.hf import CheckpointError, abstract_model, name_map, variables_by_path
+from gemma4_nnx.config import AssistantConfig, Gemma4Config
+from gemma4_nnx.io.hf import (
+    CheckpointError,
+    abstract_assistant,
+    abstract_model,
+    assistant_name_map,
+    name_map,
+    variables_by_path,
+)
 
 FORMAT = "gemma4_nnx.orbax"
 FORMAT_VERSION = 1
@@ -195,6 +202,13 @@ def read_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing; convert the checkpoint again")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def load_config(ckpt_dir: str | os.PathLike) -> Gemma4Config:
     path = os.path.join(os.fspath(ckpt_dir), CONFIG_FILE)
     if not os.path.isfile(path):
@@ -251,7 +265,8 @@ def _sharding_fn(sharding) -> Callable[[Path], jax.sharding.Sharding]:
 
 
 def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtype=None, matmul="auto"):
-    """Restore a converted checkpoint (`gemma4-convert`) into a `Gemma4` model.
+    """Restore a converted checkpoint (`gemma4-convert`) into a `Gemma4` model (a converted MTP
+    assistant into a `Gemma4Assistant`).
 
     The model is built abstractly (`nnx.eval_shape`: no random weights) and Orbax reads each array
     straight into its final placement. A quantized PLE table is restored as a
@@ -269,17 +284,19 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         weights under float32 compute on one CPU device, when available; else XLA), "xla" or
         "cpu_kernels" (`gemma4_nnx.model.layers.resolve_matmul`).
     """
-    import orbax.checkpoint as ocp
 
     from gemma4_nnx.model.quant import QuantizedEmbedding
 
     ckpt_dir = os.fspath(ckpt_dir)
     meta = read_metadata(ckpt_dir)
-    config = load_config(ckpt_dir)
     param_dtype = _dtype(dtype, "dtype") or jnp.dtype(meta["dtype"])
     compute = _dtype(compute_dtype, "compute_dtype") or default_compute_dtype(param_dtype)
     where = _sharding_fn(sharding)
-
+    if meta.get("kind") == "assistant":
+        config = AssistantConfig.from_json_dict(_read_json(os.path.join(ckpt_dir, CONFIG_FILE)))
+        model = abstract_assistant(config, compute, param_dtype, matmul)
+        return _restore(ckpt_dir, model, [e.path for e in assistant_name_map(config)], where)
+    config = load_config(ckpt_dir)
     model = abstract_model(config, compute, param_dtype, matmul)
     ple = meta.get("ple") or {}
     bits = ple.get("bits")
@@ -290,11 +307,17 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
                 config.vocab_size_per_layer_input, n, bits=bits, group=ple["group"], dtype=compute
             )
         )
-    variables = variables_by_path(model)
     paths = [e.path for e in name_map(config)]
     if config.use_ple and bits:
         paths = [p for p in paths if p[:1] != PLE_PATH] + [PLE_PATH + ("codes",), PLE_PATH + ("scales",)]
+    return _restore(ckpt_dir, model, paths, where)
 
+
+def _restore(ckpt_dir: str, model, paths, where):
+    """Read the arrays at `paths` of the abstract `model` from the checkpoint, placed by `where`."""
+    import orbax.checkpoint as ocp
+
+    variables = variables_by_path(model)
     target = {}
     for path in paths:
         var = variables[path]

@@ -25,9 +25,20 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gemma4_nnx.config import Gemma4Config
+from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config, model_type
 from gemma4_nnx.io import checkpoint as ck
-from gemma4_nnx.io.hf import CheckpointError, Entry, TensorInfo, plan_load, read_tensor, safetensors_files, text_tensors
+from gemma4_nnx.io.hf import (
+    CheckpointError,
+    Entry,
+    TensorInfo,
+    abstract_assistant,
+    assistant_tensors,
+    plan_assistant,
+    plan_load,
+    read_tensor,
+    safetensors_files,
+    text_tensors,
+)
 
 DTYPES = ("bfloat16", "float32")
 PLE_MODES = {"int4": 4, "int8": 8, "none": None}
@@ -255,23 +266,29 @@ def convert(
         src = cached_hf_dir(src, verbose=bool(progress))
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source directory {src} does not exist")
-    config = Gemma4Config.from_hf(src)
+    assistant = model_type(src) == ASSISTANT_MODEL_TYPE  # an MTP drafter: its own config and name map
+    if assistant:
+        config = AssistantConfig.from_hf(src)
+        plan = plan_assistant(config, abstract_assistant(config, np.float32), assistant_tensors(src))
+    else:
+        config = Gemma4Config.from_hf(src)
+        plan = plan_load(config, text_tensors(src))
     files = safetensors_files(src)
-    plan = plan_load(config, text_tensors(src))
     _check_destination(src, dst, overwrite)
     _remove_stale_temps(dst)
 
     out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
-    bits = PLE_MODES[ple] if config.use_ple else None
-    group = config.hidden_size_per_layer_input
+    bits = PLE_MODES[ple] if not assistant and config.use_ple else None
+    group = 0 if assistant else config.hidden_size_per_layer_input
     bar = Progress(plan.total_bytes, len(plan.items), sys.stderr.isatty() if progress is None else progress)
     leaves: dict[tuple, Any] = {}
     for entry, info in plan.items:
         if bits and entry.path[:1] == ck.PLE_PATH:
             for name, leaf in _QuantizedTable(info, bits, group, bar).leaves().items():
                 leaves[ck.PLE_PATH + (name,)] = leaf
-        else:
-            leaves[entry.path] = _tensor_leaf(entry, info, out_dtype, bar)
+        else:  # integer tensors (an assistant's token_ordering) stay integers
+            kind = np.dtype(np.int32) if np.issubdtype(info.dtype, np.integer) else out_dtype
+            leaves[entry.path] = _tensor_leaf(entry, info, kind, bar)
     for entry, hf_shape in getattr(plan, "defaults", ()):  # tensors the family may omit (Gemma 3 layer_scalar)
         value = entry.to_nnx(np.full(hf_shape, entry.default, np.float32)).astype(out_dtype)
         leaves[entry.path] = ck.LazyTensor(value.shape, out_dtype, lambda a, b, v=value: v[a:b], value.shape[0])
@@ -291,6 +308,7 @@ def convert(
         for fn in copied:
             shutil.copyfile(os.path.join(src, fn), os.path.join(tmp, fn))
         meta = _metadata(src, files, config, dtype, bits, group, copied, plan.total_bytes, leaves)
+        meta["kind"] = "assistant" if assistant else "model"
         _write_json(os.path.join(tmp, ck.METADATA_FILE), meta)  # last: its presence marks completeness
         _fsync_dir(tmp)
         _replace(tmp, dst)
