@@ -6,7 +6,7 @@ its KV cache), `io` (checkpoint formats), `decode` (the decode core, `generate`,
 `sharding`.
 """
 
-from gemma4_nnx.config import Gemma4Config, LayerSpec, RopeSpec
+from gemma4_nnx.config import AssistantConfig, Gemma4Config, LayerSpec, RopeSpec
 from gemma4_nnx.decode.engine import Engine, EngineError
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.generate import GenerateResult, StreamStep, enable_compilation_cache, generate, generate_stream
@@ -16,7 +16,7 @@ from gemma4_nnx.io.checkpoint import load
 from gemma4_nnx.io.convert import convert
 from gemma4_nnx.io.export import to_hf
 from gemma4_nnx.io.hf import CheckpointError, from_hf
-from gemma4_nnx.model import Gemma4, KVCache
+from gemma4_nnx.model import Gemma4, Gemma4Assistant, KVCache
 from gemma4_nnx.model.quant import QuantizedEmbedding
 from gemma4_nnx.sharding import make_mesh, shard_batch, shard_cache, shard_model, sharding_for
 from gemma4_nnx.tokenizer import (
@@ -40,11 +40,13 @@ from gemma4_nnx.train.finetune import (
 )
 
 __all__ = [
+    "AssistantConfig",
     "CheckpointError",
     "Engine",
     "EngineError",
     "FinishReason",
     "Gemma4",
+    "Gemma4Assistant",
     "Gemma4Config",
     "GenerateResult",
     "KVCache",
