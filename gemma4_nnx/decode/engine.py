@@ -178,6 +178,8 @@ class Engine:
     ):
         check_int(max_batch, "max_batch", lo=1)
         self.speculative = speculative_config(speculative)
+        if self.speculative is not None:
+            self.speculative.check_target(model.config)
         context = model.config.max_position_embeddings
         max_length = min(context, DEFAULT_MAX_LENGTH) if max_length is None else max_length
         check_int(max_length, "max_length", lo=2)

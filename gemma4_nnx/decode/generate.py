@@ -145,6 +145,8 @@ def _start(
     check_int(max_length, "max_length", lo=2, optional=True)
     check_int(prefill_chunk, "prefill_chunk", lo=1, optional=True)
     spec = speculative_config(speculative)
+    if spec is not None:
+        spec.check_target(config)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise RequestError("prompts must be a non-empty list of token-id lists", "prompts")
     context = max_length if max_length is not None else config.max_position_embeddings

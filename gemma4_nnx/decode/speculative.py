@@ -99,6 +99,15 @@ class SpeculativeConfig:
         """The `Gemma4Assistant` (method "assistant"), else None."""
         return self.model if self.method == "assistant" else None
 
+    def check_target(self, config) -> None:
+        """A `RequestError` (param "speculative") when the assistant cannot draft for a target of
+        this `Gemma4Config` (`AssistantConfig.check_target`)."""
+        if self.assistant is not None:
+            try:
+                self.assistant.config.check_target(config)
+            except ValueError as e:
+                raise RequestError(f"speculative: model: {e}", "speculative") from None
+
     def drafter(self) -> NgramDrafter | None:
         """The host-side drafter (None: the assistant drafts on the device)."""
         return NgramDrafter(self.prompt_lookup_min, self.prompt_lookup_max) if self.method == "ngram" else None
