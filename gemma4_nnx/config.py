@@ -782,6 +782,29 @@ class AssistantConfig:
             tie_word_embeddings=bool(tied),
         )
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` dict of the equivalent HF `Gemma4AssistantForCausalLM`."""
+        text = self.text.to_hf_dict()
+        for key in ("architectures", "pad_token_id", "eos_token_id", "bos_token_id"):
+            text.pop(key, None)
+        text.update(
+            num_kv_shared_layers=self.text.num_hidden_layers,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=0,
+            final_logit_softcapping=None,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+        return {
+            "architectures": ["Gemma4AssistantForCausalLM"],
+            "model_type": ASSISTANT_MODEL_TYPE,
+            "backbone_hidden_size": self.backbone_hidden_size,
+            "use_ordered_embeddings": self.use_ordered_embeddings,
+            "num_centroids": self.num_centroids,
+            "centroid_intermediate_top_k": self.centroid_intermediate_top_k,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": text,
+        }
+
     def to_json_dict(self) -> dict[str, Any]:
         """Lossless JSON form (`from_json_dict`); stored in our checkpoints."""
         d = dataclasses.asdict(self)

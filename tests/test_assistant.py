@@ -175,3 +175,30 @@ def test_convert_and_load_an_assistant(hf_checkpoint, hf_assistant, tmp_path):
     assert isinstance(spec.assistant, Gemma4Assistant)
     with pytest.raises(gemma4_nnx.RequestError, match="not an assistant"):
         speculative_config({"method": "assistant", "model": str(gemma4_nnx.convert(target_dir, tmp_path / "t"))})
+
+
+@pytest.mark.reference
+def test_export_round_trip_through_transformers(hf_checkpoint, hf_assistant, tmp_path):
+    """`to_hf` writes an assistant transformers loads as `Gemma4AssistantForCausalLM` (config and
+    tensors), drafting exactly as the original."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    hf_target, _ = hf_checkpoint("e2b")
+    _, asst_dir = hf_assistant("e2b", True)
+    out = gemma4_nnx.to_hf(gemma4_nnx.from_hf(asst_dir), tmp_path / "exported")
+
+    def load(path):
+        return Gemma4AssistantForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
+
+    orig, back = load(asst_dir), load(out)
+    for name, tensor in orig.state_dict().items():
+        assert tensor.dtype == back.state_dict()[name].dtype and bool((tensor == back.state_dict()[name]).all()), name
+    ids = fx.sample_ids(1, 9, seed=61)
+    _, ref, ref_states = fx.hf_assistant_drafts(hf_target, orig, ids, 2)
+    _, got, got_states = fx.hf_assistant_drafts(hf_target, back, ids, 2)
+    # The tensors are bitwise equal (above) and the configs load to the same values, yet torch's
+    # float32 results differ in the last bits (4.8e-7 measured; also with the original config.json
+    # next to our tensors, so it is the file, not the config: memory alignment of the mapped
+    # tensors is our guess). A float32-rounding bound, far below any real difference (1e-1 here).
+    np.testing.assert_allclose(np.stack(got), np.stack(ref), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.stack(got_states), np.stack(ref_states), rtol=0, atol=1e-5)

@@ -41,12 +41,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(model, tokenizer, base_url, engine): a converted tiny checkpoint served on loopback."""
-    import uvicorn
-
-    from gemma4_nnx.serve.app import create_app
-
+def checkpoint(tmp_path_factory):
+    """A converted tiny checkpoint with its tokenizer, as a user would have it."""
     root = tmp_path_factory.mktemp("serve")
     build_hf_json(root / "tokenizer.json")
     tok = gemma4_nnx.load_tokenizer(root)
@@ -54,6 +50,17 @@ def served(tmp_path_factory):
     gemma4_nnx.to_hf(random_model("e2b", seed=3, vocab_size=tok.vocab_size), str(hf_dir))
     (hf_dir / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
     gemma4_nnx.convert(str(hf_dir), str(ckpt), dtype="float32")
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    """(model, tokenizer, base_url, engine): the converted tiny checkpoint served on loopback."""
+    import uvicorn
+
+    from gemma4_nnx.serve.app import create_app
+
+    ckpt = checkpoint
     model = gemma4_nnx.load(str(ckpt))
     tok = gemma4_nnx.load_tokenizer(ckpt)
 
@@ -552,3 +559,42 @@ def test_engine_errors_map_by_parameter_not_message():
         with pytest.raises(ApiError) as e:
             Serving(FakeEngine(engine_param), "m").engine_requests([[1, 2]], body, chat=False)
         assert (e.value.param, e.value.code, e.value.status) == (field, "some_code", 400)
+
+
+def test_speculative_config_with_an_assistant_directory(checkpoint, tmp_path):
+    """`gemma4-serve CKPT --speculative-config '{"method": "assistant", "model": DIR}'` (vLLM's flag):
+    the engine drafts with the assistant exported to DIR, and a completion through the app equals
+    plain greedy `generate`; a directory that holds no assistant is refused at start-up by name."""
+    from fastapi.testclient import TestClient
+
+    from gemma4_nnx.serve.app import build_parser, create_app, make_engine
+    from tests.helpers import random_assistant
+
+    model = gemma4_nnx.load(str(checkpoint))
+    tok = gemma4_nnx.load_tokenizer(checkpoint)
+    assistant_dir = gemma4_nnx.to_hf(random_assistant(model.config, ordered=True, seed=5), tmp_path / "assistant")
+    spec = {"method": "assistant", "model": assistant_dir, "num_speculative_tokens": 2, "adaptive": False}
+    args = build_parser().parse_args(
+        [str(checkpoint), "--speculative-config", json.dumps(spec), "--max-batch", "2", "--max-length", "64"]
+    )
+    engine = make_engine(args)
+    try:
+        assert isinstance(engine.speculative.assistant, gemma4_nnx.Gemma4Assistant)
+        ids = tok.encode("hello world", add_bos=True)
+        text, _, _ = _ref(model, tok, ids, 12, stop_tokens=[])
+        with TestClient(create_app(engine, NAME, warmup=False)) as client:
+            r = client.post(
+                "/v1/completions",
+                json={"model": NAME, "prompt": ids, "max_tokens": 12, "ignore_eos": True, "temperature": 0},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == text
+            metrics = client.get("/metrics").json()
+        assert metrics["verify_steps"] > 0 and metrics["drafted_tokens"] > 0
+    finally:
+        engine.close()
+    bad = build_parser().parse_args(
+        [str(checkpoint), "--speculative-config", json.dumps(dict(spec, model=str(checkpoint)))]
+    )
+    with pytest.raises(gemma4_nnx.RequestError, match="not an assistant"):
+        make_engine(bad)

@@ -23,7 +23,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from gemma4_nnx.io.hf import name_map, variables_by_path
+from gemma4_nnx.config import AssistantConfig
+from gemma4_nnx.io.hf import assistant_name_map, name_map, variables_by_path
 
 _ST_DTYPES = {
     np.dtype(np.float32): "F32",
@@ -112,7 +113,8 @@ def hf_tensors(model: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
     merged = _lora_kernels(model)
     out: dict[str, np.ndarray] = {}
     missing = []
-    for entry in name_map(config):
+    assistant = isinstance(config, AssistantConfig)
+    for entry in assistant_name_map(config) if assistant else name_map(config):
         if entry.path in merged:
             value = merged[entry.path]
         elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), QuantizedEmbedding):
@@ -125,9 +127,14 @@ def hf_tensors(model: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
         if entry.default is not None and np.all(value == entry.default):
             continue  # optional in the HF format (Gemma 3 has no layer_scalar)
         src_dtype = value.dtype
-        value = entry.to_hf(value)
-        value = np.asarray(value).astype(target if target is not None else src_dtype)
-        out["model." + entry.hf_name] = value
+        value = np.asarray(entry.to_hf(value))
+        if np.issubdtype(src_dtype, np.integer):  # an assistant's token_ordering: HF keeps int64
+            value = value.astype(np.int64)
+        else:
+            value = value.astype(target if target is not None else src_dtype)
+        # an assistant's own tensors (projections, centroid head, lm_head) sit outside `model.`
+        top = assistant and not entry.hf_name.startswith(("embed_tokens.", "norm.", "layers."))
+        out[entry.hf_name if top else "model." + entry.hf_name] = value
     if missing:
         raise ValueError(f"model has no parameter at {missing[:10]} (total {len(missing)}); is it a Gemma4?")
     return out
@@ -140,16 +147,17 @@ def to_hf(
     dtype=None,
     copy_from: str | os.PathLike | None = None,
 ) -> str:
-    """Write `model` as an HF `Gemma4ForCausalLM` directory: model.safetensors + config.json.
+    """Write `model` as an HF `Gemma4ForCausalLM` directory (a `Gemma4Assistant` as
+    `Gemma4AssistantForCausalLM`): model.safetensors + config.json.
 
     dtype: None keeps the parameters' dtype; "bfloat16" / "float32" / "float16" (or a numpy/jax dtype)
     casts every float tensor. LoRA adapters are merged on the fly. `copy_from`: a directory whose
     tokenizer/generation files (`COPY_FILES`) are copied alongside. Returns `out_dir` (absolute).
     """
-    from gemma4_nnx.model import Gemma4
+    from gemma4_nnx.model import Gemma4, Gemma4Assistant
 
-    if not isinstance(model, Gemma4):
-        raise ValueError(f"model must be a gemma4_nnx.Gemma4, got {type(model).__name__}")
+    if not isinstance(model, (Gemma4, Gemma4Assistant)):
+        raise ValueError(f"model must be a gemma4_nnx.Gemma4 or Gemma4Assistant, got {type(model).__name__}")
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.isfile(out_dir):
         raise ValueError(f"out_dir {out_dir} is a file; pass a directory")
