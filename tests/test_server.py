@@ -598,3 +598,107 @@ def test_speculative_config_with_an_assistant_directory(checkpoint, tmp_path):
     )
     with pytest.raises(gemma4_nnx.RequestError, match="not an assistant"):
         make_engine(bad)
+
+
+# ----------------------------------------------------------------------------- guard rails (issue 18, first part)
+def _app_client(engine, **kw):
+    from fastapi.testclient import TestClient
+
+    from gemma4_nnx.serve.app import create_app
+
+    return TestClient(create_app(engine, NAME, warmup=False, **kw))
+
+
+_BODY = {"model": NAME, "prompt": [2, 5, 7], "max_tokens": 2, "temperature": 0}
+
+
+def test_api_key_guards_the_api_and_leaves_health_open(served):
+    engine = served[3]
+    with _app_client(engine, api_key="s3cret") as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+            r = c.post("/v1/completions", json=_BODY, headers=headers)
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert r.json()["error"]["type"] == "authentication_error"
+        assert c.get("/v1/models").status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.get("/v1/models", headers=ok).status_code == 200
+        r = c.post("/v1/completions", json=_BODY, headers=ok)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert c.get("/health").status_code == 200 and c.get("/openapi.json").status_code == 200
+
+
+def test_only_json_bodies_are_accepted(served):
+    """text/plain and form bodies (which a web page can send without a CORS preflight) get 415."""
+    with _app_client(served[3]) as c:
+        for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {"Content-Type": kind} if kind else {}
+            r = c.post("/v1/completions", content=json.dumps(_BODY).encode(), headers=headers)
+            assert r.status_code == 415, (kind, r.text)
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+        r = c.post(
+            "/v1/completions", content=json.dumps(_BODY), headers={"Content-Type": "application/json; charset=utf-8"}
+        )
+        assert r.status_code == 200
+
+
+def test_body_size_limit(served):
+    """A body over --max-body-bytes gets 413, declared (Content-Length) or streamed (chunked)."""
+    with _app_client(served[3], max_body_bytes=2000) as c:
+        big = dict(_BODY, prompt=[5] * 1000)
+        r = c.post("/v1/completions", json=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        data = json.dumps(big).encode()
+        chunked = c.post(
+            "/v1/completions",
+            content=(data[i : i + 500] for i in range(0, len(data), 500)),
+            headers={"Content-Type": "application/json"},
+        )
+        assert chunked.status_code == 413
+        small = c.post(
+            "/v1/completions",
+            content=(b for b in [json.dumps(_BODY).encode()]),
+            headers={"Content-Type": "application/json"},
+        )
+        assert small.status_code == 200
+
+
+def test_a_huge_declared_body_is_refused_before_it_is_sent(served):
+    """The server answers 413 from the headers alone: the client never sends the 100 MB."""
+    port = served[2]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(100 * 2**20))
+    conn.endheaders()
+    t0 = time.time()
+    r = conn.getresponse()
+    assert r.status == 413 and time.time() - t0 < 5
+    assert json.loads(r.read())["error"]["code"] == "request_too_large"
+
+
+def test_response_format_prompt_count_and_long_messages(served):
+    with _app_client(served[3], max_prompts=2) as c:
+        r = c.post("/v1/completions", json=dict(_BODY, response_format={"type": "json_object"}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        assert c.post("/v1/completions", json=dict(_BODY, response_format={"type": "text"})).status_code == 200
+        r = c.post("/v1/completions", json=dict(_BODY, prompt=[[2, 5], [2, 6], [2, 7]]))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "--max-prompts" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json=dict(_BODY, model="x" * 100_000))
+        assert r.status_code == 404 or r.status_code == 400
+        assert len(r.json()["error"]["message"]) < 700  # an excerpt, not the 100 KB value
+
+
+def test_port_clash_is_reported_before_the_model_loads(tmp_path, capsys):
+    from gemma4_nnx.serve.app import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.time()
+        assert main([str(tmp_path / "no-such-checkpoint"), "--port", str(port)]) == 2
+    assert time.time() - t0 < 5
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "no-such-checkpoint" not in err

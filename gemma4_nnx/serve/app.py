@@ -20,6 +20,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
 
 Every bad request gets a 4xx with an OpenAI-style body `{"error": {"message", "type", "param",
 "code"}}` (`param` names the field); a client that disconnects frees its batch row at the next step.
+Before the routes, `guard.Guard` checks the API key (`--api-key`), the content type (JSON only) and
+the body size (`--max-body-bytes`).
 
 Tensor parallel: `--tensor-parallel-size N` loads the weights sharded over N local devices (heads,
 MLP width and vocabulary over the mesh axis "tp", `gemma4_nnx.sharding`) and the engine shards its
@@ -38,6 +40,7 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import Engine, EngineError
+from gemma4_nnx.serve.guard import DEFAULT_MAX_BODY_BYTES, Guard
 from gemma4_nnx.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,7 +50,7 @@ from gemma4_nnx.serve.protocol import (
     ModelCard,
     ModelList,
 )
-from gemma4_nnx.serve.serving import ApiError, Serving
+from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving
 
 try:
     from fastapi import FastAPI, Request
@@ -84,10 +87,19 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(f"'{where}': {msg.removeprefix('Value error, ')}", field)
 
 
-def create_app(engine: Engine, model_name: str, *, warmup: bool = True) -> FastAPI:
+def create_app(
+    engine: Engine,
+    model_name: str,
+    *,
+    warmup: bool = True,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_prompts: int = DEFAULT_MAX_PROMPTS,
+) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
-    has succeeded."""
-    serving = Serving(engine, model_name)
+    has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
+    `max_prompts`: prompts one completion request may carry."""
+    serving = Serving(engine, model_name, max_prompts=max_prompts)
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
     def run_warmup() -> None:
@@ -109,6 +121,7 @@ def create_app(engine: Engine, model_name: str, *, warmup: bool = True) -> FastA
             await task
 
     app = FastAPI(title="gemma4_nnx", description="OpenAI-compatible API over a Gemma 4 model", lifespan=lifespan)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     app.state.engine = engine
     app.state.status = state
 
@@ -202,6 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
         help='speculative decoding for every request, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (vLLM\'s flag and names)',
     )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("GEMMA4_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (env GEMMA4_API_KEY; /health stays open)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body accepted, 413 beyond (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS,
+        help=f"prompts one completion request may carry (default {DEFAULT_MAX_PROMPTS})",
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
@@ -263,10 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_cache:
         enable_compilation_cache(args.compile_cache)
     try:
+        _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
         engine = make_engine(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OSError) as e:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
         return 2
+    if not args.api_key and not _loopback(args.host):
+        print(
+            f"gemma4-serve: warning: serving on {args.host} without --api-key: anyone who can reach this "
+            "port can use the model (put it behind a reverse proxy with TLS for exposure beyond one host)",
+            file=sys.stderr,
+        )
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     print(
         f"gemma4-serve: {name} on http://{args.host}:{args.port}/v1 (max_batch={engine.max_batch}, "
@@ -274,9 +311,36 @@ def main(argv: list[str] | None = None) -> int:
         "after the warm-up generation",
         file=sys.stderr,
     )
-    uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="info")
+    app = create_app(
+        engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     engine.close()
     return 0
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_port(host: str, port: int) -> None:
+    """OSError naming the address when `host:port` cannot be bound (in use, no permission)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}): choose another --port or --host") from None
 
 
 if __name__ == "__main__":

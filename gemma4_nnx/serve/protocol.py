@@ -59,6 +59,7 @@ UNSUPPORTED: dict[str, Any] = {
     "suffix": lambda v: v not in (None, ""),
     "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
 }
 
 
@@ -111,6 +112,9 @@ class _Sampling(_Api):
     frequency_penalty: StrictFloat | None = Field(None, description="Not supported (use repetition_penalty); only 0.")
     logit_bias: dict[str, Any] | None = Field(None, description="Not supported.")
     n: StrictInt | None = Field(None, description="Not supported: only 1.")
+    response_format: dict[str, Any] | None = Field(
+        None, description='Not supported yet (structured output): only {"type": "text"}.'
+    )
     user: str | None = None
 
     @field_validator("stop")
@@ -120,7 +124,13 @@ class _Sampling(_Api):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @field_validator(*[k for k in UNSUPPORTED if k in ("presence_penalty", "frequency_penalty", "logit_bias", "n")])
+    @field_validator(
+        *[
+            k
+            for k in UNSUPPORTED
+            if k in ("presence_penalty", "frequency_penalty", "logit_bias", "n", "response_format")
+        ]
+    )
     @classmethod
     def _unsupported(cls, v, info):
         return _refuse_unless_neutral(v, info)

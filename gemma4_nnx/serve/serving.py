@@ -52,6 +52,10 @@ ENGINE_PARAMS: dict[str, tuple[str | None, str | None]] = {
 }
 
 
+MAX_MESSAGE_CHARS = 500
+DEFAULT_MAX_PROMPTS = 64  # prompts in one completion request
+
+
 class ApiError(Exception):
     """A request the server refuses: an OpenAI-style error body with this status."""
 
@@ -68,8 +72,11 @@ class ApiError(Exception):
         self.status, self.param, self.code, self.type = status, param, code, type_
 
     def body(self) -> dict:
+        message = str(self)
+        if len(message) > MAX_MESSAGE_CHARS:  # never echo a huge offending value back whole
+            message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
         return ErrorResponse(
-            error=ErrorDetail(message=str(self), type=self.type, param=self.param, code=self.code)
+            error=ErrorDetail(message=message, type=self.type, param=self.param, code=self.code)
         ).model_dump()
 
 
@@ -117,9 +124,10 @@ class _Thinking:
 class Serving:
     """Turns protocol requests into engine requests and engine events into OpenAI responses."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine, model_name: str, *, max_prompts: int = DEFAULT_MAX_PROMPTS):
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.tokenizer
+        self.max_prompts = max_prompts
 
     # ------------------------------------------------------------------ requests
     def check_model(self, name: str) -> None:
@@ -134,6 +142,12 @@ class Serving:
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > self.max_prompts:
+            raise ApiError(
+                f"{len(prompt)} prompts in one request; this server takes at most {self.max_prompts} "
+                "(--max-prompts): split the list over several requests",
+                "prompt",
+            )
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             return [list(p) for p in prompt]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):

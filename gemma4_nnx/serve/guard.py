@@ -1,0 +1,120 @@
+"""What every request passes before a route sees it: API key, content type, body size.
+
+A plain ASGI middleware (no request buffering of its own), in front of the FastAPI app:
+
+* `api_key`: `/v1/*` needs `Authorization: Bearer <key>` (401 otherwise, compared in constant
+  time); `/health`, `/metrics`, `/docs` and `/openapi.json` stay open (probes and schema readers
+  carry no key). vLLM's `--api-key`.
+* POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
+  form to a local server without a CORS preflight, JSON it cannot.
+* `max_body_bytes`: a declared `Content-Length` above it is refused (413) before any of the body
+  is read; a body without one (chunked) is refused as soon as it passes the limit.
+
+Every refusal is an OpenAI-style JSON error body, as the routes' own.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from gemma4_nnx.serve.serving import ApiError
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "Guard"]
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc")
+
+
+class Guard:
+    """ASGI middleware: `Guard(app, api_key=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)`."""
+
+    def __init__(self, app, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        path = scope.get("path", "")
+        refusal = self._check(scope["method"], path, headers)
+        if refusal is not None:
+            return await _respond(send, refusal)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        # The routes read the whole JSON body anyway: read it here, counting, and refuse it the moment
+        # it passes the limit (a chunked body declares no length); the app then gets it in one piece.
+        chunks, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body_bytes:
+                return await _respond(send, self._too_large())
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: the client's disconnect, as the server reports it
+
+        return await self.app(scope, replay, send)
+
+    def _check(self, method: str, path: str, headers: dict[str, bytes]) -> ApiError | None:
+        if self.api_key is not None and path.startswith("/v1/") and path not in _OPEN_PATHS:
+            auth = headers.get("authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                return ApiError(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
+                    "server was started with (--api-key / GEMMA4_API_KEY)",
+                    status=401,
+                    code="invalid_api_key",
+                    type_="authentication_error",
+                )
+        if method == "POST":
+            kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
+            if kind != b"application/json":
+                shown = kind.decode("latin-1")[:80] or "none"
+                return ApiError(
+                    f"request bodies must be JSON: send 'Content-Type: application/json' (got {shown})",
+                    status=415,
+                    code="unsupported_media_type",
+                )
+            length = headers.get("content-length")
+            if length is not None:
+                try:
+                    declared = int(length)
+                except ValueError:
+                    return ApiError("the Content-Length header is not a number", status=400)
+                if declared > self.max_body_bytes:
+                    return self._too_large()
+        return None
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            f"the request body exceeds {self.max_body_bytes} bytes (the server's --max-body-bytes)",
+            status=413,
+            code="request_too_large",
+        )
+
+
+async def _respond(send, error: ApiError) -> None:
+    body = json.dumps(error.body()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
