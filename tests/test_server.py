@@ -702,3 +702,24 @@ def test_port_clash_is_reported_before_the_model_loads(tmp_path, capsys):
     assert time.time() - t0 < 5
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "no-such-checkpoint" not in err
+
+
+def test_a_non_streaming_client_that_hangs_up_frees_its_row(served):
+    """A client waiting for a whole completion goes away: its request is cancelled at once, although
+    tokens keep arriving faster than any poll (it used to run to max_tokens)."""
+    port, engine = served[2], served[3]
+    before = engine.stats.cancelled, engine.stats.tokens_generated
+    body = json.dumps(dict(_BODY, max_tokens=60, ignore_eos=True)).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    time.sleep(0.05)
+    sock.close()
+    deadline = time.time() + 10
+    while time.time() < deadline and (engine.stats.cancelled == before[0] or engine.active_rows):
+        time.sleep(0.02)
+    assert engine.stats.cancelled == before[0] + 1
+    assert engine.stats.tokens_generated - before[1] < 60

@@ -80,6 +80,15 @@ class ApiError(Exception):
         ).model_dump()
 
 
+async def _disconnected(http) -> None:
+    """Return once the client has disconnected (the ASGI server's `http.disconnect` message; the
+    body was read already, so nothing else arrives)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 def _sse(obj) -> str:
     data = obj.model_dump() if hasattr(obj, "model_dump") else obj
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -246,15 +255,18 @@ class Serving:
         if not body.stream:
             collected: list[list[Event]] = [[] for _ in requests]
             left = len(requests)
+            # The client going away ends the work at once (its rows are freed at the next decode step),
+            # however fast tokens arrive: a task waits for the server's disconnect message.
+            gone = asyncio.ensure_future(_disconnected(http))
             try:
                 while left:
-                    try:
-                        i, ev = await asyncio.wait_for(events.get(), timeout=0.5)
-                    except TimeoutError:
-                        if await http.is_disconnected():
-                            cancel_all()
-                            return JSONResponse(ApiError("client disconnected").body(), 499)
-                        continue
+                    get = asyncio.ensure_future(events.get())
+                    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
+                        cancel_all()
+                        return JSONResponse(ApiError("client disconnected").body(), 499)
+                    i, ev = get.result()
                     collected[i].append(ev)
                     if ev.finish_reason == FinishReason.ERROR:
                         cancel_all()
@@ -265,6 +277,8 @@ class Serving:
             except asyncio.CancelledError:
                 cancel_all()
                 raise
+            finally:
+                gone.cancel()
             build = self._chat_response if chat else self._completion_response
             return build(ctx, collected, want_lp, usage()).model_dump()
 
