@@ -723,3 +723,61 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_row(served):
         time.sleep(0.02)
     assert engine.stats.cancelled == before[0] + 1
     assert engine.stats.tokens_generated - before[1] < 60
+
+
+@pytest.fixture(scope="module")
+def limited(served):
+    """A second server over the same engine with tight limits: 1 prompt in flight, 0.5 s body timeout."""
+    import uvicorn
+
+    from gemma4_nnx.serve.app import create_app
+
+    engine = served[3]
+    port = _free_port()
+    app = create_app(engine, NAME, warmup=False, max_concurrent_requests=1, body_timeout=0.5)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not server.started:
+        time.sleep(0.05)
+    yield port, engine
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_requests_beyond_the_concurrency_limit_get_429(limited):
+    port, _ = limited
+    busy = dict(_BODY, max_tokens=60, ignore_eos=True, stream=True)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(busy), headers={"Content-Type": "application/json"})
+    stream = conn.getresponse()
+    assert stream.status == 200
+    stream.readline()  # the first event: the request is in flight
+    c2 = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c2.request("POST", "/v1/completions", body=json.dumps(_BODY), headers={"Content-Type": "application/json"})
+    r = c2.getresponse()
+    assert r.status == 429 and r.getheader("Retry-After") == "1"
+    assert json.loads(r.read())["error"]["code"] == "too_many_requests"
+    stream.read()  # the stream ends: its slot is released
+    status, body = _post(port, "/v1/completions", _BODY)
+    assert status == 200, body
+    status, body = _post(port, "/v1/completions", dict(_BODY, prompt=[[2, 5], [2, 6]]))  # 2 prompts > 1
+    assert status == 429
+
+
+def test_a_slow_body_is_cut_off(limited):
+    """A client that sends its body a byte at a time gets 408 after --body-timeout, not a held socket."""
+    port, _ = limited
+    body = json.dumps(_BODY).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body[:5]
+    )
+    t0 = time.time()
+    reply = sock.recv(4096)
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+    assert time.time() - t0 < 5

@@ -40,7 +40,7 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import Engine, EngineError
-from gemma4_nnx.serve.guard import DEFAULT_MAX_BODY_BYTES, Guard
+from gemma4_nnx.serve.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from gemma4_nnx.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -95,11 +95,15 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_prompts: int = DEFAULT_MAX_PROMPTS,
+    max_concurrent_requests: int | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
-    `max_prompts`: prompts one completion request may carry."""
-    serving = Serving(engine, model_name, max_prompts=max_prompts)
+    `max_prompts`: prompts one completion request may carry; `max_concurrent_requests`: prompts in
+    flight (queued or decoding) beyond which requests get 429; `body_timeout`: seconds to receive a
+    request body (408 after)."""
+    serving = Serving(engine, model_name, max_prompts=max_prompts, max_concurrent_requests=max_concurrent_requests)
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
     def run_warmup() -> None:
@@ -121,7 +125,7 @@ def create_app(
             await task
 
     app = FastAPI(title="gemma4_nnx", description="OpenAI-compatible API over a Gemma 4 model", lifespan=lifespan)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
     app.state.engine = engine
     app.state.status = state
 
@@ -136,7 +140,7 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def refused(request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.get("/health")
     async def health():
@@ -232,6 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_PROMPTS,
         help=f"prompts one completion request may carry (default {DEFAULT_MAX_PROMPTS})",
     )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        help="prompts in flight (queued or decoding) beyond which requests get 429 + Retry-After (default: no limit)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help=f"seconds to receive a request body, 408 after (default {DEFAULT_BODY_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays open"
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1000,
+        help="open connections beyond which the HTTP server answers 503 (default 1000; bounds file descriptors)",
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
@@ -312,9 +336,22 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     app = create_app(
-        engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts
+        engine,
+        name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_prompts=args.max_prompts,
+        max_concurrent_requests=args.max_concurrent_requests,
+        body_timeout=args.body_timeout,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_keep_alive=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency,
+    )
     engine.close()
     return 0
 

@@ -9,30 +9,43 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
   form to a local server without a CORS preflight, JSON it cannot.
 * `max_body_bytes`: a declared `Content-Length` above it is refused (413) before any of the body
   is read; a body without one (chunked) is refused as soon as it passes the limit.
+* `body_timeout`: the whole body must arrive within it (408 otherwise): a client sending a byte a
+  second cannot hold a connection.
 
 Every refusal is an OpenAI-style JSON error body, as the routes' own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import time
 
 from gemma4_nnx.serve.serving import ApiError
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "Guard"]
+__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole request body
 _OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc")
 
 
 class Guard:
     """ASGI middleware: `Guard(app, api_key=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)`."""
 
-    def __init__(self, app, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(
+        self,
+        app,
+        *,
+        api_key: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    ):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -47,8 +60,19 @@ class Guard:
         # The routes read the whole JSON body anyway: read it here, counting, and refuse it the moment
         # it passes the limit (a chunked body declares no length); the app then gets it in one piece.
         chunks, seen = [], 0
+        deadline = time.monotonic() + self.body_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:  # a slow (or stalled) client cannot hold a connection and a task
+                return await _respond(
+                    send,
+                    ApiError(
+                        f"the request body did not arrive within {self.body_timeout:g} s (--body-timeout)",
+                        status=408,
+                        code="request_timeout",
+                    ),
+                )
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")

@@ -67,9 +67,11 @@ class ApiError(Exception):
         status: int = 400,
         code: str | None = None,
         type_: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.param, self.code, self.type = status, param, code, type_
+        self.headers = headers
 
     def body(self) -> dict:
         message = str(self)
@@ -133,10 +135,37 @@ class _Thinking:
 class Serving:
     """Turns protocol requests into engine requests and engine events into OpenAI responses."""
 
-    def __init__(self, engine: Engine, model_name: str, *, max_prompts: int = DEFAULT_MAX_PROMPTS):
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        *,
+        max_prompts: int = DEFAULT_MAX_PROMPTS,
+        max_concurrent_requests: int | None = None,
+    ):
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.tokenizer
         self.max_prompts = max_prompts
+        self.max_concurrent_requests = max_concurrent_requests
+        self.in_flight = 0  # prompts admitted and not finished (touched on the event loop only)
+
+    def admit(self, n: int) -> None:
+        """Count n prompts in, or refuse them (429 + Retry-After) beyond --max-concurrent-requests;
+        `release` counts them out. Every prompt of a list counts."""
+        limit = self.max_concurrent_requests
+        if limit is not None and self.in_flight + n > limit:
+            raise ApiError(
+                f"the server is at its limit of {limit} concurrent requests (--max-concurrent-requests); "
+                f"{self.in_flight} in flight, this request brings {n}: retry later",
+                status=429,
+                code="too_many_requests",
+                type_="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += n
+
+    def release(self, n: int) -> None:
+        self.in_flight -= n
 
     # ------------------------------------------------------------------ requests
     def check_model(self, name: str) -> None:
@@ -214,7 +243,33 @@ class Serving:
         return ChatLogprob(token=piece, logprob=ev.logprob, bytes=list(piece.encode()), top_logprobs=[])
 
     async def run(self, http, requests: list[Request], body, *, chat: bool):
-        """Queue the requests; a response body (dict) or, with `stream`, an SSE `StreamingResponse`."""
+        """Admit and queue the requests; a response body (dict) or, with `stream`, an SSE
+        `StreamingResponse`."""
+        from fastapi.responses import StreamingResponse
+        from starlette.background import BackgroundTask
+
+        n = len(requests)
+        self.admit(n)
+        released = False
+
+        def release() -> None:  # once: when the response is complete, or the stream ends or is dropped
+            nonlocal released
+            if not released:
+                released = True
+                self.release(n)
+
+        try:
+            response = await self._run(http, requests, body, chat=chat, release=release)
+        except BaseException:
+            release()
+            raise
+        if isinstance(response, StreamingResponse):
+            response.background = BackgroundTask(release)
+        else:
+            release()
+        return response
+
+    async def _run(self, http, requests: list[Request], body, *, chat: bool, release: Callable[[], None]):
         from fastapi.responses import JSONResponse, StreamingResponse
 
         loop = asyncio.get_running_loop()
@@ -291,6 +346,7 @@ class Serving:
                 yield "data: [DONE]\n\n"
             finally:  # also on client disconnect (the response task is cancelled)
                 cancel_all()
+                release()
 
         return StreamingResponse(
             sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
