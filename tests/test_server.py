@@ -781,3 +781,57 @@ def test_a_slow_body_is_cut_off(limited):
     sock.close()
     assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
     assert time.time() - t0 < 5
+
+
+_MALFORMED = {
+    "deep nesting": b'{"model": "M", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "5000-digit integer": b'{"model": "M", "prompt": [2, ' + b"9" * 5000 + b"]}",
+    "lone surrogate in a prompt": b'{"model": "M", "prompt": "a\\ud800b"}',
+    "lone surrogate in a chat message": b'{"model": "M", "messages": [{"role": "user", "content": "\\udc00"}]}',
+    "bad escape": b'{"model": "M", "prompt": "a\\x"}',
+    "invalid UTF-8": b'{"model": "M", "prompt": "\xff\xfe"}',
+    "NaN": b'{"model": "M", "prompt": "a", "temperature": NaN}',
+    "1e999": b'{"model": "M", "prompt": "a", "temperature": 1e999}',
+    "huge max_tokens": b'{"model": "M", "prompt": [2], "max_tokens": 99999999999999999999}',
+    "not an object": b"[1, 2, 3]",
+    "empty": b"",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MALFORMED))
+def test_malformed_bodies_get_json_400(served, case):
+    body = _MALFORMED[case].replace(b'"M"', json.dumps(NAME).encode())
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    with _app_client(served[3]) as c:
+        r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, (case, r.status_code, r.text[:200])
+    assert r.headers["content-type"].startswith("application/json") and "error" in r.json()
+
+
+def test_mutated_requests_never_get_a_5xx(served):
+    """A seeded fuzzer: 300 random byte mutations (flips, deletions, insertions of JSON punctuation)
+    of valid completion and chat bodies; every answer is a JSON response below 500."""
+    rng = np.random.default_rng(0)
+    seeds = [
+        json.dumps(dict(_BODY, stop=["x"], top_k=3, seed=1)).encode(),
+        json.dumps(
+            {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+        ).encode(),
+    ]
+    alphabet = b'{}[]",:-0123456789.eE\\u tfnal\xff'
+    with _app_client(served[3], max_prompts=4) as c:
+        for i in range(300):
+            data = bytearray(seeds[i % 2])
+            for _ in range(int(rng.integers(1, 4))):
+                at = int(rng.integers(0, len(data)))
+                op = rng.integers(0, 3)
+                if op == 0:
+                    data[at] = alphabet[int(rng.integers(0, len(alphabet)))]
+                elif op == 1:
+                    del data[at]
+                else:
+                    data.insert(at, alphabet[int(rng.integers(0, len(alphabet)))])
+            path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+            r = c.post(path, content=bytes(data), headers={"Content-Type": "application/json"})
+            assert r.status_code < 500, (bytes(data), r.status_code, r.text[:200])
+            assert r.headers["content-type"].startswith("application/json")

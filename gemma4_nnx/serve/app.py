@@ -71,10 +71,15 @@ _ERRORS = {
 }
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
 def _validation_error(exc: RequestValidationError) -> ApiError:
     """The first pydantic error as an OpenAI-style 400: `param` is the top-level body field."""
     err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [x for x in err.get("loc", ()) if x != "body"]
+    raw = [x for x in err.get("loc", ()) if x != "body"]
+    # without pydantic's union-branch tags ("constrained-str", "function-after[...]", "list[int]", "str")
+    loc = raw[:1] + [x for x in raw[1:] if isinstance(x, int) or (x.isidentifier() and x not in _TYPE_TAGS)]
     if err.get("type") == "json_invalid":
         return ApiError(f"the request body is not valid JSON: {err.get('msg')}")
     if not loc:
@@ -174,13 +179,15 @@ def create_app(
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
         serving.check_model(body.model)
-        requests = serving.engine_requests(serving.completion_prompts(body), body, chat=False)
+        # tokenizing (up to --max-body-bytes of text) runs off the event loop: other streams keep flowing
+        prompts = await asyncio.to_thread(serving.completion_prompts, body)
+        requests = serving.engine_requests(prompts, body, chat=False)
         return await serving.run(request, requests, body, chat=False)
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving.check_model(body.model)
-        requests = serving.engine_requests([serving.chat_prompt(body)], body, chat=True)
+        requests = serving.engine_requests([await asyncio.to_thread(serving.chat_prompt, body)], body, chat=True)
         return await serving.run(request, requests, body, chat=True)
 
     return app

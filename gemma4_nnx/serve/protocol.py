@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 __all__ = [
     "UNSUPPORTED",
@@ -45,7 +45,20 @@ __all__ = [
 StrictFloat = Annotated[float, Field(strict=True)]
 StrictInt = Annotated[int, Field(strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
-StrictStr = Annotated[str, Field(strict=True)]
+
+
+def _unicode(v: str) -> str:
+    """Strings must be Unicode text: JSON can spell a lone UTF-16 surrogate (\\ud800), which is not."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate at character {e.start} ({v[e.start]!a}); send valid Unicode text"
+        ) from None
+    return v
+
+
+StrictStr = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 #: OpenAI fields this server does not implement: refused (400 naming them) unless neutral.
@@ -96,7 +109,7 @@ class _Sampling(_Api):
         1.0, description="0 = greedy; default 1 as in OpenAI's API."
     )
     top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
-    stop: StrictStr | list[Annotated[str, Field(strict=True, min_length=1)]] | None = Field(
+    stop: StrictStr | list[Annotated[str, Field(strict=True, min_length=1), AfterValidator(_unicode)]] | None = Field(
         None, description="A stop string or a list of them (cut from the output)."
     )
     seed: StrictInt | None = Field(None, description="Sampling seed (reduced modulo 2**31); same seed, same draws.")
