@@ -835,3 +835,19 @@ def test_mutated_requests_never_get_a_5xx(served):
             r = c.post(path, content=bytes(data), headers={"Content-Type": "application/json"})
             assert r.status_code < 500, (bytes(data), r.status_code, r.text[:200])
             assert r.headers["content-type"].startswith("application/json")
+
+
+def test_queue_timeout_gives_503_while_every_row_is_busy(served):
+    """With --queue-timeout, a request that cannot get a row (and so a first token) in time gets 503
+    with Retry-After and is withdrawn from the queue; the busy requests are untouched."""
+    engine = served[3]
+    busy = [engine.submit([2, 5, 7], 60, stop_tokens=[]) for _ in range(MAX_BATCH)]
+    try:
+        with _app_client(engine, queue_timeout=0.01) as c:
+            r = c.post("/v1/completions", json=_BODY)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert r.json()["error"]["code"] == "queue_timeout"
+    finally:
+        assert all(len(b.result()[0]) == 60 for b in busy)
+    with _app_client(engine, queue_timeout=30) as c:  # room again: served as usual
+        assert c.post("/v1/completions", json=_BODY).status_code == 200

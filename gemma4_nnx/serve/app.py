@@ -102,13 +102,21 @@ def create_app(
     max_prompts: int = DEFAULT_MAX_PROMPTS,
     max_concurrent_requests: int | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    queue_timeout: float | None = None,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
     `max_prompts`: prompts one completion request may carry; `max_concurrent_requests`: prompts in
     flight (queued or decoding) beyond which requests get 429; `body_timeout`: seconds to receive a
-    request body (408 after)."""
-    serving = Serving(engine, model_name, max_prompts=max_prompts, max_concurrent_requests=max_concurrent_requests)
+    request body (408 after); `queue_timeout`: seconds a request may wait for its first token (503
+    after)."""
+    serving = Serving(
+        engine,
+        model_name,
+        max_prompts=max_prompts,
+        max_concurrent_requests=max_concurrent_requests,
+        queue_timeout=queue_timeout,
+    )
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
     def run_warmup() -> None:
@@ -255,6 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds to receive a request body, 408 after (default {DEFAULT_BODY_TIMEOUT:g})",
     )
     p.add_argument(
+        "--queue-timeout",
+        type=float,
+        help="seconds a request may wait for its first token (queue + prefill), 503 + Retry-After after "
+        "(default: no limit)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/Ctrl-C, seconds in-flight requests may take to finish before they are cancelled (default 30)",
+    )
+    p.add_argument(
         "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays open"
     )
     p.add_argument(
@@ -350,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         max_prompts=args.max_prompts,
         max_concurrent_requests=args.max_concurrent_requests,
         body_timeout=args.body_timeout,
+        queue_timeout=args.queue_timeout,
     )
     uvicorn.run(
         app,
@@ -358,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level="info",
         timeout_keep_alive=args.timeout_keep_alive,
         limit_concurrency=args.limit_concurrency,
+        timeout_graceful_shutdown=args.drain_timeout,
     )
     engine.close()
     return 0

@@ -82,6 +82,16 @@ class ApiError(Exception):
         ).model_dump()
 
 
+class _Peeked:
+    """A queue whose first item was taken already (`get` returns it first)."""
+
+    def __init__(self, first, queue: asyncio.Queue):
+        self.first, self.queue = [first], queue
+
+    async def get(self):
+        return self.first.pop() if self.first else await self.queue.get()
+
+
 async def _disconnected(http) -> None:
     """Return once the client has disconnected (the ASGI server's `http.disconnect` message; the
     body was read already, so nothing else arrives)."""
@@ -142,8 +152,10 @@ class Serving:
         *,
         max_prompts: int = DEFAULT_MAX_PROMPTS,
         max_concurrent_requests: int | None = None,
+        queue_timeout: float | None = None,
     ):
         self.engine, self.model_name = engine, model_name
+        self.queue_timeout = queue_timeout
         self.tokenizer = engine.tokenizer
         self.max_prompts = max_prompts
         self.max_concurrent_requests = max_concurrent_requests
@@ -273,12 +285,13 @@ class Serving:
         from fastapi.responses import JSONResponse, StreamingResponse
 
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()  # filled by the engine thread's sinks
+        events: asyncio.Queue | _Peeked = queue  # what this request reads
 
         def sink_for(i: int) -> Callable[[Event], None]:
             def sink(ev: Event) -> None:
                 with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
-                    loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                    loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
 
             return sink
 
@@ -290,6 +303,20 @@ class Serving:
             for r in reqs:
                 self.engine.cancel(r)
             raise ApiError(str(e), status=503, type_="server_error") from None
+        if self.queue_timeout is not None:  # the first token must come in time (queue + prefill)
+            try:
+                first = await asyncio.wait_for(queue.get(), timeout=self.queue_timeout)
+            except TimeoutError:
+                for r in reqs:
+                    self.engine.cancel(r)
+                raise ApiError(
+                    f"no token within {self.queue_timeout:g} s (--queue-timeout): the server is busy; retry later",
+                    status=503,
+                    code="queue_timeout",
+                    type_="server_error",
+                    headers={"Retry-After": "1"},
+                ) from None
+            events = _Peeked(first, queue)
         want_lp = bool(body.logprobs is not None if not chat else body.logprobs)
         ctx = dict(
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
