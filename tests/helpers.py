@@ -74,19 +74,27 @@ def tiny_config(**over) -> gemma4_nnx.Gemma4Config:
 def model_from_config(config: gemma4_nnx.Gemma4Config, seed: int = 0) -> gemma4_nnx.Gemma4:
     """A model filled from NumPy (no per-op JAX compiles): kernels N(0, 0.08), embeddings N(0, 0.5) so
     logits can be sharp, norm scales 1 + N(0, 0.25), layer_scalar 1."""
+    return fill_random(abstract_model(config, jnp.float32), seed)
+
+
+def fill_random(model, seed: int, kernel_std: float = 0.08):
+    """Fill an abstract model's variables from NumPy: kernels N(0, kernel_std), embeddings
+    N(0, 0.5), norm scales 1 + N(0, 0.25), layer_scalar 1, an assistant's token_ordering a random
+    permutation."""
     rng = np.random.default_rng(seed)
-    model = abstract_model(config, jnp.float32)
     for path, var in variables_by_path(model).items():
         shape = var.shape
-        if path[-1] == "layer_scalar":
+        if path[-1] == "token_ordering":
+            value = rng.permutation(shape[0])
+        elif path[-1] == "layer_scalar":
             value = np.ones(shape)
         elif path[-1] in ("scale", "per_expert_scale"):
             value = 1.0 + 0.25 * rng.standard_normal(shape)
         elif path[-1] == "embedding":
             value = 0.5 * rng.standard_normal(shape)
         else:
-            value = 0.08 * rng.standard_normal(shape)
-        var.set_value(jnp.asarray(value, jnp.float32))
+            value = kernel_std * rng.standard_normal(shape)
+        var.set_value(jnp.asarray(value, var.dtype))
     return model
 
 
@@ -288,19 +296,4 @@ def random_assistant(target: Gemma4Config, *, ordered: bool, seed: int = 0):
             text_config=text,
         )
     )
-    rng = np.random.default_rng(seed)
-    model = abstract_assistant(config, jnp.float32)
-    for path, var in variables_by_path(model).items():
-        shape = var.shape
-        if path[-1] == "token_ordering":
-            value = rng.permutation(shape[0]).astype(np.int32)
-        elif path[-1] == "layer_scalar":
-            value = np.ones(shape)
-        elif path[-1] == "scale":
-            value = 1.0 + 0.25 * rng.standard_normal(shape)
-        elif path[-1] == "embedding":
-            value = 0.5 * rng.standard_normal(shape)
-        else:
-            value = 0.15 * rng.standard_normal(shape)
-        var.set_value(jnp.asarray(value, var.dtype))
-    return model
+    return fill_random(abstract_assistant(config, jnp.float32), seed, kernel_std=0.15)
