@@ -363,21 +363,43 @@ def test_assistant_drafts_see_only_the_accepted_sequence(assisted):
     cfg = DrawConfig()
     first = dec.draw(cfg, dec.prefill(PromptBatch.build([r.prompt for r in reqs], 2)))
     seqs = [list(p) + [int(first.token[r])] for r, p in enumerate(prompts)]
+
+    def fresh(seq):
+        """The assistant's input afresh: the target over seq[:-1] in a cache that evicts nothing
+        (ring_extra=64 makes it a plain cache), its last hidden state, the last token."""
+        cache = KVCache.init(target.config, 1, 64, jnp.float32, ring_extra=64)
+        assert not any(c.ring for c in cache.layers.values())
+        h, cache = target(jnp.asarray([seq[:-1]]), jnp.arange(len(seq) - 1)[None], cache=cache, return_hidden=True)
+        return assistant.donor_kv(target.config, cache), h[:, -1], jnp.asarray([seq[-1]])
+
+    def first_step(kv, state, token, pos):
+        return np.asarray(assistant(target.embed_tokens(token), state, jnp.asarray([pos]), kv)[0][0])
+
     rejected = 0
-    for _ in range(5):
+    for _ in range(4):
         drafts = np.asarray(dec.draft(2, K))
         out = dec.verify(cfg, drafts, np.array([K, K], np.int32))
         rejected += int((out.accepted < K).sum())
+        rows = dec.state.rows
         for r in range(2):
             seqs[r] += [t for t, *_ in out.emitted(r)]
+            # after every step (an all-rejected one included): the decoder's cache and hidden state give
+            # the assistant what a fresh run gives. The hidden state comes from a multi-column verify
+            # forward here and a prefill there (other float32 summation orders: 1.4e-5 measured on
+            # logits of size ~10), hence 1e-4; a missing key or a stale state moves them far more.
+            here = first_step(
+                assistant.donor_kv(target.config, dec.state.cache.take(jnp.asarray([r]))),
+                rows.hidden[r : r + 1],
+                rows.token[r : r + 1],
+                int(rows.pos[r]),
+            )
+            ref = first_step(*fresh(seqs[r]), len(seqs[r]) - 1)
+            assert np.max(np.abs(here - ref)) <= 1e-4, (r, len(seqs[r]), np.max(np.abs(here - ref)))
     assert rejected > 0
     drafts = np.asarray(dec.draft(2, K))
-    for r, seq in enumerate(seqs):  # afresh: the target over seq[:-1], the assistant from its last state
-        cache = KVCache.init(target.config, 1, 64, jnp.float32)
-        ids = jnp.asarray([seq[:-1]])
-        h, cache = target(ids, jnp.arange(len(seq) - 1)[None], cache=cache, return_hidden=True)
-        kv = assistant.donor_kv(target.config, cache)
-        token, state, ref = jnp.asarray([seq[-1]]), h[:, -1], []
+    for r, seq in enumerate(seqs):  # the device draft program equals the assistant run eagerly
+        kv, state, token = fresh(seq)
+        ref = []
         for _ in range(K):
             z, state = assistant(target.embed_tokens(token), state, jnp.asarray([len(seq) - 1]), kv)
             token = jnp.argmax(z, axis=-1)

@@ -210,11 +210,7 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def load_config(ckpt_dir: str | os.PathLike) -> Gemma4Config:
-    path = os.path.join(os.fspath(ckpt_dir), CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing; convert the checkpoint again")
-    with open(path, encoding="utf-8") as f:
-        return Gemma4Config.from_json_dict(json.load(f))
+    return Gemma4Config.from_json_dict(_read_json(os.path.join(os.fspath(ckpt_dir), CONFIG_FILE)))
 
 
 # ---------------------------------------------------------------------------- load

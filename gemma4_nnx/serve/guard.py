@@ -28,7 +28,6 @@ __all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole request body
-_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc")
 
 
 class Guard:
@@ -94,7 +93,7 @@ class Guard:
         return await self.app(scope, replay, send)
 
     def _check(self, method: str, path: str, headers: dict[str, bytes]) -> ApiError | None:
-        if self.api_key is not None and path.startswith("/v1/") and path not in _OPEN_PATHS:
+        if self.api_key is not None and path.startswith("/v1/"):
             auth = headers.get("authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
