@@ -5,6 +5,8 @@ Models are the tiny torch-free builds of tests/helpers.py.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,3 +203,32 @@ def test_text_stream_reasons_and_stop_text():
     assert FinishReason.LENGTH == "length" and str(FinishReason.STOP_STRING) == "stop_string"
     with pytest.raises(RuntimeError):
         held.feed(ord("a"), stopped=False, last=False)
+
+
+def test_a_failing_sink_ends_only_its_own_request(model):
+    """A consumer whose callback raises on its third event: that request ends (row freed, counted as
+    failed, the sink is not called again); a request decoding beside it gets exactly its solo tokens."""
+    prompt, other = list(PROMPTS[0]), list(PROMPTS[1])
+    engine = Engine(model, max_batch=2, max_length=32)
+    try:
+        solo = engine.submit(other, 8, temperature=0.0, stop_tokens=[]).result()[0]
+        calls = []
+
+        def sink(ev):
+            calls.append(ev)
+            if len(calls) == 3:
+                raise ValueError("consumer broke")
+
+        with pytest.warns(UserWarning, match="consumer broke"):
+            bad = engine.submit(prompt, 8, temperature=0.0, stop_tokens=[], sink=sink)
+            good = engine.submit(other, 8, temperature=0.0, stop_tokens=[])
+            assert good.result()[0] == solo
+            deadline = time.time() + 30
+            while bad.finish_reason is None and time.time() < deadline:
+                time.sleep(0.01)
+        assert bad.finish_reason == FinishReason.ERROR and "consumer broke" in bad.sink_error
+        assert len(calls) == 3 and engine.stats.failed == 1 and engine.alive
+        assert engine.submit(prompt, 4, temperature=0.0, stop_tokens=[]).result()[2] == FinishReason.LENGTH
+        assert engine.active_rows == 0
+    finally:
+        engine.close()

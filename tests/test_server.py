@@ -851,3 +851,20 @@ def test_queue_timeout_gives_503_while_every_row_is_busy(served):
         assert all(len(b.result()[0]) == 60 for b in busy)
     with _app_client(engine, queue_timeout=30) as c:  # room again: served as usual
         assert c.post("/v1/completions", json=_BODY).status_code == 200
+
+
+def test_max_tokens_cap(served):
+    """--max-tokens: a larger max_tokens (or max_completion_tokens) is a 400 naming the field the
+    client sent; a chat request without a limit stops at the cap (finish_reason "length")."""
+    engine = served[3]
+    with _app_client(engine, max_tokens=3) as c:
+        r = c.post("/v1/completions", json=dict(_BODY, max_tokens=4))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert r.json()["error"]["code"] == "max_tokens_exceeded"
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        r = c.post("/v1/chat/completions", json=dict(chat, max_completion_tokens=9))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+        assert c.post("/v1/completions", json=dict(_BODY, max_tokens=3)).status_code == 200
+        r = c.post("/v1/chat/completions", json=dict(chat, ignore_eos=True))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"

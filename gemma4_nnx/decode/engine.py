@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -109,13 +110,23 @@ class EngineRequest:
         self.cancelled = False
         self.submitted = time.perf_counter()
         self.first_token_s: float | None = None
+        self.sink_error: str | None = None  # what the sink raised; the request then ends as ERROR
 
     @property
     def prompt(self) -> tuple[int, ...]:
         return self.request.prompt
 
     def emit(self, event: Event) -> None:
-        self._sink(event)
+        """Hand the event to the consumer. A sink that raises fails this request only (the engine
+        frees its row at once and calls the sink no more); the other requests go on."""
+        if self.sink_error is not None:
+            return
+        try:
+            self._sink(event)
+        except Exception as e:
+            self.sink_error = f"{type(e).__name__}: {e}"
+            self.cancelled = True
+            warnings.warn(f"gemma4_nnx engine: request {self.id}'s sink raised {self.sink_error}; request ended")
 
     def __iter__(self) -> Iterator[Event]:
         if self._queue is None:
@@ -415,6 +426,12 @@ class Engine:
                         self.stats.completed += 1
                         self.last_outcome = "ok"
                 req.emit(Event(tok, text, lp, reason))
+                if reason is None and req.sink_error is not None:  # its consumer failed: free the row now
+                    req.finish_reason = FinishReason.ERROR
+                    self._slots[slot] = None
+                    host_ended[slot] = not done
+                    self.stats.failed += 1
+                    break
                 if reason is not None:
                     break
         self.decoder.finish(host_ended)

@@ -103,19 +103,22 @@ def create_app(
     max_concurrent_requests: int | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     queue_timeout: float | None = None,
+    max_tokens: int | None = None,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
     `max_prompts`: prompts one completion request may carry; `max_concurrent_requests`: prompts in
     flight (queued or decoding) beyond which requests get 429; `body_timeout`: seconds to receive a
     request body (408 after); `queue_timeout`: seconds a request may wait for its first token (503
-    after)."""
+    after); `max_tokens`: the most tokens one request may generate (400 beyond; the default of a
+    chat request without a limit)."""
     serving = Serving(
         engine,
         model_name,
         max_prompts=max_prompts,
         max_concurrent_requests=max_concurrent_requests,
         queue_timeout=queue_timeout,
+        max_tokens=max_tokens,
     )
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
@@ -257,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts in flight (queued or decoding) beyond which requests get 429 + Retry-After (default: no limit)",
     )
     p.add_argument(
+        "--max-tokens",
+        type=int,
+        help="the most tokens one request may generate: a larger max_tokens gets 400, a chat request "
+        "without one gets at most this (default: what the context leaves)",
+    )
+    p.add_argument(
         "--body-timeout",
         type=float,
         default=DEFAULT_BODY_TIMEOUT,
@@ -371,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrent_requests=args.max_concurrent_requests,
         body_timeout=args.body_timeout,
         queue_timeout=args.queue_timeout,
+        max_tokens=args.max_tokens,
     )
     uvicorn.run(
         app,

@@ -153,8 +153,10 @@ class Serving:
         max_prompts: int = DEFAULT_MAX_PROMPTS,
         max_concurrent_requests: int | None = None,
         queue_timeout: float | None = None,
+        max_tokens: int | None = None,
     ):
         self.engine, self.model_name = engine, model_name
+        self.max_tokens = max_tokens
         self.queue_timeout = queue_timeout
         self.tokenizer = engine.tokenizer
         self.max_prompts = max_prompts
@@ -232,6 +234,14 @@ class Serving:
             max_tokens, field = body.max_tokens, "max_tokens"
             if max_tokens is None:
                 max_tokens = DEFAULT_COMPLETION_TOKENS
+        cap = self.max_tokens
+        if cap is not None and max_tokens is not None and max_tokens > cap:
+            raise ApiError(
+                f"'{field}' is {max_tokens}; this server generates at most {cap} tokens per request "
+                "(--max-tokens): ask for fewer",
+                field,
+                code="max_tokens_exceeded",
+            )
         options = dict(
             temperature=body.temperature,
             top_p=body.top_p,
@@ -243,6 +253,9 @@ class Serving:
             seed=None if body.seed is None else normalize_seed(body.seed % (1 << 31)),
         )
         try:
+            if max_tokens is None and cap is not None:  # chat without a limit: what the context leaves, capped
+                limit = self.engine.max_length
+                return [self.engine.validate(ids, min(cap, max(1, limit - len(ids))), **options) for ids in prompts]
             return [self.engine.validate(ids, max_tokens, **options) for ids in prompts]
         except RequestError as e:
             chat_field, text_field = ENGINE_PARAMS.get(e.param, (e.param, e.param))
