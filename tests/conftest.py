@@ -12,6 +12,23 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop every compiled program after each test module (the next module compiles its own).
+
+    XLA:CPU maps each executable's code and data into memory (~3-6 mappings each) and unmaps them only
+    when the executable is freed; jax's caches keep every one alive. One process running the whole
+    suite compiled enough programs to reach Linux's limit of 65,530 mappings (`vm.max_map_count`),
+    and the next compile then died with SIGSEGV inside the compiler (seen three times, always in
+    test_speculative, ~75% into the suite).
+    """
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def _have_torch() -> bool:
     try:
         import torch  # noqa: F401

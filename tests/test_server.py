@@ -8,6 +8,7 @@ same loaded model, which the decode tests compare against transformers.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -868,3 +869,57 @@ def test_max_tokens_cap(served):
         r = c.post("/v1/chat/completions", json=dict(chat, ignore_eos=True))
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
+    """`gemma4-serve` as a process: after SIGTERM no new request is served, a stream in flight gets
+    --drain-timeout seconds, then a final chunk (finish_reason "length") and `[DONE]`, and the process
+    ends well within uvicorn's own bound (by the re-raised SIGTERM: uvicorn hands the signal on once
+    it has shut down, so the status says "terminated by SIGTERM", as a supervisor expects)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gemma4_nnx.serve.app", str(checkpoint), "--port", str(port)]
+    cmd += ["--max-length", "256", "--max-batch", "2", "--drain-timeout", "0.25", "--precompile"]
+    cmd += ["--model-name", NAME]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if _get(port, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        else:
+            pytest.fail("the server did not become healthy within 300 s")
+        body = dict(_BODY, max_tokens=250, ignore_eos=True, stream=True)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200
+        events = [stream.readline() for _ in range(6)]  # a few tokens in: the request is decoding
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        with contextlib.suppress(OSError):  # the listening socket may be closed already
+            assert _post(port, "/v1/completions", _BODY)[0] == 503  # admitted connection, refused request
+        events += stream.read().splitlines(keepends=True)
+        ended = time.time() - t0
+        data = [e[6:].strip() for e in events if e.startswith(b"data: ")]
+        assert data[-1] == b"[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(chunks) < 250 and 0.2 < ended < 3, (len(chunks), ended)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert "shutting down: requests in flight have 0.25 s to finish" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -126,7 +126,9 @@ class EngineRequest:
         except Exception as e:
             self.sink_error = f"{type(e).__name__}: {e}"
             self.cancelled = True
-            warnings.warn(f"gemma4_nnx engine: request {self.id}'s sink raised {self.sink_error}; request ended")
+            warnings.warn(
+                f"gemma4_nnx engine: request {self.id}'s sink raised {self.sink_error}; request ended", stacklevel=2
+            )
 
     def __iter__(self) -> Iterator[Event]:
         if self._queue is None:

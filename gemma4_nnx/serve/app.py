@@ -53,6 +53,7 @@ from gemma4_nnx.serve.protocol import (
 from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving
 
 try:
+    import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -62,7 +63,7 @@ except ImportError as e:  # pragma: no cover - the `serve` extra
         "gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' (fastapi, uvicorn)"
     ) from e
 
-__all__ = ["build_parser", "create_app", "main"]
+__all__ = ["DrainingServer", "build_parser", "create_app", "main"]
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
@@ -143,6 +144,7 @@ def create_app(
     app = FastAPI(title="gemma4_nnx", description="OpenAI-compatible API over a Gemma 4 model", lifespan=lifespan)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
     app.state.engine = engine
+    app.state.serving = serving
     app.state.status = state
 
     @app.exception_handler(StarletteHTTPException)
@@ -343,11 +345,6 @@ def make_engine(args: argparse.Namespace) -> Engine:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        import uvicorn
-    except ImportError:
-        print("gemma4-serve: uvicorn is missing: pip install 'gemma4_nnx[serve]'", file=sys.stderr)
-        return 2
     from gemma4_nnx.decode.generate import enable_compilation_cache
 
     if args.compile_cache:
@@ -382,17 +379,40 @@ def main(argv: list[str] | None = None) -> int:
         queue_timeout=args.queue_timeout,
         max_tokens=args.max_tokens,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="info",
         timeout_keep_alive=args.timeout_keep_alive,
         limit_concurrency=args.limit_concurrency,
-        timeout_graceful_shutdown=args.drain_timeout,
+        # our drain ends every request cleanly at --drain-timeout; uvicorn's own bound is the backstop
+        timeout_graceful_shutdown=args.drain_timeout + _DRAIN_MARGIN_S,
     )
+    DrainingServer(config, app.state.serving, args.drain_timeout).run()
     engine.close()
     return 0
+
+
+_DRAIN_MARGIN_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server; the first SIGTERM / Ctrl-C also starts the drain (`Serving.drain`): no new
+    requests, and the ones in flight end cleanly after `drain_timeout` seconds."""
+
+    def __init__(self, config: uvicorn.Config, serving: Serving, drain_timeout: float):
+        super().__init__(config)
+        self.serving, self.drain_timeout = serving, drain_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.serving.draining:
+            print(
+                f"gemma4-serve: shutting down: requests in flight have {self.drain_timeout:g} s to finish",
+                file=sys.stderr,
+            )
+            self.serving.drain(self.drain_timeout)
+        super().handle_exit(sig, frame)
 
 
 def _loopback(host: str) -> bool:

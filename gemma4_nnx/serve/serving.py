@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -107,9 +108,11 @@ def _sse(obj) -> str:
 
 
 def _finish(reason: FinishReason) -> str:
+    """OpenAI's finish_reason. A request the server ended (the drain bound at shutdown) reports
+    "length": its output was cut short by a server limit, as by max_tokens."""
     if reason == FinishReason.ERROR:
         raise EngineError("generation failed")
-    return "length" if reason == FinishReason.LENGTH else "stop"
+    return "length" if reason in (FinishReason.LENGTH, FinishReason.CANCELLED) else "stop"
 
 
 class _Thinking:
@@ -162,10 +165,35 @@ class Serving:
         self.max_prompts = max_prompts
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0  # prompts admitted and not finished (touched on the event loop only)
+        self.live: set = set()  # engine requests submitted and not finished (for the drain)
+        self.draining = False
+
+    def drain(self, timeout: float) -> threading.Timer:
+        """Stop admitting (503 from now on) and, after `timeout` seconds, end every request still in
+        flight: each gets a final chunk (finish_reason "length") and `[DONE]`, or a complete response
+        with what it generated so far. Returns the started timer."""
+        self.draining = True
+
+        def cut() -> None:
+            for r in list(self.live):
+                self.engine.cancel(r)
+
+        timer = threading.Timer(max(0.0, timeout), cut)
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def admit(self, n: int) -> None:
         """Count n prompts in, or refuse them (429 + Retry-After) beyond --max-concurrent-requests;
         `release` counts them out. Every prompt of a list counts."""
+        if self.draining:
+            raise ApiError(
+                "the server is shutting down; retry on another instance",
+                status=503,
+                code="shutting_down",
+                type_="server_error",
+                headers={"Retry-After": "1"},
+            )
         limit = self.max_concurrent_requests
         if limit is not None and self.in_flight + n > limit:
             raise ApiError(
@@ -312,7 +340,9 @@ class Serving:
         try:
             for i, request in enumerate(requests):
                 reqs.append(self.engine.submit(request, sink=sink_for(i)))
+                self.live.add(reqs[-1])
         except EngineError as e:
+            self.live.difference_update(reqs)
             for r in reqs:
                 self.engine.cancel(r)
             raise ApiError(str(e), status=503, type_="server_error") from None
@@ -320,6 +350,7 @@ class Serving:
             try:
                 first = await asyncio.wait_for(queue.get(), timeout=self.queue_timeout)
             except TimeoutError:
+                self.live.difference_update(reqs)
                 for r in reqs:
                     self.engine.cancel(r)
                 raise ApiError(
@@ -344,6 +375,7 @@ class Serving:
 
         def cancel_all() -> None:
             for r in reqs:
+                self.live.discard(r)
                 if r.finish_reason is None:
                     self.engine.cancel(r)
 
@@ -374,6 +406,7 @@ class Serving:
                 raise
             finally:
                 gone.cancel()
+                self.live.difference_update(reqs)
             build = self._chat_response if chat else self._completion_response
             return build(ctx, collected, want_lp, usage()).model_dump()
 
