@@ -232,3 +232,33 @@ def test_a_failing_sink_ends_only_its_own_request(model):
         assert engine.active_rows == 0
     finally:
         engine.close()
+
+
+def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
+    """After a precompile, requests with sampler settings the engine has not seen (min-p + penalty;
+    a top-k width of 8; greedy + penalty) are served without the engine thread compiling a draw
+    program: they draw with the superset sampler while their own compiles on a helper thread (or, for
+    the new top-k width, wait for it); every output equals generate() alone with the same settings,
+    including a greedy request decoding beside them."""
+    engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
+    try:
+        on_thread = engine.decoder.compiles.get("draw", 0)
+        settings = [
+            dict(temperature=0.0),
+            dict(temperature=0.8, min_p=0.05, repetition_penalty=1.3, seed=3),
+            dict(temperature=0.9, top_k=5, top_p=0.9, seed=4),
+            dict(temperature=0.0, repetition_penalty=1.2),
+        ]
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0][:2]]
+        reqs = [engine.submit(p, 10, stop_tokens=[], **kw) for p, kw in zip(prompts, settings)]
+        got = [r.result()[0] for r in reqs]
+        deadline = time.time() + 60
+        while engine.decoder._background is not None and engine.decoder._compiling and time.time() < deadline:
+            time.sleep(0.05)  # background compiles of the exact samplers finish
+        assert engine.decoder.compiles.get("draw", 0) == on_thread, engine.decoder.compiles
+        assert engine.decoder.compiles.get("draw (background)", 0) > 0
+        # references afterwards: generate's own compiles cannot have warmed the engine's programs
+        refs = [generate(model, [p], 10, stop_tokens=[], **kw).tokens[0] for p, kw in zip(prompts, settings)]
+        assert got == refs
+    finally:
+        engine.close()

@@ -923,3 +923,25 @@ def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_precompile_all_covers_every_prompt_bucket():
+    """Engine(precompile="all") compiles the prefill of every prompt bucket up to max_length (16 and
+    32 here) for every power-of-two number of joining rows; prompts of any length then compile no
+    prefill; a bad value names the argument."""
+    from gemma4_nnx.decode.errors import RequestError
+
+    model = random_model("plain", seed=5, vocab_size=89)  # a vocabulary no other test uses: fresh programs
+    engine = Engine(model, max_batch=2, max_length=32, precompile="all")
+    try:
+        ahead = engine.compiled_programs()
+        assert ahead["prefill"] == 2 * 2  # buckets 16 and 32 x 1 or 2 joining rows
+        prompts = [[2] * 3, [2, 7] * 9, [3] * 30]
+        refs = [generate(model, [p], 1, stop_tokens=[]).tokens[0] for p in prompts]
+        assert [engine.submit(p, 1, stop_tokens=[]).result()[0] for p in prompts] == refs
+        assert engine.compiled_programs()["prefill"] == ahead["prefill"]
+    finally:
+        engine.close()
+    with pytest.raises(RequestError, match="'all'") as e:
+        Engine(model, max_batch=1, max_length=32, precompile="everything")
+    assert e.value.param == "precompile"

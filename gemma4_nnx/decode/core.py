@@ -179,6 +179,14 @@ class DrawConfig:
     features: RowFeatures = dataclasses.field(default_factory=RowFeatures)
     logprobs: bool = False
 
+    def widest(self) -> DrawConfig:
+        """Every sampling feature on, at this top-k width: it draws the same tokens as `self` for
+        every row `self` covers (a feature a row does not use is a no-op on it: top-p of 1, min-p of 0,
+        penalty of 1, temperature 0 takes the argmax; the top-k width is kept, since it changes the
+        order of float sums). The engine serves with it while the exact program compiles."""
+        f = RowFeatures(True, self.features.top_k, True, True, True, True)
+        return DrawConfig(f, self.logprobs)
+
 
 @jax.jit
 def _row_keys_jit(seeds: Array, rows: Array) -> Array:
@@ -546,6 +554,9 @@ class Decoder:
         self.mesh = mesh
         self.speculative_tokens = speculative_tokens
         self.compiles: dict[str, int] = {}
+        self._draws_run: set[tuple] = set()  # (cfg, shape key) of every draw program run so far
+        self._background = None  # a one-thread executor compiling draw programs (created on first use)
+        self._compiling: set[tuple] = set()
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -639,12 +650,76 @@ class Decoder:
     def draw(self, cfg: DrawConfig, logits: Next, idx: np.ndarray | None = None, init: RowState | None = None) -> Drawn:
         """Sample rows `idx` (None: every row) from `logits` (a `Next`); `init`: their initial state,
         written first (`build_rows` of the joining requests). Returns the `Drawn` on the host (NumPy)."""
+        key = self._draw_key(cfg, logits.logits.shape[0], idx is not None, init is not None)
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         rows, drawn = self._run(
             "draw", _draw_jit, cfg, self.state.rows, idx, logits, None if init is None else self._place(init)
         )
+        self._draws_run.add(key)
         self.state = dataclasses.replace(self.state, rows=rows)
         return jax.device_get(drawn)
+
+    # ------------------------------------------------------------------ draw programs compiled off the caller's thread
+    def _draw_key(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> tuple:
+        return (cfg, self.stop_width, n, indexed, init)
+
+    def draw_shapes(self, joining: bool) -> list[tuple[int, bool, bool]]:
+        """(rows drawn, indexed, with init) of every draw the engine makes: a step of the first m
+        rows (m a power of two up to `rows`), or `joining` rows (kb a power of two, written first)."""
+        top = pow2(self.rows) if joining else self.rows
+        sizes = sorted({min(1 << i, top) for i in range(self.rows.bit_length() + 1)})
+        return [(n, True, True) if joining else (n, n != self.rows, False) for n in sizes]
+
+    def draw_ready(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> bool:
+        return self._draw_key(cfg, *shape) in self._draws_run
+
+    def cover(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> DrawConfig | None:
+        """The program to draw `cfg` with, at this shape, without compiling: `cfg` itself once it ran,
+        else its `widest()` (same tokens) while `cfg` compiles in the background; None when neither is
+        ready (the caller compiles)."""
+        if self.draw_ready(cfg, shape):
+            return cfg
+        if self.mesh is None and self.draw_ready(cfg.widest(), shape):
+            self.compile_draws(cfg, [shape], background=True)
+            return cfg.widest()
+        return None
+
+    def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None):
+        """Compile the draw program of `cfg` at each shape by running it on placeholder rows (the
+        decoder's state is not touched). `background`: on a helper thread (returns its future);
+        `then()` runs after the last one."""
+
+        def work() -> None:
+            try:
+                for shape in shapes:
+                    key = self._draw_key(cfg, *shape)
+                    if key not in self._draws_run:
+                        self._placeholder_draw(cfg, *shape)
+                        self._draws_run.add(key)
+            finally:
+                self._compiling.discard((cfg, tuple(shapes)))
+            if then is not None:
+                then()
+
+        if not background:
+            return work()
+        job = (cfg, tuple(shapes))
+        if job in self._compiling:
+            return None
+        self._compiling.add(job)
+        if self._background is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="gemma4-compile")
+        return self._background.submit(work)
+
+    def _placeholder_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
+        hidden = self.config.hidden_size
+        nxt = self._place(Next(jnp.zeros((n, self.vocab_size), jnp.float32), jnp.zeros((n, hidden), jnp.float32)))
+        rows = self._place(self.build_rows([None] * self.rows))
+        idx = jnp.asarray(np.arange(n) % self.rows, jnp.int32) if indexed else None
+        start = self._place(self.build_rows([None] * n)) if init else None
+        jax.block_until_ready(self._run("draw (background)", _draw_jit, cfg, rows, idx, nxt, start))
 
     def step(self, cfg: DrawConfig, m: int | None = None) -> Drawn:
         """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m."""

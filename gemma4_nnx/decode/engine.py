@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from gemma4_nnx.decode.batching import PromptBatch, pow2
+from gemma4_nnx.decode.batching import MIN_PROMPT_BUCKET, PromptBatch, pow2
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, check_int, make_request
@@ -50,6 +50,19 @@ from gemma4_nnx.decode.text import FinishReason, TextStream
 __all__ = ["DEFAULT_MAX_LENGTH", "Engine", "EngineError", "EngineRequest", "EngineStats", "Event"]
 
 DEFAULT_MAX_LENGTH = 4096
+#: Besides "no top-k", the top-k width whose sampler `precompile` readies (Gemma's recommended
+#: sampling: temperature 1, top_k 64, top_p 0.95). Other widths compile on a helper thread.
+COMMON_TOP_K = 64
+
+
+def _buckets(longest: int) -> list[int]:
+    """The padded prompt lengths of prompts up to `longest` tokens (`batching.prompt_columns`)."""
+    out, b = [], MIN_PROMPT_BUCKET
+    while True:
+        out.append(b)
+        if b >= longest:
+            return out
+        b *= 2
 
 
 class EngineError(RuntimeError):
@@ -111,6 +124,7 @@ class EngineRequest:
         self.submitted = time.perf_counter()
         self.first_token_s: float | None = None
         self.sink_error: str | None = None  # what the sink raised; the request then ends as ERROR
+        self.waiting = False  # its sampler's programs compile in the background; it joins after
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -164,10 +178,14 @@ class Engine:
         min(max_position_embeddings, 4096).
       prefill_chunk: prefill prompts in chunks of this many tokens (bounded activation memory).
       cache_dtype: default the model's compute dtype.
-      precompile: prompt lengths to compile ahead (e.g. `(16, 64)`): before serving, every decode
-        step program (each power-of-two row count, with its greedy draw) and the prefill and first
-        draw programs for those prompt buckets and every power-of-two number of joining rows are
-        compiled, so no request pays a compile for them. None: compile on first use.
+      precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
+        max_length): before serving, every decode step program (each power-of-two row count, with
+        its greedy draw) and the prefill and first draw programs for those prompt buckets and every
+        power-of-two number of joining rows are compiled, and the samplers of requests with and
+        without top-k 64. Afterwards no sampler compiles on the serving thread: a request with new
+        settings draws with a superset sampler (same tokens) while its own compiles on a helper
+        thread, or, for a new top-k width, waits for that compile while the other rows go on.
+        None: compile on first use.
       mesh: the `jax.sharding.Mesh` the model's weights are sharded over (tensor parallel serving);
         the KV cache is sharded the same way (`gemma4_nnx.sharding`).
       speculative: draft and verify several tokens per step for every request
@@ -185,7 +203,7 @@ class Engine:
         max_length: int | None = None,
         prefill_chunk: int | None = None,
         cache_dtype=None,
-        precompile: Sequence[int] | None = None,
+        precompile: Sequence[int] | str | None = None,
         mesh=None,
         speculative: SpeculativeConfig | dict | None = None,
     ):
@@ -224,6 +242,9 @@ class Engine:
         self.error: str | None = None
         self.last_outcome: str | None = None  # "ok" / "error": how the last finished request ended
         self.stats = EngineStats()
+        if isinstance(precompile, str) and precompile != "all":
+            raise RequestError(f"precompile must be prompt lengths or 'all', got {precompile!r}", "precompile")
+        self._precompiled = bool(precompile)
         if precompile:
             self._precompile(precompile)
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
@@ -316,14 +337,16 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self._pending and self.active_rows == 0:
+                while not self._closed and not any(not r.waiting for r in self._pending) and self.active_rows == 0:
                     self._cv.wait()
                 if self._closed:
                     break
                 free = [i for i, s in enumerate(self._slots) if s is None]
-                joining = []
+                joining, later = [], []
                 while self._pending and len(joining) < len(free):
-                    joining.append(self._pending.popleft())
+                    req = self._pending.popleft()
+                    (joining if self._sampler_ready(req) else later).append(req)
+                self._pending.extendleft(reversed(later))
             try:
                 self._retire_cancelled()
                 if joining:
@@ -334,6 +357,30 @@ class Engine:
                 self._fail_all(f"{type(e).__name__}: {e}")
         for req in [s for s in self._slots if s is not None] + list(self._pending):
             self._end(req, FinishReason.CANCELLED)
+
+    def _sampler_ready(self, req: EngineRequest) -> bool:
+        """Whether `req` can join without this thread compiling a sampler (checked only after a
+        precompile: otherwise programs compile on first use). Its draws run on its sampler's
+        `widest()` program until the exact one is compiled (same tokens); when that is not compiled
+        yet for every shape, it is compiled on a helper thread and `req` waits in the queue while the
+        rows decoding go on."""
+        if req.waiting:
+            return False
+        if not self._precompiled or self.drafting is not None or self.decoder.mesh is not None:
+            return True
+        cfg = self._config([req.request.params])
+        shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
+        if all(self.decoder.draw_ready(cfg.widest(), s) for s in shapes):
+            return True
+        req.waiting = True
+        self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled)
+        return False
+
+    def _compiled(self) -> None:
+        with self._cv:
+            for req in self._pending:
+                req.waiting = False
+            self._cv.notify()
 
     def _retire_cancelled(self) -> None:
         gone = np.array([s is not None and s.cancelled for s in self._slots])
@@ -369,7 +416,8 @@ class Engine:
         idx = np.array([slot for slot, _ in pairs] + [self.max_batch] * (kb - k), np.int32)  # padding: dropped
         logits = self.decoder.prefill(PromptBatch.build([r.prompt for r in requests], kb, self.prefill_chunk), idx)
         init = self.decoder.build_rows(requests + [None] * (kb - k))
-        drawn = self.decoder.draw(self._config([r.params for r in requests]), logits, idx, init)
+        cfg = self._config([r.params for r in requests])
+        drawn = self.decoder.draw(self.decoder.cover(cfg, (kb, True, True)) or cfg, logits, idx, init)
         self.stats.prefills += 1
         self.stats.prefill_rows += k
         if self.drafting is not None:
@@ -397,7 +445,7 @@ class Engine:
                 self.stats.drafted_tokens += drafted
                 self.stats.accepted_tokens += accepted
         else:
-            out = self.decoder.step(cfg, m)
+            out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m)
         n = len(active)
         self.stats.decode_steps += 1
         self.stats.rows_decoded += n
@@ -438,7 +486,7 @@ class Engine:
                     break
         self.decoder.finish(host_ended)
 
-    def _precompile(self, prompt_lengths: Sequence[int]) -> None:
+    def _precompile(self, prompt_lengths: Sequence[int] | str) -> None:
         """Run every decode step (all rows done: nothing is written or drawn), and every prefill and
         first draw shape with only padding rows (dropped): the state stays as it is, but compiles."""
         greedy = DrawConfig(RowFeatures(), logprobs=True)
@@ -451,6 +499,13 @@ class Engine:
                     self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.full((m,), w, np.int32))
                     if self.speculative.assistant is not None:
                         self.decoder.draft(m, w)
+        if self.drafting is None and self.decoder.mesh is None:  # what `_sampler_ready` looks for
+            shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
+            for width in sorted({0, min(COMMON_TOP_K, self.vocab_size)}):
+                self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
+        if prompt_lengths == "all":  # every prompt bucket a request can meet
+            last = self.max_length - 1
+            prompt_lengths = [1] if self.prefill_chunk else [min(b, last) for b in _buckets(last)]
         joining = sorted({min(1 << i, pow2(self.max_batch)) for i in range(self.max_batch.bit_length() + 1)})
         for n in sorted({n for n in prompt_lengths if 0 < n < self.max_length}):
             for kb in joining:

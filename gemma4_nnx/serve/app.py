@@ -207,6 +207,15 @@ def create_app(
 
 
 # ------------------------------------------------------------------------------------------- CLI
+def _length_or_all(value: str) -> int | str:
+    if value == "all":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a prompt length or 'all', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-serve", description="OpenAI-compatible server for a Gemma 4 checkpoint")
     p.add_argument("checkpoint", help="converted (Orbax) or HF checkpoint directory")
@@ -219,12 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens")
     p.add_argument(
         "--precompile",
-        type=int,
+        type=_length_or_all,
         nargs="*",
         default=[16],
         metavar="LEN",
-        help="prompt lengths whose prefill programs (and every decode step) are compiled before "
-        "serving (default: 16; pass no value to compile on first use)",
+        help="prompt lengths whose prefill programs (and every decode step and the common samplers) are "
+        "compiled before serving, or 'all' for every prompt bucket up to --max-length (default: 16; pass "
+        "no value to compile on first use)",
     )
     p.add_argument(
         "--tensor-parallel-size",
@@ -337,7 +347,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         max_batch=args.max_batch,
         max_length=args.max_length,
         prefill_chunk=args.prefill_chunk,
-        precompile=args.precompile or None,
+        precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
         mesh=mesh,
         speculative=speculative,
     )
