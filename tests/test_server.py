@@ -945,3 +945,37 @@ def test_precompile_all_covers_every_prompt_bucket():
     with pytest.raises(RequestError, match="'all'") as e:
         Engine(model, max_batch=1, max_length=32, precompile="everything")
     assert e.value.param == "precompile"
+
+
+def test_slow_or_silent_connections_are_closed(served):
+    """--header-timeout (uvicorn has none): a connection that sends nothing, or headers that trickle
+    in, is closed after the timeout; a request on time, and a second one on the same keep-alive
+    connection, are served."""
+    import uvicorn
+
+    from gemma4_nnx.serve.app import create_app, header_timeout_protocol
+
+    port = _free_port()
+    app = create_app(served[3], NAME, warmup=False)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=header_timeout_protocol(0.5))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not server.started:
+        time.sleep(0.05)
+    try:
+        for first in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(first)
+                t0 = time.time()
+                assert s.recv(1024) == b""  # closed by the server, no response
+                assert 0.4 < time.time() - t0 < 5
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for _ in range(2):
+            conn.request("GET", "/health")
+            assert conn.getresponse().read() and conn.sock is not None
+            time.sleep(0.2)
+    finally:
+        server.should_exit = True
+        thread.join(30)

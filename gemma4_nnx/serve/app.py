@@ -63,7 +63,7 @@ except ImportError as e:  # pragma: no cover - the `serve` extra
         "gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' (fastapi, uvicorn)"
     ) from e
 
-__all__ = ["DrainingServer", "build_parser", "create_app", "main"]
+__all__ = ["DrainingServer", "build_parser", "create_app", "header_timeout_protocol", "main"]
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
@@ -296,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/Ctrl-C, seconds in-flight requests may take to finish before they are cancelled (default 30)",
     )
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds a connection may take to send a request's headers, then it is closed "
+        f"(default {DEFAULT_HEADER_TIMEOUT:g})",
+    )
+    p.add_argument(
         "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays open"
     )
     p.add_argument(
@@ -394,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level="info",
+        http=header_timeout_protocol(args.header_timeout),
         timeout_keep_alive=args.timeout_keep_alive,
         limit_concurrency=args.limit_concurrency,
         # our drain ends every request cleanly at --drain-timeout; uvicorn's own bound is the backstop
@@ -405,6 +413,56 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _DRAIN_MARGIN_S = 5.0
+
+
+DEFAULT_HEADER_TIMEOUT = 10.0
+
+
+def header_timeout_protocol(seconds: float) -> type:
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers are not complete
+    within `seconds` of its opening or of its previous response. uvicorn has no such bound: a client
+    could open connections and send nothing, or headers a byte at a time, and hold file descriptors
+    (the body has its own bound, `--body-timeout`; idle keep-alive, `--timeout-keep-alive`)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_timer = None
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(seconds, self._overdue)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self._between_requests():  # the headers are in: a request is being served
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _overdue(self) -> None:
+            self._header_timer = None
+            if self._between_requests() and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
 
 
 class DrainingServer(uvicorn.Server):
