@@ -121,7 +121,7 @@ def test_health_models_and_warmup_generation(served):
     status, body = _get(port, "/health")
     assert status == 200 and body["ready"] and body["status"] == "ok"
     # Ready means a real generation ran: the warm-up's prefill and decode step show in the counters.
-    _, m = _get(port, "/metrics")
+    _, m = _get(port, "/stats")
     assert m["completed"] >= 1 and m["decode_steps"] >= 1 and m["compiled_programs"]["decode"] >= 1
     models = _client(port).models.list()
     assert [x.id for x in models.data] == [NAME]
@@ -236,7 +236,7 @@ def test_concurrent_requests_share_decode_steps_and_equal_each_alone(served):
     model, tok, port, _ = served
     prompts = [f"request number {i} says" + " more" * i for i in range(MAX_BATCH + 2)]
     refs = [_ref(model, tok, tok.encode(p, add_bos=True), 16, stop_tokens=[])[0] for p in prompts]
-    _, before = _get(port, "/metrics")
+    _, before = _get(port, "/stats")
     client = _client(port)
 
     def one(p):
@@ -251,7 +251,7 @@ def test_concurrent_requests_share_decode_steps_and_equal_each_alone(served):
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(one, prompts))
     assert outs == refs
-    _, after = _get(port, "/metrics")
+    _, after = _get(port, "/stats")
     assert after["shared_decode_steps"] > before["shared_decode_steps"]
     assert after["max_rows_in_step"] >= 2
     steps = after["decode_steps"] - before["decode_steps"]
@@ -394,7 +394,7 @@ def test_bad_chat_requests_and_malformed_json_do_not_hurt_the_server(served):
 
 def test_client_disconnect_mid_stream_frees_its_row(served):
     _, _, port, _ = served
-    _, before = _get(port, "/metrics")
+    _, before = _get(port, "/stats")
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = {
         "model": NAME,
@@ -413,7 +413,7 @@ def test_client_disconnect_mid_stream_frees_its_row(served):
     conn.close()
     deadline = time.time() + 60
     while time.time() < deadline:
-        _, m = _get(port, "/metrics")
+        _, m = _get(port, "/stats")
         if m["cancelled"] > before["cancelled"] and m["active_rows"] == 0:
             break
         time.sleep(0.1)
@@ -590,7 +590,7 @@ def test_speculative_config_with_an_assistant_directory(checkpoint, tmp_path):
             )
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == text
-            metrics = client.get("/metrics").json()
+            metrics = client.get("/stats").json()
         assert metrics["verify_steps"] > 0 and metrics["drafted_tokens"] > 0
     finally:
         engine.close()
@@ -979,3 +979,46 @@ def test_slow_or_silent_connections_are_closed(served):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_prometheus_metrics(served):
+    """/metrics parses with prometheus_client's own parser; after two streamed and one plain request,
+    a 400 and a 401: the latency histograms counted each token (first tokens as TTFT, the rest as
+    inter-token gaps), the responses are counted by status and route (the guard's 401 included), and
+    the engine counters equal /stats."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(c):
+        r = c.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {
+            s.name + repr(sorted(s.labels.items())): s.value
+            for f in text_string_to_metric_families(r.text)
+            for s in f.samples
+        }
+
+    engine = served[3]
+    with _app_client(engine, api_key="k") as c:
+        key = {"Authorization": "Bearer k"}
+        before = scrape(c)
+        assert before.get("gemma4_time_to_first_token_seconds_count[]", 0) == 0  # a fresh app: its own registry
+        for stream in (True, True, False):
+            r = c.post("/v1/completions", json=dict(_BODY, max_tokens=5, ignore_eos=True, stream=stream), headers=key)
+            assert r.status_code == 200
+        assert c.post("/v1/completions", json=dict(_BODY, temperature=-1), headers=key).status_code == 400
+        assert c.post("/v1/completions", json=_BODY).status_code == 401
+        m = scrape(c)
+        stats = c.get("/stats").json()
+    assert m["gemma4_time_to_first_token_seconds_count[]"] == 3
+    assert m["gemma4_inter_token_latency_seconds_count[]"] == 3 * 4
+    assert m["gemma4_request_latency_seconds_count[]"] == 3
+    assert m["gemma4_prompt_tokens_total[]"] == 3 * len(_BODY["prompt"])
+    route = ("route", "/v1/completions")
+    assert m[f"gemma4_http_responses_total{[route, ('status', '200')]!r}"] == 3
+    assert m[f"gemma4_http_responses_total{[route, ('status', '400')]!r}"] == 1
+    assert m[f"gemma4_http_responses_total{[route, ('status', '401')]!r}"] == 1
+    assert m["gemma4_generation_tokens_total[]"] == stats["tokens_generated"]
+    assert m["gemma4_decode_steps_total[]"] == stats["decode_steps"]
+    assert m["gemma4_requests_finished_total[('outcome', 'completed')]"] == stats["completed"]
+    assert m["gemma4_batch_rows[]"] == MAX_BATCH and m["gemma4_engine_alive[]"] == 1
+    assert m["gemma4_compiled_programs[('kind', 'decode')]"] == stats["compiled_programs"]["decode"]

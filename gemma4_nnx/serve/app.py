@@ -15,8 +15,10 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
   token-id lists.
 * `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
-  503 while the last request the engine ran failed); `GET /metrics` (engine counters as JSON:
-  decode steps, how many were shared by several requests, rows in flight, compilations).
+  503 while the last request the engine ran failed); `GET /metrics` (Prometheus text format:
+  latency histograms, tokens, responses by status, engine counters; `serve.metrics`); `GET /stats`
+  (the engine's counters as JSON: decode steps, how many were shared by several requests, rows in
+  flight, compilations).
 
 Every bad request gets a 4xx with an OpenAI-style body `{"error": {"message", "type", "param",
 "code"}}` (`param` names the field); a client that disconnects frees its batch row at the next step.
@@ -41,6 +43,7 @@ from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import Engine, EngineError
 from gemma4_nnx.serve.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
+from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -56,7 +59,7 @@ try:
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # pragma: no cover - the `serve` extra
     raise ImportError(
@@ -113,6 +116,7 @@ def create_app(
     request body (408 after); `queue_timeout`: seconds a request may wait for its first token (503
     after); `max_tokens`: the most tokens one request may generate (400 beyond; the default of a
     chat request without a limit)."""
+    metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
         model_name,
@@ -120,6 +124,7 @@ def create_app(
         max_concurrent_requests=max_concurrent_requests,
         queue_timeout=queue_timeout,
         max_tokens=max_tokens,
+        metrics=metrics,
     )
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
@@ -143,6 +148,7 @@ def create_app(
 
     app = FastAPI(title="gemma4_nnx", description="OpenAI-compatible API over a Gemma 4 model", lifespan=lifespan)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    app.add_middleware(CountResponses, metrics=metrics)  # outside the guard: its refusals count too
     app.state.engine = engine
     app.state.serving = serving
     app.state.status = state
@@ -174,7 +180,11 @@ def create_app(
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats():
         return dict(
             dataclasses.asdict(engine.stats),
             active_rows=engine.active_rows,

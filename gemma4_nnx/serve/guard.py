@@ -3,7 +3,7 @@
 A plain ASGI middleware (no request buffering of its own), in front of the FastAPI app:
 
 * `api_key`: `/v1/*` needs `Authorization: Bearer <key>` (401 otherwise, compared in constant
-  time); `/health`, `/metrics`, `/docs` and `/openapi.json` stay open (probes and schema readers
+  time); `/health`, `/metrics`, `/stats`, `/docs` and `/openapi.json` stay open (probes and schema readers
   carry no key). vLLM's `--api-key`.
 * POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
   form to a local server without a CORS preflight, JSON it cannot.

@@ -19,6 +19,7 @@ from gemma4_nnx.decode.engine import Engine, EngineError, Event
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, normalize_seed
 from gemma4_nnx.decode.text import FinishReason
+from gemma4_nnx.serve.metrics import ServerMetrics
 from gemma4_nnx.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -157,8 +158,10 @@ class Serving:
         max_concurrent_requests: int | None = None,
         queue_timeout: float | None = None,
         max_tokens: int | None = None,
+        metrics: ServerMetrics | None = None,
     ):
         self.engine, self.model_name = engine, model_name
+        self.metrics = metrics
         self.max_tokens = max_tokens
         self.queue_timeout = queue_timeout
         self.tokenizer = engine.tokenizer
@@ -330,7 +333,11 @@ class Serving:
         events: asyncio.Queue | _Peeked = queue  # what this request reads
 
         def sink_for(i: int) -> Callable[[Event], None]:
+            timer = self.metrics.request(len(requests[i].prompt)) if self.metrics is not None else None
+
             def sink(ev: Event) -> None:
+                if timer is not None:
+                    timer.event(ev)
                 with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
                     loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
 

@@ -1,0 +1,149 @@
+"""Prometheus metrics of the server: `GET /metrics` in the text exposition format.
+
+Three sources, one registry per app (two apps in one process never share or clash):
+
+* per request, timed where its events are produced (the engine thread calls the sink): time to
+  first token (from the submit), inter-token latency, end-to-end latency, prompt tokens;
+* per HTTP response, by status and route (an ASGI wrapper outside every other layer, so the API
+  key, body-size and admission refusals count too);
+* the engine's own counters and gauges, read at scrape time (`EngineStats`, rows running and
+  waiting, compiled programs, speculative drafts and acceptances).
+
+Names follow Prometheus conventions (`_seconds`, `_total`), prefixed `gemma4_`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gemma4_nnx.decode.engine import Engine, Event
+
+__all__ = ["CONTENT_TYPE_LATEST", "CountResponses", "RequestTimer", "ServerMetrics"]
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/stats"})
+
+
+class RequestTimer:
+    """The timing of one engine request; `event` is called from the engine thread."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+
+    def event(self, ev: Event) -> None:
+        now = time.perf_counter()
+        if ev.token is not None:
+            (self.metrics.ttft if self.tokens == 0 else self.metrics.itl).observe(now - self.last)
+            self.tokens += 1
+            self.last = now
+        if ev.finish_reason is not None:
+            self.metrics.e2e.observe(now - self.start)
+
+
+class _EngineCollector:
+    """The engine's counters and gauges, read when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        e, st = self.engine, self.engine.stats
+        finished = CounterMetricFamily(
+            "gemma4_requests_finished", "Engine requests ended, by outcome", labels=["outcome"]
+        )
+        for outcome in ("completed", "cancelled", "failed"):
+            finished.add_metric([outcome], getattr(st, outcome))
+        yield finished
+        for name, doc, value in (
+            ("generation_tokens", "Tokens generated", st.tokens_generated),
+            ("decode_steps", "Decode steps run (each for every active row)", st.decode_steps),
+            ("decode_rows", "Sum over decode steps of the rows decoded (occupancy = this / steps)", st.rows_decoded),
+            ("prefills", "Admissions (one prefill of one or more prompts)", st.prefills),
+            ("prefill_rows", "Prompts prefilled", st.prefill_rows),
+            ("speculative_verify_steps", "Speculative (draft + verify) steps", st.verify_steps),
+            ("speculative_drafted_tokens", "Draft tokens verified", st.drafted_tokens),
+            ("speculative_accepted_tokens", "Draft tokens accepted", st.accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"gemma4_{name}", doc, value=value)
+        for name, doc, value in (
+            ("requests_running", "Requests holding a batch row", e.active_rows),
+            ("requests_waiting", "Requests queued for a row", e.pending),
+            ("batch_rows", "Batch rows (--max-batch)", e.max_batch),
+            ("engine_alive", "1 while the engine thread runs", int(e.alive)),
+        ):
+            yield GaugeMetricFamily(f"gemma4_{name}", doc, value=value)
+        compiled = GaugeMetricFamily(
+            "gemma4_compiled_programs", "Programs this engine compiled, by kind", labels=["kind"]
+        )
+        for kind, n in sorted(e.compiled_programs().items()):
+            compiled.add_metric([kind], n)
+        yield compiled
+
+
+class ServerMetrics:
+    """The registry behind `/metrics` and the instruments the serving layer updates."""
+
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "gemma4_time_to_first_token_seconds",
+            "Submit to first token (queue + prefill + first draw)",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "gemma4_inter_token_latency_seconds", "Time between a request's tokens", buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "gemma4_request_latency_seconds", "Submit to the request's end", buckets=_E2E_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("gemma4_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.responses = Counter(
+            "gemma4_http_responses", "HTTP responses by status and route", ["status", "route"], registry=r
+        )
+        r.register(_EngineCollector(engine))
+
+    def request(self, prompt_tokens: int) -> RequestTimer:
+        self.prompt_tokens.inc(prompt_tokens)
+        return RequestTimer(self)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class CountResponses:
+    """ASGI middleware (outermost of the app's own): every HTTP response counted by status and route
+    in `metrics.responses`; an exception escaping before any response counts as the 500 Starlette
+    then sends."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+        started = False
+
+        async def counted(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.responses.labels(str(message["status"]), route).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:
+                self.metrics.responses.labels("500", route).inc()
+            raise
