@@ -1022,3 +1022,49 @@ def test_prometheus_metrics(served):
     assert m["gemma4_requests_finished_total[('outcome', 'completed')]"] == stats["completed"]
     assert m["gemma4_batch_rows[]"] == MAX_BATCH and m["gemma4_engine_alive[]"] == 1
     assert m["gemma4_compiled_programs[('kind', 'decode')]"] == stats["compiled_programs"]["decode"]
+
+
+PRECHECK_CASES = [
+    ("/v1/completions", {"model": NAME, "prompt": "word " * 400}),  # longer than the context
+    ("/v1/completions", {"model": NAME, "prompt": [[2, 5]] * 70}),  # more than --max-prompts
+    ("/v1/completions", {"model": NAME, "prompt": [2] * 70, "max_tokens": 1}),  # token ids beyond the context
+    ("/v1/completions", {"model": NAME, "prompt": "x", "temperature": "hot", "pad": "y" * 2000}),  # a bad field
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi there"}] * 40}),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": "x" * 2000}]}),
+]
+
+
+@pytest.mark.parametrize("path,body", PRECHECK_CASES)
+def test_precheck_gives_the_routes_own_errors(served, path, body):
+    """`precheck.refusal` (what the helper process runs on large bodies) refuses each of these bodies
+    with exactly the error the route gives when it checks the body itself."""
+    from gemma4_nnx.serve.precheck import refusal
+
+    engine = served[3]
+    with _app_client(engine, precheck_bytes=10**9) as c:  # the route itself
+        r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    want = r.json()["error"]
+    found = refusal(engine.tokenizer, path.endswith("chat/completions"), json.dumps(body).encode(), MAX_LENGTH, 64)
+    assert found == (want["message"], want["param"], want["code"])
+
+
+def test_large_bodies_are_refused_in_the_helper_process(served, monkeypatch):
+    """Bodies from precheck_bytes on go through the helper process: one bound to be refused is
+    answered from there (the server's own tokenizer never runs), one that fits is served as usual,
+    and small bodies skip the helper."""
+    from gemma4_nnx.serve import serving
+
+    engine = served[3]
+    calls = []
+    real = serving.completion_prompts
+    monkeypatch.setattr(serving, "completion_prompts", lambda *a: calls.append(1) or real(*a))
+    with _app_client(engine, precheck_bytes=1000) as c:
+        r = c.post("/v1/completions", json={"model": NAME, "prompt": "word " * 400})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert calls == [] and c.app.state.precheck.checked == 1
+        ok = dict(_BODY, prompt=[2] + [5] * 20, user="u" * 1200)  # large, and fits
+        assert c.post("/v1/completions", json=ok).status_code == 200
+        assert c.app.state.precheck.checked == 2 and calls == [1]
+        assert c.post("/v1/completions", json=_BODY).status_code == 200
+        assert c.app.state.precheck.checked == 2

@@ -44,6 +44,7 @@ from contextlib import asynccontextmanager
 from gemma4_nnx.decode.engine import Engine, EngineError
 from gemma4_nnx.serve.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
+from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
 from gemma4_nnx.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,7 +54,7 @@ from gemma4_nnx.serve.protocol import (
     ModelCard,
     ModelList,
 )
-from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving
+from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, validation_error
 
 try:
     import uvicorn
@@ -75,27 +76,6 @@ _ERRORS = {
 }
 
 
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
-
-
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    """The first pydantic error as an OpenAI-style 400: `param` is the top-level body field."""
-    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-    raw = [x for x in err.get("loc", ()) if x != "body"]
-    # without pydantic's union-branch tags ("constrained-str", "function-after[...]", "list[int]", "str")
-    loc = raw[:1] + [x for x in raw[1:] if isinstance(x, int) or (x.isidentifier() and x not in _TYPE_TAGS)]
-    if err.get("type") == "json_invalid":
-        return ApiError(f"the request body is not valid JSON: {err.get('msg')}")
-    if not loc:
-        return ApiError(f"the request body must be a JSON object ({err.get('msg')})")
-    field = str(loc[0])
-    where = ".".join(str(x) for x in loc)
-    msg = err.get("msg", "invalid value")
-    if err.get("type") == "missing":
-        return ApiError(f"'{where}' is required", field)
-    return ApiError(f"'{where}': {msg.removeprefix('Value error, ')}", field)
-
-
 def create_app(
     engine: Engine,
     model_name: str,
@@ -108,6 +88,7 @@ def create_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     queue_timeout: float | None = None,
     max_tokens: int | None = None,
+    precheck_bytes: int = PRECHECK_BYTES,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
@@ -115,7 +96,8 @@ def create_app(
     flight (queued or decoding) beyond which requests get 429; `body_timeout`: seconds to receive a
     request body (408 after); `queue_timeout`: seconds a request may wait for its first token (503
     after); `max_tokens`: the most tokens one request may generate (400 beyond; the default of a
-    chat request without a limit)."""
+    chat request without a limit); `precheck_bytes`: bodies from this size on are parsed and
+    tokenized in a helper process first (`precheck`)."""
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -141,16 +123,23 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(asyncio.to_thread(run_warmup)) if warmup else None
+        task = None
+        if warmup:  # a real server: warm the engine and start the precheck's helper process
+            task = asyncio.gather(asyncio.to_thread(run_warmup), asyncio.to_thread(precheck.start))
         yield
+        precheck.close()
         if task is not None:
             await task
 
     app = FastAPI(title="gemma4_nnx", description="OpenAI-compatible API over a Gemma 4 model", lifespan=lifespan)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    precheck = Precheck(engine.tokenizer, engine.max_length, max_prompts, precheck_bytes)
+    app.add_middleware(
+        Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout, precheck=precheck
+    )
     app.add_middleware(CountResponses, metrics=metrics)  # outside the guard: its refusals count too
     app.state.engine = engine
     app.state.serving = serving
+    app.state.precheck = precheck
     app.state.status = state
 
     @app.exception_handler(StarletteHTTPException)
@@ -160,7 +149,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
-        return JSONResponse(_validation_error(exc).body(), status_code=400)
+        return JSONResponse(validation_error(exc.errors()).body(), status_code=400)
 
     @app.exception_handler(ApiError)
     async def refused(request, exc: ApiError):

@@ -11,6 +11,8 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
   is read; a body without one (chunked) is refused as soon as it passes the limit.
 * `body_timeout`: the whole body must arrive within it (408 otherwise): a client sending a byte a
   second cannot hold a connection.
+* `precheck`: an async `(path, body) -> ApiError | None` run on the whole body before the app
+  (`precheck.Precheck`: large bodies are parsed and tokenized in a helper process first).
 
 Every refusal is an OpenAI-style JSON error body, as the routes' own.
 """
@@ -40,8 +42,10 @@ class Guard:
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        precheck=None,
     ):
         self.app = app
+        self.precheck = precheck
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
@@ -81,6 +85,10 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        if self.precheck is not None:  # a large body bound to be refused is answered without parsing it here
+            refusal = await self.precheck(path, b"".join(chunks))
+            if refusal is not None:
+                return await _respond(send, refusal)
         replayed = False
 
         async def replay():

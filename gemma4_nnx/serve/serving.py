@@ -146,6 +146,59 @@ class _Thinking:
         return "".join(content), "".join(reasoning)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """The first pydantic error (FastAPI's or pydantic's own `errors()`) as an OpenAI-style 400:
+    `param` is the top-level body field."""
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    raw = [x for x in err.get("loc", ()) if x != "body"]
+    # without pydantic's union-branch tags ("constrained-str", "function-after[...]", "list[int]", "str")
+    loc = raw[:1] + [x for x in raw[1:] if isinstance(x, int) or (x.isidentifier() and x not in _TYPE_TAGS)]
+    if err.get("type") == "json_invalid":
+        return ApiError(f"the request body is not valid JSON: {err.get('msg')}")
+    if not loc:
+        return ApiError(f"the request body must be a JSON object ({err.get('msg')})")
+    field = str(loc[0])
+    where = ".".join(str(x) for x in loc)
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        return ApiError(f"'{where}' is required", field)
+    return ApiError(f"'{where}': {msg.removeprefix('Value error, ')}", field)
+
+
+def completion_prompts(tokenizer, body: CompletionRequest, max_prompts: int) -> list[list[int]]:
+    """The token ids of each prompt of a completion request (text encoded with one leading <bos>)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > max_prompts:
+        raise ApiError(
+            f"{len(prompt)} prompts in one request; this server takes at most {max_prompts} "
+            "(--max-prompts): split the list over several requests",
+            "prompt",
+        )
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return [list(p) for p in prompt]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if tokenizer is None:
+        raise ApiError("text prompts need a tokenizer; send token ids", "prompt")
+    return [tokenizer.encode(t, add_bos=True) for t in texts]
+
+
+def chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The token ids of a chat request, rendered in Gemma 4's chat format."""
+    if tokenizer is None:
+        raise ApiError("chat needs a tokenizer; this server has none")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+    thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
+    try:
+        return encode_chat(tokenizer, messages, thinking=thinking)
+    except ValueError as e:
+        raise ApiError(str(e), "messages") from None
+
+
 class Serving:
     """Turns protocol requests into engine requests and engine events into OpenAI responses."""
 
@@ -224,31 +277,10 @@ class Serving:
             )
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > self.max_prompts:
-            raise ApiError(
-                f"{len(prompt)} prompts in one request; this server takes at most {self.max_prompts} "
-                "(--max-prompts): split the list over several requests",
-                "prompt",
-            )
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-            return [list(p) for p in prompt]
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return [list(prompt)]
-        texts = [prompt] if isinstance(prompt, str) else list(prompt)
-        if self.tokenizer is None:
-            raise ApiError("text prompts need a tokenizer; send token ids", "prompt")
-        return [self.tokenizer.encode(t, add_bos=True) for t in texts]
+        return completion_prompts(self.tokenizer, body, self.max_prompts)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None:
-            raise ApiError("chat needs a tokenizer; this server has none")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
-        thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
-        try:
-            return encode_chat(self.tokenizer, messages, thinking=thinking)
-        except ValueError as e:
-            raise ApiError(str(e), "messages") from None
+        return chat_prompt(self.tokenizer, body)
 
     def engine_requests(self, prompts: list[list[int]], body, *, chat: bool) -> list[Request]:
         """Validate every prompt with the body's settings before any is queued (503 when the engine
