@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import threading
+import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 
@@ -36,6 +38,16 @@ _tokenizer = None  # in the helper process
 def _start(tokenizer) -> None:
     global _tokenizer
     _tokenizer = tokenizer
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """The helper ends when the server's process does, however that ends (SIGKILL, or uvicorn's
+    re-raised SIGTERM before the pool's own shutdown reached us): otherwise it would linger, holding
+    the server's stdout/stderr open."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
 
 
 def refusal(tokenizer, chat: bool, body: bytes, max_length: int, max_prompts: int) -> tuple | None:
