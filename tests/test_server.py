@@ -336,7 +336,8 @@ BAD = [
     ({"model": NAME, "prompt": "x", "min_p": 2}, "min_p", 400, None),
     ({"model": NAME, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400, None),
     ({"model": NAME, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty", 400, None),
-    ({"model": NAME, "prompt": "x", "n": 2}, "n", 400, None),
+    ({"model": NAME, "prompt": "x", "n": 0}, "n", 400, None),
+    ({"model": NAME, "prompt": ["x", "y"], "n": 33}, "n", 400, None),  # 66 generations > --max-prompts
     ({"model": NAME, "prompt": "x", "stop": [""]}, "stop", 400, None),
     ({"model": NAME, "prompt": "x", "seed": "s"}, "seed", 400, None),
     ({"model": NAME, "prompt": ""}, "prompt", 400, None),
@@ -1071,3 +1072,31 @@ def test_large_bodies_are_refused_in_the_helper_process(served, monkeypatch):
         assert c.app.state.precheck.checked == 2 and calls == [1]
         assert c.post("/v1/completions", json=_BODY).status_code == 200
         assert c.app.state.precheck.checked == 2
+
+
+def test_n_choices_are_the_rows_of_generate(served):
+    """n > 1: choice j of prompt i (index i * n + j) draws as row j of generate() over n copies of the
+    prompt with the request's seed: distinct, reproducible, streamed or not; prompt tokens are counted
+    once per prompt."""
+    model, tok, port, _ = served
+    texts = ["alpha beta", "gamma"]
+    ids = [tok.encode(t, add_bos=True) for t in texts]
+    kw = dict(temperature=2.0, seed=7)
+    refs = []
+    for p in ids:
+        res = generate(model, [p] * 3, 8, tokenizer=tok, max_length=MAX_LENGTH, stop_tokens=[], **kw)
+        refs += [tok.decode(t) for t in res.tokens]
+    body = {"model": NAME, "prompt": texts, "n": 3, "max_tokens": 8, "ignore_eos": True, **kw}
+    status, out = _post(port, "/v1/completions", body)
+    assert status == 200, out
+    got = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+    assert got == refs and len(set(got[:3])) > 1  # not one draw repeated
+    assert out["usage"]["prompt_tokens"] == sum(map(len, ids)) and out["usage"]["completion_tokens"] == 6 * 8
+    stream = _client(port).completions.create(
+        model=NAME, prompt=texts, n=3, max_tokens=8, stream=True, extra_body={"ignore_eos": True}, **kw
+    )
+    pieces = [""] * 6
+    for chunk in stream:
+        for c in chunk.choices:
+            pieces[c.index] += c.text
+    assert pieces == refs

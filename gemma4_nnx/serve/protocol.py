@@ -66,7 +66,6 @@ UNSUPPORTED: dict[str, Any] = {
     "presence_penalty": lambda v: v not in (None, 0, 0.0),
     "frequency_penalty": lambda v: v not in (None, 0, 0.0),
     "logit_bias": lambda v: bool(v),
-    "n": lambda v: v not in (None, 1),
     "best_of": lambda v: v not in (None, 1),
     "echo": lambda v: bool(v),
     "suffix": lambda v: v not in (None, ""),
@@ -124,7 +123,11 @@ class _Sampling(_Api):
     presence_penalty: StrictFloat | None = Field(None, description="Not supported (use repetition_penalty); only 0.")
     frequency_penalty: StrictFloat | None = Field(None, description="Not supported (use repetition_penalty); only 0.")
     logit_bias: dict[str, Any] | None = Field(None, description="Not supported.")
-    n: StrictInt | None = Field(None, description="Not supported: only 1.")
+    n: Annotated[int, Field(strict=True, ge=1)] | None = Field(
+        None,
+        description="Choices per prompt (default 1). They share the seed and are distinct when sampling; "
+        "with `seed` each is reproducible. Every choice counts against --max-prompts and the admission limit.",
+    )
     response_format: dict[str, Any] | None = Field(
         None, description='Not supported yet (structured output): only {"type": "text"}.'
     )
@@ -138,11 +141,7 @@ class _Sampling(_Api):
         return v
 
     @field_validator(
-        *[
-            k
-            for k in UNSUPPORTED
-            if k in ("presence_penalty", "frequency_penalty", "logit_bias", "n", "response_format")
-        ]
+        *[k for k in UNSUPPORTED if k in ("presence_penalty", "frequency_penalty", "logit_bias", "response_format")]
     )
     @classmethod
     def _unsupported(cls, v, info):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import threading
 import time
 import uuid
@@ -313,13 +314,27 @@ class Serving:
             repetition_penalty=body.repetition_penalty,
             stop_strings=body.stop_strings,
             stop_tokens=[] if body.ignore_eos else None,
-            seed=None if body.seed is None else normalize_seed(body.seed % (1 << 31)),
         )
-        try:
+        # n choices of a prompt share one seed (the client's, or a random one) and draw as rows 0..n-1
+        # of `generate(..., seed=seed)` over n copies of it: distinct, and reproducible with `seed`
+        n = body.n or 1
+        if n * len(prompts) > self.max_prompts:
+            raise ApiError(
+                f"n={n} choices of {len(prompts)} prompt(s) make {n * len(prompts)} generations; this server "
+                f"runs at most {self.max_prompts} per request (--max-prompts)",
+                "n",
+            )
+        seed = normalize_seed(body.seed % (1 << 31)) if body.seed is not None else random.getrandbits(31)
+
+        def limit(ids: list[int]) -> int | None:
             if max_tokens is None and cap is not None:  # chat without a limit: what the context leaves, capped
-                limit = self.engine.max_length
-                return [self.engine.validate(ids, min(cap, max(1, limit - len(ids))), **options) for ids in prompts]
-            return [self.engine.validate(ids, max_tokens, **options) for ids in prompts]
+                return min(cap, max(1, self.engine.max_length - len(ids)))
+            return max_tokens
+
+        try:
+            return [
+                self.engine.validate(ids, limit(ids), seed=seed, row=j, **options) for ids in prompts for j in range(n)
+            ]
         except RequestError as e:
             chat_field, text_field = ENGINE_PARAMS.get(e.param, (e.param, e.param))
             param = (chat_field if chat else text_field) or field
@@ -406,7 +421,7 @@ class Serving:
             created=int(time.time()),
             model=self.model_name,
         )
-        n_prompt = sum(len(r.prompt) for r in requests)
+        n_prompt = sum(len(r.prompt) for r in requests[:: body.n or 1])  # each prompt once, whatever n
 
         def usage() -> Usage:
             n_out = sum(len(r.tokens) for r in reqs)
