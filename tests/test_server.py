@@ -1100,3 +1100,40 @@ def test_n_choices_are_the_rows_of_generate(served):
         for c in chunk.choices:
             pieces[c.index] += c.text
     assert pieces == refs
+
+
+def test_tokenize_and_detokenize(served):
+    """/tokenize gives the ids /v1/completions and /v1/chat/completions run (a text's <bos> optional, a
+    chat rendered by encode_chat with or without the model's turn); /detokenize inverts it; bad input
+    names the field; both need the API key when the server has one."""
+    _, tok, _, engine = served
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    with _app_client(engine, api_key="k") as c:
+        key = {"Authorization": "Bearer k"}
+        assert c.post("/tokenize", json={"prompt": "x"}).status_code == 401
+        r = c.post("/tokenize", json={"model": NAME, "prompt": "alpha beta", "return_token_strs": True}, headers=key)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        ids = tok.encode("alpha beta", add_bos=True)
+        assert out == {
+            "count": len(ids),
+            "max_model_len": MAX_LENGTH,
+            "tokens": ids,
+            "token_strs": [tok.decode([t]) for t in ids],
+        }
+        r = c.post("/tokenize", json={"prompt": "alpha beta", "add_special_tokens": False}, headers=key)
+        assert r.json()["tokens"] == tok.encode("alpha beta", add_bos=False) and "token_strs" not in r.json()
+        for gen in (True, False):
+            r = c.post("/tokenize", json={"messages": chat, "add_generation_prompt": gen}, headers=key)
+            assert r.json()["tokens"] == encode_chat(tok, chat, add_generation_prompt=gen)
+        r = c.post("/detokenize", json={"model": NAME, "tokens": ids}, headers=key)
+        assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}
+        for path, body, param in (
+            ("/tokenize", {"prompt": "x", "messages": chat}, None),
+            ("/tokenize", {}, None),
+            ("/tokenize", {"model": "gpt-4", "prompt": "x"}, "model"),
+            ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ):
+            r = c.post(path, json=body, headers=key)
+            assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)

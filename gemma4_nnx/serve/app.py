@@ -14,6 +14,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
 * `POST /v1/completions`: `prompt` as a string (encoded with one leading <bos>), a list of
   strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
   token-id lists.
+* `POST /tokenize`, `POST /detokenize`: vLLM's shapes (text or a chat -> `{count, max_model_len,
+  tokens, token_strs}`; ids -> `{prompt}`), the ids the routes above would run.
 * `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
   503 while the last request the engine ran failed); `GET /metrics` (Prometheus text format:
   latency histograms, tokens, responses by status, engine counters; `serve.metrics`); `GET /stats`
@@ -50,9 +52,13 @@ from gemma4_nnx.serve.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, validation_error
 
@@ -187,6 +193,18 @@ def create_app(
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         return ModelList(data=[ModelCard(id=model_name, created=state["created"])])
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            serving.check_model(body.model)
+        return await asyncio.to_thread(serving.tokenize, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            serving.check_model(body.model)
+        return await asyncio.to_thread(serving.detokenize, body)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request):

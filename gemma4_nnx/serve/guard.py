@@ -2,9 +2,9 @@
 
 A plain ASGI middleware (no request buffering of its own), in front of the FastAPI app:
 
-* `api_key`: `/v1/*` needs `Authorization: Bearer <key>` (401 otherwise, compared in constant
-  time); `/health`, `/metrics`, `/stats`, `/docs` and `/openapi.json` stay open (probes and schema readers
-  carry no key). vLLM's `--api-key`.
+* `api_key`: `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` (401
+  otherwise, compared in constant time); `/health`, `/metrics`, `/stats`, `/docs` and
+  `/openapi.json` stay open (probes and schema readers carry no key). vLLM's `--api-key`.
 * POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
   form to a local server without a CORS preflight, JSON it cannot.
 * `max_body_bytes`: a declared `Content-Length` above it is refused (413) before any of the body
@@ -29,6 +29,7 @@ from gemma4_nnx.serve.serving import ApiError
 __all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/*: they run the server's tokenizer
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole request body
 
 
@@ -101,7 +102,7 @@ class Guard:
         return await self.app(scope, replay, send)
 
     def _check(self, method: str, path: str, headers: dict[str, bytes]) -> ApiError | None:
-        if self.api_key is not None and path.startswith("/v1/"):
+        if self.api_key is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
             auth = headers.get("authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):

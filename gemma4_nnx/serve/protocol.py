@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 __all__ = [
     "UNSUPPORTED",
@@ -33,12 +33,16 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "CompletionResponse",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "ErrorDetail",
     "ErrorResponse",
     "ModelCard",
     "ModelList",
     "StreamOptions",
     "TextPart",
+    "TokenizeRequest",
+    "TokenizeResponse",
     "Usage",
 ]
 
@@ -376,3 +380,43 @@ class ErrorResponse(_Response):
     """Every error: `{"error": {"message", "type", "param", "code"}}`, as OpenAI's API."""
 
     error: ErrorDetail
+
+
+# ------------------------------------------------------------------------------------------- tokenizer endpoints
+class TokenizeRequest(_Api):
+    """POST /tokenize (vLLM's shape): `prompt` (text) or `messages` (a chat, rendered as
+    /v1/chat/completions renders it)."""
+
+    model: StrictStr | None = Field(None, description="Optional; when given it must be the served model's id.")
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool = Field(True, description="Text: begin with <bos> (as /v1/completions does).")
+    add_generation_prompt: StrictBool = Field(True, description="Chat: end with the model's turn.")
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    return_token_strs: StrictBool = Field(False, description="Also return each token's text.")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' (text) and 'messages' (a chat)")
+        return self
+
+
+class TokenizeResponse(_Response):
+    _omit_if_none: ClassVar[tuple[str, ...]] = ("token_strs",)
+
+    count: int
+    max_model_len: int = Field(description="The server's --max-length (prompt + new tokens per request).")
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Api):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

@@ -35,8 +35,12 @@ from gemma4_nnx.serve.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorDetail,
     ErrorResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
 from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, encode_chat
@@ -192,10 +196,14 @@ def chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
     """The token ids of a chat request, rendered in Gemma 4's chat format."""
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer; this server has none")
+    return _encode_chat(tokenizer, body)
+
+
+def _encode_chat(tokenizer, body, **options) -> list[int]:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
     thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
     try:
-        return encode_chat(tokenizer, messages, thinking=thinking)
+        return encode_chat(tokenizer, messages, thinking=thinking, **options)
     except ValueError as e:
         raise ApiError(str(e), "messages") from None
 
@@ -282,6 +290,30 @@ class Serving:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         return chat_prompt(self.tokenizer, body)
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """POST /tokenize: the ids the completion / chat routes would run for this text or chat."""
+        tok = self._need_tokenizer()
+        if body.messages is not None:
+            ids = _encode_chat(tok, body, add_generation_prompt=body.add_generation_prompt)
+        else:
+            ids = tok.encode(body.prompt, add_bos=body.add_special_tokens)
+        strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_length, tokens=ids, token_strs=strs)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """POST /detokenize: the text of these ids (special tokens written out)."""
+        tok = self._need_tokenizer()
+        vocab = self.engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(f"'tokens' has id {bad[0]} outside the vocabulary [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=tok.decode(body.tokens))
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ApiError("this server has no tokenizer (start it with --tokenizer)")
+        return self.tokenizer
 
     def engine_requests(self, prompts: list[list[int]], body, *, chat: bool) -> list[Request]:
         """Validate every prompt with the body's settings before any is queued (503 when the engine
