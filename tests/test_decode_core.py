@@ -262,3 +262,26 @@ def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
         assert got == refs
     finally:
         engine.close()
+
+
+def test_a_failing_background_compile_does_not_strand_the_request(model):
+    """When the helper thread cannot compile a request's sampler, the request is not left waiting:
+    the engine thread compiles it as without a precompile, and the output is still generate()'s."""
+    engine = Engine(model, max_batch=1, max_length=32, precompile=(16,))
+    try:
+
+        def broken(*args):
+            raise RuntimeError("no compiler here")
+
+        engine.decoder._placeholder_draw = broken
+        kw = dict(temperature=0.9, top_k=5, seed=2)
+        req = engine.submit(PROMPTS[1], 6, stop_tokens=[], **kw)
+        deadline = time.time() + 300
+        while req.finish_reason is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert req.finish_reason is not None, "the request was left waiting"
+        got = req.result()[0]
+        assert engine.decoder.draw_failures
+        assert got == generate(model, [PROMPTS[1]], 6, stop_tokens=[], **kw).tokens[0]
+    finally:
+        engine.close()

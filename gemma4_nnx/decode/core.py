@@ -557,6 +557,7 @@ class Decoder:
         self._draws_run: set[tuple] = set()  # (cfg, shape key) of every draw program run so far
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
         self._compiling: set[tuple] = set()
+        self.draw_failures: set[DrawConfig] = set()  # samplers whose background compile raised
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -679,7 +680,7 @@ class Decoder:
         ready (the caller compiles)."""
         if self.draw_ready(cfg, shape):
             return cfg
-        if self.mesh is None and self.draw_ready(cfg.widest(), shape):
+        if self.mesh is None and cfg not in self.draw_failures and self.draw_ready(cfg.widest(), shape):
             self.compile_draws(cfg, [shape], background=True)
             return cfg.widest()
         return None
@@ -696,10 +697,14 @@ class Decoder:
                     if key not in self._draws_run:
                         self._placeholder_draw(cfg, *shape)
                         self._draws_run.add(key)
+            except Exception:
+                self.draw_failures.add(cfg)  # the caller then compiles it itself, and sees the error
+                if not background:
+                    raise
             finally:
                 self._compiling.discard((cfg, tuple(shapes)))
-            if then is not None:
-                then()
+                if then is not None:
+                    then()
 
         if not background:
             return work()

@@ -370,8 +370,8 @@ class Engine:
             return True
         cfg = self._config([req.request.params])
         shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
-        if all(self.decoder.draw_ready(cfg.widest(), s) for s in shapes):
-            return True
+        if cfg.widest() in self.decoder.draw_failures or all(self.decoder.draw_ready(cfg.widest(), s) for s in shapes):
+            return True  # ready, or its compile failed on the helper: this thread compiles (and reports) it
         req.waiting = True
         self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled)
         return False
