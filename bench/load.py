@@ -24,30 +24,15 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 
+from serve import PROMPTS, _free_port  # bench/serve.py: the same few-shot prompts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-PROMPTS = [
-    "The capital of France is Paris. The capital of Germany is",
-    "Monday, Tuesday, Wednesday,",
-    "def fibonacci(n):",
-    "English: cat\nFrench: chat\nEnglish: dog\nFrench:",
-    "1, 2, 3, 4, 5,",
-    "The quick brown fox",
-    "Water boils at",
-    "January, February, March,",
-]
 MODEL = "bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss_mib(pid: int) -> float:
