@@ -285,3 +285,15 @@ def test_a_failing_background_compile_does_not_strand_the_request(model):
         assert got == generate(model, [PROMPTS[1]], 6, stop_tokens=[], **kw).tokens[0]
     finally:
         engine.close()
+
+
+def test_prompt_buckets_cover_every_prefill_width_once():
+    """prompt_buckets(L): one length per distinct prefill program width of prompts 1..L (checked
+    against prompt_columns for every L up to 300), none longer than L; with chunks, one."""
+    from gemma4_nnx.decode.batching import prompt_buckets
+
+    for longest in range(1, 301):
+        got = prompt_buckets(longest, None)
+        widths = [prompt_columns(n, None)[0] for n in got]
+        assert widths == sorted({prompt_columns(n, None)[0] for n in range(1, longest + 1)}) and max(got) <= longest
+    assert prompt_buckets(300, 32) == [1]

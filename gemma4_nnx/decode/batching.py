@@ -18,7 +18,15 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["MIN_NEW_BUCKET", "MIN_PROMPT_BUCKET", "PromptBatch", "bucket_shapes", "pow2", "prompt_columns"]
+__all__ = [
+    "MIN_NEW_BUCKET",
+    "MIN_PROMPT_BUCKET",
+    "PromptBatch",
+    "bucket_shapes",
+    "pow2",
+    "prompt_buckets",
+    "prompt_columns",
+]
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_BUCKET = 16
@@ -35,6 +43,19 @@ def prompt_columns(longest: int, prefill_chunk: int | None) -> tuple[int, int]:
         return -(-longest // prefill_chunk) * prefill_chunk, prefill_chunk
     padded = max(MIN_PROMPT_BUCKET, pow2(longest))
     return padded, padded
+
+
+def prompt_buckets(longest: int, prefill_chunk: int | None) -> list[int]:
+    """One prompt length per distinct prefill program for prompts of 1..`longest` tokens (the
+    program's width is `prompt_columns`'s chunk: one per power-of-two bucket, or the chunk alone)."""
+    if prefill_chunk:
+        return [1]
+    lengths, n = [], 1
+    while n <= longest:
+        width = prompt_columns(n, None)[0]
+        lengths.append(min(width, longest))
+        n = width + 1
+    return lengths
 
 
 def bucket_shapes(

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from gemma4_nnx.decode.batching import MIN_PROMPT_BUCKET, PromptBatch, pow2
+from gemma4_nnx.decode.batching import PromptBatch, pow2, prompt_buckets
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, check_int, make_request
@@ -53,16 +53,6 @@ DEFAULT_MAX_LENGTH = 4096
 #: Besides "no top-k", the top-k width whose sampler `precompile` readies (Gemma's recommended
 #: sampling: temperature 1, top_k 64, top_p 0.95). Other widths compile on a helper thread.
 COMMON_TOP_K = 64
-
-
-def _buckets(longest: int) -> list[int]:
-    """The padded prompt lengths of prompts up to `longest` tokens (`batching.prompt_columns`)."""
-    out, b = [], MIN_PROMPT_BUCKET
-    while True:
-        out.append(b)
-        if b >= longest:
-            return out
-        b *= 2
 
 
 class EngineError(RuntimeError):
@@ -490,7 +480,7 @@ class Engine:
         """Run every decode step (all rows done: nothing is written or drawn), and every prefill and
         first draw shape with only padding rows (dropped): the state stays as it is, but compiles."""
         greedy = DrawConfig(RowFeatures(), logprobs=True)
-        steps = sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)})
+        steps = [m for m, _, _ in self.decoder.draw_shapes(joining=False)]
         for m in steps:
             self.decoder.step(greedy, m)
             if self.speculative:  # every draft width a step can use (1, 2, 4, ... up to k)
@@ -504,9 +494,8 @@ class Engine:
             for width in sorted({0, min(COMMON_TOP_K, self.vocab_size)}):
                 self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
         if prompt_lengths == "all":  # every prompt bucket a request can meet
-            last = self.max_length - 1
-            prompt_lengths = [1] if self.prefill_chunk else [min(b, last) for b in _buckets(last)]
-        joining = sorted({min(1 << i, pow2(self.max_batch)) for i in range(self.max_batch.bit_length() + 1)})
+            prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
+        joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
         for n in sorted({n for n in prompt_lengths if 0 < n < self.max_length}):
             for kb in joining:
                 idx = np.full((kb,), self.max_batch, np.int32)

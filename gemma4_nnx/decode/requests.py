@@ -17,7 +17,7 @@ import numpy as np
 from gemma4_nnx.decode.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from gemma4_nnx.decode.sampling import SamplingParams
 
-__all__ = ["SEED_MODULUS", "Request", "check_int", "make_request", "normalize_seed"]
+__all__ = ["SEED_MODULUS", "Request", "check_int", "make_request", "normalize_seed", "prompt_too_long"]
 
 #: Seeds are reduced modulo 2**31 (jax.random.key takes an int32 seed).
 SEED_MODULUS = 1 << 31
@@ -74,6 +74,16 @@ def _token_ids(prompt, name: str, vocab_size: int) -> tuple[int, ...]:
     return ids
 
 
+def prompt_too_long(n: int, context_name: str, name: str = "prompt") -> RequestError:
+    """The error of a prompt of n tokens that leaves no room in the context (`context_name`, e.g.
+    "max_length=64") for a new token."""
+    return RequestError(
+        f"{name} has {n} tokens, longer than the context ({context_name}) leaves room for",
+        name,
+        CONTEXT_LENGTH_EXCEEDED,
+    )
+
+
 def make_request(
     prompt,
     max_tokens: int | None,
@@ -102,11 +112,7 @@ def make_request(
     params = SamplingParams(**sampling)  # raises RequestError naming temperature / top_p / ...
     ids = _token_ids(prompt, p_name, vocab_size)
     if len(ids) >= context:
-        raise RequestError(
-            f"{p_name} has {len(ids)} tokens, longer than the context ({context_name}) leaves room for",
-            p_name,
-            CONTEXT_LENGTH_EXCEEDED,
-        )
+        raise prompt_too_long(len(ids), context_name, p_name)
     room = context - len(ids)
     n = room if max_tokens is None else check_int(max_tokens, n_name, lo=1)
     if n > room:

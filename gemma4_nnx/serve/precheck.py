@@ -23,7 +23,7 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 
-from gemma4_nnx.decode.errors import CONTEXT_LENGTH_EXCEEDED
+from gemma4_nnx.decode.requests import prompt_too_long
 from gemma4_nnx.serve.serving import ApiError
 
 __all__ = ["PRECHECK_BYTES", "Precheck"]
@@ -68,10 +68,9 @@ def refusal(tokenizer, chat: bool, body: bytes, max_length: int, max_prompts: in
     except ApiError as e:
         return str(e), e.param, e.code
     for ids in prompts:
-        if len(ids) >= max_length:
-            field = "messages" if chat else "prompt"
-            message = f"prompt has {len(ids)} tokens, longer than the context (max_length={max_length}) leaves room for"
-            return message, field, CONTEXT_LENGTH_EXCEEDED
+        if len(ids) >= max_length:  # the engine's own error, reported on the field the client sent
+            err = prompt_too_long(len(ids), f"max_length={max_length}")
+            return str(err), "messages" if chat else "prompt", err.code
     return None
 
 
