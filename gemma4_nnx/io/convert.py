@@ -202,9 +202,9 @@ def _pid_alive(pid: int) -> bool:
 def _remove_stale_temps(dst: str) -> None:
     """Delete temporary directories of earlier conversions to `dst` whose process is gone."""
     parent, name = os.path.split(dst)
-    prefix = f".{name}.tmp-"
     for fn in os.listdir(parent or "."):
-        if fn.startswith(prefix):
+        prefix = next((p for p in (f".{name}.tmp-", f".{name}.gm-") if fn.startswith(p)), None)
+        if prefix:
             try:
                 pid = int(fn[len(prefix) :].split("-")[0])
             except ValueError:
@@ -239,6 +239,7 @@ def convert(
     ple: str = "int4",
     overwrite: bool = False,
     progress: bool | None = None,
+    gm_config: str | None = None,
 ) -> str:
     """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
 
@@ -250,6 +251,9 @@ def convert(
         (token, layer) slice of hidden_size_per_layer_input values).
       overwrite: replace an existing checkpoint at `dst`.
       progress: show the progress bar on stderr; None = only when stderr is a terminal.
+      gm_config: for a checkpoint of Google's gemma library (`src` an Orbax directory, NESTED or FLAT
+        layout): the model it holds, as a preset name (e2b, e4b, 31b, 26b-a4b) or an HF config.json;
+        default: the `hf_config.json` that `gemma4-export --format gm` writes beside the weights.
 
     Returns:
       `dst` as an absolute path.
@@ -266,6 +270,17 @@ def convert(
         src = cached_hf_dir(src, verbose=bool(progress))
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source directory {src} does not exist")
+    from gemma4_nnx.io import gm
+
+    if gm_config is not None or gm.is_gm_checkpoint(src):
+        _check_destination(src, dst, overwrite)
+        staging = _temp_sibling(dst, "gm")
+        try:
+            config = gm.read_gm_config(gm_config or _gm_config_beside(src))
+            gm.gm_to_hf_dir(src, config, staging)
+            return convert(staging, dst, dtype=dtype, ple=ple, overwrite=overwrite, progress=progress)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     assistant = model_type(src) == ASSISTANT_MODEL_TYPE  # an MTP drafter: its own config and name map
     if assistant:
         config = AssistantConfig.from_hf(src)
@@ -289,15 +304,11 @@ def convert(
         else:  # integer tensors (an assistant's token_ordering) stay integers
             kind = np.dtype(np.int32) if np.issubdtype(info.dtype, np.integer) else out_dtype
             leaves[entry.path] = _tensor_leaf(entry, info, kind, bar)
-    for entry, hf_shape in getattr(plan, "defaults", ()):  # tensors the family may omit (Gemma 3 layer_scalar)
-        value = entry.to_nnx(np.full(hf_shape, entry.default, np.float32)).astype(out_dtype)
-        leaves[entry.path] = ck.LazyTensor(value.shape, out_dtype, lambda a, b, v=value: v[a:b], value.shape[0])
     for entry, shape in plan.defaults:  # tensors the source may lack (Gemma 3 layer_scalar = 1)
         value = entry.to_nnx(np.full(shape, entry.default, np.float32)).astype(out_dtype)
         leaves[entry.path] = ck.LazyTensor(value.shape, out_dtype, lambda a, b, v=value: v[a:b], len(value))
 
-    parent, name = os.path.split(dst)
-    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = _temp_sibling(dst, "tmp")
     os.mkdir(tmp)
     try:
         ck.save_streaming(os.path.join(tmp, ck.PARAMS_DIR), ck.nest(leaves))
@@ -316,6 +327,25 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _temp_sibling(dst: str, kind: str) -> str:
+    """A fresh hidden directory name beside `dst` (same file system, so the final rename is atomic;
+    `_remove_stale_temps` clears those of dead processes)."""
+    parent, name = os.path.split(dst)
+    return os.path.join(parent, f".{name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _gm_config_beside(src: str) -> str:
+    from gemma4_nnx.io.gm import HF_CONFIG_FILE, PRESETS
+
+    path = os.path.join(src, HF_CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{src} is a checkpoint of Google's gemma library, which carries no config: pass --gm-config "
+            f"with a preset ({', '.join(PRESETS)}) or the model's HF config.json"
+        )
+    return path
 
 
 def _metadata(src, files, config, dtype, bits, group, copied, src_bytes, leaves) -> dict[str, Any]:
@@ -399,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "src",
         help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
-        "or a Gemma 3 .gguf file (needs the gguf package)",
+        "a Gemma 3 .gguf file (needs the gguf package), or a checkpoint of Google's gemma library (see --gm-config)",
     )
     p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="stored dtype of float parameters")
@@ -411,6 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
         "or none (float, --dtype)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing gemma4_nnx checkpoint at DST")
+    p.add_argument(
+        "--gm-config",
+        default=None,
+        metavar="CONFIG",
+        help="SRC is a checkpoint of Google's gemma library (gm): the model it holds, as a preset "
+        "(e2b, e4b, 31b, 26b-a4b) or an HF config.json (default: SRC/hf_config.json, written by "
+        "gemma4-export --format gm)",
+    )
     bar = p.add_mutually_exclusive_group()
     bar.add_argument(
         "--progress",
@@ -431,7 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         out = convert(
-            args.src, args.dst, dtype=args.dtype, ple=args.ple, overwrite=args.overwrite, progress=args.progress
+            args.src,
+            args.dst,
+            dtype=args.dtype,
+            ple=args.ple,
+            overwrite=args.overwrite,
+            progress=args.progress,
+            gm_config=args.gm_config,
         )
     except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         _fail(str(e))

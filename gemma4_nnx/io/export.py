@@ -5,8 +5,9 @@ loaders use, so export cannot drift from import. LoRA wrappers are merged on the
 not modified); a quantized PLE table is dequantized (lossy by the quantization error). The result
 loads with `transformers.Gemma4ForCausalLM.from_pretrained(out_dir)`.
 
-Command: ``gemma4-export CKPT OUT [--dtype bfloat16] [--adapters DIR]`` where CKPT is a converted
-checkpoint (`gemma4-convert`) or an HF directory.
+Command: ``gemma4-export CKPT OUT [--dtype bfloat16] [--adapters DIR] [--format hf|hf-google|gm]`` where
+CKPT is a converted checkpoint (`gemma4-convert`) or an HF directory. ``--format hf-google`` writes Google's
+multimodal layout (`to_hf(..., layout="google")`), ``--format gm`` a gm checkpoint (`gemma4_nnx.io.gm`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ COPY_FILES = (
     "chat_template.json",
 )
 _PLE = ("embed_tokens_per_layer",)
+#: `to_hf` layouts: the text model's tensor prefix. "hf": `Gemma4ForCausalLM` (what transformers saves for
+#: a text model); "google": `Gemma4ForConditionalGeneration` as Google releases it, with the K/V tensors of
+#: KV-consumer layers (tunix's `create_model_from_safe_tensors` reads only this one).
+LAYOUTS = {"hf": "model.", "google": "model.language_model."}
+FORMATS = ("hf", "hf-google", "gm")  # `gemma4-export --format`
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
@@ -95,11 +101,11 @@ def _dequantized_ple(module, chunk: int = 4096) -> np.ndarray:
     return np.concatenate(rows, axis=0)
 
 
-def hf_tensors(model: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
+def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, np.ndarray]:
     """{HF name (with the `model.` prefix): array in HF layout} for every entry of the name map.
 
     `dtype`: None keeps each parameter's own dtype; else a dtype (or "bfloat16"/"float32"/"float16")
-    every float tensor is cast to.
+    every float tensor is cast to. `layout`: "hf" (`Gemma4ForCausalLM`) or "google" (`LAYOUTS`).
     """
     from gemma4_nnx.model.quant import QuantizedEmbedding
 
@@ -108,12 +114,17 @@ def hf_tensors(model: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
             raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
         dtype = _DTYPE_NAMES[dtype]
     target = None if dtype is None else np.dtype(dtype)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     config = model.config
+    assistant = isinstance(config, AssistantConfig)
+    if layout == "google" and (assistant or config.model_family != "gemma4"):
+        raise ValueError('layout="google" is the multimodal Gemma 4 layout; write this model with layout="hf"')
+    prefix = LAYOUTS[layout]
     variables = variables_by_path(model)
     merged = _lora_kernels(model)
     out: dict[str, np.ndarray] = {}
     missing = []
-    assistant = isinstance(config, AssistantConfig)
     for entry in assistant_name_map(config) if assistant else name_map(config):
         if entry.path in merged:
             value = merged[entry.path]
@@ -134,10 +145,46 @@ def hf_tensors(model: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
             value = value.astype(target if target is not None else src_dtype)
         # an assistant's own tensors (projections, centroid head, lm_head) sit outside `model.`
         top = assistant and not entry.hf_name.startswith(("embed_tokens.", "norm.", "layers."))
-        out[entry.hf_name if top else "model." + entry.hf_name] = value
+        out[entry.hf_name if top else prefix + entry.hf_name] = value
     if missing:
         raise ValueError(f"model has no parameter at {missing[:10]} (total {len(missing)}); is it a Gemma4?")
+    if layout == "google":
+        kind = out[prefix + "embed_tokens.weight"].dtype
+        out.update({prefix + k: v.astype(kind) for k, v in consumer_kv(config).items()})
     return out
+
+
+def consumer_kv(config) -> dict[str, np.ndarray]:
+    """The K/V tensors Google's files carry for KV-consumer layers (`hf.ignored_names`), which no stack
+    uses: zero projections and unit key norms, so loaders that insist on them (tunix) find them."""
+    out = {}
+    for s in config.layers:
+        if s.is_consumer:
+            pre = f"layers.{s.index}.self_attn."
+            shape = (s.num_kv_heads * s.head_dim, config.hidden_size)
+            out[pre + "k_proj.weight"] = np.zeros(shape, np.float32)
+            if not s.k_eq_v:
+                out[pre + "v_proj.weight"] = np.zeros(shape, np.float32)
+            out[pre + "k_norm.weight"] = np.ones((s.head_dim,), np.float32)
+    return out
+
+
+def google_config(config) -> dict:
+    """config.json of the multimodal `Gemma4ForConditionalGeneration` holding `config` as its text model
+    (no vision or audio tower), as Google's released files are laid out."""
+    text = config.to_hf_dict()
+    text.pop("architectures")
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": None,
+        "audio_config": None,
+        "tie_word_embeddings": True,
+        "eos_token_id": text["eos_token_id"],
+        "bos_token_id": text["bos_token_id"],
+        "pad_token_id": text["pad_token_id"],
+    }
 
 
 def to_hf(
@@ -146,13 +193,16 @@ def to_hf(
     *,
     dtype=None,
     copy_from: str | os.PathLike | None = None,
+    layout: str = "hf",
 ) -> str:
     """Write `model` as an HF `Gemma4ForCausalLM` directory (a `Gemma4Assistant` as
     `Gemma4AssistantForCausalLM`): model.safetensors + config.json.
 
     dtype: None keeps the parameters' dtype; "bfloat16" / "float32" / "float16" (or a numpy/jax dtype)
     casts every float tensor. LoRA adapters are merged on the fly. `copy_from`: a directory whose
-    tokenizer/generation files (`COPY_FILES`) are copied alongside. Returns `out_dir` (absolute).
+    tokenizer/generation files (`COPY_FILES`) are copied alongside. `layout="google"`: Google's
+    multimodal layout instead (`Gemma4ForConditionalGeneration` without towers, `model.language_model.`
+    names, consumer-layer K/V present): what tunix reads. Returns `out_dir` (absolute).
     """
     from gemma4_nnx.model import Gemma4, Gemma4Assistant
 
@@ -161,16 +211,18 @@ def to_hf(
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.isfile(out_dir):
         raise ValueError(f"out_dir {out_dir} is a file; pass a directory")
-    tensors = hf_tensors(model, dtype)
+    tensors = hf_tensors(model, dtype, layout)
     os.makedirs(out_dir, exist_ok=True)
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
-    cfg = model.config.to_hf_dict()
+    cfg = google_config(model.config) if layout == "google" else model.config.to_hf_dict()
     dtypes = {
         str(np.dtype(v.dtype))
         for v in tensors.values()
         if np.issubdtype(v.dtype, np.floating) or v.dtype == ml_dtypes.bfloat16
     }
     cfg["dtype"] = "bfloat16" if "bfloat16" in dtypes else ("float16" if "float16" in dtypes else "float32")
+    if layout == "google":
+        cfg["text_config"]["dtype"] = cfg["dtype"]
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
     if copy_from is not None:
@@ -197,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gemma4-export",
         description="Export a gemma4_nnx checkpoint (or an HF "
-        "directory, e.g. with --adapters) to HF safetensors + config.json.",
+        "directory, e.g. with --adapters) to HF safetensors + config.json, or to Google's gemma library.",
     )
     p.add_argument("ckpt", help="converted checkpoint directory (gemma4-convert) or HF model directory")
     p.add_argument("out", help="output directory (created)")
@@ -208,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the written tensors (default: the checkpoint's)",
     )
     p.add_argument("--adapters", default=None, help="LoRA adapters (save_adapters) to merge before export")
+    p.add_argument(
+        "--format",
+        default="hf",
+        choices=FORMATS,
+        help="hf: Gemma4ForCausalLM (transformers); hf-google: Google's multimodal layout (tunix, "
+        "Gemma4ForConditionalGeneration); gm: an Orbax checkpoint for gm.ckpts.load_params (gemma==4.0.1)",
+    )
     return p
 
 
@@ -219,7 +278,13 @@ def main(argv: list[str] | None = None) -> int:
             from gemma4_nnx.train.finetune import load_adapters, merge_lora
 
             merge_lora(load_adapters(model, args.adapters))
-        out = to_hf(model, args.out, dtype=args.dtype, copy_from=args.ckpt)
+        if args.format == "gm":
+            from gemma4_nnx.io.gm import to_gm
+
+            out = to_gm(model, args.out, dtype=args.dtype)
+        else:
+            layout = "google" if args.format == "hf-google" else "hf"
+            out = to_hf(model, args.out, dtype=args.dtype, copy_from=args.ckpt, layout=layout)
     except (ValueError, FileNotFoundError) as e:
         print(f"gemma4-export: error: {e}", file=sys.stderr)
         return 2

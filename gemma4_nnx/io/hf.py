@@ -39,6 +39,32 @@ NON_TEXT_PREFIXES = (
 
 
 @dataclasses.dataclass(frozen=True)
+class GmSlot:
+    """Where a tensor lives in the parameter tree of Google's gemma library (`gm` 4.0.1, Flax linen).
+
+    HF -> gm: reshape the HF array to `split` (None: as is), transpose it by `perm` (None: as is), then
+    store it at `path` (gm's NESTED layout, e.g. ``layer_3/attn/q_einsum/w``), whole or as index `part`
+    of the array stacked there (gm keeps K and V in one `kv_einsum`, gate and up in one `gating_einsum`).
+    """
+
+    path: str
+    split: tuple[int, ...] | None = None
+    perm: tuple[int, ...] | None = None
+    part: int | None = None
+
+    def to_gm(self, x: np.ndarray) -> np.ndarray:
+        if self.split is not None:
+            x = x.reshape(self.split)
+        return np.ascontiguousarray(np.transpose(x, self.perm)) if self.perm else x
+
+    def to_hf(self, y: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
+        """Inverse of `to_gm` on the slot's own slice (`part` already taken)."""
+        if self.perm:
+            y = np.transpose(y, np.argsort(self.perm))
+        return np.ascontiguousarray(y).reshape(hf_shape)
+
+
+@dataclasses.dataclass(frozen=True)
 class Entry:
     hf_name: str  # without the "model." / "model.language_model." prefix
     path: Path
@@ -48,6 +74,8 @@ class Entry:
     offset: float = 0.0
     # Value of a tensor the checkpoint may lack (Gemma 3 has no `layer_scalar`: 1.0); None = required.
     default: float | None = None
+    # The tensor's place in Google's gemma library (`gemma4_nnx.io.gm`); None for Gemma 3 and assistants.
+    gm: GmSlot | None = None
 
     def to_nnx(self, x: np.ndarray) -> np.ndarray:
         x = _apply(self.transform, x)
@@ -77,22 +105,40 @@ def _apply(transform: str | None, x: np.ndarray) -> np.ndarray:
 
 
 def name_map(config: Gemma4Config) -> list[Entry]:
-    """Every parameter of `Gemma4(config)` with its HF name and layout transform.
+    """Every parameter of `Gemma4(config)` with its HF name and layout transform (and, for Gemma 4, its
+    place in Google's gemma library: `Entry.gm`).
 
     `model_family="gemma3"`: norm entries carry offset 1 ((1 + w) storage) and `layer_scalar` is
     optional with default 1 (Gemma 3 checkpoints have none).
     """
     gemma3 = config.model_family == "gemma3"
     norm_offset = 1.0 if gemma3 else 0.0
+    slot = (lambda *a, **k: None) if gemma3 else GmSlot
+    d, n, p = config.hidden_size, config.num_hidden_layers, config.hidden_size_per_layer_input
     out = [
-        Entry("embed_tokens.weight", ("embed_tokens", "embedding"), None),
-        Entry("norm.weight", ("norm", "scale"), None, offset=norm_offset),
+        Entry("embed_tokens.weight", ("embed_tokens", "embedding"), None, gm=slot("embedder/input_embedding")),
+        Entry("norm.weight", ("norm", "scale"), None, offset=norm_offset, gm=slot("final_norm/scale")),
     ]
     if config.use_ple:
         out += [
-            Entry("embed_tokens_per_layer.weight", ("embed_tokens_per_layer", "embedding"), None),
-            Entry("per_layer_model_projection.weight", ("per_layer_model_projection", "kernel"), "T"),
-            Entry("per_layer_projection_norm.weight", ("per_layer_projection_norm", "scale"), None),
+            Entry(
+                "embed_tokens_per_layer.weight",
+                ("embed_tokens_per_layer", "embedding"),
+                None,
+                gm=slot("embedder/per_layer_embeddings", split=(config.vocab_size_per_layer_input, n, p)),
+            ),
+            Entry(
+                "per_layer_model_projection.weight",
+                ("per_layer_model_projection", "kernel"),
+                "T",
+                gm=slot("embedder/per_layer_model_projection/w", split=(n, p, d), perm=(2, 0, 1)),
+            ),
+            Entry(
+                "per_layer_projection_norm.weight",
+                ("per_layer_projection_norm", "scale"),
+                None,
+                gm=slot("embedder/per_layer_projection_norm/scale"),
+            ),
         ]
     for spec in config.layers:
         out += layer_entries(config, spec)
@@ -100,55 +146,95 @@ def name_map(config: Gemma4Config) -> list[Entry]:
 
 
 def layer_entries(config: Gemma4Config, spec) -> list[Entry]:
-    """The entries of decoder layer `spec` (`layers.{i}.` names and paths)."""
+    """The entries of decoder layer `spec` (`layers.{i}.` names and paths, gm `layer_{i}/` slots).
+
+    gm names (gm 4.0.1 `gemma/gm/nn/gemma4/_modules.py`): q/k/v/o are per-head einsums ([N, D, H] in,
+    [N, H, D] out), K and V stacked in `kv_einsum` (`k_einsum` alone when K = V), gate and up stacked in
+    `gating_einsum`. On a MoE layer gm names the branches the other way round: its `mlp` is the experts
+    (with `pre_ffw_norm` / `post_ffw1_norm`), its `mlp2` the dense MLP (`pre_ffw2_norm` / `post_ffw2_norm`).
+    """
     gemma3 = config.model_family == "gemma3"
     norm_offset = 1.0 if gemma3 else 0.0
     out: list[Entry] = []
     i = spec.index
-    pre, root = f"layers.{i}.", ("layers", i)
+    pre, root, g = f"layers.{i}.", ("layers", i), f"layer_{i}/"
+    moe = config.enable_moe_block
+    d, h, heads, kv = config.hidden_size, spec.head_dim, config.num_attention_heads, spec.num_kv_heads
 
-    def lin(hf: str, *path: str) -> Entry:
-        return Entry(pre + hf + ".weight", root + path + ("kernel",), "T")
+    def slot(path, **kw):
+        return None if gemma3 else GmSlot(g + path, **kw)
 
-    def norm(hf: str, *path: str) -> Entry:
-        return Entry(pre + hf + ".weight", root + path + ("scale",), None, offset=norm_offset)
+    def lin(hf: str, *path: str, gm=None) -> Entry:
+        return Entry(pre + hf + ".weight", root + path + ("kernel",), "T", gm=gm)
 
+    def norm(hf: str, *path: str, gm: str) -> Entry:
+        return Entry(pre + hf + ".weight", root + path + ("scale",), None, offset=norm_offset, gm=slot(gm + "/scale"))
+
+    mlp = "mlp2" if moe else "mlp"
+    q_perm, o = (0, 2, 1), (1, 2, 0)  # HF [N*H, D] -> gm [N, D, H]; HF [D, N*H] -> gm [N, H, D]
     out += [
-        norm(n, n)
-        for n in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        )
+        norm("input_layernorm", "input_layernorm", gm="pre_attention_norm"),
+        norm("post_attention_layernorm", "post_attention_layernorm", gm="post_attention_norm"),
+        norm("pre_feedforward_layernorm", "pre_feedforward_layernorm", gm="pre_ffw2_norm" if moe else "pre_ffw_norm"),
+        norm("post_feedforward_layernorm", "post_feedforward_layernorm", gm="post_ffw_norm"),
     ]
     out += [
-        lin("self_attn.q_proj", "self_attn", "q_proj"),
-        lin("self_attn.o_proj", "self_attn", "o_proj"),
-        norm("self_attn.q_norm", "self_attn", "q_norm"),
+        lin("self_attn.q_proj", "self_attn", "q_proj", gm=slot("attn/q_einsum/w", split=(heads, h, d), perm=q_perm)),
+        lin("self_attn.o_proj", "self_attn", "o_proj", gm=slot("attn/attn_vec_einsum/w", split=(d, heads, h), perm=o)),
+        norm("self_attn.q_norm", "self_attn", "q_norm", gm="attn/query_norm"),
     ]
     if not spec.is_consumer:
-        out += [lin("self_attn.k_proj", "self_attn", "k_proj"), norm("self_attn.k_norm", "self_attn", "k_norm")]
-        if not spec.k_eq_v:
-            out.append(lin("self_attn.v_proj", "self_attn", "v_proj"))
-    out += [lin(f"mlp.{n}", "mlp", n) for n in ("gate_proj", "up_proj", "down_proj")]
-    out.append(Entry(pre + "layer_scalar", root + ("layer_scalar",), None, default=1.0 if gemma3 else None))
+        kv_split = dict(split=(kv, h, d), perm=q_perm)
+        if spec.k_eq_v:
+            out.append(lin("self_attn.k_proj", "self_attn", "k_proj", gm=slot("attn/k_einsum/w", **kv_split)))
+        else:
+            out += [
+                lin("self_attn.k_proj", "self_attn", "k_proj", gm=slot("attn/kv_einsum/w", part=0, **kv_split)),
+                lin("self_attn.v_proj", "self_attn", "v_proj", gm=slot("attn/kv_einsum/w", part=1, **kv_split)),
+            ]
+        out.append(norm("self_attn.k_norm", "self_attn", "k_norm", gm="attn/key_norm"))
+    out += [
+        lin("mlp.gate_proj", "mlp", "gate_proj", gm=slot(f"{mlp}/gating_einsum", part=0)),
+        lin("mlp.up_proj", "mlp", "up_proj", gm=slot(f"{mlp}/gating_einsum", part=1)),
+        lin("mlp.down_proj", "mlp", "down_proj", gm=slot(f"{mlp}/linear", perm=(1, 0))),
+    ]
+    out.append(
+        Entry(
+            pre + "layer_scalar", root + ("layer_scalar",), None, default=1.0 if gemma3 else None, gm=slot("skip_scale")
+        )
+    )
     if config.use_ple:
         out += [
-            lin("per_layer_input_gate", "per_layer_input_gate"),
-            lin("per_layer_projection", "per_layer_projection"),
-            norm("post_per_layer_input_norm", "post_per_layer_input_norm"),
+            lin("per_layer_input_gate", "per_layer_input_gate", gm=slot("per_layer_input_gate/w", perm=(1, 0))),
+            lin("per_layer_projection", "per_layer_projection", gm=slot("per_layer_projection/w", perm=(1, 0))),
+            norm("post_per_layer_input_norm", "post_per_layer_input_norm", gm="post_per_layer_input_norm"),
         ]
-    if config.enable_moe_block:
+    if moe:
+        e, w = config.num_experts, config.moe_intermediate_size
         out += [
-            norm("post_feedforward_layernorm_1", "post_feedforward_layernorm_1"),
-            norm("pre_feedforward_layernorm_2", "moe", "pre_feedforward_layernorm_2"),
-            norm("post_feedforward_layernorm_2", "moe", "post_feedforward_layernorm_2"),
-            lin("router.proj", "moe", "router", "proj"),
-            Entry(pre + "router.scale", root + ("moe", "router", "scale"), None),
-            Entry(pre + "router.per_expert_scale", root + ("moe", "router", "per_expert_scale"), None),
-            Entry(pre + "experts.gate_up_proj", root + ("moe", "experts", "gate_up"), "T021"),
-            Entry(pre + "experts.down_proj", root + ("moe", "experts", "down"), "T021"),
+            norm("post_feedforward_layernorm_1", "post_feedforward_layernorm_1", gm="post_ffw2_norm"),
+            norm("pre_feedforward_layernorm_2", "moe", "pre_feedforward_layernorm_2", gm="pre_ffw_norm"),
+            norm("post_feedforward_layernorm_2", "moe", "post_feedforward_layernorm_2", gm="post_ffw1_norm"),
+            lin("router.proj", "moe", "router", "proj", gm=slot("mlp/router_logits/w", perm=(1, 0))),
+            Entry(pre + "router.scale", root + ("moe", "router", "scale"), None, gm=slot("mlp/router_scale")),
+            Entry(
+                pre + "router.per_expert_scale",
+                root + ("moe", "router", "per_expert_scale"),
+                None,
+                gm=slot("mlp/per_expert_scale"),
+            ),
+            Entry(
+                pre + "experts.gate_up_proj",
+                root + ("moe", "experts", "gate_up"),
+                "T021",
+                gm=slot("mlp/gating_einsum/w", split=(e, 2, w, d)),
+            ),
+            Entry(
+                pre + "experts.down_proj",
+                root + ("moe", "experts", "down"),
+                "T021",
+                gm=slot("mlp/linear/w", perm=(0, 2, 1)),
+            ),
         ]
     return out
 
