@@ -38,13 +38,26 @@ def _have_torch() -> bool:
     return True
 
 
+def _have_google_jax() -> bool:
+    try:
+        import gemma.gm  # noqa: F401
+        import tunix  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests that need the torch/transformers reference carry the `reference` marker; on an
     # interpreter without them (the Python 3.12 newest-jax CI leg) they are deselected, not skipped.
-    if _have_torch():
-        return
-    keep = [it for it in items if "reference" not in it.keywords]
-    dropped = [it for it in items if "reference" in it.keywords]
+    # Likewise `interop` (Google's gemma library and tunix), which only `make test-interop` installs.
+    missing = set()
+    if not _have_torch():
+        missing.add("reference")
+    if any("interop" in it.keywords for it in items) and not _have_google_jax():
+        missing.add("interop")
+    keep = [it for it in items if not missing & set(it.keywords)]
+    dropped = [it for it in items if missing & set(it.keywords)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep

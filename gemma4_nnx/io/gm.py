@@ -290,7 +290,7 @@ class GmCheckpoint:
             name = "/".join(keys)
             if name.startswith("transformer/"):  # FLAT: "transformer/layer_0/mlp/gating_einsum" + "w"
                 name = name[len("transformer/") :]
-            elif keys[0] == "SigLiPFromPatches_0":
+            elif name.startswith("SigLiPFromPatches_0/"):  # FLAT: the vision tower
                 name = "vision_encoder/" + name
             self.names[name] = keys
             self.shapes[name] = tuple(leaf.shape)
