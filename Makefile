@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PY312 ?= $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
 VENV312 ?= .venv312
 
-.PHONY: demo demo-tiny test test-py312 lint format
+.PHONY: demo demo-tiny test test-py312 test-interop lint format
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,18 @@ $(VENV312)/.installed: pyproject.toml
 test-py312: $(VENV312)/.installed
 	$(VENV312)/bin/ruff check .
 	$(VENV312)/bin/python -m pytest -q
+
+# Google's gemma library (gm) and tunix running our exports and feeding our imports (tests/test_interop.py).
+# Its own Python 3.12 virtualenv: gm pulls TensorFlow-CPU (~4 GB, ~3 min to install).
+VENVI ?= .venv-interop
+$(VENVI)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENVI)
+	$(VENVI)/bin/python -m pip install -q --upgrade pip
+	$(VENVI)/bin/python -m pip install -q -e ".[interop]"
+	touch $@
+
+test-interop: $(VENVI)/.installed
+	$(VENVI)/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_interop.py
 
 # ruff: `make lint` checks, `make format` rewrites.
 lint: $(VENV)/.installed
