@@ -245,6 +245,33 @@ def test_presets_map_to_gms_models():
     )
 
 
+def test_lora_and_quantized_ple_are_written_as_floats(tmp_path):
+    """gm has no LoRA or int4 path for Gemma 4: adapters are merged, an int4 PLE table dequantized."""
+    from flax import nnx
+
+    from gemma4_nnx.train import finetune as ft
+    from tests.helpers import make_tiny_hf
+
+    ids = jnp.asarray(fx.sample_ids(2, 7, seed=1))
+    model = random_model("k_eq_v")
+    ft.apply_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(0)
+    for p, v in nnx.iter_graph(model):  # non-zero B so the adapters change the function
+        if isinstance(v, nnx.LoRAParam) and p[-1] == "lora_b":
+            v[...] = jnp.asarray(0.05 * rng.standard_normal(v.shape), jnp.float32)
+    back = G.from_gm(G.to_gm(model, tmp_path / "lora"), model.config)
+    # merged kernels: x @ (W + AB) against x @ W + (x @ A) @ B, float32 rounding only
+    assert float(np.max(np.abs(np.asarray(back(ids)) - np.asarray(model(ids))))) < 1e-4
+
+    src = make_tiny_hf(tmp_path / "hf")
+    gemma4_nnx.convert(src, tmp_path / "q", dtype="float32", ple="int4")
+    quantized = gemma4_nnx.load(tmp_path / "q")
+    back = G.from_gm(G.to_gm(quantized, tmp_path / "gm"), quantized.config)
+    table = np.asarray(back.embed_tokens_per_layer.embedding.get_value())
+    assert np.array_equal(table, export._dequantized_ple(quantized.embed_tokens_per_layer))
+    assert float(np.max(np.abs(np.asarray(back(ids)) - np.asarray(quantized(ids))))) < 1e-5
+
+
 # ---------------------------------------------------------------------------- Google's HF layout
 def test_google_layout_export(tmp_path):
     model = model_of("e2b")

@@ -107,3 +107,21 @@ def test_tunix_loads_the_google_layout(tmp_path, variant):
     logits, _ = tunix_model(jnp.asarray(IDS), attention_mask=causal)
     diff = _diff(np.asarray(logits), _ours(model))
     assert diff <= F32_TOL, f"{variant}: tunix's logits on our hf-google export differ by {diff:.3g}"
+
+
+def test_presets_are_gms_released_models():
+    """Our presets' gm configs equal gm's own `Gemma4_*` classes field by field (towers aside; 31B and
+    26B-A4B also attend bidirectionally over image tokens, which a text model never sees)."""
+    import dataclasses
+
+    from gemma import gm
+
+    for name, (make, cls) in G.PRESETS.items():
+        theirs, ours = getattr(gm.nn, cls).config, G.gm_transformer_config(make())
+        skip = {"vision_encoder", "audio_encoder", "use_bidirectional_attention"}
+        diff = {
+            f.name: (getattr(ours, f.name), getattr(theirs, f.name))
+            for f in dataclasses.fields(theirs)
+            if f.name not in skip and getattr(ours, f.name) != getattr(theirs, f.name)
+        }
+        assert not diff, f"{name}: {diff}"
