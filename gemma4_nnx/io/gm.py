@@ -137,35 +137,42 @@ def tunix_model_config(config: Gemma4Config, dtype=None):
     kw = gm_config_kwargs(config)
     kinds = {"global": tunix_model.AttentionType.GLOBAL, "local_sliding": tunix_model.AttentionType.LOCAL_SLIDING}
     dtype = jnp.float32 if dtype is None else dtype
+    moe = kw["enable_moe"]
     return tunix_model.ModelConfig(
+        **{k: kw[k] for k in _TUNIX_SAME_AS_GM},
         num_layers=config.num_hidden_layers,
-        num_embed=kw["num_embed"],
-        embed_dim=kw["embed_dim"],
-        hidden_dim=kw["hidden_dim"],
-        num_heads=kw["num_heads"],
-        head_dim=kw["head_dim"],
-        num_kv_heads=kw["num_kv_heads"],
-        final_logit_softcap=kw["final_logit_softcap"],
-        sliding_window_size=kw["sliding_window_size"],
-        per_layer_input_dim=kw["per_layer_input_dim"],
-        num_global_kv_heads=kw["num_global_kv_heads"],
-        global_key_size=kw["global_key_size"],
         attention_pattern=tuple(kinds[t] for t in kw["attention_types"]),
         frac_shared_layers=(kw["kv_cache_sharing"] or {}).get("frac_shared_layers", 0.0),
-        global_rope_proportion=kw["global_rope_proportion"],
-        local_rope_proportion=kw["local_rope_proportion"],
-        k_eq_v_global=kw["k_eq_v_global"],
-        override_kv_shared_ffw_hidden=kw["override_kv_shared_ffw_hidden"],
-        local_base_frequency=kw["local_base_frequency"],
-        global_base_frequency=kw["global_base_frequency"],
-        enable_moe=kw["enable_moe"],
-        num_experts=kw["num_experts"] or None,
-        num_experts_per_tok=kw["top_k_experts"] if kw["enable_moe"] else None,
-        expert_dim=kw["expert_dim"] or None,
-        moe_dense_hidden_dim=kw["moe_dense_hidden_dim"] or None,
+        num_experts=kw["num_experts"] if moe else None,
+        num_experts_per_tok=kw["top_k_experts"] if moe else None,
+        expert_dim=kw["expert_dim"] if moe else None,
+        moe_dense_hidden_dim=kw["moe_dense_hidden_dim"] if moe else None,
         param_dtype=dtype,
         dtype=dtype,
     )
+
+
+#: tunix 0.1.7 `ModelConfig` fields named and meant as in gm's `TransformerConfig`.
+_TUNIX_SAME_AS_GM = (
+    "num_embed",
+    "embed_dim",
+    "hidden_dim",
+    "num_heads",
+    "head_dim",
+    "num_kv_heads",
+    "final_logit_softcap",
+    "sliding_window_size",
+    "per_layer_input_dim",
+    "num_global_kv_heads",
+    "global_key_size",
+    "global_rope_proportion",
+    "local_rope_proportion",
+    "k_eq_v_global",
+    "override_kv_shared_ffw_hidden",
+    "local_base_frequency",
+    "global_base_frequency",
+    "enable_moe",
+)
 
 
 def read_gm_config(spec: str) -> Gemma4Config:
