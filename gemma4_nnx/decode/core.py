@@ -45,10 +45,12 @@ from gemma4_nnx.decode.sampling import (
     RowFeatures,
     RowParams,
     SamplingParams,
+    adjust_rows,
+    bias_row,
     filter_rows,
-    penalize_rows,
     sample_rows,
     token_logprobs,
+    update_counts,
     update_seen,
 )
 from gemma4_nnx.model.cache import KVCache, head_rows, put_head_rows, put_rows, take_rows
@@ -69,7 +71,9 @@ class RowState:
     step [B] int32: tokens drawn so far; limit [B] int32: the row's max new tokens.
     done [B] bool: finished (or a free/padding row): masked in every program.
     stops [B, S] int32: stop-token ids, -1 padded.
-    seen [B, V] bool: prompt + output tokens, for the repetition penalty ([B, 1] when no row uses it).
+    seen [B, V] bool: prompt + output tokens, for the repetition penalty; counts [B, V] int32: output
+    tokens, for the presence / frequency penalties; bias [B, V] float32: the logit bias. (All three
+    [B, 1] when the decoder keeps no vocabulary-wide state: `vocab_width` 1.)
     sampling: per-row sampling parameters.
     hidden [B, D]: the target's final-norm hidden state at pos - 1, the one `token` was drawn from
     (what an MTP assistant drafts from; [B, 0] when the decoder has no assistant).
@@ -83,6 +87,8 @@ class RowState:
     done: Array
     stops: Array
     seen: Array
+    counts: Array
+    bias: Array
     sampling: RowParams
     hidden: Array
 
@@ -93,7 +99,7 @@ class RowState:
         *,
         vocab_size: int,
         stop_width: int,
-        seen_width: int,
+        vocab_width: int,
         hidden_width: int = 0,
     ) -> RowState:
         """Initial host-side (NumPy) state of rows for these requests; None: an empty row (done)."""
@@ -111,7 +117,9 @@ class RowState:
             limit=np.zeros(n, np.int32),
             done=np.ones(n, bool),
             stops=np.full((n, stop_width), -1, np.int32),
-            seen=np.zeros((n, seen_width), bool),
+            seen=np.zeros((n, vocab_width), bool),
+            counts=np.zeros((n, vocab_width), np.int32),
+            bias=np.zeros((n, vocab_width), np.float32),
             sampling=sampling,
             hidden=np.zeros((n, hidden_width), np.float32),
         )
@@ -127,8 +135,12 @@ class RowState:
             state.limit[i] = r.max_tokens
             state.done[i] = False
             state.stops[i, : len(r.stop_tokens)] = r.stop_tokens
-            if seen_width > 1 and r.params.uses_penalty:
+            if r.params.uses_vocab_state and vocab_width != vocab_size:
+                raise ValueError("a row uses a penalty or logit_bias but the decoder keeps no vocabulary state")
+            if vocab_width > 1 and r.params.uses_penalty:
                 state.seen[i, list(r.prompt)] = True
+            if vocab_width > 1 and r.params.logit_bias:
+                state.bias[i] = bias_row(r.params.logit_bias, vocab_size)
         return state
 
 
@@ -182,9 +194,13 @@ class DrawConfig:
     def widest(self) -> DrawConfig:
         """Every sampling feature on, at this top-k width: it draws the same tokens as `self` for
         every row `self` covers (a feature a row does not use is a no-op on it: top-p of 1, min-p of 0,
-        penalty of 1, temperature 0 takes the argmax; the top-k width is kept, since it changes the
-        order of float sums). The engine serves with it while the exact program compiles."""
-        f = RowFeatures(True, self.features.top_k, True, True, True, True)
+        repetition penalty of 1, presence / frequency penalties and bias of 0, temperature 0 takes the
+        argmax; the top-k width is kept, since it changes the order of float sums). The engine serves
+        with it while the exact program compiles."""
+        f = RowFeatures(
+            sampled=True, top_k=self.features.top_k, top_p=True, full_sort=True, min_p=True, penalty=True,
+            counts=True, bias=True,
+        )  # fmt: skip
         return DrawConfig(f, self.logprobs)
 
 
@@ -248,14 +264,24 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None
     sub = rows if idx is None else take_rows(rows, idx)
     logits = nxt.logits
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(sub.key, sub.step)
-    penalty = cfg.features.penalty
-    tok = sample_rows(logits, keys, sub.sampling, sub.seen if penalty else None, cfg.features)
+    f = cfg.features
+    penalty = f.penalty
+    tok = sample_rows(
+        logits,
+        keys,
+        sub.sampling,
+        sub.seen if penalty else None,
+        f,
+        sub.counts if f.counts else None,
+        sub.bias if f.bias else None,
+    )
     lp = token_logprobs(logits, tok) if cfg.logprobs else jnp.zeros(tok.shape, jnp.float32)
     active = ~sub.done
     stopped = active & jnp.any(tok[:, None] == sub.stops, axis=1)
     step = sub.step + active
     done = sub.done | stopped | (active & (step >= sub.limit))
     seen = update_seen(sub.seen, jnp.where(active, tok, -1)) if penalty else sub.seen
+    counts = update_counts(sub.counts, jnp.where(active, tok, -1)) if f.counts else sub.counts
     hidden = sub.hidden
     if hidden.shape[1]:
         hidden = jnp.where(active[:, None], nxt.hidden, hidden)
@@ -266,6 +292,7 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None
         step=step,
         done=done,
         seen=seen,
+        counts=counts,
         hidden=hidden,
     )
     rows = sub if idx is None else put_rows(rows, idx, sub)
@@ -364,11 +391,22 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     v = raw.shape[-1]
     x = raw
     draft_ok = cols[None, :k] < ndraft[:, None]  # [m, k]
-    if features.penalty:  # column j has seen the drafts before it
-        hot = jax.nn.one_hot(drafts, v, dtype=jnp.bool_) & draft_ok[..., None]
-        before = jnp.cumsum(hot, axis=1) > 0  # [m, k, V]
-        seen = sub.seen[:, None, :] | jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)
-        x = penalize_rows(x, sub.sampling.penalty.astype(jnp.float32)[:, None, None], seen)
+    rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, s, axis=0), sub.sampling)  # row params per column
+    if features.penalty or features.counts or features.bias:  # column j follows the drafts before it
+        hot = jax.nn.one_hot(drafts, v, dtype=jnp.int32) * draft_ok[..., None]
+        before = jnp.concatenate([jnp.zeros_like(hot[:, :1]), jnp.cumsum(hot, axis=1)], axis=1)  # [m, S, V]
+
+        def per_column(a, on):
+            return a.reshape(m * s, v) if on else None
+
+        x = adjust_rows(
+            x.reshape(m * s, v),
+            rep,
+            features,
+            per_column(sub.seen[:, None, :] | (before > 0), features.penalty),
+            per_column(sub.counts[:, None, :] + before, features.counts),
+            per_column(jnp.broadcast_to(sub.bias[:, None, :], (m, s, v)), features.bias),
+        ).reshape(m, s, v)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [m, S]
     ok = drafts == greedy[:, :k]
     base = jax.vmap(
@@ -376,7 +414,6 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     )(sub.key, sub.step)  # [m, S] keys
     sampled = sub.sampling.temperature > 0
     if features.sampled:
-        rep = jax.tree_util.tree_map(lambda a: jnp.repeat(a, s, axis=0), sub.sampling)
         logp = jax.nn.log_softmax(filter_rows(x.reshape(m * s, v), rep, features).reshape(m, s, v), axis=-1)
         u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(base)  # [m, S]
         p_draft = jnp.exp(jnp.take_along_axis(logp[:, :k], drafts[..., None], axis=-1)[..., 0])
@@ -414,6 +451,9 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     seen = sub.seen
     if features.penalty:
         seen = seen | jnp.any(jax.nn.one_hot(emitted, v, dtype=jnp.bool_) & keep[..., None], axis=1)
+    counts = sub.counts
+    if features.counts:
+        counts = counts + jnp.sum(jax.nn.one_hot(emitted, v, dtype=jnp.int32) * keep[..., None], axis=1)
     hidden = sub.hidden
     if hidden.shape[1]:  # the state the last emitted token was drawn from: column n - 1
         at = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
@@ -425,6 +465,7 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
         step=step,
         done=done,
         seen=seen,
+        counts=counts,
         hidden=hidden,
     )
     part = part.forget_from(jnp.where(active, sub.pos + n, jnp.iinfo(jnp.int32).max))
@@ -528,7 +569,7 @@ class Decoder:
         max_length: int,
         cache_dtype=None,
         stop_width: int = 4,
-        seen_width: int = 1,
+        vocab_width: int = 1,
         mesh=None,
         speculative_tokens: int = 0,
         assistant=None,
@@ -550,7 +591,7 @@ class Decoder:
         self.rows, self.max_length = rows, max_length
         self.vocab_size = model.config.vocab_size
         self.cache_dtype = cache_dtype or model.dtype
-        self.stop_width, self.seen_width = stop_width, seen_width
+        self.stop_width, self.vocab_width = stop_width, vocab_width
         self.mesh = mesh
         self.speculative_tokens = speculative_tokens
         self.compiles: dict[str, int] = {}
@@ -590,7 +631,7 @@ class Decoder:
             requests,
             vocab_size=self.vocab_size,
             stop_width=self.stop_width,
-            seen_width=self.seen_width,
+            vocab_width=self.vocab_width,
             hidden_width=self.hidden_width,
         )
 

@@ -219,7 +219,7 @@ class Engine:
             max_length=max_length,
             cache_dtype=cache_dtype,
             stop_width=max(4, pow2(len(self.default_stops))),
-            seen_width=self.vocab_size,
+            vocab_width=self.vocab_size,
             mesh=mesh,
             speculative_tokens=self.speculative.k if self.speculative else 0,
             assistant=self.speculative.assistant if self.speculative else None,
@@ -266,7 +266,8 @@ class Engine:
         """Check a request; raises `RequestError` naming the argument ("prompt", "max_tokens",
         "temperature", ..., "stop_tokens", "stop_strings", "seed"). `max_tokens=None`: as many as the
         context leaves; `seed=None`: a random seed; `sampling`: the fields of `SamplingParams`
-        (temperature, default 0 = greedy; top_k, top_p, min_p, repetition_penalty)."""
+        (temperature, default 0 = greedy; top_k, top_p, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias)."""
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") >> 1
         return make_request(

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -186,7 +186,7 @@ def _start(
         max_length=t,
         cache_dtype=cache_dtype,
         stop_width=max(4, pow2(len(requests[0].stop_tokens))),
-        seen_width=config.vocab_size if params.uses_penalty else 1,
+        vocab_width=config.vocab_size if params.uses_vocab_state else 1,
         speculative_tokens=spec.k if spec else 0,
         assistant=spec.assistant if spec else None,
     )
@@ -207,6 +207,9 @@ def generate(
     top_p: float | None = None,
     min_p: float | None = None,
     repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
     stop_tokens: Sequence[int] | None = None,
     stop_strings: Sequence[str] | None = None,
     seed: int = 0,
@@ -220,7 +223,9 @@ def generate(
     """Generate up to `max_new_tokens` tokens for each prompt (token-id lists of any lengths).
 
     Greedy when `temperature == 0`; otherwise samples with top-k / top-p / min-p in transformers'
-    order (`gemma4_nnx.decode.sampling`). A row stops at its first stop token (default: the
+    order (`gemma4_nnx.decode.sampling`), after `logit_bias` ({token id: bias}) and the repetition,
+    presence and frequency penalties (OpenAI's semantics for the last two: generated tokens only).
+    A row stops at its first stop token (default: the
     tokenizer's `stop_ids` <eos>, <turn|>, <|tool_response> if a tokenizer is given, else the config's
     `eos_token_id`). `stop_strings` are matched on the decoded text (needs `tokenizer`); with them the
     loop runs step by step from the host (as `generate_stream`) so rows can stop early.
@@ -261,6 +266,9 @@ def generate_stream(
     top_p: float | None = None,
     min_p: float | None = None,
     repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
     stop_tokens: Sequence[int] | None = None,
     stop_strings: Sequence[str] | None = None,
     seed: int = 0,

@@ -105,11 +105,17 @@ def make_request(
     context: the cache slots a row has (`context_name` names where that number comes from, e.g.
     "max_length=64"). names: how the caller spells "prompt" and "max_tokens" in its own API.
     `stop_tokens=None` takes `default_stops`; `[]` means none (e.g. to ignore <eos>).
-    sampling: the fields of `SamplingParams` (temperature, top_k, top_p, min_p, repetition_penalty).
+    sampling: the fields of `SamplingParams` (temperature, top_k, top_p, min_p, repetition_penalty,
+    presence_penalty, frequency_penalty, logit_bias).
     """
     names = {"prompt": "prompt", "max_tokens": "max_tokens", **(names or {})}
     p_name, n_name = names["prompt"], names["max_tokens"]
     params = SamplingParams(**sampling)  # raises RequestError naming temperature / top_p / ...
+    for token, _ in params.logit_bias or ():
+        if token >= vocab_size:
+            raise RequestError(
+                f"logit_bias: token id {token} is not below the vocabulary size {vocab_size}", "logit_bias"
+            )
     ids = _token_ids(prompt, p_name, vocab_size)
     if len(ids) >= context:
         raise prompt_too_long(len(ids), context_name, p_name)

@@ -18,8 +18,12 @@ Semantics follow Hugging Face ``transformers`` ``generate`` exactly (see
 ``GenerationMixin._get_logits_processor``), including the order in which the
 processors run:
 
-1. repetition penalty (``RepetitionPenaltyLogitsProcessor``) -- also applied
-   for greedy decoding, as in ``generate``;
+0. ``logit_bias`` added to the logits (``SequenceBiasLogitsProcessor`` with
+   one-token sequences, which transformers runs first);
+1. repetition penalty (``RepetitionPenaltyLogitsProcessor``), then OpenAI's
+   ``frequency_penalty`` / ``presence_penalty`` over the tokens generated so far
+   (``logit - count * frequency - (count > 0) * presence``, as vLLM applies them
+   after the repetition penalty) -- all also applied for greedy decoding;
 2. temperature (``TemperatureLogitsWarper``; skipped when it is 1.0);
 3. top-k (``TopKLogitsWarper``);
 4. top-p (``TopPLogitsWarper``; skipped when ``top_p == 1.0``);
@@ -62,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +85,7 @@ __all__ = [
     "sample",
     "sample_rows",
     "token_logprobs",
+    "update_counts",
     "update_seen",
 ]
 
@@ -107,6 +112,12 @@ class SamplingParams:
       repetition_penalty: CTRL-style penalty on every token already present in
         the prompt or the output: positive logits are divided by it, negative
         ones multiplied. ``> 0``; ``None`` (or 1.0) = off.
+      presence_penalty, frequency_penalty: OpenAI's penalties over the tokens
+        *generated* so far (not the prompt): ``logit[j] -= count[j] * frequency
+        + (count[j] > 0) * presence``. In ``[-2, 2]``; ``None`` (or 0) = off.
+      logit_bias: ``{token id: bias}`` added to those logits before everything
+        else (a mapping, kept as a sorted tuple of pairs so the params stay
+        hashable). Bias in ``[-100, 100]``; ``None`` or empty = off.
     """
 
     temperature: float = 0.0
@@ -114,13 +125,24 @@ class SamplingParams:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, Mapping):
+            bias = tuple(bias.items())
+        if bias is not None and not isinstance(bias, (tuple, list)):
+            raise RequestError(f"logit_bias must be a mapping of token id to bias, got {bias!r}", "logit_bias")
+        object.__setattr__(self, "logit_bias", tuple(bias) if bias else None)
         self.validate()
         # Normalise numeric types (e.g. numpy scalars) so that equal settings
         # compare and hash equal and jit caches hit.
         object.__setattr__(self, "temperature", float(self.temperature))
-        for name in ("top_p", "min_p", "repetition_penalty"):
+        if self.logit_bias:
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in self.logit_bias)))
+        for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, float(value))
@@ -146,6 +168,20 @@ class SamplingParams:
             raise RequestError(
                 f"repetition_penalty must be None or a finite float > 0, got {r!r}", "repetition_penalty"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            if x is not None and (not _is_real(x) or not -2.0 <= x <= 2.0):
+                raise RequestError(f"{name} must be None or a float in [-2, 2], got {x!r}", name)
+        for pair in self.logit_bias or ():
+            t, b = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+            if isinstance(t, str) and t.strip().isdigit():  # JSON object keys are strings
+                t = int(t)
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+                raise RequestError(f"logit_bias keys must be token ids (ints >= 0), got {pair!r}", "logit_bias")
+            if not _is_real(b) or not -100.0 <= b <= 100.0:
+                raise RequestError(
+                    f"logit_bias values must be floats in [-100, 100], got {b!r} for token {t}", "logit_bias"
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -155,6 +191,16 @@ class SamplingParams:
     @property
     def uses_penalty(self) -> bool:
         return self.repetition_penalty is not None and self.repetition_penalty != 1.0
+
+    @property
+    def uses_counts(self) -> bool:
+        """presence or frequency penalty: needs the counts of generated tokens."""
+        return bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
+    def uses_vocab_state(self) -> bool:
+        """Needs per-row vocabulary-wide state (seen mask, counts or bias)."""
+        return self.uses_penalty or self.uses_counts or bool(self.logit_bias)
 
 
 def _is_real(x: object) -> bool:
@@ -172,7 +218,9 @@ class RowParams:
     temperature: float32, 0 = greedy row. top_k: int32, 0 = off (values above V mean V).
     top_p_drop: float32, ``1 - top_p`` computed on the host in float64 and then rounded to float32,
       exactly as transformers compares with the Python float ``1 - top_p``; 0 = off.
-    min_p: float32, 0 = off. penalty: float32 repetition penalty, 1 = off.
+    min_p: float32, 0 = off. penalty: float32 repetition penalty, 1 = off. presence, frequency:
+    float32 OpenAI penalties, 0 = off. (logit_bias is vocabulary-wide: the decode core keeps it as
+    row state.)
     """
 
     temperature: jax.Array
@@ -180,6 +228,8 @@ class RowParams:
     top_p_drop: jax.Array
     min_p: jax.Array
     penalty: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
 
     @classmethod
     def of(
@@ -206,6 +256,8 @@ class RowParams:
                 [p.min_p if (s and p.min_p is not None) else 0.0 for p, s in zip(params, sampled)], np.float32
             ),
             penalty=np.array([p.repetition_penalty if p.uses_penalty else 1.0 for p in params], np.float32),
+            presence=np.array([p.presence_penalty or 0.0 for p in params], np.float32),
+            frequency=np.array([p.frequency_penalty or 0.0 for p in params], np.float32),
         )
         kmax = int(rows.top_k.max()) if len(params) else 0
         width = kmax if exact_top_k else min(pow2(kmax), vocab_size)
@@ -216,6 +268,8 @@ class RowParams:
             full_sort=bool(((rows.top_p_drop > 0) & (rows.top_k == 0)).any()),
             min_p=bool((rows.min_p > 0).any()),
             penalty=bool((rows.penalty != 1.0).any()),
+            counts=any(p.uses_counts for p in params),
+            bias=any(bool(p.logit_bias) for p in params),
         )
         return rows, features
 
@@ -234,6 +288,8 @@ class RowFeatures:
       full_sort: some sampled row uses top-p *without* top-k (needs a full sort of its row).
       min_p: some sampled row uses min-p.
       penalty: some row uses a repetition penalty.
+      counts: some row uses a presence or frequency penalty.
+      bias: some row has a logit_bias.
     """
 
     sampled: bool = False
@@ -242,12 +298,42 @@ class RowFeatures:
     full_sort: bool = False
     min_p: bool = False
     penalty: bool = False
+    counts: bool = False
+    bias: bool = False
 
 
 def penalize_rows(logits: jax.Array, penalty: jax.Array, seen_mask: jax.Array) -> jax.Array:
     """CTRL repetition penalty with a per-row factor penalty [B, 1] (1 = off)."""
     penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
     return jnp.where(seen_mask & (penalty != 1.0), penalised, logits)
+
+
+def adjust_rows(
+    logits: jax.Array,
+    rows: RowParams,
+    features: RowFeatures,
+    seen: jax.Array | None = None,
+    counts: jax.Array | None = None,
+    bias: jax.Array | None = None,
+) -> jax.Array:
+    """The processors that change logit values before temperature and filtering, in order: logit bias
+    (`bias` [B, V] float32), repetition penalty (`seen` [B, V] bool), presence / frequency penalties
+    (`counts` [B, V] int32 of generated tokens). logits [B, V] float32; each argument is needed only
+    when its feature is on."""
+    for name, on, value in (("bias", features.bias, bias), ("seen", features.penalty, seen)):
+        if on and value is None:
+            raise ValueError(f"a row uses {name} state but it was not passed")
+    if features.counts and counts is None:
+        raise ValueError("a row uses presence/frequency penalties but counts were not passed")
+    if features.bias:
+        logits = logits + bias.astype(jnp.float32)
+    if features.penalty:
+        logits = penalize_rows(logits, rows.penalty.astype(jnp.float32)[:, None], seen)
+    if features.counts:
+        c = counts.astype(jnp.float32)
+        logits = logits - c * rows.frequency.astype(jnp.float32)[:, None]
+        logits = logits - (c > 0) * rows.presence.astype(jnp.float32)[:, None]
+    return logits
 
 
 def _nucleus_threshold(sorted_asc: jax.Array, drop: jax.Array) -> jax.Array:
@@ -304,7 +390,13 @@ def filter_rows(logits: jax.Array, rows: RowParams, features: RowFeatures) -> ja
 
 
 def sample_rows(
-    logits: jax.Array, keys: jax.Array, rows: RowParams, seen_mask: jax.Array | None, features: RowFeatures
+    logits: jax.Array,
+    keys: jax.Array,
+    rows: RowParams,
+    seen_mask: jax.Array | None,
+    features: RowFeatures,
+    counts: jax.Array | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """Pick the next token of every row with that row's parameters.
 
@@ -315,16 +407,14 @@ def sample_rows(
       rows: :class:`RowParams` arrays ``[B]``.
       seen_mask: ``[B, V]`` bool (prompt + output tokens), needed when ``features.penalty``.
       features: static :class:`RowFeatures` covering every row.
+      counts: ``[B, V]`` int32 counts of generated tokens, needed when ``features.counts``.
+      bias: ``[B, V]`` float32 logit bias, needed when ``features.bias``.
 
     Returns:
       ``[B]`` int32: greedy rows the argmax of the (penalised) logits (ties to the lowest id, as
       ``torch.argmax``); sampled rows a categorical draw from ``softmax(filtered logits)``.
     """
-    logits = logits.astype(jnp.float32)
-    if features.penalty:
-        if seen_mask is None:
-            raise ValueError("features.penalty is set but seen_mask is None")
-        logits = penalize_rows(logits, rows.penalty.astype(jnp.float32)[:, None], seen_mask)
+    logits = adjust_rows(logits.astype(jnp.float32), rows, features, seen_mask, counts, bias)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not features.sampled:
         return greedy
@@ -391,6 +481,11 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, seen_mask:
       ``[B]`` int32 token ids, as :func:`sample_rows` with these parameters in every row.
     """
     logits = logits.astype(jnp.float32)
+    if params.uses_counts or params.logit_bias:
+        raise ValueError(
+            "sample() has no counts or bias state: presence/frequency penalties and logit_bias are applied by "
+            "generate / the Engine (or sample_rows with counts= and bias=)"
+        )
     if params.uses_penalty:
         if seen_mask is None:
             raise ValueError("repetition_penalty is set but seen_mask is None")
@@ -433,6 +528,20 @@ def update_seen(seen_mask: jax.Array, tokens: jax.Array) -> jax.Array:
     rows = jnp.arange(seen_mask.shape[0])
     tokens = _out_of_range_to_v(tokens, seen_mask.shape[-1])
     return seen_mask.at[rows, tokens].set(True, mode="drop")
+
+
+def update_counts(counts: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``counts [B, V]`` with ``counts[b, tokens[b]] += 1``; ids outside ``[0, V)`` ignored."""
+    rows = jnp.arange(counts.shape[0])
+    return counts.at[rows, _out_of_range_to_v(tokens, counts.shape[-1])].add(1, mode="drop")
+
+
+def bias_row(logit_bias, vocab_size: int) -> np.ndarray:
+    """One row's dense float32 ``[V]`` bias from ``SamplingParams.logit_bias``."""
+    out = np.zeros(vocab_size, np.float32)
+    for token, value in logit_bias or ():
+        out[token] += np.float32(value)
+    return out
 
 
 def make_seen_mask(token_ids: jax.Array, vocab_size: int, valid: jax.Array | None = None) -> jax.Array:
