@@ -204,6 +204,37 @@ def test_seeded_sampling_equals_generate(served):
     assert other != text  # the seed matters (10 draws at temperature 0.9 from a 700-token vocabulary)
 
 
+def test_openai_penalties_and_logit_bias_equal_generate(served):
+    """The official client's presence_penalty / frequency_penalty / logit_bias reach the sampler: the
+    text is generate()'s with the same settings, and a +100 bias on one token makes it the output."""
+    model, tok, port, _ = served
+    client = _client(port)
+    prompt = "penalties in the client"
+    ids = tok.encode(prompt, add_bos=True)
+    kw = dict(presence_penalty=0.6, frequency_penalty=1.2, logit_bias={tok.encode("the")[0]: 3.0})
+    text, _, _ = _ref(model, tok, ids, 10, stop_tokens=[], temperature=0.0, **kw)
+    out = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=kw["presence_penalty"],
+        frequency_penalty=kw["frequency_penalty"],
+        logit_bias={str(t): b for t, b in kw["logit_bias"].items()},
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == text
+    forced = tok.encode(" stone")[0]
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(forced): 100},
+    )
+    assert chat.choices[0].message.content == tok.decode([forced] * 3)
+
+
 def test_stop_string_cuts_the_text(served):
     model, tok, port, _ = served
     prompt = "the text"
@@ -335,7 +366,11 @@ BAD = [
     ({"model": NAME, "prompt": "x", "max_tokens": 0}, "max_tokens", 400, None),
     ({"model": NAME, "prompt": "x", "min_p": 2}, "min_p", 400, None),
     ({"model": NAME, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400, None),
-    ({"model": NAME, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty", 400, None),
+    ({"model": NAME, "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", 400, None),
+    ({"model": NAME, "prompt": "x", "frequency_penalty": "0.3"}, "frequency_penalty", 400, None),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", 400, None),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"five": 1}}, "logit_bias", 400, None),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias", 400, None),
     ({"model": NAME, "prompt": "x", "n": 0}, "n", 400, None),
     ({"model": NAME, "prompt": ["x", "y"], "n": 33}, "n", 400, None),  # 66 generations > --max-prompts
     ({"model": NAME, "prompt": "x", "stop": [""]}, "stop", 400, None),
@@ -519,8 +554,9 @@ CHAT = [{"role": "user", "content": "hi"}]
         ({"messages": CHAT, "stream_options": {"include_usage": "yes"}}, "stream_options", None),
         ({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs", None),
         ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", None),
-        ({"messages": CHAT, "logit_bias": {"5": 1}}, "logit_bias", None),
-        ({"messages": CHAT, "frequency_penalty": 0.3}, "frequency_penalty", None),
+        ({"messages": CHAT, "logit_bias": {"5": "1"}}, "logit_bias", None),
+        ({"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty", None),
+        ({"messages": CHAT, "logit_bias": {"-5": 1}}, "logit_bias", None),  # engine-level: not a token id
         # engine-level (RequestError.param, mapped to the field the client sent)
         ({"messages": [{"role": "user", "content": "word " * 80}]}, "messages", "context_length_exceeded"),
         ({"messages": CHAT, "max_completion_tokens": MAX_LENGTH}, "max_completion_tokens", "context_length_exceeded"),

@@ -3,7 +3,7 @@
 FastAPI builds `/openapi.json` and `/docs` from these models. Numbers, booleans and strings are
 *strict* (no "0.5" for 0.5, no 1 for true), as the OpenAI API is. Fields the OpenAI API defines but
 this server does not implement are declared and refused by name when set to anything but their
-neutral value (`presence_penalty` other than 0, `n` > 1, `tools`, ...), so a client learns which
+neutral value (`echo`, `tools`, `response_format`, ...), so a client learns which
 parameter to drop; fields nobody defined are ignored (clients add their own, e.g. `user`).
 
 Extensions beyond OpenAI (as vLLM spells them): `top_k` (-1 / 0 = off), `min_p`,
@@ -67,9 +67,6 @@ TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 #: OpenAI fields this server does not implement: refused (400 naming them) unless neutral.
 UNSUPPORTED: dict[str, Any] = {
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "logit_bias": lambda v: bool(v),
     "best_of": lambda v: v not in (None, 1),
     "echo": lambda v: bool(v),
     "suffix": lambda v: v not in (None, ""),
@@ -123,10 +120,16 @@ class _Sampling(_Api):
     min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = Field(None, description="Extension.")
     repetition_penalty: Annotated[float, Field(strict=True, gt=0.0)] | None = Field(None, description="Extension.")
     ignore_eos: StrictBool = Field(False, description="Extension: do not stop at the end-of-sequence tokens.")
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = Field(
+        None, description="Subtracted from the logit of every token generated so far (OpenAI's semantics)."
+    )
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = Field(
+        None, description="Subtracted once per earlier occurrence in the generated tokens (OpenAI's semantics)."
+    )
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100.0, le=100.0)]] | None = Field(
+        None, description='{"token id": bias in [-100, 100]} added to those logits before sampling.'
+    )
     # OpenAI fields refused unless neutral (see UNSUPPORTED)
-    presence_penalty: StrictFloat | None = Field(None, description="Not supported (use repetition_penalty); only 0.")
-    frequency_penalty: StrictFloat | None = Field(None, description="Not supported (use repetition_penalty); only 0.")
-    logit_bias: dict[str, Any] | None = Field(None, description="Not supported.")
     n: Annotated[int, Field(strict=True, ge=1)] | None = Field(
         None,
         description="Choices per prompt (default 1). They share the seed and are distinct when sampling; "
@@ -144,9 +147,7 @@ class _Sampling(_Api):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @field_validator(
-        *[k for k in UNSUPPORTED if k in ("presence_penalty", "frequency_penalty", "logit_bias", "response_format")]
-    )
+    @field_validator("response_format")
     @classmethod
     def _unsupported(cls, v, info):
         return _refuse_unless_neutral(v, info)

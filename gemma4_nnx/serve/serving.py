@@ -344,6 +344,9 @@ class Serving:
             top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None,  # -1 / 0: off
             min_p=body.min_p,
             repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=body.logit_bias,
             stop_strings=body.stop_strings,
             stop_tokens=[] if body.ignore_eos else None,
         )
