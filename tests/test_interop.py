@@ -6,6 +6,8 @@ elsewhere. Bar: float32 logits within 1e-4 on logits up to the softcap (30), as 
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,7 +89,7 @@ def test_gm_initialised_checkpoint_converts_to_ours(tmp_path, variant):
     gm.ckpts.save_params(params, tmp_path / "gm", wait_until_finished=True)
     ref = _gm_logits(config, params)
     cfg_path = tmp_path / "config.json"
-    cfg_path.write_text(__import__("json").dumps(config.to_hf_dict()))
+    cfg_path.write_text(json.dumps(config.to_hf_dict()))
     argv = [str(tmp_path / "gm"), str(tmp_path / "ours"), "--dtype", "float32", "--ple", "none"]
     assert cv.main(argv + ["--gm-config", str(cfg_path), "--no-progress"]) == 0
     diff = _diff(_ours(gemma4_nnx.load(tmp_path / "ours")), ref)

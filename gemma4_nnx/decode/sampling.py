@@ -320,11 +320,13 @@ def adjust_rows(
     (`bias` [B, V] float32), repetition penalty (`seen` [B, V] bool), presence / frequency penalties
     (`counts` [B, V] int32 of generated tokens). logits [B, V] float32; each argument is needed only
     when its feature is on."""
-    for name, on, value in (("bias", features.bias, bias), ("seen", features.penalty, seen)):
+    for name, on, value in (
+        ("bias", features.bias, bias),
+        ("seen", features.penalty, seen),
+        ("counts", features.counts, counts),
+    ):
         if on and value is None:
             raise ValueError(f"a row uses {name} state but it was not passed")
-    if features.counts and counts is None:
-        raise ValueError("a row uses presence/frequency penalties but counts were not passed")
     if features.bias:
         logits = logits + bias.astype(jnp.float32)
     if features.penalty:

@@ -152,11 +152,12 @@ def nest(flat: Mapping[Path, Any]) -> dict[str, Any]:
     return out
 
 
-def _flatten(tree: Mapping[str, Any], prefix: tuple = ()) -> dict[tuple[str, ...], Any]:
+def flatten(tree: Mapping[str, Any], prefix: tuple = ()) -> dict[tuple[str, ...], Any]:
+    """{"a": {"b": x}} -> {("a", "b"): x}: the inverse of `nest` (keys kept as they are)."""
     out = {}
     for k, v in tree.items():
         if isinstance(v, Mapping):
-            out.update(_flatten(v, prefix + (k,)))
+            out.update(flatten(v, prefix + (k,)))
         else:
             out[prefix + (k,)] = v
     return out
@@ -245,7 +246,7 @@ def _sharding_fn(sharding) -> Callable[[Path], jax.sharding.Sharding]:
         if all(isinstance(k, tuple) for k in sharding):
             table = {tuple(map(str, k)): v for k, v in sharding.items()}
         else:
-            table = _flatten(sharding)
+            table = flatten(sharding)
 
         def lookup(path: Path):
             key = tuple(map(str, path))
@@ -329,7 +330,7 @@ def _restore(ckpt_dir: str, model, paths, where):
             f"{ckpt_dir}: the parameters do not match gemma4_config.json or are damaged "
             f"({type(e).__name__}: {str(e)[:500]}); convert the checkpoint again"
         ) from None
-    flat = _flatten(restored)
+    flat = flatten(restored)
     for path in paths:
         variables[path].set_value(flat[tuple(map(str, path))])
     left = [

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from gemma4_nnx.config import FULL, Gemma4Config
+from gemma4_nnx.io.checkpoint import flatten, nest
 from gemma4_nnx.io.hf import CheckpointError, Entry, expected_hf_shapes, name_map
 
 #: `--gm-config` preset names -> (our config, gm's model class).
@@ -235,17 +237,6 @@ def gm_arrays(model, dtype=None) -> dict[str, np.ndarray]:
     return out
 
 
-def nested(flat: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = out
-        *parents, leaf = path.split("/")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return out
-
-
 def to_gm(model, out_dir: str | os.PathLike, *, dtype=None) -> str:
     """Write `model` as a gm Gemma 4 checkpoint (NESTED layout) that `gm.ckpts.load_params(out_dir)`
     reads, plus `hf_config.json`. Returns `out_dir` (absolute). See the module docstring."""
@@ -256,7 +247,7 @@ def to_gm(model, out_dir: str | os.PathLike, *, dtype=None) -> str:
         raise ValueError(f"out_dir {out_dir} exists and is not empty; pass a new directory")
     arrays = gm_arrays(model, dtype)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out_dir, nested(arrays))
+        ckptr.save(out_dir, nest({tuple(k.split("/")): v for k, v in arrays.items()}))
         ckptr.wait_until_finished()
     with open(os.path.join(out_dir, HF_CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(model.config.to_hf_dict(), f, indent=2)
@@ -293,7 +284,7 @@ class GmCheckpoint:
         tree = getattr(tree, "tree", tree)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.names: dict[str, tuple[str, ...]] = {}
-        for keys, leaf in _leaves(tree):
+        for keys, leaf in flatten(tree).items():
             name = "/".join(keys)
             if name.startswith("transformer/"):  # FLAT: "transformer/layer_0/mlp/gating_einsum" + "w"
                 name = name[len("transformer/") :]
@@ -317,7 +308,7 @@ class GmCheckpoint:
         for k in keys[:-1]:
             item = item.setdefault(k, {})
         item[keys[-1]] = np.zeros(0)  # placeholder: partial restore reads the leaves named here
-        args = _map_leaves(restore, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), restore)
         with ocp.PyTreeCheckpointer() as ckptr:
             out = ckptr.restore(
                 self.path, args=ocp.args.PyTreeRestore(item=restore, restore_args=args, partial_restore=True)
@@ -325,18 +316,6 @@ class GmCheckpoint:
         for k in keys:
             out = out[k]
         return np.asarray(out)
-
-
-def _leaves(tree, prefix=()) -> Iterator[tuple[tuple[str, ...], Any]]:
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            yield from _leaves(v, prefix + (str(k),))
-    else:
-        yield prefix, tree
-
-
-def _map_leaves(tree, fn):
-    return {k: _map_leaves(v, fn) if isinstance(v, Mapping) else fn(v) for k, v in tree.items()}
 
 
 def hf_from_gm(ckpt: GmCheckpoint, config: Gemma4Config) -> Iterator[tuple[str, np.ndarray]]:
@@ -348,7 +327,7 @@ def hf_from_gm(ckpt: GmCheckpoint, config: Gemma4Config) -> Iterator[tuple[str, 
     shapes = expected_hf_shapes(config, entries)
     want: dict[str, tuple[int, ...]] = {}
     for e in entries:
-        gm_shape = e.gm.to_gm(np.empty(shapes[e.hf_name], np.uint8)).shape
+        gm_shape = e.gm.gm_shape(shapes[e.hf_name])
         if e.gm.part is None:
             want[e.gm.path] = gm_shape
         else:
@@ -433,7 +412,7 @@ class _InMemory(GmCheckpoint):
 
     def __init__(self, params):
         self.path = "<params>"
-        self.arrays = {"/".join(k): v for k, v in _leaves(params)}
+        self.arrays = {"/".join(k): v for k, v in flatten(params).items()}
         self.names = {k: tuple(k.split("/")) for k in self.arrays}
         self.shapes = {k: tuple(np.shape(v)) for k, v in self.arrays.items()}
 

@@ -57,6 +57,11 @@ class GmSlot:
             x = x.reshape(self.split)
         return np.ascontiguousarray(np.transpose(x, self.perm)) if self.perm else x
 
+    def gm_shape(self, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape `to_gm` gives an HF array of `hf_shape` (without the stacking axis of `part`)."""
+        shape = tuple(self.split) if self.split is not None else tuple(hf_shape)
+        return tuple(shape[i] for i in self.perm) if self.perm else shape
+
     def to_hf(self, y: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
         """Inverse of `to_gm` on the slot's own slice (`part` already taken)."""
         if self.perm:
