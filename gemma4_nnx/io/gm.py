@@ -385,10 +385,9 @@ def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="au
     """A `Gemma4` from gm parameters: a gm checkpoint directory, or the params tree gm users hold
     (`gm.ckpts.load_params(...)` / `model.init(...)["params"]`). `config`: a `Gemma4Config`, a preset
     name or an HF config.json path. `dtype`: the parameters' dtype (default: as stored)."""
-    import jax
     import jax.numpy as jnp
 
-    from gemma4_nnx.io.hf import abstract_model, variables_by_path
+    from gemma4_nnx.io.hf import abstract_model, fill
 
     if isinstance(config, str):
         config = read_gm_config(config)
@@ -400,11 +399,7 @@ def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="au
     if dtype is None:
         dtype = next(iter(arrays.values())).dtype
     model = abstract_model(config, jnp.float32, jnp.dtype(dtype), matmul)
-    variables = variables_by_path(model)
-    for e in name_map(config):
-        var = variables[e.path]
-        var.set_value(jax.device_put(np.asarray(e.to_nnx(arrays[e.hf_name])).astype(var.dtype)))
-    return model
+    return fill(model, ((e, e.to_nnx(arrays[e.hf_name])) for e in name_map(config)))
 
 
 class _InMemory(GmCheckpoint):

@@ -540,8 +540,14 @@ def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, s
         config = Gemma4Config.from_hf(hf_dir)
         plan = plan_load(config, text_tensors(hf_dir))
         model = abstract_model(config, dtype, param_dtype, matmul)
+    return fill(model, iter_arrays(plan), sharding)
+
+
+def fill(model: nnx.Module, arrays, sharding=None) -> nnx.Module:
+    """Set each (entry, array in our layout) of `arrays` on the abstract `model` (cast to the
+    parameter's dtype, placed by `sharding(path)`), then check that nothing is left unfilled."""
     variables = variables_by_path(model)
-    for entry, array in iter_arrays(plan):
+    for entry, array in arrays:
         var = variables[entry.path]
         value = np.asarray(array).astype(var.dtype)
         var.set_value(jax.device_put(value, sharding(entry.path) if sharding else None))
