@@ -50,6 +50,7 @@ from gemma4_nnx.decode.sampling import (
     filter_rows,
     sample_rows,
     token_logprobs,
+    top_logprobs,
     update_counts,
     update_seen,
 )
@@ -57,7 +58,17 @@ from gemma4_nnx.model.cache import KVCache, head_rows, put_head_rows, put_rows, 
 
 Array = jax.Array
 
-__all__ = ["DecodeState", "Decoder", "DrawConfig", "Drawn", "Next", "RowState", "Verified", "compiled_programs"]
+__all__ = [
+    "DecodeState",
+    "Decoder",
+    "DrawConfig",
+    "Drawn",
+    "Next",
+    "RowState",
+    "Scored",
+    "Verified",
+    "compiled_programs",
+]
 
 
 # ------------------------------------------------------------------------------------------- state
@@ -168,19 +179,39 @@ class Next:
 class Drawn:
     """What one draw produced, per drawn row ([k]): token, its logprob (raw model distribution; 0
     unless `DrawConfig.logprobs`), stopped (a stop token), done (the row has finished: stop or
-    length), active (the row was running: its token is real)."""
+    length), active (the row was running: its token is real), and the `DrawConfig.top_logprobs` most
+    likely tokens of the same distribution: top_token / top_logprob [k, n] (n = 0 when off)."""
 
     token: Array
     logprob: Array
     stopped: Array
     done: Array
     active: Array
+    top_token: Array
+    top_logprob: Array
 
     def emitted(self, j: int) -> list[tuple[int, float, bool, bool]]:
         """Row j's new tokens on the host: [(token, logprob, is a stop token, the row is done)]."""
         if not self.active[j]:
             return []
         return [(int(self.token[j]), float(self.logprob[j]), bool(self.stopped[j]), bool(self.done[j]))]
+
+    def alternatives(self, j: int) -> list[list[tuple[int, float]]]:
+        """Per token of `emitted(j)`: the most likely (id, logprob) pairs, best first."""
+        if not self.active[j]:
+            return []
+        return [list(zip(self.top_token[j].tolist(), self.top_logprob[j].tolist(), strict=True))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """One prompt scored by `Decoder.score`: logprob[i] of token i + 1 given tokens 0..i (raw model
+    distribution; the first token has none), and top[i]: the most likely (id, logprob) pairs there,
+    best first."""
+
+    tokens: tuple[int, ...]
+    logprob: list[float]
+    top: list[list[tuple[int, float]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +221,7 @@ class DrawConfig:
 
     features: RowFeatures = dataclasses.field(default_factory=RowFeatures)
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per drawn token (`Drawn.top_token`); 0: none
 
     def widest(self) -> DrawConfig:
         """Every sampling feature on, at this top-k width: it draws the same tokens as `self` for
@@ -201,7 +233,7 @@ class DrawConfig:
             sampled=True, top_k=self.features.top_k, top_p=True, full_sort=True, min_p=True, penalty=True,
             counts=True, bias=True,
         )  # fmt: skip
-        return DrawConfig(f, self.logprobs)
+        return DrawConfig(f, self.logprobs, self.top_logprobs)
 
 
 @jax.jit
@@ -276,6 +308,7 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None
         sub.bias if f.bias else None,
     )
     lp = token_logprobs(logits, tok) if cfg.logprobs else jnp.zeros(tok.shape, jnp.float32)
+    top_lp, top_tok = _alternatives(logits, cfg.top_logprobs)
     active = ~sub.done
     stopped = active & jnp.any(tok[:, None] == sub.stops, axis=1)
     step = sub.step + active
@@ -296,7 +329,15 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None
         hidden=hidden,
     )
     rows = sub if idx is None else put_rows(rows, idx, sub)
-    return rows, Drawn(tok, lp, stopped, done, active)
+    return rows, Drawn(tok, lp, stopped, done, active, top_tok, top_lp)
+
+
+def _alternatives(logits, n: int) -> tuple[Array, Array]:
+    """`top_logprobs` of logits [..., V], or empty [..., 0] arrays when n is 0."""
+    if n:
+        return top_logprobs(logits, n)
+    shape = logits.shape[:-1] + (0,)
+    return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -345,7 +386,7 @@ class Verified:
     """What one speculative step produced, per verified row ([m]): tokens [m, S] (the first `count`
     are emitted), their logprobs [m, S] (raw model distribution), count (0 for inactive rows),
     accepted (drafts among the emitted tokens), stopped (the last emitted token is a stop token),
-    done, active."""
+    done, active; top_token / top_logprob [m, S, n]: each position's most likely tokens."""
 
     token: Array
     logprob: Array
@@ -354,6 +395,15 @@ class Verified:
     stopped: Array
     done: Array
     active: Array
+    top_token: Array
+    top_logprob: Array
+
+    def alternatives(self, j: int) -> list[list[tuple[int, float]]]:
+        """Per token of `emitted(j)`: the most likely (id, logprob) pairs, best first."""
+        return [
+            list(zip(self.top_token[j, i].tolist(), self.top_logprob[j, i].tolist(), strict=True))
+            for i in range(int(self.count[j]))
+        ]
 
     def emitted(self, j: int) -> list[tuple[int, float, bool, bool]]:
         """Row j's new tokens on the host, as `Drawn.emitted` (the flags belong to the last one)."""
@@ -469,7 +519,18 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
         hidden=hidden,
     )
     part = part.forget_from(jnp.where(active, sub.pos + n, jnp.iinfo(jnp.int32).max))
-    out = Verified(jnp.where(keep, emitted, 0), jnp.where(keep, lp, 0.0), n, jnp.minimum(a, n), stopped, done, active)
+    top_lp, top_tok = _alternatives(raw, cfg.top_logprobs)
+    out = Verified(
+        jnp.where(keep, emitted, 0),
+        jnp.where(keep, lp, 0.0),
+        n,
+        jnp.minimum(a, n),
+        stopped,
+        done,
+        active,
+        top_tok,
+        top_lp,
+    )
     return cache.put_head(part), put_head_rows(rows, new), out
 
 
@@ -495,6 +556,34 @@ def _draft(k: int, m: int, a_graphdef, a_weights, graphdef, weights, cache: KVCa
     return drafts.T
 
 
+def _score(n_top: int, chunk: int, graphdef, weights, ids, valid):
+    """Teacher-forced scores of right-padded rows ids [B, T] (valid [B, T]): column t's logprob of
+    token t + 1 (raw distribution, as `token_logprobs`) and the n_top most likely tokens there (their
+    logprobs are the same numbers: one `log_softmax`). Logits `chunk` columns at a time, never the
+    whole [B, T, V]. Returns (logprob [B, T], top_logprob [B, T, n_top], top_token [B, T, n_top])."""
+    model = nnx.merge(graphdef, weights)
+    h = model(ids, None, valid, return_hidden=True)
+    b, t = ids.shape
+    target = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), ids.dtype)], axis=1)
+
+    def columns(x):
+        hc, tc = x
+        logp = jax.nn.log_softmax(model.logits(hc).astype(jnp.float32), axis=-1)
+        lp = jnp.take_along_axis(logp, tc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        if not n_top:
+            return lp, jnp.zeros(lp.shape + (0,), jnp.float32), jnp.zeros(lp.shape + (0,), jnp.int32)
+        values, top = jax.lax.top_k(logp, n_top)
+        return lp, values, top.astype(jnp.int32)
+
+    def split(x):  # [B, T, ...] -> [T / chunk, B, chunk, ...]
+        return jnp.moveaxis(x.reshape((b, t // chunk, chunk) + x.shape[2:]), 1, 0)
+
+    def join(x):
+        return jnp.moveaxis(x, 0, 1).reshape((b, t) + x.shape[3:])
+
+    return tuple(join(x) for x in jax.lax.map(columns, (split(h), split(target))))
+
+
 # graphdef and the static options are hashable jit static arguments; the weights are traced
 # arguments; the cache (and the rows' state) are donated.
 _prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
@@ -503,6 +592,7 @@ _draw_jit = jax.jit(_draw, static_argnums=0, donate_argnums=(1,))
 _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
 _verify_jit = jax.jit(_verify, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 _draft_jit = jax.jit(_draft, static_argnums=(0, 1, 2, 4))
+_score_jit = jax.jit(_score, static_argnums=(0, 1, 2))
 
 PROGRAMS = {
     "prefill": _prefill_jit,
@@ -511,6 +601,7 @@ PROGRAMS = {
     "loop": _loop_jit,
     "verify": _verify_jit,
     "draft": _draft_jit,
+    "score": _score_jit,
 }
 
 
@@ -518,6 +609,10 @@ def compiled_programs() -> dict[str, int]:
     """How many programs each jitted stage has compiled in this process (all decoders together)."""
     return {name: fn._cache_size() for name, fn in PROGRAMS.items()}
 
+
+#: About how many positions `Decoder.score` computes logits for at once (memory: that many rows of
+#: [V] float32, 64 MiB on a 262144-token vocabulary).
+_SCORE_ROWS = 64
 
 # ------------------------------------------------------------------------------------------- compile counting
 _counting = threading.local()  # .counts: the dict of the Decoder whose program this thread is running
@@ -824,6 +919,26 @@ class Decoder:
         )
         self.state = DecodeState(cache, rows)
         return jax.device_get(out)
+
+    def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
+        """Teacher-forced logprobs of each prompt's tokens after the first (one forward pass over
+        the prompts; the cache is not touched, so this may run beside the decoding thread), with the
+        `top_logprobs` most likely tokens at each of those positions. Prompts are padded to a power
+        of two (at least 16) and batched to a power of two: one program per such shape."""
+        b, t = pow2(len(prompts)), max(16, pow2(max(len(p) for p in prompts)))
+        ids, valid = np.zeros((b, t), np.int32), np.zeros((b, t), bool)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)], valid[i, : len(p)] = p, True
+        chunk = min(t, pow2(max(1, _SCORE_ROWS // b)))  # logits of about _SCORE_ROWS positions at once
+        lp, top_lp, top_tok = jax.device_get(
+            self._run("score", _score_jit, top_logprobs, chunk, self.graphdef, self.weights, ids, valid)
+        )
+        out = []
+        for i, p in enumerate(prompts):
+            n = len(p) - 1
+            top = [list(zip(top_tok[i, c].tolist(), top_lp[i, c].tolist(), strict=True)) for c in range(n)]
+            out.append(Scored(tuple(p), lp[i, :n].tolist(), top))
+        return out
 
     def finish(self, rows: np.ndarray) -> None:
         """Mark rows (bool [rows]) done on the device: the host ended them (stop string, cancel)."""

@@ -40,10 +40,10 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from gemma4_nnx.decode.batching import PromptBatch, pow2, prompt_buckets
-from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Verified
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
-from gemma4_nnx.decode.requests import Request, check_int, make_request
-from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams
+from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request, check_int, check_top_logprobs, make_request
+from gemma4_nnx.decode.sampling import RowFeatures, RowParams
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
@@ -67,6 +67,8 @@ class Event:
     text: the text this token makes visible (tokenizer given; stop tokens and stop strings are not
       shown; text that may start a stop string is held back until decided).
     logprob: the token's log-probability under the raw model distribution.
+    top: the request's `top_logprobs` most likely (id, logprob) pairs of that distribution, best first
+      (None when it asked for none).
     finish_reason: None while running; then a `FinishReason`: "stop" (stop token), "stop_string",
       "length" (max_tokens), "cancelled" or "error".
     """
@@ -76,6 +78,7 @@ class Event:
     logprob: float | None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    top: list[tuple[int, float]] | None = None
 
 
 @dataclasses.dataclass
@@ -305,6 +308,18 @@ class Engine:
             self._cv.notify()
         return req
 
+    def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
+        """Logprobs of each prompt's own tokens (teacher-forced, `Decoder.score`) with the
+        `top_logprobs` most likely alternatives at each position: what `echo` reports for a prompt.
+        Runs on the calling thread, beside the engine's (it reads the weights, not the cache).
+        Raises `RequestError` naming "prompt" or "top_logprobs"."""
+        name = f"max_length={self.max_length}"
+        prompts = [
+            make_request(p, 1, vocab_size=self.vocab_size, context=self.max_length + 1, context_name=name).prompt
+            for p in prompts
+        ]
+        return self.decoder.score(prompts, check_top_logprobs(top_logprobs))
+
     def cancel(self, req: EngineRequest) -> None:
         """The client went away: free the request's row at the next step (or drop it from the queue)."""
         req.cancelled = True
@@ -359,7 +374,7 @@ class Engine:
             return False
         if not self._precompiled or self.drafting is not None or self.decoder.mesh is not None:
             return True
-        cfg = self._config([req.request.params])
+        cfg = self._config([req.request])
         shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
         if cfg.widest() in self.decoder.draw_failures or all(self.decoder.draw_ready(cfg.widest(), s) for s in shapes):
             return True  # ready, or its compile failed on the helper: this thread compiles (and reports) it
@@ -407,7 +422,7 @@ class Engine:
         idx = np.array([slot for slot, _ in pairs] + [self.max_batch] * (kb - k), np.int32)  # padding: dropped
         logits = self.decoder.prefill(PromptBatch.build([r.prompt for r in requests], kb, self.prefill_chunk), idx)
         init = self.decoder.build_rows(requests + [None] * (kb - k))
-        cfg = self._config([r.params for r in requests])
+        cfg = self._config(requests)
         drawn = self.decoder.draw(self.decoder.cover(cfg, (kb, True, True)) or cfg, logits, idx, init)
         self.stats.prefills += 1
         self.stats.prefill_rows += k
@@ -419,15 +434,20 @@ class Engine:
             req.first_token_s = now - req.submitted
         self._deliver([(slot, j) for j, (slot, _) in enumerate(pairs)], drawn)
 
-    def _config(self, params: Sequence[SamplingParams]) -> DrawConfig:
-        return DrawConfig(RowParams.of(params, self.vocab_size)[1] if params else RowFeatures(), logprobs=True)
+    def _config(self, requests: Sequence[Request]) -> DrawConfig:
+        """The draw program for these rows: their sampling features; alternatives at the one width
+        `MAX_TOP_LOGPROBS` when any row asks for them (each row reports its own first n), so they
+        add one program per sampler, not one per n."""
+        features = RowParams.of([r.params for r in requests], self.vocab_size)[1] if requests else RowFeatures()
+        top = MAX_TOP_LOGPROBS if any(r.top_logprobs for r in requests) else 0
+        return DrawConfig(features, logprobs=True, top_logprobs=top)
 
     def _step(self) -> None:
         active = [i for i, s in enumerate(self._slots) if s is not None]
         # Decode only the first m rows, m a power of two covering every active row (rows are taken
         # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
         m = min(pow2(active[-1] + 1), self.max_batch)
-        cfg = self._config([self._slots[i].request.params for i in active])
+        cfg = self._config([self._slots[i].request for i in active])
         if self.drafting is not None:
             histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
             out, drafted, accepted = self.drafting.step(self.decoder, cfg, histories, m)
@@ -451,7 +471,9 @@ class Engine:
         host_ended = np.zeros(self.max_batch, bool)
         for slot, j in rows:
             req = self._slots[slot]
-            for tok, lp, stopped, done in out.emitted(j):
+            want = req.request.top_logprobs
+            tops = out.alternatives(j) if want else None
+            for i, (tok, lp, stopped, done) in enumerate(out.emitted(j)):
                 req.tokens.append(tok)
                 self.stats.tokens_generated += 1
                 text, reason = req.stream.feed(tok, stopped=stopped, last=done and not stopped)
@@ -466,7 +488,7 @@ class Engine:
                     else:
                         self.stats.completed += 1
                         self.last_outcome = "ok"
-                req.emit(Event(tok, text, lp, reason))
+                req.emit(Event(tok, text, lp, reason, top=tops[i][:want] if want else None))
                 if reason is None and req.sink_error is not None:  # its consumer failed: free the row now
                     req.finish_reason = FinishReason.ERROR
                     self._slots[slot] = None

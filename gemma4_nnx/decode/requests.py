@@ -17,10 +17,22 @@ import numpy as np
 from gemma4_nnx.decode.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from gemma4_nnx.decode.sampling import SamplingParams
 
-__all__ = ["SEED_MODULUS", "Request", "check_int", "make_request", "normalize_seed", "prompt_too_long"]
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "SEED_MODULUS",
+    "Request",
+    "check_int",
+    "check_top_logprobs",
+    "make_request",
+    "normalize_seed",
+    "prompt_too_long",
+]
 
 #: Seeds are reduced modulo 2**31 (jax.random.key takes an int32 seed).
 SEED_MODULUS = 1 << 31
+
+#: The most alternatives per token a request may ask for (`top_logprobs`; vLLM's default limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +43,7 @@ class Request:
     [0, 2**31); row: which row of `fold_in(key(seed), row)` the draws use (`generate`'s row index, 0
     for the engine, so an engine request with seed s draws what row 0 of `generate(seed=s)` draws);
     stop_tokens: ids that end the row (kept in the output); stop_strings: texts that end it (cut).
+    top_logprobs: the most likely alternatives reported with each new token (0: none).
     """
 
     prompt: tuple[int, ...]
@@ -40,6 +53,7 @@ class Request:
     row: int = 0
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    top_logprobs: int = 0
 
 
 def check_int(value, name: str, *, lo: int, optional: bool = False) -> int | None:
@@ -49,6 +63,14 @@ def check_int(value, name: str, *, lo: int, optional: bool = False) -> int | Non
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise RequestError(f"{name} must be {'None or ' if optional else ''}an int >= {lo}, got {value!r}", name)
     return int(value)
+
+
+def check_top_logprobs(value) -> int:
+    """`top_logprobs` as an int in [0, MAX_TOP_LOGPROBS], else RequestError naming it."""
+    top = check_int(value, "top_logprobs", lo=0)
+    if top > MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+    return top
 
 
 def normalize_seed(seed, name: str = "seed") -> int:
@@ -98,6 +120,7 @@ def make_request(
     default_stops: Sequence[int] = (),
     has_tokenizer: bool = False,
     names: Mapping[str, str] | None = None,
+    top_logprobs: int = 0,
     **sampling,
 ) -> Request:
     """Validate one request; `max_tokens=None` means: as many as the context leaves.
@@ -105,6 +128,7 @@ def make_request(
     context: the cache slots a row has (`context_name` names where that number comes from, e.g.
     "max_length=64"). names: how the caller spells "prompt" and "max_tokens" in its own API.
     `stop_tokens=None` takes `default_stops`; `[]` means none (e.g. to ignore <eos>).
+    top_logprobs: alternatives per new token, in [0, MAX_TOP_LOGPROBS].
     sampling: the fields of `SamplingParams` (temperature, top_k, top_p, min_p, repetition_penalty,
     presence_penalty, frequency_penalty, logit_bias).
     """
@@ -147,4 +171,5 @@ def make_request(
         raise RequestError("stop_strings must be non-empty strings", "stop_strings")
     if strings and not has_tokenizer:
         raise RequestError("stop_strings needs a tokenizer (tokenizer=...) to decode the output", "stop_strings")
-    return Request(ids, n, params, normalize_seed(seed), row, tuple(sorted(set(stops))), strings)
+    top = check_top_logprobs(top_logprobs)
+    return Request(ids, n, params, normalize_seed(seed), row, tuple(sorted(set(stops))), strings, top)

@@ -85,6 +85,7 @@ __all__ = [
     "sample",
     "sample_rows",
     "token_logprobs",
+    "top_logprobs",
     "update_counts",
     "update_seen",
 ]
@@ -523,6 +524,15 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+
+def top_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """The n most likely tokens under the raw distribution (as `token_logprobs`): their logprobs
+    ``[..., n]`` float32 (descending) and ids ``[..., n]`` int32. ``jax.lax.top_k`` (on XLA:CPU about
+    0.6 ms a row over a 262144-token vocabulary, small beside a decode step)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    values, ids = jax.lax.top_k(logp, n)
+    return values, ids.astype(jnp.int32)
 
 
 def update_seen(seen_mask: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -1,0 +1,124 @@
+"""Logprobs for evaluation harnesses: prompt scoring (`Engine.score`, what `echo` reports) and the
+most likely alternatives of each generated token (`top_logprobs`), against float64 NumPy log-softmax
+of the model's plain forward pass; speculative decoding reports what plain decoding does."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemma4_nnx.decode.engine import Engine
+from gemma4_nnx.decode.errors import RequestError
+from tests.helpers import PROMPTS, tiny_model
+
+TOP = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    e = Engine(model, max_batch=4, max_length=48)
+    yield e
+    e.close()
+
+
+def _log_softmax64(model, ids) -> np.ndarray:
+    """[T, V] float64 log-softmax of the plain forward pass over one unpadded sequence."""
+    x = np.asarray(model(jnp.asarray([ids])), np.float64)[0]
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _check_top(top, ref_row, n):
+    """top: [(id, logprob)] best first, against one float64 row: the same ids (beyond near-ties) and
+    values within float32 rounding."""
+    order = np.argsort(-ref_row, kind="stable")[:n]
+    ids = [t for t, _ in top]
+    vals = np.array([v for _, v in top])
+    np.testing.assert_allclose(vals, ref_row[ids], atol=2e-5)
+    np.testing.assert_allclose(vals, ref_row[order], atol=2e-5)  # the n largest values
+    assert all(a >= b for a, b in zip(vals, vals[1:], strict=False)), "not best first"
+
+
+def test_score_matches_float64_forward(model, engine):
+    """Every prompt of a padded batch scores what its own unpadded forward pass gives."""
+    scored = engine.score(PROMPTS, top_logprobs=TOP)
+    for p, s in zip(PROMPTS, scored, strict=True):
+        ref = _log_softmax64(model, p)
+        assert len(s.logprob) == len(s.top) == len(p) - 1
+        want = [ref[i, p[i + 1]] for i in range(len(p) - 1)]
+        np.testing.assert_allclose(s.logprob, want, atol=2e-5)
+        for i in range(len(p) - 1):
+            _check_top(s.top[i], ref[i], TOP)
+            # the same numbers as the token's own logprob (harnesses compare them with ==)
+            d = dict(s.top[i])
+            if p[i + 1] in d:
+                assert d[p[i + 1]] == s.logprob[i]
+    # alone, a prompt scores the same as in the batch (padding changes nothing; another batch shape
+    # blocks XLA's float32 dots differently: a few ulps)
+    alone = engine.score([PROMPTS[0]], top_logprobs=0)[0]
+    np.testing.assert_allclose(alone.logprob, scored[0].logprob, rtol=1e-6)
+    assert alone.top == [[] for _ in alone.top]
+
+
+def test_generated_tokens_carry_their_alternatives(model, engine):
+    """Greedy: the first alternative is the token itself, with the very same logprob; all of them
+    agree with the float64 forward over prompt + output."""
+    reqs = [engine.submit(p, 6, stop_tokens=[], top_logprobs=n) for p, n in zip(PROMPTS, (TOP, 1, 0), strict=True)]
+    for p, r, n in zip(PROMPTS, reqs, (TOP, 1, 0), strict=True):
+        events = [ev for ev in r if ev.token is not None]
+        toks = [ev.token for ev in events]
+        ref = _log_softmax64(model, p + toks)
+        for k, ev in enumerate(events):
+            if n == 0:
+                assert ev.top is None
+                continue
+            assert len(ev.top) == n
+            assert ev.top[0] == (ev.token, ev.logprob)
+            _check_top(ev.top, ref[len(p) - 1 + k], n)
+
+
+def test_speculative_alternatives_equal_plain(model):
+    """Speculative decoding emits several tokens a step; each carries its own position's
+    alternatives, as plain decoding reports them."""
+    spec = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1, adaptive=False)
+    prompts = [p + p for p in PROMPTS]  # repeats: prompt lookup finds drafts
+    out = {}
+    for name, kw in (("plain", {}), ("spec", dict(speculative=spec))):
+        e = Engine(model, max_batch=4, max_length=48, **kw)
+        try:
+            reqs = [e.submit(p, 8, stop_tokens=[], top_logprobs=3) for p in prompts]
+            out[name] = [[(ev.token, ev.top) for ev in r if ev.token is not None] for r in reqs]
+            if name == "spec":
+                assert e.stats.accepted_tokens > 0, "no draft accepted: the test would not see a multi-token step"
+        finally:
+            e.close()
+    for a, b in zip(out["plain"], out["spec"], strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        for (_, ta), (_, tb) in zip(a, b, strict=True):
+            assert [i for i, _ in ta] == [i for i, _ in tb]
+            np.testing.assert_allclose([v for _, v in ta], [v for _, v in tb], atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.5, True])
+def test_bad_top_logprobs_names_the_parameter(engine, value):
+    with pytest.raises(RequestError) as e:
+        engine.validate(PROMPTS[0], 4, top_logprobs=value)
+    assert e.value.param == "top_logprobs"
+    with pytest.raises(RequestError) as e:
+        engine.score(PROMPTS, top_logprobs=value)
+    assert e.value.param == "top_logprobs"
+
+
+def test_score_refuses_bad_prompts(engine):
+    with pytest.raises(RequestError) as e:
+        engine.score([[2, 10**6]])
+    assert e.value.param == "prompt"
+    with pytest.raises(RequestError) as e:
+        engine.score([[2] * 49])
+    assert e.value.param == "prompt"
