@@ -405,12 +405,11 @@ def test_bad_chat_requests_and_malformed_json_do_not_hurt_the_server(served):
     ):
         status, err = _post(port, "/v1/chat/completions", {"model": NAME, "messages": messages})
         assert status == 400 and err["error"]["param"] == "messages", (messages, err)
-    status, err = _post(
-        port,
-        "/v1/chat/completions",
-        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
-    )
-    assert status == 400 and err["error"]["param"] == "top_logprobs"
+    for extra in ({"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1}):
+        status, err = _post(
+            port, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}], **extra}
+        )
+        assert status == 400 and err["error"]["param"] == "top_logprobs", (extra, err)
     with pytest.raises(openai.BadRequestError):
         _client(port).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=5)
     status, err = _get(port, "/v1/nothing-here")
@@ -1173,3 +1172,124 @@ def test_tokenize_and_detokenize(served):
         ):
             r = c.post(path, json=body, headers=key)
             assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
+
+
+# ----------------------------------------------------------------------------- evaluation harnesses
+def _log_softmax64(model, ids) -> np.ndarray:
+    x = np.asarray(model(np.asarray([ids])), np.float64)[0]
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_echo_scores_the_prompt_as_the_model_does(served):
+    """What lm-evaluation-harness sends for log-likelihoods: token-id prompts, echo, logprobs, greedy,
+    one new token. Every prompt token after the first gets the float64 forward's logprob, and its
+    alternatives hold the argmax with the very same number when the token is the argmax (the
+    harness's greedy check compares them with ==)."""
+    model, tok, port, _ = served
+    prompts = [tok.encode(t, add_bos=True) for t in ("the model reads the text", "alpha beta gamma delta")]
+    out = _client(port).completions.create(
+        model=NAME, prompt=prompts, max_tokens=1, temperature=0, logprobs=3, echo=True, extra_body={"ignore_eos": True}
+    )
+    assert len(out.choices) == 2
+    for ids, c in zip(prompts, sorted(out.choices, key=lambda c: c.index), strict=True):
+        lp = c.logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.tokens[: len(ids)] == [tok.decode([t]) for t in ids]
+        assert c.text.startswith(tok.decode(ids)) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        ref = _log_softmax64(model, ids + [tok.encode(lp.tokens[-1], add_bos=False)[0]])
+        np.testing.assert_allclose(
+            lp.token_logprobs[1:],
+            [ref[i, t] for i, t in enumerate(ids[1:] + [int(np.argmax(ref[len(ids) - 1]))])],
+            atol=2e-5,
+        )
+        greedy_hits = 0
+        for i, (t, top) in enumerate(zip(ids[1:], lp.top_logprobs[1 : len(ids)], strict=True)):
+            best = int(np.argmax(ref[i]))
+            assert tok.decode([best]) in top and len(top) in (3, 4)
+            np.testing.assert_allclose(max(top.values()), ref[i, best], atol=2e-5)
+            if t == best:
+                greedy_hits += 1
+                assert lp.token_logprobs[i + 1] == max(top.values())
+        assert lp.text_offset == [sum(len(p) for p in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    # max_tokens 0: only the prompt; a string prompt echoes as sent
+    out = _client(port).completions.create(model=NAME, prompt="alpha beta", max_tokens=0, echo=True, logprobs=0)
+    c = out.choices[0]
+    assert c.text == "alpha beta" and c.finish_reason == "length" and out.usage.completion_tokens == 0
+    ids = tok.encode("alpha beta", add_bos=True)
+    assert out.usage.prompt_tokens == len(ids) and c.logprobs.top_logprobs is None
+    ref = _log_softmax64(model, ids)
+    np.testing.assert_allclose(c.logprobs.token_logprobs[1:], [ref[i, t] for i, t in enumerate(ids[1:])], atol=2e-5)
+    # streamed: the echo first, then the completion; the same text
+    body = dict(
+        model=NAME, prompt="alpha beta", max_tokens=4, temperature=0, echo=True, extra_body={"ignore_eos": True}
+    )
+    whole = _client(port).completions.create(**body).choices[0].text
+    assert (
+        "".join(ch.choices[0].text for ch in _client(port).completions.create(stream=True, **body) if ch.choices)
+        == whole
+    )
+    assert whole.startswith("alpha beta") and len(whole) > len("alpha beta")
+
+
+def test_top_logprobs_of_generated_tokens(served):
+    """Completions' `logprobs: n` and chat's `top_logprobs: n`: n alternatives per generated token,
+    greedy's first one the token itself with the same logprob, values as the float64 forward."""
+    model, tok, port, _ = served
+    client = _client(port)
+    prompt = "the model reads"
+    c = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert len(c.logprobs.tokens) == 5
+    for piece, lp, top in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs, strict=True):
+        assert len(top) == 2 and top[piece] == lp == max(top.values())
+    msgs = [{"role": "user", "content": "hi there"}]
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=msgs,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = r.choices[0].logprobs.content
+    chat_ids = encode_chat(tok, msgs)
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.top_logprobs[0].bytes == list(entry.token.encode())
+    # values against the float64 forward over prompt + output (the generated ids via the engine directly)
+    res = generate(model, [chat_ids], 4, stop_tokens=[], max_length=MAX_LENGTH)
+    gen = res.tokens[0]
+    ref = _log_softmax64(model, chat_ids + gen)
+    for k, entry in enumerate(content):
+        row = ref[len(chat_ids) - 1 + k]
+        np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], np.sort(row)[::-1][:3], atol=2e-5)
+
+
+def test_echo_and_logprobs_bad_values_are_400s(served):
+    port = served[2]
+    for extra, param in (
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"echo": "yes"}, "echo"),
+        ({"prompt": [2, 10**7], "echo": True, "max_tokens": 0}, "prompt"),
+        ({"prompt": [2, 10**7], "echo": True, "max_tokens": 0, "logprobs": 1}, "prompt"),
+    ):
+        status, err = _post(port, "/v1/completions", {"model": NAME, "prompt": "x", **extra})
+        assert status == 400 and err["error"]["param"] == param, (extra, err)
+
+
+def test_tokenizer_info_lets_clients_tokenize_through_the_server(served):
+    """lm-evaluation-harness's check: /tokenizer_info has eos_token, and /tokenize of that text
+    (no special tokens added) is the eos id."""
+    _, tok, port, _ = served
+    status, info = _get(port, "/tokenizer_info")
+    assert status == 200 and info["eos_token"] == tok.id_to_token(tok.eos_id) and info["model_max_length"] == MAX_LENGTH
+    assert info["bos_token"] == tok.id_to_token(tok.bos_id) and info["vocab_size"] == tok.vocab_size
+    status, out = _post(port, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert status == 200 and out["tokens"] == [tok.eos_id]

@@ -13,9 +13,13 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   the rest to `content`; `"chat_template_kwargs": {"enable_thinking": true}` turns thinking on.
 * `POST /v1/completions`: `prompt` as a string (encoded with one leading <bos>), a list of
   strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
-  token-id lists.
+  token-id lists. `echo` returns the prompt before the completion and, with `logprobs` (0..20
+  alternatives), its tokens' logprobs too; `max_tokens: 0` with `echo` scores a prompt only (what
+  lm-evaluation-harness's log-likelihood tasks send).
 * `POST /tokenize`, `POST /detokenize`: vLLM's shapes (text or a chat -> `{count, max_model_len,
-  tokens, token_strs}`; ids -> `{prompt}`), the ids the routes above would run.
+  tokens, token_strs}`; ids -> `{prompt}`), the ids the routes above would run; `GET
+  /tokenizer_info` (special tokens, vocabulary size, --max-length: clients that tokenize through
+  the server read it first).
 * `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
   503 while the last request the engine ran failed); `GET /metrics` (Prometheus text format:
   latency histograms, tokens, responses by status, engine counters; `serve.metrics`); `GET /stats`
@@ -59,6 +63,7 @@ from gemma4_nnx.serve.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, validation_error
 
@@ -200,6 +205,10 @@ def create_app(
             serving.check_model(body.model)
         return await asyncio.to_thread(serving.tokenize, body)
 
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=_ERRORS)
+    async def tokenizer_info():
+        return serving.tokenizer_info()
+
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None:
@@ -212,7 +221,7 @@ def create_app(
         # tokenizing (up to --max-body-bytes of text) runs off the event loop: other streams keep flowing
         prompts = await asyncio.to_thread(serving.completion_prompts, body)
         requests = serving.engine_requests(prompts, body, chat=False)
-        return await serving.run(request, requests, body, chat=False)
+        return await serving.run(request, requests, body, chat=False, prompts=prompts)
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -33,6 +33,7 @@ _ROUTES = frozenset(
         "/v1/models",
         "/tokenize",
         "/detokenize",
+        "/tokenizer_info",
         "/health",
         "/metrics",
         "/stats",

@@ -3,7 +3,7 @@
 FastAPI builds `/openapi.json` and `/docs` from these models. Numbers, booleans and strings are
 *strict* (no "0.5" for 0.5, no 1 for true), as the OpenAI API is. Fields the OpenAI API defines but
 this server does not implement are declared and refused by name when set to anything but their
-neutral value (`echo`, `tools`, `response_format`, ...), so a client learns which
+neutral value (`suffix`, `tools`, `response_format`, ...), so a client learns which
 parameter to drop; fields nobody defined are ignored (clients add their own, e.g. `user`).
 
 Extensions beyond OpenAI (as vLLM spells them): `top_k` (-1 / 0 = off), `min_p`,
@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS
 
 __all__ = [
     "UNSUPPORTED",
@@ -43,6 +45,8 @@ __all__ = [
     "TextPart",
     "TokenizeRequest",
     "TokenizeResponse",
+    "TokenizerInfo",
+    "TopLogprob",
     "Usage",
 ]
 
@@ -68,7 +72,6 @@ TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 #: OpenAI fields this server does not implement: refused (400 naming them) unless neutral.
 UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v not in (None, 1),
-    "echo": lambda v: bool(v),
     "suffix": lambda v: v not in (None, ""),
     "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
@@ -180,11 +183,17 @@ class CompletionRequest(_Sampling):
         description="A string (encoded with one leading <bos>), a list of strings (one choice each), a list "
         "of token ids (used as given), or a list of token-id lists."
     )
-    logprobs: StrictInt | None = Field(
-        None,
-        description="0: the chosen tokens' logprobs (raw model distribution); alternatives (> 0) are not offered yet.",
+    max_tokens: Annotated[int, Field(strict=True, ge=0)] | None = Field(
+        None, description="New tokens at most (default 16). 0 only with `echo`: score the prompt, generate nothing."
     )
-    echo: StrictBool | None = Field(None, description="Not supported.")
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        None,
+        description="Each token's logprob (raw model distribution) and, when > 0, the `logprobs` most likely "
+        f"tokens at its position (plus the chosen one), at most {MAX_TOP_LOGPROBS}.",
+    )
+    echo: StrictBool | None = Field(
+        None, description="Return the prompt before the completion; with `logprobs`, the prompt tokens' too."
+    )
     suffix: StrictStr | None = Field(None, description="Not supported.")
     best_of: StrictInt | None = Field(None, description="Not supported: only 1.")
 
@@ -198,19 +207,10 @@ class CompletionRequest(_Sampling):
             )
         return v
 
-    @field_validator("echo", "suffix", "best_of")
+    @field_validator("suffix", "best_of")
     @classmethod
     def _unsupported_here(cls, v, info):
         return _refuse_unless_neutral(v, info)
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None and v < 0:
-            raise ValueError("'logprobs' must be an integer >= 0")
-        if v:
-            raise ValueError("'logprobs' > 0 (alternatives) is not supported; use 0 for the chosen tokens' logprobs")
-        return v
 
 
 class TextPart(_Api):
@@ -241,7 +241,9 @@ class ChatCompletionRequest(_Sampling):
         None, description="Same as max_tokens (takes precedence)."
     )
     logprobs: StrictBool | None = Field(None, description="The chosen tokens' logprobs.")
-    top_logprobs: StrictInt | None = Field(None, description="Only 0: alternatives are not offered yet.")
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        None, description=f"With `logprobs`: the most likely tokens at each position (at most {MAX_TOP_LOGPROBS})."
+    )
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[Any] | None = Field(None, description="Not supported yet.")
     functions: list[Any] | None = Field(None, description="Not supported.")
@@ -250,13 +252,6 @@ class ChatCompletionRequest(_Sampling):
     @classmethod
     def _unsupported_here(cls, v, info):
         return _refuse_unless_neutral(v, info)
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v):
-        if v:
-            raise ValueError("'top_logprobs' > 0 is not supported (only the chosen token's logprob)")
-        return v
 
     @property
     def max_new_tokens(self) -> tuple[int | None, str]:
@@ -274,9 +269,13 @@ class Usage(_Response):
 
 
 class CompletionLogprobs(_Response):
+    """Per token: its text, logprob (None for an echoed prompt's first token: nothing predicts it),
+    alternatives {text: logprob} (None when `logprobs` is 0, and for that first token) and the
+    offset of its text (the running length of the token texts before it)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: None = None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 
@@ -300,11 +299,17 @@ class CompletionResponse(_Response):
     usage: Usage | None = None
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class ChatLogprob(_Response):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[Any] = []
+    top_logprobs: list[TopLogprob] = []
 
 
 class ChatLogprobs(_Response):
@@ -410,6 +415,20 @@ class TokenizeResponse(_Response):
     max_model_len: int = Field(description="The server's --max-length (prompt + new tokens per request).")
     tokens: list[int]
     token_strs: list[str] | None = None
+
+
+class TokenizerInfo(_Response):
+    """GET /tokenizer_info (the keys of vLLM's that clients read: lm-evaluation-harness detects a
+    server-side tokenizer by `eos_token` and then tokenizes through /tokenize). `chat_template` is
+    None: chats are rendered in Python (`gemma4_nnx.tokenizer.format_chat`), not by a Jinja template."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    vocab_size: int
+    model_max_length: int = Field(description="The server's --max-length.")
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(_Api):

@@ -41,6 +41,8 @@ from gemma4_nnx.serve.protocol import (
     ErrorResponse,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
+    TopLogprob,
     Usage,
 )
 from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, encode_chat
@@ -310,6 +312,23 @@ class Serving:
             raise ApiError(f"'tokens' has id {bad[0]} outside the vocabulary [0, {vocab})", "tokens")
         return DetokenizeResponse(prompt=tok.decode(body.tokens))
 
+    def tokenizer_info(self) -> TokenizerInfo:
+        """GET /tokenizer_info: the special tokens and sizes a client needs to tokenize through
+        /tokenize (lm-evaluation-harness's remote tokenizer)."""
+        tok = self._need_tokenizer()
+
+        def name(i):
+            return None if i is None else tok.id_to_token(i)
+
+        return TokenizerInfo(
+            tokenizer_class=f"gemma4_nnx.Tokenizer ({tok.backend})",
+            bos_token=name(tok.bos_id),
+            eos_token=name(tok.eos_id),
+            pad_token=name(tok.pad_id),
+            vocab_size=tok.vocab_size,
+            model_max_length=self.engine.max_length,
+        )
+
     def _need_tokenizer(self):
         if self.tokenizer is None:
             raise ApiError("this server has no tokenizer (start it with --tokenizer)")
@@ -326,10 +345,16 @@ class Serving:
             )
         if chat:
             max_tokens, field = body.max_new_tokens
+            if body.top_logprobs and not body.logprobs:
+                raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            top = body.top_logprobs or 0 if body.logprobs else 0
         else:
             max_tokens, field = body.max_tokens, "max_tokens"
             if max_tokens is None:
                 max_tokens = DEFAULT_COMPLETION_TOKENS
+            if max_tokens == 0 and not body.echo:
+                raise ApiError("'max_tokens' must be >= 1 (0 only with 'echo': true, to score the prompt)", field)
+            top = body.logprobs or 0
         cap = self.max_tokens
         if cap is not None and max_tokens is not None and max_tokens > cap:
             raise ApiError(
@@ -349,6 +374,7 @@ class Serving:
             logit_bias=body.logit_bias,
             stop_strings=body.stop_strings,
             stop_tokens=[] if body.ignore_eos else None,
+            top_logprobs=top,
         )
         # n choices of a prompt share one seed (the client's, or a random one) and draw as rows 0..n-1
         # of `generate(..., seed=seed)` over n copies of it: distinct, and reproducible with `seed`
@@ -360,6 +386,8 @@ class Serving:
                 "n",
             )
         seed = normalize_seed(body.seed % (1 << 31)) if body.seed is not None else random.getrandbits(31)
+        if max_tokens == 0:  # echo only: nothing to generate (the prompts are checked when scored)
+            return []
 
         def limit(ids: list[int]) -> int | None:
             if max_tokens is None and cap is not None:  # chat without a limit: what the context leaves, capped
@@ -376,17 +404,73 @@ class Serving:
             raise ApiError(str(e), param, code=e.code) from None
 
     # ------------------------------------------------------------------ responses
-    def _logprob(self, ev: Event) -> ChatLogprob:
-        piece = self.tokenizer.decode([ev.token]) if self.tokenizer is not None else str(ev.token)
-        return ChatLogprob(token=piece, logprob=ev.logprob, bytes=list(piece.encode()), top_logprobs=[])
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
-    async def run(self, http, requests: list[Request], body, *, chat: bool):
+    def _logprob(self, ev: Event) -> ChatLogprob:
+        piece = self._piece(ev.token)
+        top = [TopLogprob(token=(p := self._piece(t)), logprob=lp, bytes=list(p.encode())) for t, lp in ev.top or ()]
+        return ChatLogprob(token=piece, logprob=ev.logprob, bytes=list(piece.encode()), top_logprobs=top)
+
+    def _completion_logprobs(self, entries: list[tuple[int, float | None, list | None]], top: int):
+        """`CompletionLogprobs` of (token, logprob, alternatives) entries: alternatives as
+        {text: logprob}, the chosen token's own entry added (OpenAI: up to `logprobs` + 1 of them)."""
+        pieces = [self._piece(t) for t, _, _ in entries]
+        offsets = [0]
+        for p in pieces[:-1]:
+            offsets.append(offsets[-1] + len(p))
+        tops = None
+        if top:
+            tops = []
+            for piece, (_, lp, alts) in zip(pieces, entries, strict=True):
+                if lp is None:
+                    tops.append(None)
+                    continue
+                d = {self._piece(t): v for t, v in alts[:top]}
+                d.setdefault(piece, lp)
+                tops.append(d)
+        return CompletionLogprobs(
+            tokens=pieces, token_logprobs=[lp for _, lp, _ in entries], top_logprobs=tops, text_offset=offsets
+        )
+
+    def echo(self, prompts: list[list[int]], body: CompletionRequest) -> list[tuple[str, list]]:
+        """`echo`: per prompt, its text (the request's own string, or the ids decoded) and its
+        (token, logprob, alternatives) entries (scored only when `logprobs` is asked for; the first
+        token has no logprob)."""
+        texts = body.prompt if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else None
+        if isinstance(body.prompt, str):
+            texts = [body.prompt]
+        vocab = self.engine.vocab_size
+        for ids in prompts:  # (with max_tokens >= 1 the engine checked them already)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(f"'prompt' has token id {bad[0]} outside the vocabulary [0, {vocab})", "prompt")
+        scored = None
+        if body.logprobs is not None:
+            try:
+                scored = self.engine.score(prompts, body.logprobs)
+            except RequestError as e:
+                raise ApiError(str(e), "prompt" if e.param == "prompt" else "logprobs", code=e.code) from None
+        out = []
+        for i, ids in enumerate(prompts):
+            text = texts[i] if texts is not None else "".join(self._piece(t) for t in ids)
+            entries = []
+            if scored is not None:
+                sc = scored[i]
+                entries = [(ids[0], None, None)] + [
+                    (t, lp, alts) for t, lp, alts in zip(ids[1:], sc.logprob, sc.top, strict=True)
+                ]
+            out.append((text, entries))
+        return out
+
+    async def run(self, http, requests: list[Request], body, *, chat: bool, prompts: list[list[int]] | None = None):
         """Admit and queue the requests; a response body (dict) or, with `stream`, an SSE
-        `StreamingResponse`."""
+        `StreamingResponse`. `prompts`: a completion's prompts (`echo` scores them; with
+        `max_tokens` 0 there are no requests)."""
         from fastapi.responses import StreamingResponse
         from starlette.background import BackgroundTask
 
-        n = len(requests)
+        n = len(requests) or len(prompts or ()) * (body.n or 1)
         self.admit(n)
         released = False
 
@@ -397,7 +481,7 @@ class Serving:
                 self.release(n)
 
         try:
-            response = await self._run(http, requests, body, chat=chat, release=release)
+            response = await self._run(http, requests, body, chat=chat, release=release, prompts=prompts)
         except BaseException:
             release()
             raise
@@ -407,9 +491,14 @@ class Serving:
             release()
         return response
 
-    async def _run(self, http, requests: list[Request], body, *, chat: bool, release: Callable[[], None]):
+    async def _run(self, http, requests: list[Request], body, *, chat: bool, release: Callable[[], None], prompts=None):
         from fastapi.responses import JSONResponse, StreamingResponse
 
+        echo = None
+        if not chat and body.echo:  # per choice: the prompt's text and scored tokens (scored off the event loop)
+            echo = [e for e in await asyncio.to_thread(self.echo, prompts, body) for _ in range(body.n or 1)]
+        if not requests:  # max_tokens 0: the echo is the whole answer
+            requests = [None] * len(echo)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()  # filled by the engine thread's sinks
         events: asyncio.Queue | _Peeked = queue  # what this request reads
@@ -428,6 +517,9 @@ class Serving:
         reqs = []
         try:
             for i, request in enumerate(requests):
+                if request is None:  # nothing to generate: it ends at once
+                    queue.put_nowait((i, Event(None, "", None, FinishReason.LENGTH)))
+                    continue
                 reqs.append(self.engine.submit(request, sink=sink_for(i)))
                 self.live.add(reqs[-1])
         except EngineError as e:
@@ -451,12 +543,13 @@ class Serving:
                 ) from None
             events = _Peeked(first, queue)
         want_lp = bool(body.logprobs is not None if not chat else body.logprobs)
+        top = (body.logprobs or 0) if not chat else 0
         ctx = dict(
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
             created=int(time.time()),
             model=self.model_name,
         )
-        n_prompt = sum(len(r.prompt) for r in requests[:: body.n or 1])  # each prompt once, whatever n
+        n_prompt = sum(len(p) for p in prompts) if prompts is not None else len(requests[0].prompt)  # once each
 
         def usage() -> Usage:
             n_out = sum(len(r.tokens) for r in reqs)
@@ -496,14 +589,18 @@ class Serving:
             finally:
                 gone.cancel()
                 self.live.difference_update(reqs)
-            build = self._chat_response if chat else self._completion_response
-            return build(ctx, collected, want_lp, usage()).model_dump()
+            if chat:
+                return self._chat_response(ctx, collected, want_lp, usage()).model_dump()
+            return self._completion_response(ctx, collected, want_lp, top, echo, usage()).model_dump()
 
-        stream = self._chat_chunks if chat else self._completion_chunks
+        if chat:
+            stream = self._chat_chunks(ctx, events, len(requests), want_lp, body.include_usage, usage)
+        else:
+            stream = self._completion_chunks(ctx, events, len(requests), want_lp, top, echo, body.include_usage, usage)
 
         async def sse():
             try:
-                async for chunk in stream(ctx, events, len(requests), want_lp, body.include_usage, usage):
+                async for chunk in stream:
                     yield chunk
                 yield "data: [DONE]\n\n"
             finally:  # also on client disconnect (the response task is cancelled)
@@ -514,20 +611,16 @@ class Serving:
             sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
 
-    def _completion_response(self, ctx, collected, want_lp, usage) -> CompletionResponse:
+    def _completion_response(self, ctx, collected, want_lp, top, echo, usage) -> CompletionResponse:
         choices = []
         for i, evs in enumerate(collected):
-            toks = [e for e in evs if e.token is not None]
-            lp = None
-            if want_lp:
-                pieces = [self._logprob(e).token for e in toks]
-                offsets = [sum(len(p) for p in pieces[:j]) for j in range(len(pieces))]
-                lp = CompletionLogprobs(tokens=pieces, token_logprobs=[e.logprob for e in toks], text_offset=offsets)
+            head, entries = echo[i] if echo is not None else ("", [])
+            entries = entries + [(e.token, e.logprob, e.top) for e in evs if e.token is not None]
             choices.append(
                 CompletionChoice(
                     index=i,
-                    text="".join(e.text for e in evs),
-                    logprobs=lp,
+                    text=head + "".join(e.text for e in evs),
+                    logprobs=self._completion_logprobs(entries, top) if want_lp else None,
                     finish_reason=_finish(evs[-1].finish_reason),
                 )
             )
@@ -558,7 +651,10 @@ class Serving:
             left -= reason is not None
             yield i, ev, reason
 
-    async def _completion_chunks(self, ctx, events, n, want_lp, include_usage, usage):
+    async def _completion_chunks(self, ctx, events, n, want_lp, top, echo, include_usage, usage):
+        for i, (head, entries) in enumerate(echo or ()):  # the echoed prompts first, one chunk each
+            lp = self._completion_logprobs(entries, top) if want_lp else None
+            yield _sse(CompletionResponse(**ctx, choices=[CompletionChoice(index=i, text=head, logprobs=lp)]))
         async for i, ev, reason in self._events(events, n):
             if i is None:
                 yield _sse(ev.body())
@@ -567,7 +663,7 @@ class Serving:
                 continue  # nothing to show yet (e.g. text held back while a stop string may start)
             lp = None
             if want_lp and ev.token is not None:
-                lp = CompletionLogprobs(tokens=[self._logprob(ev).token], token_logprobs=[ev.logprob], text_offset=[0])
+                lp = self._completion_logprobs([(ev.token, ev.logprob, ev.top)], top)
             chunk = CompletionResponse(
                 **ctx, choices=[CompletionChoice(index=i, text=ev.text, logprobs=lp, finish_reason=reason)]
             )
