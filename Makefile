@@ -48,7 +48,8 @@ test-py312: $(VENV312)/.installed
 	$(VENV312)/bin/ruff check .
 	$(VENV312)/bin/python -m pytest -q
 
-# Google's gemma library (gm) and tunix running our exports and feeding our imports (tests/test_interop.py).
+# Google's gemma library (gm) and tunix running our exports and feeding our imports (tests/test_interop.py),
+# lm-evaluation-harness scoring through gemma4-serve (tests/test_lm_eval.py).
 # Its own Python 3.12 virtualenv: gm pulls TensorFlow-CPU (~4 GB, ~3 min to install).
 VENVI ?= .venv-interop
 $(VENVI)/.installed: pyproject.toml
@@ -58,7 +59,7 @@ $(VENVI)/.installed: pyproject.toml
 	touch $@
 
 test-interop: $(VENVI)/.installed
-	$(VENVI)/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_interop.py
+	$(VENVI)/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_interop.py tests/test_lm_eval.py
 
 # ruff: `make lint` checks, `make format` rewrites.
 lint: $(VENV)/.installed

@@ -2,7 +2,7 @@
 
 A plain ASGI middleware (no request buffering of its own), in front of the FastAPI app:
 
-* `api_key`: `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` (401
+* `api_key`: `/v1/*`, `/tokenize`, `/detokenize` and `/tokenizer_info` need `Authorization: Bearer <key>` (401
   otherwise, compared in constant time); `/health`, `/metrics`, `/stats`, `/docs` and
   `/openapi.json` stay open (probes and schema readers carry no key). vLLM's `--api-key`.
 * POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
@@ -29,7 +29,8 @@ from gemma4_nnx.serve.serving import ApiError
 __all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/*: they run the server's tokenizer
+# besides /v1/*: they run the server's tokenizer
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole request body
 
 
