@@ -1293,3 +1293,35 @@ def test_tokenizer_info_lets_clients_tokenize_through_the_server(served):
     assert info["bos_token"] == tok.id_to_token(tok.bos_id) and info["vocab_size"] == tok.vocab_size
     status, out = _post(port, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
     assert status == 200 and out["tokens"] == [tok.eos_id]
+
+
+def test_prefix_cache_serves_a_conversation_as_without_it(served):
+    """A three-turn chat through a server with prefix caching answers what the plain server answers;
+    later turns reuse earlier KV, and /metrics reports it (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model, tok, port, _ = served
+    engine = Engine(model, tok, max_batch=2, max_length=MAX_LENGTH, prefix_cache_bytes=1 << 28)
+    messages, plain, cached = [], [], []
+    try:
+        with _app_client(engine) as c:
+            for user in ("alpha beta", "the model", "reads text"):
+                messages.append({"role": "user", "content": user})
+                body = {"model": NAME, "messages": messages, "max_tokens": 5, "temperature": 0}
+                status, want = _post(port, "/v1/chat/completions", body)
+                r = c.post("/v1/chat/completions", json=body)
+                assert status == 200 and r.status_code == 200
+                plain.append(want["choices"][0]["message"]["content"])
+                cached.append(r.json()["choices"][0]["message"]["content"])
+                messages.append({"role": "assistant", "content": plain[-1]})
+            m = {
+                s.name: s.value
+                for f in text_string_to_metric_families(c.get("/metrics").text)
+                for s in f.samples
+                if s.name.startswith("gemma4_prefix_cache")
+            }
+    finally:
+        engine.close()
+    assert cached == plain
+    assert m["gemma4_prefix_cache_hits_total"] >= 2 and m["gemma4_prefix_cache_lookups_total"] == 3
+    assert m["gemma4_prefix_cache_reused_tokens_total"] > 0 and m["gemma4_prefix_cache_entries"] >= 2

@@ -80,7 +80,8 @@ class PromptBatch:
 
     ids [R, P] int32; positions [R, P] int32 (-1 at padding); valid [R, P] bool; last [R] int32: the
     column of each row's last prompt token (0 for padding rows); chunk: prefill chunk width (P is a
-    multiple of it); lengths [R]: prompt lengths (0 for padding rows).
+    multiple of it); lengths [R]: prompt lengths (0 for padding rows); starts [R]: the position of
+    each row's first column (0 unless the row continues a cached prefix).
     """
 
     ids: np.ndarray
@@ -89,10 +90,19 @@ class PromptBatch:
     last: np.ndarray
     lengths: np.ndarray
     chunk: int
+    starts: np.ndarray | None = None  # [R] each row's first position (a continued prefix); None: 0
 
     @classmethod
-    def build(cls, prompts: Sequence[Sequence[int]], rows: int, prefill_chunk: int | None = None) -> PromptBatch:
-        """Pad `prompts` (token-id lists) into `rows` >= len(prompts) rows of bucketed width."""
+    def build(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        rows: int,
+        prefill_chunk: int | None = None,
+        starts: Sequence[int] | None = None,
+    ) -> PromptBatch:
+        """Pad `prompts` (token-id lists) into `rows` >= len(prompts) rows of bucketed width.
+        starts: each prompt's first position (default 0): a row continuing a cached prefix of that
+        many tokens (`decode.prefix`) feeds only the rest."""
         if rows < len(prompts):
             raise ValueError(f"PromptBatch.build: {len(prompts)} prompts do not fit {rows} rows")
         width, chunk = prompt_columns(max(len(p) for p in prompts), prefill_chunk)
@@ -103,8 +113,11 @@ class PromptBatch:
             ids[r, : len(p)] = p
             valid[r, : len(p)] = True
             lengths[r] = len(p)
-        positions = np.where(valid, np.arange(width)[None, :], -1).astype(np.int32)
-        return cls(ids, positions, valid, np.maximum(lengths - 1, 0), lengths, chunk)
+        first = np.zeros((rows, 1), np.int32)
+        if starts is not None:
+            first[: len(starts), 0] = starts
+        positions = np.where(valid, first + np.arange(width)[None, :], -1).astype(np.int32)
+        return cls(ids, positions, valid, np.maximum(lengths - 1, 0), lengths, chunk, first[:, 0])
 
     @property
     def width(self) -> int:

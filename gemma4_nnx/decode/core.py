@@ -261,9 +261,10 @@ def _forward(graphdef, weights, cache, ids, positions, valid, select) -> tuple[N
 def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last, nxt: Next, c0, fresh):
     """Prompt chunk [c0, c0 + C) of rows `idx` [k] (None: every row). last [k]: column of each row's
     last prompt token in the full padded prompt; rows whose last token is in this chunk take their
-    `Next` from it, the others keep `nxt`. fresh: clear those rows first (first chunk)."""
+    `Next` from it, the others keep `nxt`. fresh [k]: clear those rows first (first chunk; not a row
+    that continues a restored prefix)."""
     part = cache if idx is None else cache.take(idx)
-    part = part.reset(jnp.full((ids.shape[0],), fresh))
+    part = part.reset(fresh)
     c = ids.shape[1]
     local = jnp.clip(last - c0, 0, c - 1)
     new, part = _forward(graphdef, weights, part, ids, positions, valid, local[:, None])
@@ -593,6 +594,8 @@ _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
 _verify_jit = jax.jit(_verify, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 _draft_jit = jax.jit(_draft, static_argnums=(0, 1, 2, 4))
 _score_jit = jax.jit(_score, static_argnums=(0, 1, 2))
+_snapshot_jit = jax.jit(lambda cache, idx: cache.take(idx))
+_restore_jit = jax.jit(lambda cache, idx, snap, length: cache.put(idx, snap.forget_from(length)), donate_argnums=(0,))
 
 PROGRAMS = {
     "prefill": _prefill_jit,
@@ -602,6 +605,8 @@ PROGRAMS = {
     "verify": _verify_jit,
     "draft": _draft_jit,
     "score": _score_jit,
+    "snapshot": _snapshot_jit,
+    "restore": _restore_jit,
 }
 
 
@@ -765,6 +770,7 @@ class Decoder:
         last = jnp.asarray(batch.last)
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         cache = self.state.cache
+        fresh = np.ones(r, bool) if batch.starts is None else batch.starts == 0
         for c0, ids, pos, valid in batch.chunks():
             cache, logits = self._run(
                 "prefill",
@@ -779,7 +785,7 @@ class Decoder:
                 last,
                 logits,
                 jnp.int32(c0),
-                jnp.bool_(c0 == 0),
+                jnp.asarray(fresh & (c0 == 0)),
             )
         self.state = dataclasses.replace(self.state, cache=cache)
         return logits
@@ -919,6 +925,23 @@ class Decoder:
         )
         self.state = DecodeState(cache, rows)
         return jax.device_get(out)
+
+    def snapshot(self, row: int) -> KVCache:
+        """A copy of one row's cache (on device; `decode.prefix` keeps it to reuse a prefix)."""
+        return self._run("snapshot", _snapshot_jit, self.state.cache, jnp.asarray([row], jnp.int32))
+
+    def restore(self, row: int, snapshot: KVCache, length: int) -> None:
+        """Write a `snapshot` into `row`, keeping its first `length` positions (the rest forgotten):
+        the row then continues that prefix (`PromptBatch.build(..., starts=...)`)."""
+        cache = self._run(
+            "restore",
+            _restore_jit,
+            self.state.cache,
+            jnp.asarray([row], jnp.int32),
+            snapshot,
+            jnp.asarray([length], jnp.int32),
+        )
+        self.state = dataclasses.replace(self.state, cache=cache)
 
     def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
         """Teacher-forced logprobs of each prompt's tokens after the first (one forward pass over

@@ -42,6 +42,7 @@ import numpy as np
 from gemma4_nnx.decode.batching import PromptBatch, pow2, prompt_buckets
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.prefix import PrefixCache
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request, check_int, check_top_logprobs, make_request
 from gemma4_nnx.decode.sampling import RowFeatures, RowParams
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
@@ -199,8 +200,10 @@ class Engine:
         precompile: Sequence[int] | str | None = None,
         mesh=None,
         speculative: SpeculativeConfig | dict | None = None,
+        prefix_cache_bytes: int = 0,
     ):
         check_int(max_batch, "max_batch", lo=1)
+        check_int(prefix_cache_bytes, "prefix_cache_bytes", lo=0)
         self.speculative = speculative_config(speculative)
         if self.speculative is not None:
             self.speculative.check_target(model.config)
@@ -228,6 +231,12 @@ class Engine:
             assistant=self.speculative.assistant if self.speculative else None,
         )
         self.drafting = Drafting(self.speculative, max_batch) if self.speculative else None
+        self.prefix: PrefixCache | None = None
+        if prefix_cache_bytes:
+            rings = [c.size for c in self.decoder.state.cache.layers.values() if c.ring]
+            ring = (min(rings), model.config.sliding_window) if rings else None
+            self.prefix = PrefixCache(prefix_cache_bytes, ring)
+            self._row_bytes = self.decoder.state.cache.nbytes // max_batch
         self._slots: list[EngineRequest | None] = [None] * max_batch
         self._pending: deque[EngineRequest] = deque()
         self._cv = threading.Condition()
@@ -420,7 +429,19 @@ class Engine:
         requests = [req.request for _, req in pairs]
         self.decoder.widen_stops(max(pow2(len(r.stop_tokens)) for r in requests))
         idx = np.array([slot for slot, _ in pairs] + [self.max_batch] * (kb - k), np.int32)  # padding: dropped
-        logits = self.decoder.prefill(PromptBatch.build([r.prompt for r in requests], kb, self.prefill_chunk), idx)
+        starts = [0] * k
+        if self.prefix is not None:  # rows that continue a cached prefix start from a copy of it
+            for j, (slot, req) in enumerate(pairs):
+                hit = self.prefix.match(req.prompt)
+                if hit is not None:
+                    self.decoder.restore(slot, hit[0], hit[1])
+                    starts[j] = hit[1]
+        batch = PromptBatch.build(
+            [r.prompt[s:] for r, s in zip(requests, starts, strict=True)], kb, self.prefill_chunk, starts
+        )
+        logits = self.decoder.prefill(batch, idx)
+        for slot, req in pairs:
+            self._keep_prefix(slot, req.prompt)
         init = self.decoder.build_rows(requests + [None] * (kb - k))
         cfg = self._config(requests)
         drawn = self.decoder.draw(self.decoder.cover(cfg, (kb, True, True)) or cfg, logits, idx, init)
@@ -433,6 +454,11 @@ class Engine:
         for _, req in pairs:
             req.first_token_s = now - req.submitted
         self._deliver([(slot, j) for j, (slot, _) in enumerate(pairs)], drawn)
+
+    def _keep_prefix(self, slot: int, tokens: Sequence[int]) -> None:
+        """Snapshot `slot`'s cache, which holds exactly `tokens`, for later prompts that begin with them."""
+        if self.prefix is not None and self.prefix.wants(tokens):
+            self.prefix.add(tokens, self.decoder.snapshot(slot), self._row_bytes)
 
     def _config(self, requests: Sequence[Request]) -> DrawConfig:
         """The draw program for these rows: their sampling features; alternatives at the one width
@@ -483,6 +509,10 @@ class Engine:
                 if reason is not None:
                     self._slots[slot] = None
                     host_ended[slot] = not done
+                    if reason in (FinishReason.STOP, FinishReason.LENGTH) and done:
+                        # the row holds the prompt and every token but the last (never fed); a row the
+                        # host ended (a stop string) may hold more, so it is not kept
+                        self._keep_prefix(slot, req.prompt + tuple(req.tokens[:-1]))
                     if reason == FinishReason.CANCELLED:
                         self.stats.cancelled += 1
                     else:

@@ -253,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens")
     p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=0,
+        help="device memory for prefix caching (MiB; default 0 = off): prompts that begin with an earlier "
+        "request's tokens (multi-turn chat, shared system prompts) reuse its KV; each snapshot costs one "
+        "row's cache",
+    )
+    p.add_argument(
         "--precompile",
         type=_length_or_all,
         nargs="*",
@@ -353,6 +361,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
     from gemma4_nnx.cli_generate import load_model
     from gemma4_nnx.tokenizer import load_tokenizer
 
+    if args.prefix_cache_mb < 0:
+        raise ValueError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     mesh = None
     tp = args.tensor_parallel_size
     if tp != 1:
@@ -383,6 +393,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
         mesh=mesh,
         speculative=speculative,
+        prefix_cache_bytes=args.prefix_cache_mb << 20,
     )
 
 

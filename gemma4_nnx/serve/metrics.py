@@ -91,6 +91,23 @@ class _EngineCollector:
             ("engine_alive", "1 while the engine thread runs", int(e.alive)),
         ):
             yield GaugeMetricFamily(f"gemma4_{name}", doc, value=value)
+        if e.prefix is not None:
+            ps = e.prefix.stats
+            for name, doc, value in (
+                ("prefix_cache_lookups", "Prompts looked up in the prefix cache", ps.lookups),
+                ("prefix_cache_hits", "Prompts that continued a cached prefix", ps.hits),
+                (
+                    "prefix_cache_reused_tokens",
+                    "Prompt tokens not prefilled thanks to the prefix cache",
+                    ps.reused_tokens,
+                ),
+                ("prefix_cache_evictions", "Prefix snapshots dropped for room", ps.evicted),
+            ):
+                yield CounterMetricFamily(f"gemma4_{name}", doc, value=value)
+            yield GaugeMetricFamily(
+                "gemma4_prefix_cache_bytes", "Device bytes held by prefix snapshots", value=e.prefix.nbytes
+            )
+            yield GaugeMetricFamily("gemma4_prefix_cache_entries", "Prefix snapshots held", value=len(e.prefix))
         compiled = GaugeMetricFamily(
             "gemma4_compiled_programs", "Programs this engine compiled, by kind", labels=["kind"]
         )
