@@ -222,6 +222,7 @@ class DrawConfig:
     features: RowFeatures = dataclasses.field(default_factory=RowFeatures)
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per drawn token (`Drawn.top_token`); 0: none
+    constrained: bool = False  # the draw takes a token bitmask per row (`decode.constraints`)
 
     def widest(self) -> DrawConfig:
         """Every sampling feature on, at this top-k width: it draws the same tokens as `self` for
@@ -233,7 +234,7 @@ class DrawConfig:
             sampled=True, top_k=self.features.top_k, top_p=True, full_sort=True, min_p=True, penalty=True,
             counts=True, bias=True,
         )  # fmt: skip
-        return DrawConfig(f, self.logprobs, self.top_logprobs)
+        return DrawConfig(f, self.logprobs, self.top_logprobs, self.constrained)
 
 
 @jax.jit
@@ -289,13 +290,22 @@ def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done):
     return cache.put_head(part), nxt
 
 
-def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None = None):
+def _allowed(mask, vocab_size: int):
+    """Token bitmasks [k, W] int32 (bit t % 32 of word t // 32) -> allowed [k, V] bool."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
+def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None = None, mask=None):
     """Sample the next token of rows `idx` [k] (None: every row) from `nxt` [k]; `init`: first
-    write those rows' initial state (joining requests). Returns (rows, Drawn)."""
+    write those rows' initial state (joining requests); `mask` [k, W] (`cfg.constrained`): the
+    tokens each row may draw. Returns (rows, Drawn)."""
     if init is not None:
         rows = put_rows(rows, idx, init)
     sub = rows if idx is None else take_rows(rows, idx)
     logits = nxt.logits
+    if cfg.constrained:
+        logits = jnp.where(_allowed(mask, logits.shape[-1]), logits, -jnp.inf)
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(sub.key, sub.step)
     f = cfg.features
     penalty = f.penalty
@@ -308,8 +318,9 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None
         sub.counts if f.counts else None,
         sub.bias if f.bias else None,
     )
-    lp = token_logprobs(logits, tok) if cfg.logprobs else jnp.zeros(tok.shape, jnp.float32)
-    top_lp, top_tok = _alternatives(logits, cfg.top_logprobs)
+    raw = nxt.logits  # logprobs report the model's own distribution, whatever the sampler allowed
+    lp = token_logprobs(raw, tok) if cfg.logprobs else jnp.zeros(tok.shape, jnp.float32)
+    top_lp, top_tok = _alternatives(raw, cfg.top_logprobs)
     active = ~sub.done
     stopped = active & jnp.any(tok[:, None] == sub.stops, axis=1)
     step = sub.step + active
@@ -790,13 +801,28 @@ class Decoder:
         self.state = dataclasses.replace(self.state, cache=cache)
         return logits
 
-    def draw(self, cfg: DrawConfig, logits: Next, idx: np.ndarray | None = None, init: RowState | None = None) -> Drawn:
+    def draw(
+        self,
+        cfg: DrawConfig,
+        logits: Next,
+        idx: np.ndarray | None = None,
+        init: RowState | None = None,
+        mask: np.ndarray | None = None,
+    ) -> Drawn:
         """Sample rows `idx` (None: every row) from `logits` (a `Next`); `init`: their initial state,
-        written first (`build_rows` of the joining requests). Returns the `Drawn` on the host (NumPy)."""
+        written first (`build_rows` of the joining requests); `mask` [R, W] int32 token bitmasks
+        (`cfg.constrained`). Returns the `Drawn` on the host (NumPy)."""
         key = self._draw_key(cfg, logits.logits.shape[0], idx is not None, init is not None)
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         rows, drawn = self._run(
-            "draw", _draw_jit, cfg, self.state.rows, idx, logits, None if init is None else self._place(init)
+            "draw",
+            _draw_jit,
+            cfg,
+            self.state.rows,
+            idx,
+            logits,
+            None if init is None else self._place(init),
+            self._mask(cfg, logits.logits.shape[0], mask),
         )
         self._draws_run.add(key)
         self.state = dataclasses.replace(self.state, rows=rows)
@@ -860,23 +886,34 @@ class Decoder:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="gemma4-compile")
         return self._background.submit(work)
 
+    def _mask(self, cfg: DrawConfig, n: int, mask: np.ndarray | None):
+        """The draw's bitmask argument: None unless `cfg.constrained` (then all tokens by default)."""
+        if not cfg.constrained:
+            return None
+        if mask is None:
+            mask = np.full((n, (self.vocab_size + 31) // 32), -1, np.int32)
+        return self._place(jnp.asarray(mask, jnp.int32))
+
     def _placeholder_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
         hidden = self.config.hidden_size
         nxt = self._place(Next(jnp.zeros((n, self.vocab_size), jnp.float32), jnp.zeros((n, hidden), jnp.float32)))
         rows = self._place(self.build_rows([None] * self.rows))
         idx = jnp.asarray(np.arange(n) % self.rows, jnp.int32) if indexed else None
         start = self._place(self.build_rows([None] * n)) if init else None
-        jax.block_until_ready(self._run("draw (background)", _draw_jit, cfg, rows, idx, nxt, start))
+        jax.block_until_ready(
+            self._run("draw (background)", _draw_jit, cfg, rows, idx, nxt, start, self._mask(cfg, n, None))
+        )
 
-    def step(self, cfg: DrawConfig, m: int | None = None) -> Drawn:
-        """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m."""
+    def step(self, cfg: DrawConfig, m: int | None = None, mask: np.ndarray | None = None) -> Drawn:
+        """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m
+        (`mask` [m, W]: their token bitmasks, `cfg.constrained`)."""
         m = self.rows if m is None else m
         rows = self.state.rows
         cache, logits = self._run(
             "decode", _decode_jit, m, self.graphdef, self.weights, self.state.cache, rows.token, rows.pos, rows.done
         )
         self.state = dataclasses.replace(self.state, cache=cache)
-        return self.draw(cfg, logits, None if m == self.rows else np.arange(m))
+        return self.draw(cfg, logits, None if m == self.rows else np.arange(m), mask=mask)
 
     def draft(self, m: int, k: int) -> Array:
         """k assistant drafts for each of the first m rows ([m, k] int32, on device)."""

@@ -106,9 +106,10 @@ class EngineRequest:
 
     _ids = itertools.count()
 
-    def __init__(self, request: Request, stream: TextStream, sink: Callable[[Event], None] | None):
+    def __init__(self, request: Request, stream: TextStream, sink: Callable[[Event], None] | None, constraint=None):
         self.id = next(self._ids)
         self.request = request
+        self.constraint = constraint  # a `constraints.Constraint` when the request has a grammar
         self.stream = stream
         self._queue: queue.Queue[Event] | None = None if sink is not None else queue.Queue()
         self._sink = sink if sink is not None else self._queue.put
@@ -282,7 +283,7 @@ class Engine:
         frequency_penalty, logit_bias)."""
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") >> 1
-        return make_request(
+        request = make_request(
             prompt,
             max_tokens,
             vocab_size=self.vocab_size,
@@ -295,6 +296,25 @@ class Engine:
             has_tokenizer=self.tokenizer is not None,
             **sampling,
         )
+        if request.grammar is not None:
+            self._constraint(request)  # compiles, or says why not
+        return request
+
+    def _constraint(self, request: Request):
+        """The grammar state of a request (`decode.constraints`); RequestError naming "grammar"."""
+        from gemma4_nnx.decode import constraints
+
+        if self.tokenizer is None:
+            raise RequestError("a grammar needs the engine's tokenizer (Engine(model, tokenizer))", "grammar")
+        if self.drafting is not None:
+            raise RequestError("constrained decoding is not available with speculative decoding", "grammar")
+        stops = request.stop_tokens or self.default_stops
+        try:
+            return constraints.Constraint(
+                constraints.ll_tokenizer(self.tokenizer, self.vocab_size, stops), request.grammar
+            )
+        except constraints.GrammarError as e:
+            raise RequestError(f"grammar: {e}", "grammar") from None
 
     def submit(
         self,
@@ -311,7 +331,10 @@ class Engine:
         if not self.alive:
             raise EngineError(f"the engine is not running{': ' + self.error if self.error else ''}")
         request = prompt if isinstance(prompt, Request) else self.validate(prompt, max_tokens, **options)
-        req = EngineRequest(request, TextStream(self.tokenizer, request.stop_strings, show_stop_token=False), sink)
+        constraint = self._constraint(request) if request.grammar is not None else None
+        req = EngineRequest(
+            request, TextStream(self.tokenizer, request.stop_strings, show_stop_token=False), sink, constraint
+        )
         with self._cv:
             self._pending.append(req)
             self._cv.notify()
@@ -444,7 +467,8 @@ class Engine:
             self._keep_prefix(slot, req.prompt)
         init = self.decoder.build_rows(requests + [None] * (kb - k))
         cfg = self._config(requests)
-        drawn = self.decoder.draw(self.decoder.cover(cfg, (kb, True, True)) or cfg, logits, idx, init)
+        mask = self._masks([req for _, req in pairs], kb) if cfg.constrained else None
+        drawn = self.decoder.draw(self.decoder.cover(cfg, (kb, True, True)) or cfg, logits, idx, init, mask)
         self.stats.prefills += 1
         self.stats.prefill_rows += k
         if self.drafting is not None:
@@ -466,7 +490,24 @@ class Engine:
         add one program per sampler, not one per n."""
         features = RowParams.of([r.params for r in requests], self.vocab_size)[1] if requests else RowFeatures()
         top = MAX_TOP_LOGPROBS if any(r.top_logprobs for r in requests) else 0
-        return DrawConfig(features, logprobs=True, top_logprobs=top)
+        constrained = any(r.grammar is not None for r in requests)
+        return DrawConfig(features, logprobs=True, top_logprobs=top, constrained=constrained)
+
+    def _masks(self, reqs: Sequence[EngineRequest | None], n: int) -> np.ndarray:
+        """[n, W] token bitmasks of these rows (None, unconstrained and padding rows: every token). A
+        grammar in error (a token it refused) allows only the stop tokens: the row ends."""
+        from gemma4_nnx.decode.constraints import bitmask, words
+
+        out = np.full((n, words(self.vocab_size)), -1, np.int32)
+        for j, req in enumerate(reqs):
+            c = req.constraint if req is not None else None
+            if c is None:
+                continue
+            if c.matcher.is_error():
+                out[j] = bitmask(list(req.request.stop_tokens or self.default_stops), self.vocab_size)
+            else:
+                out[j] = c.mask()
+        return out
 
     def _step(self) -> None:
         active = [i for i, s in enumerate(self._slots) if s is not None]
@@ -482,7 +523,8 @@ class Engine:
                 self.stats.drafted_tokens += drafted
                 self.stats.accepted_tokens += accepted
         else:
-            out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m)
+            mask = self._masks(self._slots[:m], m) if cfg.constrained else None
+            out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m, mask)
         n = len(active)
         self.stats.decode_steps += 1
         self.stats.rows_decoded += n
@@ -501,6 +543,8 @@ class Engine:
             tops = out.alternatives(j) if want else None
             for i, (tok, lp, stopped, done) in enumerate(out.emitted(j)):
                 req.tokens.append(tok)
+                if req.constraint is not None and not stopped:
+                    req.constraint.consume(tok)
                 self.stats.tokens_generated += 1
                 text, reason = req.stream.feed(tok, stopped=stopped, last=done and not stopped)
                 if req.cancelled:

@@ -44,6 +44,7 @@ class Request:
     for the engine, so an engine request with seed s draws what row 0 of `generate(seed=s)` draws);
     stop_tokens: ids that end the row (kept in the output); stop_strings: texts that end it (cut).
     top_logprobs: the most likely alternatives reported with each new token (0: none).
+    grammar: an llguidance grammar the output must follow (`decode.constraints`; None: free).
     """
 
     prompt: tuple[int, ...]
@@ -54,6 +55,7 @@ class Request:
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     top_logprobs: int = 0
+    grammar: str | None = None
 
 
 def check_int(value, name: str, *, lo: int, optional: bool = False) -> int | None:
@@ -121,6 +123,7 @@ def make_request(
     has_tokenizer: bool = False,
     names: Mapping[str, str] | None = None,
     top_logprobs: int = 0,
+    grammar: str | None = None,
     **sampling,
 ) -> Request:
     """Validate one request; `max_tokens=None` means: as many as the context leaves.
@@ -172,4 +175,8 @@ def make_request(
     if strings and not has_tokenizer:
         raise RequestError("stop_strings needs a tokenizer (tokenizer=...) to decode the output", "stop_strings")
     top = check_top_logprobs(top_logprobs)
-    return Request(ids, n, params, normalize_seed(seed), row, tuple(sorted(set(stops))), strings, top)
+    if grammar is not None and not isinstance(grammar, str):
+        raise RequestError(
+            f"grammar must be a grammar string (decode.constraints), got {type(grammar).__name__}", "grammar"
+        )
+    return Request(ids, n, params, normalize_seed(seed), row, tuple(sorted(set(stops))), strings, top, grammar)

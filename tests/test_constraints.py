@@ -1,0 +1,137 @@
+"""Constrained decoding: the draw's bitmask unpacking against NumPy, engine outputs that follow their
+JSON schema (every token replayed through a fresh matcher was allowed; the text parses and
+validates), unconstrained rows in the same batch unchanged, and the errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemma4_nnx
+from gemma4_nnx.decode import constraints as C
+from gemma4_nnx.decode.core import _allowed
+from gemma4_nnx.decode.engine import Engine
+from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.generate import generate
+from tests.helpers import build_hf_json, random_model
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no", "maybe"]},
+            "sure": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        },
+        "required": ["answer", "sure", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 3},
+            "inner": {
+                "type": "object",
+                "properties": {"ok": {"const": True}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "inner"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+]
+
+
+def _validate(value, schema) -> None:
+    """The subset of JSON Schema the SCHEMAS use, checked by hand (an independent reader)."""
+    if "enum" in schema:
+        assert value in schema["enum"]
+    if "const" in schema:
+        assert value == schema["const"]
+    t = schema.get("type")
+    if t == "object":
+        assert isinstance(value, dict) and set(schema.get("required", ())) <= set(value)
+        if schema.get("additionalProperties") is False:
+            assert set(value) <= set(schema["properties"])
+        for k, v in value.items():
+            _validate(v, schema["properties"][k])
+    elif t == "array":
+        assert isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 10**9)
+        for v in value:
+            _validate(v, schema["items"])
+    elif t == "boolean":
+        assert isinstance(value, bool)
+    elif t == "string":
+        assert isinstance(value, str) and len(value) <= schema.get("maxLength", 10**9)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("constraints")
+    build_hf_json(root / "tokenizer.json")
+    tok = gemma4_nnx.load_tokenizer(root)
+    model = random_model("e2b", seed=3, vocab_size=tok.vocab_size)
+    engine = Engine(model, tok, max_batch=4, max_length=128)
+    yield model, tok, engine
+    engine.close()
+
+
+def test_bitmask_unpacking_matches_numpy():
+    rng = np.random.default_rng(0)
+    for v in (1, 31, 32, 33, 535, 1000):
+        allowed = rng.random((3, v)) < 0.3
+        masks = np.stack([C.bitmask(a, v) for a in allowed])
+        assert masks.shape == (3, C.words(v))
+        np.testing.assert_array_equal(np.asarray(_allowed(jnp.asarray(masks), v)), allowed)
+        ids = np.nonzero(allowed[0])[0]
+        np.testing.assert_array_equal(C.bitmask(ids, v), masks[0])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_follow_their_schema(setup, temperature):
+    model, tok, engine = setup
+    prompt = tok.encode("the model reads the text", add_bos=True)
+    reqs = [
+        engine.submit(prompt, 60, grammar=C.json_grammar(s), temperature=temperature, seed=i)
+        for i, s in enumerate(SCHEMAS)
+    ]
+    free = engine.submit(prompt, 12, stop_tokens=[], temperature=temperature, seed=9)  # shares the steps
+    llt = C.ll_tokenizer(tok, model.config.vocab_size, tok.stop_ids)
+    for schema, req in zip(SCHEMAS, reqs, strict=True):
+        tokens, text, reason, _ = req.result()
+        assert reason == "stop", (schema, text)  # the grammar finished and then only a stop token was allowed
+        value = json.loads(text)
+        _validate(value, schema)
+        # replay: every token was allowed at its step by a fresh matcher, which then accepts
+        replay = C.Constraint(llt, C.json_grammar(schema))
+        for t in tokens[:-1]:
+            bits = np.unpackbits(replay.mask().view(np.uint8), bitorder="little")
+            assert bits[t], (t, tok.decode([t]))
+            assert replay.consume(t)
+        assert replay.matcher.is_accepting() and tokens[-1] in tok.stop_ids
+    # the unconstrained row drew what it draws alone
+    want = generate(model, [prompt], 12, stop_tokens=[], temperature=temperature, seed=9, tokenizer=tok).tokens[0]
+    assert free.result()[0] == want
+
+
+def test_grammar_errors_name_the_parameter(setup):
+    model, tok, engine = setup
+    prompt = tok.encode("x", add_bos=True)
+    for bad in ("start: (", 42):
+        with pytest.raises(RequestError) as e:
+            engine.validate(prompt, 4, grammar=bad)
+        assert e.value.param == "grammar"
+    with pytest.raises(C.GrammarError):
+        C.json_grammar(["not", "an", "object"])
+    no_tok = Engine(model, max_batch=1, max_length=16)
+    try:
+        with pytest.raises(RequestError) as e:
+            no_tok.validate(prompt, 4, grammar=C.json_grammar(None))
+        assert e.value.param == "grammar"
+    finally:
+        no_tok.close()
