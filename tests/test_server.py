@@ -716,8 +716,16 @@ def test_a_huge_declared_body_is_refused_before_it_is_sent(served):
 
 def test_response_format_prompt_count_and_long_messages(served):
     with _app_client(served[3], max_prompts=2) as c:
-        r = c.post("/v1/completions", json=dict(_BODY, response_format={"type": "json_object"}))
-        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        for fmt in (
+            {"type": "xml"},
+            {"type": "json_schema"},
+            {"type": "json_schema", "json_schema": {"name": "x"}},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "("}}},
+            "json",
+        ):
+            r = c.post("/v1/completions", json=dict(_BODY, response_format=fmt))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", (fmt, r.text)
         assert c.post("/v1/completions", json=dict(_BODY, response_format={"type": "text"})).status_code == 200
         r = c.post("/v1/completions", json=dict(_BODY, prompt=[[2, 5], [2, 6], [2, 7]]))
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
@@ -1325,3 +1333,38 @@ def test_prefix_cache_serves_a_conversation_as_without_it(served):
     assert cached == plain
     assert m["gemma4_prefix_cache_hits_total"] >= 2 and m["gemma4_prefix_cache_lookups_total"] == 3
     assert m["gemma4_prefix_cache_reused_tokens_total"] > 0 and m["gemma4_prefix_cache_entries"] >= 2
+
+
+def test_response_format_json_schema_outputs_parse_and_validate(served):
+    """The official client's `response_format`: json_object and several json_schema requests (chat and
+    completions, greedy and sampled) end with "stop" and their text parses and follows the schema."""
+    from tests.test_constraints import SCHEMAS, _validate
+
+    tok = served[1]
+    client = _client(served[2])
+    msgs = [{"role": "user", "content": "answer in JSON"}]
+    # any object: a random model writes keys forever, so a bias closes the object as soon as the
+    # grammar allows it (the bias applies to allowed tokens only: "}" first at the second token)
+    (close,) = tok.encode("}", add_bos=False)
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=msgs,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+        logit_bias={str(close): 100},
+    )
+    assert r.choices[0].finish_reason == "stop" and json.loads(r.choices[0].message.content) == {}
+    for i, schema in enumerate(SCHEMAS):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        r = client.chat.completions.create(
+            model=NAME, messages=msgs, max_tokens=44, temperature=1.0, seed=i, response_format=fmt
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c.message.content
+        _validate(json.loads(c.message.content), schema)
+        out = client.completions.create(
+            model=NAME, prompt="the model reads", max_tokens=44, temperature=0, extra_body={"response_format": fmt}
+        )
+        assert out.choices[0].finish_reason == "stop"
+        _validate(json.loads(out.choices[0].text), schema)

@@ -39,8 +39,10 @@ __all__ = [
     "DetokenizeResponse",
     "ErrorDetail",
     "ErrorResponse",
+    "JsonSchemaFormat",
     "ModelCard",
     "ModelList",
+    "ResponseFormat",
     "StreamOptions",
     "TextPart",
     "TokenizeRequest",
@@ -75,7 +77,6 @@ UNSUPPORTED: dict[str, Any] = {
     "suffix": lambda v: v not in (None, ""),
     "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
 }
 
 
@@ -95,6 +96,21 @@ class _Response(_Api):
             if data.get(key, 0) is None:
                 del data[key]
         return data
+
+
+class JsonSchemaFormat(_Api):
+    name: StrictStr = Field(description="The schema's name (informational).")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the output follows.")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class ResponseFormat(_Api):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema (enforced
+    by constrained decoding: output that ends with finish_reason "stop" parses and validates)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Api):
@@ -138,8 +154,10 @@ class _Sampling(_Api):
         description="Choices per prompt (default 1). They share the seed and are distinct when sampling; "
         "with `seed` each is reproducible. Every choice counts against --max-prompts and the admission limit.",
     )
-    response_format: dict[str, Any] | None = Field(
-        None, description='Not supported yet (structured output): only {"type": "text"}.'
+    response_format: ResponseFormat | None = Field(
+        None,
+        description='{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}: '
+        "the output is JSON (following the schema), by constrained decoding.",
     )
     user: str | None = None
 
@@ -149,11 +167,6 @@ class _Sampling(_Api):
         if isinstance(v, str) and not v:
             raise ValueError("stop strings must be non-empty")
         return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _unsupported(cls, v, info):
-        return _refuse_unless_neutral(v, info)
 
     @property
     def stop_strings(self) -> list[str]:

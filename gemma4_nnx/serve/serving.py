@@ -58,6 +58,7 @@ ENGINE_PARAMS: dict[str, tuple[str | None, str | None]] = {
     "max_tokens": (None, None),
     "stop_strings": ("stop", "stop"),
     "stop_tokens": ("ignore_eos", "ignore_eos"),
+    "grammar": ("response_format", "response_format"),
 }
 
 
@@ -173,6 +174,24 @@ def validation_error(errors: list[dict]) -> ApiError:
     if err.get("type") == "missing":
         return ApiError(f"'{where}' is required", field)
     return ApiError(f"'{where}': {msg.removeprefix('Value error, ')}", field)
+
+
+def response_grammar(fmt) -> str | None:
+    """The grammar of a `response_format` (None: free text); a schema the grammar engine cannot
+    compile is a 400 naming `response_format`."""
+    if fmt is None or fmt.type == "text":
+        return None
+    from gemma4_nnx.decode import constraints
+
+    schema = None
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ApiError("'response_format.json_schema.schema' is required for type json_schema", "response_format")
+        schema = fmt.json_schema.schema_
+    try:
+        return constraints.json_grammar(schema)
+    except constraints.GrammarError as e:
+        raise ApiError(f"'response_format': {e}", "response_format") from None
 
 
 def completion_prompts(tokenizer, body: CompletionRequest, max_prompts: int) -> list[list[int]]:
@@ -375,6 +394,7 @@ class Serving:
             stop_strings=body.stop_strings,
             stop_tokens=[] if body.ignore_eos else None,
             top_logprobs=top,
+            grammar=response_grammar(body.response_format),
         )
         # n choices of a prompt share one seed (the client's, or a random one) and draw as rows 0..n-1
         # of `generate(..., seed=seed)` over n copies of it: distinct, and reproducible with `seed`
