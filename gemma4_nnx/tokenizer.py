@@ -60,6 +60,7 @@ text-only conversations without tools::
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -481,24 +482,50 @@ def strip_thinking(text: str) -> str:
     return "".join(kept).strip()
 
 
-def _validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+def _validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, Any]]:
+    """(role, content, extra) per message; extra: an assistant's tool calls [(name, arguments)] or a
+    tool result's function name."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages is empty; need at least one message")
-    out: list[tuple[str, str]] = []
+    out: list[tuple[str, str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
         role, content = m["role"], m["content"]
-        if role not in _ROLE_NAMES:
-            raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {sorted(_ROLE_NAMES)}")
+        if role not in _ROLE_NAMES and role != "tool":
+            raise ValueError(
+                f"messages[{i}] has unknown role {role!r}; expected one of {sorted([*_ROLE_NAMES, 'tool'])}"
+            )
+        calls = m.get("tool_calls") or ()
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}] ({role}) content must be a str, got {type(content).__name__}")
         if role == "system" and i != 0:
             raise ValueError(f"messages[{i}] is a system message; only the first message may be system")
-        out.append((role, content))
+        extra: Any = None
+        if calls:
+            if _ROLE_NAMES.get(role) != "model":
+                raise ValueError(f"messages[{i}]: only assistant messages carry tool_calls")
+            extra = [(c["name"], c["arguments"]) for c in calls]
+        if role == "tool":
+            if not isinstance(m.get("name"), str):
+                raise ValueError(f"messages[{i}]: a tool result needs the 'name' of the function it answers")
+            extra = m["name"]
+        out.append((role, content, extra))
     return out
+
+
+def _tool_result(content: str) -> dict:
+    """A tool message's content as the object Gemma reads: a JSON object as is, anything else
+    (other JSON, plain text) as {"result": value}."""
+    try:
+        value = json.loads(content)
+    except ValueError:
+        value = content
+    return value if isinstance(value, dict) else {"result": value}
 
 
 def format_chat(
@@ -507,8 +534,9 @@ def format_chat(
     add_generation_prompt: bool = True,
     thinking: bool = False,
     empty_thought_block: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """Render messages in Gemma 4's chat format (text only, no tools).
+    """Render messages in Gemma 4's chat format.
 
     Args:
       messages: dicts ``{"role": "system"|"user"|"assistant"|"model",
@@ -519,25 +547,48 @@ def format_chat(
       empty_thought_block: with thinking off, end the generation prompt with
         ``<|channel>thought\\n<channel|>`` (31B / 26B-A4B templates; not E2B/E4B).
         Ignored when ``thinking`` is on, as in the official template.
+      tools: function definitions ({name, description, parameters}) declared in the system turn.
+        Assistant messages may carry ``tool_calls`` ([{name, arguments}]); ``{"role": "tool",
+        "name": ..., "content": ...}`` messages are the results, written into the same model turn,
+        which stays open after the last one (`gemma4_nnx.chat_tools` says where each rule comes from).
 
     The string starts with ``<bos>``; earlier thoughts in model turns are
     removed (see :func:`strip_thinking`). Raises ``ValueError`` for an empty
     list, an unknown role, non-string content or a misplaced system message.
     """
+    from gemma4_nnx import chat_tools
+
     msgs = _validate_messages(messages)
     parts = [BOS_TOKEN]
-    if thinking or msgs[0][0] == "system":
+    if thinking or msgs[0][0] == "system" or tools:
         parts.append(f"{START_OF_TURN}system\n")
         if thinking:
             parts.append(f"{THINK_TOKEN}\n")
         if msgs[0][0] == "system":
             parts.append(msgs[0][1].strip())
             msgs = msgs[1:]
+        parts.extend(chat_tools.declaration(t) for t in tools or ())
         parts.append(f"{END_OF_TURN}\n")
-    for role, content in msgs:
+    open_model = False  # a model turn that tool results continue
+    for role, content, extra in msgs:
+        if role == "tool":
+            if not open_model:
+                raise ValueError("a tool result must follow the assistant message whose tool_calls it answers")
+            parts.append(chat_tools.tool_response_text(extra, _tool_result(content)))
+            continue
+        if open_model:
+            parts.append(f"{END_OF_TURN}\n")
+            open_model = False
         name = _ROLE_NAMES[role]
         text = strip_thinking(content) if name == "model" else content.strip()
+        if extra:  # an assistant's calls: its turn stays open for their results
+            calls = "".join(chat_tools.tool_call_text(n, a) for n, a in extra)
+            parts.append(f"{START_OF_TURN}{name}\n{text}{calls}")
+            open_model = True
+            continue
         parts.append(f"{START_OF_TURN}{name}\n{text}{END_OF_TURN}\n")
+    if open_model:  # the model answers the results in the same turn
+        return "".join(parts)
     if add_generation_prompt:
         parts.append(f"{START_OF_TURN}model\n")
         if empty_thought_block and not thinking:

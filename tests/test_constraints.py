@@ -68,6 +68,10 @@ def _validate(value, schema) -> None:
         assert isinstance(value, bool)
     elif t == "string":
         assert isinstance(value, str) and len(value) <= schema.get("maxLength", 10**9)
+    elif t == "integer":
+        assert isinstance(value, int) and not isinstance(value, bool)
+    elif t == "number":
+        assert isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @pytest.fixture(scope="module")

@@ -127,3 +127,46 @@ def test_presets_are_gms_released_models():
             if f.name not in skip and getattr(ours, f.name) != getattr(theirs, f.name)
         }
         assert not diff, f"{name}: {diff}"
+
+
+def test_tool_format_is_what_googles_dialog_library_writes():
+    """Google's `dialog` library (the conversation formatter gm uses for Gemma 4) as the reference for
+    function calling: a whole conversation's layout, and the declaration, call and result texts.
+    (dialog 1.1.0 with the installed mcp dumps a tool's `inputSchema` as `input_schema` and so skips its
+    own renaming / normalization; the declaration is compared with what its `def_json` means to
+    produce: `parameters`, normalized, keys sorted.)"""
+    import dialog
+    from dialog._src import schema_utils, tool_helper
+
+    from gemma4_nnx import chat_tools as T
+    from gemma4_nnx.tokenizer import format_chat
+    from tests.test_chat_tools import WEATHER
+
+    params = {"type": "object", "properties": {"host": {"type": "string"}}, "required": ["host"]}
+    ping = {"name": "ping", "description": "Ping a host.", "parameters": params}
+    theirs = dialog.Tool({"name": "ping", "description": "Ping a host.", "inputSchema": params})
+    call = {"name": "ping", "arguments": {"host": "a.b", "n": 2.0, "v": [True, None]}}
+    conv = dialog.Conversation(
+        dialog.System("Be brief.", theirs), dialog.User("Is it up?"), dialog.Model("Checking.", dialog.ToolCall(call))
+    )
+    ours = format_chat(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Is it up?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+        ],
+        tools=[ping],
+    )
+    # the layout, with the declaration swapped for ours (checked on its own below)
+    layout = conv.as_text(add_tool_response_tag_after_call=False).replace(theirs.as_text(), T.declaration(ping))
+    assert ours == "<bos>" + layout
+    params = {k: v for k, v in WEATHER.items() if k != "name"}
+    params["parameters"] = schema_utils.normalize_schema(params["parameters"])
+    want = tool_helper._json_to_text_root(
+        name="get_weather", content=schema_utils.order_alphabetically(params), tag="tool", kind="declaration"
+    )
+    assert T.declaration(WEATHER) == want
+    response = {"temp": 21.5, "sky": "clear", "n": 3.0, "l": [True, None], "o": {"k": "v"}}
+    assert T.tool_response_text("get_weather", response) == tool_helper._json_to_text_root(
+        name="get_weather", content=response, tag="tool_response", kind="response"
+    )

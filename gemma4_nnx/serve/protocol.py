@@ -48,6 +48,9 @@ __all__ = [
     "TokenizeRequest",
     "TokenizeResponse",
     "TokenizerInfo",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolSpec",
     "TopLogprob",
     "Usage",
 ]
@@ -75,7 +78,6 @@ TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: v not in (None, ""),
-    "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
 }
 
@@ -231,15 +233,53 @@ class TextPart(_Api):
     text: StrictStr
 
 
+class FunctionCall(_Api):
+    name: StrictStr
+    arguments: StrictStr = Field(description="The arguments as a JSON object's text.")
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Api):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="'developer' is treated as 'system'; tool messages are not supported yet."
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="'developer' is treated as 'system'; 'tool': the result of an assistant's tool call."
     )
-    content: StrictStr | list[TextPart] = Field(description="Text, or a list of text parts (joined).")
+    content: StrictStr | list[TextPart] | None = Field(
+        description="Text, or a list of text parts (joined); None for an assistant message with tool_calls."
+    )
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls.")
+    tool_call_id: StrictStr | None = Field(None, description="A tool result: the id of the call it answers.")
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionSpec(_Api):
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(_Api):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Api):
+    name: StrictStr
+
+
+class NamedToolChoice(_Api):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatTemplateKwargs(_Api):
@@ -258,10 +298,18 @@ class ChatCompletionRequest(_Sampling):
         None, description=f"With `logprobs`: the most likely tokens at each position (at most {MAX_TOP_LOGPROBS})."
     )
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    tools: list[Any] | None = Field(None, description="Not supported yet.")
+    tools: list[ToolSpec] | None = Field(
+        None, description="Functions the model may call, declared in Gemma 4's format in the system turn."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (default with tools): the model decides; none: no tools; required / a named function: "
+        "the model calls (enforced by constrained decoding: the arguments follow the function's schema).",
+    )
+    parallel_tool_calls: StrictBool = Field(True, description="With required / named: allow several calls.")
     functions: list[Any] | None = Field(None, description="Not supported.")
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
     def _unsupported_here(cls, v, info):
         return _refuse_unless_neutral(v, info)
@@ -330,16 +378,17 @@ class ChatLogprobs(_Response):
 
 
 class ChatResponseMessage(_Response):
-    _omit_if_none = ("reasoning_content",)
+    _omit_if_none = ("reasoning_content", "tool_calls")
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     reasoning_content: str | None = Field(None, description="The thinking block, when the model wrote one.")
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChatLogprobs | None = None
 
 
@@ -352,17 +401,25 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class ToolCallDelta(_Response):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatDelta(_Response):
-    _omit_if_none = ("role", "content", "reasoning_content")
+    _omit_if_none = ("role", "content", "reasoning_content", "tool_calls")
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChatLogprobs | None = None
 
 

@@ -39,9 +39,12 @@ from gemma4_nnx.serve.protocol import (
     DetokenizeResponse,
     ErrorDetail,
     ErrorResponse,
+    FunctionCall,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -122,6 +125,49 @@ def _finish(reason: FinishReason) -> str:
     if reason == FinishReason.ERROR:
         raise EngineError("generation failed")
     return "length" if reason in (FinishReason.LENGTH, FinishReason.CANCELLED) else "stop"
+
+
+def _tool_call(name: str, args: dict) -> ToolCall:
+    return ToolCall(id="call_" + uuid.uuid4().hex[:24], function=FunctionCall(name=name, arguments=json.dumps(args)))
+
+
+class _ToolCalls:
+    """Routes chat content: text inside <|tool_call>...<tool_call|> is held until the call closes,
+    then parsed into (name, arguments); a call that does not parse is given back as text."""
+
+    def __init__(self):
+        self.held: str | None = None
+        self.sent = 0  # calls emitted so far (their stream index)
+
+    def split(self, piece: str) -> tuple[str, list[tuple[str, dict]]]:
+        from gemma4_nnx import chat_tools
+
+        text, calls = [], []
+        while piece:
+            if self.held is None:
+                i = piece.find(chat_tools.TOOL_CALL)
+                if i < 0:
+                    text.append(piece)
+                    break
+                text.append(piece[:i])
+                self.held, piece = "", piece[i:]
+            whole = self.held + piece
+            j = whole.find(chat_tools.END_TOOL_CALL)
+            if j < 0:
+                self.held = whole
+                break
+            end = j + len(chat_tools.END_TOOL_CALL)
+            self.held, piece = None, whole[end:]
+            try:
+                calls.extend(chat_tools.parse_tool_calls(whole[:end])[1])
+            except chat_tools.ToolCallError:
+                text.append(whole[:end])
+        return "".join(text).replace(chat_tools.TOOL_RESPONSE, ""), calls
+
+    def flush(self) -> str:
+        """Text of a call that never closed (the output was cut)."""
+        held, self.held = self.held or "", None
+        return held
 
 
 class _Thinking:
@@ -220,13 +266,87 @@ def chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
     return _encode_chat(tokenizer, body)
 
 
+def _chat_messages(body) -> list[dict]:
+    """The request's messages as `format_chat` takes them: an assistant's tool calls with their
+    arguments parsed, a tool result with the name of the function whose call it answers."""
+    names: dict[str, str] = {}
+    out = []
+    for i, m in enumerate(body.messages):
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise ApiError(
+                        f"'messages.{i}.tool_calls': arguments of {c.id!r} are not a JSON object", "messages"
+                    )
+                names[c.id] = c.function.name
+                calls.append({"name": c.function.name, "arguments": args})
+            msg["tool_calls"] = calls
+        if m.role == "tool":
+            if m.tool_call_id not in names:
+                raise ApiError(
+                    f"'messages.{i}': a tool message needs the 'tool_call_id' of an earlier assistant tool call",
+                    "messages",
+                )
+            msg["name"] = names[m.tool_call_id]
+        out.append(msg)
+    return out
+
+
+def _uses_tools(body) -> bool:
+    return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
+
+
 def _encode_chat(tokenizer, body, **options) -> list[int]:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
+    messages = _chat_messages(body)
     thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
+    tools = None
+    if _uses_tools(body):
+        _need_tool_tokens(tokenizer)
+        tools = [t.function.model_dump(exclude_none=True) for t in body.tools]
     try:
-        return encode_chat(tokenizer, messages, thinking=thinking, **options)
+        return encode_chat(tokenizer, messages, thinking=thinking, tools=tools, **options)
     except ValueError as e:
         raise ApiError(str(e), "messages") from None
+
+
+def _need_tool_tokens(tokenizer) -> None:
+    from gemma4_nnx import chat_tools
+
+    missing = [t for t in chat_tools.SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise ApiError(
+            f"'tools': this model's tokenizer has no {missing[0]} token (Gemma 4's tool format); "
+            "send the request without tools",
+            "tools",
+        )
+
+
+def tool_grammar(tokenizer, body) -> str | None:
+    """The grammar forcing a call for `tool_choice` "required" or a named function (None otherwise)."""
+    choice = body.tool_choice
+    if not body.tools or choice in (None, "auto", "none"):
+        if choice not in (None, "auto", "none"):
+            raise ApiError("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    from gemma4_nnx import chat_tools
+    from gemma4_nnx.decode import constraints
+
+    functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
+    if choice != "required":
+        functions = [f for f in functions if f["name"] == choice.function.name]
+        if not functions:
+            raise ApiError(f"'tool_choice' names {choice.function.name!r}, which is not among 'tools'", "tool_choice")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError("'response_format' and a required tool call cannot both constrain the output", "tool_choice")
+    _need_tool_tokens(tokenizer)
+    grammar = chat_tools.call_grammar(functions, tokenizer.token_to_id, parallel=body.parallel_tool_calls)
+    return constraints.lark_grammar(grammar)
 
 
 class Serving:
@@ -394,7 +514,7 @@ class Serving:
             stop_strings=body.stop_strings,
             stop_tokens=[] if body.ignore_eos else None,
             top_logprobs=top,
-            grammar=response_grammar(body.response_format),
+            grammar=(tool_grammar(self.tokenizer, body) if chat else None) or response_grammar(body.response_format),
         )
         # n choices of a prompt share one seed (the client's, or a random one) and draw as rows 0..n-1
         # of `generate(..., seed=seed)` over n copies of it: distinct, and reproducible with `seed`
@@ -610,11 +730,13 @@ class Serving:
                 gone.cancel()
                 self.live.difference_update(reqs)
             if chat:
-                return self._chat_response(ctx, collected, want_lp, usage()).model_dump()
+                return self._chat_response(ctx, collected, want_lp, usage(), _uses_tools(body)).model_dump()
             return self._completion_response(ctx, collected, want_lp, top, echo, usage()).model_dump()
 
         if chat:
-            stream = self._chat_chunks(ctx, events, len(requests), want_lp, body.include_usage, usage)
+            stream = self._chat_chunks(
+                ctx, events, len(requests), want_lp, body.include_usage, usage, _uses_tools(body)
+            )
         else:
             stream = self._completion_chunks(ctx, events, len(requests), want_lp, top, echo, body.include_usage, usage)
 
@@ -646,16 +768,29 @@ class Serving:
             )
         return CompletionResponse(**ctx, choices=choices, usage=usage)
 
-    def _chat_response(self, ctx, collected, want_lp, usage) -> ChatCompletionResponse:
+    def _chat_response(self, ctx, collected, want_lp, usage, tools: bool) -> ChatCompletionResponse:
         choices = []
         for i, evs in enumerate(collected):
             text = "".join(e.text for e in evs)
             content, reasoning = _Thinking().split(text)
-            msg = ChatResponseMessage(content=content)
+            finish = _finish(evs[-1].finish_reason)
+            calls = None
+            if tools:
+                router = _ToolCalls()
+                content, found = router.split(content)
+                content += router.flush()
+                if found:
+                    calls = [_tool_call(name, args) for name, args in found]
+                    finish = "tool_calls" if finish == "stop" else finish
+            msg = ChatResponseMessage(content=content or (None if calls else ""), tool_calls=calls)
             if reasoning or START_OF_CHANNEL in text:
-                msg = ChatResponseMessage(content=content.strip(), reasoning_content=reasoning.strip())
+                msg = ChatResponseMessage(
+                    content=content.strip() or (None if calls else ""),
+                    reasoning_content=reasoning.strip(),
+                    tool_calls=calls,
+                )
             lp = ChatLogprobs(content=[self._logprob(e) for e in evs if e.token is not None]) if want_lp else None
-            choices.append(ChatChoice(index=i, message=msg, finish_reason=_finish(evs[-1].finish_reason), logprobs=lp))
+            choices.append(ChatChoice(index=i, message=msg, finish_reason=finish, logprobs=lp))
         return ChatCompletionResponse(**ctx, choices=choices, usage=usage)
 
     async def _events(self, events: asyncio.Queue, n: int):
@@ -691,7 +826,7 @@ class Serving:
         if include_usage:
             yield _sse(CompletionResponse(**ctx, choices=[], usage=usage()))
 
-    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage):
+    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage, tools: bool):
         for i in range(n):
             yield _sse(
                 ChatCompletionChunk(
@@ -704,6 +839,7 @@ class Serving:
                 )
             )
         routers = [_Thinking() for _ in range(n)]
+        callers = [_ToolCalls() for _ in range(n)]
         async for i, ev, reason in self._events(events, n):
             if i is None:
                 yield _sse(ev.body())
@@ -712,6 +848,18 @@ class Serving:
                 continue
             content, reasoning = routers[i].split(ev.text)
             delta = ChatDelta()
+            if tools:  # a call is sent whole once its closing token arrives
+                content, found = callers[i].split(content)
+                if reason is not None:
+                    content += callers[i].flush()
+                if found:
+                    delta.tool_calls = [
+                        ToolCallDelta(index=callers[i].sent + k, id=c.id, function=c.function)
+                        for k, c in enumerate(_tool_call(name, args) for name, args in found)
+                    ]
+                    callers[i].sent += len(found)
+                if reason == "stop" and callers[i].sent:
+                    reason = "tool_calls"
             if content:
                 delta.content = content
             if reasoning:

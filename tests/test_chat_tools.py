@@ -1,0 +1,155 @@
+"""Gemma 4 function calling: the value syntax and its parser round-trip on random JSON, declarations
+normalized as Google's `dialog` library writes them, a whole tool conversation rendered as that
+library lays it out (`tests/test_interop.py` compares with the library itself), and the grammar
+that forces a call: random walks through it give calls that parse and follow the schema."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import tempfile
+
+import numpy as np
+import pytest
+
+import gemma4_nnx
+from gemma4_nnx import chat_tools as T
+from gemma4_nnx.decode import constraints as C
+from gemma4_nnx.tokenizer import format_chat
+from tests.helpers import build_hf_json
+from tests.test_constraints import _validate
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather.",
+    "parameters": {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "object",
+        "properties": {
+            "unit": {"enum": ["c", "f"]},
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "flags": {"type": "array", "items": {"type": "boolean"}},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]},
+        },
+        "required": ["city", "days", "unit", "flags", "where"],
+    },
+}
+
+
+def _random_json(rng, depth=0):
+    k = rng.integers(0, 7 if depth < 3 else 4)
+    if k == 0:
+        return "".join(rng.choice(list('ab "\\\n{}:,[]é🙂<|x'), size=rng.integers(0, 8)))
+    if k == 1:
+        return int(rng.integers(-(10**6), 10**6))
+    if k == 2:
+        return float(np.round(rng.normal() * 100, 3))
+    if k == 3:
+        return [None, True, False][rng.integers(0, 3)]
+    if k in (4, 5):
+        return {f"k{i}_{rng.integers(0, 9)}": _random_json(rng, depth + 1) for i in range(rng.integers(0, 4))}
+    return [_random_json(rng, depth + 1) for _ in range(rng.integers(0, 4))]
+
+
+def test_values_round_trip_through_the_parser():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        args = {f"a{i}": _random_json(rng) for i in range(rng.integers(0, 5))}
+        text = T.tool_call_text("f", args)
+        content, calls = T.parse_tool_calls("before " + text + T.TOOL_RESPONSE)
+        assert content == "before " and calls == [("f", json.loads(json.dumps(args)))], text
+
+
+def test_value_syntax():
+    assert T.gemma_value({"s": 'a"b', "i": 3, "f": 2.0, "g": 2.5, "b": [True, False, None], "o": {}}) == (
+        '{s:<|"|>a"b<|"|>,i:3,f:2,g:2.5,b:[true,false,null],o:{}}'
+    )
+    with pytest.raises(T.ToolCallError):
+        T.gemma_value({"x": object()})
+    with pytest.raises(T.ToolCallError):
+        T.parse_arguments('{a:<|"|>unterminated}')
+
+
+def test_declaration_is_normalized_and_sorted():
+    d = T.declaration(WEATHER)
+    assert d.startswith("<|tool>declaration:get_weather{description:") and d.endswith("<tool|>")
+    body = T.parse_arguments(d[len("<|tool>declaration:get_weather") : -len("<tool|>")])
+    assert "$schema" not in body["parameters"] and body["parameters"]["type"] == "OBJECT"
+    assert body["parameters"]["properties"]["city"] == {"type": "STRING"}
+    assert list(body["parameters"]["properties"]) == sorted(WEATHER["parameters"]["properties"])
+    assert body["parameters"]["required"] == WEATHER["parameters"]["required"]  # lists keep their order
+    with pytest.raises(T.ToolCallError):
+        T.declaration({"name": "bad name"})
+
+
+def test_a_tool_round_trip_renders_as_dialog_lays_it_out():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+        },
+        {"role": "tool", "name": "get_weather", "content": '{"temp": 21.5, "sky": "clear"}'},
+        {"role": "tool", "name": "get_weather", "content": "plain text"},
+    ]
+    q = '<|"|>'
+    want = (
+        "<bos><|turn>system\nBe brief."
+        + T.declaration(WEATHER)
+        + "<turn|>\n<|turn>user\nWeather in Paris?<turn|>\n<|turn>model\nChecking."
+        + f"<|tool_call>call:get_weather{{city:{q}Paris{q}}}<tool_call|>"
+        + f"<|tool_response>response:get_weather{{temp:21.5,sky:{q}clear{q}}}<tool_response|>"
+        + f"<|tool_response>response:get_weather{{result:{q}plain text{q}}}<tool_response|>"
+    )
+    assert format_chat(messages, tools=[WEATHER]) == want  # the model turn stays open: the answer follows
+    # and a later user turn closes it
+    more = format_chat([*messages, {"role": "user", "content": "Thanks"}], tools=[WEATHER])
+    assert more == want + "<turn|>\n<|turn>user\nThanks<turn|>\n<|turn>model\n"
+    with pytest.raises(ValueError, match="must follow"):
+        format_chat([{"role": "user", "content": "x"}, {"role": "tool", "name": "f", "content": "1"}])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    d = pathlib.Path(tempfile.mkdtemp())
+    build_hf_json(d / "tokenizer.json")
+    return gemma4_nnx.load_tokenizer(d)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_calls_parse_and_follow_the_schema(tok, parallel):
+    """Random walks through the call grammar (every step a random allowed token) until it ends:
+    the text parses into calls of the given functions whose arguments validate."""
+    other = {"name": "noop", "parameters": {"type": "object", "properties": {}}}
+    grammar = C.lark_grammar(T.call_grammar([WEATHER, other], tok.token_to_id, parallel=parallel))
+    llt = C.ll_tokenizer(tok, tok.vocab_size, tok.stop_ids)
+    rng = np.random.default_rng(1)
+    finished = 0
+    for _ in range(12):
+        c, out = C.Constraint(llt, grammar), []
+        for _ in range(400):
+            allowed = np.nonzero(np.unpackbits(c.mask().view(np.uint8), bitorder="little")[: tok.vocab_size])[0]
+            # prefer short strings and numbers: closing tokens when allowed, else random
+            closing = [
+                t
+                for t in allowed
+                if tok.id_to_token(int(t)) in ('<|"|>', "}", "]", ",", "<tool_call|>", "<|tool_response>")
+            ]
+            t = int(rng.choice(closing)) if closing and rng.random() < 0.5 else int(rng.choice(allowed))
+            out.append(t)
+            if t in tok.stop_ids:
+                break
+            assert c.consume(t)
+        if out[-1] not in tok.stop_ids:
+            continue
+        finished += 1
+        content, calls = T.parse_tool_calls(tok.decode(out))
+        assert content == "" and calls and (parallel or len(calls) == 1)
+        for name, args in calls:
+            schema = WEATHER["parameters"] if name == "get_weather" else other["parameters"]
+            assert name in ("get_weather", "noop")
+            _validate(args, {k: v for k, v in schema.items() if k != "$schema"})
+    assert finished >= 6
