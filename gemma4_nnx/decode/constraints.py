@@ -95,9 +95,17 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 @functools.lru_cache(maxsize=4)
 def _cached_tokenizer(tok, vocab_size: int, stops: tuple[int, ...]):
     llg = _llg()
-    return llg.LLTokenizer(
+    ll_tok = llg.LLTokenizer(
         llg.TokenizerWrapper(_Wrapper(tok, vocab_size, stops)), n_vocab=vocab_size, eos_token=list(stops)
     )
+    return _Sized(ll_tok, vocab_size)
+
+
+class _Sized:
+    """An LLTokenizer with the model's vocabulary size beside it (llguidance's may be larger)."""
+
+    def __init__(self, ll_tok, model_vocab_size: int):
+        self.ll_tok, self.model_vocab_size = ll_tok, model_vocab_size
 
 
 def ll_tokenizer(tok, vocab_size: int, stops) -> Any:
@@ -129,13 +137,13 @@ class Constraint:
 
     def __init__(self, ll_tok, grammar: str):
         llg = _llg()
-        ok, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok)
-        if ok:  # is_error
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok.ll_tok)
+        if failed:
             raise GrammarError(messages[0] if messages else "invalid grammar")
-        self.matcher = llg.LLMatcher(ll_tok, grammar, log_level=0)
+        self.matcher = llg.LLMatcher(ll_tok.ll_tok, grammar, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
-        self.vocab_size = ll_tok.vocab_size
+        self.words = words(ll_tok.model_vocab_size)
 
     @staticmethod
     def check(ll_tok, grammar: str) -> None:
@@ -144,8 +152,9 @@ class Constraint:
 
     def mask(self) -> np.ndarray:
         """[words(V)] int32 bitmask of the tokens allowed next."""
-        out = np.frombuffer(self.matcher.compute_bitmask(), np.int32)
-        return out
+        # llguidance may count a token more than the model's vocabulary (its own end marker); the
+        # model's words are the first ones
+        return np.frombuffer(self.matcher.compute_bitmask(), np.int32)[: self.words]
 
     def consume(self, token: int) -> bool:
         """Feed the drawn token; False when the grammar refuses it (the matcher then stays in error)."""
