@@ -297,3 +297,52 @@ def random_assistant(target: Gemma4Config, *, ordered: bool, seed: int = 0):
         )
     )
     return fill_random(abstract_assistant(config, jnp.float32), seed, kernel_std=0.15)
+
+
+# ----------------------------------------------------------------------------- serving
+def tokenizer_and_model(directory, variant: str = "e2b", seed: int = 3):
+    """A tiny Gemma-layout tokenizer (specials at Gemma 4's ids) written into `directory`, and a random
+    model over its vocabulary."""
+    directory = Path(directory)
+    build_hf_json(directory / "tokenizer.json")
+    tok = gemma4_nnx.load_tokenizer(directory)
+    return tok, random_model(variant, seed=seed, vocab_size=tok.vocab_size)
+
+
+class ServerThread:
+    """`gemma4-serve`'s app over `engine` on a free loopback port, in a daemon thread (a context
+    manager: healthy on entry, stopped on exit; the engine stays the caller's)."""
+
+    def __init__(self, engine, name: str, **app_options):
+        import socket
+
+        import uvicorn
+
+        from gemma4_nnx.serve.app import create_app
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        app = create_app(engine, name, **app_options)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+
+    def __enter__(self):
+        import threading
+        import time
+        import urllib.request
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("the server did not become healthy within 300 s")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)

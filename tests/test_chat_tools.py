@@ -6,8 +6,6 @@ that forces a call: random walks through it give calls that parse and follow the
 from __future__ import annotations
 
 import json
-import pathlib
-import tempfile
 
 import numpy as np
 import pytest
@@ -113,8 +111,8 @@ def test_a_tool_round_trip_renders_as_dialog_lays_it_out():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    d = pathlib.Path(tempfile.mkdtemp())
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat_tools")
     build_hf_json(d / "tokenizer.json")
     return gemma4_nnx.load_tokenizer(d)
 

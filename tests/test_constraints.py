@@ -10,13 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import gemma4_nnx
 from gemma4_nnx.decode import constraints as C
 from gemma4_nnx.decode.core import _allowed
 from gemma4_nnx.decode.engine import Engine
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.generate import generate
-from tests.helpers import build_hf_json, random_model
+from tests.helpers import tokenizer_and_model
 
 SCHEMAS = [
     {
@@ -76,10 +75,7 @@ def _validate(value, schema) -> None:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("constraints")
-    build_hf_json(root / "tokenizer.json")
-    tok = gemma4_nnx.load_tokenizer(root)
-    model = random_model("e2b", seed=3, vocab_size=tok.vocab_size)
+    tok, model = tokenizer_and_model(tmp_path_factory.mktemp("constraints"))
     engine = Engine(model, tok, max_batch=4, max_length=128)
     yield model, tok, engine
     engine.close()

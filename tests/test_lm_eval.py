@@ -13,16 +13,12 @@ not the main test one); deselected where lm-eval is not installed.
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import numpy as np
 import pytest
 
-import gemma4_nnx
 from gemma4_nnx.decode.engine import Engine
-from tests.helpers import build_hf_json, random_model
+from tests.helpers import ServerThread, tokenizer_and_model
 
 pytestmark = pytest.mark.interop
 
@@ -51,31 +47,6 @@ metric_list:
 """
 
 
-def _serve(model, tok):
-    import uvicorn
-
-    from gemma4_nnx.serve.app import create_app
-
-    engine = Engine(model, tok, max_batch=4, max_length=64)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    import urllib.request
-
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return engine, server, thread, port
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("the server did not become healthy")
-
-
 def _reference(model, tok, context: str, continuation: str) -> tuple[float, bool]:
     """The harness's split (encode the whole, the continuation is what follows the context's ids),
     scored by a float64 log-softmax of the plain forward pass."""
@@ -96,9 +67,7 @@ def test_lm_eval_local_task_through_the_server(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
-    build_hf_json(tmp_path / "tokenizer.json")
-    tok = gemma4_nnx.load_tokenizer(tmp_path)
-    model = random_model("e2b", seed=3, vocab_size=tok.vocab_size)
+    tok, model = tokenizer_and_model(tmp_path)
     docs = [dict(d, choices=list(d["choices"])) for d in DOCS]
     ctx = tok.encode(DOCS[0]["context"], add_bos=False)
     best = int(np.argmax(np.asarray(model(np.asarray([ctx])))[0, -1]))
@@ -109,19 +78,19 @@ def test_lm_eval_local_task_through_the_server(tmp_path, monkeypatch):
     tasks.mkdir()
     (tasks / "tiny_choice.yaml").write_text(TASK.format(data=data))
 
-    engine, server, thread, port = _serve(model, tok)
+    engine = Engine(model, tok, max_batch=4, max_length=64)
     try:
-        results = lm_eval.simple_evaluate(
-            model="local-completions",
-            model_args={"model": NAME, "base_url": f"http://127.0.0.1:{port}/v1/completions", "max_retries": 1},
-            tasks=["tiny_choice"],
-            task_manager=TaskManager(include_path=str(tasks)),
-            log_samples=True,
-            batch_size=4,
-        )
+        with ServerThread(engine, NAME) as server:
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            results = lm_eval.simple_evaluate(
+                model="local-completions",
+                model_args={"model": NAME, "base_url": url, "max_retries": 1},
+                tasks=["tiny_choice"],
+                task_manager=TaskManager(include_path=str(tasks)),
+                log_samples=True,
+                batch_size=4,
+            )
     finally:
-        server.should_exit = True
-        thread.join(30)
         engine.close()
     samples = results["samples"]["tiny_choice"]
     assert len(samples) == len(docs)

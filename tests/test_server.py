@@ -28,7 +28,7 @@ from gemma4_nnx.decode.engine import Engine  # noqa: E402
 from gemma4_nnx.decode.generate import generate  # noqa: E402
 from gemma4_nnx.decode.text import StopMatcher  # noqa: E402
 from gemma4_nnx.tokenizer import encode_chat  # noqa: E402
-from tests.helpers import build_hf_json, random_model  # noqa: E402
+from tests.helpers import ServerThread, build_hf_json, random_model  # noqa: E402
 
 MAX_BATCH = 4
 MAX_LENGTH = 64
@@ -56,35 +56,17 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(checkpoint):
-    """(model, tokenizer, base_url, engine): the converted tiny checkpoint served on loopback."""
-    import uvicorn
-
-    from gemma4_nnx.serve.app import create_app
-
+    """(model, tokenizer, port, engine): the converted tiny checkpoint served on loopback."""
     ckpt = checkpoint
     model = gemma4_nnx.load(str(ckpt))
     tok = gemma4_nnx.load_tokenizer(ckpt)
 
     engine = Engine(model, tok, max_batch=MAX_BATCH, max_length=MAX_LENGTH)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            status, _ = _get(port, "/health")
-            if status == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.2)
-    else:
-        pytest.fail("the server did not become healthy within 300 s")
-    yield model, tok, port, engine
-    server.should_exit = True
-    thread.join(30)
-    engine.close()
+    try:
+        with ServerThread(engine, NAME) as server:
+            yield model, tok, server.port, engine
+    finally:
+        engine.close()
 
 
 def _get(port, path):
