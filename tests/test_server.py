@@ -731,6 +731,14 @@ def test_port_clash_is_reported_before_the_model_loads(tmp_path, capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and "no-such-checkpoint" not in err
 
 
+def test_a_negative_prefix_cache_budget_is_refused_before_loading(tmp_path, capsys):
+    from gemma4_nnx.serve.app import main
+
+    assert main([str(tmp_path / "no-such-checkpoint"), "--prefix-cache-mb", "-1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--prefix-cache-mb must be >= 0" in err and "no-such-checkpoint" not in err
+
+
 def test_a_non_streaming_client_that_hangs_up_frees_its_row(served):
     """A client waiting for a whole completion goes away: its request is cancelled at once, although
     tokens keep arriving faster than any poll (it used to run to max_tokens)."""
@@ -1432,6 +1440,8 @@ def test_required_and_named_tool_choice_return_calls_that_validate(tool_server):
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
         ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": _tools(), "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"tools": _tools(), "tool_choice": "sometimes"}, "tool_choice"),
         (
             {"tools": _tools(), "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
