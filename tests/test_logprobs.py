@@ -13,6 +13,10 @@ from gemma4_nnx.decode.errors import RequestError
 from tests.helpers import PROMPTS, tiny_model
 
 TOP = 5
+# Logprobs against the float64 log-softmax of the plain forward's float32 logits: the scoring and
+# decode programs compute those logits (up to the softcap, 30) in float32 with their own fusion and
+# blocking, a few ulps of 30 apart; the parity suite's bar for logits.
+LP_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +44,8 @@ def _check_top(top, ref_row, n):
     order = np.argsort(-ref_row, kind="stable")[:n]
     ids = [t for t, _ in top]
     vals = np.array([v for _, v in top])
-    np.testing.assert_allclose(vals, ref_row[ids], atol=2e-5)
-    np.testing.assert_allclose(vals, ref_row[order], atol=2e-5)  # the n largest values
+    np.testing.assert_allclose(vals, ref_row[ids], atol=LP_TOL)
+    np.testing.assert_allclose(vals, ref_row[order], atol=LP_TOL)  # the n largest values
     assert np.all(np.diff(vals) <= 0), "not best first"
 
 
@@ -52,7 +56,7 @@ def test_score_matches_float64_forward(model, engine):
         ref = _log_softmax64(model, p)
         assert len(s.logprob) == len(s.top) == len(p) - 1
         want = [ref[i, p[i + 1]] for i in range(len(p) - 1)]
-        np.testing.assert_allclose(s.logprob, want, atol=2e-5)
+        np.testing.assert_allclose(s.logprob, want, atol=LP_TOL)
         for i in range(len(p) - 1):
             _check_top(s.top[i], ref[i], TOP)
             # the same numbers as the token's own logprob (harnesses compare them with ==)
