@@ -136,19 +136,19 @@ class Constraint:
     """One row's grammar state: the next-token bitmask and the tokens it has consumed."""
 
     def __init__(self, ll_tok, grammar: str):
-        llg = _llg()
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok.ll_tok)
-        if failed:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
-        self.matcher = llg.LLMatcher(ll_tok.ll_tok, grammar, log_level=0)
+        try:  # a grammar llguidance cannot compile leaves the matcher in its error state
+            self.matcher = _llg().LLMatcher(ll_tok.ll_tok, grammar, log_level=0)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
         self.words = words(ll_tok.model_vocab_size)
 
-    @staticmethod
-    def check(ll_tok, grammar: str) -> None:
-        """Raise GrammarError if `grammar` does not compile against this tokenizer."""
-        Constraint(ll_tok, grammar)
+    def copy(self) -> Constraint:
+        """A fresh state of the same compiled grammar (no recompilation)."""
+        other = object.__new__(Constraint)
+        other.matcher, other.words = self.matcher.deep_copy(), self.words
+        return other
 
     def mask(self) -> np.ndarray:
         """[words(V)] int32 bitmask of the tokens allowed next."""
@@ -159,8 +159,3 @@ class Constraint:
     def consume(self, token: int) -> bool:
         """Feed the drawn token; False when the grammar refuses it (the matcher then stays in error)."""
         return self.matcher.consume_token(int(token))
-
-    @property
-    def finished(self) -> bool:
-        """The grammar is complete: only the stop tokens remain allowed."""
-        return self.matcher.is_stopped()

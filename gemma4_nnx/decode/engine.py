@@ -27,6 +27,7 @@ decode steps and how many rows shared them (the server reports both at `/metrics
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -54,6 +55,9 @@ DEFAULT_MAX_LENGTH = 4096
 #: Besides "no top-k", the top-k width whose sampler `precompile` readies (Gemma's recommended
 #: sampling: temperature 1, top_k 64, top_p 0.95). Other widths compile on a helper thread.
 COMMON_TOP_K = 64
+
+#: Compiled grammars an engine keeps (structured-output schemas and tool sets repeat across requests).
+_GRAMMARS = 32
 
 
 class EngineError(RuntimeError):
@@ -240,6 +244,7 @@ class Engine:
             self._row_bytes = self.decoder.state.cache.nbytes // max_batch
         self._slots: list[EngineRequest | None] = [None] * max_batch
         self._pending: deque[EngineRequest] = deque()
+        self._grammars: collections.OrderedDict = collections.OrderedDict()  # compiled, see _constraint
         self._cv = threading.Condition()
         self._closed = False
         self.error: str | None = None
@@ -301,20 +306,32 @@ class Engine:
         return request
 
     def _constraint(self, request: Request):
-        """The grammar state of a request (`decode.constraints`); RequestError naming "grammar"."""
+        """A fresh grammar state for a request (`decode.constraints`); RequestError naming "grammar".
+        Compiled grammars are kept (the last `_GRAMMARS` of them): `validate` compiles, `submit` and
+        later requests with the same grammar copy."""
         from gemma4_nnx.decode import constraints
 
         if self.tokenizer is None:
             raise RequestError("a grammar needs the engine's tokenizer (Engine(model, tokenizer))", "grammar")
         if self.drafting is not None:
             raise RequestError("constrained decoding is not available with speculative decoding", "grammar")
-        stops = request.stop_tokens or self.default_stops
-        try:
-            return constraints.Constraint(
-                constraints.ll_tokenizer(self.tokenizer, self.vocab_size, stops), request.grammar
-            )
-        except constraints.GrammarError as e:
-            raise RequestError(f"grammar: {e}", "grammar") from None
+        stops = tuple(request.stop_tokens or self.default_stops)
+        key = (request.grammar, stops)
+        with self._cv:
+            compiled = self._grammars.get(key)
+        if compiled is None:
+            try:
+                compiled = constraints.Constraint(
+                    constraints.ll_tokenizer(self.tokenizer, self.vocab_size, stops), request.grammar
+                )
+            except constraints.GrammarError as e:
+                raise RequestError(f"grammar: {e}", "grammar") from None
+        with self._cv:
+            self._grammars[key] = compiled
+            self._grammars.move_to_end(key)
+            while len(self._grammars) > _GRAMMARS:
+                self._grammars.popitem(last=False)
+        return compiled.copy()
 
     def submit(
         self,

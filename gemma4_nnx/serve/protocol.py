@@ -181,8 +181,7 @@ class _Sampling(_Api):
 
 def _refuse_unless_neutral(v, info):
     if UNSUPPORTED[info.field_name](v):
-        hint = " (use 'repetition_penalty')" if info.field_name.endswith("_penalty") else ""
-        raise ValueError(f"'{info.field_name}' is not supported by this server{hint}")
+        raise ValueError(f"'{info.field_name}' is not supported by this server")
     return v
 
 
