@@ -209,7 +209,6 @@ class Scored:
     distribution; the first token has none), and top[i]: the most likely (id, logprob) pairs there,
     best first."""
 
-    tokens: tuple[int, ...]
     logprob: list[float]
     top: list[list[tuple[int, float]]]
 
@@ -997,7 +996,7 @@ class Decoder:
         for i, p in enumerate(prompts):
             n = len(p) - 1
             top = [list(zip(top_tok[i, c].tolist(), top_lp[i, c].tolist(), strict=True)) for c in range(n)]
-            out.append(Scored(tuple(p), lp[i, :n].tolist(), top))
+            out.append(Scored(lp[i, :n].tolist(), top))
         return out
 
     def finish(self, rows: np.ndarray) -> None:

@@ -593,7 +593,10 @@ class Serving:
                 raise ApiError(str(e), "prompt" if e.param == "prompt" else "logprobs", code=e.code) from None
         out = []
         for i, ids in enumerate(prompts):
-            text = texts[i] if texts is not None else "".join(self._piece(t) for t in ids)
+            if texts is not None:
+                text = texts[i]
+            else:  # decoded whole: byte pieces of one character join up
+                text = self.tokenizer.decode(ids) if self.tokenizer is not None else "".join(map(str, ids))
             entries = []
             if scored is not None:
                 sc = scored[i]
