@@ -4,7 +4,6 @@ window needs (exhaustive over small rings), and the memory bound holds."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from gemma4_nnx.decode.engine import Engine
@@ -51,8 +50,8 @@ def test_conversation_equals_full_prefill(model, kw, chunk):
     # every turn after the first continues the previous turn's finished row: prompt + answer but
     # its last token (the window is 4 slots, so only a snapshot ending there can serve it)
     assert stats.hits == len(TURNS) - 1
-    sizes = np.cumsum([len(t) for t in TURNS]) + 6 * np.arange(len(TURNS))
-    assert stats.reused_tokens == sum(int(n) - 1 for n in sizes[1:] - np.array([len(t) for t in TURNS[1:]]))
+    prompts = [sum(len(t) for t in TURNS[: k + 1]) + 6 * k for k in range(len(TURNS))]  # turn k's prompt length
+    assert stats.reused_tokens == sum(n + 6 - 1 for n in prompts[:-1])  # previous prompt + its answer - 1
 
 
 def test_a_shared_system_prompt_is_reused_from_the_prompt_snapshot(model):
