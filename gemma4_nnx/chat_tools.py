@@ -123,6 +123,7 @@ def tool_response_text(name: str, response: Mapping[str, Any]) -> str:
 
 # ------------------------------------------------------------------------------------------- reading
 _CALL = re.compile(r"<\|tool_call>call:(\w+)(.*?)<tool_call\|>", re.S)
+_KEY = re.compile(r"([A-Za-z_][\w\-.]*)\s*:")  # an unquoted object key
 
 
 def _to_json(body: str) -> str:
@@ -136,7 +137,7 @@ def _to_json(body: str) -> str:
             out.append(json.dumps(body[i + len(QUOTE) : j]))
             i = j + len(QUOTE)
             continue
-        m = re.compile(r"([A-Za-z_][\w\-.]*)\s*:").match(body, i)
+        m = _KEY.match(body, i)
         if m and (not out or out[-1].rstrip().endswith(("{", ","))):
             out.append(json.dumps(m.group(1)) + ":")
             i = m.end()
