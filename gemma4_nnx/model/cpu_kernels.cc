@@ -8,6 +8,8 @@
 //   gemma4_bf16_cols: out[M, N] = x[M, K] @ w[K, N]    w stored [in, out] (nnx.Linear kernels)
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
 //   gemma4_bf16_widen: out = float32(w), any shape     (for many rows: the product is then XLA's)
+//   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py)
+//   gemma4_q_dequant:  deq(w) as float32 [N, K]
 //
 // Work is split over XLA's intra-op thread pool. Written with GCC/Clang vector extensions, so the
 // compiler maps the 16-lane vectors to what -march=native offers (AVX-512, AVX2, NEON).
@@ -220,6 +222,136 @@ ffi::Error Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultBuff
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------- quantized weights
+// out[M, N] = x[M, K] @ deq(w)[N, K]^T for a weight stored as group-quantized codes (gemma4_nnx.model.quant):
+// row n of w is codes[n] (int8 [K], uint8 [K] when asymmetric, or two nibbles a byte [K/2]) with one
+// float32 scale (and min) per `group` columns: w[n, k] = code * scale - min. Each row is dequantized
+// once into a float32 buffer in L1 and multiplied with up to eight rows of x at a time, so a weight
+// is read from memory once per call at 1 or 0.5 bytes.
+inline void dequant_row(const uint8_t* __restrict__ c, const float* __restrict__ sc, const float* __restrict__ mn,
+                        int64_t K, int64_t group, int bits, bool asym, float* __restrict__ buf) {
+  const int64_t G = K / group;
+  for (int64_t g = 0; g < G; ++g) {
+    const float s = sc[g];
+    float* b = buf + g * group;
+    if (bits == 8) {
+      if (asym) {
+        const uint8_t* q = c + g * group;
+        const float m = mn[g];
+        for (int64_t j = 0; j < group; ++j) b[j] = static_cast<float>(q[j]) * s - m;
+      } else {
+        const int8_t* q = reinterpret_cast<const int8_t*>(c) + g * group;
+        for (int64_t j = 0; j < group; ++j) b[j] = static_cast<float>(q[j]) * s;
+      }
+    } else {
+      const uint8_t* q = c + g * group / 2;
+      if (asym) {
+        const float m = mn[g];
+        for (int64_t j = 0; j < group / 2; ++j) {
+          b[2 * j] = static_cast<float>(q[j] & 0x0F) * s - m;
+          b[2 * j + 1] = static_cast<float>(q[j] >> 4) * s - m;
+        }
+      } else {
+        for (int64_t j = 0; j < group / 2; ++j) {
+          const int8_t v = static_cast<int8_t>(q[j]);
+          b[2 * j] = static_cast<float>(static_cast<int8_t>(v << 4) >> 4) * s;
+          b[2 * j + 1] = static_cast<float>(v >> 4) * s;
+        }
+      }
+    }
+  }
+}
+
+template <int MB>
+inline void dot_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int64_t K,
+                     int64_t N, int64_t n, int64_t m0) {
+  const int64_t kv = K / 16 * 16;
+  f32x16 s[MB];
+  for (int m = 0; m < MB; ++m) s[m] = f32x16{};
+  for (int64_t k = 0; k < kv; k += 16) {
+    const f32x16 wv = load_f32(w + k);
+    for (int m = 0; m < MB; ++m) s[m] += load_f32(x + (m0 + m) * K + k) * wv;
+  }
+  for (int m = 0; m < MB; ++m) {
+    float total = hsum(s[m]);
+    for (int64_t k = kv; k < K; ++k) total += x[(m0 + m) * K + k] * w[k];
+    out[(m0 + m) * N + n] = total;
+  }
+}
+
+struct QWeight {
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;
+  int64_t N, K, group, code_cols;
+  int bits;
+  bool asym;
+};
+
+ffi::Error check_q(const ffi::AnyBuffer& codes, const Matrix& scales, const Matrix& mins, int64_t bits, bool asym,
+                   int64_t K, QWeight* q) {
+  auto cd = codes.dimensions();
+  if (cd.size() != 2) return ffi::Error::InvalidArgument("gemma4_q: codes must be 2-D");
+  const auto t = codes.element_type();
+  if (!((bits == 8 && !asym && t == ffi::DataType::S8) || ((bits == 4 || asym) && t == ffi::DataType::U8)))
+    return ffi::Error::InvalidArgument("gemma4_q: codes dtype does not match bits/asym");
+  const int64_t N = cd[0], code_cols = cd[1];
+  if (code_cols * (bits == 4 ? 2 : 1) != K) return ffi::Error::InvalidArgument("gemma4_q: codes width != K");
+  const int64_t G = scales.dimensions()[1];
+  if (scales.dimensions()[0] != N || G <= 0 || K % G) return ffi::Error::InvalidArgument("gemma4_q: bad scales");
+  if (asym && (mins.dimensions()[0] != N || mins.dimensions()[1] != G))
+    return ffi::Error::InvalidArgument("gemma4_q: mins must match scales");
+  *q = QWeight{static_cast<const uint8_t*>(codes.untyped_data()), scales.typed_data(), mins.typed_data(), N, K,
+               K / G, code_cols, static_cast<int>(bits), asym};
+  return ffi::Error::Success();
+}
+
+ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
+                 int64_t bits, bool asym) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  QWeight q;
+  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
+  const int64_t N = q.N, G = K / q.group;
+  const float* X = x.typed_data();
+  float* Y = out->typed_data();
+  if (M * N == 0) return ffi::Error::Success();
+  const int64_t per_task = std::max<int64_t>(16, (int64_t{1} << 20) / std::max<int64_t>(q.code_cols, 1));
+  const int64_t nt = (N + per_task - 1) / per_task;
+  parallel_for(pool, nt, [&](int64_t t) {
+    const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
+    std::vector<float> buf(static_cast<size_t>(K));
+    for (int64_t n = n0; n < n1; ++n) {
+      __builtin_prefetch(q.codes + (n + 2) * q.code_cols);
+      dequant_row(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, K, q.group, q.bits,
+                  q.asym, buf.data());
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) dot_rows<8>(X, buf.data(), Y, K, N, n, m);
+      for (; m + 4 <= M; m += 4) dot_rows<4>(X, buf.data(), Y, K, N, n, m);
+      for (; m + 2 <= M; m += 2) dot_rows<2>(X, buf.data(), Y, K, N, n, m);
+      for (; m < M; ++m) dot_rows<1>(X, buf.data(), Y, K, N, n, m);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// deq(w) as a float32 [N, K] matrix (many rows: the product is then XLA's float32 dot).
+ffi::Error QDequant(ffi::ThreadPool pool, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
+                    int64_t bits, bool asym) {
+  const int64_t K = out->dimensions()[1];
+  QWeight q;
+  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
+  const int64_t N = q.N, G = K / q.group;
+  float* Y = out->typed_data();
+  const int64_t per_task = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(K, 1));
+  parallel_for(pool, (N + per_task - 1) / per_task, [&](int64_t t) {
+    const int64_t n1 = std::min(N, (t + 1) * per_task);
+    for (int64_t n = t * per_task; n < n1; ++n)
+      dequant_row(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, K, q.group, q.bits,
+                  q.asym, Y + n * K);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Cols, Cols,
@@ -239,3 +371,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Widen, Widen,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QRows, QRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
+                                  .Ret<Matrix>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<bool>("asym"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QDequant, QDequant,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
+                                  .Ret<Matrix>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<bool>("asym"));

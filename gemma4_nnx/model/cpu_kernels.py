@@ -27,6 +27,7 @@ summation order, slower). Whether a model uses them is decided once, when it is 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -42,7 +43,7 @@ import jaxlib
 
 Array = jax.Array
 
-__all__ = ["MAX_ROWS", "available", "matmul", "matmul_t", "unavailable_reason"]
+__all__ = ["MAX_QROWS", "MAX_ROWS", "available", "matmul", "matmul_t", "qmatmul_t", "unavailable_reason"]
 
 #: Products with at most this many rows run in the kernels; more rows widen the weight and use XLA's
 #: dot (measured on 1536x6144: the kernel is 1.6x faster at 32 rows, 2x slower at 64).
@@ -53,6 +54,8 @@ _TARGETS = {
     "gemma4_bf16_cols": "Gemma4Bf16Cols",
     "gemma4_bf16_rows": "Gemma4Bf16Rows",
     "gemma4_bf16_widen": "Gemma4Bf16Widen",
+    "gemma4_q_rows": "Gemma4QRows",
+    "gemma4_q_dequant": "Gemma4QDequant",
 }
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once decided, "lib": the loaded library (kept alive), "error": why not
@@ -150,13 +153,13 @@ def unavailable_reason() -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ primitives
-def _call(target: str, shape: tuple[int, ...], *args: Array) -> Array:
+def _call(target: str, shape: tuple[int, ...], *args: Array, **attrs) -> Array:
     if not _state.get("ok"):  # decided when the model was built (`available()`), not here
         raise RuntimeError(
             f"gemma4_nnx CPU kernels are not registered ({_state.get('error') or 'never built'}); "
             "build the model with matmul='auto' or 'xla'"
         )
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")(*args)
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")(*args, **attrs)
 
 
 @jax.custom_vjp
@@ -215,3 +218,53 @@ def matmul_t(x: Array, w: Array, precision=None) -> Array:
     if 0 < rows <= MAX_ROWS:
         return _rows(x.reshape(rows, k), w).reshape(*lead, w.shape[0])
     return jnp.einsum("...k,nk->...n", x, _widen(w), precision=precision)
+
+
+# ------------------------------------------------------------------------------------------ quantized
+#: Rows up to which a quantized weight's product runs in `gemma4_q_rows` (each weight row dequantized
+#: once into L1 and multiplied with 8 rows of x at a time); more rows dequantize the whole weight to
+#: float32 once and use XLA's dot.
+MAX_QROWS = 64
+
+
+def _no_mins(scales: Array) -> Array:
+    return jnp.zeros((0, 0), jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _qrows(x: Array, codes: Array, scales: Array, mins: Array, bits: int) -> Array:
+    asym = mins.size > 0
+    n = codes.shape[0]
+    return _call("gemma4_q_rows", (x.shape[0], n), x, codes, scales, mins, bits=bits, asym=asym)
+
+
+def _qdequant(codes: Array, scales: Array, mins: Array, bits: int, k: int) -> Array:
+    asym = mins.size > 0
+    return _call("gemma4_q_dequant", (codes.shape[0], k), codes, scales, mins, bits=bits, asym=asym)
+
+
+def _qrows_fwd(x, codes, scales, mins, bits):
+    return _qrows(x, codes, scales, mins, bits), (codes, scales, mins)
+
+
+def _qrows_bwd(bits, res, g):
+    codes, scales, mins = res
+    w = _qdequant(codes, scales, mins, bits, codes.shape[1] * (2 if bits == 4 else 1))
+    # Only x is differentiated: integer codes take no gradient and the scales are frozen with them.
+    return g @ w, None, jnp.zeros_like(scales), jnp.zeros_like(mins)
+
+
+_qrows.defvjp(_qrows_fwd, _qrows_bwd)
+
+
+def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: int) -> Array:
+    """x [..., K] float32 @ deq(w)[N, K]^T for a quantized weight (`gemma4_nnx.model.quant`): codes int8
+    [N, K] / uint8 [N, K] (asymmetric) / uint8 [N, K/2] (int4), float32 scales [N, G] and mins [N, G]
+    or None. Up to `MAX_QROWS` rows in the kernel; more rows dequantize once and use XLA's dot."""
+    lead, k, rows = _rows_of(x)
+    mins = _no_mins(scales) if mins is None else mins
+    if 0 < rows <= MAX_QROWS:
+        return _qrows(x.reshape(rows, k), codes, scales, mins, bits).reshape(*lead, codes.shape[0])
+    # the weight is frozen (see _qrows_bwd): no derivative flows into the custom call
+    w = _qdequant(codes, jax.lax.stop_gradient(scales), jax.lax.stop_gradient(mins), bits, k)
+    return jnp.einsum("...k,nk->...n", x, w)

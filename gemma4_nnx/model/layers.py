@@ -152,11 +152,12 @@ class Matmul:
 XLA = Matmul(cpu_kernels=False)
 
 
-def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype) -> Matmul:
-    """The product for a model of compute `dtype` and weights `param_dtype`.
+def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantized: bool = False) -> Matmul:
+    """The product for a model of compute `dtype` and weights `param_dtype` (`quantized`: some of its
+    weights are int8/int4 codes, `gemma4_nnx.model.quant`).
 
-    "auto": the CPU kernels where they pay (bf16 weights, float32 compute, one CPU device) and are
-    available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else.
+    "auto": the CPU kernels where they pay (bf16 or quantized weights, float32 compute, one CPU device)
+    and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else.
     "xla": always XLA. "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
     """
     if isinstance(option, Matmul):
@@ -178,7 +179,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype) -> Matm
                 " use matmul='xla'"
             )
         return Matmul(cpu_kernels=True)
-    wanted = jnp.dtype(param_dtype) == jnp.bfloat16 and dtype is not None and jnp.dtype(dtype) == jnp.float32
+    narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
+    wanted = narrow and dtype is not None and jnp.dtype(dtype) == jnp.float32
     return Matmul(cpu_kernels=bool(wanted and one_cpu and cpu_kernels.available()))
 
 

@@ -1,4 +1,4 @@
-"""Group-wise symmetric int4 / int8 quantization for large embedding tables.
+"""Group-wise int4 / int8 weights: the PLE table, the token embedding / tied logits and every projection.
 
 Why this exists: Gemma 4 E2B's per-layer-embedding (PLE) table is
 ``[262144, 35 * 256]`` (about 4.7 GB in bf16), yet each step only needs the
@@ -42,11 +42,29 @@ Choices:
   error is below that absmax.)
 * Every operation is row-local, so quantizing a table chunk by chunk (as the
   streaming converter does) is bit-identical to quantizing it all at once.
+
+Matrices (projections and the token table) use the same row format, with a
+row being one *output* (a projection's kernel is stored ``[out, in]``, HF's
+and GGUF's layout, so groups run along the input dimension as the issue of
+weight-only quantization wants). Imported formats add two things, described by
+:class:`QuantFormat`:
+
+* an **asymmetric** form (``asym=True``): codes are *unsigned* (``[0, 2^bits)``;
+  int4 nibbles read as 0..15, int8 codes stored as uint8) and a float32 ``mins``
+  array of the scales' shape gives ``value = code * scale - min``. This is what
+  GGUF's Q4_K / Q5_K (``d*sc*q - dmin*m``) and Q4_1 (``d*q + m``, min = -m)
+  store; the float32 multiply and subtract are the ones ``gguf``'s own
+  dequantizer does, so imported values are bit-for-bit its values.
+* any even **group** (GGUF blocks are 32 wide, Q6_K sub-blocks 16).
+
+Our own quantizer (``gemma4-convert --quantize int8|int4``) is the symmetric one
+above, with ``DEFAULT_GROUP`` columns per scale.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -55,10 +73,14 @@ import numpy as np
 from flax import nnx
 
 __all__ = [
+    "DEFAULT_GROUP",
     "QMAX",
+    "QuantFormat",
     "QuantizedEmbedding",
+    "QuantizedLinear",
     "dequantize_rows",
     "pack_int4",
+    "quantize",
     "quantize_rows",
     "quantized_nbytes",
     "unpack_int4",
@@ -66,6 +88,46 @@ __all__ = [
 
 #: Largest code magnitude produced for each supported bit width.
 QMAX: dict[int, int] = {4: 7, 8: 127}
+
+#: Columns per scale of our own quantizer. int4: 32, GGUF's Q4_0 block (a float32 scale per 32 codes
+#: costs 1 bit a weight: 0.625 bytes a weight in all; 64 would save 0.06 bytes at a larger rounding
+#: step on the outliers of each group). int8: 128 (0.03 bytes a weight of scales; an int8 step is
+#: already 1/127 of the group's absmax, so smaller groups buy little).
+DEFAULT_GROUP: dict[int, int] = {4: 32, 8: 128}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """How one matrix is stored: `bits` (4 or 8), `group` (columns per scale), `asym` (unsigned codes
+    and a `mins` array: value = code * scale - min). Frozen and hashable: part of a module's static
+    configuration, and what the checkpoint's metadata records per tensor (`to_json` / `from_json`)."""
+
+    bits: int
+    group: int
+    asym: bool = False
+
+    def __post_init__(self):
+        _check_bits_group(self.bits, self.group)
+
+    def code_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        return (rows, cols // 2) if self.bits == 4 else (rows, cols)
+
+    @property
+    def code_dtype(self):
+        return jnp.uint8 if self.bits == 4 or self.asym else jnp.int8
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        """Bytes of codes + scales (+ mins) of a [rows, cols] matrix."""
+        _check_width(cols, self.group, "cols")
+        per = 2 if self.asym else 1
+        return rows * cols * self.bits // 8 + per * rows * (cols // self.group) * 4
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bits": self.bits, "group": self.group, "asym": self.asym}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> QuantFormat:
+        return cls(int(d["bits"]), int(d["group"]), bool(d.get("asym", False)))
 
 
 def _check_bits_group(bits: int, group: int) -> None:
@@ -124,6 +186,27 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     lo = jnp.right_shift(jnp.left_shift(s, jnp.int8(4)), jnp.int8(4))
     hi = jnp.right_shift(s, jnp.int8(4))
     return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def unpack_uint4(packed: jax.Array) -> jax.Array:
+    """Unpacks bytes of two *unsigned* nibbles (element ``2j`` low) to uint8 ``[..., 2K]`` in [0, 15]."""
+    packed = jnp.asarray(packed)
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"packed int4 codes must be uint8, got {packed.dtype}")
+    lo = jnp.bitwise_and(packed, jnp.uint8(0x0F))
+    hi = jnp.right_shift(packed, jnp.uint8(4))
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def pack_uint4(codes: np.ndarray) -> np.ndarray:
+    """Packs unsigned 4-bit codes ``[..., 2K]`` in [0, 15] two per byte (NumPy), element ``2j`` low."""
+    codes = np.asarray(codes)
+    if codes.ndim == 0 or codes.shape[-1] % 2:
+        raise ValueError(f"codes.shape[-1] must be even, got shape {codes.shape}")
+    if codes.size and (codes.min() < 0 or codes.max() > 15):
+        raise ValueError("codes must lie in [0, 15] to be packed as unsigned int4")
+    c = codes.astype(np.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << np.uint8(4))
 
 
 def quantize_rows(x: np.ndarray, bits: int, group: int = 256) -> tuple[np.ndarray, np.ndarray]:
@@ -186,6 +269,7 @@ def dequantize_rows(
     bits: int,
     group: int = 256,
     dtype: Any = jnp.float32,
+    mins: jax.Array | None = None,
 ) -> jax.Array:
     """Dequantizes (gathered) rows back to float (JAX, jittable).
 
@@ -193,15 +277,17 @@ def dequantize_rows(
     jitting this function directly).
 
     Args:
-        codes: int8 ``[..., M]`` (bits=8) or uint8 ``[..., M // 2]`` (bits=4).
+        codes: int8 ``[..., M]`` (bits=8) or uint8 ``[..., M // 2]`` (bits=4);
+            with ``mins``, unsigned: uint8 ``[..., M]`` or nibbles 0..15.
         scales: float ``[..., M // group]`` with the same leading shape.
         bits: 4 or 8.
         group: columns per scale.
         dtype: output dtype.
+        mins: None (symmetric) or float ``[..., M // group]`` (asymmetric form).
 
     Returns:
-        ``[..., M]`` in ``dtype``; computed as ``code * scale`` in float32 and
-        rounded once to ``dtype``.
+        ``[..., M]`` in ``dtype``; computed as ``code * scale`` (``- min``) in
+        float32 and rounded once to ``dtype``.
     """
     _check_bits_group(bits, group)
     codes = jnp.asarray(codes)
@@ -209,10 +295,11 @@ def dequantize_rows(
     if codes.ndim == 0:
         raise ValueError("codes must have at least one dimension")
     if bits == 4:
-        q = unpack_int4(codes)
+        q = unpack_int4(codes) if mins is None else unpack_uint4(codes)
     else:
-        if codes.dtype != jnp.int8:
-            raise ValueError(f"int8 codes must be int8, got {codes.dtype}")
+        want = jnp.int8 if mins is None else jnp.uint8
+        if codes.dtype != want:
+            raise ValueError(f"int8 codes must be {jnp.dtype(want).name}, got {codes.dtype}")
         q = codes
     m = q.shape[-1]
     _check_width(m, group, "unpacked codes.shape[-1]")
@@ -221,6 +308,11 @@ def dequantize_rows(
     if scales.shape != (*lead, g):
         raise ValueError(f"scales shape {scales.shape} does not match codes: expected {(*lead, g)}")
     out = q.reshape(*lead, g, group).astype(jnp.float32) * scales.astype(jnp.float32)[..., None]
+    if mins is not None:
+        mins = jnp.asarray(mins)
+        if mins.shape != scales.shape:
+            raise ValueError(f"mins shape {mins.shape} does not match scales {scales.shape}")
+        out = out - mins.astype(jnp.float32)[..., None]
     return out.reshape(*lead, m).astype(dtype)
 
 
@@ -233,17 +325,107 @@ def quantized_nbytes(num_embeddings: int, features: int, bits: int, group: int =
     return code_bytes + scale_bytes
 
 
+def _params(fmt: QuantFormat, rows: int, cols: int):
+    """Zero codes / scales (/ mins) of a [rows, cols] matrix (build under `nnx.eval_shape`)."""
+    _check_width(cols, fmt.group, "cols")
+    g = cols // fmt.group
+    codes = nnx.Param(jnp.zeros(fmt.code_shape(rows, cols), fmt.code_dtype))
+    scales = nnx.Param(jnp.zeros((rows, g), jnp.float32))
+    mins = nnx.Param(jnp.zeros((rows, g), jnp.float32)) if fmt.asym else None
+    return codes, scales, mins
+
+
+def _set_params(mod, codes, scales, mins) -> None:
+    """Fill an (abstract) quantized module with arrays, checked against its shapes and dtypes."""
+    given = {"codes": codes, "scales": scales, "mins": mins}
+    for name, arr in given.items():
+        var = getattr(mod, name)
+        if (var is None) != (arr is None):
+            raise ValueError(f"{name}: {'missing' if arr is None else 'given'} for format {mod.fmt}")
+        if var is None:
+            continue
+        arr = jnp.asarray(arr)
+        want = var.get_value()
+        if arr.shape != want.shape or arr.dtype != want.dtype:
+            raise ValueError(f"{name} must be {want.dtype}{list(want.shape)}, got {arr.dtype}{list(arr.shape)}")
+        setattr(mod, name, nnx.Param(arr))
+
+
+def _mins(mod):
+    return None if mod.mins is None else mod.mins[...]
+
+
+def dequantize_matrix(mod, dtype: Any = jnp.float32) -> jax.Array:
+    """The whole float matrix [rows, cols] of a quantized module (export, merging LoRA, tests)."""
+    f = mod.fmt
+    return dequantize_rows(mod.codes[...], mod.scales[...], f.bits, f.group, dtype, _mins(mod))
+
+
+def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
+    """x [..., cols] @ W [rows, cols]^T in `dtype` for a quantized matrix `mod` (the one product of
+    every quantized projection and of quantized tied logits).
+
+    With the module's `matmul` choosing the CPU kernels and float32 compute, the codes are read as
+    stored (1 or 0.5 bytes a weight) and multiplied in float32 (`cpu_kernels.qmatmul_t`); otherwise
+    (accelerators, XLA fallback) the codes are dequantized to `dtype` inside the jitted step next to
+    the dot, which XLA fuses on GPU/TPU.
+    """
+    f = mod.fmt
+    if mod.matmul.cpu_kernels and jnp.dtype(dtype) == jnp.float32:
+        from gemma4_nnx.model import cpu_kernels
+
+        return cpu_kernels.qmatmul_t(x.astype(dtype), mod.codes[...], mod.scales[...], _mins(mod), f.bits)
+    w = dequantize_rows(mod.codes[...], mod.scales[...], f.bits, f.group, dtype, _mins(mod))
+    return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
+
+
+class QuantizedLinear(nnx.Module):
+    """A bias-free projection `x @ W^T` whose weight W [out, in] is stored quantized (`QuantFormat`).
+
+    Stands where an `nnx.Linear` built by `layers.linear` stood (same call, same output); parameters
+    `codes`, `scales` (and `mins` for the asymmetric form) replace its `kernel` [in, out]. Integer
+    codes are not trainable: fine-tune with LoRA on top (`gemma4_nnx.train.finetune.apply_lora`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: QuantFormat, *, dtype, matmul=None):
+        from gemma4_nnx.model.layers import XLA
+
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.fmt = fmt
+        self.dtype = dtype
+        self.matmul = matmul if matmul is not None else XLA
+        self.codes, self.scales, self.mins = _params(fmt, self.out_features, self.in_features)
+
+    @classmethod
+    def from_quantized(cls, codes, scales, mins, fmt: QuantFormat, *, in_features: int, dtype, matmul=None):
+        codes = jnp.asarray(codes)
+        mod = nnx.eval_shape(lambda: cls(in_features, codes.shape[0], fmt, dtype=dtype, matmul=matmul))
+        _set_params(mod, codes, scales, mins)
+        return mod
+
+    @property
+    def nbytes(self) -> int:
+        return self.fmt.nbytes(self.out_features, self.in_features)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or x.dtype
+        return matmul_t(x, self, dtype)
+
+
 class QuantizedEmbedding(nnx.Module):
     """Embedding table stored as group-quantized int4/int8 codes.
 
-    Drop-in for the float PLE embedding module: both map ``ids [...]`` to
-    ``[..., features]``. Only the gathered rows of ``codes`` and ``scales`` are
-    dequantized, so the float table is never materialized.
+    Drop-in for the float embedding modules: both map ``ids [...]`` to
+    ``[..., features]`` (times ``lookup_scale``, the float table's rounded
+    sqrt(D) for the token embedding, 1 for PLE) and ``attend`` gives the tied
+    logits. Only the gathered rows of ``codes`` and ``scales`` are dequantized,
+    so the float table is never materialized.
 
     Attributes:
         codes: ``nnx.Param`` int8 ``[V, F]`` or uint8 ``[V, F // 2]`` (int4).
         scales: ``nnx.Param`` float32 ``[V, F // group]``.
-        bits, group, num_embeddings, features, dtype: static configuration.
+        mins: ``nnx.Param`` float32 like ``scales`` (asymmetric form) or None.
+        fmt, num_embeddings, features, dtype, lookup_scale, matmul: static configuration.
 
     Integer params are not differentiable; treat them as frozen when
     fine-tuning (e.g. filter them out of the optimizer with an ``nnx`` filter).
@@ -258,6 +440,9 @@ class QuantizedEmbedding(nnx.Module):
         group: int = 256,
         dtype: Any = jnp.bfloat16,
         rngs: nnx.Rngs | None = None,
+        asym: bool = False,
+        lookup_scale: float = 1.0,
+        matmul=None,
     ):
         """Creates a zero-filled table with the checkpoint's shapes.
 
@@ -265,18 +450,19 @@ class QuantizedEmbedding(nnx.Module):
         checkpoint; build it under ``nnx.eval_shape`` to restore without
         allocating. ``rngs`` is accepted only for signature compatibility.
         """
+        from gemma4_nnx.model.layers import XLA
+
         del rngs
-        _check_bits_group(bits, group)
+        self.fmt = QuantFormat(int(bits), int(group), bool(asym))
         _check_width(features, group, "features")
         self.bits = int(bits)
         self.group = int(group)
         self.num_embeddings = int(num_embeddings)
         self.features = int(features)
         self.dtype = dtype
-        code_cols = features // 2 if bits == 4 else features
-        code_dtype = jnp.uint8 if bits == 4 else jnp.int8
-        self.codes = nnx.Param(jnp.zeros((num_embeddings, code_cols), code_dtype))
-        self.scales = nnx.Param(jnp.zeros((num_embeddings, features // group), jnp.float32))
+        self.lookup_scale = float(lookup_scale)
+        self.matmul = matmul if matmul is not None else XLA
+        self.codes, self.scales, self.mins = _params(self.fmt, self.num_embeddings, self.features)
 
     @classmethod
     def from_quantized(
@@ -287,22 +473,30 @@ class QuantizedEmbedding(nnx.Module):
         bits: int,
         group: int = 256,
         dtype: Any = jnp.bfloat16,
+        mins: np.ndarray | jax.Array | None = None,
+        lookup_scale: float = 1.0,
+        matmul=None,
     ) -> QuantizedEmbedding:
         """Wraps already-quantized arrays (e.g. from :func:`quantize_rows`)."""
         _check_bits_group(bits, group)
         codes = jnp.asarray(codes)
-        scales = jnp.asarray(scales, jnp.float32)
         if codes.ndim != 2:
             raise ValueError(f"codes must be 2-D, got shape {codes.shape}")
         features = codes.shape[1] * (2 if bits == 4 else 1)
         # Build abstractly so the zero placeholders are never allocated.
-        mod = nnx.eval_shape(lambda: cls(codes.shape[0], features, bits=bits, group=group, dtype=dtype))
-        for name, arr in (("codes", codes), ("scales", scales)):
-            want = getattr(mod, name).get_value()
-            if arr.shape != want.shape or arr.dtype != want.dtype:
-                raise ValueError(f"{name} must be {want.dtype}{list(want.shape)}, got {arr.dtype}{list(arr.shape)}")
-        mod.codes = nnx.Param(codes)
-        mod.scales = nnx.Param(scales)
+        mod = nnx.eval_shape(
+            lambda: cls(
+                codes.shape[0],
+                features,
+                bits=bits,
+                group=group,
+                dtype=dtype,
+                asym=mins is not None,
+                lookup_scale=lookup_scale,
+                matmul=matmul,
+            )
+        )
+        _set_params(mod, codes, None if scales is None else jnp.asarray(scales, jnp.float32), mins)
         return mod
 
     @classmethod
@@ -313,20 +507,20 @@ class QuantizedEmbedding(nnx.Module):
         group: int = 256,
         dtype: Any = jnp.bfloat16,
         rngs: nnx.Rngs | None = None,
+        lookup_scale: float = 1.0,
+        matmul=None,
     ) -> QuantizedEmbedding:
         """Quantizes a float ``[V, F]`` table with :func:`quantize_rows`."""
         del rngs
         codes, scales = quantize_rows(np.asarray(table), bits, group)
-        return cls.from_quantized(codes, scales, bits=bits, group=group, dtype=dtype)
+        return cls.from_quantized(
+            codes, scales, bits=bits, group=group, dtype=dtype, lookup_scale=lookup_scale, matmul=matmul
+        )
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by codes + scales (works on abstract modules too)."""
-        total = 0
-        for p in (self.codes, self.scales):
-            v = p.get_value()
-            total += math.prod(v.shape) * np.dtype(v.dtype).itemsize
-        return total
+        """Bytes held by codes + scales (+ mins) (works on abstract modules too)."""
+        return self.fmt.nbytes(self.num_embeddings, self.features)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """Looks up rows.
@@ -345,4 +539,120 @@ class QuantizedEmbedding(nnx.Module):
             raise ValueError(f"ids must have an integer dtype, got {ids.dtype}")
         codes = jnp.take(self.codes[...], ids, axis=0)  # [..., F or F/2]
         scales = jnp.take(self.scales[...], ids, axis=0)  # [..., F/group]
-        return dequantize_rows(codes, scales, self.bits, self.group, self.dtype)
+        mins = None if self.mins is None else jnp.take(self.mins[...], ids, axis=0)
+        rows = dequantize_rows(codes, scales, self.bits, self.group, self.dtype, mins)
+        return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied logits x [..., F] @ table^T -> [..., V] (`matmul_t`: the table is never widened whole
+        on the CPU kernels' path)."""
+        return matmul_t(x, self, self.dtype)
+
+
+# ---------------------------------------------------------------------------- whole models
+#: Which parameters `quantize` and `gemma4-convert --quantize int8|int4` quantize: every projection
+#: (attention q/k/v/o, the MLPs, the per-layer-input projections) and the token embedding / tied
+#: logits matrix. Norms, `layer_scalar`, the MoE router and the MoE experts stay float.
+QUANTIZABLE = re.compile(r"(_proj|per_layer_input_gate|per_layer_projection|^embed_tokens)$")
+
+
+def quantizable(module_path) -> bool:
+    """Whether the module at `module_path` (tuple or dotted string) is one `quantize` quantizes."""
+    dotted = module_path if isinstance(module_path, str) else ".".join(map(str, module_path))
+    return bool(QUANTIZABLE.search(dotted)) and ".router." not in "." + dotted + "."
+
+
+def quantized_like(mod, fmt: QuantFormat, matmul=None):
+    """An abstract quantized module standing in for the float `mod` (an `nnx.Linear` from
+    `layers.linear`, a `layers.Embedding`, or an existing quantized module), with format `fmt` and
+    product `matmul` (default: the module's own)."""
+    from gemma4_nnx.model import layers
+
+    if isinstance(mod, (QuantizedLinear, nnx.Linear)):
+        if matmul is None:
+            matmul = mod.matmul if isinstance(mod, QuantizedLinear) else layers.matmul_of(mod)
+        return nnx.eval_shape(
+            lambda: QuantizedLinear(mod.in_features, mod.out_features, fmt, dtype=mod.dtype, matmul=matmul)
+        )
+    if isinstance(mod, (layers.Embedding, QuantizedEmbedding)):
+        return nnx.eval_shape(
+            lambda: QuantizedEmbedding(
+                mod.num_embeddings,
+                mod.features,
+                bits=fmt.bits,
+                group=fmt.group,
+                asym=fmt.asym,
+                dtype=mod.dtype,
+                lookup_scale=getattr(mod, "lookup_scale", 1.0),
+                matmul=mod.matmul if matmul is None else matmul,
+            )
+        )
+    raise ValueError(f"cannot quantize a {type(mod).__name__}; only projections and embeddings")
+
+
+def float_matrix(mod) -> np.ndarray:
+    """A float module's weight in the row layout [out, in] (NumPy, its own dtype)."""
+    from gemma4_nnx.model import layers
+
+    if isinstance(mod, nnx.Linear):
+        return np.asarray(jax.device_get(mod.kernel[...])).T
+    if isinstance(mod, layers.Embedding):
+        return np.asarray(jax.device_get(mod.embedding[...]))
+    raise ValueError(f"no float matrix in a {type(mod).__name__}")
+
+
+def get_submodule(model: nnx.Module, path: tuple):
+    node = model
+    for key in path:
+        node = node[int(key)] if isinstance(node, (list, nnx.List)) else getattr(node, str(key))
+    return node
+
+
+def set_submodule(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+    """Put `new` at `path` (attribute names and list indices) inside `model`."""
+    parent = get_submodule(model, path[:-1])
+    if isinstance(parent, (list, nnx.List)):
+        parent[int(path[-1])] = new
+    else:
+        setattr(parent, str(path[-1]), new)
+
+
+def quantize(
+    model: nnx.Module, bits: int, group: int | None = None, *, targets=quantizable, matmul="auto"
+) -> list[str]:
+    """Quantize a float model's projections and token table in memory (symmetric, `quantize_rows`).
+
+    In place; returns the dotted paths quantized. A matrix whose input width `group` does not divide
+    stays float. `group`: default `DEFAULT_GROUP[bits]`. `targets`: predicate on module paths.
+    `matmul`: the quantized products' option (`layers.resolve_matmul`; "auto" takes the CPU kernels
+    under float32 compute on one CPU device). The converter (`gemma4-convert --quantize`) does the
+    same, streaming, without a float model.
+    """
+    from gemma4_nnx.model import layers
+
+    group = DEFAULT_GROUP.get(bits, 0) if group is None else group
+    fmt = QuantFormat(bits, group)
+    product = layers.resolve_matmul(matmul, dtype=getattr(model, "dtype", None), param_dtype=None, quantized=True)
+    done = []
+    for path, mod in list(nnx.iter_graph(model)):
+        path = tuple(path)
+        if not isinstance(mod, (nnx.Linear, layers.Embedding)) or not targets(path):
+            continue
+        w = float_matrix(mod)
+        if w.shape[1] % group:
+            continue
+        codes, scales = quantize_rows(w, bits, group)
+        new = quantized_like(mod, fmt, product)
+        _set_params(new, codes, scales, None)
+        set_submodule(model, path, new)
+        done.append(".".join(map(str, path)))
+    return done
+
+
+def quantization_of(model: nnx.Module) -> dict[str, QuantFormat]:
+    """{dotted module path: format} of every quantized module of `model`."""
+    return {
+        ".".join(map(str, p)): m.fmt
+        for p, m in nnx.iter_graph(model)
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding))
+    }
