@@ -282,7 +282,8 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         "cpu_kernels" (`gemma4_nnx.model.layers.resolve_matmul`).
     """
 
-    from gemma4_nnx.model.quant import QuantizedEmbedding
+    from gemma4_nnx.model import layers
+    from gemma4_nnx.model.quant import QuantFormat, QuantizedEmbedding, get_submodule, quantized_like, set_submodule
 
     ckpt_dir = os.fspath(ckpt_dir)
     meta = read_metadata(ckpt_dir)
@@ -294,7 +295,9 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         model = abstract_assistant(config, compute, param_dtype, matmul)
         return _restore(ckpt_dir, model, [e.path for e in assistant_name_map(config)], where)
     config = load_config(ckpt_dir)
-    model = abstract_model(config, compute, param_dtype, matmul)
+    quant = {tuple(k.split(".")): QuantFormat.from_json(v) for k, v in (meta.get("quant") or {}).items()}
+    product = layers.resolve_matmul(matmul, dtype=compute, param_dtype=param_dtype, quantized=bool(quant))
+    model = abstract_model(config, compute, param_dtype, product)
     ple = meta.get("ple") or {}
     bits = ple.get("bits")
     if config.use_ple and bits:
@@ -307,6 +310,17 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
     paths = [e.path for e in name_map(config)]
     if config.use_ple and bits:
         paths = [p for p in paths if p[:1] != PLE_PATH] + [PLE_PATH + ("codes",), PLE_PATH + ("scales",)]
+    for module, fmt in quant.items():  # quantized projections / token table: codes, scales (, mins)
+        module = tuple(int(k) if k.isdigit() else k for k in module)
+        try:
+            set_submodule(model, module, quantized_like(get_submodule(model, module), fmt))
+        except (AttributeError, IndexError, ValueError) as e:
+            raise CheckpointError(
+                f"{ckpt_dir}: metadata.json quantizes {'.'.join(map(str, module))}, which "
+                f"this model cannot hold ({e}); convert the checkpoint again"
+            ) from None
+        names = ("codes", "scales", "mins") if fmt.asym else ("codes", "scales")
+        paths = [p for p in paths if p[:-1] != module] + [module + (n,) for n in names]
     return _restore(ckpt_dir, model, paths, where)
 
 

@@ -39,9 +39,14 @@ from gemma4_nnx.io.hf import (
     safetensors_files,
     text_tensors,
 )
+from gemma4_nnx.model.quant import QuantFormat
 
 DTYPES = ("bfloat16", "float32")
 PLE_MODES = {"int4": 4, "int8": 8, "none": None}
+#: --quantize: "keep" the source's own quantization where our formats hold it exactly (GGUF blocks,
+#: QAT grids; everything else stays float), quantize every projection and the token table to "int8" /
+#: "int4" (`gemma4_nnx.model.quant.DEFAULT_GROUP`), or "none" (all float, as before).
+QUANTIZE_MODES = ("keep", "int8", "int4", "none")
 #: Files copied from SRC when present (the tokenizer and what generation needs).
 COPY_FILES = (
     "tokenizer.json",
@@ -132,61 +137,170 @@ def _tensor_leaf(entry: Entry, info: TensorInfo, dtype: np.dtype, progress: Prog
     return ck.LazyTensor(shape, dtype, read, block, on_block)
 
 
-class _QuantizedTable:
-    """The PLE table quantized block by block: `codes` and `scales` leaves share one pass.
+class _QuantizedMatrix:
+    """A matrix written as quantized leaves (`codes`, `scales`, and `mins` for the asymmetric form) that
+    share one pass over the source: `decode(a, b)` turns source rows [a, b) into (codes, scales, mins).
 
-    Codes are written as they are produced; the float32 scales ([V, L*P/group], 36.7 MB for E2B) are
-    kept until their own leaf is written. Row-local quantization makes blocks bit-identical to
-    quantizing the whole table (gemma4_nnx.model.quant).
+    Codes are written as they are produced; the float32 scales (and mins) are kept until their own leaf
+    is written (36.7 MB for the E2B PLE table). Decoding is row-local (`quantize_rows`, GGUF blocks,
+    a QAT grid), so blocks are bit-identical to decoding the whole matrix.
     """
 
-    def __init__(self, info: TensorInfo, bits: int, group: int, progress: Progress):
-        self.info, self.bits, self.group, self.progress = info, bits, group, progress
-        self.rows, self.cols = info.shape
-        self.block = _rows_per_block(info.nbytes // self.rows, QUANT_BLOCK_BYTES)
-        self.scales = np.zeros((self.rows, self.cols // group), np.float32)
-        self.filled = np.zeros(-(-self.rows // self.block), bool)
+    def __init__(self, rows: int, cols: int, fmt, decode, row_bytes: int, progress: Progress):
+        self.rows, self.cols, self.fmt, self.decode, self.progress = rows, cols, fmt, decode, progress
+        self.row_bytes = row_bytes
+        self.block = _rows_per_block(row_bytes, QUANT_BLOCK_BYTES)
+        g = cols // fmt.group
+        self.scales = np.zeros((rows, g), np.float32)
+        self.mins = np.zeros((rows, g), np.float32) if fmt.asym else None
+        self.filled = np.zeros(-(-rows // self.block), bool)
 
-    def _quantize(self, a: int, b: int) -> np.ndarray:
-        from gemma4_nnx.model.quant import quantize_rows
-
-        codes, scales = quantize_rows(read_tensor(self.info, rows=(a, b)), self.bits, self.group)
+    def _decode(self, a: int, b: int) -> np.ndarray:
+        codes, scales, mins = self.decode(a, b)
         self.scales[a:b] = scales
+        if self.mins is not None:
+            self.mins[a:b] = mins
         self.filled[a // self.block] = True
         return codes
 
     def leaves(self) -> dict[str, ck.LazyTensor]:
-        code_cols = self.cols // 2 if self.bits == 4 else self.cols
-        code_dtype = np.uint8 if self.bits == 4 else np.int8
-        row_bytes = self.info.nbytes // self.rows
+        shape = self.fmt.code_shape(self.rows, self.cols)
 
         def read_codes(a: int, b: int) -> np.ndarray:
-            codes = self._quantize(a, b)
-            self.progress.add(row_bytes * (b - a))
+            codes = self._decode(a, b)
+            self.progress.add(self.row_bytes * (b - a))
             return codes
 
-        def read_scales(a: int, b: int) -> np.ndarray:
-            for i in range(a // self.block, -(-b // self.block)):
-                if not self.filled[i]:  # only if Orbax wrote scales before codes
-                    self._quantize(i * self.block, min(self.rows, (i + 1) * self.block))
-            return self.scales[a:b]
+        def reader(array):
+            def read(a: int, b: int) -> np.ndarray:
+                for i in range(a // self.block, -(-b // self.block)):
+                    if not self.filled[i]:  # only if Orbax wrote this leaf before the codes
+                        self._decode(i * self.block, min(self.rows, (i + 1) * self.block))
+                return array[a:b]
+
+            return read
 
         def done(n: int, total: int) -> None:
             if n == total:
                 self.progress.add(tensors=1)
 
-        return {
-            "codes": ck.LazyTensor((self.rows, code_cols), code_dtype, read_codes, self.block, done),
-            "scales": ck.LazyTensor(self.scales.shape, np.float32, read_scales, self.block),
+        out = {
+            "codes": ck.LazyTensor(shape, np.dtype(self.fmt.code_dtype), read_codes, self.block, done),
+            "scales": ck.LazyTensor(self.scales.shape, np.float32, reader(self.scales), self.block),
         }
+        if self.mins is not None:
+            out["mins"] = ck.LazyTensor(self.mins.shape, np.float32, reader(self.mins), self.block)
+        return out
+
+
+def _quantizing(info: TensorInfo, fmt, progress: Progress) -> _QuantizedMatrix:
+    """Our own symmetric quantization (`quantize_rows`) of an HF tensor [rows, cols], row block by block."""
+    from gemma4_nnx.model.quant import quantize_rows
+
+    rows, cols = info.shape
+
+    def decode(a: int, b: int):
+        codes, scales = quantize_rows(read_tensor(info, rows=(a, b)), fmt.bits, fmt.group)
+        return codes, scales, None
+
+    return _QuantizedMatrix(rows, cols, fmt, decode, info.nbytes // rows, progress)
+
+
+def _gguf_kept(tensor, progress: Progress) -> _QuantizedMatrix:
+    """A GGUF tensor's own blocks as our codes and scales (`gemma4_nnx.io.gguf_blocks`: exact)."""
+    from gemma4_nnx.io.gguf_blocks import decode_rows, format_of
+
+    kind = tensor.tensor_type.name
+    cols, rows = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
+    raw = np.asarray(tensor.data).reshape(rows, -1)
+
+    def decode(a: int, b: int):
+        codes, scales, mins, _ = decode_rows(raw[a:b], kind, cols)
+        return codes, scales, mins
+
+    return _QuantizedMatrix(rows, cols, format_of(kind), decode, raw.shape[1], progress)
+
+
+#: QAT grid (`-qat-q4_0-unquantized` checkpoints): Q4_0's 32-value blocks of d * q, q in [-8, 7].
+QAT_FORMAT_ARGS = (4, 32)
+
+
+def _grid_codes(x: np.ndarray, group: int = 32):
+    """(int4 codes [rows, cols], float32 scales [rows, cols/group]) reproducing x exactly
+    (float32(code * scale) == x for every element), or None when some group is not on such a grid.
+
+    Per group the scale is the largest-magnitude value m divided by -8 (Q4_0's rule: m becomes code
+    -8) or, failing that, by 7; zeros everywhere give scale 0.
+    """
+    v = np.asarray(x, np.float32)
+    rows, cols = v.shape
+    if cols % group:
+        return None
+    g = v.reshape(rows, cols // group, group)
+    at = np.argmax(np.abs(g), axis=-1)[..., None]
+    m = np.take_along_axis(g, at, axis=-1)[..., 0]
+    best_codes = best_scales = None
+    ok_any = np.zeros(m.shape, bool)
+    for div in (np.float32(-8), np.float32(7)):
+        d = (m / div).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.rint(np.where(d[..., None] == 0, 0, g / np.where(d == 0, 1, d)[..., None]))
+        fits = (q >= -8) & (q <= 7) & ((q.astype(np.float32) * d[..., None]).astype(np.float32) == g)
+        ok = np.all(fits, axis=-1)
+        if best_codes is None:
+            best_codes, best_scales = q, d
+        else:
+            take = ok & ~ok_any
+            best_codes = np.where(take[..., None], q, best_codes)
+            best_scales = np.where(take, d, best_scales)
+        ok_any |= ok
+        if ok_any.all():
+            return best_codes.reshape(rows, cols).astype(np.int8), best_scales.astype(np.float32)
+    return None
+
+
+def _qat_leaves(info: TensorInfo, progress: Progress) -> _QuantizedMatrix | None:
+    """A float HF tensor whose values all lie on a Q4_0 grid, as exact int4 codes; None otherwise.
+
+    The first rows are checked first, so a tensor that is not on the grid costs one small read; one
+    that is gets a full checking pass before its leaves are planned."""
+    from gemma4_nnx.model.quant import QuantFormat, pack_int4
+
+    is_float = info.dtype.kind == "f" or info.dtype.name == "bfloat16"
+    if len(info.shape) != 2 or not is_float:
+        return None
+    rows, cols = info.shape
+    fmt = QuantFormat(*QAT_FORMAT_ARGS)
+    if cols % fmt.group:
+        return None
+    first = min(rows, 64)
+    if _grid_codes(read_tensor(info, rows=(0, first)), fmt.group) is None:
+        return None
+    block = _rows_per_block(info.nbytes // rows, QUANT_BLOCK_BYTES)
+    for a in range(first, rows, block):
+        if _grid_codes(read_tensor(info, rows=(a, min(rows, a + block))), fmt.group) is None:
+            return None
+
+    def decode(a: int, b: int):
+        codes, scales = _grid_codes(read_tensor(info, rows=(a, b)), fmt.group)
+        return pack_int4(codes), scales, None
+
+    return _QuantizedMatrix(rows, cols, fmt, decode, info.nbytes // rows, progress)
 
 
 # ---------------------------------------------------------------------------- conversion
-def _check_options(dtype: str, ple: str) -> None:
+def _check_options(dtype: str, ple: str, quantize: str, group) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {DTYPES}")
     if ple not in PLE_MODES:
         raise ValueError(f"ple: {ple!r} is not one of {tuple(PLE_MODES)}")
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize: {quantize!r} is not one of {QUANTIZE_MODES}")
+    if group is not None:
+        if quantize not in ("int8", "int4"):
+            raise ValueError(f"group: only used with quantize='int8' or 'int4', not {quantize!r}")
+        if isinstance(group, bool) or not isinstance(group, int) or group < 2 or group % 2:
+            raise ValueError(f"group: must be an even integer >= 2 (columns per scale), got {group!r}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -240,6 +354,8 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     gm_config: str | None = None,
+    quantize: str = "keep",
+    group: int | None = None,
 ) -> str:
     """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
 
@@ -254,6 +370,14 @@ def convert(
       gm_config: for a checkpoint of Google's gemma library (`src` an Orbax directory, NESTED or FLAT
         layout): the model it holds, as a preset name (e2b, e4b, 31b, 26b-a4b) or an HF config.json;
         default: the `hf_config.json` that `gemma4-export --format gm` writes beside the weights.
+      quantize: how the projections and the token embedding / tied logits matrix are stored
+        (`gemma4_nnx.model.quant`): "keep" (default) keeps a GGUF's own Q8_0 / Q5_0 / Q4_0 / Q4_1 /
+        Q4_K / Q5_K / Q6_K blocks and stores float weights that lie on a Q4_0 grid (Google's
+        `-qat-q4_0-unquantized` checkpoints) as int4, all exactly; "int8" / "int4" quantize every
+        projection and the token table symmetrically (a matrix whose input width `group` does not
+        divide stays float); "none" stores everything float. Norms and other vectors, the MoE router
+        and experts, and MTP assistants stay float. The metadata records each quantized matrix.
+      group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
 
     Returns:
       `dst` as an absolute path.
@@ -263,11 +387,15 @@ def convert(
       problem; nothing is left at `dst` on failure.
     """
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    _check_options(dtype, ple)
+    _check_options(dtype, ple, quantize, group)
+    gguf_reader = None
     if os.path.isfile(src):  # a Gemma 3 GGUF: dequantized once into a cached HF-style dir (gemma4_nnx.io.gguf_import)
-        from gemma4_nnx.io.gguf_import import cached_hf_dir
+        from gemma4_nnx.io.gguf_import import _reader, cached_hf_dir
 
+        gguf_path = src
         src = cached_hf_dir(src, verbose=bool(progress))
+        if quantize == "keep":  # ... and its quantized blocks read straight from the file
+            gguf_reader = _reader(gguf_path)
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source directory {src} does not exist")
     from gemma4_nnx.io import gm
@@ -278,7 +406,16 @@ def convert(
         try:
             config = gm.read_gm_config(gm_config or _gm_config_beside(src))
             gm.gm_to_hf_dir(src, config, staging)
-            return convert(staging, dst, dtype=dtype, ple=ple, overwrite=overwrite, progress=progress)
+            return convert(
+                staging,
+                dst,
+                dtype=dtype,
+                ple=ple,
+                overwrite=overwrite,
+                progress=progress,
+                quantize=quantize,
+                group=group,
+            )
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     assistant = model_type(src) == ASSISTANT_MODEL_TYPE  # an MTP drafter: its own config and name map
@@ -294,13 +431,24 @@ def convert(
 
     out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     bits = PLE_MODES[ple] if not assistant and config.use_ple else None
+    group_size = group
     group = 0 if assistant else config.hidden_size_per_layer_input
     bar = Progress(plan.total_bytes, len(plan.items), sys.stderr.isatty() if progress is None else progress)
     leaves: dict[tuple, Any] = {}
+    quantized: dict[str, Any] = {}
+    kept = _gguf_tensors_by_hf_name(gguf_reader) if gguf_reader is not None else {}
     for entry, info in plan.items:
         if bits and entry.path[:1] == ck.PLE_PATH:
-            for name, leaf in _QuantizedTable(info, bits, group, bar).leaves().items():
+            fmt = QuantFormat(bits, group)
+            for name, leaf in _quantizing(info, fmt, bar).leaves().items():
                 leaves[ck.PLE_PATH + (name,)] = leaf
+            continue
+        matrix = None if assistant else _quantized_matrix(entry, info, quantize, group_size, kept, bar)
+        if matrix is not None:
+            module = entry.path[:-1]
+            quantized[".".join(map(str, module))] = matrix.fmt.to_json()
+            for name, leaf in matrix.leaves().items():
+                leaves[module + (name,)] = leaf
         else:  # integer tensors (an assistant's token_ordering) stay integers
             kind = np.dtype(np.int32) if np.issubdtype(info.dtype, np.integer) else out_dtype
             leaves[entry.path] = _tensor_leaf(entry, info, kind, bar)
@@ -320,6 +468,8 @@ def convert(
             shutil.copyfile(os.path.join(src, fn), os.path.join(tmp, fn))
         meta = _metadata(src, files, config, dtype, bits, group, copied, plan.total_bytes, leaves)
         meta["kind"] = "assistant" if assistant else "model"
+        meta["quantize"] = quantize
+        meta["quant"] = quantized
         _write_json(os.path.join(tmp, ck.METADATA_FILE), meta)  # last: its presence marks completeness
         _fsync_dir(tmp)
         _replace(tmp, dst)
@@ -327,6 +477,36 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _gguf_tensors_by_hf_name(reader) -> dict[str, Any]:
+    """{HF name: GGUF tensor} for the tensors whose blocks `--quantize keep` keeps."""
+    from gemma4_nnx.io.gguf_blocks import KEPT_TYPES
+    from gemma4_nnx.io.gguf_import import _hf_name
+
+    out = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)  # "model.layers.0...": the name map's names lack the "model." prefix
+        if name and t.tensor_type.name in KEPT_TYPES:
+            out[name.removeprefix("model.")] = t
+    return out
+
+
+def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept, progress):
+    """The quantized leaves of one mapped tensor under `quantize`, or None to store it float."""
+    from gemma4_nnx.model.quant import DEFAULT_GROUP, QuantFormat, quantizable
+
+    module = entry.path[:-1]
+    matrix = entry.path[-1] in ("kernel", "embedding") and entry.transform in (None, "T") and len(info.shape) == 2
+    if quantize == "none" or not matrix or not quantizable(module):
+        return None
+    if quantize == "keep":
+        if entry.hf_name in kept:
+            return _gguf_kept(kept[entry.hf_name], progress)
+        return _qat_leaves(info, progress)
+    bits = 8 if quantize == "int8" else 4
+    fmt = QuantFormat(bits, group or DEFAULT_GROUP[bits])
+    return _quantizing(info, fmt, progress) if info.shape[1] % fmt.group == 0 else None
 
 
 def _temp_sibling(dst: str, kind: str) -> str:
@@ -440,6 +620,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-layer-embedding table storage: int4/int8 codes + float32 scale per (token, layer), "
         "or none (float, --dtype)",
     )
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        default="keep",
+        help="projections and token embedding: keep a GGUF's own blocks / a QAT grid exactly (default), "
+        "quantize to int8 or int4 (group-wise symmetric), or none (float, --dtype)",
+    )
+    p.add_argument(
+        "--group", type=int, default=None, help="columns per scale for --quantize int8/int4 (default 128 / 32)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing gemma4_nnx checkpoint at DST")
     p.add_argument(
         "--gm-config",
@@ -476,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             progress=args.progress,
             gm_config=args.gm_config,
+            quantize=args.quantize,
+            group=args.group,
         )
     except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         _fail(str(e))
