@@ -21,10 +21,15 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -306,6 +311,95 @@ ffi::Error check_q(const ffi::AnyBuffer& codes, const Matrix& scales, const Matr
   return ffi::Error::Success();
 }
 
+// 16 codes widened to float32. With AVX-512 these are the one-instruction widenings (vpmovsxbd /
+// vpmovzxbd, shifts on 32-bit lanes for nibbles): GCC's generic vector conversions of the same were
+// measured 4.5x slower in this loop. Other CPUs take the generic code.
+#if defined(__AVX512F__)
+inline __m512i bytes_to_i32(const uint8_t* p, bool sign) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+}
+inline f32x16 to_f32(__m512i v) { return reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(v)); }
+inline f32x16 widen_codes8(const uint8_t* p, bool asym) { return to_f32(bytes_to_i32(p, !asym)); }
+inline void widen_codes4(const uint8_t* p, bool asym, f32x16& lo, f32x16& hi) {
+  const __m512i v = bytes_to_i32(p, false);
+  if (asym) {
+    lo = to_f32(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+    hi = to_f32(_mm512_srli_epi32(v, 4));
+  } else {  // two's-complement nibbles: move each to the top of the lane, shift back arithmetically
+    lo = to_f32(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28));
+    hi = to_f32(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 28));
+  }
+}
+inline float hsum_q(f32x16 v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
+#else
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+inline f32x16 widen_codes8(const uint8_t* p, bool asym) {
+  u8x16 u;
+  std::memcpy(&u, p, 16);
+  return asym ? __builtin_convertvector(u, f32x16) : __builtin_convertvector(reinterpret_cast<i8x16&>(u), f32x16);
+}
+inline void widen_codes4(const uint8_t* p, bool asym, f32x16& lo, f32x16& hi) {
+  u8x16 b;
+  std::memcpy(&b, p, 16);
+  if (asym) {
+    lo = __builtin_convertvector(b & 0x0F, f32x16);
+    hi = __builtin_convertvector(b >> 4, f32x16);
+  } else {
+    const i8x16 v = reinterpret_cast<i8x16&>(b);
+    lo = __builtin_convertvector((i8x16)(v << 4) >> 4, f32x16);
+    hi = __builtin_convertvector(v >> 4, f32x16);
+  }
+}
+inline float hsum_q(f32x16 v) { return hsum(v); }
+#endif
+
+// The fused product for decode row counts: codes are widened 16 at a time in registers and multiplied
+// with x; each group's partial sums take its scale once (and, asymmetric, subtract min * sum(x over the
+// group), precomputed per row of x). For int4 the 16 low nibbles of 16 bytes are elements 0, 2, .., 30
+// of a 32-wide chunk and the high nibbles 1, 3, .., 31, so x is permuted once per call to match.
+template <int MB, int BITS, bool ASYM>
+void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum,
+                float* __restrict__ out, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
+  const int64_t K = q.K, G = K / q.group;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = q.codes + n * q.code_cols;
+    const float* sc = q.scales + n * G;
+    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    __builtin_prefetch(c + 2 * q.code_cols);
+    f32x16 acc[MB];
+    float corr[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      f32x16 ga[MB];
+      for (int m = 0; m < MB; ++m) ga[m] = f32x16{};
+      const int64_t k0 = g * q.group;
+      if constexpr (BITS == 8) {
+        for (int64_t k = k0; k < k0 + q.group; k += 16) {
+          const f32x16 wv = widen_codes8(c + k, ASYM);
+          for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k);
+        }
+      } else {
+        for (int64_t k = k0; k < k0 + q.group; k += 32) {
+          f32x16 lo, hi;
+          widen_codes4(c + k / 2, ASYM, lo, hi);
+          for (int m = 0; m < MB; ++m) {
+            const float* xm = xp + (m0 + m) * K + k;
+            ga[m] += lo * load_f32(xm) + hi * load_f32(xm + 16);
+          }
+        }
+      }
+      const float s = sc[g];
+      for (int m = 0; m < MB; ++m) {
+        acc[m] += ga[m] * s;
+        if constexpr (ASYM) corr[m] += mn[g] * xsum[(m0 + m) * G + g];
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum_q(acc[m]) - corr[m];
+  }
+}
+
 ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
                  int64_t bits, bool asym) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
@@ -317,6 +411,40 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
   if (M * N == 0) return ffi::Error::Success();
   const int64_t per_task = std::max<int64_t>(16, (int64_t{1} << 20) / std::max<int64_t>(q.code_cols, 1));
   const int64_t nt = (N + per_task - 1) / per_task;
+  const bool fused = q.group % (bits == 4 ? 32 : 16) == 0;
+  if (fused) {
+    // x permuted for the int4 nibble order, and sum(x) per group for the asymmetric form
+    std::vector<float> xp(X, X + M * K), xsum(static_cast<size_t>(M * G), 0.f);
+    if (bits == 4)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; k += 32)
+          for (int j = 0; j < 16; ++j) {
+            xp[m * K + k + j] = X[m * K + k + 2 * j];
+            xp[m * K + k + 16 + j] = X[m * K + k + 2 * j + 1];
+          }
+    if (asym)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xsum[m * G + k / q.group] += X[m * K + k];
+    auto run = [&](auto bits_c, auto asym_c) {
+      constexpr int B = decltype(bits_c)::value;
+      constexpr bool A = decltype(asym_c)::value;
+      parallel_for(pool, nt, [&](int64_t t) {
+        const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) qdot_block<4, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+        for (; m + 2 <= M; m += 2) qdot_block<2, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+        for (; m < M; ++m) qdot_block<1, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+      });
+    };
+    using I4 = std::integral_constant<int, 4>;
+    using I8 = std::integral_constant<int, 8>;
+    if (bits == 4)
+      asym ? run(I4{}, std::true_type{}) : run(I4{}, std::false_type{});
+    else
+      asym ? run(I8{}, std::true_type{}) : run(I8{}, std::false_type{});
+    return ffi::Error::Success();
+  }
+  // other group sizes: each weight row dequantized once into an L1 buffer, then multiplied
   parallel_for(pool, nt, [&](int64_t t) {
     const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
     std::vector<float> buf(static_cast<size_t>(K));
