@@ -74,7 +74,8 @@ def ensure_checkpoint(ckpt_dir: str = DEFAULT_CHECKPOINT, *, dtype: str = "float
     src = gguf_path()
     if verbose:
         print(
-            f"[1/2] converting {src}\n      -> {ckpt_dir} (dtype {dtype}; first run dequantizes the GGUF, ~30 s)",
+            f"[1/2] converting {src}\n      -> {ckpt_dir} (its Q8_0/Q5_0/Q4_K/Q6_K blocks kept as int8/int4 codes, "
+            f"other tensors {dtype}; ~30 s)",
             flush=True,
         )
     os.makedirs(os.path.dirname(os.path.abspath(ckpt_dir)), exist_ok=True)

@@ -26,6 +26,7 @@ from flax import nnx
 
 from gemma4_nnx.config import AssistantConfig
 from gemma4_nnx.io.hf import assistant_name_map, name_map, variables_by_path
+from gemma4_nnx.model import quant
 
 _ST_DTYPES = {
     np.dtype(np.float32): "F32",
@@ -88,7 +89,7 @@ def _lora_kernels(model: nnx.Module) -> dict[tuple, np.ndarray]:
     out = {}
     for path, mod in nnx.iter_graph(model):
         if isinstance(mod, LoRALinear):
-            k = mod.kernel[...]
+            k = mod.base_kernel()
             out[tuple(path) + ("kernel",)] = np.asarray((k.astype(jnp.float32) + mod.delta()).astype(k.dtype))
     return out
 
@@ -123,6 +124,11 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
     prefix = LAYOUTS[layout]
     variables = variables_by_path(model)
     merged = _lora_kernels(model)
+    quantized = {
+        tuple(p): m
+        for p, m in nnx.iter_graph(model)
+        if isinstance(m, (quant.QuantizedLinear, quant.QuantizedEmbedding)) and tuple(p) != _PLE
+    }
     out: dict[str, np.ndarray] = {}
     missing = []
     for entry in assistant_name_map(config) if assistant else name_map(config):
@@ -130,6 +136,9 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
             value = merged[entry.path]
         elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), QuantizedEmbedding):
             value = _dequantized_ple(model.embed_tokens_per_layer)
+        elif entry.path[:-1] in quantized:  # an int8/int4 matrix: written dequantized (float32)
+            w = np.asarray(quant.dequantize_matrix(quantized[entry.path[:-1]]))
+            value = w.T if entry.path[-1] == "kernel" else w
         elif entry.path in variables:
             value = np.asarray(jax.device_get(variables[entry.path].get_value()))
         else:

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
-from gemma4_nnx.model import layers
+from gemma4_nnx.model import layers, quant
 
 Array = jax.Array
 
@@ -56,15 +56,21 @@ class LoRALinear(nnx.Module):
     exactly what the base layer did.
     """
 
-    def __init__(self, base: nnx.Linear, *, rank: int, alpha: float, rngs: nnx.Rngs, adapter_dtype=jnp.float32):
+    def __init__(self, base: nnx.Module, *, rank: int, alpha: float, rngs: nnx.Rngs, adapter_dtype=jnp.float32):
         if getattr(base, "bias", None) is not None:
             raise ValueError("LoRALinear wraps bias-free projections; base has a bias")
         self.in_features, self.out_features = base.in_features, base.out_features
         self.dtype = base.dtype
-        self.param_dtype = base.param_dtype
-        self.precision = base.precision
-        self.matmul = layers.matmul_of(base)  # the base projection's product
-        self.kernel = base.kernel
+        if isinstance(base, quant.QuantizedLinear):  # QLoRA: the frozen base stays int8/int4 codes
+            self.fmt, self.matmul = base.fmt, base.matmul
+            self.codes, self.scales, self.mins = base.codes, base.scales, base.mins
+            self.kernel, self.param_dtype, self.precision = None, jnp.float32, None
+        else:
+            self.fmt = None
+            self.param_dtype = base.param_dtype
+            self.precision = base.precision
+            self.matmul = layers.matmul_of(base)  # the base projection's product
+            self.kernel = base.kernel
         self.rank = int(rank)
         self.alpha = float(alpha)
         # He-uniform A, drawn with NumPy from a seed taken off `rngs`: one small jax op per wrapper
@@ -79,6 +85,10 @@ class LoRALinear(nnx.Module):
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def base_kernel(self) -> Array:
+        """The frozen base weight [in, out] as a float array (dequantized for a quantized base)."""
+        return quant.dequantize_matrix(self).T if self.fmt is not None else self.kernel[...]
+
     def delta(self) -> Array:
         """The adapter's weight update [in, out] (float32): `lora_a @ lora_b * alpha / rank`."""
         a = self.lora_a[...].astype(jnp.float32)
@@ -88,7 +98,10 @@ class LoRALinear(nnx.Module):
     def __call__(self, x: Array) -> Array:
         dtype = self.dtype or x.dtype
         x = x.astype(dtype)
-        y = self.matmul(x, self.kernel[...], dtype, self.precision)
+        if self.fmt is not None:
+            y = quant.matmul_t(x, self, dtype)
+        else:
+            y = self.matmul(x, self.kernel[...], dtype, self.precision)
         z = jnp.matmul(jnp.matmul(x, self.lora_a[...].astype(dtype)), self.lora_b[...].astype(dtype))
         return y + z * jnp.asarray(self.scale, dtype)
 
@@ -139,7 +152,7 @@ def apply_lora(
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     chosen = [
         (p, m)
-        for p, m in _modules(model, nnx.Linear)
+        for p, m in _modules(model, (nnx.Linear, quant.QuantizedLinear))
         if pattern.search("." + _dotted(p)) and not isinstance(m, LoRALinear)
     ]
     if not chosen:
@@ -162,7 +175,8 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     dtype) and put plain `nnx.Linear` modules back. In place (clone first to keep the adapted model);
     returns `model`."""
     for path, mod in _modules(model, LoRALinear):
-        merged = (mod.kernel[...].astype(jnp.float32) + mod.delta()).astype(mod.kernel[...].dtype)
+        base = mod.base_kernel()  # a quantized base merges into a float32 kernel
+        merged = (base.astype(jnp.float32) + mod.delta()).astype(base.dtype)
         lin = nnx.eval_shape(
             lambda m=mod: layers.linear(
                 m.in_features,

@@ -1,0 +1,281 @@
+"""Quantized weights (gemma4_nnx.model.quant, io.gguf_blocks, gemma4-convert --quantize).
+
+References: `gguf`'s own dequantizer (GGUF blocks kept bit for bit), float64 NumPy products of the
+dequantized weights (the CPU kernels and the XLA path), the same model held in float with the
+dequantized weights (a quantized model computes exactly that, up to float32 summation order), the
+rounding bound of the quantizer (error of a quantized projection), and the model's own full forward
+(cached decode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from gemma4_nnx.io.checkpoint import load
+from gemma4_nnx.io.convert import convert
+from gemma4_nnx.io.hf import variables_by_path
+from gemma4_nnx.model import cpu_kernels, layers, quant
+from tests.helpers import PROMPTS, make_tiny_hf, random_model
+
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available() or jax.default_backend() != "cpu", reason="CPU kernels unavailable"
+)
+FORMATS = [quant.QuantFormat(b, g, a) for b in (4, 8) for a in (False, True) for g in (8, 32)]
+
+
+def _random_quantized(rng, rows, cols, fmt):
+    """Random codes covering the whole code range, positive scales, signed mins."""
+    if fmt.asym:
+        q = rng.integers(0, 2**fmt.bits, (rows, cols))
+        codes = quant.pack_uint4(q) if fmt.bits == 4 else q.astype(np.uint8)
+        mins = rng.standard_normal((rows, cols // fmt.group)).astype(np.float32)
+    else:
+        lo, hi = (-8, 8) if fmt.bits == 4 else (-128, 128)
+        q = rng.integers(lo, hi, (rows, cols))
+        codes = quant.pack_int4(q) if fmt.bits == 4 else q.astype(np.int8)
+        mins = None
+    scales = (0.01 * rng.random((rows, cols // fmt.group))).astype(np.float32)
+    return codes, scales, mins
+
+
+# ------------------------------------------------------------------ GGUF blocks, bit for bit
+@pytest.mark.parametrize("kind", sorted(["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]))
+def test_gguf_blocks_dequantize_bit_for_bit_like_gguf(kind):
+    """Random block bytes (every code and 6-bit scale pattern; float16 fields made finite) read as
+    our codes + scales: `dequantize_rows` equals gguf.quants.dequantize bit for bit."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+
+    from gemma4_nnx.io.gguf_blocks import _LAYOUT, decode_rows
+
+    block, nbytes, fmt = _LAYOUT[kind]
+    rows, cols = 9, 2 * 256
+    rng = np.random.default_rng(len(kind) + nbytes)
+    raw = rng.integers(0, 256, (rows, cols // block * nbytes), dtype=np.uint8)
+    blocks = raw.reshape(rows, cols // block, nbytes)
+    f16_at = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,))
+    for off in f16_at:
+        d = (rng.standard_normal(blocks.shape[:2]) * 0.02).astype(np.float16)
+        blocks[..., off : off + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    ref = np.asarray(dequantize(raw, gguf.GGMLQuantizationType[kind]), np.float32).reshape(rows, cols)
+    codes, scales, mins, got_fmt = decode_rows(raw, kind, cols)
+    assert got_fmt == fmt and codes.dtype == np.dtype(fmt.code_dtype)
+    got = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins))
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    # the same values through a QuantizedLinear's product (kernel or XLA) as through the float matrix
+    mod = quant.QuantizedLinear.from_quantized(codes, scales, mins, fmt, in_features=cols, dtype=jnp.float32)
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    y = np.asarray(mod(jnp.asarray(x)), np.float64)
+    ref_y = x.astype(np.float64) @ ref.astype(np.float64).T
+    assert np.max(np.abs(y - ref_y)) <= 1e-5 * np.max(np.abs(ref_y))
+
+
+# ------------------------------------------------------------------ the product
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("rows", [1, 3, cpu_kernels.MAX_QROWS + 1])
+@pytest.mark.parametrize("matmul", ["xla", pytest.param("cpu_kernels", marks=needs_kernels)])
+def test_quantized_product_equals_float64_of_dequantized(fmt, rows, matmul):
+    """x @ deq(W)^T on both paths (kernel: fused for groups of 16/32 lanes, row-buffer otherwise; above
+    MAX_QROWS dequantize + XLA dot) against float64; gradient wrt x is x-independent deq(W) sums."""
+    rng = np.random.default_rng(fmt.bits * 100 + fmt.group + rows + 7 * fmt.asym)
+    n, k = 40, 96
+    codes, scales, mins = _random_quantized(rng, n, k, fmt)
+    product = layers.resolve_matmul(matmul, dtype=jnp.float32, param_dtype=None, quantized=True)
+    mod = quant.QuantizedLinear.from_quantized(
+        codes, scales, mins, fmt, in_features=k, dtype=jnp.float32, matmul=product
+    )
+    deq = np.asarray(quant.dequantize_matrix(mod), np.float64)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ deq.T
+    y = np.asarray(jax.jit(lambda x: mod(x))(jnp.asarray(x)), np.float64)
+    assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
+    gx = jax.grad(lambda x: mod(x).sum())(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(gx), np.broadcast_to(deq.sum(0), x.shape), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_projection_error_within_rounding_bound(bits):
+    """|x @ W^T - x @ deq(W)^T| <= sum_k |x_k| * step_k / 2 per output (the quantizer's half-step bound),
+    and the bound is not vacuous (the worst output reaches a good part of it)."""
+    rng = np.random.default_rng(bits)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    lin = layers.linear(256, 64, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    lin.kernel.set_value(jnp.asarray(w.T))
+    holder = nnx.Dict(p=lin)
+    quant.quantize(holder, bits, 32, targets=lambda path: True)
+    q = holder["p"]
+    assert isinstance(q, quant.QuantizedLinear)
+    x = rng.standard_normal((5, 256))
+    err = np.abs(np.asarray(q(jnp.asarray(x, jnp.float32)), np.float64) - x @ w.T.astype(np.float64))
+    step = np.repeat(np.asarray(q.scales[...], np.float64), 32, axis=1)  # [64, 256]
+    bound = np.abs(x) @ (step / 2).T + 1e-5 * np.abs(x) @ np.abs(w.T)
+    assert np.all(err <= bound)
+    assert np.max(err / bound) > 0.02
+
+
+# ------------------------------------------------------------------ whole models
+def _dequantized_float_model(qmodel, variant):
+    """The float model holding `qmodel`'s dequantized weights."""
+    ref = random_model(variant, matmul="xla")
+    floats = variables_by_path(ref)
+    for path, mod in nnx.iter_graph(qmodel):
+        if isinstance(mod, (quant.QuantizedLinear, quant.QuantizedEmbedding)) and path != ("embed_tokens_per_layer",):
+            w = quant.dequantize_matrix(mod)
+            if isinstance(mod, quant.QuantizedLinear):
+                floats[tuple(path) + ("kernel",)].set_value(w.T)
+            else:
+                floats[tuple(path) + ("embedding",)].set_value(w)
+    return ref
+
+
+@pytest.mark.parametrize("variant", ["e2b", "moe"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_model_is_the_float_model_of_its_dequantized_weights(variant, bits):
+    """Every projection and the tied table quantized: logits equal the float model holding the
+    dequantized weights (1e-4: float32 summation order over ~10 layers, logits up to the softcap 30);
+    against the original float model, top-1 agreement and the logit error are reported and bounded."""
+    model = random_model(variant)
+    original = np.asarray(model(jnp.asarray(PROMPTS[1:2])))
+    done = quant.quantize(model, bits, 8)
+    assert "embed_tokens" in done and any(p.endswith("mlp.down_proj") for p in done)
+    assert all(".router" not in p for p in done)
+    ref = _dequantized_float_model(model, variant)
+    ids = jnp.asarray(PROMPTS[1:2])
+    got = np.asarray(model(ids))
+    np.testing.assert_allclose(got, np.asarray(ref(ids)), atol=1e-4, rtol=0)
+    top1 = float(np.mean(got.argmax(-1) == original.argmax(-1)))
+    err = float(np.max(np.abs(got - original)))
+    print(f"{variant} int{bits} group 8: top-1 agreement {top1:.2f}, max |logit error| {err:.3g}")
+    if bits == 8:  # a 1/254 step: the float model's choices survive
+        assert top1 == 1.0 and err < 1.0
+
+
+def test_quantized_cached_decode_equals_full_forward():
+    """Prefill 4 tokens, then 6 single-token steps with the KV cache: each step's logits equal the
+    full forward's at that position (int4 model, CPU kernels where available)."""
+    model = random_model("e2b")
+    quant.quantize(model, 4, 8)
+    ids = jnp.asarray([PROMPTS[1]])
+    full = np.asarray(model(ids))
+    cache = model.init_cache(1, 16)
+    pos = jnp.arange(ids.shape[1])[None]
+    logits, cache = model(ids[:, :4], pos[:, :4], cache=cache)
+    steps = [np.asarray(logits)]
+    for t in range(4, ids.shape[1]):
+        logits, cache = model(ids[:, t : t + 1], pos[:, t : t + 1], cache=cache)
+        steps.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------ the converter
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    return make_tiny_hf(tmp_path_factory.mktemp("q") / "hf")
+
+
+@pytest.mark.parametrize("mode,bits", [("int8", 8), ("int4", 4)])
+def test_convert_quantize_loads_what_in_memory_quantize_gives(tiny_hf, tmp_path, mode, bits):
+    """`--quantize int8|int4` (streamed, no float model) restores the very codes and scales that
+    `quant.quantize` computes on the float model: identical logits; metadata lists every matrix."""
+    plain = load(convert(tiny_hf, tmp_path / "none", dtype="float32", quantize="none", progress=False))
+    model = load(convert(tiny_hf, tmp_path / mode, dtype="float32", quantize=mode, group=8, progress=False))
+    quant.quantize(plain, bits, 8)
+    ids = jnp.asarray(PROMPTS[1:2])
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(plain(ids)))
+    meta = json.load(open(tmp_path / mode / "metadata.json"))
+    assert meta["quantize"] == mode
+    assert set(meta["quant"]) == set(quant.quantization_of(plain)) - {"embed_tokens_per_layer"}
+    assert all(v == {"bits": bits, "group": 8, "asym": False} for v in meta["quant"].values())
+
+
+def test_convert_keep_stores_a_qat_grid_exactly(tmp_path):
+    """bf16 weights on Q4_0's grid (d * q, q in [-8, 7], one d per 32 inputs) become int4 codes whose
+    dequantized values are the stored bf16 values exactly; weights off the grid stay float."""
+    from safetensors.numpy import load_file, save_file
+
+    hf = make_tiny_hf(tmp_path / "hf", dtype=ml_dtypes.bfloat16)
+    path = os.path.join(hf, "model.safetensors")
+    tensors = load_file(path)
+    rng = np.random.default_rng(0)
+    on_grid = [n for n in tensors if n.endswith(("q_proj.weight", "mlp.up_proj.weight"))]
+    for name in on_grid:
+        rows, cols = tensors[name].shape
+        d = 2.0 ** rng.integers(-9, -5, (rows, cols // 32, 1))  # bf16-exact scales and products
+        q = rng.integers(-8, 8, (rows, cols // 32, 32))
+        q[..., 0] = -8  # Q4_0's scale rule: the block's largest magnitude is code -8
+        q[::2, ::2, 0] = 7  # ... or, in half the blocks, 7 (the other scale the detection tries)
+        tensors[name] = (d * q).reshape(rows, cols).astype(ml_dtypes.bfloat16)
+    save_file(tensors, path)
+    out = convert(hf, tmp_path / "keep", dtype="bfloat16", progress=False)  # quantize="keep" by default
+    meta = json.load(open(os.path.join(out, "metadata.json")))
+    names = {n.removeprefix("model.").removesuffix(".weight") for n in on_grid}
+    assert set(meta["quant"]) == names
+    assert all(v == {"bits": 4, "group": 32, "asym": False} for v in meta["quant"].values())
+    model = load(out)
+    for name in on_grid:
+        module = quant.get_submodule(model, tuple(int(p) if p.isdigit() else p for p in name.split(".")[1:-1]))
+        got = np.asarray(quant.dequantize_matrix(module))
+        np.testing.assert_array_equal(got, tensors[name].astype(np.float32))
+    floats = load(convert(hf, tmp_path / "none", dtype="bfloat16", quantize="none", progress=False))
+    ids = jnp.asarray(PROMPTS[1:2])
+    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(floats(ids)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(quantize="int3"), "quantize"),
+        (dict(quantize="int4", group=7), "group"),
+        (dict(quantize="keep", group=32), "group"),
+    ],
+)
+def test_convert_rejects_bad_quantize_options(tiny_hf, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        convert(tiny_hf, tmp_path / "x", progress=False, **kwargs)
+    assert not os.path.exists(tmp_path / "x")
+
+
+# ------------------------------------------------------------------ QLoRA
+def test_qlora_trains_adapters_on_a_frozen_int4_base():
+    """LoRA on int4 projections: the loss falls, the codes and scales stay bit-identical, merging gives
+    float kernels with the adapted model's logits, and `hf_tensors` writes float weights."""
+    import optax
+
+    from gemma4_nnx.io.export import hf_tensors
+    from gemma4_nnx.train import finetune as ft
+    from tests import hf_fixtures as fx
+    from tests.helpers import tiny_model
+
+    model = tiny_model()
+    quant.quantize(model, 4, 8)
+    ids = fx.sample_ids(4, 12, seed=11)
+    batch = ft.make_batch([list(r[:4]) for r in ids], [list(r[4:]) for r in ids])
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    frozen = {p: np.array(v[...]) for p, v in variables_by_path(model).items()}
+    wrapped = ft.apply_lora(model, rank=8, alpha=16)
+    assert "layers.0.self_attn.q_proj" in wrapped
+    assert isinstance(quant.get_submodule(model, ("layers", 0, "self_attn", "q_proj")), ft.LoRALinear)
+    opt = ft.make_optimizer(model, optax.adam(1e-2))
+    losses = [float(ft.train_step(model, opt, batch)) for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    after = variables_by_path(model)
+    assert all(np.array_equal(np.asarray(after[p][...]), v) for p, v in frozen.items() if p in after)
+    x = jnp.asarray(ids)
+    adapted = np.asarray(model(x))
+    merged = ft.merge_lora(nnx.clone(model))
+    q = quant.get_submodule(merged, ("layers", 0, "self_attn", "q_proj"))
+    assert type(q) is nnx.Linear and q.kernel[...].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(merged(x)), adapted, atol=1e-4, rtol=0)
+    tensors = hf_tensors(model)
+    assert all(np.issubdtype(v.dtype, np.floating) for v in tensors.values())
+    lora = quant.get_submodule(model, ("layers", 0, "mlp", "gate_proj"))
+    want = np.asarray(lora.base_kernel() + lora.delta()).T  # HF layout [out, in]
+    np.testing.assert_array_equal(tensors["model.layers.0.mlp.gate_proj.weight"], want)
