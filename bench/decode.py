@@ -142,11 +142,11 @@ def stats():
 class Worker:
     """A model in a subprocess, timed on demand (see WORKER_LOOP)."""
 
-    def __init__(self, code: str, args: dict, root: str = ROOT):
+    def __init__(self, code: str, args: dict, root: str = ROOT, executable: list[str] | None = None):
         self.t0 = time.perf_counter()
         self.err = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty worker must never block on it
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, root, json.dumps(args)],
+            [*(executable or [sys.executable]), "-c", code, root, json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.err,

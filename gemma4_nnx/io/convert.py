@@ -375,8 +375,9 @@ def convert(
         Q4_K / Q5_K / Q6_K blocks and stores float weights that lie on a Q4_0 grid (Google's
         `-qat-q4_0-unquantized` checkpoints) as int4, all exactly; "int8" / "int4" quantize every
         projection and the token table symmetrically (a matrix whose input width `group` does not
-        divide stays float); "none" stores everything float. Norms and other vectors, the MoE router
-        and experts, and MTP assistants stay float. The metadata records each quantized matrix.
+        divide stays float; under "int4" the token table, which is also the output head, gets int8 as
+        llama.cpp's 4-bit mixes give it 6-8 bits); "none" stores everything float. Norms and other
+        vectors, the MoE router and experts, and MTP assistants stay float. The metadata records each quantized matrix.
       group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
 
     Returns:
@@ -494,7 +495,7 @@ def _gguf_tensors_by_hf_name(reader) -> dict[str, Any]:
 
 def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept, progress):
     """The quantized leaves of one mapped tensor under `quantize`, or None to store it float."""
-    from gemma4_nnx.model.quant import DEFAULT_GROUP, QuantFormat, quantizable
+    from gemma4_nnx.model.quant import format_for, quantizable
 
     module = entry.path[:-1]
     matrix = entry.path[-1] in ("kernel", "embedding") and entry.transform in (None, "T") and len(info.shape) == 2
@@ -504,8 +505,7 @@ def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept
         if entry.hf_name in kept:
             return _gguf_kept(kept[entry.hf_name], progress)
         return _qat_leaves(info, progress)
-    bits = 8 if quantize == "int8" else 4
-    fmt = QuantFormat(bits, group or DEFAULT_GROUP[bits])
+    fmt = format_for(module, 8 if quantize == "int8" else 4, group)
     return _quantizing(info, fmt, progress) if info.shape[1] % fmt.group == 0 else None
 
 

@@ -367,7 +367,6 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
     const uint8_t* c = q.codes + n * q.code_cols;
     const float* sc = q.scales + n * G;
     const float* mn = ASYM ? q.mins + n * G : nullptr;
-    __builtin_prefetch(c + 2 * q.code_cols);
     f32x16 acc[MB];
     float corr[MB];
     for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
@@ -377,11 +376,13 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
       const int64_t k0 = g * q.group;
       if constexpr (BITS == 8) {
         for (int64_t k = k0; k < k0 + q.group; k += 16) {
+          __builtin_prefetch(c + 2 * q.code_cols + k);  // the same bytes two rows ahead (see cols_task)
           const f32x16 wv = widen_codes8(c + k, ASYM);
           for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k);
         }
       } else {
         for (int64_t k = k0; k < k0 + q.group; k += 32) {
+          __builtin_prefetch(c + 2 * q.code_cols + k / 2);
           f32x16 lo, hi;
           widen_codes4(c + k / 2, ASYM, lo, hi);
           for (int m = 0; m < MB; ++m) {
@@ -431,6 +432,7 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
       parallel_for(pool, nt, [&](int64_t t) {
         const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
         int64_t m = 0;
+        for (; m + 8 <= M; m += 8) qdot_block<8, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
         for (; m + 4 <= M; m += 4) qdot_block<4, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
         for (; m + 2 <= M; m += 2) qdot_block<2, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
         for (; m < M; ++m) qdot_block<1, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
