@@ -280,3 +280,62 @@ def test_qlora_trains_adapters_on_a_frozen_int4_base():
     lora = quant.get_submodule(model, ("layers", 0, "mlp", "gate_proj"))
     want = np.asarray(lora.base_kernel() + lora.delta()).T  # HF layout [out, in]
     np.testing.assert_array_equal(tensors["model.layers.0.mlp.gate_proj.weight"], want)
+
+
+def test_convert_keeps_compressed_tensors_int4(tmp_path):
+    """A tiny checkpoint in compressed-tensors' pack-quantized W4A16 layout (int32 words of eight
+    offset nibbles, bf16 group scales, config.json's quantization_config), written here from the
+    format's description: `keep` stores the codes and scales as they are, so each dequantized weight
+    is exactly q * scale, whose bf16 rounding is what compressed-tensors' bf16 arithmetic gives; the
+    logits equal the float checkpoint of those products. Other --quantize modes are refused."""
+    from safetensors.numpy import load_file, save_file
+
+    hf = make_tiny_hf(tmp_path / "ct")
+    path = os.path.join(hf, "model.safetensors")
+    tensors = load_file(path)
+    rng = np.random.default_rng(1)
+    floats, group, expect = dict(tensors), 32, {}
+    packed = [n for n in tensors if n.endswith(("mlp.gate_proj.weight", "mlp.down_proj.weight", "q_proj.weight"))]
+    for name in packed:
+        rows, cols = tensors.pop(name).shape
+        q = rng.integers(-8, 8, (rows, cols))
+        scale = (rng.random((rows, cols // group)) * 0.02 + 1e-3).astype(ml_dtypes.bfloat16)
+        words = np.zeros((rows, cols // 8), np.uint32)
+        for i in range(8):  # value 8j + i in bits 4i..4i+3 of word j, stored as q + 8
+            words |= (q[:, i::8] + 8).astype(np.uint32) << np.uint32(4 * i)
+        base = name.removesuffix(".weight")
+        tensors[base + ".weight_packed"] = words.view(np.int32)
+        tensors[base + ".weight_scale"] = scale
+        tensors[base + ".weight_shape"] = np.array([rows, cols], np.int32)
+        exact = q * np.repeat(scale.astype(np.float64), group, axis=1)
+        expect[base.removeprefix("model.")] = exact
+        floats[name] = exact.astype(np.float32)
+    save_file(tensors, path)
+    cfg = json.load(open(os.path.join(hf, "config.json")))
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
+    json.dump(cfg, open(os.path.join(hf, "config.json"), "w"))
+    out = convert(hf, tmp_path / "keep", dtype="float32", progress=False)
+    model = load(out)
+    assert set(json.load(open(os.path.join(out, "metadata.json")))["quant"]) == set(expect)
+    for base, exact in expect.items():
+        mod = quant.get_submodule(model, tuple(int(p) if p.isdigit() else p for p in base.split(".")))
+        got = np.asarray(quant.dequantize_matrix(mod), np.float64)
+        np.testing.assert_array_equal(got, exact)  # q * bf16 scale is exact in float32
+        q = np.round(exact / np.repeat(np.asarray(mod.scales[...], np.float64), group, axis=1))
+        ct_bf16 = q.astype(ml_dtypes.bfloat16) * np.repeat(np.asarray(mod.scales[...]), group, axis=1).astype(
+            ml_dtypes.bfloat16
+        )
+        np.testing.assert_array_equal(got.astype(ml_dtypes.bfloat16), ct_bf16)
+    plain = make_tiny_hf(tmp_path / "plain")
+    save_file(floats, os.path.join(plain, "model.safetensors"))
+    ref = load(convert(plain, tmp_path / "ref", dtype="float32", quantize="none", progress=False))
+    ids = jnp.asarray(PROMPTS[1:2])
+    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(ref(ids)), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="quantize"):
+        convert(hf, tmp_path / "int8", quantize="int8", progress=False)

@@ -27,6 +27,7 @@ import numpy as np
 
 from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config, model_type
 from gemma4_nnx.io import checkpoint as ck
+from gemma4_nnx.io.compressed import PackedWeight, packed_scheme, split_packed
 from gemma4_nnx.io.hf import (
     CheckpointError,
     Entry,
@@ -420,12 +421,22 @@ def convert(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     assistant = model_type(src) == ASSISTANT_MODEL_TYPE  # an MTP drafter: its own config and name map
+    scheme, kept = None, {}
     if assistant:
         config = AssistantConfig.from_hf(src)
         plan = plan_assistant(config, abstract_assistant(config, np.float32), assistant_tensors(src))
     else:
         config = Gemma4Config.from_hf(src)
-        plan = plan_load(config, text_tensors(src))
+        tensors = text_tensors(src)
+        scheme = packed_scheme(src)  # compressed-tensors int4/int8: codes kept as stored
+        if scheme is not None:
+            if quantize != "keep":
+                raise ValueError(
+                    f"quantize: {src} holds compressed-tensors {scheme['bits']}-bit weights, which are only "
+                    "kept (quantize='keep'); there is no float copy to quantize differently"
+                )
+            tensors, kept = split_packed(tensors, scheme)
+        plan = plan_load(config, tensors)
     files = safetensors_files(src)
     _check_destination(src, dst, overwrite)
     _remove_stale_temps(dst)
@@ -437,7 +448,8 @@ def convert(
     bar = Progress(plan.total_bytes, len(plan.items), sys.stderr.isatty() if progress is None else progress)
     leaves: dict[tuple, Any] = {}
     quantized: dict[str, Any] = {}
-    kept = _gguf_tensors_by_hf_name(gguf_reader) if gguf_reader is not None else {}
+    if gguf_reader is not None:
+        kept = _gguf_tensors_by_hf_name(gguf_reader)
     for entry, info in plan.items:
         if bits and entry.path[:1] == ck.PLE_PATH:
             fmt = QuantFormat(bits, group)
@@ -502,8 +514,12 @@ def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept
     if quantize == "none" or not matrix or not quantizable(module):
         return None
     if quantize == "keep":
-        if entry.hf_name in kept:
-            return _gguf_kept(kept[entry.hf_name], progress)
+        source = kept.get(entry.hf_name)
+        if isinstance(source, PackedWeight):  # compressed-tensors
+            rows, cols = source.shape
+            return _QuantizedMatrix(rows, cols, source.fmt, source.decode, info.nbytes // rows // 4, progress)
+        if source is not None:
+            return _gguf_kept(source, progress)
         return _qat_leaves(info, progress)
     fmt = format_for(module, 8 if quantize == "int8" else 4, group)
     return _quantizing(info, fmt, progress) if info.shape[1] % fmt.group == 0 else None
