@@ -4,7 +4,9 @@ Two tables, nothing else:
 
 - `PARAM_AXES`: dotted-path pattern -> *logical* axes, one name per array dimension (e.g. a q_proj
   kernel [D, N*H] is ("embed", "q_heads")). Covers every parameter, the `layer_scalar` buffers, the
-  quantized PLE table, LoRA adapters (derived from their kernel) and the KV cache's arrays.
+  quantized PLE table, quantized projections and token table (codes / scales / mins [out, in]: their
+  float weight's axes, transposed for a kernel), LoRA adapters (derived from their kernel) and the
+  KV cache's arrays.
 - `rules` (default `DEFAULT_RULES`): logical axis -> mesh axis. With the mesh axes ("fsdp", "tp"):
   "embed" (and the batch) go over "fsdp" (ZeRO-3 style: every weight is split along the model
   width, gathered per layer by XLA), heads/MLP width/vocab go over "tp" (Megatron-style tensor
@@ -87,6 +89,13 @@ def logical_axes(path: Sequence[Any] | str) -> tuple[str | None, ...]:
     for pattern, axes in _COMPILED:
         if pattern.search(dotted):
             return axes
+    module, _, leaf = dotted.rpartition(".")
+    if leaf in ("codes", "scales", "mins"):  # a quantized matrix, stored [out, in] (gemma4_nnx.model.quant)
+        try:
+            a_in, a_out = logical_axes(module + ".kernel")
+            return (a_out, a_in)
+        except ValueError:
+            return logical_axes(module + ".embedding")  # a token table: rows are its vocabulary
     raise ValueError(f"path {dotted!r}: no logical-axis rule in gemma4_nnx.sharding.PARAM_AXES covers it")
 
 

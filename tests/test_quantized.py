@@ -339,3 +339,19 @@ def test_convert_keeps_compressed_tensors_int4(tmp_path):
     np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(ref(ids)), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="quantize"):
         convert(hf, tmp_path / "int8", quantize="int8", progress=False)
+
+
+def test_quantized_matrices_have_sharding_axes():
+    """Codes, scales and mins [out, in] take their float weight's logical axes (a kernel's reversed), so
+    FSDP/TP placement covers a quantized model as it does a float one."""
+    from gemma4_nnx import sharding
+
+    model = random_model("e2b")
+    quant.quantize(model, 4, 8)
+    axes = {".".join(map(str, p)): sharding.logical_axes(p) for p in variables_by_path(model)}
+    assert axes["layers.0.self_attn.q_proj.codes"] == ("q_heads", "embed")
+    assert axes["layers.0.mlp.down_proj.scales"] == ("embed", "mlp")
+    assert axes["embed_tokens.codes"] == ("vocab", "embed")
+    mesh = sharding.make_mesh(fsdp=1, tp=1)
+    shardings = sharding.model_shardings(model, mesh)
+    assert len(shardings) == len(axes)
