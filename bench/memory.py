@@ -4,8 +4,8 @@
 
 For each preset: every parameter at bf16, then the projections and the token table quantized as
 `gemma4-convert --quantize int8|int4` stores them (`gemma4_nnx.model.quant.format_for`: int8 group 128;
-int4 group 32 with the token table at int8), the PLE table at its default int4 (group 256) in every row
-but the first. MoE experts, the router, norms and other vectors stay bf16.
+int4 group 32 with the token table at int8; MoE experts likewise), the PLE table at its default int4
+(group 256) in every row but the first. The router, norms and other vectors stay bf16.
 """
 
 from __future__ import annotations
@@ -38,14 +38,20 @@ def weight_bytes(config, bits: int | None, ple_bits: int | None) -> int:
                 total += quant.QuantFormat(ple_bits, config.hidden_size_per_layer_input).nbytes(rows, cols)
                 continue
             if bits and quant.quantizable(path):
-                fmt = quant.format_for(path, bits)
+                fmt = quant.format_for(path, bits, cols=cols)
                 if cols % fmt.group == 0:
                     total += fmt.nbytes(rows, cols)
                     continue
             total += rows * cols * 2
-    for path, var in nnx.iter_graph(model):  # everything that is not a projection / table: bf16
-        if isinstance(var, nnx.Variable) and path[-1] not in ("kernel", "embedding"):
-            total += math.prod(var.get_value().shape) * 2
+    for path, var in nnx.iter_graph(model):  # expert stacks [E, in, out]; everything else bf16
+        if not isinstance(var, nnx.Variable) or path[-1] in ("kernel", "embedding"):
+            continue
+        shape = var.get_value().shape
+        if bits and len(shape) == 3 and quant.quantizable(tuple(path)):
+            fmt = quant.format_for(tuple(path), bits, cols=shape[1])
+            total += fmt.nbytes(shape[0] * shape[2], shape[1])
+        else:
+            total += math.prod(shape) * 2
     return total
 
 

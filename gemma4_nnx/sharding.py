@@ -91,11 +91,13 @@ def logical_axes(path: Sequence[Any] | str) -> tuple[str | None, ...]:
             return axes
     module, _, leaf = dotted.rpartition(".")
     if leaf in ("codes", "scales", "mins"):  # a quantized matrix, stored [out, in] (gemma4_nnx.model.quant)
-        try:
-            a_in, a_out = logical_axes(module + ".kernel")
-            return (a_out, a_in)
-        except ValueError:
-            return logical_axes(module + ".embedding")  # a token table: rows are its vocabulary
+        for name, order in ((".kernel", (1, 0)), ("", (0, 2, 1)), (".embedding", (0, 1))):
+            try:  # a projection's kernel [in, out], an expert stack [E, in, out], a token table [V, D]
+                axes = logical_axes(module + name)
+            except ValueError:
+                continue
+            if len(axes) == len(order):
+                return tuple(axes[i] for i in order)
     raise ValueError(f"path {dotted!r}: no logical-axis rule in gemma4_nnx.sharding.PARAM_AXES covers it")
 
 

@@ -127,7 +127,9 @@ def _dequantized_float_model(qmodel, variant):
     ref = random_model(variant, matmul="xla")
     floats = variables_by_path(ref)
     for path, mod in nnx.iter_graph(qmodel):
-        if isinstance(mod, (quant.QuantizedLinear, quant.QuantizedEmbedding)) and path != ("embed_tokens_per_layer",):
+        if isinstance(mod, quant.QuantizedStack):  # experts [E, out, in] -> ours [E, in, out]
+            floats[tuple(path)].set_value(jnp.swapaxes(quant.dequantize_matrix(mod), 1, 2))
+        elif isinstance(mod, (quant.QuantizedLinear, quant.QuantizedEmbedding)) and path != ("embed_tokens_per_layer",):
             w = quant.dequantize_matrix(mod)
             if isinstance(mod, quant.QuantizedLinear):
                 floats[tuple(path) + ("kernel",)].set_value(w.T)
@@ -147,6 +149,7 @@ def test_quantized_model_is_the_float_model_of_its_dequantized_weights(variant, 
     done = quant.quantize(model, bits, 8)
     assert "embed_tokens" in done and any(p.endswith("mlp.down_proj") for p in done)
     assert all(".router" not in p for p in done)
+    assert variant != "moe" or "layers.0.moe.experts.gate_up" in done
     ref = _dequantized_float_model(model, variant)
     ids = jnp.asarray(PROMPTS[1:2])
     got = np.asarray(model(ids))
@@ -195,6 +198,30 @@ def test_convert_quantize_loads_what_in_memory_quantize_gives(tiny_hf, tmp_path,
     assert set(meta["quant"]) == set(quant.quantization_of(plain)) - {"embed_tokens_per_layer"}
     for name, v in meta["quant"].items():  # int4 keeps the token table (also the output head) at int8
         assert v == {"bits": 8 if name == "embed_tokens" else bits, "group": 8, "asym": False}, name
+
+
+def test_convert_quantizes_moe_experts_like_in_memory(tmp_path):
+    """A MoE checkpoint under `--quantize int8`: the expert stacks become codes [E, out, in] equal to
+    `quant.quantize`'s, the router stays float, and `hf_tensors` writes the dequantized stacks back in
+    HF's [E, out, in] layout."""
+    from gemma4_nnx.io.export import hf_tensors
+
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24)
+    hf = make_tiny_hf(tmp_path / "hf", **moe)
+    model = load(convert(hf, tmp_path / "q", dtype="float32", quantize="int8", group=8, progress=False))
+    plain = load(convert(hf, tmp_path / "f", dtype="float32", quantize="none", progress=False))
+    quant.quantize(plain, 8, 8)
+    ids = jnp.asarray(PROMPTS[1:2])
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(plain(ids)))
+    meta = json.load(open(tmp_path / "q" / "metadata.json"))
+    assert "layers.0.moe.experts.gate_up" in meta["quant"] and not any("router" in k for k in meta["quant"])
+    stack = model.layers[0].moe.experts.gate_up
+    assert isinstance(stack, quant.QuantizedStack) and stack.codes[...].shape == (4, 48, 64)
+    out = hf_tensors(model)
+    name = "model.layers.0.experts.gate_up_proj"
+    want = np.asarray(quant.dequantize_matrix(stack))
+    got = next(v for k, v in out.items() if k.endswith("layers.0.experts.gate_up_proj") or k == name)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_convert_keep_stores_a_qat_grid_exactly(tmp_path):
@@ -352,6 +379,10 @@ def test_quantized_matrices_have_sharding_axes():
     assert axes["layers.0.self_attn.q_proj.codes"] == ("q_heads", "embed")
     assert axes["layers.0.mlp.down_proj.scales"] == ("embed", "mlp")
     assert axes["embed_tokens.codes"] == ("vocab", "embed")
+    moe = random_model("moe")
+    quant.quantize(moe, 8, 8)
+    assert sharding.logical_axes("layers.0.moe.experts.gate_up.codes") == ("expert", "mlp", "embed")
+    assert all(sharding.logical_axes(p) for p in variables_by_path(moe))
     mesh = sharding.make_mesh(fsdp=1, tp=1)
     shardings = sharding.model_shardings(model, mesh)
     assert len(shardings) == len(axes)

@@ -147,13 +147,14 @@ class _QuantizedMatrix:
     a QAT grid), so blocks are bit-identical to decoding the whole matrix.
     """
 
-    def __init__(self, rows: int, cols: int, fmt, decode, row_bytes: int, progress: Progress):
+    def __init__(self, rows: int, cols: int, fmt, decode, row_bytes: int, progress: Progress, inner=()):
         self.rows, self.cols, self.fmt, self.decode, self.progress = rows, cols, fmt, decode, progress
+        self.inner = tuple(inner)  # an expert stack [E, out, in]: rows = E, inner = (out,)
         self.row_bytes = row_bytes
         self.block = _rows_per_block(row_bytes, QUANT_BLOCK_BYTES)
         g = cols // fmt.group
-        self.scales = np.zeros((rows, g), np.float32)
-        self.mins = np.zeros((rows, g), np.float32) if fmt.asym else None
+        self.scales = np.zeros((rows, *self.inner, g), np.float32)
+        self.mins = np.zeros((rows, *self.inner, g), np.float32) if fmt.asym else None
         self.filled = np.zeros(-(-rows // self.block), bool)
 
     def _decode(self, a: int, b: int) -> np.ndarray:
@@ -165,7 +166,7 @@ class _QuantizedMatrix:
         return codes
 
     def leaves(self) -> dict[str, ck.LazyTensor]:
-        shape = self.fmt.code_shape(self.rows, self.cols)
+        shape = (self.rows, *self.inner, self.fmt.code_shape(1, self.cols)[1])
 
         def read_codes(a: int, b: int) -> np.ndarray:
             codes = self._decode(a, b)
@@ -198,13 +199,14 @@ def _quantizing(info: TensorInfo, fmt, progress: Progress) -> _QuantizedMatrix:
     """Our own symmetric quantization (`quantize_rows`) of an HF tensor [rows, cols], row block by block."""
     from gemma4_nnx.model.quant import quantize_rows
 
-    rows, cols = info.shape
+    rows, *inner, cols = info.shape  # [out, in], or an expert stack [E, out, in]
 
     def decode(a: int, b: int):
-        codes, scales = quantize_rows(read_tensor(info, rows=(a, b)), fmt.bits, fmt.group)
-        return codes, scales, None
+        x = read_tensor(info, rows=(a, b))
+        codes, scales = quantize_rows(x.reshape(-1, cols), fmt.bits, fmt.group)
+        return codes.reshape(b - a, *inner, -1), scales.reshape(b - a, *inner, -1), None
 
-    return _QuantizedMatrix(rows, cols, fmt, decode, info.nbytes // rows, progress)
+    return _QuantizedMatrix(rows, cols, fmt, decode, info.nbytes // rows, progress, inner)
 
 
 def _gguf_kept(tensor, progress: Progress) -> _QuantizedMatrix:
@@ -458,7 +460,7 @@ def convert(
             continue
         matrix = None if assistant else _quantized_matrix(entry, info, quantize, group_size, kept, bar)
         if matrix is not None:
-            module = entry.path[:-1]
+            module = entry.path if matrix.inner else entry.path[:-1]
             quantized[".".join(map(str, module))] = matrix.fmt.to_json()
             for name, leaf in matrix.leaves().items():
                 leaves[module + (name,)] = leaf
@@ -509,10 +511,13 @@ def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept
     """The quantized leaves of one mapped tensor under `quantize`, or None to store it float."""
     from gemma4_nnx.model.quant import format_for, quantizable
 
-    module = entry.path[:-1]
+    stack = entry.transform == "T021" and len(info.shape) == 3  # MoE experts: the stack is the module
+    module = entry.path if stack else entry.path[:-1]
     matrix = entry.path[-1] in ("kernel", "embedding") and entry.transform in (None, "T") and len(info.shape) == 2
-    if quantize == "none" or not matrix or not quantizable(module):
+    if quantize == "none" or not (matrix or stack) or not quantizable(module):
         return None
+    if stack and quantize == "keep":
+        return None  # no imported format holds experts quantized yet
     if quantize == "keep":
         source = kept.get(entry.hf_name)
         if isinstance(source, PackedWeight):  # compressed-tensors
@@ -521,7 +526,7 @@ def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept
         if source is not None:
             return _gguf_kept(source, progress)
         return _qat_leaves(info, progress)
-    fmt = format_for(module, 8 if quantize == "int8" else 4, group)
+    fmt = format_for(module, 8 if quantize == "int8" else 4, group, info.shape[-1])
     return _quantizing(info, fmt, progress) if info.shape[1] % fmt.group == 0 else None
 
 

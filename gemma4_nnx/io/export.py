@@ -127,7 +127,7 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
     quantized = {
         tuple(p): m
         for p, m in nnx.iter_graph(model)
-        if isinstance(m, (quant.QuantizedLinear, quant.QuantizedEmbedding)) and tuple(p) != _PLE
+        if isinstance(m, (quant.QuantizedLinear, quant.QuantizedEmbedding, quant.QuantizedStack)) and tuple(p) != _PLE
     }
     out: dict[str, np.ndarray] = {}
     missing = []
@@ -139,6 +139,8 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
         elif entry.path[:-1] in quantized:  # an int8/int4 matrix: written dequantized (float32)
             w = np.asarray(quant.dequantize_matrix(quantized[entry.path[:-1]]))
             value = w.T if entry.path[-1] == "kernel" else w
+        elif entry.path in quantized:  # an int8/int4 expert stack [E, out, in] -> ours [E, in, out]
+            value = np.swapaxes(np.asarray(quant.dequantize_matrix(quantized[entry.path])), 1, 2)
         elif entry.path in variables:
             value = np.asarray(jax.device_get(variables[entry.path].get_value()))
         else:

@@ -51,6 +51,10 @@ class Experts(nnx.Module):
         self.gate_up = nnx.Param(init(rngs.params(), (e, d, 2 * i), param_dtype))
         self.down = nnx.Param(init(rngs.params(), (e, i, d), param_dtype))
 
+    def _dense(self, w) -> Array:
+        """An expert stack in the compute dtype: a float Param, or a `quant.QuantizedStack` dequantized."""
+        return w.dense(self.dtype) if hasattr(w, "dense") else w[...].astype(self.dtype)
+
     def __call__(self, x: Array, weights: Array, index: Array) -> Array:
         """x [T, D], weights/index [T, k] -> [T, D]."""
         k = index.shape[1]
@@ -60,9 +64,9 @@ class Experts(nnx.Module):
         token = order // k
         sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
         xs = x[token].astype(self.dtype)
-        gu = jax.lax.ragged_dot(xs, self.gate_up[...].astype(self.dtype), sizes)
+        gu = jax.lax.ragged_dot(xs, self._dense(self.gate_up), sizes)
         h = gelu_tanh(gu[:, : self.width]) * gu[:, self.width :]
-        out = jax.lax.ragged_dot(h, self.down[...].astype(self.dtype), sizes)
+        out = jax.lax.ragged_dot(h, self._dense(self.down), sizes)
         out = (out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
         return jnp.zeros_like(x).at[token].add(out)
 

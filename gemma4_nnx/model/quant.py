@@ -356,7 +356,8 @@ def _mins(mod):
 
 
 def dequantize_matrix(mod, dtype: Any = jnp.float32) -> jax.Array:
-    """The whole float matrix [rows, cols] of a quantized module (export, merging LoRA, tests)."""
+    """The whole float matrix [rows, cols] ([E, out, in] for a stack) of a quantized module (export,
+    merging LoRA, tests)."""
     f = mod.fmt
     return dequantize_rows(mod.codes[...], mod.scales[...], f.bits, f.group, dtype, _mins(mod))
 
@@ -549,11 +550,39 @@ class QuantizedEmbedding(nnx.Module):
         return matmul_t(x, self, self.dtype)
 
 
+class QuantizedStack(nnx.Module):
+    """A stack of E matrices [E, out, in] (MoE experts) stored quantized, each row along `in` as above.
+
+    Stands where an expert weight `nnx.Param` stood (`moe.Experts.gate_up` / `.down`); `dense(dtype)`
+    gives the float stack in the experts' own layout [E, in, out] for `jax.lax.ragged_dot`, dequantized
+    inside the jitted step (every expert, every step: memory at rest shrinks, compute does not).
+    """
+
+    def __init__(self, experts: int, out_features: int, in_features: int, fmt: QuantFormat):
+        self.experts, self.out_features, self.in_features = int(experts), int(out_features), int(in_features)
+        self.fmt = fmt
+        codes, scales, mins = _params(fmt, self.experts * self.out_features, self.in_features)
+        e, o = self.experts, self.out_features
+        self.codes = nnx.Param(codes.get_value().reshape(e, o, -1))
+        self.scales = nnx.Param(scales.get_value().reshape(e, o, -1))
+        self.mins = None if mins is None else nnx.Param(mins.get_value().reshape(e, o, -1))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The float stack's shape in the experts' layout [E, in, out]."""
+        return (self.experts, self.in_features, self.out_features)
+
+    def dense(self, dtype) -> jax.Array:
+        f = self.fmt
+        w = dequantize_rows(self.codes[...], self.scales[...], f.bits, f.group, dtype, _mins(self))
+        return jnp.swapaxes(w, 1, 2)
+
+
 # ---------------------------------------------------------------------------- whole models
 #: Which parameters `quantize` and `gemma4-convert --quantize int8|int4` quantize: every projection
-#: (attention q/k/v/o, the MLPs, the per-layer-input projections) and the token embedding / tied
-#: logits matrix. Norms, `layer_scalar`, the MoE router and the MoE experts stay float.
-QUANTIZABLE = re.compile(r"(_proj|per_layer_input_gate|per_layer_projection|^embed_tokens)$")
+#: (attention q/k/v/o, the MLPs, the per-layer-input projections), the MoE experts and the token
+#: embedding / tied logits matrix. Norms, `layer_scalar` and the MoE router stay float.
+QUANTIZABLE = re.compile(r"(_proj|per_layer_input_gate|per_layer_projection|^embed_tokens|experts\.(gate_up|down))$")
 
 
 def quantizable(module_path) -> bool:
@@ -562,16 +591,22 @@ def quantizable(module_path) -> bool:
     return bool(QUANTIZABLE.search(dotted)) and ".router." not in "." + dotted + "."
 
 
-def format_for(module_path, bits: int, group: int | None = None) -> QuantFormat:
+def format_for(module_path, bits: int, group: int | None = None, cols: int | None = None) -> QuantFormat:
     """The format `quantize` and `gemma4-convert --quantize int8|int4` give the module at `module_path`:
-    `bits` with `group` columns per scale (default `DEFAULT_GROUP[bits]`), except that under 4 bits the
-    token table, which is also the output head, gets int8: llama.cpp's 4-bit mixes keep it at 6-8 bits,
-    and on Gemma 3 270M int4 there alone raises the perplexity of tests/data/public_domain.txt from
-    4.93 to 7.34."""
+    `bits` with `group` columns per scale, except that under 4 bits the token table, which is also the
+    output head, gets int8: llama.cpp's 4-bit mixes keep it at 6-8 bits, and on Gemma 3 270M int4
+    there alone raises the perplexity of tests/data/public_domain.txt from 4.93 to 7.34.
+
+    Without `group`, `DEFAULT_GROUP[bits]`, halved (down to 16) until it divides the input width `cols`
+    when that is given (26B-A4B's experts are 704 wide: int8 groups of 64 there)."""
     path = tuple(module_path.split(".")) if isinstance(module_path, str) else tuple(map(str, module_path))
     if bits == 4 and path == ("embed_tokens",):
         bits = 8
-    return QuantFormat(bits, group or DEFAULT_GROUP[bits])
+    if group is None:
+        group = DEFAULT_GROUP[bits]
+        while cols is not None and cols % group and group > 16:
+            group //= 2
+    return QuantFormat(bits, group)
 
 
 def quantized_like(mod, fmt: QuantFormat, matmul=None):
@@ -586,6 +621,9 @@ def quantized_like(mod, fmt: QuantFormat, matmul=None):
         return nnx.eval_shape(
             lambda: QuantizedLinear(mod.in_features, mod.out_features, fmt, dtype=mod.dtype, matmul=matmul)
         )
+    if isinstance(mod, QuantizedStack) or (isinstance(mod, nnx.Param) and mod.get_value().ndim == 3):
+        e, d_in, d_out = mod.shape
+        return nnx.eval_shape(lambda: QuantizedStack(e, d_out, d_in, fmt))
     if isinstance(mod, (layers.Embedding, QuantizedEmbedding)):
         return nnx.eval_shape(
             lambda: QuantizedEmbedding(
@@ -610,6 +648,9 @@ def float_matrix(mod) -> np.ndarray:
         return np.asarray(jax.device_get(mod.kernel[...])).T
     if isinstance(mod, layers.Embedding):
         return np.asarray(jax.device_get(mod.embedding[...]))
+    if isinstance(mod, nnx.Param) and mod.get_value().ndim == 3:  # experts [E, in, out] -> [E * out, in]
+        w = np.asarray(jax.device_get(mod[...]))
+        return np.swapaxes(w, 1, 2).reshape(-1, w.shape[1])
     raise ValueError(f"no float matrix in a {type(mod).__name__}")
 
 
@@ -648,14 +689,18 @@ def quantize(
     done = []
     for path, mod in list(nnx.iter_graph(model)):
         path = tuple(path)
-        if not isinstance(mod, (nnx.Linear, layers.Embedding)) or not targets(path):
+        stack = isinstance(mod, nnx.Param) and path[-1] in ("gate_up", "down") and mod.get_value().ndim == 3
+        if not (isinstance(mod, (nnx.Linear, layers.Embedding)) or stack) or not targets(path):
             continue
-        fmt = format_for(path, bits, group)
         w = float_matrix(mod)
+        fmt = format_for(path, bits, group, w.shape[1])
         if w.shape[1] % fmt.group:
             continue
         codes, scales = quantize_rows(w, fmt.bits, fmt.group)
         new = quantized_like(mod, fmt, product)
+        if stack:
+            e = mod.get_value().shape[0]
+            codes, scales = codes.reshape(e, -1, codes.shape[1]), scales.reshape(e, -1, scales.shape[1])
         _set_params(new, codes, scales, None)
         set_submodule(model, path, new)
         done.append(".".join(map(str, path)))
@@ -667,5 +712,5 @@ def quantization_of(model: nnx.Module) -> dict[str, QuantFormat]:
     return {
         ".".join(map(str, p)): m.fmt
         for p, m in nnx.iter_graph(model)
-        if isinstance(m, (QuantizedLinear, QuantizedEmbedding))
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding, QuantizedStack))
     }
