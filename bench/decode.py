@@ -83,6 +83,9 @@ model.embed_tokens_per_layer = QuantizedEmbedding.from_quantized(
     np.concatenate([c for c, _ in parts]), np.concatenate([s for _, s in parts]), bits=4, group=256,
     dtype=jnp.float32)
 del parts
+if args["weights"] in ("int8", "int4"):  # every projection and the token table (gemma4_nnx.model.quant)
+    from gemma4_nnx.model.quant import quantize
+    quantize(model, 8 if args["weights"] == "int8" else 4)
 weight_bytes = 0
 for path, var in nnx.iter_graph(model):
     if isinstance(var, nnx.Param):
@@ -218,9 +221,17 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument(
         "--weights",
-        choices=["bf16", "f32"],
+        choices=["bf16", "f32", "int8", "int4"],
         default="bf16",
-        help="our weights: bf16 as stored (CPU kernels) or converted to float32 (XLA dots)",
+        help="our weights: bf16 as stored (CPU kernels), converted to float32 (XLA dots), or quantized "
+        "int8 / int4 in memory (gemma4_nnx.model.quant.quantize; CPU kernels)",
+    )
+    p.add_argument(
+        "--baseline-weights",
+        choices=["bf16", "f32", "int8", "int4"],
+        default=None,
+        help="with --baseline-tree: the baseline worker's weights (default: --weights); e.g. "
+        "--baseline-tree . --weights int4 --baseline-weights bf16 compares formats in one run",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed (1 token, N tokens) pairs per side and batch")
     p.add_argument("--skip-hf", action="store_true")
@@ -238,10 +249,15 @@ def main(argv=None) -> int:
         ours_w = Worker(OURS, dict(common, cache_dir=cache_dir, weights=a.weights))
         if a.baseline_tree:
             base_cache = tempfile.mkdtemp(prefix="baseline-cache-")
-            hf_w = Worker(OURS, dict(common, cache_dir=base_cache, weights=a.weights), root=a.baseline_tree)
+            base_weights = a.baseline_weights or a.weights
+            hf_w = Worker(OURS, dict(common, cache_dir=base_cache, weights=base_weights), root=a.baseline_tree)
         else:
             hf_w = None if a.skip_hf else Worker(HF, common)
-        other = f"baseline ({a.baseline_tree})" if a.baseline_tree else "transformers (bf16)"
+        other = (
+            f"baseline ({a.baseline_tree}, {a.baseline_weights or a.weights} weights)"
+            if a.baseline_tree
+            else "transformers (bf16)"
+        )
         ours, hf, compile_cold = {}, {}, {}
         for b in a.batches:
             compile_cold[b] = _compile_s(ours_w, b, n)

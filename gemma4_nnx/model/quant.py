@@ -696,7 +696,10 @@ def quantize(
         fmt = format_for(path, bits, group, w.shape[1])
         if w.shape[1] % fmt.group:
             continue
-        codes, scales = quantize_rows(w, fmt.bits, fmt.group)
+        step = max(1, 2**24 // w.shape[1])  # row blocks: quantize_rows holds ~3 float64 copies of its input
+        parts = [quantize_rows(w[a : a + step], fmt.bits, fmt.group) for a in range(0, w.shape[0], step)]
+        codes, scales = np.concatenate([c for c, _ in parts]), np.concatenate([s for _, s in parts])
+        del parts, w
         new = quantized_like(mod, fmt, product)
         if stack:
             e = mod.get_value().shape[0]
