@@ -98,6 +98,7 @@ def test_quantized_product_equals_float64_of_dequantized(fmt, rows, matmul):
     y = np.asarray(jax.jit(lambda x: mod(x))(jnp.asarray(x)), np.float64)
     assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
     gx = jax.grad(lambda x: mod(x).sum())(jnp.asarray(x))
+    # column sums of 40 weights up to 255 * 0.01 (asymmetric int8): float32 rounding of those sums
     np.testing.assert_allclose(np.asarray(gx), np.broadcast_to(deq.sum(0), x.shape), rtol=1e-4, atol=1e-4)
 
 
@@ -295,7 +296,8 @@ def test_qlora_trains_adapters_on_a_frozen_int4_base():
     losses = [float(ft.train_step(model, opt, batch)) for _ in range(30)]
     assert losses[-1] < 0.5 * losses[0], losses
     after = variables_by_path(model)
-    assert all(np.array_equal(np.asarray(after[p][...]), v) for p, v in frozen.items() if p in after)
+    assert set(frozen) <= set(after)  # the wrappers keep the codes at their paths
+    assert all(np.array_equal(np.asarray(after[p][...]), v) for p, v in frozen.items())
     x = jnp.asarray(ids)
     adapted = np.asarray(model(x))
     merged = ft.merge_lora(nnx.clone(model))

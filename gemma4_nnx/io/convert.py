@@ -45,8 +45,8 @@ from gemma4_nnx.model.quant import QuantFormat
 DTYPES = ("bfloat16", "float32")
 PLE_MODES = {"int4": 4, "int8": 8, "none": None}
 #: --quantize: "keep" the source's own quantization where our formats hold it exactly (GGUF blocks,
-#: QAT grids; everything else stays float), quantize every projection and the token table to "int8" /
-#: "int4" (`gemma4_nnx.model.quant.DEFAULT_GROUP`), or "none" (all float, as before).
+#: QAT grids, compressed-tensors; everything else stays float), quantize every projection, the experts
+#: and the token table to "int8" / "int4" (`gemma4_nnx.model.quant.format_for`), or "none" (all float).
 QUANTIZE_MODES = ("keep", "int8", "int4", "none")
 #: Files copied from SRC when present (the tokenizer and what generation needs).
 COPY_FILES = (
@@ -267,7 +267,7 @@ def _qat_leaves(info: TensorInfo, progress: Progress) -> _QuantizedMatrix | None
 
     The first rows are checked first, so a tensor that is not on the grid costs one small read; one
     that is gets a full checking pass before its leaves are planned."""
-    from gemma4_nnx.model.quant import QuantFormat, pack_int4
+    from gemma4_nnx.model.quant import pack_int4
 
     is_float = info.dtype.kind == "f" or info.dtype.name == "bfloat16"
     if len(info.shape) != 2 or not is_float:
@@ -373,14 +373,14 @@ def convert(
       gm_config: for a checkpoint of Google's gemma library (`src` an Orbax directory, NESTED or FLAT
         layout): the model it holds, as a preset name (e2b, e4b, 31b, 26b-a4b) or an HF config.json;
         default: the `hf_config.json` that `gemma4-export --format gm` writes beside the weights.
-      quantize: how the projections and the token embedding / tied logits matrix are stored
-        (`gemma4_nnx.model.quant`): "keep" (default) keeps a GGUF's own Q8_0 / Q5_0 / Q4_0 / Q4_1 /
-        Q4_K / Q5_K / Q6_K blocks and stores float weights that lie on a Q4_0 grid (Google's
-        `-qat-q4_0-unquantized` checkpoints) as int4, all exactly; "int8" / "int4" quantize every
-        projection and the token table symmetrically (a matrix whose input width `group` does not
-        divide stays float; under "int4" the token table, which is also the output head, gets int8 as
-        llama.cpp's 4-bit mixes give it 6-8 bits); "none" stores everything float. Norms and other
-        vectors, the MoE router and experts, and MTP assistants stay float. The metadata records each quantized matrix.
+      quantize: how the projections, the MoE experts and the token embedding / tied logits matrix
+        are stored (`gemma4_nnx.model.quant`): "keep" (default) keeps a GGUF's own Q8_0 / Q5_0 / Q4_0 /
+        Q4_1 / Q4_K / Q5_K / Q6_K blocks, compressed-tensors pack-quantized weights, and float weights
+        that lie on a Q4_0 grid (Google's `-qat-q4_0-unquantized` checkpoints) as int4, all exactly;
+        "int8" / "int4" quantize them symmetrically (`quant.format_for`: under "int4" the token table,
+        which is also the output head, gets int8; a matrix whose width its group does not divide stays
+        float); "none" stores everything float. Norms and other vectors, the MoE router and MTP
+        assistants stay float. The metadata records each quantized matrix.
       group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
 
     Returns:
