@@ -17,6 +17,7 @@ from gemma4_nnx.io.convert import convert
 from gemma4_nnx.io.export import to_hf
 from gemma4_nnx.io.hf import CheckpointError, from_hf
 from gemma4_nnx.model import Gemma4, Gemma4Assistant, KVCache
+from gemma4_nnx.model.multimodal import Media
 from gemma4_nnx.model.quant import QuantizedEmbedding
 from gemma4_nnx.sharding import make_mesh, shard_batch, shard_cache, shard_model, sharding_for
 from gemma4_nnx.tokenizer import (
@@ -52,6 +53,7 @@ __all__ = [
     "KVCache",
     "LayerSpec",
     "LoRALinear",
+    "Media",
     "QuantizedEmbedding",
     "RequestError",
     "RopeSpec",

@@ -112,6 +112,17 @@ class Gemma4Config:
     # RMSNorm weight as w for a (1 + w) multiplier and have no `layer_scalar` (filled with 1). The model
     # itself always multiplies by the stored effective weight, so it never looks at this field.
     model_family: str = "gemma4"
+    # Multimodal checkpoints (`Gemma4ForConditionalGeneration`): the towers' configs
+    # (`gemma4_nnx.model.vision.VisionConfig`, `gemma4_nnx.model.audio.AudioConfig`; None = no tower,
+    # as for a text-only load), the placeholder token ids whose embeddings the towers' soft tokens
+    # replace, and HF `use_bidirectional_attention` ("vision": sliding layers let the tokens of one
+    # image see each other both ways; None: causal).
+    vision: Any = None
+    audio: Any = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    audio_token_id: int | None = None
+    use_bidirectional_attention: str | None = None
 
     def __post_init__(self):
         if not self.layer_types:
@@ -198,6 +209,20 @@ class Gemma4Config:
                 )
         if self.hidden_size_per_layer_input < 0:
             _fail("hidden_size_per_layer_input", "is negative", "use 0 to disable per-layer embeddings")
+        if self.use_bidirectional_attention not in (None, "vision"):
+            _fail(
+                "use_bidirectional_attention",
+                f"{self.use_bidirectional_attention!r} is not supported",
+                'use None (causal) or "vision" (bidirectional within an image on sliding layers)',
+            )
+        for name, tower in (("vision", self.vision), ("audio", self.audio)):
+            token = self.image_token_id if name == "vision" else self.audio_token_id
+            if tower is not None and token is None:
+                _fail(
+                    "image_token_id" if name == "vision" else "audio_token_id",
+                    f"the model has a {name} tower but no placeholder token id",
+                    "set the token id its soft tokens replace (HF config.json top level)",
+                )
         if self.model_family not in _FAMILIES:
             _fail("model_family", f"unknown family {self.model_family!r}", f"use one of {_FAMILIES}")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
@@ -364,7 +389,36 @@ class Gemma4Config:
         raw = _read_config_json(path_or_dict)
         if raw.get("model_type") == _GEMMA3_MODEL_TYPE:
             return cls._from_gemma3_dict(raw)
-        return cls._from_text_dict(_text_config_dict(raw))
+        config = cls._from_text_dict(_text_config_dict(raw))
+        if raw.get("model_type") == "gemma4":
+            config = config.with_towers(raw)
+        return config
+
+    def with_towers(self, raw: Mapping[str, Any]) -> Gemma4Config:
+        """This text config plus the towers and placeholder ids of a multimodal `config.json` (`raw`:
+        model_type `gemma4`)."""
+        from gemma4_nnx.model.audio import AudioConfig
+        from gemma4_nnx.model.vision import VisionConfig
+
+        vision, audio = raw.get("vision_config"), raw.get("audio_config")
+        return dataclasses.replace(
+            self,
+            vision=VisionConfig.from_hf_dict(vision) if vision else None,
+            audio=AudioConfig.from_hf_dict(audio) if audio else None,
+            image_token_id=raw.get("image_token_id", 258_880) if vision else None,
+            video_token_id=raw.get("video_token_id", 258_884) if vision else None,
+            audio_token_id=raw.get("audio_token_id", 258_881) if audio else None,
+        )
+
+    def text_only(self) -> Gemma4Config:
+        """The same text model without its vision and audio towers."""
+        return dataclasses.replace(
+            self, vision=None, audio=None, image_token_id=None, video_token_id=None, audio_token_id=None
+        )
+
+    @property
+    def multimodal(self) -> bool:
+        return self.vision is not None or self.audio is not None
 
     @classmethod
     def _from_gemma3_dict(cls, d: dict[str, Any]) -> Gemma4Config:
@@ -483,6 +537,7 @@ class Gemma4Config:
             pad_token_id=d.get("pad_token_id", 0) if d.get("pad_token_id") is not None else 0,
             eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
             bos_token_id=d.get("bos_token_id", 2) if d.get("bos_token_id") is not None else 2,
+            use_bidirectional_attention=d.get("use_bidirectional_attention"),
         )
         return cls(**kwargs)
 
@@ -577,6 +632,14 @@ class Gemma4Config:
         for key in ("rope_sliding", "rope_full"):
             if isinstance(d.get(key), Mapping):
                 d[key] = RopeSpec(**d[key])
+        if isinstance(d.get("vision"), Mapping):
+            from gemma4_nnx.model.vision import VisionConfig
+
+            d["vision"] = VisionConfig(**d["vision"])
+        if isinstance(d.get("audio"), Mapping):
+            from gemma4_nnx.model.audio import AudioConfig
+
+            d["audio"] = AudioConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d["audio"].items()})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

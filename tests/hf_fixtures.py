@@ -269,3 +269,101 @@ def hf_assistant_drafts(target, assistant, ids: np.ndarray, steps: int):
             logits.append(o.logits[0, 0].float().numpy())
             states.append(state[0, 0].float().numpy())
     return first, logits, states
+
+
+# ------------------------------------------------------------------------------------------- images and audio
+#: Placeholder ids inside the tiny vocabulary (transformers' defaults lie beyond it).
+MM_TOKENS = dict(image_token_id=120, video_token_id=121, audio_token_id=122, boi_token_id=123, eoi_token_id=124)
+BOA, EOA = 125, 126
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    patch_size=4,
+    pooling_kernel_size=2,
+    position_embedding_size=16,
+)
+AUDIO = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    subsampling_conv_channels=[16, 4],
+    conv_kernel_size=3,
+    attention_chunk_size=4,
+    attention_context_left=5,
+    attention_context_right=0,
+    output_proj_dims=24,
+)
+AUDIO_FEATURES = 16  # the mel bins a tower of subsampling_conv_channels[0] = 16 reads
+
+
+def build_hf_multimodal(
+    variant: str = "e2b", *, vision: bool = True, audio: bool = True, bidirectional: str | None = None, seed: int = 0
+):
+    """A float32 eager `Gemma4ForConditionalGeneration` with tiny vision / audio towers, every weight
+    perturbed (clip bounds of clippable linears included)."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tc = text_config(variant).to_dict()
+    tc["use_bidirectional_attention"] = bidirectional
+    cfg = Gemma4Config(
+        text_config=tc,
+        vision_config=dict(VISION, use_clipped_linears=True) if vision else None,
+        audio_config=dict(AUDIO) if audio else None,
+        boa_token_id=BOA,
+        eoa_token_index=EOA,
+        **MM_TOKENS,
+    )
+    cfg._attn_implementation = "eager"
+    model = Gemma4ForConditionalGeneration(cfg).float().eval()
+    _perturb(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():  # clip bounds: wide enough to pass most values, not all
+            if name.endswith(("input_min", "output_min")):
+                b.copy_(-1.5 - torch.rand(b.shape, generator=g))
+            elif name.endswith(("input_max", "output_max")):
+                b.copy_(1.5 + torch.rand(b.shape, generator=g))
+        for name, p in model.named_parameters():
+            if name.endswith("position_embedding_table"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def image_inputs(grids: list[tuple[int, int]], max_patches: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """pixel_values [N, max_patches, 3 p^2] in [0, 1] and image_position_ids [N, max_patches, 2] for
+    images of (width, height) patch grids, laid out as the image processor does ((x, y) row-major,
+    padding (-1, -1) with zero pixels)."""
+    rng = np.random.default_rng(seed)
+    p = VISION["patch_size"]
+    pix = np.zeros((len(grids), max_patches, 3 * p * p), np.float32)
+    pos = np.full((len(grids), max_patches, 2), -1, np.int64)
+    for i, (w, h) in enumerate(grids):
+        gx, gy = np.meshgrid(np.arange(w), np.arange(h), indexing="xy")
+        pos[i, : w * h] = np.stack([gx, gy], -1).reshape(-1, 2)
+        pix[i, : w * h] = rng.random((w * h, 3 * p * p), np.float32)
+    return pix, pos
+
+
+def image_soft_tokens(grid: tuple[int, int]) -> int:
+    k = VISION["pooling_kernel_size"]
+    return (grid[0] // k) * (grid[1] // k)
+
+
+def audio_inputs(lengths: list[int], frames: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """input_features [C, frames, AUDIO_FEATURES] and input_features_mask [C, frames] (True = real)."""
+    rng = np.random.default_rng(seed)
+    feats = rng.standard_normal((len(lengths), frames, AUDIO_FEATURES)).astype(np.float32)
+    mask = np.arange(frames)[None, :] < np.asarray(lengths)[:, None]
+    return feats * mask[..., None], mask
+
+
+def audio_soft_tokens(length: int) -> int:
+    """Valid frames after the two stride-2 subsampling convolutions (HF keeps mask[::2][::2])."""
+    return len(range(0, len(range(0, length, 2)), 2))

@@ -91,6 +91,9 @@ class PromptBatch:
     lengths: np.ndarray
     chunk: int
     starts: np.ndarray | None = None  # [R] each row's first position (a continued prefix); None: 0
+    # [R, P, D] float32: the soft tokens (images, audio) at the placeholder columns, zeros elsewhere;
+    # None when no prompt has any
+    soft: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -99,10 +102,12 @@ class PromptBatch:
         rows: int,
         prefill_chunk: int | None = None,
         starts: Sequence[int] | None = None,
+        soft: Sequence[np.ndarray | None] | None = None,
     ) -> PromptBatch:
         """Pad `prompts` (token-id lists) into `rows` >= len(prompts) rows of bucketed width.
         starts: each prompt's first position (default 0): a row continuing a cached prefix of that
-        many tokens (`decode.prefix`) feeds only the rest."""
+        many tokens (`decode.prefix`) feeds only the rest. soft: per prompt, its soft tokens [n, D]
+        (`Gemma4.soft_tokens` of that prompt) or None."""
         if rows < len(prompts):
             raise ValueError(f"PromptBatch.build: {len(prompts)} prompts do not fit {rows} rows")
         width, chunk = prompt_columns(max(len(p) for p in prompts), prefill_chunk)
@@ -117,14 +122,22 @@ class PromptBatch:
         if starts is not None:
             first[: len(starts), 0] = starts
         positions = np.where(valid, first + np.arange(width)[None, :], -1).astype(np.int32)
-        return cls(ids, positions, valid, np.maximum(lengths - 1, 0), lengths, chunk, first[:, 0])
+        padded = None
+        if soft is not None and any(x is not None for x in soft):
+            dim = next(x for x in soft if x is not None).shape[-1]
+            padded = np.zeros((rows, width, dim), np.float32)
+            for r, x in enumerate(soft):
+                if x is not None:
+                    padded[r, : len(x)] = x
+        return cls(ids, positions, valid, np.maximum(lengths - 1, 0), lengths, chunk, first[:, 0], padded)
 
     @property
     def width(self) -> int:
         return self.ids.shape[1]
 
-    def chunks(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """(first column c0, ids, positions, valid) of each [R, chunk] slice, in order."""
+    def chunks(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
+        """(first column c0, ids, positions, valid, soft or None) of each [R, chunk] slice, in order."""
         for c0 in range(0, self.width, self.chunk):
             sl = slice(c0, c0 + self.chunk)
-            yield c0, self.ids[:, sl], self.positions[:, sl], self.valid[:, sl]
+            soft = None if self.soft is None else self.soft[:, sl]
+            yield c0, self.ids[:, sl], self.positions[:, sl], self.valid[:, sl], soft

@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx.decode.batching import PromptBatch, pow2
+from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request
 from gemma4_nnx.decode.sampling import (
     RowFeatures,
@@ -251,23 +252,30 @@ def _key_width() -> int:
 
 
 # ------------------------------------------------------------------------------------------- programs
-def _forward(graphdef, weights, cache, ids, positions, valid, select) -> tuple[Next, KVCache]:
-    """The `Next` at the columns `select` [B, 1], and the updated cache."""
+def _forward(graphdef, weights, cache, ids, positions, valid, select, soft=None) -> tuple[Next, KVCache]:
+    """The `Next` at the columns `select` [B, 1], and the updated cache. soft [B, S, D]: soft tokens
+    at the placeholder columns (images, audio), or None."""
     model = nnx.merge(graphdef, weights)
-    h, cache = model(ids, positions, valid, cache=cache, return_hidden=True, select=select)
+    h, cache = model(ids, positions, valid, cache=cache, return_hidden=True, select=select, soft_tokens=soft)
     return Next(model.logits(h[:, 0]).astype(jnp.float32), h[:, 0].astype(jnp.float32)), cache
 
 
-def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last, nxt: Next, c0, fresh):
+def _encode(graphdef, weights, ids, pixel_values, image_position_ids, input_features, input_features_mask):
+    """Soft tokens [1, S, D] of one prompt (zeros off the placeholders): the towers run here, once."""
+    model = nnx.merge(graphdef, weights)
+    return model.soft_tokens(ids, pixel_values, image_position_ids, input_features, input_features_mask)
+
+
+def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last, nxt: Next, c0, fresh, soft):
     """Prompt chunk [c0, c0 + C) of rows `idx` [k] (None: every row). last [k]: column of each row's
     last prompt token in the full padded prompt; rows whose last token is in this chunk take their
     `Next` from it, the others keep `nxt`. fresh [k]: clear those rows first (first chunk; not a row
-    that continues a restored prefix)."""
+    that continues a restored prefix). soft [k, C, D] or None: the chunk's soft tokens."""
     part = cache if idx is None else cache.take(idx)
     part = part.reset(fresh)
     c = ids.shape[1]
     local = jnp.clip(last - c0, 0, c - 1)
-    new, part = _forward(graphdef, weights, part, ids, positions, valid, local[:, None])
+    new, part = _forward(graphdef, weights, part, ids, positions, valid, local[:, None], soft)
     here = (last >= c0) & (last < c0 + c)
     cache = part if idx is None else cache.put(idx, part)
     return cache, jax.tree_util.tree_map(lambda a, b: jnp.where(here[:, None], a, b), new, nxt)
@@ -598,6 +606,7 @@ def _score(n_top: int, chunk: int, graphdef, weights, ids, valid):
 # graphdef and the static options are hashable jit static arguments; the weights are traced
 # arguments; the cache (and the rows' state) are donated.
 _prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
+_encode_jit = jax.jit(_encode, static_argnums=0)
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
 _draw_jit = jax.jit(_draw, static_argnums=0, donate_argnums=(1,))
 _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
@@ -609,6 +618,7 @@ _restore_jit = jax.jit(lambda cache, idx, snap, length: cache.put(idx, snap.forg
 
 PROGRAMS = {
     "prefill": _prefill_jit,
+    "encode": _encode_jit,
     "decode": _decode_jit,
     "draw": _draw_jit,
     "loop": _loop_jit,
@@ -701,6 +711,7 @@ class Decoder:
         self.rows, self.max_length = rows, max_length
         self.vocab_size = model.config.vocab_size
         self.cache_dtype = cache_dtype or model.dtype
+        self.dtype = model.dtype
         self.stop_width, self.vocab_width = stop_width, vocab_width
         self.mesh = mesh
         self.speculative_tokens = speculative_tokens
@@ -768,6 +779,32 @@ class Decoder:
         finally:
             _counting.counts = None
 
+    def encode(self, prompt, media) -> np.ndarray:
+        """The soft tokens [len(prompt), D] (float32, host) of one prompt's `media`
+        (`gemma4_nnx.model.multimodal.Media`), checked against its placeholders; they go into
+        `PromptBatch.build(soft=...)`. The towers run here, once per prompt."""
+        media.check(self.config, prompt)
+        ids = jnp.asarray(np.asarray(prompt, np.int32)[None])
+        arrays = [
+            None if a is None else jnp.asarray(a)
+            for a in (media.pixel_values, media.image_position_ids, media.input_features, media.input_features_mask)
+        ]
+        soft = self._run("encode", _encode_jit, self.graphdef, self.weights, ids, *arrays)
+        return np.asarray(jax.device_get(soft[0]), np.float32)
+
+    def soft_tokens(self, requests) -> list[np.ndarray | None] | None:
+        """Each request's soft tokens (`encode` of its media), or None when no request has media.
+        Raises RequestError naming "media" for placeholders that do not match."""
+        if all(r.media is None for r in requests):
+            return None
+        out = []
+        for req in requests:
+            try:
+                out.append(None if req.media is None else self.encode(req.prompt, req.media))
+            except ValueError as e:
+                raise RequestError(f"media: {e}", "media") from None
+        return out
+
     def prefill(self, batch: PromptBatch, idx: np.ndarray | None = None) -> Next:
         """Run the prompts of `batch` into rows `idx` (None: every row, in order; else [R] row indices,
         an index >= rows pads). Returns their `Next` (next-token logits [R, V], on device)."""
@@ -781,7 +818,7 @@ class Decoder:
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         cache = self.state.cache
         fresh = np.ones(r, bool) if batch.starts is None else batch.starts == 0
-        for c0, ids, pos, valid in batch.chunks():
+        for c0, ids, pos, valid, soft in batch.chunks():
             cache, logits = self._run(
                 "prefill",
                 _prefill_jit,
@@ -796,6 +833,7 @@ class Decoder:
                 logits,
                 jnp.int32(c0),
                 jnp.asarray(fresh & (c0 == 0)),
+                None if soft is None else jnp.asarray(soft, self.dtype),
             )
         self.state = dataclasses.replace(self.state, cache=cache)
         return logits

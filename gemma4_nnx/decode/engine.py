@@ -303,6 +303,11 @@ class Engine:
         )
         if request.grammar is not None:
             self._constraint(request)  # compiles, or says why not
+        if request.media is not None:  # placeholders vs soft tokens, before the request is queued
+            try:
+                request.media.check(self.decoder.config, request.prompt)
+            except ValueError as e:
+                raise RequestError(f"media: {e}", "media") from None
         return request
 
     def _constraint(self, request: Request):
@@ -472,16 +477,22 @@ class Engine:
         starts = [0] * k
         if self.prefix is not None:  # rows that continue a cached prefix start from a copy of it
             for j, (slot, req) in enumerate(pairs):
-                hit = self.prefix.match(req.prompt)
+                # placeholder ids say nothing about the images behind them: no prefix reuse with media
+                hit = None if req.request.media is not None else self.prefix.match(req.prompt)
                 if hit is not None:
                     self.decoder.restore(slot, hit[0], hit[1])
                     starts[j] = hit[1]
         batch = PromptBatch.build(
-            [r.prompt[s:] for r, s in zip(requests, starts, strict=True)], kb, self.prefill_chunk, starts
+            [r.prompt[s:] for r, s in zip(requests, starts, strict=True)],
+            kb,
+            self.prefill_chunk,
+            starts,
+            self.decoder.soft_tokens(requests),
         )
         logits = self.decoder.prefill(batch, idx)
         for slot, req in pairs:
-            self._keep_prefix(slot, req.prompt)
+            if req.request.media is None:
+                self._keep_prefix(slot, req.prompt)
         init = self.decoder.build_rows(requests + [None] * (kb - k))
         cfg = self._config(requests)
         mask = self._masks([req for _, req in pairs], kb) if cfg.constrained else None
@@ -570,7 +581,7 @@ class Engine:
                 if reason is not None:
                     self._slots[slot] = None
                     host_ended[slot] = not done
-                    if reason in (FinishReason.STOP, FinishReason.LENGTH) and done:
+                    if reason in (FinishReason.STOP, FinishReason.LENGTH) and done and req.request.media is None:
                         # the row holds the prompt and every token but the last (never fed); a row the
                         # host ended (a stop string) may hold more, so it is not kept
                         self._keep_prefix(slot, req.prompt + tuple(req.tokens[:-1]))

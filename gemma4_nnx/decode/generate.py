@@ -137,6 +137,7 @@ def _start(
     prefill_chunk,
     cache_dtype,
     speculative=None,
+    media=None,
     **sampling,
 ) -> _Run:
     """Validate every argument, prefill, draw the first tokens: the common start of both drivers."""
@@ -152,6 +153,12 @@ def _start(
     context = max_length if max_length is not None else config.max_position_embeddings
     context_name = f"max_length={context}" if max_length is not None else f"max_position_embeddings={context}"
     default_stops = tokenizer.stop_ids if tokenizer is not None else config.eos_token_id
+    if media is not None and (
+        isinstance(media, (str, bytes)) or not isinstance(media, Sequence) or len(media) != len(prompts)
+    ):
+        raise RequestError(
+            f"media must be a list with one entry (a Media or None) per prompt ({len(prompts)})", "media"
+        )
     requests = [
         make_request(
             p,
@@ -166,6 +173,7 @@ def _start(
             default_stops=default_stops,
             has_tokenizer=tokenizer is not None,
             names={"prompt": f"prompts[{r}]", "max_tokens": "max_new_tokens"},
+            media=None if media is None else media[r],
             **sampling,
         )
         for r, p in enumerate(prompts)
@@ -190,8 +198,9 @@ def _start(
         speculative_tokens=spec.k if spec else 0,
         assistant=spec.assistant if spec else None,
     )
+    soft = decoder.soft_tokens(requests)
     decoder.start(requests + [None] * (bb - len(requests)))
-    logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk))
+    logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk, soft=soft))
     cfg = DrawConfig(features, bool(return_logprobs))
     return _Run(requests, decoder, cfg, decoder.draw(cfg, logits), nb, spec)
 
@@ -219,6 +228,7 @@ def generate(
     prefill_chunk: int | None = None,
     cache_dtype=None,
     speculative: SpeculativeConfig | dict | None = None,
+    media: Sequence | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens for each prompt (token-id lists of any lengths).
 
@@ -238,6 +248,9 @@ def generate(
     `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`:
     greedy output is the same as without it, sampled output has the same distribution; the result
     reports `drafted` / `accepted` counts. Runs the step loop from the host (as `generate_stream`).
+    `media`: per prompt, its images / audio clips (`gemma4_nnx.Media`, built by `gemma4_nnx.processor`)
+    or None; the prompt holds one placeholder token per soft token (the processor expands prompts).
+    The towers run once, before the prefill; the KV cache holds the rest.
     Raises `RequestError` (a ValueError naming the argument) for invalid input.
     """
     options = {k: v for k, v in locals().items() if k not in ("model", "prompts", "max_new_tokens")}
@@ -278,6 +291,7 @@ def generate_stream(
     prefill_chunk: int | None = None,
     cache_dtype=None,
     speculative: SpeculativeConfig | dict | None = None,
+    media: Sequence | None = None,
 ) -> Iterator[StreamStep]:
     """Like :func:`generate`, but yields a :class:`StreamStep` after every decode step (the first
     after prefill). Same arguments and the same tokens as `generate` for the same seed. With a

@@ -43,6 +43,7 @@ class Request:
     [0, 2**31); row: which row of `fold_in(key(seed), row)` the draws use (`generate`'s row index, 0
     for the engine, so an engine request with seed s draws what row 0 of `generate(seed=s)` draws);
     stop_tokens: ids that end the row (kept in the output); stop_strings: texts that end it (cut).
+    media: the prompt's images / audio; its placeholders were counted by `core.Decoder.encode`.
     top_logprobs: the most likely alternatives reported with each new token (0: none).
     grammar: an llguidance grammar the output must follow (`decode.constraints`; None: free).
     """
@@ -56,6 +57,8 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     top_logprobs: int = 0
     grammar: str | None = None
+    # the prompt's images / audio (`gemma4_nnx.model.multimodal.Media`), or None
+    media: object | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def check_int(value, name: str, *, lo: int, optional: bool = False) -> int | None:
@@ -124,6 +127,7 @@ def make_request(
     names: Mapping[str, str] | None = None,
     top_logprobs: int = 0,
     grammar: str | None = None,
+    media=None,
     **sampling,
 ) -> Request:
     """Validate one request; `max_tokens=None` means: as many as the context leaves.
@@ -179,4 +183,14 @@ def make_request(
         raise RequestError(
             f"grammar must be a grammar string (decode.constraints), got {type(grammar).__name__}", "grammar"
         )
-    return Request(ids, n, params, normalize_seed(seed), row, tuple(sorted(set(stops))), strings, top, grammar)
+    if media is not None:
+        from gemma4_nnx.model.multimodal import Media
+
+        if not isinstance(media, Media):
+            raise RequestError(
+                f"media must be a gemma4_nnx.Media (gemma4_nnx.processor builds one) or None, "
+                f"got {type(media).__name__}",
+                "media",
+            )
+    stops = tuple(sorted(set(stops)))
+    return Request(ids, n, params, normalize_seed(seed), row, stops, strings, top, grammar, media)

@@ -114,6 +114,8 @@ def _streaming_handler():
                     t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
                     for a, b in value.blocks():
                         block = np.ascontiguousarray(value.read(a, b), dtype=value.dtype)
+                        if not value.shape:  # ascontiguousarray makes a 0-d array 1-d (the clip bounds)
+                            block = block.reshape(())
                         expect = ((b - a),) + value.shape[1:] if value.shape else ()
                         if block.shape != expect:
                             raise CheckpointError(f"{info.name}: produced block {block.shape}, expected {expect}")

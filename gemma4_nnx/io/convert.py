@@ -359,6 +359,7 @@ def convert(
     gm_config: str | None = None,
     quantize: str = "keep",
     group: int | None = None,
+    text_only: bool = False,
 ) -> str:
     """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
 
@@ -382,6 +383,8 @@ def convert(
         float); "none" stores everything float. Norms and other vectors, the MoE router and MTP
         assistants stay float. The metadata records each quantized matrix.
       group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
+      text_only: drop the vision / audio towers of a multimodal checkpoint (kept by default, in float
+        at `dtype`: they run once per prompt, so quantizing them would save little).
 
     Returns:
       `dst` as an absolute path.
@@ -429,7 +432,9 @@ def convert(
         plan = plan_assistant(config, abstract_assistant(config, np.float32), assistant_tensors(src))
     else:
         config = Gemma4Config.from_hf(src)
-        tensors = text_tensors(src)
+        if text_only:
+            config = config.text_only()
+        tensors = text_tensors(src, towers=config.multimodal)
         scheme = packed_scheme(src)  # compressed-tensors int4/int8: codes kept as stored
         if scheme is not None:
             if quantize != "keep":
@@ -651,6 +656,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--group", type=int, default=None, help="columns per scale for --quantize int8/int4 (default 128 / 32)"
     )
+    p.add_argument(
+        "--text-only",
+        action="store_true",
+        help="drop the vision / audio towers of a multimodal checkpoint (text prompts only, less memory)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing gemma4_nnx checkpoint at DST")
     p.add_argument(
         "--gm-config",
@@ -689,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
             gm_config=args.gm_config,
             quantize=args.quantize,
             group=args.group,
+            text_only=args.text_only,
         )
     except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         _fail(str(e))

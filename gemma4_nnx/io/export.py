@@ -131,7 +131,8 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
     }
     out: dict[str, np.ndarray] = {}
     missing = []
-    for entry in assistant_name_map(config) if assistant else name_map(config):
+    # The text model only: a multimodal model's vision / audio towers are not written (yet).
+    for entry in assistant_name_map(config) if assistant else name_map(config.text_only()):
         if entry.path in merged:
             value = merged[entry.path]
         elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), QuantizedEmbedding):

@@ -147,6 +147,38 @@ def name_map(config: Gemma4Config) -> list[Entry]:
         ]
     for spec in config.layers:
         out += layer_entries(config, spec)
+    return out + tower_entries(config)
+
+
+def tower_entries(config: Gemma4Config) -> list[Entry]:
+    """The vision / audio towers and their embedders (HF `vision_tower.*`, `embed_vision.*`,
+    `audio_tower.*`, `embed_audio.*` after the `model.` prefix), derived from the modules
+    (`mirrored_entries`); none for a text model."""
+    if not config.multimodal:
+        return []
+    from gemma4_nnx.model.multimodal import MultimodalEmbedder
+
+    out = []
+    kw = dict(dtype=jnp.float32, param_dtype=jnp.float32)
+    for name, sub, embed in (("vision", config.vision, "embed_vision"), ("audio", config.audio, "embed_audio")):
+        if sub is None:
+            continue
+        if name == "vision":
+            from gemma4_nnx.model.vision import VisionModel as Tower
+
+            width = sub.hidden_size
+        else:
+            from gemma4_nnx.model.audio import AudioModel as Tower
+
+            width = sub.output_proj_dims or sub.hidden_size
+        tower = nnx.eval_shape(lambda sub=sub, Tower=Tower: Tower(sub, rngs=nnx.Rngs(0), **kw))
+        embedder = nnx.eval_shape(
+            lambda width=width, sub=sub: MultimodalEmbedder(
+                width, config.hidden_size, eps=sub.rms_norm_eps, rngs=nnx.Rngs(0), **kw
+            )
+        )
+        out += mirrored_entries(tower, f"{name}_tower.", (f"{name}_tower",))
+        out += mirrored_entries(embedder, f"{embed}.", (embed,))
     return out
 
 
@@ -262,6 +294,25 @@ def assistant_name_map(config: AssistantConfig) -> list[Entry]:
             Entry("masked_embedding.centroids.weight", ("centroids", "kernel"), "T"),
             Entry("masked_embedding.token_ordering", ("token_ordering",), None),
         ]
+    return out
+
+
+def mirrored_entries(module: nnx.Module, hf_prefix: str = "", path_prefix: Path = ()) -> list[Entry]:
+    """The entries of a module whose parameter paths mirror HF's module names (the vision and audio
+    towers, the multimodal embedders): derived from the module, not written out by hand.
+
+    Naming rule (the same as the text model's): a leaf `kernel` is an HF Linear `weight` stored
+    [in, out] ("T"), a leaf `scale` an RMSNorm `weight`; every other leaf keeps its HF name and
+    layout (conv weights, biases, clip bounds, position tables).
+    """
+    out = []
+    for path, node in nnx.iter_graph(module):
+        if not isinstance(node, nnx.Variable):
+            continue
+        *parts, leaf = (str(p) for p in path)
+        transform = "T" if leaf == "kernel" and len(node.shape) == 2 else None
+        name = ".".join(parts + ["weight" if leaf in ("kernel", "scale") else leaf])
+        out.append(Entry(hf_prefix + name, tuple(path_prefix) + tuple(path), transform))
     return out
 
 
@@ -431,12 +482,13 @@ def safetensors_files(hf_dir: str) -> list[str]:
     )
 
 
-def text_tensors(hf_dir: str) -> dict[str, TensorInfo]:
-    """All text-model tensors of an HF directory keyed by their unprefixed name (vision/audio dropped)."""
+def text_tensors(hf_dir: str, towers: bool = False) -> dict[str, TensorInfo]:
+    """All text-model tensors of an HF directory keyed by their unprefixed name; with `towers`, the
+    vision / audio towers' too (`vision_tower.*`, ...), else those are dropped."""
     out: dict[str, TensorInfo] = {}
     for path in safetensors_files(hf_dir):
         for name, info in SafetensorsFile(path).tensors.items():
-            if name.startswith(NON_TEXT_PREFIXES) or name == "lm_head.weight":
+            if (not towers and name.startswith(NON_TEXT_PREFIXES)) or name == "lm_head.weight":
                 continue
             for prefix in TEXT_PREFIXES:
                 if name.startswith(prefix):
@@ -520,14 +572,24 @@ def iter_arrays(plan: Plan) -> Iterator[tuple[Entry, np.ndarray]]:
         yield entry, entry.to_nnx(np.full(shape, entry.default, np.float32))
 
 
-def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, sharding=None, matmul="auto"):
+def from_hf(
+    hf_dir: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    sharding=None,
+    matmul="auto",
+    text_only: bool = False,
+):
     """Load an HF Gemma 4 (or Gemma 3 text, `gemma3_text`) checkpoint directory straight into a `Gemma4` model;
     a Gemma 4 MTP assistant (model_type `gemma4_assistant`) into a `Gemma4Assistant`.
 
     The model is built abstractly (`nnx.eval_shape`, no random weights) and filled tensor by tensor.
     Accepts `Gemma4ForCausalLM` (`model.` prefix) and `Gemma4ForConditionalGeneration`
     (`model.language_model.`) files, single or sharded; skips vision/audio tensors and ignores the
-    unused K/V tensors of KV-consumer layers. `sharding`: optional callable path -> jax.sharding.Sharding.
+    unused K/V tensors of KV-consumer layers. A multimodal checkpoint loads with its vision / audio
+    towers (`model(ids, pixel_values=..., input_features=...)`); `text_only=True` skips them (less
+    memory, text prompts only). `sharding`: optional callable path -> jax.sharding.Sharding.
     `matmul`: the projections' product ("auto", "xla", "cpu_kernels"; `gemma4_nnx.model.layers`).
     """
     hf_dir = os.fspath(hf_dir)
@@ -538,7 +600,9 @@ def from_hf(hf_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, s
         plan = plan_assistant(config, model, assistant_tensors(hf_dir))
     else:
         config = Gemma4Config.from_hf(hf_dir)
-        plan = plan_load(config, text_tensors(hf_dir))
+        if text_only:
+            config = config.text_only()
+        plan = plan_load(config, text_tensors(hf_dir, towers=config.multimodal))
         model = abstract_model(config, dtype, param_dtype, matmul)
     return fill(model, iter_arrays(plan), sharding)
 

@@ -25,17 +25,20 @@ from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
 Array = jax.Array
 
 
-def visibility(q_pos: Array, k_pos: Array, window: int | None) -> Array:
-    """Bool [B, S, T]: key j visible to query i iff it holds a token, j <= i, and (sliding) j > i - W."""
+def visibility(q_pos: Array, k_pos: Array, window: int | None, reach: Array | None = None) -> Array:
+    """Bool [B, S, T]: key j visible to query i iff it holds a token, j <= i, and (sliding) j > i - W.
+
+    reach [B, S] (sliding layers with bidirectional vision attention): the furthest key position each
+    query sees instead of its own (`multimodal.vision_reach`)."""
     q = q_pos[:, :, None]
     k = k_pos[:, None, :]
-    mask = (k >= 0) & (k <= q)
+    mask = (k >= 0) & (k <= (q if reach is None else reach[:, :, None]))
     if window is not None:
         mask = mask & (k > q - window)
     return mask
 
 
-def attend(q: Array, kv: KV, q_pos: Array, *, window: int | None, scale: float) -> Array:
+def attend(q: Array, kv: KV, q_pos: Array, *, window: int | None, scale: float, reach: Array | None = None) -> Array:
     """q [B, S, N, H] over kv -> [B, S, N, H]. GQA: query head n reads KV head n // (N / K)."""
     b, s, n, h = q.shape
     k_heads = kv.k.shape[2]
@@ -43,7 +46,7 @@ def attend(q: Array, kv: KV, q_pos: Array, *, window: int | None, scale: float) 
     scores = jnp.einsum("bskgh,btkh->bkgst", qg, kv.k.astype(q.dtype))
     if scale != 1.0:
         scores = scores * jnp.asarray(scale, scores.dtype)
-    mask = visibility(q_pos, kv.pos, window)[:, None, None, :, :]
+    mask = visibility(q_pos, kv.pos, window, reach)[:, None, None, :, :]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgst,btkh->bskgh", probs, kv.v.astype(q.dtype))
@@ -81,10 +84,12 @@ class Attention(nnx.Module):
         k_pos: Array,
         shared: KV | None = None,
         cache: LayerCache | None = None,
+        reach: Array | None = None,
     ) -> tuple[Array, KV, LayerCache | None]:
         """x [B, S, D]; q_pos [B, S] query positions; k_pos [B, S] positions of the new tokens as keys
-        (-1 for padding); `cache`: this layer's cache (donor layers, when decoding). Returns the output
-        [B, S, D], the K/V attended over (for consumers) and the updated cache."""
+        (-1 for padding); `cache`: this layer's cache (donor layers, when decoding); reach [B, S]: see
+        `visibility` (used by sliding layers only: global layers stay causal, as in HF). Returns the
+        output [B, S, D], the K/V attended over (for consumers) and the updated cache."""
         b, s, _ = x.shape
         cos, sin = rope
         q = self.q_norm(self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim))
@@ -101,5 +106,6 @@ class Attention(nnx.Module):
             kv = KV(k, v, k_pos)
             if cache is not None:
                 kv, cache = cache.update(kv)
-        out = attend(q, kv, q_pos, window=self.window, scale=self.scale)
+        reach = reach if self.window is not None else None
+        out = attend(q, kv, q_pos, window=self.window, scale=self.scale, reach=reach)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), kv, cache

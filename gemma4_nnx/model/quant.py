@@ -535,14 +535,18 @@ class QuantizedEmbedding(nnx.Module):
         Returns:
             ``[..., features]`` in ``self.dtype``.
         """
+        rows = self.rows(ids)
+        return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """The dequantized table rows at ``ids``, without ``lookup_scale``."""
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"ids must have an integer dtype, got {ids.dtype}")
         codes = jnp.take(self.codes[...], ids, axis=0)  # [..., F or F/2]
         scales = jnp.take(self.scales[...], ids, axis=0)  # [..., F/group]
         mins = None if self.mins is None else jnp.take(self.mins[...], ids, axis=0)
-        rows = dequantize_rows(codes, scales, self.bits, self.group, self.dtype, mins)
-        return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
+        return dequantize_rows(codes, scales, self.bits, self.group, self.dtype, mins)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied logits x [..., F] @ table^T -> [..., V] (`matmul_t`: the table is never widened whole
@@ -582,12 +586,16 @@ class QuantizedStack(nnx.Module):
 #: Which parameters `quantize` and `gemma4-convert --quantize int8|int4` quantize: every projection
 #: (attention q/k/v/o, the MLPs, the per-layer-input projections), the MoE experts and the token
 #: embedding / tied logits matrix. Norms, `layer_scalar` and the MoE router stay float.
+#: The vision / audio towers and their embedders stay in float: they run once per prompt, not per token.
+TOWERS = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
 QUANTIZABLE = re.compile(r"(_proj|per_layer_input_gate|per_layer_projection|^embed_tokens|experts\.(gate_up|down))$")
 
 
 def quantizable(module_path) -> bool:
     """Whether the module at `module_path` (tuple or dotted string) is one `quantize` quantizes."""
     dotted = module_path if isinstance(module_path, str) else ".".join(map(str, module_path))
+    if dotted.split(".")[0] in TOWERS:
+        return False
     return bool(QUANTIZABLE.search(dotted)) and ".router." not in "." + dotted + "."
 
 

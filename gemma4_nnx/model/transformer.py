@@ -25,6 +25,7 @@ from gemma4_nnx.model.layers import (
     scale_f32,
 )
 from gemma4_nnx.model.moe import MoEBlock
+from gemma4_nnx.model.multimodal import MultimodalEmbedder, check_counts, concrete, place, vision_reach
 
 Array = jax.Array
 
@@ -76,8 +77,9 @@ class DecoderLayer(nnx.Module):
         ple: Array | None,
         shared: KV | None,
         cache: LayerCache | None,
+        reach: Array | None = None,
     ) -> tuple[Array, KV, LayerCache | None]:
-        a, kv, cache = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared, cache)
+        a, kv, cache = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared, cache, reach)
         h1 = h + self.post_attention_layernorm(a)
         f = self.mlp(self.pre_feedforward_layernorm(h1))
         if self.moe is not None:
@@ -131,6 +133,24 @@ class Gemma4(nnx.Module):
             self.embed_tokens_per_layer = self.per_layer_model_projection = self.per_layer_projection_norm = None
         self.layers = nnx.List([DecoderLayer(config, spec, rngs=rngs, **kw) for spec in config.layers])
         self.norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        # Towers of a multimodal checkpoint (None for a text model or a text-only load); attribute names
+        # mirror HF's (`model.vision_tower.*`, `model.embed_vision.*`, ...).
+        tw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.vision_tower = self.embed_vision = self.audio_tower = self.embed_audio = None
+        if config.vision is not None:
+            from gemma4_nnx.model.vision import VisionModel
+
+            v = config.vision
+            self.vision_tower = nnx.data(VisionModel(v, **tw))
+            self.embed_vision = nnx.data(MultimodalEmbedder(v.hidden_size, d, eps=v.rms_norm_eps, **tw))
+        if config.audio is not None:
+            from gemma4_nnx.model.audio import AudioModel
+
+            a = config.audio
+            self.audio_tower = nnx.data(AudioModel(a, **tw))
+            self.embed_audio = nnx.data(
+                MultimodalEmbedder(a.output_proj_dims or a.hidden_size, d, eps=a.rms_norm_eps, **tw)
+            )
         self.remat = False  # set True for training to rematerialize decoder layers
 
     # ------------------------------------------------------------------ pieces
@@ -165,6 +185,11 @@ class Gemma4(nnx.Module):
         cache: KVCache | None = None,
         return_hidden: bool = False,
         select: Array | None = None,
+        pixel_values: Array | None = None,
+        image_position_ids: Array | None = None,
+        input_features: Array | None = None,
+        input_features_mask: Array | None = None,
+        soft_tokens: Array | None = None,
     ) -> Array | tuple[Array, KVCache]:
         """input_ids [B, S] -> logits [B, S, V] (softcapped), in the compute dtype; with a `cache`,
         (logits, updated cache).
@@ -180,6 +205,13 @@ class Gemma4(nnx.Module):
         [B, K, D]). Exact, and cheap (HF's `_maybe_slice_kv_shared_inputs`, reference §8.4): the rows are
         taken before the first KV-consumer layer, because consumers write no cache and their rows are
         independent; donors still see (and cache) every token.
+
+        Images and audio (a multimodal checkpoint; the arrays of transformers'
+        `Gemma4ForConditionalGeneration.forward`): pixel_values [N, P, 3*p*p] and image_position_ids
+        [N, P, 2] for every image of the batch in order of appearance; input_features [C, T, F] and
+        input_features_mask [C, T] (1 = real frame) for every audio clip. Their soft tokens replace the
+        placeholder tokens of input_ids (`gemma4_nnx.model.multimodal`). soft_tokens [B, S, D]: the same
+        already computed (`self.soft_tokens`), e.g. once per prompt by the decode core.
         """
         c = self.config
         input_ids = jnp.asarray(input_ids)
@@ -200,8 +232,24 @@ class Gemma4(nnx.Module):
             raise ValueError(f"positions must have shape {(b, s)} like input_ids, got {positions.shape}")
         k_pos = jnp.where(valid & (positions >= 0), positions, -1)
 
-        h = self.embed_tokens(input_ids)
-        ple = self.per_layer_inputs(input_ids, h) if c.use_ple else None
+        reach = None
+        if c.multimodal:
+            placeholder = self.placeholders(input_ids)
+            if soft_tokens is None and (pixel_values is not None or input_features is not None):
+                soft_tokens = self.soft_tokens(
+                    input_ids, pixel_values, image_position_ids, input_features, input_features_mask
+                )
+            ids = jnp.where(placeholder, c.pad_token_id, input_ids)
+            h = self.embed_tokens(ids)
+            if soft_tokens is not None:
+                h = jnp.where(placeholder[..., None], jnp.asarray(soft_tokens).astype(h.dtype), h)
+            # HF: the PLE table row of the pad token at placeholders, its projection of the soft tokens
+            ple = self.per_layer_inputs(ids, h) if c.use_ple else None
+            if c.use_bidirectional_attention == "vision":
+                reach = vision_reach(jnp.isin(input_ids, self._vision_ids()), positions)
+        else:
+            h = self.embed_tokens(input_ids)
+            ple = self.per_layer_inputs(input_ids, h) if c.use_ple else None
         ropes = {}
         for spec in c.layers:
             key = (spec.type, spec.head_dim)
@@ -214,7 +262,7 @@ class Gemma4(nnx.Module):
         for layer in self.layers:
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:
-                h, positions, ple, ropes = _take_rows((h, positions, ple, ropes), select)
+                h, positions, ple, ropes, reach = _take_rows((h, positions, ple, ropes, reach), select)
                 select = None
             shared = published[spec.kv_donor] if spec.is_consumer else None
             layer_cache = cache.layers[spec.index] if cache is not None and not spec.is_consumer else None
@@ -227,6 +275,7 @@ class Gemma4(nnx.Module):
                 None if ple is None else ple[:, :, spec.index],
                 shared,
                 layer_cache,
+                reach,
             )
             if layer_cache is not None:
                 updated[spec.index] = layer_cache
@@ -237,6 +286,54 @@ class Gemma4(nnx.Module):
         h = self.norm(h)
         out = h if return_hidden else self.logits(h)
         return out if cache is None else (out, KVCache(updated))
+
+    # ------------------------------------------------------------------ images and audio
+    def _vision_ids(self) -> Array:
+        c = self.config
+        return jnp.asarray([t for t in (c.image_token_id, c.video_token_id) if t is not None], jnp.int32)
+
+    def placeholders(self, input_ids: Array) -> Array:
+        """Bool [B, S]: the placeholder tokens that soft tokens replace."""
+        c = self.config
+        ids = [t for t in (c.image_token_id, c.video_token_id, c.audio_token_id) if t is not None]
+        return jnp.isin(jnp.asarray(input_ids), jnp.asarray(ids, jnp.int32))
+
+    def soft_tokens(
+        self,
+        input_ids: Array,
+        pixel_values: Array | None = None,
+        image_position_ids: Array | None = None,
+        input_features: Array | None = None,
+        input_features_mask: Array | None = None,
+    ) -> Array:
+        """[B, S, D]: each placeholder's soft token (the towers' outputs, projected to the text width, in
+        order of appearance), zeros elsewhere. Raises when the counts disagree (concrete inputs)."""
+        c = self.config
+        input_ids = jnp.asarray(input_ids)
+        out = jnp.zeros(input_ids.shape + (c.hidden_size,), self.dtype)
+        ids_np = concrete(input_ids)
+        if pixel_values is not None:
+            if self.vision_tower is None:
+                raise ValueError("pixel_values: this model has no vision tower (a text-only checkpoint or load)")
+            if image_position_ids is None:
+                raise ValueError("image_position_ids: required with pixel_values (the image processor returns them)")
+            feats, valid = self.vision_tower(jnp.asarray(pixel_values), jnp.asarray(image_position_ids))
+            mask = jnp.isin(input_ids, self._vision_ids())
+            if ids_np is not None and concrete(valid) is not None:
+                n = int(np.isin(ids_np, np.asarray(self._vision_ids())).sum())
+                check_counts("pixel_values", n, int(np.asarray(valid).sum()), "image")
+            out = out + place(mask, self.embed_vision(feats).astype(self.dtype), valid)
+        if input_features is not None:
+            if self.audio_tower is None:
+                raise ValueError("input_features: this model has no audio tower (a text-only checkpoint or load)")
+            if input_features_mask is None:
+                raise ValueError("input_features_mask: required with input_features (1 = real frame)")
+            feats, valid = self.audio_tower(jnp.asarray(input_features), jnp.asarray(input_features_mask))
+            mask = input_ids == c.audio_token_id
+            if ids_np is not None and concrete(valid) is not None:
+                check_counts("input_features", int((ids_np == c.audio_token_id).sum()), int(np.sum(valid)), "audio")
+            out = out + place(mask, self.embed_audio(feats).astype(self.dtype), valid)
+        return out
 
     def logits(self, h: Array) -> Array:
         """Final hidden [..., D] -> softcapped tied logits [..., V]."""

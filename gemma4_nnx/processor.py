@@ -1,0 +1,852 @@
+"""Gemma 4 preprocessing without torch: images -> patches, audio -> log-mel frames, prompts -> placeholders.
+
+A numpy + Pillow port of transformers 5.24's `Gemma4ImageProcessorPil` (the PIL backend),
+`Gemma4AudioFeatureExtractor` and the placeholder expansion of `Gemma4Processor`. Outputs equal
+transformers' bit for bit (the same numpy/PIL operations in the same order and dtypes).
+
+Images (`preprocess_image`): convert to RGB (transparency composited onto white) -> resize with PIL
+(bicubic) to the largest size whose sides are multiples of `patch_size * pooling_kernel_size` and
+which holds at most `max_patches = max_soft_tokens * pooling_kernel_size**2` patches (small images
+are scaled *up*) -> rescale by 1/255 in float64, cast to float32 -> (normalize: off for Gemma 4,
+whose tower maps [0, 1] to [-1, 1] itself) -> patches [n, 3*p*p] in (row, column, channel) order,
+raster order over the patch grid -> padded to `max_patches` rows with zeros, positions (x, y) =
+(column, row) and (-1, -1) for padding. An image becomes `n / pooling_kernel_size**2` soft tokens.
+
+Audio (`preprocess_audio`): mono float waveform at 16 kHz, truncated to `max_length` samples
+(30 s; transformers truncates silently, and so do we), zero-padded to a multiple of 128 samples ->
+"semicausal" left padding of `frame_length // 2` zeros -> frames of `frame_length + 1` samples
+every `hop_length` (the extra sample only feeds the optional preemphasis) -> periodic Hann window
+-> |rfft| over `fft_length` = next power of two -> HTK mel filterbank without normalization ->
+`log(mel + mel_floor)`. A frame is valid when its last sample is real audio; invalid frames are
+zeroed. An audio clip becomes as many soft tokens as there are valid frames after two stride-2
+subsamplings (`ceil(ceil(valid / 2) / 2)`).
+
+Prompts (`expand_prompt`): each `<|image|>` becomes `<|image>` + `<|image|>` * n + `<image|>`, each
+`<|audio|>` becomes `<|audio>` + `<|audio|>` * n + `<audio|>`, in order of appearance. Token ids
+(`Gemma4Config` defaults): image 258880, audio 258881, video 258884, boi 255999, eoi 258882,
+boa 256000, eoa 258883. `mm_token_type_ids` marks only the soft-token placeholders (1 image,
+2 video, 3 audio; 0 for everything else, the boi/eoi/boa/eoa delimiters included), as
+`Gemma4Processor` does.
+
+Quirks of the reference reproduced here:
+- `max_soft_tokens` must be one of 70, 140, 280, 560, 1120.
+- An extreme aspect ratio whose short side rounds to 0 gets one `patch_size * pooling_kernel_size`
+  strip and a long side of `floor(long / short)` strips, capped at `max_soft_tokens` strips.
+- The audio soft-token count comes from the feature mask (`replace_audio_token`) and is not capped
+  by `audio_seq_length`; `soft_tokens_for_audio` follows `Gemma4Processor._compute_audio_num_tokens`
+  (the count vLLM uses), which is capped. Both agree for the released settings (30 s -> 750).
+- A saved `preprocessor_config.json` / `processor_config.json` carries `frame_length` and
+  `hop_length` in samples, but transformers ignores them on load and derives both from
+  `frame_length_ms` / `hop_length_ms` (20 ms / 10 ms unless given); so do we.
+
+Differences (stricter, never different numbers): numpy images must be uint8 HxWxC (C = 1, 3 or 4;
+an HxW array is read as grayscale) and are always channels-last (transformers guesses the channel
+axis and guesses wrong for an image 1, 3 or 4 pixels tall); waveforms must be float, mono and
+finite, at the feature extractor's sampling rate (transformers does not resample; neither do we);
+a clip too short for one feature frame is refused rather than expanded to zero soft tokens;
+`dither` must be 0 (transformers' dither draws from numpy's global RNG). Waveforms are cast to
+float32 first (transformers casts float64 to float32 too; a float16 input differs only if
+`input_scale_factor` or `preemphasis` is set). Videos are not handled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import PIL.Image
+
+from gemma4_nnx.model.audio import subsampled_length
+from gemma4_nnx.model.vision import SUPPORTED_SOFT_TOKENS
+
+# transformers marks placeholder strings typed by a user (chat-template sanitising) with this
+# private-use character in front; a marked placeholder is text, never expanded.
+_CONTROL_TOKEN_START = "\U000f0000"
+
+
+def _fail(where: str, problem: str, fix: str, error: type[Exception] = ValueError) -> None:
+    raise error(f"{where}: {problem}. Fix: {fix}.")
+
+
+def _positive_int(where: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        _fail(where, f"must be a positive integer, got {value!r}", "pass an integer >= 1")
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageProcessorConfig:
+    """`Gemma4ImageProcessorPil` settings (names and defaults as in transformers)."""
+
+    patch_size: int = 16
+    max_soft_tokens: int = 280
+    pooling_kernel_size: int = 3
+    do_resize: bool = True
+    resample: int = int(PIL.Image.Resampling.BICUBIC)
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = False
+    image_mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    image_std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    do_convert_rgb: bool = True
+
+    def __post_init__(self):
+        w = "ImageProcessorConfig"
+        _positive_int(f"{w}.patch_size", self.patch_size)
+        _positive_int(f"{w}.pooling_kernel_size", self.pooling_kernel_size)
+        if self.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
+            _fail(
+                f"{w}.max_soft_tokens",
+                f"must be one of {SUPPORTED_SOFT_TOKENS}, got {self.max_soft_tokens!r}",
+                "pick one of the supported soft-token budgets (280 is the default)",
+            )
+        try:
+            resample = int(PIL.Image.Resampling(self.resample))
+        except (ValueError, TypeError):
+            _fail(f"{w}.resample", f"{self.resample!r} is not a PIL resampling filter", "pass e.g. 3 (BICUBIC)")
+        object.__setattr__(self, "resample", resample)
+        for name in ("image_mean", "image_std"):
+            value = tuple(float(v) for v in np.atleast_1d(np.asarray(getattr(self, name), dtype=np.float64)))
+            if len(value) == 1:
+                value = value * 3
+            if len(value) != 3:
+                _fail(f"{w}.{name}", f"needs 3 values (R, G, B), got {len(value)}", f"pass {name}=(r, g, b)")
+            object.__setattr__(self, name, value)
+        if self.do_normalize and 0.0 in self.image_std:
+            _fail(f"{w}.image_std", f"contains 0 ({self.image_std})", "pass non-zero standard deviations")
+
+    @property
+    def max_patches(self) -> int:
+        """Rows of `pixel_values`: `max_soft_tokens * pooling_kernel_size**2`."""
+        return self.max_soft_tokens * self.pooling_kernel_size**2
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioFeatureConfig:
+    """`Gemma4AudioFeatureExtractor` settings (names and defaults as in transformers), plus the two
+    call-time defaults of its `__call__`: `max_length` (samples kept; longer clips are truncated)
+    and `pad_to_multiple_of` (samples)."""
+
+    sampling_rate: int = 16_000
+    feature_size: int = 128
+    frame_length_ms: float = 20.0
+    hop_length_ms: float = 10.0
+    min_frequency: float = 0.0
+    max_frequency: float = 8000.0
+    preemphasis: float = 0.0
+    preemphasis_htk_flavor: bool = True
+    fft_overdrive: bool = False
+    dither: float = 0.0
+    input_scale_factor: float = 1.0
+    mel_floor: float = 1e-3
+    per_bin_mean: tuple[float, ...] | None = None
+    per_bin_stddev: tuple[float, ...] | None = None
+    max_length: int | None = 480_000
+    pad_to_multiple_of: int | None = 128
+
+    def __post_init__(self):
+        w = "AudioFeatureConfig"
+        _positive_int(f"{w}.sampling_rate", self.sampling_rate)
+        _positive_int(f"{w}.feature_size", self.feature_size)
+        for name in ("max_length", "pad_to_multiple_of"):
+            if getattr(self, name) is not None:
+                _positive_int(f"{w}.{name}", getattr(self, name))
+        if self.frame_length < 2 or self.hop_length < 1:
+            _fail(
+                f"{w}.frame_length_ms",
+                f"{self.frame_length_ms} ms / hop {self.hop_length_ms} ms give {self.frame_length} / "
+                f"{self.hop_length} samples at {self.sampling_rate} Hz",
+                "use a frame of at least 2 samples and a hop of at least 1",
+            )
+        if self.max_length is not None and self.max_length < self.min_samples:
+            _fail(f"{w}.max_length", f"{self.max_length} is shorter than one frame", f"use >= {self.min_samples}")
+        if not 0.0 <= self.min_frequency <= self.max_frequency:
+            _fail(f"{w}.min_frequency", f"{self.min_frequency} is not in [0, max_frequency]", "fix the band")
+        if self.dither != 0.0:
+            _fail(
+                f"{w}.dither",
+                f"{self.dither} adds random noise from numpy's global RNG (transformers' default is 0.0)",
+                "set dither=0.0; add noise to the waveform yourself if you want it",
+            )
+        for name in ("per_bin_mean", "per_bin_stddev"):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(float(v) for v in np.asarray(value, dtype=np.float64).reshape(-1))
+                if len(value) != self.feature_size:
+                    _fail(f"{w}.{name}", f"has {len(value)} values", f"pass {self.feature_size} (feature_size)")
+                object.__setattr__(self, name, value)
+
+    @property
+    def frame_length(self) -> int:
+        """Samples per analysis window (320 at 16 kHz)."""
+        return round(self.sampling_rate * self.frame_length_ms / 1000.0)
+
+    @property
+    def hop_length(self) -> int:
+        """Samples between frames (160 at 16 kHz)."""
+        return round(self.sampling_rate * self.hop_length_ms / 1000.0)
+
+    @property
+    def fft_length(self) -> int:
+        """FFT size: the next power of two >= frame_length (512), doubled with `fft_overdrive`."""
+        n = 2 ** math.ceil(math.log2(self.frame_length))
+        return 2 * n if self.fft_overdrive else n
+
+    @property
+    def min_samples(self) -> int:
+        """Shortest clip with one valid frame: frame_length + 1 - frame_length // 2 (161 at 16 kHz)."""
+        return self.frame_length + 1 - self.frame_length // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MultimodalTokens:
+    """Placeholder strings (the Gemma 4 tokenizer's `image_token`, `boi_token`, ...) and the ids that
+    `mm_token_type_ids` marks (`Gemma4Config.image_token_id`, `video_token_id`, `audio_token_id`)."""
+
+    image_token: str = "<|image|>"
+    boi_token: str = "<|image>"
+    eoi_token: str = "<image|>"
+    audio_token: str = "<|audio|>"
+    boa_token: str = "<|audio>"
+    eoa_token: str = "<audio|>"
+    image_token_id: int = 258_880
+    video_token_id: int = 258_884
+    audio_token_id: int = 258_881
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessorConfig:
+    """Everything `Gemma4Processor` needs, as saved in an HF directory (`ProcessorConfig.from_hf`).
+
+    `image_seq_length` is informational (the image soft-token count comes from each image);
+    `audio_seq_length` caps `soft_tokens_for_audio`; `audio_ms_per_token` is informational.
+    """
+
+    image: ImageProcessorConfig = ImageProcessorConfig()
+    audio: AudioFeatureConfig = AudioFeatureConfig()
+    tokens: MultimodalTokens = MultimodalTokens()
+    image_seq_length: int = 280
+    audio_seq_length: int = 750
+    audio_ms_per_token: int = 40
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike) -> ProcessorConfig:
+        """Read an HF checkpoint directory: `processor_config.json` (sections `image_processor` and
+        `feature_extractor`, plus the processor's own keys), falling back to a flat
+        `preprocessor_config.json` for a missing section; placeholder strings from
+        `tokenizer_config.json` and placeholder ids from `config.json` when present. Unknown keys are
+        ignored; missing ones take transformers' defaults."""
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            _fail("ProcessorConfig.from_hf", f"{path!r} is not a directory", "pass an HF checkpoint directory")
+        files = {name: _read_json(os.path.join(path, name)) for name in _HF_FILES}
+        processor = files["processor_config.json"] or {}
+        legacy = files["preprocessor_config.json"] or {}
+        if not processor and not legacy:
+            _fail(
+                "ProcessorConfig.from_hf",
+                f"{path!r} has neither processor_config.json nor preprocessor_config.json",
+                "pass a directory saved by Gemma4Processor.save_pretrained (or a Google Gemma 4 repo)",
+                FileNotFoundError,
+            )
+        image = processor.get("image_processor")
+        if image is None and ("patch_size" in legacy or "image_processor_type" in legacy):
+            image = legacy
+        audio = processor.get("feature_extractor")
+        if audio is None and ("feature_size" in legacy or "feature_extractor_type" in legacy):
+            audio = legacy
+        kwargs: dict[str, Any] = {k: processor[k] for k in _PROCESSOR_KEYS if k in processor}
+        tokenizer = files["tokenizer_config.json"] or {}
+        extra = tokenizer.get("extra_special_tokens")
+        strings = {**tokenizer, **(extra if isinstance(extra, dict) else {})}
+        model = files["config.json"] or {}
+        token_kwargs = {}
+        for f in dataclasses.fields(MultimodalTokens):
+            source = model if f.name.endswith("_id") else strings  # ids from config.json, strings from the tokenizer
+            if isinstance(source.get(f.name), str | int):
+                token_kwargs[f.name] = source[f.name]
+        try:
+            return cls(
+                image=_from_dict(ImageProcessorConfig, image or {}),
+                audio=_from_dict(AudioFeatureConfig, audio or {}),
+                tokens=MultimodalTokens(**token_kwargs),
+                **kwargs,
+            )
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+
+_HF_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json", "config.json")
+_PROCESSOR_KEYS = ("image_seq_length", "audio_seq_length", "audio_ms_per_token")
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _from_dict(cls, d: dict):
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- images
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """One preprocessed image.
+
+    pixel_values [max_patches, 3*p*p] float32: patches, then zero rows;
+    position_ids [max_patches, 2] int32: (x, y) = (column, row) of each patch, (-1, -1) for padding;
+    num_soft_tokens: soft tokens the image becomes (real patches / pooling_kernel_size**2).
+    """
+
+    pixel_values: np.ndarray
+    position_ids: np.ndarray
+    num_soft_tokens: int
+
+
+def target_size(height: int, width: int, *, patch_size: int, max_patches: int, pooling_kernel_size: int):
+    """(height, width) an image is resized to: transformers' `get_aspect_ratio_preserving_size`."""
+    total_px = height * width
+    target_px = max_patches * (patch_size**2)
+    factor = math.sqrt(target_px / total_px)
+    ideal_height = factor * height
+    ideal_width = factor * width
+    side_mult = pooling_kernel_size * patch_size
+    target_height = math.floor(ideal_height / side_mult) * side_mult
+    target_width = math.floor(ideal_width / side_mult) * side_mult
+    if target_height == 0 and target_width == 0:
+        _fail(
+            "image",
+            f"a {height}x{width} image resizes to 0x0 with patch_size * pooling_kernel_size = {side_mult}",
+            "use a larger max_soft_tokens or a smaller patch_size",
+        )
+    max_side_length = (max_patches // pooling_kernel_size**2) * side_mult
+    if target_height == 0:
+        target_height = side_mult
+        target_width = min(math.floor(width / height) * side_mult, max_side_length)
+    elif target_width == 0:
+        target_width = side_mult
+        target_height = min(math.floor(height / width) * side_mult, max_side_length)
+    if target_height * target_width > target_px:
+        _fail(
+            "image",
+            f"resizing {height}x{width} to {target_height}x{target_width} exceeds {max_patches} patches "
+            f"of {patch_size}x{patch_size}",
+            "use a less extreme aspect ratio (crop or pad the image) or a larger max_soft_tokens",
+        )
+    return target_height, target_width
+
+
+def soft_tokens_for_image(
+    height: int,
+    width: int,
+    *,
+    patch_size: int = ImageProcessorConfig.patch_size,
+    max_soft_tokens: int = ImageProcessorConfig.max_soft_tokens,
+    pooling_kernel_size: int = ImageProcessorConfig.pooling_kernel_size,
+) -> int:
+    """Soft tokens an image of height x width pixels becomes (`Gemma4Processor._get_num_multimodal_tokens`)."""
+    cfg = ImageProcessorConfig(
+        patch_size=patch_size, max_soft_tokens=max_soft_tokens, pooling_kernel_size=pooling_kernel_size
+    )
+    return _image_soft_tokens(height, width, cfg)
+
+
+def _image_soft_tokens(height: int, width: int, cfg: ImageProcessorConfig) -> int:
+    for name, value in (("height", height), ("width", width)):
+        _positive_int(f"soft_tokens_for_image: {name}", value)
+    th, tw = target_size(
+        height,
+        width,
+        patch_size=cfg.patch_size,
+        max_patches=cfg.max_patches,
+        pooling_kernel_size=cfg.pooling_kernel_size,
+    )
+    return (th // cfg.patch_size) * (tw // cfg.patch_size) // cfg.pooling_kernel_size**2
+
+
+def preprocess_image(
+    image: PIL.Image.Image | np.ndarray,
+    *,
+    patch_size: int = ImageProcessorConfig.patch_size,
+    max_soft_tokens: int = ImageProcessorConfig.max_soft_tokens,
+    pooling_kernel_size: int = ImageProcessorConfig.pooling_kernel_size,
+    do_resize: bool = ImageProcessorConfig.do_resize,
+    resample: int = ImageProcessorConfig.resample,
+    do_rescale: bool = ImageProcessorConfig.do_rescale,
+    rescale_factor: float = ImageProcessorConfig.rescale_factor,
+    do_normalize: bool = ImageProcessorConfig.do_normalize,
+    image_mean: Sequence[float] = ImageProcessorConfig.image_mean,
+    image_std: Sequence[float] = ImageProcessorConfig.image_std,
+    do_convert_rgb: bool = ImageProcessorConfig.do_convert_rgb,
+) -> ImageInputs:
+    """One image -> `ImageInputs`, exactly as `Gemma4ImageProcessorPil` (defaults are its defaults).
+
+    image: a PIL image (any mode; converted to RGB, transparency composited onto white) or a uint8
+    numpy array HxWxC (C = 3 RGB, 4 RGBA, 1 gray) or HxW (gray).
+    """
+    cfg = ImageProcessorConfig(
+        patch_size=patch_size,
+        max_soft_tokens=max_soft_tokens,
+        pooling_kernel_size=pooling_kernel_size,
+        do_resize=do_resize,
+        resample=resample,
+        do_rescale=do_rescale,
+        rescale_factor=rescale_factor,
+        do_normalize=do_normalize,
+        image_mean=tuple(image_mean),
+        image_std=tuple(image_std),
+        do_convert_rgb=do_convert_rgb,
+    )
+    return _preprocess_image(image, cfg)
+
+
+def _to_rgb(image, convert: bool) -> np.ndarray:
+    """HxWx3 uint8 (transformers' `convert_to_rgb`: PIL conversion, or numpy compositing)."""
+    if isinstance(image, PIL.Image.Image):
+        if not convert:
+            array = np.array(image)
+        elif "A" in image.getbands() or image.info.get("transparency") is not None:
+            rgba = image.convert("RGBA")
+            white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            array = np.array(PIL.Image.alpha_composite(white, rgba).convert("RGB"))
+        else:
+            array = np.array(image.convert("RGB"))
+        if array.ndim != 3 or array.shape[-1] != 3 or array.dtype != np.uint8:
+            _fail("image", f"PIL mode {image.mode!r} is not 8-bit RGB", "pass do_convert_rgb=True")
+        return array
+    if not isinstance(image, np.ndarray):
+        _fail("image", f"got {type(image).__name__}", "pass a PIL image or a uint8 numpy array HxWx3", TypeError)
+    if image.dtype != np.uint8:
+        _fail(
+            "image",
+            f"numpy dtype {image.dtype} (only uint8 pixels are accepted)",
+            "pass uint8 values in [0, 255], e.g. (x * 255).round().astype(np.uint8) for floats in [0, 1]",
+        )
+    if image.ndim == 2:
+        image = image[..., None]
+    if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
+        _fail(
+            "image",
+            f"numpy shape {image.shape} is not HxWxC with C in (1, 3, 4)",
+            "pass channels-last HxWx3 (RGB), HxWx4 (RGBA), HxWx1 or HxW (gray)",
+        )
+    channels = image.shape[-1]
+    if channels == 3:
+        return image
+    if not convert:
+        _fail("image", f"{channels} channels and do_convert_rgb=False", "pass an RGB image or do_convert_rgb=True")
+    if channels == 1:
+        return np.repeat(image, 3, axis=-1)
+    alpha = image[..., 3:4] / 255
+    composite = alpha * image[..., :3] + (1 - alpha) * 255  # blend onto white
+    return np.round(composite).astype(np.uint8)
+
+
+def _preprocess_image(image, cfg: ImageProcessorConfig) -> ImageInputs:
+    rgb = _to_rgb(image, cfg.do_convert_rgb)
+    height, width = rgb.shape[:2]
+    if height == 0 or width == 0:
+        _fail("image", f"is empty ({height}x{width} pixels)", "pass an image with at least one pixel")
+    p, k = cfg.patch_size, cfg.pooling_kernel_size
+    if cfg.do_resize:
+        th, tw = target_size(height, width, patch_size=p, max_patches=cfg.max_patches, pooling_kernel_size=k)
+        if (th, tw) != (height, width):
+            resized = PIL.Image.fromarray(rgb).resize((tw, th), resample=cfg.resample, reducing_gap=None)
+            rgb = np.array(resized)
+    elif height % p or width % p or (height // p) * (width // p) > cfg.max_patches:
+        _fail(
+            "image",
+            f"{height}x{width} with do_resize=False is not a grid of at most {cfg.max_patches} {p}x{p} patches",
+            "resize it yourself to multiples of patch_size, or pass do_resize=True",
+        )
+    pixels = rgb.transpose(2, 0, 1)  # CHW, as transformers works
+    if cfg.do_rescale:
+        pixels = (pixels.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+    if cfg.do_normalize:
+        if not np.issubdtype(pixels.dtype, np.floating):
+            pixels = pixels.astype(np.float32)
+        mean = np.array(cfg.image_mean, dtype=pixels.dtype)
+        std = np.array(cfg.image_std, dtype=pixels.dtype)
+        pixels = ((pixels.T - mean) / std).T
+    c, h, w = pixels.shape
+    ph, pw = h // p, w // p
+    patches = pixels.reshape(c, ph, p, pw, p).transpose(1, 3, 2, 4, 0).reshape(ph * pw, -1)
+    n = patches.shape[0]
+    pixel_values = np.zeros((cfg.max_patches, patches.shape[1]), np.float32)
+    pixel_values[:n] = patches
+    position_ids = np.full((cfg.max_patches, 2), -1, np.int32)
+    grid_x, grid_y = np.meshgrid(np.arange(pw), np.arange(ph), indexing="xy")
+    position_ids[:n] = np.stack([grid_x, grid_y], axis=-1).reshape(n, 2)
+    return ImageInputs(pixel_values, position_ids, n // k**2)
+
+
+def batch_images(images: Sequence[ImageInputs]) -> tuple[np.ndarray, np.ndarray]:
+    """(pixel_values [N, P, 3pp] float32, position_ids [N, P, 2] int32), as the processor stacks them.
+
+    Images preprocessed with different budgets are padded to the largest P (zero rows, (-1, -1)).
+    """
+    images = list(images)
+    if not images or not all(isinstance(im, ImageInputs) for im in images):
+        _fail("batch_images: images", "must be a non-empty list of ImageInputs", "pass preprocess_image outputs")
+    dims = {im.pixel_values.shape[1] for im in images}
+    if len(dims) > 1:
+        _fail("batch_images: images", f"patch widths differ ({sorted(dims)})", "use one patch_size for the batch")
+    rows = max(im.pixel_values.shape[0] for im in images)
+    pixel_values = np.zeros((len(images), rows, dims.pop()), np.float32)
+    position_ids = np.full((len(images), rows, 2), -1, np.int32)
+    for i, im in enumerate(images):
+        pixel_values[i, : len(im.pixel_values)] = im.pixel_values
+        position_ids[i, : len(im.position_ids)] = im.position_ids
+    return pixel_values, position_ids
+
+
+# ----------------------------------------------------------------------------- audio
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AudioInputs:
+    """One preprocessed audio clip.
+
+    input_features [T, feature_size] float32: log-mel frames (zero where `mask` is False);
+    mask [T] bool: True for frames made only of real samples (a prefix);
+    num_soft_tokens: soft tokens the clip becomes (valid frames after two stride-2 subsamplings).
+    """
+
+    input_features: np.ndarray
+    mask: np.ndarray
+    num_soft_tokens: int
+
+
+@functools.lru_cache(maxsize=8)
+def _mel_filters(num_frequency_bins: int, num_mel_filters: int, fmin: float, fmax: float, sr: int) -> np.ndarray:
+    """[bins, mels] float64: transformers' `mel_filter_bank(norm=None, mel_scale="htk")`."""
+    mel_min, mel_max = (2595.0 * np.log10(1.0 + (f / 700.0)) for f in (fmin, fmax))
+    mel_freqs = np.linspace(mel_min, mel_max, num_mel_filters + 2)
+    filter_freqs = 700.0 * (np.power(10, mel_freqs / 2595.0) - 1.0)
+    fft_freqs = np.linspace(0, sr // 2, num_frequency_bins)
+    filter_diff = np.diff(filter_freqs)
+    slopes = np.expand_dims(filter_freqs, 0) - np.expand_dims(fft_freqs, 1)
+    down_slopes = -slopes[:, :-2] / filter_diff[:-1]
+    up_slopes = slopes[:, 2:] / filter_diff[1:]
+    return np.maximum(np.zeros(1), np.minimum(down_slopes, up_slopes))
+
+
+@functools.lru_cache(maxsize=8)
+def _hann(frame_length: int) -> np.ndarray:
+    """Periodic Hann window, float32 (transformers' `window_function(frame_length)`)."""
+    return np.hanning(frame_length + 1)[:-1].astype(np.float32)
+
+
+def _check_rate(where: str, sampling_rate: Any, expected: int) -> None:
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, int | np.integer):
+        _fail(f"{where}: sampling_rate", f"must be an int (Hz), got {sampling_rate!r}", f"pass {expected}")
+    if sampling_rate != expected:
+        _fail(
+            f"{where}: sampling_rate",
+            f"the waveform is at {sampling_rate} Hz but Gemma 4's audio features are computed at {expected} Hz "
+            "(transformers does not resample)",
+            f"resample to {expected} Hz first, e.g. scipy.signal.resample_poly(waveform, {expected}, "
+            f"{sampling_rate}) or librosa.resample(waveform, orig_sr={sampling_rate}, target_sr={expected})",
+        )
+
+
+def _valid_frames(num_samples: int, cfg: AudioFeatureConfig) -> int:
+    """Frames whose window holds only real samples (transformers' mel-frame count)."""
+    size = cfg.frame_length + 1
+    return max((num_samples + cfg.frame_length // 2 - size) // cfg.hop_length + 1, 0)
+
+
+def soft_tokens_for_audio(
+    num_samples: int,
+    sampling_rate: int,
+    *,
+    expected_sampling_rate: int = AudioFeatureConfig.sampling_rate,
+    frame_length_ms: float = AudioFeatureConfig.frame_length_ms,
+    hop_length_ms: float = AudioFeatureConfig.hop_length_ms,
+    audio_seq_length: int = ProcessorConfig.audio_seq_length,
+) -> int:
+    """Soft tokens a clip of `num_samples` becomes (`Gemma4Processor._compute_audio_num_tokens`):
+    valid mel frames -> two stride-2 subsamplings -> capped at `audio_seq_length`."""
+    cfg = AudioFeatureConfig(
+        sampling_rate=expected_sampling_rate, frame_length_ms=frame_length_ms, hop_length_ms=hop_length_ms
+    )
+    return _audio_soft_tokens(num_samples, sampling_rate, cfg, audio_seq_length)
+
+
+def _audio_soft_tokens(num_samples: int, sampling_rate: int, cfg: AudioFeatureConfig, cap: int) -> int:
+    _check_rate("soft_tokens_for_audio", sampling_rate, cfg.sampling_rate)
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int | np.integer) or num_samples < 0:
+        _fail("soft_tokens_for_audio: num_samples", f"must be an int >= 0, got {num_samples!r}", "pass len(waveform)")
+    return min(subsampled_length(_valid_frames(int(num_samples), cfg)), cap)
+
+
+def preprocess_audio(
+    waveform: np.ndarray | Sequence[float],
+    sampling_rate: int,
+    *,
+    expected_sampling_rate: int = AudioFeatureConfig.sampling_rate,
+    feature_size: int = AudioFeatureConfig.feature_size,
+    frame_length_ms: float = AudioFeatureConfig.frame_length_ms,
+    hop_length_ms: float = AudioFeatureConfig.hop_length_ms,
+    min_frequency: float = AudioFeatureConfig.min_frequency,
+    max_frequency: float = AudioFeatureConfig.max_frequency,
+    preemphasis: float = AudioFeatureConfig.preemphasis,
+    preemphasis_htk_flavor: bool = AudioFeatureConfig.preemphasis_htk_flavor,
+    fft_overdrive: bool = AudioFeatureConfig.fft_overdrive,
+    input_scale_factor: float = AudioFeatureConfig.input_scale_factor,
+    mel_floor: float = AudioFeatureConfig.mel_floor,
+    per_bin_mean: Sequence[float] | None = AudioFeatureConfig.per_bin_mean,
+    per_bin_stddev: Sequence[float] | None = AudioFeatureConfig.per_bin_stddev,
+    max_length: int | None = AudioFeatureConfig.max_length,
+    pad_to_multiple_of: int | None = AudioFeatureConfig.pad_to_multiple_of,
+) -> AudioInputs:
+    """A mono float waveform at `sampling_rate` Hz -> `AudioInputs`, exactly as
+    `Gemma4AudioFeatureExtractor` (defaults are its defaults; `expected_sampling_rate` is its
+    `sampling_rate`). Clips longer than `max_length` samples are truncated, as transformers does.
+    """
+    cfg = AudioFeatureConfig(
+        sampling_rate=expected_sampling_rate,
+        feature_size=feature_size,
+        frame_length_ms=frame_length_ms,
+        hop_length_ms=hop_length_ms,
+        min_frequency=min_frequency,
+        max_frequency=max_frequency,
+        preemphasis=preemphasis,
+        preemphasis_htk_flavor=preemphasis_htk_flavor,
+        fft_overdrive=fft_overdrive,
+        input_scale_factor=input_scale_factor,
+        mel_floor=mel_floor,
+        per_bin_mean=None if per_bin_mean is None else tuple(per_bin_mean),
+        per_bin_stddev=None if per_bin_stddev is None else tuple(per_bin_stddev),
+        max_length=max_length,
+        pad_to_multiple_of=pad_to_multiple_of,
+    )
+    return _preprocess_audio(waveform, sampling_rate, cfg)
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    return n if multiple is None else -(-n // multiple) * multiple
+
+
+def _preprocess_audio(waveform, sampling_rate: int, cfg: AudioFeatureConfig) -> AudioInputs:
+    where = "preprocess_audio: waveform"
+    _check_rate("preprocess_audio", sampling_rate, cfg.sampling_rate)
+    if isinstance(waveform, list | tuple):
+        waveform = np.asarray(waveform)
+    if not isinstance(waveform, np.ndarray):
+        _fail(where, f"got {type(waveform).__name__}", "pass a 1-D float numpy array", TypeError)
+    if not np.issubdtype(waveform.dtype, np.floating):
+        _fail(
+            where,
+            f"dtype {waveform.dtype} (features expect float samples in [-1, 1])",
+            "convert PCM first, e.g. waveform.astype(np.float32) / 32768 for int16",
+        )
+    if waveform.ndim != 1:
+        _fail(
+            where,
+            f"shape {waveform.shape} is not mono 1-D",
+            "pass one channel (e.g. waveform.mean(axis=channel_axis)); preprocess clips one at a time",
+        )
+    if waveform.size == 0:
+        _fail(where, "is empty", "pass at least one feature frame of audio")
+    if waveform.size < cfg.min_samples:
+        _fail(
+            where,
+            f"{waveform.size} samples is shorter than one feature frame ({cfg.min_samples} samples, "
+            f"{1000 * cfg.min_samples / cfg.sampling_rate:.2f} ms at {cfg.sampling_rate} Hz) and would become "
+            "0 soft tokens",
+            f"pass at least {cfg.min_samples} samples (pad with zeros if needed)",
+        )
+    if not np.isfinite(waveform).all():
+        _fail(where, "contains NaN or infinity", "clean the signal (e.g. np.nan_to_num)")
+
+    # SequenceFeatureExtractor.pad: truncate to max_length (rounded up to pad_to_multiple_of), pad to
+    # a multiple of pad_to_multiple_of; the attention mask marks the real samples.
+    max_length = _round_up(cfg.max_length, cfg.pad_to_multiple_of) if cfg.max_length is not None else None
+    samples = waveform.astype(np.float32)[:max_length]
+    n = samples.shape[0]
+    padded = _round_up(n, cfg.pad_to_multiple_of)
+    wave = np.zeros((1, padded), np.float32)
+    wave[0, :n] = samples
+    attention = np.zeros(padded, np.int32)
+    attention[:n] = 1
+
+    # Gemma4AudioFeatureExtractor._extract_spectrogram
+    if cfg.input_scale_factor != 1.0:
+        wave = wave * cfg.input_scale_factor
+    pad_left = cfg.frame_length // 2  # "semicausal": the first frame is centred on t = 0
+    wave = np.pad(wave, ((0, 0), (pad_left, 0)), mode="constant")
+    attention = np.pad(attention, (pad_left, 0), mode="constant", constant_values=0)
+    size = cfg.frame_length + 1  # one extra sample, for preemphasis
+    num_frames = (wave.shape[-1] - size) // cfg.hop_length + 1
+    frames_to_process = np.lib.stride_tricks.sliding_window_view(wave, size, axis=-1)[:, :: cfg.hop_length]
+    frames_to_process = frames_to_process[:, :num_frames]
+    if cfg.preemphasis > 0.0:
+        if cfg.preemphasis_htk_flavor:
+            first_in_frame = frames_to_process[..., :1] * (1.0 - cfg.preemphasis)
+            rest_in_frame = frames_to_process[..., 1:-1] - cfg.preemphasis * frames_to_process[..., :-2]
+            frames = np.concatenate([first_in_frame, rest_in_frame], axis=-1)
+        else:
+            frames = frames_to_process[..., 1:] - cfg.preemphasis * frames_to_process[..., :-1]
+    else:
+        frames = frames_to_process[..., :-1]
+    frames = frames * _hann(cfg.frame_length)
+    stft = np.fft.rfft(frames, n=cfg.fft_length, axis=-1)
+    filters = _mel_filters(
+        cfg.fft_length // 2 + 1, cfg.feature_size, cfg.min_frequency, cfg.max_frequency, cfg.sampling_rate
+    )
+    log_mel = np.log(np.matmul(np.abs(stft), filters) + np.array(cfg.mel_floor, dtype=np.float64))
+    if cfg.per_bin_mean is not None:
+        log_mel = log_mel - np.array(cfg.per_bin_mean).reshape(1, 1, -1)
+    if cfg.per_bin_stddev is not None:
+        log_mel = log_mel / np.array(cfg.per_bin_stddev).reshape(1, 1, -1)
+    spectrogram = log_mel.squeeze(0)
+    mask = attention[np.arange(num_frames) * cfg.hop_length + size - 1].astype(bool)
+    features = spectrogram.astype(np.float32) * mask[..., None]
+    return AudioInputs(features, mask, _mask_soft_tokens(mask))
+
+
+def _mask_soft_tokens(mask: np.ndarray) -> int:
+    """Gemma4Processor.replace_audio_token: the mask strided as the two stride-2 convs see it, summed."""
+    t = len(mask)
+    for _ in range(2):
+        t_out = (t + 2 - 3) // 2 + 1
+        mask = mask[::2][:t_out]
+        t = len(mask)
+    return int(mask.sum())
+
+
+def batch_audio(audios: Sequence[AudioInputs]) -> tuple[np.ndarray, np.ndarray]:
+    """(input_features [N, T, F] float32, input_features_mask [N, T] bool), T the longest clip's.
+
+    Equal to the feature extractor run on the batch (which pads the waveforms to the longest): the
+    extra frames of a shorter clip are invalid there and zeroed, exactly the padding added here.
+    """
+    audios = list(audios)
+    if not audios or not all(isinstance(a, AudioInputs) for a in audios):
+        _fail("batch_audio: audios", "must be a non-empty list of AudioInputs", "pass preprocess_audio outputs")
+    dims = {a.input_features.shape[1] for a in audios}
+    if len(dims) > 1:
+        _fail("batch_audio: audios", f"feature sizes differ ({sorted(dims)})", "use one feature_size for the batch")
+    frames = max(a.input_features.shape[0] for a in audios)
+    features = np.zeros((len(audios), frames, dims.pop()), np.float32)
+    mask = np.zeros((len(audios), frames), bool)
+    for i, a in enumerate(audios):
+        features[i, : len(a.mask)] = a.input_features
+        mask[i, : len(a.mask)] = a.mask
+    return features, mask
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def _soft_count(where: str, item: Any) -> int:
+    n = item if isinstance(item, int | np.integer) and not isinstance(item, bool) else None
+    n = getattr(item, "num_soft_tokens", n)
+    if n is None or n < 0:
+        _fail(where, f"got {item!r}", "pass ImageInputs / AudioInputs (or soft-token counts as ints >= 0)", TypeError)
+    return int(n)
+
+
+def expand_prompt(
+    text: str,
+    images: Sequence[ImageInputs | int] = (),
+    audios: Sequence[AudioInputs | int] = (),
+    *,
+    tokens: MultimodalTokens = MultimodalTokens(),
+) -> str:
+    """Replace the i-th `<|image|>` of `text` by `<|image>` + `<|image|>` * n_i + `<image|>` (n_i the
+    i-th image's soft tokens) and likewise each `<|audio|>` with `<|audio>` / `<audio|>`, as
+    `Gemma4Processor` does before tokenizing. The placeholder counts must match the inputs."""
+    if not isinstance(text, str):
+        _fail("expand_prompt: text", f"got {type(text).__name__}", "pass one prompt string", TypeError)
+    counts = {
+        "image": [_soft_count("expand_prompt: images", im) for im in images],
+        "audio": [_soft_count("expand_prompt: audios", a) for a in audios],
+    }
+    placeholders = {"image": tokens.image_token, "audio": tokens.audio_token}
+    delimiters = {"image": (tokens.boi_token, tokens.eoi_token), "audio": (tokens.boa_token, tokens.eoa_token)}
+    unmarked = {m: f"(?<!{_CONTROL_TOKEN_START}){re.escape(s)}" for m, s in placeholders.items()}
+    for m, arg in (("image", "images"), ("audio", "audios")):
+        found = len(re.findall(unmarked[m], text))
+        if found != len(counts[m]):
+            _fail(
+                f"expand_prompt: {arg}",
+                f"the text has {found} {placeholders[m]} placeholder(s) but {len(counts[m])} {arg} were passed",
+                f"put one {placeholders[m]} in the text per item of {arg}, in order",
+            )
+    # transformers builds its pattern only from the modalities that have inputs
+    groups = [f"(?P<{m}>{unmarked[m]})" for m in ("image", "audio") if counts[m]]
+    if not groups:
+        return text
+    remaining = {m: iter(c) for m, c in counts.items()}
+
+    def replace(match: re.Match) -> str:
+        m = match.lastgroup
+        begin, end = delimiters[m]
+        return begin + placeholders[m] * next(remaining[m]) + end
+
+    return re.sub("|".join(groups), replace, text)
+
+
+def mm_token_type_ids(input_ids: Any, *, tokens: MultimodalTokens = MultimodalTokens()) -> np.ndarray:
+    """int32 array shaped like `input_ids`: 1 at image placeholders, 2 at video, 3 at audio, else 0
+    (the `mm_token_type_ids` that `Gemma4Processor` returns)."""
+    ids = np.asarray(input_ids)
+    if ids.dtype == object or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        _fail("mm_token_type_ids: input_ids", f"dtype {ids.dtype}", "pass integer token ids (rectangular)", TypeError)
+    types = np.zeros(ids.shape, np.int32)
+    types[ids == tokens.image_token_id] = 1
+    types[ids == tokens.video_token_id] = 2
+    types[ids == tokens.audio_token_id] = 3
+    return types
+
+
+# ----------------------------------------------------------------------------- bound processor
+
+
+@dataclasses.dataclass(frozen=True)
+class Processor:
+    """The preprocessing functions bound to one checkpoint's settings (`Processor.from_hf(dir)`)."""
+
+    config: ProcessorConfig = ProcessorConfig()
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike) -> Processor:
+        return cls(ProcessorConfig.from_hf(path))
+
+    def preprocess_image(self, image: PIL.Image.Image | np.ndarray) -> ImageInputs:
+        return _preprocess_image(image, self.config.image)
+
+    def preprocess_audio(self, waveform: np.ndarray, sampling_rate: int) -> AudioInputs:
+        return _preprocess_audio(waveform, sampling_rate, self.config.audio)
+
+    def soft_tokens_for_image(self, height: int, width: int) -> int:
+        return _image_soft_tokens(height, width, self.config.image)
+
+    def soft_tokens_for_audio(self, num_samples: int, sampling_rate: int) -> int:
+        return _audio_soft_tokens(num_samples, sampling_rate, self.config.audio, self.config.audio_seq_length)
+
+    def expand_prompt(
+        self, text: str, images: Sequence[ImageInputs | int] = (), audios: Sequence[AudioInputs | int] = ()
+    ) -> str:
+        return expand_prompt(text, images, audios, tokens=self.config.tokens)
+
+    def mm_token_type_ids(self, input_ids: Any) -> np.ndarray:
+        return mm_token_type_ids(input_ids, tokens=self.config.tokens)
