@@ -276,12 +276,8 @@ class Embedding(nnx.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        rows = self.rows(ids)
+        rows = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
-
-    def rows(self, ids: Array) -> Array:
-        """The table rows at `ids` in the compute dtype, without the lookup scale."""
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x: Array) -> Array:
         """Tied logits: x [..., D] @ table.T -> [..., V] (with the CPU kernels, a bf16 table under

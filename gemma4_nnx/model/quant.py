@@ -535,18 +535,14 @@ class QuantizedEmbedding(nnx.Module):
         Returns:
             ``[..., features]`` in ``self.dtype``.
         """
-        rows = self.rows(ids)
-        return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
-
-    def rows(self, ids: jax.Array) -> jax.Array:
-        """The dequantized table rows at ``ids``, without ``lookup_scale``."""
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"ids must have an integer dtype, got {ids.dtype}")
         codes = jnp.take(self.codes[...], ids, axis=0)  # [..., F or F/2]
         scales = jnp.take(self.scales[...], ids, axis=0)  # [..., F/group]
         mins = None if self.mins is None else jnp.take(self.mins[...], ids, axis=0)
-        return dequantize_rows(codes, scales, self.bits, self.group, self.dtype, mins)
+        rows = dequantize_rows(codes, scales, self.bits, self.group, self.dtype, mins)
+        return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied logits x [..., F] @ table^T -> [..., V] (`matmul_t`: the table is never widened whole
