@@ -9,6 +9,11 @@ rule: prepended unless the text already starts with <bos>); `--chat` wraps the m
 chat format (`<bos><|turn>user\\n...<turn|>\\n<|turn>model\\n`, optional `--system` and `--thinking`),
 which also starts with one <bos>. Generation stops at <eos>, <turn|> or <|tool_response>, at a
 `--stop` string, or after `--max-new-tokens`. Stop tokens are not printed.
+
+Images and audio (a multimodal checkpoint): `--image PATH` and `--audio PATH` (a PCM WAV file at the
+model's 16 kHz), repeatable. The text may say where each goes with `<|image|>` / `<|audio|>`; without
+them the images, then the clips, come first in the message. Preprocessing follows the checkpoint's
+`processor_config.json` (`gemma4_nnx.processor`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text prompt (one <bos> is prepended)")
     src.add_argument("--chat", help="a user message, formatted as a Gemma 4 chat turn")
+    p.add_argument("--image", action="append", default=[], help="an image file for the prompt (repeatable)")
+    p.add_argument("--audio", action="append", default=[], help="a 16 kHz PCM WAV file for the prompt (repeatable)")
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--thinking", action="store_true", help="turn thinking on (with --chat)")
     p.add_argument("--show-thinking", action="store_true", help="print the thought block too")
@@ -72,16 +79,20 @@ def load_model(path: str, dtype: str | None = None, *, mesh=None):
     return gemma4_nnx.load(path, dtype=dtype, sharding=sharding)
 
 
-def prompt_ids(tokenizer, args) -> list[int]:
-    """The prompt's token ids; always exactly one leading <bos> (see the module docstring)."""
-    from gemma4_nnx.tokenizer import encode_chat
+def prompt_ids(tokenizer, args, processor=None) -> tuple[list[int], object | None]:
+    """The prompt's token ids (always exactly one leading <bos>, see the module docstring) and its
+    `Media` (None without --image / --audio)."""
+    from gemma4_nnx.tokenizer import format_chat
 
+    text, media = args.chat if args.chat is not None else args.prompt, None
+    if args.image or args.audio:
+        text, media = processor.prepare(text, args.image, args.audio)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.chat}
+            {"role": "user", "content": text}
         ]
-        return encode_chat(tokenizer, messages, thinking=args.thinking)
-    return tokenizer.encode(args.prompt, add_bos=True)
+        text = format_chat(messages, thinking=args.thinking)
+    return tokenizer.encode(text, add_bos=True), media
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
         model = load_model(args.checkpoint, args.dtype)
         t_load = time.perf_counter() - t0
-        ids = prompt_ids(tokenizer, args)
+        processor = None
+        if args.image or args.audio:
+            if not model.config.multimodal:
+                raise ValueError("--image / --audio: this checkpoint has no vision or audio tower (a text model)")
+            from gemma4_nnx.processor import load_processor
+
+            processor = load_processor(args.checkpoint)
+        ids, media = prompt_ids(tokenizer, args, processor)
         stops = set(tokenizer.stop_ids)
         t1 = time.perf_counter()
         t_first, n = None, 0
@@ -116,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=tokenizer,
             max_length=args.max_length,
             prefill_chunk=args.prefill_chunk,
+            media=None if media is None else [media],
         ):
             tok, piece = step.tokens[0], step.texts[0]
             if t_first is None:
@@ -144,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} tokens, {rate:.2f} tok/s after the first]",
                 file=sys.stderr,
             )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OSError) as e:
         print(f"gemma4-generate: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -53,10 +53,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import math
 import os
 import re
+import wave
 from collections.abc import Sequence
 from typing import Any
 
@@ -850,3 +852,75 @@ class Processor:
 
     def mm_token_type_ids(self, input_ids: Any) -> np.ndarray:
         return mm_token_type_ids(input_ids, tokens=self.config.tokens)
+
+    def prepare(self, text: str, images: Sequence = (), audio: Sequence = ()):
+        """(expanded text, `Media` or None) for a prompt and its images / clips, ready for
+        `tokenizer.encode(text)` and `generate(..., media=[media])`.
+
+        images: PIL images, HxWx3 uint8 arrays or image file paths; audio: (waveform, sampling_rate)
+        pairs or WAV file paths. `text` holds one `<|image|>` / `<|audio|>` per item where it goes;
+        when it holds none of a kind, that kind's placeholders are put at the start of the text
+        (images first), as a user message with attachments would read.
+        """
+        from gemma4_nnx.model.multimodal import Media
+
+        tokens = self.config.tokens
+        ims = [self.preprocess_image(PIL.Image.open(x) if isinstance(x, str | os.PathLike) else x) for x in images]
+        clips = []
+        for a in audio:
+            if isinstance(a, str | os.PathLike):
+                with open(a, "rb") as f:
+                    a = read_wav(f.read())
+            if not (isinstance(a, tuple) and len(a) == 2):
+                _fail("prepare: audio", f"got {type(a).__name__}", "pass (waveform, sampling_rate) pairs or WAV paths")
+            clips.append(self.preprocess_audio(*a))
+        head = ""
+        if ims and tokens.image_token not in text:
+            head += tokens.image_token * len(ims)
+        if clips and tokens.audio_token not in text:
+            head += tokens.audio_token * len(clips)
+        text = self.expand_prompt(head + text, ims, clips)
+        if not ims and not clips:
+            return text, None
+        pix, pos = batch_images(ims) if ims else (None, None)
+        feats, mask = batch_audio(clips) if clips else (None, None)
+        return text, Media(pix, pos, feats, mask)
+
+
+def load_processor(checkpoint: str | os.PathLike) -> Processor:
+    """A checkpoint's image / audio preprocessing: its `processor_config.json` (or
+    `preprocessor_config.json`; `gemma4-convert` copies both), else Gemma 4's defaults (with a notice on
+    stderr)."""
+    if any(os.path.isfile(os.path.join(checkpoint, f)) for f in ("processor_config.json", "preprocessor_config.json")):
+        return Processor.from_hf(checkpoint)
+    import sys
+
+    print(
+        f"gemma4_nnx: {os.fspath(checkpoint)} has no processor_config.json: images and audio use Gemma 4's "
+        "default preprocessing",
+        file=sys.stderr,
+    )
+    return Processor()
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """(mono float32 waveform in [-1, 1], sampling rate) of a PCM WAV file's bytes (8/16/24/32-bit;
+    channels averaged). Raises ValueError for anything else."""
+    try:
+        with wave.open(io.BytesIO(data)) as f:
+            rate, channels, width, n = f.getframerate(), f.getnchannels(), f.getsampwidth(), f.getnframes()
+            frames = f.readframes(n)
+    except (wave.Error, EOFError) as e:
+        raise ValueError(f"not a readable PCM WAV file ({e})") from None
+    if width == 1:  # unsigned 8-bit
+        x = (np.frombuffer(frames, np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width in (2, 4):
+        kind = np.int16 if width == 2 else np.int32
+        x = np.frombuffer(frames, kind).astype(np.float32) / float(-np.iinfo(kind).min)
+    elif width == 3:  # 24-bit little endian: sign-extended into int32
+        b = np.frombuffer(frames, np.uint8).reshape(-1, 3).astype(np.int32)
+        v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+        x = np.where(v >= 1 << 23, v - (1 << 24), v).astype(np.float32) / float(1 << 23)
+    else:
+        raise ValueError(f"{8 * width}-bit samples are not supported; send 16-bit PCM")
+    return x.reshape(-1, channels).mean(axis=1, dtype=np.float32), rate

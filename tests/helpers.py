@@ -128,6 +128,14 @@ GEMMA_SPECIALS = {
     101: "<channel|>",
     105: "<|turn>",
     106: "<turn|>",
+    # multimodal placeholders (Gemma 4's strings; its ids 255999..258884 lie beyond a tiny vocabulary)
+    60: "<|image|>",
+    61: "<|image>",
+    62: "<image|>",
+    63: "<|audio|>",
+    64: "<|audio>",
+    65: "<audio|>",
+    66: "<|video|>",
 }
 
 

@@ -284,7 +284,7 @@ VISION = dict(
     head_dim=16,
     patch_size=4,
     pooling_kernel_size=2,
-    position_embedding_size=16,
+    position_embedding_size=64,
 )
 AUDIO = dict(
     hidden_size=32,
@@ -300,24 +300,37 @@ AUDIO = dict(
 AUDIO_FEATURES = 16  # the mel bins a tower of subsampling_conv_channels[0] = 16 reads
 
 
+#: The placeholder ids of `tests.helpers.build_hf_json`'s tokenizer (a vocabulary of its own size).
+TOKENIZER_MM_TOKENS = dict(image_token_id=60, video_token_id=66, audio_token_id=63, boi_token_id=61, eoi_token_id=62)
+
+
 def build_hf_multimodal(
-    variant: str = "e2b", *, vision: bool = True, audio: bool = True, bidirectional: str | None = None, seed: int = 0
+    variant: str = "e2b",
+    *,
+    vision: bool = True,
+    audio: bool = True,
+    bidirectional: str | None = None,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    tokens: dict | None = None,
 ):
     """A float32 eager `Gemma4ForConditionalGeneration` with tiny vision / audio towers, every weight
-    perturbed (clip bounds of clippable linears included)."""
+    perturbed (clip bounds of clippable linears included). `vocab_size` / `tokens`: another vocabulary
+    and placeholder ids (e.g. those of `tests.helpers.build_hf_json`'s tokenizer)."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     torch.manual_seed(seed)
     tc = text_config(variant).to_dict()
     tc["use_bidirectional_attention"] = bidirectional
+    if vocab_size is not None:
+        tc["vocab_size"] = tc["vocab_size_per_layer_input"] = vocab_size
+    tokens = dict(MM_TOKENS, boa_token_id=BOA, eoa_token_index=EOA) if tokens is None else tokens
     cfg = Gemma4Config(
         text_config=tc,
         vision_config=dict(VISION, use_clipped_linears=True) if vision else None,
         audio_config=dict(AUDIO) if audio else None,
-        boa_token_id=BOA,
-        eoa_token_index=EOA,
-        **MM_TOKENS,
+        **tokens,
     )
     cfg._attn_implementation = "eager"
     model = Gemma4ForConditionalGeneration(cfg).float().eval()

@@ -294,13 +294,13 @@ def test_cli_chat_keeps_bos_and_streams(chat_setup, capsys, tmp_path):
 
     tok, model, tok_dir = chat_setup
     parser = cli_generate.build_parser()
-    chat_ids = cli_generate.prompt_ids(tok, parser.parse_args(["x", "--chat", "Hi there", "--system", "Be brief"]))
+    chat_ids = cli_generate.prompt_ids(tok, parser.parse_args(["x", "--chat", "Hi there", "--system", "Be brief"]))[0]
     assert chat_ids[0] == tok.bos_id and chat_ids.count(tok.bos_id) == 1
     assert chat_ids == tok.encode(
         "<bos><|turn>system\nBe brief<turn|>\n<|turn>user\nHi there<turn|>\n<|turn>model\n", add_bos=False
     )
     for text in ("plain text", "<bos>already has one"):
-        raw = cli_generate.prompt_ids(tok, parser.parse_args(["x", "--prompt", text]))
+        raw = cli_generate.prompt_ids(tok, parser.parse_args(["x", "--prompt", text]))[0]
         assert raw[0] == tok.bos_id and raw.count(tok.bos_id) == 1
 
     # End to end: save the model as an HF directory, run main(), compare with generate().

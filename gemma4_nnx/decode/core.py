@@ -795,6 +795,15 @@ class Decoder:
     def soft_tokens(self, requests) -> list[np.ndarray | None] | None:
         """Each request's soft tokens (`encode` of its media), or None when no request has media.
         Raises RequestError naming "media" for placeholders that do not match."""
+        if self.config.multimodal:  # placeholders without media would run as pad tokens: refuse them
+            from gemma4_nnx.model.multimodal import Media
+
+            for req in requests:
+                if req is not None and req.media is None:
+                    try:
+                        Media().check(self.config, req.prompt)
+                    except ValueError as e:
+                        raise RequestError(f"media: {e}", "media") from None
         if all(r.media is None for r in requests):
             return None
         out = []

@@ -303,9 +303,11 @@ class Engine:
         )
         if request.grammar is not None:
             self._constraint(request)  # compiles, or says why not
-        if request.media is not None:  # placeholders vs soft tokens, before the request is queued
+        if request.media is not None or self.decoder.config.multimodal:  # placeholders vs soft tokens, now
+            from gemma4_nnx.model.multimodal import Media
+
             try:
-                request.media.check(self.decoder.config, request.prompt)
+                (request.media or Media()).check(self.decoder.config, request.prompt)
             except ValueError as e:
                 raise RequestError(f"media: {e}", "media") from None
         return request

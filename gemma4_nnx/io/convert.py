@@ -57,6 +57,8 @@ COPY_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
 )
 BLOCK_BYTES = 64 * 2**20  # rows read and written per step (source bytes)
 QUANT_BLOCK_BYTES = 32 * 2**20  # smaller: quantize_rows holds ~3 float64 copies of its block

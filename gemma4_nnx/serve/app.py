@@ -100,6 +100,7 @@ def create_app(
     queue_timeout: float | None = None,
     max_tokens: int | None = None,
     precheck_bytes: int = PRECHECK_BYTES,
+    processor=None,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
@@ -108,7 +109,8 @@ def create_app(
     request body (408 after); `queue_timeout`: seconds a request may wait for its first token (503
     after); `max_tokens`: the most tokens one request may generate (400 beyond; the default of a
     chat request without a limit); `precheck_bytes`: bodies from this size on are parsed and
-    tokenized in a helper process first (`precheck`)."""
+    tokenized in a helper process first (`precheck`). `processor`: the `gemma4_nnx.processor.Processor`
+    that turns a multimodal model's image and audio parts into its arrays (None: text only)."""
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -118,6 +120,7 @@ def create_app(
         queue_timeout=queue_timeout,
         max_tokens=max_tokens,
         metrics=metrics,
+        processor=processor,
     )
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
@@ -226,7 +229,9 @@ def create_app(
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving.check_model(body.model)
-        requests = serving.engine_requests([await asyncio.to_thread(serving.chat_prompt, body)], body, chat=True)
+        # rendering (and decoding any images / audio) runs off the event loop
+        ids, media = await asyncio.to_thread(serving.chat_prompt, body)
+        requests = serving.engine_requests([ids], body, chat=True, media=[media])
         return await serving.run(request, requests, body, chat=True)
 
     return app
@@ -398,6 +403,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gemma4_nnx.processor import load_processor
+
     args = build_parser().parse_args(argv)
     from gemma4_nnx.decode.generate import enable_compilation_cache
 
@@ -432,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         body_timeout=args.body_timeout,
         queue_timeout=args.queue_timeout,
         max_tokens=args.max_tokens,
+        processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     config = uvicorn.Config(
         app,

@@ -61,7 +61,7 @@ def refusal(tokenizer, chat: bool, body: bytes, max_length: int, max_prompts: in
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
         request = model.model_validate_json(body)
-        prompts = [chat_prompt(tokenizer, request)] if chat else completion_prompts(tokenizer, request, max_prompts)
+        prompts = [chat_prompt(tokenizer, request)[0]] if chat else completion_prompts(tokenizer, request, max_prompts)
     except pydantic.ValidationError as e:
         err = validation_error(e.errors(include_url=False))
         return str(err), err.param, err.code

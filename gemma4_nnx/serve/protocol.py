@@ -232,6 +232,34 @@ class TextPart(_Api):
     text: StrictStr
 
 
+class ImageUrl(_Api):
+    url: StrictStr = Field(
+        description="A data URL (`data:image/png;base64,...`; PNG, JPEG, WebP, GIF, BMP); the server "
+        "fetches nothing, so http(s) URLs are refused."
+    )
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="Accepted for compatibility; every image gets the model's soft-token budget."
+    )
+
+
+class ImagePart(_Api):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputAudio(_Api):
+    data: StrictStr = Field(description="The base64 bytes of a WAV file (PCM, mono or averaged to mono, 16 kHz).")
+    format: Literal["wav"]
+
+
+class AudioPart(_Api):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+
+
 class FunctionCall(_Api):
     name: StrictStr
     arguments: StrictStr = Field(description="The arguments as a JSON object's text.")
@@ -247,17 +275,34 @@ class ChatMessage(_Api):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="'developer' is treated as 'system'; 'tool': the result of an assistant's tool call."
     )
-    content: StrictStr | list[TextPart] | None = Field(
-        description="Text, or a list of text parts (joined); None for an assistant message with tool_calls."
+    content: StrictStr | list[ContentPart] | None = Field(
+        description="Text, or a list of parts: text (joined), images (`image_url`) and audio clips "
+        "(`input_audio`) in a user message, in order; None for an assistant message with tool_calls."
     )
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls.")
     tool_call_id: StrictStr | None = Field(None, description="A tool result: the id of the call it answers.")
 
     @property
     def text(self) -> str:
+        """The text, with `image_token` / `audio_token` where the images and clips are."""
+        return self.text_with()
+
+    def text_with(self, image_token: str = "<|image|>", audio_token: str = "<|audio|>") -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        marks = {"image_url": image_token, "input_audio": audio_token}
+        return "".join(p.text if p.type == "text" else marks[p.type] for p in self.content)
+
+    @property
+    def media_parts(self) -> list:
+        """The image and audio parts, in order."""
+        return (
+            []
+            if isinstance(self.content, str) or self.content is None
+            else [p for p in self.content if p.type != "text"]
+        )
 
 
 class FunctionSpec(_Api):

@@ -48,7 +48,7 @@ from gemma4_nnx.serve.protocol import (
     TopLogprob,
     Usage,
 )
-from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, encode_chat
+from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, format_chat
 
 __all__ = ["DEFAULT_COMPLETION_TOKENS", "ENGINE_PARAMS", "ApiError", "Serving"]
 
@@ -62,6 +62,7 @@ ENGINE_PARAMS: dict[str, tuple[str | None, str | None]] = {
     "stop_strings": ("stop", "stop"),
     "stop_tokens": ("ignore_eos", "ignore_eos"),
     "grammar": ("response_format", "response_format"),
+    "media": ("messages", "prompt"),
 }
 
 
@@ -259,11 +260,15 @@ def completion_prompts(tokenizer, body: CompletionRequest, max_prompts: int) -> 
     return [tokenizer.encode(t, add_bos=True) for t in texts]
 
 
-def chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The token ids of a chat request, rendered in Gemma 4's chat format."""
+def chat_prompt(tokenizer, body: ChatCompletionRequest, processor=None) -> tuple[list[int], object | None]:
+    """The token ids of a chat request, rendered in Gemma 4's chat format, and its images / audio
+    (`Media`, None without any). Each image or clip of a user message becomes one `<|image|>` /
+    `<|audio|>` at its place in the text, expanded into its soft-token placeholders by `processor`
+    (`gemma4_nnx.processor.Processor`); without a processor (the precheck's length estimate) they
+    stay one token each."""
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer; this server has none")
-    return _encode_chat(tokenizer, body)
+    return _encode_chat(tokenizer, body, processor=processor)
 
 
 def _chat_messages(body) -> list[dict]:
@@ -272,6 +277,8 @@ def _chat_messages(body) -> list[dict]:
     names: dict[str, str] = {}
     out = []
     for i, m in enumerate(body.messages):
+        if m.media_parts and m.role != "user":
+            raise ApiError(f"'messages.{i}': images and audio are accepted in user messages only", "messages")
         msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
         if m.tool_calls:
             calls = []
@@ -302,7 +309,7 @@ def _uses_tools(body) -> bool:
     return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
 
 
-def _encode_chat(tokenizer, body, **options) -> list[int]:
+def _encode_chat(tokenizer, body, processor=None, **options) -> tuple[list[int], object | None]:
     messages = _chat_messages(body)
     thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
     tools = None
@@ -310,9 +317,43 @@ def _encode_chat(tokenizer, body, **options) -> list[int]:
         _need_tool_tokens(tokenizer)
         tools = [t.function.model_dump(exclude_none=True) for t in body.tools]
     try:
-        return encode_chat(tokenizer, messages, thinking=thinking, tools=tools, **options)
+        text = format_chat(messages, thinking=thinking, tools=tools, **options)
     except ValueError as e:
         raise ApiError(str(e), "messages") from None
+    media = _chat_media(body, processor) if processor is not None else None
+    if media is not None:
+        images, audios, media = media
+        try:
+            text = processor.expand_prompt(text, images, audios)
+        except ValueError as e:  # e.g. a literal <|image|> typed into the text
+            raise ApiError(f"'messages': {e}", "messages") from None
+    return tokenizer.encode(text, add_bos=True), media
+
+
+def _chat_media(body, processor):
+    """(image inputs, audio inputs, `Media`) of the request's image / audio parts in order, or None."""
+    from gemma4_nnx.model.multimodal import Media
+    from gemma4_nnx.processor import batch_audio, batch_images
+    from gemma4_nnx.serve.media import decode_audio, decode_image
+
+    images, audios = [], []
+    for i, m in enumerate(body.messages):
+        for j, part in enumerate(m.media_parts):
+            where = f"messages.{i}.content.{j}"
+            try:
+                if part.type == "image_url":
+                    images.append(processor.preprocess_image(decode_image(part.image_url.url, where)))
+                else:
+                    rate = processor.config.audio.sampling_rate
+                    wave = decode_audio(part.input_audio.data, where, rate)
+                    audios.append(processor.preprocess_audio(wave, rate))
+            except (ValueError, TypeError) as e:
+                raise ApiError(f"'{where}': {e}", "messages") from None
+    if not images and not audios:
+        return None
+    pix, pos = batch_images(images) if images else (None, None)
+    feats, mask = batch_audio(audios) if audios else (None, None)
+    return images, audios, Media(pix, pos, feats, mask)
 
 
 def _need_tool_tokens(tokenizer) -> None:
@@ -362,8 +403,10 @@ class Serving:
         queue_timeout: float | None = None,
         max_tokens: int | None = None,
         metrics: ServerMetrics | None = None,
+        processor=None,
     ):
         self.engine, self.model_name = engine, model_name
+        self.processor = processor  # gemma4_nnx.processor.Processor of a multimodal model, else None
         self.metrics = metrics
         self.max_tokens = max_tokens
         self.queue_timeout = queue_timeout
@@ -429,14 +472,16 @@ class Serving:
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         return completion_prompts(self.tokenizer, body, self.max_prompts)
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        return chat_prompt(self.tokenizer, body)
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], object | None]:
+        if self.processor is None and any(m.media_parts for m in body.messages):
+            raise ApiError("this model takes text only (no vision / audio tower loaded): send text content", "messages")
+        return chat_prompt(self.tokenizer, body, self.processor)
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         """POST /tokenize: the ids the completion / chat routes would run for this text or chat."""
         tok = self._need_tokenizer()
         if body.messages is not None:
-            ids = _encode_chat(tok, body, add_generation_prompt=body.add_generation_prompt)
+            ids = _encode_chat(tok, body, self.processor, add_generation_prompt=body.add_generation_prompt)[0]
         else:
             ids = tok.encode(body.prompt, add_bos=body.add_special_tokens)
         strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
@@ -473,9 +518,10 @@ class Serving:
             raise ApiError("this server has no tokenizer (start it with --tokenizer)")
         return self.tokenizer
 
-    def engine_requests(self, prompts: list[list[int]], body, *, chat: bool) -> list[Request]:
+    def engine_requests(self, prompts: list[list[int]], body, *, chat: bool, media=None) -> list[Request]:
         """Validate every prompt with the body's settings before any is queued (503 when the engine
-        is not running: no request could be served, valid or not)."""
+        is not running: no request could be served, valid or not). media: per prompt, its `Media` or
+        None (chat)."""
         if not self.engine.alive:
             raise ApiError(
                 f"the engine is not running{': ' + self.engine.error if self.engine.error else ''}",
@@ -535,8 +581,11 @@ class Serving:
             return max_tokens
 
         try:
+            media = media or [None] * len(prompts)
             return [
-                self.engine.validate(ids, limit(ids), seed=seed, row=j, **options) for ids in prompts for j in range(n)
+                self.engine.validate(ids, limit(ids), seed=seed, row=j, media=m, **options)
+                for ids, m in zip(prompts, media, strict=True)
+                for j in range(n)
             ]
         except RequestError as e:
             chat_field, text_field = ENGINE_PARAMS.get(e.param, (e.param, e.param))

@@ -1,0 +1,85 @@
+"""Images and audio of chat requests: data URLs and base64 WAV in, the model's arrays out.
+
+The server fetches nothing: an `image_url` must be a `data:` URL, an `input_audio` a base64 WAV
+file. Every problem is the client's and gets a 400 naming the message and part (`ApiError`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+
+import numpy as np
+
+from gemma4_nnx.serve.serving import ApiError
+
+__all__ = ["MAX_AUDIO_SECONDS", "MAX_IMAGE_PIXELS", "decode_audio", "decode_image"]
+
+#: Larger images are refused before decoding (PIL's own bomb guard warns at 89 M pixels): the model
+#: downsizes every image to its soft-token budget anyway.
+MAX_IMAGE_PIXELS = 40_000_000
+#: The audio encoder sees at most 30 s (the feature extractor's max_length, 480000 samples at 16 kHz);
+#: longer clips are refused rather than cut without a word.
+MAX_AUDIO_SECONDS = 30.0
+
+
+def _b64(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(f"'{where}': not valid base64", "messages") from None
+
+
+def decode_image(url: str, where: str):
+    """A PIL image (RGB conversion is the processor's) from a `data:image/...;base64,` URL."""
+    from PIL import Image
+
+    if url.startswith(("http://", "https://")):
+        raise ApiError(
+            f"'{where}': this server fetches nothing; send the image inline as a data URL (data:image/png;base64,...)",
+            "messages",
+        )
+    head, sep, payload = url.partition(",")
+    if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
+        raise ApiError(f"'{where}': expected a data URL of the form data:image/<type>;base64,<data>", "messages")
+    raw = _b64(payload, where)
+    try:
+        img = Image.open(io.BytesIO(raw))
+        w, h = img.size
+        if w * h > MAX_IMAGE_PIXELS:
+            raise ApiError(
+                f"'{where}': {w}x{h} pixels is more than this server decodes ({MAX_IMAGE_PIXELS}); "
+                "send a smaller image",
+                "messages",
+            )
+        img.load()
+    except ApiError:
+        raise
+    except Exception as e:  # PIL raises many types for a damaged or unknown file
+        raise ApiError(f"'{where}': not a readable image ({type(e).__name__}: {e})", "messages") from None
+    return img
+
+
+def decode_audio(data: str, where: str, sampling_rate: int) -> np.ndarray:
+    """A mono float32 waveform from a base64 PCM WAV file at `sampling_rate` Hz (channels averaged)."""
+    from gemma4_nnx.processor import read_wav
+
+    try:
+        x, rate = read_wav(_b64(data, where))
+    except ValueError as e:
+        raise ApiError(f"'{where}': {e}", "messages") from None
+    if rate != sampling_rate:
+        raise ApiError(
+            f"'{where}': the clip is sampled at {rate} Hz; this model takes {sampling_rate} Hz (resample it first)",
+            "messages",
+        )
+    if len(x) == 0:
+        raise ApiError(f"'{where}': the clip is empty", "messages")
+    if len(x) / rate > MAX_AUDIO_SECONDS:
+        raise ApiError(
+            f"'{where}': the clip lasts {len(x) / rate:.1f} s; the audio encoder takes at most "
+            f"{MAX_AUDIO_SECONDS:.0f} s",
+            "messages",
+        )
+    return x

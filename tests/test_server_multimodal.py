@@ -1,0 +1,204 @@
+"""Images and audio through `gemma4-serve`: OpenAI content parts (`image_url` data URLs, base64 WAV
+`input_audio`) from the official client give what `generate` gives for the same image, clip and
+chat; malformed or refused media get a 400 naming `messages`.
+
+The tiny multimodal model (vision and audio towers, PLE, KV sharing) is built with transformers,
+converted and loaded as a user would; its tokenizer carries Gemma 4's placeholder strings.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+import gemma4_nnx  # noqa: E402
+from gemma4_nnx.decode.engine import Engine  # noqa: E402
+from gemma4_nnx.processor import batch_audio, batch_images  # noqa: E402
+from gemma4_nnx.tokenizer import format_chat  # noqa: E402
+from tests import hf_fixtures as fx  # noqa: E402
+from tests.helpers import ServerThread, build_hf_json  # noqa: E402
+
+pytestmark = pytest.mark.reference
+
+NAME = "tiny-gemma4-mm"
+RATE = 16_000
+# The tiny towers' geometry (hf_fixtures.VISION / AUDIO): 4-pixel patches pooled 2x2, 16 mel bins.
+PROCESSOR = {
+    "image_processor": {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 2},
+    "feature_extractor": {"feature_size": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_mm")
+    build_hf_json(root / "tokenizer.json")
+    tok = gemma4_nnx.load_tokenizer(root)
+    hf = fx.build_hf_multimodal("e2b", seed=2, vocab_size=tok.vocab_size, tokens=fx.TOKENIZER_MM_TOKENS)
+    hf_dir = root / "hf"
+    fx.save_hf_checkpoint(hf, str(hf_dir))
+    (hf_dir / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+    (hf_dir / "processor_config.json").write_text(json.dumps(PROCESSOR))
+    ckpt = gemma4_nnx.convert(str(hf_dir), str(root / "ckpt"), dtype="float32", progress=False)
+    from gemma4_nnx.processor import load_processor
+
+    model = gemma4_nnx.load(ckpt)
+    processor = load_processor(ckpt)
+    engine = Engine(model, tok, max_batch=2, max_length=256)
+    try:
+        with ServerThread(engine, NAME, processor=processor) as server:
+            yield model, tok, processor, server.port, ckpt
+    finally:
+        engine.close()
+
+
+def _png(seed: int, size=(13, 9)) -> tuple[bytes, object]:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue(), img
+
+
+def _wav(seconds: float, seed: int, rate: int = RATE) -> tuple[bytes, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    pcm = (rng.standard_normal(int(seconds * rate)) * 3000).clip(-32768, 32767).astype(np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(pcm.tobytes())
+    return buf.getvalue(), pcm.astype(np.float32) / 32768.0
+
+
+def _data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def _client(port):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_image_and_audio_chat_equals_generate(served):
+    model, tok, processor, port, _ = served
+    png, img = _png(0)
+    wav, wave_f32 = _wav(0.3, 1)
+    content = [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": _data_url(png)}},
+        {"type": "text", "text": "and listen"},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+    ]
+    out = _client(port).chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0, logprobs=True
+    )
+    # The reference: the same chat rendered with the placeholders, expanded, and `generate` with the media.
+    image, clip = processor.preprocess_image(img), processor.preprocess_audio(wave_f32, RATE)
+    text = format_chat([{"role": "user", "content": "look<|image|>and listen<|audio|>"}])
+    ids = tok.encode(processor.expand_prompt(text, [image], [clip]), add_bos=True)
+    assert ids.count(fx.TOKENIZER_MM_TOKENS["image_token_id"]) == image.num_soft_tokens > 0
+    assert ids.count(fx.TOKENIZER_MM_TOKENS["audio_token_id"]) == clip.num_soft_tokens > 0
+    media = gemma4_nnx.Media(*batch_images([image]), *batch_audio([clip]))
+    ref = gemma4_nnx.generate(model, [ids], 6, tokenizer=tok, media=[media], return_logprobs=True, max_length=256)
+    choice = out.choices[0]
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(ref.logprobs[0], abs=1e-5)
+    assert out.usage.prompt_tokens == len(ids)
+    # the image matters: without it the answer's log-probabilities differ
+    plain = _client(port).chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": [content[0], content[2], content[3]]}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+    )
+    assert [t.logprob for t in plain.choices[0].logprobs.content] != pytest.approx(ref.logprobs[0], abs=1e-5)
+
+
+def _bad(port, content, role="user"):
+    client = _client(port)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": role, "content": content}], max_tokens=2, temperature=0
+        )
+    body = e.value.body
+    return body.get("param"), body.get("message", "")
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], "fetches nothing"),
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "base64"),
+        (
+            [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"no").decode()}}],
+            "not a readable image",
+        ),
+        (
+            [{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF").decode(), "format": "wav"}}],
+            "WAV",
+        ),
+        ([{"type": "text", "text": "a literal <|image|> without an image"}], "placeholder"),
+    ],
+)
+def test_malformed_media_is_a_400_naming_messages(served, content, needle):
+    param, message = _bad(served[3], content)
+    assert param == "messages" and needle in message, message
+
+
+def test_refused_media(served, monkeypatch):
+    from gemma4_nnx.serve import media
+
+    port = served[3]
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)  # the 13x9 test image is 117 pixels
+    png, _ = _png(7)
+    param, message = _bad(port, [{"type": "image_url", "image_url": {"url": _data_url(png)}}])
+    assert param == "messages" and "13x9 pixels is more than" in message
+    wav, _ = _wav(30.5, 8)
+    param, message = _bad(
+        port, [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}]
+    )
+    assert param == "messages" and "at most 30 s" in message
+    wav, _ = _wav(0.2, 3, rate=8000)
+    param, message = _bad(
+        port, [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}]
+    )
+    assert param == "messages" and "16000 Hz" in message
+    png, _ = _png(4)
+    param, message = _bad(port, [{"type": "image_url", "image_url": {"url": _data_url(png)}}], role="system")
+    assert param == "messages" and "user messages only" in message
+
+
+def test_cli_generate_with_image_and_audio_equals_generate(served, tmp_path, capsys):
+    """`gemma4-generate CKPT --chat TEXT --image PNG --audio WAV`: the images, then the clip, lead the
+    user message; the printed text is `generate`'s."""
+    from gemma4_nnx import cli_generate
+
+    model, tok, processor, _, ckpt = served
+    png, img = _png(5, size=(10, 17))
+    wav, wave_f32 = _wav(0.4, 6)
+    (tmp_path / "a.png").write_bytes(png)
+    (tmp_path / "a.wav").write_bytes(wav)
+    argv = [ckpt, "--chat", "what is this", "--image", str(tmp_path / "a.png"), "--audio", str(tmp_path / "a.wav")]
+    assert cli_generate.main([*argv, "--max-new-tokens", "5"]) == 0
+    printed = capsys.readouterr().out
+    image, clip = processor.preprocess_image(img), processor.preprocess_audio(wave_f32, RATE)
+    text = format_chat([{"role": "user", "content": "<|image|><|audio|>what is this"}])
+    ids = tok.encode(processor.expand_prompt(text, [image], [clip]), add_bos=True)
+    media = gemma4_nnx.Media(*batch_images([image]), *batch_audio([clip]))
+    ref = gemma4_nnx.generate(model, [ids], 5, tokenizer=tok, media=[media])
+    want = tok.decode([t for t in ref.tokens[0] if t not in set(tok.stop_ids)])
+    assert printed == want + "\n"
+    # a text checkpoint refuses them with a clear error
+    assert cli_generate.main([ckpt, "--prompt", "x", "--image", str(tmp_path / "missing.png")]) == 2
+    assert "missing.png" in capsys.readouterr().err
