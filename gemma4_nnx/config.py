@@ -2,12 +2,14 @@
 
 `Gemma4Config` is a frozen dataclass holding the fields of a Hugging Face `config.json`
 (`Gemma4ForCausalLM`, model_type `gemma4_text`, or the `text_config` of the multimodal
-`Gemma4ForConditionalGeneration`). Everything that differs from layer to layer (attention type,
-head dim, KV heads, RoPE, KV-sharing donor, MLP width) is derived once, in `Gemma4Config.layers`,
-so modules never re-derive it with `if layer_idx in ...`.
+`Gemma4ForConditionalGeneration`; likewise Gemma 4 unified: `Gemma4UnifiedForCausalLM`,
+model_type `gemma4_unified_text`, and `Gemma4UnifiedForConditionalGeneration`, `gemma4_unified`).
+Everything that differs from layer to layer (attention type, head dim, KV heads, RoPE, KV-sharing
+donor, MLP width, bidirectional vision attention) is derived once, in `Gemma4Config.layers`, so
+modules never re-derive it with `if layer_idx in ...`.
 
-Presets for the released sizes: `Gemma4Config.e2b()`, `.e4b()`, `.b31()` (31B dense) and
-`.b26_a4b()` (26B-A4B mixture of experts).
+Presets for the released sizes: `Gemma4Config.e2b()`, `.e4b()`, `.b31()` (31B dense),
+`.b26_a4b()` (26B-A4B mixture of experts) and `.b12()` (12B, Gemma 4 unified).
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ FULL = "full_attention"
 LayerType = Literal["sliding_attention", "full_attention"]
 
 _ROPE_TYPES = ("default", "proportional")
-_SUPPORTED_MODEL_TYPES = ("gemma4_text", "gemma4")
+_SUPPORTED_MODEL_TYPES = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
+#: Gemma 4 unified (`google/gemma-4-12B-it`): the Gemma 4 text decoder without PLE or MoE, an encoder-free
+#: vision / audio front end (`gemma4_nnx.model.unified`), bidirectional attention over each image everywhere.
+UNIFIED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
+_MULTIMODAL_MODEL_TYPES = ("gemma4", "gemma4_unified")
+_BIDIRECTIONAL_SCOPES = ("sliding", "all_layers")
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"  # Gemma 4 MTP drafters (`AssistantConfig`)
 _GEMMA3_MODEL_TYPE = "gemma3_text"  # Gemma 3 text checkpoints, read as a degenerate Gemma 4 (`model_family`)
 _FAMILIES = ("gemma4", "gemma3")
@@ -58,6 +65,10 @@ class LayerSpec:
     kv_donor: int | None  # None: the layer computes its own K/V; else the layer it borrows them from
     stores_kv: bool  # last non-shared layer of its type: publishes K/V to consumers
     mlp_width: int
+    # Bidirectional attention within an image (`use_bidirectional_attention="vision"`): None = causal;
+    # "window": a query also sees the later tokens of its image, inside the sliding window (Gemma 4's
+    # sliding layers); "whole": it sees its whole image, past the window too (every Gemma 4 unified layer).
+    vision_block: str | None = None
 
     @property
     def is_sliding(self) -> bool:
@@ -116,13 +127,17 @@ class Gemma4Config:
     # (`gemma4_nnx.model.vision.VisionConfig`, `gemma4_nnx.model.audio.AudioConfig`; None = no tower,
     # as for a text-only load), the placeholder token ids whose embeddings the towers' soft tokens
     # replace, and HF `use_bidirectional_attention` ("vision": sliding layers let the tokens of one
-    # image see each other both ways; None: causal).
+    # image see each other both ways; None: causal). bidirectional_scope says where: "sliding" (Gemma 4,
+    # HF `create_masks_for_vision_model`): sliding layers only, within the window; "all_layers" (Gemma 4
+    # unified, whose forward builds its masks with `block_sequence_ids`): every layer, and each image
+    # token sees its whole image even past the sliding window.
     vision: Any = None
     audio: Any = None
     image_token_id: int | None = None
     video_token_id: int | None = None
     audio_token_id: int | None = None
     use_bidirectional_attention: str | None = None
+    bidirectional_scope: str = "sliding"
 
     def __post_init__(self):
         if not self.layer_types:
@@ -213,7 +228,13 @@ class Gemma4Config:
             _fail(
                 "use_bidirectional_attention",
                 f"{self.use_bidirectional_attention!r} is not supported",
-                'use None (causal) or "vision" (bidirectional within an image on sliding layers)',
+                'use None (causal) or "vision" (bidirectional within each image)',
+            )
+        if self.bidirectional_scope not in _BIDIRECTIONAL_SCOPES:
+            _fail(
+                "bidirectional_scope",
+                f"{self.bidirectional_scope!r} is not supported",
+                f'use "sliding" (Gemma 4) or "all_layers" (Gemma 4 unified), one of {_BIDIRECTIONAL_SCOPES}',
             )
         for name, tower in (("vision", self.vision), ("audio", self.audio)):
             token = self.image_token_id if name == "vision" else self.audio_token_id
@@ -259,6 +280,12 @@ class Gemma4Config:
         specs = []
         for i, t in enumerate(self.layer_types):
             full = t == FULL
+            block = None
+            if self.use_bidirectional_attention == "vision":
+                if self.bidirectional_scope == "all_layers":
+                    block = "whole"
+                elif not full:
+                    block = "window"
             donor = donors[t] if (self.num_kv_shared_layers and i >= first) else None
             width = self.intermediate_size * (2 if (self.use_double_wide_mlp and donor is not None) else 1)
             specs.append(
@@ -272,6 +299,7 @@ class Gemma4Config:
                     kv_donor=donor,
                     stores_kv=self.num_kv_shared_layers > 0 and i < first and donors.get(t) == i,
                     mlp_width=width,
+                    vision_block=block,
                 )
             )
         return tuple(specs)
@@ -375,6 +403,43 @@ class Gemma4Config:
             max_position_embeddings=262_144,
         )
 
+    @classmethod
+    def b12(cls) -> Gemma4Config:
+        """Gemma 4 12B (`google/gemma-4-12B-it`, Gemma 4 unified), text model: dense, no PLE, no MoE,
+        K = V on full layers with one global KV head; `with_towers` adds its front end.
+
+        Where the numbers come from. transformers 5.24's default `Gemma4UnifiedTextConfig` is *not* the
+        12B (its hidden 2304 / 30 layers are the generic Gemma 4 text defaults); it gives: hidden_size
+        3840 (`Gemma4UnifiedAssistantConfig.backbone_hidden_size`, documented for gemma-4-12b-it, and
+        `Gemma4UnifiedVisionConfig.mm_embed_dim`, "matches the text model hidden_size"), sliding_window
+        1024, max_position_embeddings 262144, use_bidirectional_attention "vision", head_dim 256 /
+        global_head_dim 512, both RoPE settings, no PLE / MoE. The rest (48 layers, 16 heads, 8 KV heads,
+        num_global_key_value_heads 1 with attention_k_eq_v, intermediate_size 15360, final softcap 30,
+        5 sliding + 1 full, eos_token_id 1: generation stops come from the tokenizer) is the checkpoint's
+        published config.json (google/gemma-4-12B, as quoted by public ports' test fixtures), not in
+        transformers' sources.
+        """
+        return cls(
+            vocab_size=262_144,
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            num_global_key_value_heads=1,
+            head_dim=256,
+            global_head_dim=512,
+            layer_types=_pattern(48, 6),
+            sliding_window=1024,
+            final_logit_softcapping=30.0,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            max_position_embeddings=262_144,
+            eos_token_id=(1,),
+            use_bidirectional_attention="vision",
+            bidirectional_scope="all_layers",
+        )
+
     # ------------------------------------------------------------------ HF config.json
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> Gemma4Config:
@@ -383,22 +448,31 @@ class Gemma4Config:
         Accepts `Gemma4ForCausalLM` (model_type `gemma4_text`) and the multimodal
         `Gemma4ForConditionalGeneration` (model_type `gemma4`, text fields under `text_config`), in both
         representations transformers has written: flat `global_head_dim` / `num_global_key_value_heads`,
-        and `per_layer_config` (newer transformers re-saves). Also accepts Gemma 3 text checkpoints
-        (model_type `gemma3_text`, `Gemma3ForCausalLM`) as a degenerate Gemma 4: see `_from_gemma3_dict`.
+        and `per_layer_config` (newer transformers re-saves). Gemma 4 unified likewise:
+        `Gemma4UnifiedForCausalLM` (`gemma4_unified_text`) and `Gemma4UnifiedForConditionalGeneration`
+        (`gemma4_unified`, with its encoder-free front end: `gemma4_nnx.model.unified`). Also accepts
+        Gemma 3 text checkpoints (model_type `gemma3_text`, `Gemma3ForCausalLM`) as a degenerate Gemma 4:
+        see `_from_gemma3_dict`.
         """
         raw = _read_config_json(path_or_dict)
         if raw.get("model_type") == _GEMMA3_MODEL_TYPE:
             return cls._from_gemma3_dict(raw)
-        config = cls._from_text_dict(_text_config_dict(raw))
-        if raw.get("model_type") == "gemma4":
+        text = _text_config_dict(raw)
+        unified = raw.get("model_type") in UNIFIED_MODEL_TYPES or text.get("model_type") == "gemma4_unified_text"
+        config = cls._from_text_dict(text, unified=unified)
+        if raw.get("model_type") in _MULTIMODAL_MODEL_TYPES:
             config = config.with_towers(raw)
         return config
 
     def with_towers(self, raw: Mapping[str, Any]) -> Gemma4Config:
         """This text config plus the towers and placeholder ids of a multimodal `config.json` (`raw`:
-        model_type `gemma4`)."""
-        from gemma4_nnx.model.audio import AudioConfig
-        from gemma4_nnx.model.vision import VisionConfig
+        model_type `gemma4`, or `gemma4_unified`: its vision embedder and raw-audio input)."""
+        if raw.get("model_type") == "gemma4_unified":
+            from gemma4_nnx.model.unified import UnifiedAudioConfig as AudioConfig
+            from gemma4_nnx.model.unified import UnifiedVisionConfig as VisionConfig
+        else:
+            from gemma4_nnx.model.audio import AudioConfig
+            from gemma4_nnx.model.vision import VisionConfig
 
         vision, audio = raw.get("vision_config"), raw.get("audio_config")
         return dataclasses.replace(
@@ -485,7 +559,11 @@ class Gemma4Config:
         )
 
     @classmethod
-    def _from_text_dict(cls, d: dict[str, Any]) -> Gemma4Config:
+    def _from_text_dict(cls, d: dict[str, Any], unified: bool = False) -> Gemma4Config:
+        """`unified`: a `Gemma4UnifiedTextConfig` dict. Its class defaults differ (sliding_window 1024,
+        max_position_embeddings 262144, use_bidirectional_attention "vision", bidirectional over the
+        whole image on every layer) and it has no PLE or MoE: HF's unified model never builds them, so
+        `hidden_size_per_layer_input`, `enable_moe_block`, ... in such a file are ignored, as HF does."""
         n = d.get("num_hidden_layers")
         if n is None:
             raise ValueError("config.json has no num_hidden_layers; is this a Gemma 4 text config?")
@@ -539,6 +617,18 @@ class Gemma4Config:
             bos_token_id=d.get("bos_token_id", 2) if d.get("bos_token_id") is not None else 2,
             use_bidirectional_attention=d.get("use_bidirectional_attention"),
         )
+        if unified:
+            kwargs.update(
+                sliding_window=d.get("sliding_window", 1024),
+                max_position_embeddings=d.get("max_position_embeddings", 262_144),
+                use_bidirectional_attention=d.get("use_bidirectional_attention", "vision"),
+                bidirectional_scope="all_layers",
+                hidden_size_per_layer_input=0,
+                enable_moe_block=False,
+                num_experts=None,
+                top_k_experts=None,
+                moe_intermediate_size=None,
+            )
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -633,13 +723,25 @@ class Gemma4Config:
             if isinstance(d.get(key), Mapping):
                 d[key] = RopeSpec(**d[key])
         if isinstance(d.get("vision"), Mapping):
+            from gemma4_nnx.model import unified
             from gemma4_nnx.model.vision import VisionConfig
 
-            d["vision"] = VisionConfig(**d["vision"])
+            v = d["vision"]
+            d["vision"] = (
+                unified.UnifiedVisionConfig(**v)
+                if v.get("model_type") == unified.UNIFIED_VISION_TYPE
+                else VisionConfig(**v)
+            )
         if isinstance(d.get("audio"), Mapping):
+            from gemma4_nnx.model import unified
             from gemma4_nnx.model.audio import AudioConfig
 
-            d["audio"] = AudioConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d["audio"].items()})
+            a = {k: tuple(v) if isinstance(v, list) else v for k, v in d["audio"].items()}
+            d["audio"] = (
+                unified.UnifiedAudioConfig(**a)
+                if a.get("model_type") == unified.UNIFIED_AUDIO_TYPE
+                else AudioConfig(**a)
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -708,10 +810,10 @@ def _text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
             f"(model_type one of {_SUPPORTED_MODEL_TYPES}) and Gemma 3 text checkpoints "
             f"(model_type {_GEMMA3_MODEL_TYPE!r})"
         )
-    if model_type == "gemma4":
+    if model_type in _MULTIMODAL_MODEL_TYPES:
         text = raw.get("text_config")
         if not isinstance(text, Mapping):
-            raise ValueError("multimodal Gemma 4 config.json has no text_config; the file is incomplete")
+            raise ValueError(f"multimodal {model_type!r} config.json has no text_config; the file is incomplete")
         text = dict(text)
         # token ids may live at the top level of the multimodal config
         for key in ("eos_token_id", "bos_token_id", "pad_token_id"):

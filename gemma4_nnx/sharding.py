@@ -52,7 +52,7 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
 #: dotted path (searched) -> logical axes, first match wins. Paths as in `gemma4_nnx.io.hf.name_map`.
 PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     # the vision / audio towers and their embedders: replicated (small, and run once per prompt)
-    (r"^(vision_tower|audio_tower|embed_vision|embed_audio)\.", (None,)),
+    (r"^(vision_tower|vision_embedder|audio_tower|embed_vision|embed_audio)\.", (None,)),
     (r"^embed_tokens\.embedding$", ("vocab", "embed")),
     (r"^embed_tokens_per_layer\.embedding$", ("vocab", "ple")),
     (r"^embed_tokens_per_layer\.(codes|scales)$", ("vocab", None)),

@@ -380,3 +380,83 @@ def audio_inputs(lengths: list[int], frames: int, seed: int = 0) -> tuple[np.nda
 def audio_soft_tokens(length: int) -> int:
     """Valid frames after the two stride-2 subsampling convolutions (HF keeps mask[::2][::2])."""
     return len(range(0, len(range(0, length, 2)), 2))
+
+
+# ------------------------------------------------------------------------------------------- Gemma 4 unified
+#: The encoder-free front end at toy scale: model patches of (2 * 2)^2 pixels, 24 wide, 16 table rows.
+UNIFIED_VISION = dict(patch_size=2, pooling_kernel_size=2, mm_embed_dim=24, mm_posemb_size=16, output_proj_dims=24)
+UNIFIED_AUDIO = dict(audio_embed_dim=20)  # raw waveform samples per audio soft token
+#: Text fields Gemma4UnifiedTextConfig does not have (no PLE, no MoE).
+_NOT_UNIFIED = ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block", "num_experts")
+
+
+def unified_text_config(variant: str = "k_eq_v", **overrides) -> dict:
+    """The HF `Gemma4UnifiedTextConfig` kwargs of a PLE-free, MoE-free `VARIANTS` entry (+ overrides)."""
+    kw = {k: v for k, v in VARIANTS[variant].items() if k not in _NOT_UNIFIED}
+    kw.update(overrides)
+    return kw
+
+
+def build_hf_unified(
+    variant: str = "k_eq_v",
+    *,
+    multimodal: bool = False,
+    vision: bool = True,
+    audio: bool = True,
+    seed: int = 0,
+    **text_overrides,
+):
+    """A float32 eager `Gemma4UnifiedForCausalLM`, or with `multimodal` a
+    `Gemma4UnifiedForConditionalGeneration` with the toy vision embedder / audio input, weights perturbed."""
+    import torch
+    from transformers import (
+        Gemma4UnifiedConfig,
+        Gemma4UnifiedForCausalLM,
+        Gemma4UnifiedForConditionalGeneration,
+        Gemma4UnifiedTextConfig,
+    )
+
+    torch.manual_seed(seed)
+    tc = Gemma4UnifiedTextConfig(**unified_text_config(variant, **text_overrides))
+    if multimodal:
+        cfg = Gemma4UnifiedConfig(
+            text_config=tc.to_dict(),
+            vision_config=dict(UNIFIED_VISION) if vision else None,
+            audio_config=dict(UNIFIED_AUDIO) if audio else None,
+            boa_token_id=BOA,
+            eoa_token_index=EOA,
+            **MM_TOKENS,
+        )
+        cfg._attn_implementation = "eager"
+        model = Gemma4UnifiedForConditionalGeneration(cfg)
+    else:
+        tc._attn_implementation = "eager"
+        model = Gemma4UnifiedForCausalLM(tc)
+    model = model.float().eval()
+    _perturb(model, seed)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def unified_image_inputs(grids: list[tuple[int, int]], max_patches: int, seed: int = 0):
+    """pixel_values [N, max_patches, 3 (k p)^2] in [0, 1] and image_position_ids [N, max_patches, 2] of
+    images with (width, height) grids of model patches, as the unified image processor lays them out
+    (one soft token per model patch, raster order, padding (-1, -1) with zero pixels)."""
+    rng = np.random.default_rng(seed)
+    side = UNIFIED_VISION["patch_size"] * UNIFIED_VISION["pooling_kernel_size"]
+    pix = np.zeros((len(grids), max_patches, 3 * side * side), np.float32)
+    pos = np.full((len(grids), max_patches, 2), -1, np.int64)
+    for i, (w, h) in enumerate(grids):
+        gx, gy = np.meshgrid(np.arange(w), np.arange(h), indexing="xy")
+        pos[i, : w * h] = np.stack([gx, gy], -1).reshape(-1, 2)
+        pix[i, : w * h] = rng.random((w * h, 3 * side * side), np.float32)
+    return pix, pos
+
+
+def unified_audio_inputs(lengths: list[int], frames: int, seed: int = 0):
+    """input_features [C, frames, audio_embed_dim] (raw waveform frames) and input_features_mask [C, frames]."""
+    rng = np.random.default_rng(seed)
+    width = UNIFIED_AUDIO["audio_embed_dim"]
+    feats = (0.3 * rng.standard_normal((len(lengths), frames, width))).astype(np.float32)
+    mask = np.arange(frames)[None, :] < np.asarray(lengths)[:, None]
+    return feats * mask[..., None], mask

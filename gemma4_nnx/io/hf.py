@@ -25,14 +25,17 @@ from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Confi
 Path = tuple  # an NNX state path, e.g. ("layers", 3, "self_attn", "q_proj", "kernel")
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
-#: Tensors of the multimodal checkpoint that the text model does not use.
+#: Tensors of the multimodal checkpoint that the text model does not use (`vision_embedder`: Gemma 4
+#: unified's encoder-free vision front end).
 NON_TEXT_PREFIXES = (
     "model.vision_tower.",
     "model.audio_tower.",
+    "model.vision_embedder.",
     "model.embed_vision.",
     "model.embed_audio.",
     "vision_tower.",
     "audio_tower.",
+    "vision_embedder.",
     "embed_vision.",
     "embed_audio.",
 )
@@ -153,15 +156,30 @@ def name_map(config: Gemma4Config) -> list[Entry]:
 def tower_entries(config: Gemma4Config) -> list[Entry]:
     """The vision / audio towers and their embedders (HF `vision_tower.*`, `embed_vision.*`,
     `audio_tower.*`, `embed_audio.*` after the `model.` prefix), derived from the modules
-    (`mirrored_entries`); none for a text model."""
+    (`mirrored_entries`); none for a text model. Gemma 4 unified: `vision_embedder.*` and the two
+    embedders (`gemma4_nnx.model.unified`), named as its files name them."""
     if not config.multimodal:
         return []
     from gemma4_nnx.model.multimodal import MultimodalEmbedder
+    from gemma4_nnx.model.unified import UnifiedAudioConfig, UnifiedVisionConfig, VisionEmbedder
 
     out = []
     kw = dict(dtype=jnp.float32, param_dtype=jnp.float32)
     for name, sub, embed in (("vision", config.vision, "embed_vision"), ("audio", config.audio, "embed_audio")):
         if sub is None:
+            continue
+        if isinstance(sub, (UnifiedVisionConfig, UnifiedAudioConfig)):
+            vision = isinstance(sub, UnifiedVisionConfig)
+            width = sub.mm_embed_dim if vision else sub.audio_embed_dim
+            if vision:
+                embedder = nnx.eval_shape(lambda sub=sub: VisionEmbedder(sub, rngs=nnx.Rngs(0), **kw))
+                out += mirrored_entries(embedder, "vision_embedder.", ("vision_embedder",))
+            projection = nnx.eval_shape(
+                lambda width=width, sub=sub: MultimodalEmbedder(
+                    width, config.hidden_size, eps=sub.rms_norm_eps, rngs=nnx.Rngs(0), **kw
+                )
+            )
+            out += mirrored_entries(projection, f"{embed}.", (embed,))
             continue
         if name == "vision":
             from gemma4_nnx.model.vision import VisionModel as Tower
@@ -586,11 +604,13 @@ def from_hf(
 
     The model is built abstractly (`nnx.eval_shape`, no random weights) and filled tensor by tensor.
     Accepts `Gemma4ForCausalLM` (`model.` prefix) and `Gemma4ForConditionalGeneration`
-    (`model.language_model.`) files, single or sharded; skips vision/audio tensors and ignores the
-    unused K/V tensors of KV-consumer layers. A multimodal checkpoint loads with its vision / audio
-    towers (`model(ids, pixel_values=..., input_features=...)`); `text_only=True` skips them (less
-    memory, text prompts only). `sharding`: optional callable path -> jax.sharding.Sharding.
-    `matmul`: the projections' product ("auto", "xla", "cpu_kernels"; `gemma4_nnx.model.layers`).
+    (`model.language_model.`) files, single or sharded, and their Gemma 4 unified counterparts
+    (`Gemma4UnifiedForCausalLM`, `Gemma4UnifiedForConditionalGeneration`: `gemma4_nnx.model.unified`);
+    skips vision/audio tensors and ignores the unused K/V tensors of KV-consumer layers. A multimodal
+    checkpoint loads with its vision / audio towers (`model(ids, pixel_values=..., input_features=...)`);
+    `text_only=True` skips them (less memory, text prompts only). `sharding`: optional callable
+    path -> jax.sharding.Sharding. `matmul`: the projections' product ("auto", "xla", "cpu_kernels";
+    `gemma4_nnx.model.layers`).
     """
     hf_dir = os.fspath(hf_dir)
     param_dtype = param_dtype or dtype

@@ -9,7 +9,9 @@ global layers) and whether the layer borrows K/V from a donor (KV sharing). Fact
 - V gets a weightless RMSNorm and no RoPE; with k_eq_v, V = v_norm(raw K projection), taken before
   k_norm and RoPE;
 - sliding layers see exactly `sliding_window` keys including the query itself: (p - W, p];
-- a consumer layer runs its own q path and mask over the donor's K/V from the same forward pass.
+- a consumer layer runs its own q path and mask over the donor's K/V from the same forward pass;
+- bidirectional vision attention widens a query's visible range to its image (`LayerSpec.vision_block`,
+  `multimodal.VisionSpan`).
 """
 
 from __future__ import annotations
@@ -21,24 +23,51 @@ from flax import nnx
 from gemma4_nnx.config import Gemma4Config, LayerSpec
 from gemma4_nnx.model.cache import KV, LayerCache
 from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
+from gemma4_nnx.model.multimodal import VisionSpan
 
 Array = jax.Array
 
 
-def visibility(q_pos: Array, k_pos: Array, window: int | None, reach: Array | None = None) -> Array:
+def visibility(
+    q_pos: Array, k_pos: Array, window: int | None, reach: Array | None = None, floor: Array | None = None
+) -> Array:
     """Bool [B, S, T]: key j visible to query i iff it holds a token, j <= i, and (sliding) j > i - W.
 
-    reach [B, S] (sliding layers with bidirectional vision attention): the furthest key position each
-    query sees instead of its own (`multimodal.vision_reach`)."""
+    Bidirectional vision attention (`multimodal.VisionSpan`), per query [B, S]: `reach` is the furthest
+    key position the query sees instead of its own; `floor` (sliding layers) the lowest position it
+    sees even when that lies outside the window. With reach = the last and floor = the first position
+    of the query's image this is HF's `(causal & window) | same_block`; with reach alone,
+    `window & (causal | same_block)`."""
     q = q_pos[:, :, None]
     k = k_pos[:, None, :]
     mask = (k >= 0) & (k <= (q if reach is None else reach[:, :, None]))
     if window is not None:
-        mask = mask & (k > q - window)
+        lower = q - window if floor is None else jnp.minimum(q - window, floor[:, :, None] - 1)
+        mask = mask & (k > lower)
     return mask
 
 
-def attend(q: Array, kv: KV, q_pos: Array, *, window: int | None, scale: float, reach: Array | None = None) -> Array:
+def span_bounds(block: str | None, span: VisionSpan | None) -> tuple[Array | None, Array | None]:
+    """(reach, floor) for `visibility` on a layer whose `LayerSpec.vision_block` is `block`."""
+    if span is None or block is None:
+        return None, None
+    if block == "window":
+        return span.last, None
+    if block == "whole":
+        return span.last, span.first
+    raise ValueError(f"LayerSpec.vision_block {block!r} is not one of None, 'window', 'whole'")
+
+
+def attend(
+    q: Array,
+    kv: KV,
+    q_pos: Array,
+    *,
+    window: int | None,
+    scale: float,
+    reach: Array | None = None,
+    floor: Array | None = None,
+) -> Array:
     """q [B, S, N, H] over kv -> [B, S, N, H]. GQA: query head n reads KV head n // (N / K)."""
     b, s, n, h = q.shape
     k_heads = kv.k.shape[2]
@@ -46,7 +75,7 @@ def attend(q: Array, kv: KV, q_pos: Array, *, window: int | None, scale: float, 
     scores = jnp.einsum("bskgh,btkh->bkgst", qg, kv.k.astype(q.dtype))
     if scale != 1.0:
         scores = scores * jnp.asarray(scale, scores.dtype)
-    mask = visibility(q_pos, kv.pos, window, reach)[:, None, None, :, :]
+    mask = visibility(q_pos, kv.pos, window, reach, floor)[:, None, None, :, :]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgst,btkh->bskgh", probs, kv.v.astype(q.dtype))
@@ -65,6 +94,7 @@ class Attention(nnx.Module):
         self.scale = config.attention_scale
         self.is_consumer = spec.is_consumer
         self.k_eq_v = spec.k_eq_v
+        self.vision_block = spec.vision_block
         eps = config.rms_norm_eps
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
         self.q_proj = linear(d, n * h, **kw)
@@ -84,12 +114,12 @@ class Attention(nnx.Module):
         k_pos: Array,
         shared: KV | None = None,
         cache: LayerCache | None = None,
-        reach: Array | None = None,
+        span: VisionSpan | None = None,
     ) -> tuple[Array, KV, LayerCache | None]:
         """x [B, S, D]; q_pos [B, S] query positions; k_pos [B, S] positions of the new tokens as keys
-        (-1 for padding); `cache`: this layer's cache (donor layers, when decoding); reach [B, S]: see
-        `visibility` (used by sliding layers only: global layers stay causal, as in HF). Returns the
-        output [B, S, D], the K/V attended over (for consumers) and the updated cache."""
+        (-1 for padding); `cache`: this layer's cache (donor layers, when decoding); span: each query's
+        image (bidirectional vision attention), used as this layer's `vision_block` says (`span_bounds`).
+        Returns the output [B, S, D], the K/V attended over (for consumers) and the updated cache."""
         b, s, _ = x.shape
         cos, sin = rope
         q = self.q_norm(self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim))
@@ -106,6 +136,6 @@ class Attention(nnx.Module):
             kv = KV(k, v, k_pos)
             if cache is not None:
                 kv, cache = cache.update(kv)
-        reach = reach if self.window is not None else None
-        out = attend(q, kv, q_pos, window=self.window, scale=self.scale, reach=reach)
+        reach, floor = span_bounds(self.vision_block, span)
+        out = attend(q, kv, q_pos, window=self.window, scale=self.scale, reach=reach, floor=floor)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), kv, cache

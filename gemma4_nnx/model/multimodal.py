@@ -11,8 +11,15 @@ What the text model sees at a placeholder (HF `Gemma4Model.forward`, reproduced 
 - the per-layer input (PLE) takes the table row of the *pad* token (`pad_token_id`; HF swaps the
   placeholder ids for it), and its context part projects the soft token (HF's `Gemma4Model` also
   builds a pad-row embedding for the PLE, but `get_per_layer_inputs` ignores it when given ids);
-- with `use_bidirectional_attention="vision"`, sliding layers let the tokens of one run of image
-  placeholders attend to each other both ways (still within the window); global layers stay causal.
+- with `use_bidirectional_attention="vision"`, the tokens of one run of image placeholders attend to
+  each other both ways (`vision_span`): on Gemma 4's sliding layers only and within the window
+  (`bidirectional_scope="sliding"`, global layers stay causal); on every layer of Gemma 4 unified and
+  over the whole run, past the window too (`"all_layers"`). Which layers, and how, is each layer's
+  `LayerSpec.vision_block`.
+
+Gemma 4 unified (`gemma4_nnx.model.unified`) has no towers: its vision embedder turns each model patch
+into one soft token and its raw audio frames are soft tokens as they are; they replace placeholders
+the same way (no PLE there).
 
 Everything here has static shapes (jit): towers return padded outputs and a validity mask, and the
 soft tokens are compacted and gathered with cumulative counts, never with boolean indexing.
@@ -57,17 +64,34 @@ def place(mask: Array, features: Array, valid: Array) -> Array:
     return jnp.where(mask[..., None], rows, jnp.zeros((), rows.dtype))
 
 
-def vision_reach(is_vision: Array, positions: Array) -> Array:
-    """[B, S] int: the furthest key position each query may see on a sliding layer with bidirectional
-    vision attention: the position of the last token of the query's run of vision placeholders, or the
-    query's own position (causal) for every other token."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VisionSpan:
+    """Per query [B, S] int: the positions of the first and last token of the query's run of vision
+    placeholders (its image); both the query's own position for every other token. What a layer does
+    with it is its `LayerSpec.vision_block` (`attention.visibility`)."""
+
+    first: Array
+    last: Array
+
+
+def vision_span(is_vision: Array, positions: Array) -> VisionSpan:
+    """The `VisionSpan` of each token of `positions` [B, S], `is_vision` [B, S] marking the vision
+    placeholders. A run is a maximal stretch of adjacent vision columns (HF `get_block_sequence_ids_for_mask`:
+    two images with nothing between them form one block)."""
     _, s = is_vision.shape
     col = jnp.arange(s)
     # first non-vision column at or after each column (s if none), by a reversed running minimum
     stop = jnp.where(is_vision, s, col[None, :])
     stop = jax.lax.cummin(stop, axis=1, reverse=True)
     last = jnp.clip(stop - 1, 0, s - 1)
-    return jnp.where(is_vision, jnp.take_along_axis(positions, last, axis=1), positions)
+    # last non-vision column at or before each column (-1 if none), by a running maximum
+    start = jax.lax.cummax(jnp.where(is_vision, -1, col[None, :]), axis=1)
+    first = jnp.clip(start + 1, 0, s - 1)
+    return VisionSpan(
+        first=jnp.where(is_vision, jnp.take_along_axis(positions, first, axis=1), positions),
+        last=jnp.where(is_vision, jnp.take_along_axis(positions, last, axis=1), positions),
+    )
 
 
 def check_counts(name: str, placeholders: int, soft_tokens: int, token_name: str) -> None:
@@ -92,7 +116,8 @@ class Media:
     """The images and audio clips of one prompt (or a batch), as the model takes them (NumPy):
     pixel_values [N, P, 3*p*p] and image_position_ids [N, P, 2] for N images in order of appearance;
     input_features [C, T, F] and input_features_mask [C, T] (True = real frame) for C clips.
-    `gemma4_nnx.processor` builds them from images and waveforms."""
+    `gemma4_nnx.processor` builds them from images and waveforms. Gemma 4 unified: p is the merged
+    model patch (one soft token each) and F the raw waveform samples per frame (`model.unified`)."""
 
     pixel_values: np.ndarray | None = None
     image_position_ids: np.ndarray | None = None
@@ -107,19 +132,26 @@ class Media:
     def soft_token_counts(self, config) -> tuple[int, int]:
         """(image, audio) soft tokens these inputs produce under `config` (a `Gemma4Config`): what
         the prompt's placeholders must number."""
+        from gemma4_nnx.model.unified import is_unified
+
         images = audio = 0
         if self.image_position_ids is not None:
             if config.vision is None:
                 raise ValueError("pixel_values: this model has no vision tower (a text-only checkpoint or load)")
             real = np.all(np.asarray(self.image_position_ids) != -1, axis=-1).sum(-1)
-            images = int((real // config.vision.pooling_kernel_size**2).sum())
+            # Gemma 4 unified: one soft token per (merged) patch; Gemma 4: one per pooled k x k block
+            k = 1 if is_unified(config.vision) else config.vision.pooling_kernel_size
+            images = int((real // k**2).sum())
         if self.input_features_mask is not None:
             if config.audio is None:
                 raise ValueError("input_features: this model has no audio tower (a text-only checkpoint or load)")
-            from gemma4_nnx.model.audio import subsampled_length
-
             frames = np.asarray(self.input_features_mask).astype(bool).sum(-1)
-            audio = int(sum(subsampled_length(int(n)) for n in frames))
+            if is_unified(config.audio):  # one soft token per raw waveform frame
+                audio = int(frames.sum())
+            else:
+                from gemma4_nnx.model.audio import subsampled_length
+
+                audio = int(sum(subsampled_length(int(n)) for n in frames))
         return images, audio
 
     def check(self, config, ids, name: str = "prompt") -> None:

@@ -583,7 +583,7 @@ class QuantizedStack(nnx.Module):
 #: (attention q/k/v/o, the MLPs, the per-layer-input projections), the MoE experts and the token
 #: embedding / tied logits matrix. Norms, `layer_scalar` and the MoE router stay float.
 #: The vision / audio towers and their embedders stay in float: they run once per prompt, not per token.
-TOWERS = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
+TOWERS = ("vision_tower", "vision_embedder", "embed_vision", "audio_tower", "embed_audio")
 QUANTIZABLE = re.compile(r"(_proj|per_layer_input_gate|per_layer_projection|^embed_tokens|experts\.(gate_up|down))$")
 
 

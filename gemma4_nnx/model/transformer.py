@@ -25,7 +25,7 @@ from gemma4_nnx.model.layers import (
     scale_f32,
 )
 from gemma4_nnx.model.moe import MoEBlock
-from gemma4_nnx.model.multimodal import MultimodalEmbedder, check_counts, concrete, place, vision_reach
+from gemma4_nnx.model.multimodal import MultimodalEmbedder, VisionSpan, check_counts, concrete, place, vision_span
 
 Array = jax.Array
 
@@ -77,9 +77,9 @@ class DecoderLayer(nnx.Module):
         ple: Array | None,
         shared: KV | None,
         cache: LayerCache | None,
-        reach: Array | None = None,
+        span: VisionSpan | None = None,
     ) -> tuple[Array, KV, LayerCache | None]:
-        a, kv, cache = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared, cache, reach)
+        a, kv, cache = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared, cache, span)
         h1 = h + self.post_attention_layernorm(a)
         f = self.mlp(self.pre_feedforward_layernorm(h1))
         if self.moe is not None:
@@ -134,19 +134,27 @@ class Gemma4(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, spec, rngs=rngs, **kw) for spec in config.layers])
         self.norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         # Towers of a multimodal checkpoint (None for a text model or a text-only load); attribute names
-        # mirror HF's (`model.vision_tower.*`, `model.embed_vision.*`, ...).
+        # mirror HF's (`model.vision_tower.*`, `model.embed_vision.*`, ...). Gemma 4 unified has no towers:
+        # a vision embedder (`model.vision_embedder.*`) and the two multimodal embedders only.
+        from gemma4_nnx.model.unified import UnifiedAudioConfig, UnifiedVisionConfig, VisionEmbedder
+
         tw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.vision_tower = self.embed_vision = self.audio_tower = self.embed_audio = None
-        if config.vision is not None:
+        self.vision_embedder = None
+        v, a = config.vision, config.audio
+        if isinstance(v, UnifiedVisionConfig):
+            self.vision_embedder = nnx.data(VisionEmbedder(v, **tw))
+            self.embed_vision = nnx.data(MultimodalEmbedder(v.mm_embed_dim, d, eps=v.rms_norm_eps, **tw))
+        elif v is not None:
             from gemma4_nnx.model.vision import VisionModel
 
-            v = config.vision
             self.vision_tower = nnx.data(VisionModel(v, **tw))
             self.embed_vision = nnx.data(MultimodalEmbedder(v.hidden_size, d, eps=v.rms_norm_eps, **tw))
-        if config.audio is not None:
+        if isinstance(a, UnifiedAudioConfig):
+            self.embed_audio = nnx.data(MultimodalEmbedder(a.audio_embed_dim, d, eps=a.rms_norm_eps, **tw))
+        elif a is not None:
             from gemma4_nnx.model.audio import AudioModel
 
-            a = config.audio
             self.audio_tower = nnx.data(AudioModel(a, **tw))
             self.embed_audio = nnx.data(
                 MultimodalEmbedder(a.output_proj_dims or a.hidden_size, d, eps=a.rms_norm_eps, **tw)
@@ -209,9 +217,12 @@ class Gemma4(nnx.Module):
         Images and audio (a multimodal checkpoint; the arrays of transformers'
         `Gemma4ForConditionalGeneration.forward`): pixel_values [N, P, 3*p*p] and image_position_ids
         [N, P, 2] for every image of the batch in order of appearance; input_features [C, T, F] and
-        input_features_mask [C, T] (1 = real frame) for every audio clip. Their soft tokens replace the
-        placeholder tokens of input_ids (`gemma4_nnx.model.multimodal`). soft_tokens [B, S, D]: the same
-        already computed (`self.soft_tokens`), e.g. once per prompt by the decode core.
+        input_features_mask [C, T] (1 = real frame) for every audio clip. Gemma 4 unified
+        (`Gemma4UnifiedForConditionalGeneration`): pixel_values [N, P, 3*(k*p)^2] of merged model
+        patches, one soft token each; input_features [C, T, audio_embed_dim] raw waveform frames. Their
+        soft tokens replace the placeholder tokens of input_ids (`gemma4_nnx.model.multimodal`).
+        soft_tokens [B, S, D]: the same already computed (`self.soft_tokens`), e.g. once per prompt by
+        the decode core.
         """
         c = self.config
         input_ids = jnp.asarray(input_ids)
@@ -232,7 +243,7 @@ class Gemma4(nnx.Module):
             raise ValueError(f"positions must have shape {(b, s)} like input_ids, got {positions.shape}")
         k_pos = jnp.where(valid & (positions >= 0), positions, -1)
 
-        reach = None
+        span = None
         if c.multimodal:
             placeholder = self.placeholders(input_ids)
             if soft_tokens is None and (pixel_values is not None or input_features is not None):
@@ -246,7 +257,7 @@ class Gemma4(nnx.Module):
             # HF: the PLE table row of the pad token at placeholders, its projection of the soft tokens
             ple = self.per_layer_inputs(ids, h) if c.use_ple else None
             if c.use_bidirectional_attention == "vision":
-                reach = vision_reach(jnp.isin(input_ids, self._vision_ids()), positions)
+                span = vision_span(jnp.isin(input_ids, self._vision_ids()), positions)
         else:
             h = self.embed_tokens(input_ids)
             ple = self.per_layer_inputs(input_ids, h) if c.use_ple else None
@@ -262,7 +273,7 @@ class Gemma4(nnx.Module):
         for layer in self.layers:
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:
-                h, positions, ple, ropes, reach = _take_rows((h, positions, ple, ropes, reach), select)
+                h, positions, ple, ropes, span = _take_rows((h, positions, ple, ropes, span), select)
                 select = None
             shared = published[spec.kv_donor] if spec.is_consumer else None
             layer_cache = cache.layers[spec.index] if cache is not None and not spec.is_consumer else None
@@ -275,7 +286,7 @@ class Gemma4(nnx.Module):
                 None if ple is None else ple[:, :, spec.index],
                 shared,
                 layer_cache,
-                reach,
+                span,
             )
             if layer_cache is not None:
                 updated[spec.index] = layer_cache
@@ -313,27 +324,41 @@ class Gemma4(nnx.Module):
         out = jnp.zeros(input_ids.shape + (c.hidden_size,), self.dtype)
         ids_np = concrete(input_ids)
         if pixel_values is not None:
-            if self.vision_tower is None:
+            if self.vision_tower is None and self.vision_embedder is None:
                 raise ValueError("pixel_values: this model has no vision tower (a text-only checkpoint or load)")
             if image_position_ids is None:
                 raise ValueError("image_position_ids: required with pixel_values (the image processor returns them)")
-            feats, valid = self.vision_tower(jnp.asarray(pixel_values), jnp.asarray(image_position_ids))
+            encoder = self.vision_tower if self.vision_embedder is None else self.vision_embedder
+            feats, valid = encoder(jnp.asarray(pixel_values), jnp.asarray(image_position_ids))
             mask = jnp.isin(input_ids, self._vision_ids())
             if ids_np is not None and concrete(valid) is not None:
                 n = int(np.isin(ids_np, np.asarray(self._vision_ids())).sum())
                 check_counts("pixel_values", n, int(np.asarray(valid).sum()), "image")
             out = out + place(mask, self.embed_vision(feats).astype(self.dtype), valid)
         if input_features is not None:
-            if self.audio_tower is None:
+            if self.embed_audio is None:
                 raise ValueError("input_features: this model has no audio tower (a text-only checkpoint or load)")
             if input_features_mask is None:
                 raise ValueError("input_features_mask: required with input_features (1 = real frame)")
-            feats, valid = self.audio_tower(jnp.asarray(input_features), jnp.asarray(input_features_mask))
+            if self.audio_tower is not None:
+                feats, valid = self.audio_tower(jnp.asarray(input_features), jnp.asarray(input_features_mask))
+            else:  # Gemma 4 unified: each raw waveform frame is a soft token (HF casts it to the weights' dtype)
+                feats, valid = self._raw_audio_frames(input_features, input_features_mask)
             mask = input_ids == c.audio_token_id
             if ids_np is not None and concrete(valid) is not None:
                 check_counts("input_features", int((ids_np == c.audio_token_id).sum()), int(np.sum(valid)), "audio")
             out = out + place(mask, self.embed_audio(feats).astype(self.dtype), valid)
         return out
+
+    def _raw_audio_frames(self, input_features, input_features_mask) -> tuple[Array, Array]:
+        width = self.config.audio.audio_embed_dim
+        feats = jnp.asarray(input_features)
+        if feats.ndim != 3 or feats.shape[-1] != width:
+            raise ValueError(
+                f"input_features: expected raw waveform frames [clips, frames, {width}], got shape {feats.shape}. "
+                f"Fix: cut each 16 kHz waveform into frames of {width} samples (Gemma 4 unified feature extractor)"
+            )
+        return feats.astype(self.dtype), jnp.asarray(input_features_mask).astype(bool)
 
     def logits(self, h: Array) -> Array:
         """Final hidden [..., D] -> softcapped tied logits [..., V]."""
