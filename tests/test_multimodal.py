@@ -249,8 +249,13 @@ def test_converted_checkpoint_keeps_towers(checkpoint, loaded, inputs, tmp_path)
 
     hf, path = checkpoint
     x = inputs
-    exact = load(convert(path, str(tmp_path / "f32"), dtype="float32", ple="none", quantize="none", progress=False))
+    out = convert(path, str(tmp_path / "f32"), dtype="float32", ple="none", quantize="none", progress=False)
+    exact = load(out)
     assert exact.vision_tower is not None and exact.audio_tower is not None
+    text = load(out, text_only=True)  # the towers stay on disk
+    assert text.vision_tower is None and not text.config.multimodal
+    ids = fx.sample_ids(2, 12, vocab=100, seed=5)
+    np.testing.assert_array_equal(np.asarray(text(ids)), np.asarray(exact(ids)))
     err = _max_err(_ours(exact, x), _hf_logits(hf, x), x["mask"])
     assert err < MM_TOL, f"max |logit error| {err:.2e} after convert/load"
     # int8 text projections; the towers and their embedders stay float and give the same soft tokens

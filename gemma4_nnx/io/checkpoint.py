@@ -263,7 +263,7 @@ def _sharding_fn(sharding) -> Callable[[Path], jax.sharding.Sharding]:
     )
 
 
-def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtype=None, matmul="auto"):
+def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtype=None, matmul="auto", text_only=False):
     """Restore a converted checkpoint (`gemma4-convert`) into a `Gemma4` model (a converted MTP
     assistant into a `Gemma4Assistant`).
 
@@ -279,6 +279,8 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         ("embed_tokens_per_layer", "codes"/"scales")), or a mapping of path tuples (or a nested dict
         like the params tree) to shardings.
       compute_dtype: activation dtype; None = float32 on CPU, else the parameter dtype.
+      text_only: leave out the vision / audio towers of a multimodal checkpoint (they are not read:
+        less memory, text prompts only).
       matmul: the projections' product, chosen here once: "auto" (the CPU bf16 kernels for bf16
         weights under float32 compute on one CPU device, when available; else XLA), "xla" or
         "cpu_kernels" (`gemma4_nnx.model.layers.resolve_matmul`).
@@ -297,6 +299,8 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         model = abstract_assistant(config, compute, param_dtype, matmul)
         return _restore(ckpt_dir, model, [e.path for e in assistant_name_map(config)], where)
     config = load_config(ckpt_dir)
+    if text_only:
+        config = config.text_only()
     quant = {tuple(k.split(".")): QuantFormat.from_json(v) for k, v in (meta.get("quant") or {}).items()}
     product = layers.resolve_matmul(matmul, dtype=compute, param_dtype=param_dtype, quantized=bool(quant))
     model = abstract_model(config, compute, param_dtype, product)
@@ -337,9 +341,14 @@ def _restore(ckpt_dir: str, model, paths, where):
         want = var.get_value()
         target[path] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=where(path))
 
-    item = ocp.args.StandardRestore(nest(target))
+    # a partial restore: a text-only load leaves the towers' arrays on disk
+    restore_args = {
+        p: ocp.ArrayRestoreArgs(sharding=spec.sharding, global_shape=spec.shape, dtype=spec.dtype)
+        for p, spec in target.items()
+    }
+    item = ocp.args.PyTreeRestore(nest(target), restore_args=nest(restore_args), partial_restore=True)
     try:
-        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
             restored = ckptr.restore(os.path.abspath(os.path.join(ckpt_dir, PARAMS_DIR)), args=item)
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(
@@ -347,6 +356,9 @@ def _restore(ckpt_dir: str, model, paths, where):
             f"({type(e).__name__}: {str(e)[:500]}); convert the checkpoint again"
         ) from None
     flat = flatten(restored)
+    missing = [".".join(map(str, p)) for p in paths if tuple(map(str, p)) not in flat]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: the parameters lack {missing[:10]}; convert the checkpoint again")
     for path in paths:
         variables[path].set_value(flat[tuple(map(str, path))])
     left = [
