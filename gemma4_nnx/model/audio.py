@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemma4_nnx.model.layers import Buffer, RMSNorm, gelu_tanh, linear, scale_f32
+from gemma4_nnx.model.layers import ClippableLinear, RMSNorm, gelu_tanh, linear, scale_f32
 
 Array = jax.Array
 
@@ -212,29 +212,6 @@ class Conv(nnx.Module):
         )
 
 
-class ClippableLinear(nnx.Module):
-    """HF `Gemma4ClippableLinear`: clamp the input to [input_min, input_max], a bias-free linear, clamp
-    the output to [output_min, output_max]. The four scalar bounds are checkpoint buffers (±inf at init)
-    and exist only with `use_clipped_linears`."""
-
-    def __init__(self, config: AudioConfig, din: int, dout: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.linear = linear(din, dout, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.use_clipped_linears = config.use_clipped_linears
-        if config.use_clipped_linears:
-            self.input_min = Buffer(jnp.asarray(-jnp.inf, param_dtype))
-            self.input_max = Buffer(jnp.asarray(jnp.inf, param_dtype))
-            self.output_min = Buffer(jnp.asarray(-jnp.inf, param_dtype))
-            self.output_max = Buffer(jnp.asarray(jnp.inf, param_dtype))
-
-    def __call__(self, x: Array) -> Array:
-        if self.use_clipped_linears:
-            x = jnp.clip(x, self.input_min[...].astype(x.dtype), self.input_max[...].astype(x.dtype))
-        y = self.linear(x)
-        if self.use_clipped_linears:
-            y = jnp.clip(y, self.output_min[...].astype(y.dtype), self.output_max[...].astype(y.dtype))
-        return y
-
-
 class SubSampleConvProjectionLayer(nnx.Module):
     """Masked 3x3 stride-2 conv (padding 1), LayerNorm over channels (no bias), ReLU."""
 
@@ -290,10 +267,10 @@ class Attention(nnx.Module):
         self.config = config
         d, self.num_heads, self.head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = ClippableLinear(config, d, d, **kw)
-        self.k_proj = ClippableLinear(config, d, d, **kw)
-        self.v_proj = ClippableLinear(config, d, d, **kw)
-        self.post = ClippableLinear(config, d, d, **kw)
+        self.q_proj = ClippableLinear(d, d, clipped=config.use_clipped_linears, **kw)
+        self.k_proj = ClippableLinear(d, d, clipped=config.use_clipped_linears, **kw)
+        self.v_proj = ClippableLinear(d, d, clipped=config.use_clipped_linears, **kw)
+        self.post = ClippableLinear(d, d, clipped=config.use_clipped_linears, **kw)
         self.relative_k_proj = linear(d, d, **kw)
         self.per_dim_scale = nnx.Param(jnp.zeros((self.head_dim,), param_dtype))
         self.q_scale = self.head_dim**-0.5 / math.log(2)
@@ -373,8 +350,8 @@ class FeedForward(nnx.Module):
     def __init__(self, config: AudioConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         d = config.hidden_size
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.ffw_layer_1 = ClippableLinear(config, d, 4 * d, **kw)
-        self.ffw_layer_2 = ClippableLinear(config, 4 * d, d, **kw)
+        self.ffw_layer_1 = ClippableLinear(d, 4 * d, clipped=config.use_clipped_linears, **kw)
+        self.ffw_layer_2 = ClippableLinear(4 * d, d, clipped=config.use_clipped_linears, **kw)
         self.pre_layer_norm = RMSNorm(d, eps=_CONFORMER_NORM_EPS, param_dtype=param_dtype)
         self.post_layer_norm = RMSNorm(d, eps=_CONFORMER_NORM_EPS, param_dtype=param_dtype)
         self.act = config.hidden_act
@@ -395,8 +372,8 @@ class LightConv1d(nnx.Module):
     def __init__(self, config: AudioConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         d, kernel = config.hidden_size, config.conv_kernel_size
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.linear_start = ClippableLinear(config, d, 2 * d, **kw)
-        self.linear_end = ClippableLinear(config, d, d, **kw)
+        self.linear_start = ClippableLinear(d, 2 * d, clipped=config.use_clipped_linears, **kw)
+        self.linear_end = ClippableLinear(d, d, clipped=config.use_clipped_linears, **kw)
         self.depthwise_conv1d = Conv(d, d, (kernel,), strides=(1,), padding=((kernel - 1, 0),), groups=d, **kw)
         self.pre_layer_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.conv_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)

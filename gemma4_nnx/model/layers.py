@@ -235,6 +235,32 @@ def matmul_of(lin: nnx.Module) -> Matmul:
     return dot.matmul if isinstance(dot, _DotGeneral) else XLA
 
 
+class ClippableLinear(nnx.Module):
+    """A bias-free projection whose input and output may be clamped to stored scalar bounds.
+
+    HF `Gemma4ClippableLinear` (vision and audio towers): `clamp(linear(clamp(x, input_min, input_max)),
+    output_min, output_max)` when `use_clipped_linears`, a plain linear otherwise. The bounds are
+    scalar checkpoint buffers (HF initializes them to -inf / +inf).
+    """
+
+    def __init__(self, din: int, dout: int, *, clipped: bool, dtype, param_dtype, rngs: nnx.Rngs, matmul: Matmul = XLA):
+        self.linear = linear(din, dout, dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
+        self.clipped = clipped
+        if clipped:
+            self.input_min = Buffer(jnp.full((), -jnp.inf, param_dtype))
+            self.input_max = Buffer(jnp.full((), jnp.inf, param_dtype))
+            self.output_min = Buffer(jnp.full((), -jnp.inf, param_dtype))
+            self.output_max = Buffer(jnp.full((), jnp.inf, param_dtype))
+
+    def __call__(self, x: Array) -> Array:
+        if self.clipped:
+            x = jnp.clip(x, self.input_min[...].astype(x.dtype), self.input_max[...].astype(x.dtype))
+        y = self.linear(x)
+        if self.clipped:
+            y = jnp.clip(y, self.output_min[...].astype(y.dtype), self.output_max[...].astype(y.dtype))
+        return y
+
+
 class MLP(nnx.Module):
     """GeGLU: `down(gelu_tanh(gate(x)) * up(x))`. Width is per layer (double on E2B KV consumers)."""
 

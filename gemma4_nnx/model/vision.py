@@ -34,7 +34,18 @@ from flax import nnx
 from gemma4_nnx.config import RopeSpec
 from gemma4_nnx.model.attention import attend
 from gemma4_nnx.model.cache import KV
-from gemma4_nnx.model.layers import XLA, Buffer, Matmul, RMSNorm, apply_rope, gelu_tanh, linear, rope_tables, scale_f32
+from gemma4_nnx.model.layers import (
+    XLA,
+    Buffer,
+    ClippableLinear,
+    Matmul,
+    RMSNorm,
+    apply_rope,
+    gelu_tanh,
+    linear,
+    rope_tables,
+    scale_f32,
+)
 
 Array = jax.Array
 
@@ -162,32 +173,6 @@ class VisionConfig:
             return cls(**kwargs)
         except ValueError as e:
             raise ValueError(f"vision_config: {e}") from None
-
-
-class ClippableLinear(nnx.Module):
-    """A bias-free projection whose input and output may be clamped to stored scalar bounds.
-
-    HF `Gemma4ClippableLinear`: `clamp(linear(clamp(x, input_min, input_max)), output_min, output_max)`
-    when `use_clipped_linears`, a plain linear otherwise. The bounds are checkpoint buffers (HF
-    initializes them to -inf / +inf).
-    """
-
-    def __init__(self, din: int, dout: int, *, clipped: bool, dtype, param_dtype, rngs: nnx.Rngs, matmul: Matmul):
-        self.linear = linear(din, dout, dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
-        self.clipped = clipped
-        if clipped:
-            self.input_min = Buffer(jnp.full((), -jnp.inf, param_dtype))
-            self.input_max = Buffer(jnp.full((), jnp.inf, param_dtype))
-            self.output_min = Buffer(jnp.full((), -jnp.inf, param_dtype))
-            self.output_max = Buffer(jnp.full((), jnp.inf, param_dtype))
-
-    def __call__(self, x: Array) -> Array:
-        if self.clipped:
-            x = jnp.clip(x, self.input_min[...].astype(x.dtype), self.input_max[...].astype(x.dtype))
-        y = self.linear(x)
-        if self.clipped:
-            y = jnp.clip(y, self.output_min[...].astype(y.dtype), self.output_max[...].astype(y.dtype))
-        return y
 
 
 class PatchEmbedder(nnx.Module):
