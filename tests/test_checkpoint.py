@@ -85,6 +85,26 @@ def test_streamed_blocks_equal_one_shot(tiny, tmp_path, monkeypatch):
             )
 
 
+def test_batched_restore_equals_one_batch(tiny, monkeypatch):
+    """`load` reads RESTORE_BATCH_BYTES at a time, largest arrays first: one array per batch restores
+    what one batch for everything does (PLE codes and scales included)."""
+    ck = sys.modules["gemma4_nnx.io.checkpoint"]
+    monkeypatch.setattr(ck, "RESTORE_BATCH_BYTES", 1 << 40)
+    whole = hf.variables_by_path(load(tiny["int4"]))
+    monkeypatch.setattr(ck, "RESTORE_BATCH_BYTES", 1)
+    parts = hf.variables_by_path(load(tiny["int4"]))
+    assert whole.keys() == parts.keys()
+    for path in whole:
+        np.testing.assert_array_equal(
+            np.asarray(whole[path].get_value()), np.asarray(parts[path].get_value()), err_msg=str(path)
+        )
+    small, big = jax.ShapeDtypeStruct((2,), jnp.int8), jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    assert [list(b) for b in ck._batches({("s",): small, ("b",): big, ("t",): small}, 64)] == [
+        [("b",)],
+        [("s",), ("t",)],
+    ]
+
+
 def test_sharding_forms(tiny):
     dev = jax.devices()[0]
     one = jax.sharding.SingleDeviceSharding(dev)

@@ -25,6 +25,7 @@ the commit marker and the OCDBT manifest, so the result is an ordinary Orbax che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -330,6 +331,40 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
     return _restore(ckpt_dir, model, paths, where)
 
 
+#: Bytes of parameters read per Orbax restore call (an array larger than that alone).
+RESTORE_BATCH_BYTES = 256 * 2**20
+
+
+def _batches(target: dict, limit: int) -> list[dict]:
+    """`target` ({path: ShapeDtypeStruct}) split into batches of at most `limit` bytes, largest arrays
+    first: while an array is read it is briefly held twice (the read buffer and its placed copy), so
+    the largest one (E2B's 1.17 GB PLE codes) is read while little else is resident."""
+
+    def nbytes(spec) -> int:
+        return int(np.prod(spec.shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+
+    out, cur, size = [], {}, 0
+    for path, spec in sorted(target.items(), key=lambda kv: -nbytes(kv[1])):
+        n = nbytes(spec)
+        if cur and size + n > limit:
+            out.append(cur)
+            cur, size = {}, 0
+        cur[path] = spec
+        size += n
+    return out + ([cur] if cur else [])
+
+
+def _release_freed_memory() -> None:
+    """Hand the read buffers freed by a batch back to the OS (glibc keeps freed blocks in its arenas,
+    which otherwise count against the process as if still used); a no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(name).malloc_trim(0)
+
+
 def _restore(ckpt_dir: str, model, paths, where):
     """Read the arrays at `paths` of the abstract `model` from the checkpoint, placed by `where`."""
     import orbax.checkpoint as ocp
@@ -341,26 +376,33 @@ def _restore(ckpt_dir: str, model, paths, where):
         want = var.get_value()
         target[path] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=where(path))
 
-    # a partial restore: a text-only load leaves the towers' arrays on disk
-    restore_args = {
-        p: ocp.ArrayRestoreArgs(sharding=spec.sharding, global_shape=spec.shape, dtype=spec.dtype)
-        for p, spec in target.items()
-    }
-    item = ocp.args.PyTreeRestore(nest(target), restore_args=nest(restore_args), partial_restore=True)
+    # Partial restores (a text-only load leaves the towers' arrays on disk), RESTORE_BATCH_BYTES at a
+    # time, each batch set on the model and waited for before the next is read.
+    params = os.path.abspath(os.path.join(ckpt_dir, PARAMS_DIR))
     try:
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-            restored = ckptr.restore(os.path.abspath(os.path.join(ckpt_dir, PARAMS_DIR)), args=item)
+            for batch in _batches(target, RESTORE_BATCH_BYTES):
+                restore_args = {
+                    p: ocp.ArrayRestoreArgs(sharding=spec.sharding, global_shape=spec.shape, dtype=spec.dtype)
+                    for p, spec in batch.items()
+                }
+                item = ocp.args.PyTreeRestore(nest(batch), restore_args=nest(restore_args), partial_restore=True)
+                flat = flatten(ckptr.restore(params, args=item))
+                missing = [".".join(map(str, p)) for p in batch if tuple(map(str, p)) not in flat]
+                if missing:
+                    raise CheckpointError(
+                        f"{ckpt_dir}: the parameters lack {missing[:10]}; convert the checkpoint again"
+                    )
+                for path in batch:
+                    variables[path].set_value(flat[tuple(map(str, path))])
+                jax.block_until_ready([flat[tuple(map(str, p))] for p in batch])
+                del flat
+                _release_freed_memory()
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(
             f"{ckpt_dir}: the parameters do not match gemma4_config.json or are damaged "
             f"({type(e).__name__}: {str(e)[:500]}); convert the checkpoint again"
         ) from None
-    flat = flatten(restored)
-    missing = [".".join(map(str, p)) for p in paths if tuple(map(str, p)) not in flat]
-    if missing:
-        raise CheckpointError(f"{ckpt_dir}: the parameters lack {missing[:10]}; convert the checkpoint again")
-    for path in paths:
-        variables[path].set_value(flat[tuple(map(str, path))])
     left = [
         ".".join(map(str, p))
         for p, v in variables_by_path(model).items()
