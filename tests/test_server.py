@@ -1497,3 +1497,18 @@ def test_a_tool_round_trip_is_rendered_in_gemma_format(served, tool_server):
     bad = [msgs[0], {"role": "tool", "tool_call_id": "call_9", "content": "1"}]
     status, err = _post_app(app, {"model": NAME, "messages": bad, "tools": _tools()})
     assert status == 400 and err["error"]["param"] == "messages"
+
+
+def test_non_finite_logprobs_become_openai_floor_not_a_500():
+    """JSON has no -inf / NaN: a logprob of a token with no probability (or a broken model's NaN) is
+    reported as -9999.0 in every logprob field, so the response still serializes."""
+    from gemma4_nnx.serve.protocol import ChatLogprob, CompletionLogprobs, TopLogprob
+
+    top = TopLogprob(token="b", logprob=float("nan"), bytes=[98])
+    chat = ChatLogprob(token="a", logprob=float("-inf"), bytes=[97], top_logprobs=[top]).model_dump()
+    comp = CompletionLogprobs(
+        tokens=["a", "b"], token_logprobs=[None, float("-inf")], top_logprobs=[None, {"b": -0.5}], text_offset=[0, 1]
+    ).model_dump()
+    assert chat["logprob"] == chat["top_logprobs"][0]["logprob"] == -9999.0
+    assert comp["token_logprobs"] == [None, -9999.0] and comp["top_logprobs"][1] == {"b": -0.5}
+    json.dumps([chat, comp], allow_nan=False)

@@ -12,6 +12,7 @@ Extensions beyond OpenAI (as vLLM spells them): `top_k` (-1 / 0 = off), `min_p`,
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -373,14 +374,23 @@ class Usage(_Response):
     total_tokens: int
 
 
+def _finite(lp: float) -> float:
+    """JSON has no -inf or NaN: a token the model gives no probability at all (or a broken model's NaN)
+    is reported as -9999.0, OpenAI's own floor, instead of failing the response."""
+    return lp if math.isfinite(lp) else -9999.0
+
+
+Logprob = Annotated[float, AfterValidator(_finite)]
+
+
 class CompletionLogprobs(_Response):
     """Per token: its text, logprob (None for an echoed prompt's first token: nothing predicts it),
     alternatives {text: logprob} (None when `logprobs` is 0, and for that first token) and the
     offset of its text (the running length of the token texts before it)."""
 
     tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] | None = None
+    token_logprobs: list[Logprob | None]
+    top_logprobs: list[dict[str, Logprob] | None] | None = None
     text_offset: list[int]
 
 
@@ -406,13 +416,13 @@ class CompletionResponse(_Response):
 
 class TopLogprob(_Response):
     token: str
-    logprob: float
+    logprob: Logprob
     bytes: list[int]
 
 
 class ChatLogprob(_Response):
     token: str
-    logprob: float
+    logprob: Logprob
     bytes: list[int]
     top_logprobs: list[TopLogprob] = []
 
