@@ -369,3 +369,25 @@ def test_media_errors_name_the_argument(checkpoint, loaded, inputs):
         assert e.value.param == "media"
     finally:
         engine.close()
+
+
+def test_google_layout_export_writes_the_towers(checkpoint, loaded, inputs, tmp_path):
+    """`to_hf(layout="google")` of a multimodal model writes its towers and their configs: transformers
+    loads the directory as a `Gemma4ForConditionalGeneration` that computes our logits, and `from_hf`
+    reads it back to the same model."""
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+
+    from gemma4_nnx import from_hf, to_hf
+
+    out = to_hf(loaded, str(tmp_path / "google"), layout="google")
+    back = from_hf(out)
+    x = inputs
+    np.testing.assert_array_equal(_ours(back, x), _ours(loaded, x))
+    hf = Gemma4ForConditionalGeneration.from_pretrained(out, attn_implementation="eager").float().eval()
+    err = _max_err(_hf_logits(hf, x), _ours(loaded, x), x["mask"])
+    assert err < MM_TOL, f"max |logit error| {err:.2e}"
+    with torch.no_grad():  # the exported towers are the original ones
+        ref = checkpoint[0].model.vision_tower.encoder.layers[0].mlp.gate_proj.linear.weight
+        got = hf.model.vision_tower.encoder.layers[0].mlp.gate_proj.linear.weight
+        assert torch.equal(ref, got)

@@ -61,7 +61,7 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
     offset = 0
     arrays = []
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # 0-d stays 0-d (the towers' clip bounds)
         if arr.dtype not in _ST_DTYPES:
             raise ValueError(f"tensor {name}: dtype {arr.dtype} cannot be written to safetensors")
         header[name] = {
@@ -131,8 +131,11 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
     }
     out: dict[str, np.ndarray] = {}
     missing = []
-    # The text model only: a multimodal model's vision / audio towers are not written (yet).
-    for entry in assistant_name_map(config) if assistant else name_map(config.text_only()):
+    # The text model; in Google's layout also a multimodal model's vision / audio towers (`model.` +
+    # their HF names). Gemma 4 12B's encoder-free front end is not written (yet).
+    towers = layout == "google" and not assistant and _exportable_towers(config)
+    entries = assistant_name_map(config) if assistant else name_map(config if towers else config.text_only())
+    for entry in entries:
         if entry.path in merged:
             value = merged[entry.path]
         elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), QuantizedEmbedding):
@@ -157,7 +160,10 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
             value = value.astype(target if target is not None else src_dtype)
         # an assistant's own tensors (projections, centroid head, lm_head) sit outside `model.`
         top = assistant and not entry.hf_name.startswith(("embed_tokens.", "norm.", "layers."))
-        out[entry.hf_name if top else prefix + entry.hf_name] = value
+        if entry.path[0] in quant.TOWERS:
+            out["model." + entry.hf_name] = value
+        else:
+            out[entry.hf_name if top else prefix + entry.hf_name] = value
     if missing:
         raise ValueError(f"model has no parameter at {missing[:10]} (total {len(missing)}); is it a Gemma4?")
     if layout == "google":
@@ -181,12 +187,21 @@ def consumer_kv(config) -> dict[str, np.ndarray]:
     return out
 
 
+def _exportable_towers(config) -> bool:
+    """Whether `config` has Gemma 4 vision / audio towers that `to_hf(layout="google")` writes."""
+    from gemma4_nnx.model.audio import AudioConfig
+    from gemma4_nnx.model.vision import VisionConfig
+
+    return isinstance(config.vision, VisionConfig) or isinstance(config.audio, AudioConfig)
+
+
 def google_config(config) -> dict:
-    """config.json of the multimodal `Gemma4ForConditionalGeneration` holding `config` as its text model
-    (no vision or audio tower), as Google's released files are laid out."""
+    """config.json of the multimodal `Gemma4ForConditionalGeneration` holding `config` as its text model,
+    as Google's released files are laid out: with its vision / audio towers and placeholder ids when it
+    has them (Gemma 4's towers; none otherwise)."""
     text = config.to_hf_dict()
     text.pop("architectures")
-    return {
+    out = {
         "architectures": ["Gemma4ForConditionalGeneration"],
         "model_type": "gemma4",
         "text_config": text,
@@ -197,6 +212,15 @@ def google_config(config) -> dict:
         "bos_token_id": text["bos_token_id"],
         "pad_token_id": text["pad_token_id"],
     }
+    if _exportable_towers(config):
+        text["use_bidirectional_attention"] = config.use_bidirectional_attention
+        if config.vision is not None:
+            out["vision_config"] = config.vision.to_hf_dict()
+            out["image_token_id"], out["video_token_id"] = config.image_token_id, config.video_token_id
+        if config.audio is not None:
+            out["audio_config"] = config.audio.to_hf_dict()
+            out["audio_token_id"] = config.audio_token_id
+    return out
 
 
 def to_hf(
@@ -213,8 +237,9 @@ def to_hf(
     dtype: None keeps the parameters' dtype; "bfloat16" / "float32" / "float16" (or a numpy/jax dtype)
     casts every float tensor. LoRA adapters are merged on the fly. `copy_from`: a directory whose
     tokenizer/generation files (`COPY_FILES`) are copied alongside. `layout="google"`: Google's
-    multimodal layout instead (`Gemma4ForConditionalGeneration` without towers, `model.language_model.`
-    names, consumer-layer K/V present): what tunix reads. Returns `out_dir` (absolute).
+    multimodal layout instead (`Gemma4ForConditionalGeneration`, `model.language_model.` names,
+    consumer-layer K/V present; a model with vision / audio towers writes them too, with their
+    configs): what tunix reads. Returns `out_dir` (absolute).
     """
     from gemma4_nnx.model import Gemma4, Gemma4Assistant
 

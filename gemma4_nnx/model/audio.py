@@ -95,6 +95,12 @@ class AudioConfig:
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"AudioConfig.hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF `audio_config` dict that `from_hf_dict` reads back to this config."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["subsampling_conv_channels"] = list(self.subsampling_conv_channels)
+        return {"model_type": "gemma4_audio", **d}
+
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> AudioConfig:
         """From an HF `audio_config` dict (a multimodal config.json's `audio_config`, or a Gemma4AudioConfig's

@@ -130,6 +130,13 @@ class VisionConfig:
         `default_output_length`): soft tokens x pooling_kernel_size^2."""
         return (soft_tokens or self.default_output_length) * self.pooling_kernel_size**2
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF `vision_config` dict that `from_hf_dict` reads back to this config."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rope_theta"}
+        d.pop("default_output_length")  # the processor's budget, not a transformers config field
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        return {"model_type": VISION_MODEL_TYPE, "hidden_activation": "gelu_pytorch_tanh", **d}
+
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> VisionConfig:
         """Read an HF `vision_config` dict (or a whole multimodal `config.json` dict holding one).
