@@ -47,6 +47,26 @@ a clip too short for one feature frame is refused rather than expanded to zero s
 `dither` must be 0 (transformers' dither draws from numpy's global RNG). Waveforms are cast to
 float32 first (transformers casts float64 to float32 too; a float16 input differs only if
 `input_scale_factor` or `preemphasis` is set). Videos are not handled.
+
+Gemma 4 unified (the 12B, `gemma4_unified`; `ProcessorConfig(kind="unified")`, which `from_hf` picks for a
+checkpoint saved by `Gemma4UnifiedProcessor`), after transformers 5.24's `Gemma4UnifiedImageProcessor`,
+`Gemma4UnifiedAudioFeatureExtractor` and `Gemma4UnifiedProcessor`:
+- Images (`preprocess_image_unified`): the same conversion, resize rule and rescale, no normalization;
+  then `patches_merge` of each `pooling_kernel_size`**2 block of `patch_size` patches, which is exactly
+  patchifying with `patch_size * pooling_kernel_size` (48 px): `pixel_values` [max_soft_tokens,
+  3 * 48 * 48] in (row, column, channel) order, raster order over the merged grid, padded with zero
+  rows to `max_soft_tokens`; positions are merged-grid (column, row), (-1, -1) for padding; one soft
+  token per real merged patch. transformers has only a torchvision backend for it (antialiased bicubic
+  on a uint8 tensor, then a float32 multiply by 1/255); we resize with PIL and rescale in float64 as
+  `Gemma4ImageProcessorPil` does, so versus torchvision a resized pixel can differ by one level (1/255)
+  and a rescaled one by 1 ulp. Images that need no resize differ at most by that ulp.
+- Audio (`preprocess_audio_unified`): no mel features. The waveform is zero-padded to a multiple of
+  `audio_samples_per_token` (640) samples and cut into frames of 640 float32 samples; every frame is
+  valid and is one soft token (`ceil(samples / 640)`). transformers caps nothing here (no 30 s
+  truncation, no `audio_seq_length` cap: 750 tokens = 30 s is the training length, not a limit of the
+  code), and neither do we.
+- Prompts: the same strings as Gemma 4 (`<|image>` + `<|image|>` * n + `<image|>`, `<|audio>` +
+  `<|audio|>` * n + `<audio|>`), with the unified counts.
 """
 
 from __future__ import annotations
@@ -210,6 +230,19 @@ class AudioFeatureConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class UnifiedAudioFeatureConfig:
+    """`Gemma4UnifiedAudioFeatureExtractor` settings (names and defaults as in transformers): frames of
+    `audio_samples_per_token` raw samples at `sampling_rate` Hz."""
+
+    sampling_rate: int = 16_000
+    audio_samples_per_token: int = 640
+
+    def __post_init__(self):
+        _positive_int("UnifiedAudioFeatureConfig.sampling_rate", self.sampling_rate)
+        _positive_int("UnifiedAudioFeatureConfig.audio_samples_per_token", self.audio_samples_per_token)
+
+
+@dataclasses.dataclass(frozen=True)
 class MultimodalTokens:
     """Placeholder strings (the Gemma 4 tokenizer's `image_token`, `boi_token`, ...) and the ids that
     `mm_token_type_ids` marks (`Gemma4Config.image_token_id`, `video_token_id`, `audio_token_id`)."""
@@ -227,18 +260,35 @@ class MultimodalTokens:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessorConfig:
-    """Everything `Gemma4Processor` needs, as saved in an HF directory (`ProcessorConfig.from_hf`).
+    """Everything `Gemma4Processor` (kind "gemma4") or `Gemma4UnifiedProcessor` (kind "unified") needs,
+    as saved in an HF directory (`ProcessorConfig.from_hf`).
 
-    `image_seq_length` is informational (the image soft-token count comes from each image);
-    `audio_seq_length` caps `soft_tokens_for_audio`; `audio_ms_per_token` is informational.
+    `audio` is an `AudioFeatureConfig` for "gemma4" and a `UnifiedAudioFeatureConfig` for "unified"
+    (None: that kind's defaults). `image_seq_length` is informational (the image soft-token count comes
+    from each image); `audio_seq_length` caps `soft_tokens_for_audio` for "gemma4" (transformers does
+    not cap it for "unified"); `audio_ms_per_token` is informational.
     """
 
     image: ImageProcessorConfig = ImageProcessorConfig()
-    audio: AudioFeatureConfig = AudioFeatureConfig()
+    audio: AudioFeatureConfig | UnifiedAudioFeatureConfig | None = None
     tokens: MultimodalTokens = MultimodalTokens()
     image_seq_length: int = 280
     audio_seq_length: int = 750
     audio_ms_per_token: int = 40
+    kind: str = "gemma4"
+
+    def __post_init__(self):
+        audio_type = {"gemma4": AudioFeatureConfig, "unified": UnifiedAudioFeatureConfig}.get(self.kind)
+        if audio_type is None:
+            _fail("ProcessorConfig.kind", f"must be 'gemma4' or 'unified', got {self.kind!r}", "pick one of them")
+        if self.audio is None:
+            object.__setattr__(self, "audio", audio_type())
+        elif not isinstance(self.audio, audio_type):
+            _fail(
+                "ProcessorConfig.audio",
+                f"kind {self.kind!r} needs an {audio_type.__name__}, got {type(self.audio).__name__}",
+                f"pass audio={audio_type.__name__}(...) or the matching kind",
+            )
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> ProcessorConfig:
@@ -246,7 +296,11 @@ class ProcessorConfig:
         `feature_extractor`, plus the processor's own keys), falling back to a flat
         `preprocessor_config.json` for a missing section; placeholder strings from
         `tokenizer_config.json` and placeholder ids from `config.json` when present. Unknown keys are
-        ignored; missing ones take transformers' defaults."""
+        ignored; missing ones take transformers' defaults.
+
+        A checkpoint is read as Gemma 4 unified (kind "unified") when its processor, image processor or
+        feature extractor type names `Gemma4Unified...`, or its config.json has model_type
+        "gemma4_unified"."""
         path = os.fspath(path)
         if not os.path.isdir(path):
             _fail("ProcessorConfig.from_hf", f"{path!r} is not a directory", "pass an HF checkpoint directory")
@@ -267,10 +321,17 @@ class ProcessorConfig:
         if audio is None and ("feature_size" in legacy or "feature_extractor_type" in legacy):
             audio = legacy
         kwargs: dict[str, Any] = {k: processor[k] for k in _PROCESSOR_KEYS if k in processor}
+        model = files["config.json"] or {}
+        type_names = [processor.get("processor_class")] + [
+            d.get(k) for d in (image or {}, audio or {}) for k in ("image_processor_type", "feature_extractor_type")
+        ]
+        unified = model.get("model_type") == "gemma4_unified" or any(
+            isinstance(t, str) and t.startswith("Gemma4Unified") for t in type_names
+        )
+        audio_type = UnifiedAudioFeatureConfig if unified else AudioFeatureConfig
         tokenizer = files["tokenizer_config.json"] or {}
         extra = tokenizer.get("extra_special_tokens")
         strings = {**tokenizer, **(extra if isinstance(extra, dict) else {})}
-        model = files["config.json"] or {}
         token_kwargs = {}
         for f in dataclasses.fields(MultimodalTokens):
             source = model if f.name.endswith("_id") else strings  # ids from config.json, strings from the tokenizer
@@ -279,8 +340,9 @@ class ProcessorConfig:
         try:
             return cls(
                 image=_from_dict(ImageProcessorConfig, image or {}),
-                audio=_from_dict(AudioFeatureConfig, audio or {}),
+                audio=_from_dict(audio_type, audio or {}),
                 tokens=MultimodalTokens(**token_kwargs),
+                kind="unified" if unified else "gemma4",
                 **kwargs,
             )
         except ValueError as e:
@@ -498,6 +560,25 @@ def _preprocess_image(image, cfg: ImageProcessorConfig) -> ImageInputs:
     return ImageInputs(pixel_values, position_ids, n // k**2)
 
 
+def preprocess_image_unified(image: PIL.Image.Image | np.ndarray, **settings: Any) -> ImageInputs:
+    """One image -> `ImageInputs` for Gemma 4 unified, as `Gemma4UnifiedImageProcessor` (see the module
+    docstring for how it differs from its torchvision backend). `settings` are the `ImageProcessorConfig`
+    fields (`preprocess_image`'s keywords, with the same defaults).
+
+    pixel_values [max_soft_tokens, 3 * (patch_size * pooling_kernel_size)**2] float32: merged patches,
+    then zero rows; position_ids [max_soft_tokens, 2] int32: merged-grid (column, row), (-1, -1) for
+    padding; num_soft_tokens: real merged patches.
+    """
+    return _preprocess_image_unified(image, ImageProcessorConfig(**settings))
+
+
+def _preprocess_image_unified(image, cfg: ImageProcessorConfig) -> ImageInputs:
+    # `patches_merge` of k x k patches of p px, in raster order of the merged grid, is patchifying with
+    # k * p px patches; the resize rule and the padded length (max_soft_tokens) are those of pooling 1.
+    k = cfg.pooling_kernel_size
+    return _preprocess_image(image, dataclasses.replace(cfg, patch_size=cfg.patch_size * k, pooling_kernel_size=1))
+
+
 def batch_images(images: Sequence[ImageInputs]) -> tuple[np.ndarray, np.ndarray]:
     """(pixel_values [N, P, 3pp] float32, position_ids [N, P, 2] int32), as the processor stacks them.
 
@@ -646,9 +727,8 @@ def _round_up(n: int, multiple: int | None) -> int:
     return n if multiple is None else -(-n // multiple) * multiple
 
 
-def _preprocess_audio(waveform, sampling_rate: int, cfg: AudioFeatureConfig) -> AudioInputs:
-    where = "preprocess_audio: waveform"
-    _check_rate("preprocess_audio", sampling_rate, cfg.sampling_rate)
+def _waveform(where: str, waveform) -> np.ndarray:
+    """The non-empty mono float numpy waveform, or an error naming `where`."""
     if isinstance(waveform, list | tuple):
         waveform = np.asarray(waveform)
     if not isinstance(waveform, np.ndarray):
@@ -667,6 +747,13 @@ def _preprocess_audio(waveform, sampling_rate: int, cfg: AudioFeatureConfig) -> 
         )
     if waveform.size == 0:
         _fail(where, "is empty", "pass at least one feature frame of audio")
+    return waveform
+
+
+def _preprocess_audio(waveform, sampling_rate: int, cfg: AudioFeatureConfig) -> AudioInputs:
+    where = "preprocess_audio: waveform"
+    _check_rate("preprocess_audio", sampling_rate, cfg.sampling_rate)
+    waveform = _waveform(where, waveform)
     if waveform.size < cfg.min_samples:
         _fail(
             where,
@@ -732,6 +819,43 @@ def _mask_soft_tokens(mask: np.ndarray) -> int:
         mask = mask[::2][:t_out]
         t = len(mask)
     return int(mask.sum())
+
+
+def preprocess_audio_unified(
+    waveform: np.ndarray | Sequence[float],
+    sampling_rate: int,
+    *,
+    expected_sampling_rate: int = UnifiedAudioFeatureConfig.sampling_rate,
+    audio_samples_per_token: int = UnifiedAudioFeatureConfig.audio_samples_per_token,
+) -> AudioInputs:
+    """A mono float waveform at `sampling_rate` Hz -> `AudioInputs` for Gemma 4 unified, exactly as
+    `Gemma4UnifiedAudioFeatureExtractor` (`expected_sampling_rate` is its `sampling_rate`):
+    input_features [T, audio_samples_per_token] float32 raw-sample frames (the last one zero-padded),
+    mask [T] all True, num_soft_tokens T = ceil(samples / audio_samples_per_token). Nothing is
+    truncated."""
+    cfg = UnifiedAudioFeatureConfig(
+        sampling_rate=expected_sampling_rate, audio_samples_per_token=audio_samples_per_token
+    )
+    return _preprocess_audio_unified(waveform, sampling_rate, cfg)
+
+
+def _preprocess_audio_unified(waveform, sampling_rate: int, cfg: UnifiedAudioFeatureConfig) -> AudioInputs:
+    _check_rate("preprocess_audio_unified", sampling_rate, cfg.sampling_rate)
+    waveform = _waveform("preprocess_audio_unified: waveform", waveform)
+    if not np.isfinite(waveform).all():
+        _fail("preprocess_audio_unified: waveform", "contains NaN or infinity", "clean the signal (e.g. np.nan_to_num)")
+    n = _round_up(waveform.size, cfg.audio_samples_per_token) // cfg.audio_samples_per_token
+    features = np.zeros(n * cfg.audio_samples_per_token, np.float32)
+    features[: waveform.size] = waveform
+    return AudioInputs(features.reshape(n, cfg.audio_samples_per_token), np.ones(n, bool), n)
+
+
+def _unified_audio_soft_tokens(num_samples: int, sampling_rate: int, cfg: UnifiedAudioFeatureConfig) -> int:
+    """`Gemma4UnifiedProcessor._compute_audio_num_tokens`: ceil(num_samples / audio_samples_per_token)."""
+    _check_rate("soft_tokens_for_audio", sampling_rate, cfg.sampling_rate)
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int | np.integer) or num_samples < 0:
+        _fail("soft_tokens_for_audio: num_samples", f"must be an int >= 0, got {num_samples!r}", "pass len(waveform)")
+    return _round_up(int(num_samples), cfg.audio_samples_per_token) // cfg.audio_samples_per_token
 
 
 def batch_audio(audios: Sequence[AudioInputs]) -> tuple[np.ndarray, np.ndarray]:
@@ -834,15 +958,21 @@ class Processor:
         return cls(ProcessorConfig.from_hf(path))
 
     def preprocess_image(self, image: PIL.Image.Image | np.ndarray) -> ImageInputs:
+        if self.config.kind == "unified":
+            return _preprocess_image_unified(image, self.config.image)
         return _preprocess_image(image, self.config.image)
 
     def preprocess_audio(self, waveform: np.ndarray, sampling_rate: int) -> AudioInputs:
+        if self.config.kind == "unified":
+            return _preprocess_audio_unified(waveform, sampling_rate, self.config.audio)
         return _preprocess_audio(waveform, sampling_rate, self.config.audio)
 
     def soft_tokens_for_image(self, height: int, width: int) -> int:
         return _image_soft_tokens(height, width, self.config.image)
 
     def soft_tokens_for_audio(self, num_samples: int, sampling_rate: int) -> int:
+        if self.config.kind == "unified":
+            return _unified_audio_soft_tokens(num_samples, sampling_rate, self.config.audio)
         return _audio_soft_tokens(num_samples, sampling_rate, self.config.audio, self.config.audio_seq_length)
 
     def expand_prompt(
