@@ -215,18 +215,24 @@ def test_audio_soft_tokens_equal_hf_counts(hf):
 # ----------------------------------------------------------------------------- prompts
 
 
-@reference
-def test_prompt_expansion_equals_gemma4_processor(hf):
-    proc, tok = hf
-    text = "<bos>look at <|image|> and hear <|audio|>, then <|image|>. and <|audio|>"
-    images = [_rgb(100, 150, seed=20), PIL.Image.fromarray(_rgb(400, 90, seed=21))]
-    waves = [_wave(43_200, seed=22), _wave(4_800, seed=23)]
+PROMPT = "<bos>look at <|image|> and hear <|audio|>, then <|image|>. and <|audio|>"
+
+
+def prompt_images() -> list:
+    return [_rgb(100, 150, seed=20), PIL.Image.fromarray(_rgb(400, 90, seed=21))]
+
+
+def check_against_hf_processor(proc, tok, ours: P.Processor, waves) -> dict:
+    """Two images and the clips `waves` in `PROMPT` through transformers' processor `proc` (and its
+    tokenizer `tok`) and through `ours`: the expanded string, the ids, `mm_token_type_ids` and every
+    array must be equal. Returns ours: the expanded text, arrays and soft-token counts."""
+    text, images = PROMPT, prompt_images()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = proc(text=[text], images=[images], audio=waves, return_tensors="np")
-    ours_images = [P.preprocess_image(im) for im in images]
-    ours_audio = [P.preprocess_audio(w, 16_000) for w in waves]
-    expanded = P.expand_prompt(text, ours_images, ours_audio)
+    ours_images = [ours.preprocess_image(im) for im in images]
+    ours_audio = [ours.preprocess_audio(w, 16_000) for w in waves]
+    expanded = ours.expand_prompt(text, ours_images, ours_audio)
 
     # the string, against the processor's own replacement path
     image_inputs = proc.image_processor(images=images, return_tensors="np")
@@ -235,13 +241,13 @@ def test_prompt_expansion_equals_gemma4_processor(hf):
         [text],
         [proc.replace_image_token(image_inputs, image_idx=i) for i in range(2)],
         [],
-        [proc.replace_audio_token(audio_inputs, audio_idx=i) for i in range(2)],
+        [proc.replace_audio_token(audio_inputs, audio_idx=i) for i in range(len(waves))],
     )
     assert expanded == hf_text[0]
     # the ids and the tensors, against the whole processor call
     ids = np.asarray(tok([expanded])["input_ids"])
     np.testing.assert_array_equal(ids, out["input_ids"])
-    np.testing.assert_array_equal(P.mm_token_type_ids(ids), out["mm_token_type_ids"])
+    np.testing.assert_array_equal(ours.mm_token_type_ids(ids), out["mm_token_type_ids"])
     pixel_values, position_ids = P.batch_images(ours_images)
     _assert_same(pixel_values, out["pixel_values"], "processor pixel_values")
     _assert_same(position_ids, out["image_position_ids"].astype(np.int32), "processor image_position_ids")
@@ -253,6 +259,13 @@ def test_prompt_expansion_equals_gemma4_processor(hf):
     assert (ids == 258_880).sum() == n_image and (ids == 258_881).sum() == n_audio
     assert (ids == 255_999).sum() == 2 and (ids == 258_882).sum() == 2  # boi / eoi
     assert (ids == 256_000).sum() == 2 and (ids == 258_883).sum() == 2  # boa / eoa
+    return dict(text=expanded, pixel_values=pixel_values, features=features, n_image=n_image, n_audio=n_audio)
+
+
+@reference
+def test_prompt_expansion_equals_gemma4_processor(hf):
+    proc, tok = hf
+    check_against_hf_processor(proc, tok, P.Processor(), [_wave(43_200, seed=22), _wave(4_800, seed=23)])
 
 
 @reference

@@ -20,7 +20,6 @@ import importlib
 import json
 import sys
 import types
-import warnings
 
 import numpy as np
 import PIL.Image
@@ -236,50 +235,19 @@ def test_audio_with_other_frame_size_equals_hf():
 
 
 def test_prompt_expansion_equals_gemma4_unified_processor(hf):
-    proc, tok = hf
-    text = "<bos>look at <|image|> and hear <|audio|>, then <|image|>. and <|audio|>"
-    images = [_rgb(100, 150, seed=20), PIL.Image.fromarray(_rgb(400, 90, seed=21))]
-    waves = [_wave(43_200, seed=22), _wave(4_801, seed=23)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = proc(text=[text], images=[images], audio=waves, return_tensors="np")
-    ours = P.Processor(P.ProcessorConfig(kind="unified"))
-    ours_images = [ours.preprocess_image(im) for im in images]
-    ours_audio = [ours.preprocess_audio(w, 16_000) for w in waves]
-    expanded = ours.expand_prompt(text, ours_images, ours_audio)
+    from tests.test_processor import PROMPT, check_against_hf_processor, prompt_images
 
-    # the string, against the processor's own replacement path
-    image_inputs = proc.image_processor(images=images, return_tensors="np")
-    audio_inputs = proc.feature_extractor(waves, return_tensors="np")
-    hf_text, _ = proc.get_text_with_replacements(
-        [text],
-        [proc.replace_image_token(image_inputs, image_idx=i) for i in range(2)],
-        [],
-        [proc.replace_audio_token(audio_inputs, audio_idx=i) for i in range(2)],
-    )
-    assert expanded == hf_text[0]
-    # the ids and the tensors, against the whole processor call
-    ids = np.asarray(tok([expanded])["input_ids"])
-    np.testing.assert_array_equal(ids, out["input_ids"])
-    np.testing.assert_array_equal(ours.mm_token_type_ids(ids), out["mm_token_type_ids"])
-    pixel_values, position_ids = P.batch_images(ours_images)
-    _assert_same(pixel_values, out["pixel_values"], "processor pixel_values")
-    _assert_same(position_ids, out["image_position_ids"].astype(np.int32), "processor image_position_ids")
-    features, mask = P.batch_audio(ours_audio)
-    _assert_same(features, out["input_features"], "processor input_features")
-    _assert_same(mask, out["input_features_mask"], "processor input_features_mask")
-    n_image = sum(im.num_soft_tokens for im in ours_images)
-    n_audio = sum(a.num_soft_tokens for a in ours_audio)
-    assert n_audio == 68 + 8  # ceil(43200 / 640) + ceil(4801 / 640)
-    assert (ids == 258_880).sum() == n_image and (ids == 258_881).sum() == n_audio
-    assert (ids == 255_999).sum() == 2 and (ids == 258_882).sum() == 2  # boi / eoi
-    assert (ids == 256_000).sum() == 2 and (ids == 258_883).sum() == 2  # boa / eoa
+    proc, tok = hf
+    ours = P.Processor(P.ProcessorConfig(kind="unified"))
+    waves = [_wave(43_200, seed=22), _wave(4_801, seed=23)]
+    got = check_against_hf_processor(proc, tok, ours, waves)
+    assert got["n_audio"] == 68 + 8  # ceil(43200 / 640) + ceil(4801 / 640)
 
     # prepare(): the same text and arrays
-    prepared, media = ours.prepare(text, images, [(w, 16_000) for w in waves])
-    assert prepared == expanded
-    _assert_same(np.asarray(media.pixel_values), pixel_values, "prepare pixel_values")
-    _assert_same(np.asarray(media.input_features), features, "prepare input_features")
+    prepared, media = ours.prepare(PROMPT, prompt_images(), [(w, 16_000) for w in waves])
+    assert prepared == got["text"]
+    _assert_same(np.asarray(media.pixel_values), got["pixel_values"], "prepare pixel_values")
+    _assert_same(np.asarray(media.input_features), got["features"], "prepare input_features")
 
 
 # ----------------------------------------------------------------------------- from_hf
