@@ -590,13 +590,17 @@ def batch_images(images: Sequence[ImageInputs]) -> tuple[np.ndarray, np.ndarray]
     dims = {im.pixel_values.shape[1] for im in images}
     if len(dims) > 1:
         _fail("batch_images: images", f"patch widths differ ({sorted(dims)})", "use one patch_size for the batch")
-    rows = max(im.pixel_values.shape[0] for im in images)
-    pixel_values = np.zeros((len(images), rows, dims.pop()), np.float32)
-    position_ids = np.full((len(images), rows, 2), -1, np.int32)
-    for i, im in enumerate(images):
-        pixel_values[i, : len(im.pixel_values)] = im.pixel_values
-        position_ids[i, : len(im.position_ids)] = im.position_ids
-    return pixel_values, position_ids
+    return _pad_stack([im.pixel_values for im in images], 0, np.float32), _pad_stack(
+        [im.position_ids for im in images], -1, np.int32
+    )
+
+
+def _pad_stack(arrays: Sequence[np.ndarray], fill, dtype) -> np.ndarray:
+    """[N, longest, ...]: the arrays stacked, each padded along its first axis with `fill`."""
+    out = np.full((len(arrays), max(len(a) for a in arrays), *arrays[0].shape[1:]), fill, dtype)
+    for i, a in enumerate(arrays):
+        out[i, : len(a)] = a
+    return out
 
 
 # ----------------------------------------------------------------------------- audio
@@ -870,13 +874,8 @@ def batch_audio(audios: Sequence[AudioInputs]) -> tuple[np.ndarray, np.ndarray]:
     dims = {a.input_features.shape[1] for a in audios}
     if len(dims) > 1:
         _fail("batch_audio: audios", f"feature sizes differ ({sorted(dims)})", "use one feature_size for the batch")
-    frames = max(a.input_features.shape[0] for a in audios)
-    features = np.zeros((len(audios), frames, dims.pop()), np.float32)
-    mask = np.zeros((len(audios), frames), bool)
-    for i, a in enumerate(audios):
-        features[i, : len(a.mask)] = a.input_features
-        mask[i, : len(a.mask)] = a.mask
-    return features, mask
+    features = _pad_stack([a.input_features for a in audios], 0, np.float32)
+    return features, _pad_stack([a.mask for a in audios], False, bool)
 
 
 # ----------------------------------------------------------------------------- prompts
