@@ -48,14 +48,18 @@ def _bf16(rng, shape):
         (3, 64, 50),
         (5, 130, 17),
         (8, 256, 1000),
-        (cpu_kernels.MAX_ROWS, 40, 24),
-        (cpu_kernels.MAX_ROWS + 1, 40, 24),
+        (cpu_kernels.GEMM_ROWS - 1, 40, 24),
+        (cpu_kernels.GEMM_ROWS, 40, 24),
+        (45, 600, 77),
+        (77, 256, 64),
     ],
 )
 @needs_kernels
 def test_products_equal_float64_reference(m, k, n):
     """x @ w (kernel [in, out]) and x @ w.T (table [out, in]) with tails that are not multiples of
-    the 16-lane vectors, on both sides of MAX_ROWS (kernel vs. widen + XLA dot)."""
+    the 16-lane vectors, on both sides of GEMM_ROWS (decode kernels vs. the blocked product); 45 / 77
+    rows: full and partial 12-row tiles and 32-row blocks of x, a 16-wide last block, K over several
+    256-wide panels, N not a multiple of the 32-column panels or 24-row blocks."""
     rng = np.random.default_rng(m * 1000 + k + n)
     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
     w = _bf16(rng, (k, n))
@@ -86,7 +90,7 @@ def test_bf16_linear_and_logits_run_in_the_kernels():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [3, cpu_kernels.MAX_ROWS + 5])
+@pytest.mark.parametrize("rows", [3, cpu_kernels.GEMM_ROWS + 5])
 def test_gradients_equal_the_xla_path(rows):
     """d/dx and d/dw of both products (custom VJPs) against autodiff of `x @ w.astype(float32)`;
     the weight gradient is bf16 like the weight, so it may differ by one bf16 rounding."""
@@ -172,7 +176,7 @@ def _bf16_twins(variant):
 @pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
 def test_bf16_weights_decode_like_float32_weights(variant):
     """Logits of a full forward and greedy generation (ragged batch; decode steps in the kernels,
-    prefill through widen + dot or the kernels) equal those of the float32 copy of the weights."""
+    prefill through the blocked product) equal those of the float32 copy of the weights."""
     model16, model32 = _bf16_twins(variant)
     assert model16.layers[0].mlp.gate_proj.kernel[...].dtype == jnp.bfloat16
     ids = jnp.asarray(fx.sample_ids(2, 9, seed=3))

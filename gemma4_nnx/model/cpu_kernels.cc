@@ -1,16 +1,18 @@
 // Products with bfloat16 weights in float32 arithmetic on CPU, as XLA FFI handlers (see cpu_kernels.py).
 //
-// Each weight is read once as 2 bytes, widened to float32 in registers (a bf16 value is the top half
-// of a float32) and multiplied in float32. XLA:CPU instead converts the whole weight to float32 in a
-// separate pass before its dot, which costs far more than the product itself when few rows multiply
-// it (decode).
+// Each weight is read once in its stored width (bf16: 2 bytes, int8 / int4 codes: 1 / 0.5) and
+// widened to float32 in registers or in an L1-sized panel, then multiplied in float32. XLA:CPU instead
+// converts the whole weight to float32 in a separate pass before its dot, which costs more than the
+// product itself when few rows multiply it (decode) and still ~2x at prefill row counts.
 //
 //   gemma4_bf16_cols: out[M, N] = x[M, K] @ w[K, N]    w stored [in, out] (nnx.Linear kernels)
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
-//   gemma4_bf16_widen: out = float32(w), any shape     (for many rows: the product is then XLA's)
 //   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py)
-//   gemma4_q_dequant:  deq(w) as float32 [N, K]
+//   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
 //
+// Each has two algorithms chosen by the number of rows M: below kGemmRows (decode) a weight row is
+// read once and multiplied with every row of x; from kGemmRows (prefill) a blocked product (`gemm`,
+// `gemm_t`) reuses each widened panel across register tiles of x.
 // Work is split over XLA's intra-op thread pool. Written with GCC/Clang vector extensions, so the
 // compiler maps the 16-lane vectors to what -march=native offers (AVX-512, AVX2, NEON).
 
@@ -149,6 +151,140 @@ void cols_task(const float* __restrict__ x, const uint16_t* __restrict__ w, floa
   }
 }
 
+// ---------------------------------------------------------------------------- many rows (prefill)
+// out[M, N] = x[M, K] @ W[K, N] for any stored form of W, as a blocked matrix product: a panel of W
+// (kKc rows of K by kNr = 32 columns) is widened into a float32 buffer that stays in L1, and every
+// group of MR rows of x is multiplied with it in registers (2 * MR accumulators of 16 lanes, one
+// broadcast of x and two loads of the panel per k). The weight is read once per call in its stored
+// width and never exists as a whole float32 matrix; products are exact float32 products of the stored
+// values, summed in increasing k (XLA's dot sums in another order: relative differences ~1e-6).
+// `Pack` fills panel[kk * kNr + j] = W[k0 + kk, n0 + j] for kk < kc, j < kNr (zero past N).
+constexpr int64_t kNr = 32;
+constexpr int64_t kKc = 256;
+constexpr int64_t kMc = 192;  // rows of x per task: kMc x kKc floats (192 KB) stay in L2
+
+template <int MR, int NV = 2>  // NV vectors of 16 columns: 32 (NV = 2) or 16
+inline void gemm_tile(const float* __restrict__ x, int64_t ldx, const float* __restrict__ panel, int64_t kc,
+                      float* __restrict__ c, int64_t ldc, int64_t ncols, bool first) {
+  constexpr int64_t W = 16 * NV;  // the panel's row length
+  f32x16 acc[MR][NV];
+  for (int m = 0; m < MR; ++m) {
+    if (first) {
+      for (int v = 0; v < NV; ++v) acc[m][v] = f32x16{};
+    } else {
+      alignas(64) float t[W] = {};
+      const float* src = c + m * ldc;
+      if (ncols < W) src = static_cast<const float*>(std::memcpy(t, src, sizeof(float) * ncols));
+      for (int v = 0; v < NV; ++v) acc[m][v] = load_f32(src + 16 * v);
+    }
+  }
+  for (int64_t kk = 0; kk < kc; ++kk) {
+    f32x16 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load_f32(panel + kk * W + 16 * v);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * ldx + kk];
+      for (int v = 0; v < NV; ++v) acc[m][v] += xv * b[v];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    if (ncols == W) {
+      for (int v = 0; v < NV; ++v) store_f32(c + m * ldc + 16 * v, acc[m][v]);
+    } else {
+      alignas(64) float t[W];
+      for (int v = 0; v < NV; ++v) store_f32(t + 16 * v, acc[m][v]);
+      std::memcpy(c + m * ldc, t, sizeof(float) * ncols);
+    }
+  }
+}
+
+template <typename Pack>
+void gemm(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t K, int64_t N, Pack&& pack) {
+  const int64_t panels = (N + kNr - 1) / kNr, mblocks = (M + kMc - 1) / kMc;
+  // tasks: a few panels each (enough tasks to balance the pool), for one block of rows of x
+  const int64_t per_task = std::max<int64_t>(1, panels / (8 * workers(pool)));
+  const int64_t ptasks = (panels + per_task - 1) / per_task;
+  parallel_for(pool, ptasks * mblocks, [&](int64_t t) {
+    const int64_t m0 = (t % mblocks) * kMc, m1 = std::min(M, m0 + kMc);
+    const int64_t p0 = (t / mblocks) * per_task, p1 = std::min(panels, p0 + per_task);
+    alignas(64) float panel[kKc * kNr];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kNr, ncols = std::min(kNr, N - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+        const int64_t kc = std::min(kKc, K - k0);
+        pack(panel, n0, ncols, k0, kc);
+        const float* xk = X + k0;
+        float* c = Y + n0;
+        int64_t m = m0;
+        for (; m + 12 <= m1; m += 12) gemm_tile<12>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
+        for (; m + 4 <= m1; m += 4) gemm_tile<4>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
+        for (; m < m1; ++m) gemm_tile<1>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
+      }
+    }
+  });
+}
+
+// out[M, N] = x[M, K] @ W[N, K]^T for a weight stored by rows (the token table, quantized codes): the
+// same tile with the roles swapped. A block of 32 rows of x is transposed into the panel (kKc x 32), MR
+// rows of W are widened / dequantized into a small contiguous buffer (`row(n, k0, kc, dst)`, never a
+// transposed store), and the tile computes out^T[MR rows of W, 32 rows of x], kept for the whole of K
+// in `ct` and written back transposed at the end. Each task owns a range of rows of W.
+template <int NV, typename Row>
+void gemm_t_block(const float* X, float* Y, int64_t K, int64_t N, int64_t m0, int64_t rows, int64_t n_begin,
+                  int64_t n_end, Row& row, float* ct) {
+  constexpr int MR = NV == 2 ? 12 : 24;  // 24 accumulators either way
+  constexpr int64_t W = 16 * NV;
+  alignas(64) float panel[kKc * W];
+  alignas(64) float wbuf[MR * kKc];
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t kc = std::min(kKc, K - k0);
+    for (int64_t kk = 0; kk < kc; ++kk) {
+      float* dst = panel + kk * W;
+      for (int64_t i = 0; i < rows; ++i) dst[i] = X[(m0 + i) * K + k0 + kk];
+      for (int64_t i = rows; i < W; ++i) dst[i] = 0.f;
+    }
+    for (int64_t n = n_begin; n < n_end; n += MR) {
+      const int64_t nr = std::min<int64_t>(MR, n_end - n);
+      for (int64_t r = 0; r < nr; ++r) row(n + r, k0, kc, wbuf + r * kc);
+      float* c = ct + (n - n_begin) * W;
+      if (nr == MR) {
+        gemm_tile<MR, NV>(wbuf, kc, panel, kc, c, W, W, k0 == 0);
+      } else {
+        for (int64_t r = 0; r < nr; ++r) gemm_tile<1, NV>(wbuf + r * kc, kc, panel, kc, c + r * W, W, W, k0 == 0);
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t n = n_begin; n < n_end; ++n) Y[(m0 + i) * N + n] = ct[(n - n_begin) * W + i];
+}
+
+// out[M, N] = x[M, K] @ W[N, K]^T for a weight stored by rows (the token table, quantized codes): the
+// same tile with the roles swapped. A block of 32 (or, for the last few, 16) rows of x is transposed
+// into the panel, MR rows of W are widened / dequantized into a small contiguous buffer
+// (`row(n, k0, kc, dst)`: no transposed stores of the weight), and the tile computes out^T[rows of W,
+// rows of x], kept for the whole of K in `ct` and written back transposed at the end. Each task owns a
+// range of rows of W.
+template <typename Row>
+void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t K, int64_t N, Row&& row) {
+  const int64_t blocks = (N + 23) / 24;
+  const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(16, blocks / (8 * workers(pool))));
+  parallel_for(pool, (blocks + per_task - 1) / per_task, [&](int64_t t) {
+    const int64_t n_begin = t * per_task * 24, n_end = std::min(N, n_begin + per_task * 24);
+    std::vector<float> ct(static_cast<size_t>((n_end - n_begin) * kNr));
+    for (int64_t m0 = 0; m0 < M; m0 += kNr) {
+      const int64_t rows = std::min(kNr, M - m0);
+      if (rows > 16)
+        gemm_t_block<2>(X, Y, K, N, m0, rows, n_begin, n_end, row, ct.data());
+      else
+        gemm_t_block<1>(X, Y, K, N, m0, rows, n_begin, n_end, row, ct.data());
+    }
+  });
+}
+
+// Rows of x from which a product runs as `gemm` rather than the decode kernels below (which read x
+// once per weight row and keep [M, N] partial sums: fine for a few rows, slow from ~16). Measured on
+// 1536 x 6144 here: see cpu_kernels.py (GEMM_ROWS).
+constexpr int64_t kGemmRows = 16;
+
 ffi::Error Cols(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
   if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("gemma4_bf16_cols: x [M, K] and w [K, N] disagree");
@@ -156,6 +292,20 @@ ffi::Error Cols(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* Y = out->typed_data();
   if (M * N == 0) return ffi::Error::Success();
+  if (M >= kGemmRows) {
+    gemm(pool, X, Y, M, K, N, [&](float* panel, int64_t n0, int64_t ncols, int64_t k0, int64_t kc) {
+      for (int64_t kk = 0; kk < kc; ++kk) {
+        const uint16_t* src = W + (k0 + kk) * N + n0;
+        float* dst = panel + kk * kNr;
+        if (ncols == kNr) {
+          store_f32(dst, load_bf16(src)), store_f32(dst + 16, load_bf16(src + 16));
+        } else {
+          for (int64_t j = 0; j < kNr; ++j) dst[j] = j < ncols ? widen(src[j]) : 0.f;
+        }
+      }
+    });
+    return ffi::Error::Success();
+  }
   // Each task streams a contiguous block of rows of w (in memory order) into its own [M, N] partial
   // sum; the partial sums are added at the end.
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(2 * workers(pool), K / 128));
@@ -200,6 +350,15 @@ ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* Y = out->typed_data();
   if (M * N == 0) return ffi::Error::Success();
+  if (M >= kGemmRows) {
+    gemm_t(pool, X, Y, M, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
+      const uint16_t* src = W + n * K + k0;
+      int64_t j = 0;
+      for (; j + 16 <= kc; j += 16) store_f32(dst + j, load_bf16(src + j));
+      for (; j < kc; ++j) dst[j] = widen(src[j]);
+    });
+    return ffi::Error::Success();
+  }
   const int64_t per_task = std::max<int64_t>(16, (int64_t{1} << 20) / std::max<int64_t>(K, 1));  // ~2 MB of w
   const int64_t nt = (N + per_task - 1) / per_task;
   parallel_for(pool, nt, [&](int64_t t) {
@@ -213,60 +372,12 @@ ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   return ffi::Error::Success();
 }
 
-ffi::Error Widen(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> out) {
-  const int64_t n = static_cast<int64_t>(w.element_count());
-  const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
-  float* Y = out->typed_data();
-  const int64_t per_task = int64_t{1} << 20;
-  parallel_for(pool, (n + per_task - 1) / per_task, [&](int64_t t) {
-    const int64_t i1 = std::min(n, (t + 1) * per_task);
-    int64_t i = t * per_task;
-    for (; i + 16 <= i1; i += 16) store_f32(Y + i, load_bf16(W + i));
-    for (; i < i1; ++i) Y[i] = widen(W[i]);
-  });
-  return ffi::Error::Success();
-}
-
 // ---------------------------------------------------------------------------- quantized weights
 // out[M, N] = x[M, K] @ deq(w)[N, K]^T for a weight stored as group-quantized codes (gemma4_nnx.model.quant):
 // row n of w is codes[n] (int8 [K], uint8 [K] when asymmetric, or two nibbles a byte [K/2]) with one
 // float32 scale (and min) per `group` columns: w[n, k] = code * scale - min. Each row is dequantized
 // once into a float32 buffer in L1 and multiplied with up to eight rows of x at a time, so a weight
 // is read from memory once per call at 1 or 0.5 bytes.
-inline void dequant_row(const uint8_t* __restrict__ c, const float* __restrict__ sc, const float* __restrict__ mn,
-                        int64_t K, int64_t group, int bits, bool asym, float* __restrict__ buf) {
-  const int64_t G = K / group;
-  for (int64_t g = 0; g < G; ++g) {
-    const float s = sc[g];
-    float* b = buf + g * group;
-    if (bits == 8) {
-      if (asym) {
-        const uint8_t* q = c + g * group;
-        const float m = mn[g];
-        for (int64_t j = 0; j < group; ++j) b[j] = static_cast<float>(q[j]) * s - m;
-      } else {
-        const int8_t* q = reinterpret_cast<const int8_t*>(c) + g * group;
-        for (int64_t j = 0; j < group; ++j) b[j] = static_cast<float>(q[j]) * s;
-      }
-    } else {
-      const uint8_t* q = c + g * group / 2;
-      if (asym) {
-        const float m = mn[g];
-        for (int64_t j = 0; j < group / 2; ++j) {
-          b[2 * j] = static_cast<float>(q[j] & 0x0F) * s - m;
-          b[2 * j + 1] = static_cast<float>(q[j] >> 4) * s - m;
-        }
-      } else {
-        for (int64_t j = 0; j < group / 2; ++j) {
-          const int8_t v = static_cast<int8_t>(q[j]);
-          b[2 * j] = static_cast<float>(static_cast<int8_t>(v << 4) >> 4) * s;
-          b[2 * j + 1] = static_cast<float>(v >> 4) * s;
-        }
-      }
-    }
-  }
-}
-
 template <int MB>
 inline void dot_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int64_t K,
                      int64_t N, int64_t n, int64_t m0) {
@@ -332,6 +443,14 @@ inline void widen_codes4(const uint8_t* p, bool asym, f32x16& lo, f32x16& hi) {
   }
 }
 inline float hsum_q(f32x16 v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
+// dst[0:32] = lo[0], hi[0], lo[1], hi[1], ... (the nibbles of 16 bytes back in memory order)
+inline void interleave(f32x16 lo, f32x16 hi, float* dst) {
+  const __m512 a = reinterpret_cast<__m512>(lo), b = reinterpret_cast<__m512>(hi);
+  const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a, i0, b));
+  _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(a, i1, b));
+}
 #else
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -353,7 +472,59 @@ inline void widen_codes4(const uint8_t* p, bool asym, f32x16& lo, f32x16& hi) {
   }
 }
 inline float hsum_q(f32x16 v) { return hsum(v); }
+inline void interleave(f32x16 lo, f32x16 hi, float* dst) {
+  for (int j = 0; j < 16; ++j) dst[2 * j] = lo[j], dst[2 * j + 1] = hi[j];
+}
 #endif
+
+// deq(w)[n, k0:k1] of one row into buf[0 : k1 - k0]; for int4, k0, k1 and the group are even.
+inline void dequant_span(const uint8_t* __restrict__ c, const float* __restrict__ sc, const float* __restrict__ mn,
+                         int64_t k0, int64_t k1, int64_t group, int bits, bool asym, float* __restrict__ buf) {
+  for (int64_t k = k0, g = k0 / group; k < k1; ++g) {
+    const int64_t e = std::min(k1, (g + 1) * group);
+    const float s = sc[g], m = asym ? mn[g] : 0.f;  // asym: code * s - m
+    float* b = buf + (k - k0);
+    int64_t j0 = 0;  // elements done with 16-lane vectors
+    const f32x16 sv = f32x16{} + s, mv = f32x16{} + m;
+    if (bits == 8) {
+      for (; j0 + 16 <= e - k; j0 += 16) store_f32(b + j0, widen_codes8(c + k + j0, asym) * sv - mv);
+    } else {
+      for (; j0 + 32 <= e - k; j0 += 32) {
+        f32x16 lo, hi;
+        widen_codes4(c + (k + j0) / 2, asym, lo, hi);
+        interleave(lo * sv - mv, hi * sv - mv, b + j0);
+      }
+    }
+    if (bits == 8) {
+      if (asym) {
+        for (int64_t j = j0; j < e - k; ++j) b[j] = static_cast<float>(c[k + j]) * s - m;
+      } else {
+        const int8_t* q = reinterpret_cast<const int8_t*>(c) + k;
+        for (int64_t j = j0; j < e - k; ++j) b[j] = static_cast<float>(q[j]) * s;
+      }
+    } else {
+      const uint8_t* q = c + (k + j0) / 2;
+      b += j0;
+      if (asym) {
+        for (int64_t j = 0; j < (e - k - j0) / 2; ++j) {
+          b[2 * j] = static_cast<float>(q[j] & 0x0F) * s - m;
+          b[2 * j + 1] = static_cast<float>(q[j] >> 4) * s - m;
+        }
+      } else {
+        for (int64_t j = 0; j < (e - k - j0) / 2; ++j) {
+          const int8_t v = static_cast<int8_t>(q[j]);
+          b[2 * j] = static_cast<float>(static_cast<int8_t>(v << 4) >> 4) * s;
+          b[2 * j + 1] = static_cast<float>(v >> 4) * s;
+        }
+      }
+    }
+    k = e;
+  }
+}
+inline void dequant_row(const uint8_t* c, const float* sc, const float* mn, int64_t K, int64_t group, int bits,
+                        bool asym, float* buf) {
+  dequant_span(c, sc, mn, 0, K, group, bits, asym, buf);
+}
 
 // The fused product for decode row counts: codes are widened 16 at a time in registers and multiplied
 // with x; each group's partial sums take its scale once (and, asymmetric, subtract min * sum(x over the
@@ -410,6 +581,13 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
   const float* X = x.typed_data();
   float* Y = out->typed_data();
   if (M * N == 0) return ffi::Error::Success();
+  if (M >= kGemmRows) {
+    gemm_t(pool, X, Y, M, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
+      dequant_span(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, k0, k0 + kc, q.group,
+                   q.bits, q.asym, dst);
+    });
+    return ffi::Error::Success();
+  }
   const int64_t per_task = std::max<int64_t>(16, (int64_t{1} << 20) / std::max<int64_t>(q.code_cols, 1));
   const int64_t nt = (N + per_task - 1) / per_task;
   const bool fused = q.group % (bits == 4 ? 32 : 16) == 0;
@@ -496,11 +674,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Rows, Rows,
                                   .Arg<Matrix>()
                                   .Arg<Bf16Matrix>()
                                   .Ret<Matrix>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Widen, Widen,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QRows, QRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

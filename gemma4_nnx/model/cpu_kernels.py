@@ -13,8 +13,12 @@ order than XLA (relative differences ~1e-6).
 * `matmul(x, w)`: x [..., K] float32 @ w [K, N] bf16 (an `nnx.Linear` kernel) -> [..., N] float32;
 * `matmul_t(x, w)`: x [..., K] float32 @ w [N, K]^T bf16 (the tied embedding table) -> [..., N].
 
-Up to `MAX_ROWS` rows (decode) run in the kernels; more rows (prefill, training) widen the weight with
-one fast pass and use XLA's float32 dot. Both are differentiable (`jax.custom_vjp`).
+Every row count runs in the kernels: up to `GEMM_ROWS - 1` rows (decode) each weight row is read once
+and multiplied with all rows of x; from `GEMM_ROWS` rows (prefill, batched verify, training) a blocked
+product widens one L1-sized panel of the weight at a time and multiplies it with a register tile of
+x, so no float32 copy of a weight is ever made (the old path for many rows widened the whole weight
+first: ~0.5 G elements/s, several times the cost of the product itself). Both are differentiable
+(`jax.custom_vjp`).
 
 The kernels (`cpu_kernels.cc`) are compiled with the system C++ compiler on first use
 (`-O3 -march=native`, a few seconds), cached in `$GEMMA4_NNX_CACHE` (default
@@ -43,17 +47,19 @@ import jaxlib
 
 Array = jax.Array
 
-__all__ = ["MAX_QROWS", "MAX_ROWS", "available", "matmul", "matmul_t", "qmatmul_t", "unavailable_reason"]
+__all__ = ["GEMM_ROWS", "available", "matmul", "matmul_t", "qmatmul_t", "unavailable_reason"]
 
-#: Products with at most this many rows run in the kernels; more rows widen the weight and use XLA's
-#: dot (measured on 1536x6144: the kernel is 1.6x faster at 32 rows, 2x slower at 64).
-MAX_ROWS = 32
+#: From this many rows of x a product runs as the blocked matrix product (`gemm` / `gemm_t` in
+#: cpu_kernels.cc, where the same number is `kGemmRows`); fewer rows take the decode kernels. Measured
+#: on 1536 x 6144 here: the decode kernels keep [M, N] partial sums and fall to 20-40 GFLOP/s from ~16
+#: rows, the blocked product reaches 100-150 GFLOP/s at 16-32 rows and 250-340 at 128-256 (XLA's own
+#: float32 dot on a float32 copy: 290-370).
+GEMM_ROWS = 16
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 _TARGETS = {
     "gemma4_bf16_cols": "Gemma4Bf16Cols",
     "gemma4_bf16_rows": "Gemma4Bf16Rows",
-    "gemma4_bf16_widen": "Gemma4Bf16Widen",
     "gemma4_q_rows": "Gemma4QRows",
     "gemma4_q_dequant": "Gemma4QDequant",
 }
@@ -174,12 +180,6 @@ def _rows(x: Array, w: Array) -> Array:
     return _call("gemma4_bf16_rows", (x.shape[0], w.shape[0]), x, w)
 
 
-@jax.custom_vjp
-def _widen(w: Array) -> Array:
-    """float32(w) for a bf16 array of any shape (exact)."""
-    return _call("gemma4_bf16_widen", w.shape, w)
-
-
 def _cols_bwd(res, g):
     x, w = res
     return _rows(g, w), jnp.matmul(x.T, g).astype(w.dtype)  # dx = g @ w^T, dw = x^T @ g
@@ -192,7 +192,6 @@ def _rows_bwd(res, g):
 
 _cols.defvjp(lambda x, w: (_cols(x, w), (x, w)), _cols_bwd)
 _rows.defvjp(lambda x, w: (_rows(x, w), (x, w)), _rows_bwd)
-_widen.defvjp(lambda w: (_widen(w), None), lambda _, g: (g.astype(jnp.bfloat16),))
 
 
 # ------------------------------------------------------------------------------------------ public ops
@@ -205,28 +204,23 @@ def _rows_of(x: Array) -> tuple[tuple[int, ...], int, int]:
 
 
 def matmul(x: Array, w: Array, precision=None) -> Array:
-    """x [..., K] float32 @ w [K, N] bfloat16 -> [..., N] float32 (what `layers.Matmul` calls for a bf16 kernel)."""
+    """x [..., K] float32 @ w [K, N] bfloat16 -> [..., N] float32 (what `layers.Matmul` calls for a bf16
+    kernel). `precision` is accepted for the caller's signature: the products are float32 either way."""
     lead, k, rows = _rows_of(x)
-    if 0 < rows <= MAX_ROWS:
-        return _cols(x.reshape(rows, k), w).reshape(*lead, w.shape[1])
-    return jnp.matmul(x, _widen(w), precision=precision)
+    if rows == 0:
+        return jnp.zeros((*lead, w.shape[1]), jnp.float32)
+    return _cols(x.reshape(rows, k), w).reshape(*lead, w.shape[1])
 
 
 def matmul_t(x: Array, w: Array, precision=None) -> Array:
     """x [..., K] float32 @ w [N, K]^T bfloat16 -> [..., N] float32 (e.g. tied logits over the table)."""
     lead, k, rows = _rows_of(x)
-    if 0 < rows <= MAX_ROWS:
-        return _rows(x.reshape(rows, k), w).reshape(*lead, w.shape[0])
-    return jnp.einsum("...k,nk->...n", x, _widen(w), precision=precision)
+    if rows == 0:
+        return jnp.zeros((*lead, w.shape[0]), jnp.float32)
+    return _rows(x.reshape(rows, k), w).reshape(*lead, w.shape[0])
 
 
 # ------------------------------------------------------------------------------------------ quantized
-#: Rows up to which a quantized weight's product runs in `gemma4_q_rows` (codes widened in registers,
-#: 8 rows of x at a time: 50-65 GFLOP/s here); more rows dequantize the whole weight to float32 once and
-#: use XLA's dot (~190 GFLOP/s; measured on 2048x640: 1.7 ms instead of 3.1 ms at 64 rows, even at 32).
-MAX_QROWS = 32
-
-
 def _no_mins(scales: Array) -> Array:
     return jnp.zeros((0, 0), jnp.float32)
 
@@ -260,11 +254,9 @@ _qrows.defvjp(_qrows_fwd, _qrows_bwd)
 def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: int) -> Array:
     """x [..., K] float32 @ deq(w)[N, K]^T for a quantized weight (`gemma4_nnx.model.quant`): codes int8
     [N, K] / uint8 [N, K] (asymmetric) / uint8 [N, K/2] (int4), float32 scales [N, G] and mins [N, G]
-    or None. Up to `MAX_QROWS` rows in the kernel; more rows dequantize once and use XLA's dot."""
+    or None. Any number of rows (see `GEMM_ROWS`); the codes are never dequantized whole."""
     lead, k, rows = _rows_of(x)
+    if rows == 0:
+        return jnp.zeros((*lead, codes.shape[0]), jnp.float32)
     mins = _no_mins(scales) if mins is None else mins
-    if 0 < rows <= MAX_QROWS:
-        return _qrows(x.reshape(rows, k), codes, scales, mins, bits).reshape(*lead, codes.shape[0])
-    # the weight is frozen (see _qrows_bwd): no derivative flows into the custom call
-    w = _qdequant(codes, jax.lax.stop_gradient(scales), jax.lax.stop_gradient(mins), bits, k)
-    return jnp.einsum("...k,nk->...n", x, w)
+    return _qrows(x.reshape(rows, k), codes, scales, mins, bits).reshape(*lead, codes.shape[0])
