@@ -48,8 +48,10 @@ def _bf16(rng, shape):
         (3, 64, 50),
         (5, 130, 17),
         (8, 256, 1000),
-        (cpu_kernels.GEMM_ROWS - 1, 40, 24),
-        (cpu_kernels.GEMM_ROWS, 40, 24),
+        (cpu_kernels.GEMM_ROWS_COLS - 1, 40, 24),
+        (cpu_kernels.GEMM_ROWS_COLS, 40, 24),
+        (cpu_kernels.GEMM_ROWS_T - 1, 40, 24),
+        (cpu_kernels.GEMM_ROWS_T, 40, 24),
         (45, 600, 77),
         (77, 256, 64),
     ],
@@ -57,7 +59,7 @@ def _bf16(rng, shape):
 @needs_kernels
 def test_products_equal_float64_reference(m, k, n):
     """x @ w (kernel [in, out]) and x @ w.T (table [out, in]) with tails that are not multiples of
-    the 16-lane vectors, on both sides of GEMM_ROWS (decode kernels vs. the blocked product); 45 / 77
+    the 16-lane vectors, on both sides of GEMM_ROWS_COLS / _T (decode kernels vs. the blocked products); 45 / 77
     rows: full and partial 12-row tiles and 32-row blocks of x, a 16-wide last block, K over several
     256-wide panels, N not a multiple of the 32-column panels or 24-row blocks."""
     rng = np.random.default_rng(m * 1000 + k + n)
@@ -90,7 +92,7 @@ def test_bf16_linear_and_logits_run_in_the_kernels():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [3, cpu_kernels.GEMM_ROWS + 5])
+@pytest.mark.parametrize("rows", [3, cpu_kernels.GEMM_ROWS_T + 5])
 def test_gradients_equal_the_xla_path(rows):
     """d/dx and d/dw of both products (custom VJPs) against autodiff of `x @ w.astype(float32)`;
     the weight gradient is bf16 like the weight, so it may differ by one bf16 rounding."""

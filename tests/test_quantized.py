@@ -81,11 +81,11 @@ def test_gguf_blocks_dequantize_bit_for_bit_like_gguf(kind):
 # ------------------------------------------------------------------ the product
 # groups of 96 straddle the blocked product's 256-wide panels of K
 @pytest.mark.parametrize("fmt", FORMATS + [quant.QuantFormat(4, 96, False), quant.QuantFormat(8, 96, True)], ids=str)
-@pytest.mark.parametrize("rows", [1, 3, cpu_kernels.GEMM_ROWS, 45])
+@pytest.mark.parametrize("rows", [1, 3, cpu_kernels.GEMM_ROWS_T, 45])
 @pytest.mark.parametrize("matmul", ["xla", pytest.param("cpu_kernels", marks=needs_kernels)])
 def test_quantized_product_equals_float64_of_dequantized(fmt, rows, matmul):
     """x @ deq(W)^T on both paths (kernel: decode form fused for groups of 16/32 lanes, row-buffer
-    otherwise; from GEMM_ROWS the blocked product, 45 rows = a 32-row and a 16-wide block of x, K = 288
+    otherwise; from GEMM_ROWS_T the blocked product, 45 rows = a 32-row and a 16-wide block of x, K = 288
     two panels) against float64; gradient wrt x is x-independent deq(W) sums."""
     rng = np.random.default_rng(fmt.bits * 100 + fmt.group + rows + 7 * fmt.asym)
     n, k = 40, 288

@@ -10,8 +10,8 @@
 //   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
 //
-// Each has two algorithms chosen by the number of rows M: below kGemmRows (decode) a weight row is
-// read once and multiplied with every row of x; from kGemmRows (prefill) a blocked product (`gemm`,
+// Each has two algorithms chosen by the number of rows M: below kGemmRowsCols / kGemmRowsT (decode) a weight row is
+// read once and multiplied with every row of x; from there on (prefill) a blocked product (`gemm`,
 // `gemm_t`) reuses each widened panel across register tiles of x.
 // Work is split over XLA's intra-op thread pool. Written with GCC/Clang vector extensions, so the
 // compiler maps the 16-lane vectors to what -march=native offers (AVX-512, AVX2, NEON).
@@ -280,10 +280,12 @@ void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t 
   });
 }
 
-// Rows of x from which a product runs as `gemm` rather than the decode kernels below (which read x
-// once per weight row and keep [M, N] partial sums: fine for a few rows, slow from ~16). Measured on
-// 1536 x 6144 here: see cpu_kernels.py (GEMM_ROWS).
-constexpr int64_t kGemmRows = 16;
+// Rows of x from which a product runs as `gemm` / `gemm_t` rather than the decode kernels below
+// (which read x once per weight row: the column form keeps [M, N] partial sums, slow from ~8 rows;
+// the row forms hold 8 rows of x in registers and stay fast longer). Measured on 1536 x 6144 here,
+// see cpu_kernels.py (GEMM_ROWS_COLS, GEMM_ROWS_T).
+constexpr int64_t kGemmRowsCols = 8;
+constexpr int64_t kGemmRowsT = 24;
 
 ffi::Error Cols(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
@@ -292,7 +294,7 @@ ffi::Error Cols(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* Y = out->typed_data();
   if (M * N == 0) return ffi::Error::Success();
-  if (M >= kGemmRows) {
+  if (M >= kGemmRowsCols) {
     gemm(pool, X, Y, M, K, N, [&](float* panel, int64_t n0, int64_t ncols, int64_t k0, int64_t kc) {
       for (int64_t kk = 0; kk < kc; ++kk) {
         const uint16_t* src = W + (k0 + kk) * N + n0;
@@ -350,7 +352,7 @@ ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* Y = out->typed_data();
   if (M * N == 0) return ffi::Error::Success();
-  if (M >= kGemmRows) {
+  if (M >= kGemmRowsT) {
     gemm_t(pool, X, Y, M, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
       const uint16_t* src = W + n * K + k0;
       int64_t j = 0;
@@ -581,7 +583,7 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
   const float* X = x.typed_data();
   float* Y = out->typed_data();
   if (M * N == 0) return ffi::Error::Success();
-  if (M >= kGemmRows) {
+  if (M >= kGemmRowsT) {
     gemm_t(pool, X, Y, M, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
       dequant_span(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, k0, k0 + kc, q.group,
                    q.bits, q.asym, dst);

@@ -13,8 +13,8 @@ order than XLA (relative differences ~1e-6).
 * `matmul(x, w)`: x [..., K] float32 @ w [K, N] bf16 (an `nnx.Linear` kernel) -> [..., N] float32;
 * `matmul_t(x, w)`: x [..., K] float32 @ w [N, K]^T bf16 (the tied embedding table) -> [..., N].
 
-Every row count runs in the kernels: up to `GEMM_ROWS - 1` rows (decode) each weight row is read once
-and multiplied with all rows of x; from `GEMM_ROWS` rows (prefill, batched verify, training) a blocked
+Every row count runs in the kernels: for few rows (decode) each weight row is read once and multiplied
+with all rows of x; from `GEMM_ROWS_COLS` / `GEMM_ROWS_T` rows (prefill, batched verify, training) a blocked
 product widens one L1-sized panel of the weight at a time and multiplies it with a register tile of
 x, so no float32 copy of a weight is ever made (the old path for many rows widened the whole weight
 first: ~0.5 G elements/s, several times the cost of the product itself). Both are differentiable
@@ -47,14 +47,17 @@ import jaxlib
 
 Array = jax.Array
 
-__all__ = ["GEMM_ROWS", "available", "matmul", "matmul_t", "qmatmul_t", "unavailable_reason"]
+__all__ = ["GEMM_ROWS_COLS", "GEMM_ROWS_T", "available", "matmul", "matmul_t", "qmatmul_t", "unavailable_reason"]
 
 #: From this many rows of x a product runs as the blocked matrix product (`gemm` / `gemm_t` in
-#: cpu_kernels.cc, where the same number is `kGemmRows`); fewer rows take the decode kernels. Measured
-#: on 1536 x 6144 here: the decode kernels keep [M, N] partial sums and fall to 20-40 GFLOP/s from ~16
-#: rows, the blocked product reaches 100-150 GFLOP/s at 16-32 rows and 250-340 at 128-256 (XLA's own
-#: float32 dot on a float32 copy: 290-370).
-GEMM_ROWS = 16
+#: cpu_kernels.cc, where the same numbers are `kGemmRowsCols` / `kGemmRowsT`); fewer rows take the
+#: decode kernels. Measured on 1536 x 6144 here (2 cores; runs vary by up to 2x): the column-form decode
+#: kernel keeps [M, N] partial sums and falls to 20-80 GFLOP/s from 8 rows, where the blocked product
+#: gives 90-170; the row forms (token table, int8 / int4 codes) multiply 8 rows of x per pass over the
+#: weight and stay at 130-220 GFLOP/s up to ~24 rows. The blocked product reaches 250-370 GFLOP/s at
+#: 128-256 rows, XLA's own float32 dot on a float32 copy of the weight 290-400.
+GEMM_ROWS_COLS = 8  # bf16 kernels [in, out]: `matmul`
+GEMM_ROWS_T = 24  # weights stored [out, in]: `matmul_t` (bf16 table), `qmatmul_t` (codes)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cc")
 _TARGETS = {
@@ -254,7 +257,7 @@ _qrows.defvjp(_qrows_fwd, _qrows_bwd)
 def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: int) -> Array:
     """x [..., K] float32 @ deq(w)[N, K]^T for a quantized weight (`gemma4_nnx.model.quant`): codes int8
     [N, K] / uint8 [N, K] (asymmetric) / uint8 [N, K/2] (int4), float32 scales [N, G] and mins [N, G]
-    or None. Any number of rows (see `GEMM_ROWS`); the codes are never dequantized whole."""
+    or None. Any number of rows (see `GEMM_ROWS_T`); the codes are never dequantized whole."""
     lead, k, rows = _rows_of(x)
     if rows == 0:
         return jnp.zeros((*lead, codes.shape[0]), jnp.float32)
