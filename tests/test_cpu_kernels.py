@@ -8,6 +8,8 @@ weights held in float32.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,7 +157,7 @@ def test_the_product_is_chosen_once_when_the_model_is_built(monkeypatch):
     assert "gemma4_bf16_cols" in hlo and "gemma4_bf16_rows" in hlo
 
 
-def _bf16_twins(variant):
+def _bf16_twins(variant, matmul="cpu_kernels"):
     """The same bf16-representable weights twice: stored bf16 (kernels) and stored float32 (XLA)."""
     model32 = random_model(variant)
     graph, state = nnx.split(model32)
@@ -165,7 +167,7 @@ def _bf16_twins(variant):
     model32 = nnx.merge(graph, rounded)
     # Built like the float32 model (its embedding scales are float32 roundings, not bf16 ones), with
     # the kernels asked for explicitly ("auto" picks them only for weights stored bf16 at build time).
-    model16 = random_model(variant, matmul="cpu_kernels")
+    model16 = random_model(variant, matmul=matmul)
     for (_, v16), (_, v32) in zip(nnx.iter_graph(model16), nnx.iter_graph(model32)):
         if isinstance(v16, nnx.Param):
             v16.set_value(v32.get_value().astype(jnp.bfloat16))
@@ -187,3 +189,57 @@ def test_bf16_weights_decode_like_float32_weights(variant):
     got = generate(model16, PROMPTS, 12, stop_tokens=[])
     want = generate(model32, PROMPTS, 12, stop_tokens=[])
     assert got.tokens == want.tokens
+
+
+needs_bf16_dot = pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="this CPU has no AVX512-BF16 instructions")
+
+
+@needs_kernels
+@needs_bf16_dot
+@pytest.mark.parametrize("m,k,n", [(cpu_kernels.GEMM_ROWS_COLS, 40, 24), (45, 601, 77), (130, 512, 64)])
+def test_bf16_products_equal_float64_of_rounded_activations(m, k, n):
+    """matmul(bf16=True) from GEMM_ROWS_COLS rows: the float64 product of bf16-rounded x (round to
+    nearest even) with the bf16 weights, up to float32 summation; an odd K pairs its last element with
+    zero. It really rounds (the exact product differs by far more), and fewer rows stay exact."""
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+    w = _bf16(rng, (k, n))
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    rounded = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    got = jax.jit(lambda x, w: cpu_kernels.matmul(x, w, bf16=True))(x, w)
+    assert _rel(got, rounded @ w64) <= REL_TOL
+    assert _rel(got, np.asarray(x, np.float64) @ w64) > 10 * REL_TOL
+    few = x[: cpu_kernels.GEMM_ROWS_COLS - 1]
+    assert _rel(cpu_kernels.matmul(few, w, bf16=True), np.asarray(few, np.float64) @ w64) <= REL_TOL
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundedXLA(layers.Matmul):
+    """XLA's float32 product with x rounded to bf16 from GEMM_ROWS_COLS rows: what the bf16 products
+    compute, written independently of the kernels."""
+
+    def __call__(self, x, kernel, dtype, precision=None):
+        rows = int(np.prod(x.shape[:-1]))
+        if rows >= cpu_kernels.GEMM_ROWS_COLS:
+            x = x.astype(jnp.bfloat16)
+        return jnp.matmul(x.astype(jnp.float32), kernel.astype(jnp.float32), precision="highest")
+
+    def transposed(self, x, table, dtype):
+        return jnp.einsum("...d,vd->...v", x, table.astype(jnp.float32), precision="highest")
+
+
+@needs_kernels
+@needs_bf16_dot
+def test_bf16_products_model_equals_rounded_reference():
+    """matmul="cpu_kernels_bf16": prefill-sized projections take bf16-rounded inputs (the HLO asks for
+    them), decode steps stay exact. A full forward equals the float32 model of the same weights whose
+    projections round their inputs alike (XLA, float32 sums: 1e-4 as for the exact kernels), and
+    differs from the unrounded model by bf16 rounding, amplified through the tiny random layers."""
+    model16, model32 = _bf16_twins("e2b", matmul="cpu_kernels_bf16")
+    assert model16.matmul.bf16_products
+    ids = jnp.asarray(fx.sample_ids(2, 9, seed=3))  # 18 rows: the bf16 path
+    assert "bf16 = true" in jax.jit(lambda ids: model16(ids)).lower(ids).as_text()
+    rounded, _ = _bf16_twins("e2b", matmul=_RoundedXLA(cpu_kernels=True))  # bf16 weights, XLA products
+    got = np.asarray(model16(ids), np.float64)
+    assert float(np.max(np.abs(got - np.asarray(rounded(ids), np.float64)))) <= 1e-4
+    assert float(np.max(np.abs(got - np.asarray(model32(ids), np.float64)))) > 1e-3

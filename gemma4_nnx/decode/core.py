@@ -255,14 +255,14 @@ def _key_width() -> int:
 def _forward(graphdef, weights, cache, ids, positions, valid, select, soft=None) -> tuple[Next, KVCache]:
     """The `Next` at the columns `select` [B, 1], and the updated cache. soft [B, S, D]: soft tokens
     at the placeholder columns (images, audio), or None."""
-    model = nnx.merge(graphdef, weights)
+    model = nnx.merge(graphdef.value, weights)
     h, cache = model(ids, positions, valid, cache=cache, return_hidden=True, select=select, soft_tokens=soft)
     return Next(model.logits(h[:, 0]).astype(jnp.float32), h[:, 0].astype(jnp.float32)), cache
 
 
 def _encode(graphdef, weights, ids, pixel_values, image_position_ids, input_features, input_features_mask):
     """Soft tokens [1, S, D] of one prompt (zeros off the placeholders): the towers run here, once."""
-    model = nnx.merge(graphdef, weights)
+    model = nnx.merge(graphdef.value, weights)
     return model.soft_tokens(ids, pixel_values, image_position_ids, input_features, input_features_mask)
 
 
@@ -454,7 +454,7 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     ids = jnp.concatenate([sub.token[:, None], drafts], axis=1)  # [m, S]
     valid = active[:, None] & (cols[None, :] <= ndraft[:, None])
     positions = jnp.where(valid, sub.pos[:, None] + cols[None, :], -1)
-    model = nnx.merge(graphdef, weights)
+    model = nnx.merge(graphdef.value, weights)
     h, part = model(ids, positions, valid, cache=cache.head(m), return_hidden=True)
     raw = model.logits(h).astype(jnp.float32)  # [m, S, V]: column j predicts the token at position pos + j + 1
     v = raw.shape[-1]
@@ -557,8 +557,8 @@ def _draft(k: int, m: int, a_graphdef, a_weights, graphdef, weights, cache: KVCa
     """k MTP assistant steps for the first m rows (`model.assistant`): each row drafts from its last
     token and `hidden` at its position, over the target's cache, feeding back its own argmax and
     projected state. Returns drafts [m, k] int32 (done rows draft garbage, verified as nothing)."""
-    assistant = nnx.merge(a_graphdef, a_weights)
-    target = nnx.merge(graphdef, weights)
+    assistant = nnx.merge(a_graphdef.value, a_weights)
+    target = nnx.merge(graphdef.value, weights)
     sub = head_rows(rows, m)
     kv = assistant.donor_kv(target.config, cache.head(m))
     positions = jnp.where(sub.done, -1, sub.pos)
@@ -580,7 +580,7 @@ def _score(n_top: int, chunk: int, graphdef, weights, ids, valid):
     token t + 1 (raw distribution, as `token_logprobs`) and the n_top most likely tokens there (their
     logprobs are the same numbers: one `log_softmax`). Logits `chunk` columns at a time, never the
     whole [B, T, V]. Returns (logprob [B, T], top_logprob [B, T, n_top], top_token [B, T, n_top])."""
-    model = nnx.merge(graphdef, weights)
+    model = nnx.merge(graphdef.value, weights)
     h = model(ids, None, valid, return_hidden=True)
     b, t = ids.shape
     target = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), ids.dtype)], axis=1)
@@ -601,6 +601,24 @@ def _score(n_top: int, chunk: int, graphdef, weights, ids, valid):
         return jnp.moveaxis(x, 0, 1).reshape((b, t) + x.shape[3:])
 
     return tuple(join(x) for x in jax.lax.map(columns, (split(h), split(target))))
+
+
+class StaticGraph:
+    """A model's GraphDef as a jit static argument, hashed once. jit hashes its static arguments at
+    every call, and hashing an E2B GraphDef takes ~15 ms: two or three times per `generate` call."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StaticGraph) and (
+            self.value is other.value or (self._hash == other._hash and self.value == other.value)
+        )
 
 
 # graphdef and the static options are hashable jit static arguments; the weights are traced
@@ -696,13 +714,15 @@ class Decoder:
     ):
         _listen()
         self.config = model.config
-        self.graphdef, self.weights = nnx.split(model)
+        graphdef, self.weights = nnx.split(model)
+        self.graphdef = StaticGraph(graphdef)
         self.assistant = None
         if assistant is not None:
             assistant.config.check_target(model.config)
             if speculative_tokens < 1:
                 raise ValueError("an assistant drafts speculative_tokens >= 1 tokens per step")
-            self.assistant = nnx.split(assistant)
+            a_graphdef, a_weights = nnx.split(assistant)
+            self.assistant = (StaticGraph(a_graphdef), a_weights)
             if mesh is not None:  # a small model: a full copy on every device
                 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                 self.assistant = (self.assistant[0], jax.device_put(self.assistant[1], replicated))
