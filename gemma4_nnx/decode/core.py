@@ -607,7 +607,7 @@ class StaticGraph:
     """A model's GraphDef as a jit static argument, hashed once. jit hashes its static arguments at
     every call, and hashing an E2B GraphDef takes ~15 ms: two or three times per `generate` call."""
 
-    __slots__ = ("value", "_hash")
+    __slots__ = ("_hash", "value")
 
     def __init__(self, value):
         self.value, self._hash = value, hash(value)

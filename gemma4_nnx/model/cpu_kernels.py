@@ -47,7 +47,16 @@ import jaxlib
 
 Array = jax.Array
 
-__all__ = ["GEMM_ROWS_COLS", "GEMM_ROWS_T", "available", "has_bf16_dot", "matmul", "matmul_t", "qmatmul_t", "unavailable_reason"]
+__all__ = [
+    "GEMM_ROWS_COLS",
+    "GEMM_ROWS_T",
+    "available",
+    "has_bf16_dot",
+    "matmul",
+    "matmul_t",
+    "qmatmul_t",
+    "unavailable_reason",
+]
 
 #: From this many rows of x a product runs as the blocked matrix product (`gemm` / `gemm_t` in
 #: cpu_kernels.cc, where the same numbers are `kGemmRowsCols` / `kGemmRowsT`); fewer rows take the

@@ -183,8 +183,7 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
             )
         if not cpu_kernels.available():
             raise ValueError(
-                f"matmul='{option}': the kernels are unavailable ({cpu_kernels.unavailable_reason()});"
-                " use matmul='xla'"
+                f"matmul='{option}': the kernels are unavailable ({cpu_kernels.unavailable_reason()}); use matmul='xla'"
             )
         return Matmul(cpu_kernels=True, bf16_products=option == "cpu_kernels_bf16")
     narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
