@@ -75,7 +75,8 @@ if args["cache_dir"]:
     enable_compilation_cache(args["cache_dir"])
 res = {}
 t = time.perf_counter()
-model = gemma4_nnx.from_hf(args["hf_dir"], dtype=jnp.float32, param_dtype=jnp.bfloat16)
+kw = {"matmul": args["matmul"]} if args.get("matmul") else {}  # older trees (--baseline-tree): no option
+model = gemma4_nnx.from_hf(args["hf_dir"], dtype=jnp.float32, param_dtype=jnp.bfloat16, **kw)
 table = np.asarray(model.embed_tokens_per_layer.embedding.get_value())
 parts = [quantize_rows(table[i:i + 4096], 4, 256) for i in range(0, table.shape[0], 4096)]
 del table
@@ -236,6 +237,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed (1 token, N tokens) pairs per side and batch")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument(
+        "--matmul",
+        default=None,
+        help="ours: the projections' product (gemma4_nnx.model.layers.resolve_matmul), e.g. cpu_kernels_bf16",
+    )
+    p.add_argument(
         "--baseline-tree",
         metavar="DIR",
         help="instead of transformers, time gemma4_nnx from another checkout (e.g. a `git worktree` of an "
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
     common = dict(hf_dir=a.hf_dir, prompt=a.prompt, threads=a.threads)
     n = a.new
     with tempfile.TemporaryDirectory() as cache_dir:
-        ours_w = Worker(OURS, dict(common, cache_dir=cache_dir, weights=a.weights))
+        ours_w = Worker(OURS, dict(common, cache_dir=cache_dir, weights=a.weights, matmul=a.matmul))
         if a.baseline_tree:
             base_cache = tempfile.mkdtemp(prefix="baseline-cache-")
             base_weights = a.baseline_weights or a.weights
@@ -288,7 +294,8 @@ def main(argv=None) -> int:
         f"\nE2B shape, prompt {a.prompt} tokens, {n - 1} timed decode steps, {os.cpu_count()} CPUs, "
         f"medians of {a.repeats} interleaved repeats"
     )
-    print(f"| metric | batch | gemma4_nnx ({a.weights} weights, f32 compute) | {other} | ratio |")
+    products = f", matmul={a.matmul}" if a.matmul else ""
+    print(f"| metric | batch | gemma4_nnx ({a.weights} weights, f32 compute{products}) | {other} | ratio |")
     print("|---|---|---|---|---|")
     for b in a.batches:
         o, h = ours[b], hf.get(b)

@@ -42,7 +42,7 @@ OURS = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, sys.argv[1])
 from gemma4_nnx import generate, load
-model = load(args["ckpt"])
+model = load(args["ckpt"], matmul=args.get("matmul") or "auto")
 res = {}
 def timed(b, n):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, nargs="+", default=[13, 128], help="prompt lengths (tokens)")
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--matmul", default=None, help="ours: load(matmul=...), e.g. cpu_kernels_bf16")
     a = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     import gemma4_nnx
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     for length in a.prompts:
         prompts = [[ids[0]] + ids[1 + 97 * i : 1 + 97 * i + length - 1] for i in range(8)]
         common = {"prompts": prompts, "threads": a.threads}
-        ours = Worker(OURS, dict(common, ckpt=ckpt), executable=[*pin, sys.executable])
+        ours = Worker(OURS, dict(common, ckpt=ckpt, matmul=a.matmul), executable=[*pin, sys.executable])
         llama = Worker(LLAMA, dict(common, gguf=gguf), executable=[*pin, a.llama_python])
         for w, b in ((ours, 1), (ours, 8), (llama, 1)):  # compile / warm up
             w.time(b, a.new)
