@@ -243,3 +243,27 @@ def test_bf16_products_model_equals_rounded_reference():
     got = np.asarray(model16(ids), np.float64)
     assert float(np.max(np.abs(got - np.asarray(rounded(ids), np.float64)))) <= 1e-4
     assert float(np.max(np.abs(got - np.asarray(model32(ids), np.float64)))) > 1e-3
+
+
+@needs_kernels
+def test_take_equals_jnp_take():
+    """The token lookup of a bf16 table: rows widened exactly, negative ids from the end, ids out of
+    range NaN (jnp.take's fill), any shape of ids; its gradient is jnp.take's; a bf16 model's lookup
+    runs in it (XLA would gather from a copy of the whole table)."""
+    rng = np.random.default_rng(0)
+    table = _bf16(rng, (50, 37))
+    ids = jnp.asarray([[3, -1, 49], [0, 7, 3]], jnp.int32)
+    want = jnp.take(table, ids, axis=0).astype(jnp.float32)
+    got = jax.jit(cpu_kernels.take)(table, ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.isnan(np.asarray(cpu_kernels.take(table, jnp.asarray([50, -51], jnp.int32)))).all()
+
+    def loss(f):
+        return lambda t: jnp.sum(jnp.sin(f(t)) * jnp.arange(37.0))
+
+    g = jax.grad(loss(lambda t: cpu_kernels.take(t, ids)))(table)
+    r = jax.grad(loss(lambda t: jnp.take(t, ids, axis=0).astype(jnp.float32)))(table)
+    assert g.dtype == r.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    emb = layers.Embedding(50, 64, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1), matmul=KERNELS)
+    assert "gemma4_bf16_take" in jax.jit(lambda ids: emb(ids)).lower(ids).as_text()

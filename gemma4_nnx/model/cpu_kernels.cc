@@ -7,6 +7,7 @@
 //
 //   gemma4_bf16_cols: out[M, N] = x[M, K] @ w[K, N]    w stored [in, out] (nnx.Linear kernels)
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
+//   gemma4_bf16_take: out[i] = float32(table[ids[i]])  (the token lookup)
 //   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
 //
@@ -476,6 +477,31 @@ ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   return ffi::Error::Success();
 }
 
+// out[i, :] = float32(table[ids[i], :]) for a bf16 table [V, D]: the token lookup reads only the rows
+// it needs (XLA:CPU gathers bf16 from a converted or bit-cast copy of the whole table). Negative ids
+// count from the end, ids outside [-V, V) give NaN rows (jnp.take's "fill").
+ffi::Error Take(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids, Bf16Matrix table, ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  const int64_t V = table.dimensions()[0], D = table.dimensions()[1];
+  const int32_t* I = ids.typed_data();
+  const uint16_t* T = reinterpret_cast<const uint16_t*>(table.typed_data());
+  float* Y = out->typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t id = I[i];
+    if (id < 0) id += V;
+    float* dst = Y + i * D;
+    if (id < 0 || id >= V) {
+      for (int64_t j = 0; j < D; ++j) dst[j] = __builtin_nanf("");
+      continue;
+    }
+    const uint16_t* src = T + id * D;
+    int64_t j = 0;
+    for (; j + 16 <= D; j += 16) store_f32(dst + j, load_bf16(src + j));
+    for (; j < D; ++j) dst[j] = widen(src[j]);
+  }
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------- quantized weights
 // out[M, N] = x[M, K] @ deq(w)[N, K]^T for a weight stored as group-quantized codes (gemma4_nnx.model.quant):
 // row n of w is codes[n] (int8 [K], uint8 [K] when asymmetric, or two nibbles a byte [K/2]) with one
@@ -779,6 +805,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Rows, Rows,
                                   .Arg<Matrix>()
                                   .Arg<Bf16Matrix>()
                                   .Ret<Matrix>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Take, Take,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<Bf16Matrix>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QRows, QRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -55,6 +55,7 @@ __all__ = [
     "matmul",
     "matmul_t",
     "qmatmul_t",
+    "take",
     "unavailable_reason",
 ]
 
@@ -72,6 +73,7 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.
 _TARGETS = {
     "gemma4_bf16_cols": "Gemma4Bf16Cols",
     "gemma4_bf16_rows": "Gemma4Bf16Rows",
+    "gemma4_bf16_take": "Gemma4Bf16Take",
     "gemma4_q_rows": "Gemma4QRows",
     "gemma4_q_dequant": "Gemma4QDequant",
 }
@@ -240,6 +242,28 @@ def matmul_t(x: Array, w: Array, precision=None) -> Array:
     if rows == 0:
         return jnp.zeros((*lead, w.shape[0]), jnp.float32)
     return _rows(x.reshape(rows, k), w).reshape(*lead, w.shape[0])
+
+
+@jax.custom_vjp
+def take(table: Array, ids: Array) -> Array:
+    """float32(table[ids]) for a bf16 table [V, D] -> ids.shape + (D,), reading only those rows.
+
+    XLA:CPU gathers bf16 rows out of a float32 (or bit-cast) copy of the whole table, and inside the
+    decode while-loop hoists that copy out of the loop: 0.2-0.35 s per `generate` call on E2B's 0.8 GB
+    table. Negative ids count from the end; ids out of range give NaN rows, as `jnp.take`."""
+    flat = ids.reshape(-1).astype(jnp.int32)
+    d = table.shape[1]
+    out = _call("gemma4_bf16_take", (flat.shape[0], d), flat, table)
+    return out.reshape(*ids.shape, d)
+
+
+def _take_bwd(res, g):
+    table, ids = res
+    grad = jnp.zeros(table.shape, jnp.float32).at[ids.reshape(-1)].add(g.reshape(-1, table.shape[1]))
+    return grad.astype(table.dtype), None
+
+
+take.defvjp(lambda table, ids: (take(table, ids), (table, ids)), _take_bwd)
 
 
 # ------------------------------------------------------------------------------------------ quantized

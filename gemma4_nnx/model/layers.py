@@ -281,30 +281,6 @@ class MLP(nnx.Module):
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
-@jax.custom_vjp
-def take_rows(table: Array, ids: Array) -> Array:
-    """table[ids] (rows of a [V, D] table), reading only the gathered rows of a bf16 table.
-
-    XLA:CPU computes a bf16 gather in float32: convert(table), then gather. Inside the decode
-    while-loop the convert of the whole table is loop-invariant and gets hoisted out of it, so every
-    `generate` call made a float32 copy of the token table (1.6 GB for E2B, ~0.35 s). Gathering the
-    same bits as uint16 leaves nothing to convert but the rows."""
-    if table.dtype != jnp.bfloat16:
-        return jnp.take(table, ids, axis=0)
-    bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
-    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-
-
-def _take_rows_bwd(res, g):
-    table, ids = res
-    shape, dtype = table.shape, table.dtype
-    grad = jnp.zeros(shape, jnp.float32).at[ids.reshape(-1)].add(g.reshape(-1, shape[-1]).astype(jnp.float32))
-    return grad.astype(dtype), None
-
-
-take_rows.defvjp(lambda table, ids: (take_rows(table, ids), (table, ids)), _take_rows_bwd)
-
-
 class Embedding(nnx.Module):
     """A float embedding table [V, D] with a lookup scale rounded to the table dtype.
 
@@ -333,7 +309,11 @@ class Embedding(nnx.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        rows = take_rows(self.embedding[...], ids).astype(self.dtype)
+        table = self.embedding[...]
+        if self.matmul.takes(table.dtype, self.dtype):  # only the rows needed, widened (see cpu_kernels.take)
+            rows = cpu_kernels.take(table, ids)
+        else:
+            rows = jnp.take(table, ids, axis=0).astype(self.dtype)
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
     def attend(self, x: Array) -> Array:
