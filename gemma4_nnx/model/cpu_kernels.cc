@@ -198,28 +198,33 @@ inline void gemm_tile(const float* __restrict__ x, int64_t ldx, const float* __r
   }
 }
 
-template <typename Pack>
-void gemm(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t K, int64_t N, Pack&& pack) {
+// fn(m0, m1, n0, ncols) over blocks of kMc rows of x by kNr-column panels of W, split into tasks of a
+// few panels each (enough tasks to balance the pool) for one block of rows of x.
+template <typename Fn>
+void for_each_panel(ffi::ThreadPool& pool, int64_t M, int64_t N, Fn&& fn) {
   const int64_t panels = (N + kNr - 1) / kNr, mblocks = (M + kMc - 1) / kMc;
-  // tasks: a few panels each (enough tasks to balance the pool), for one block of rows of x
   const int64_t per_task = std::max<int64_t>(1, panels / (8 * workers(pool)));
   const int64_t ptasks = (panels + per_task - 1) / per_task;
   parallel_for(pool, ptasks * mblocks, [&](int64_t t) {
     const int64_t m0 = (t % mblocks) * kMc, m1 = std::min(M, m0 + kMc);
     const int64_t p0 = (t / mblocks) * per_task, p1 = std::min(panels, p0 + per_task);
+    for (int64_t p = p0; p < p1; ++p) fn(m0, m1, p * kNr, std::min(kNr, N - p * kNr));
+  });
+}
+
+template <typename Pack>
+void gemm(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t K, int64_t N, Pack&& pack) {
+  for_each_panel(pool, M, N, [&](int64_t m0, int64_t m1, int64_t n0, int64_t ncols) {
     alignas(64) float panel[kKc * kNr];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kNr, ncols = std::min(kNr, N - n0);
-      for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-        const int64_t kc = std::min(kKc, K - k0);
-        pack(panel, n0, ncols, k0, kc);
-        const float* xk = X + k0;
-        float* c = Y + n0;
-        int64_t m = m0;
-        for (; m + 12 <= m1; m += 12) gemm_tile<12>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
-        for (; m + 4 <= m1; m += 4) gemm_tile<4>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
-        for (; m < m1; ++m) gemm_tile<1>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
-      }
+    for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+      const int64_t kc = std::min(kKc, K - k0);
+      pack(panel, n0, ncols, k0, kc);
+      const float* xk = X + k0;
+      float* c = Y + n0;
+      int64_t m = m0;
+      for (; m + 12 <= m1; m += 12) gemm_tile<12>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
+      for (; m + 4 <= m1; m += 4) gemm_tile<4>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
+      for (; m < m1; ++m) gemm_tile<1>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
     }
   });
 }
@@ -283,41 +288,33 @@ void gemm_bf16(ffi::ThreadPool& pool, const float* X, const uint16_t* W, float* 
       const uint32_t hi = 2 * i + 1 < K ? bf16_bits(X[m * K + 2 * i + 1]) : 0u;
       xb[m * P + i] = lo | hi << 16;
     }
-  const int64_t panels = (N + kNr - 1) / kNr, mblocks = (M + kMc - 1) / kMc;
-  const int64_t per_task = std::max<int64_t>(1, panels / (8 * workers(pool)));
-  const int64_t ptasks = (panels + per_task - 1) / per_task;
   constexpr int64_t kPc = kKc / 2;  // pairs per panel
-  parallel_for(pool, ptasks * mblocks, [&](int64_t t) {
-    const int64_t m0 = (t % mblocks) * kMc, m1 = std::min(M, m0 + kMc);
-    const int64_t p0 = (t / mblocks) * per_task, p1 = std::min(panels, p0 + per_task);
+  for_each_panel(pool, M, N, [&](int64_t m0, int64_t m1, int64_t n0, int64_t ncols) {
     alignas(64) uint32_t panel[kPc * kNr];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kNr, ncols = std::min(kNr, N - n0);
-      for (int64_t i0 = 0; i0 < P; i0 += kPc) {
-        const int64_t pc = std::min(kPc, P - i0);
-        for (int64_t i = 0; i < pc; ++i) {
-          const int64_t k = 2 * (i0 + i);
-          const uint16_t* r0 = W + k * N + n0;
-          const uint16_t* r1 = k + 1 < K ? r0 + N : nullptr;
-          uint32_t* dst = panel + i * kNr;
-          if (ncols == kNr && r1) {
-            for (int v = 0; v < 2; ++v) {
-              const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * v)));
-              const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 16 * v)));
-              _mm512_store_si512(dst + 16 * v, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-            }
-          } else {
-            for (int64_t j = 0; j < kNr; ++j)
-              dst[j] = j < ncols ? (uint32_t{r0[j]} | (r1 ? uint32_t{r1[j]} << 16 : 0u)) : 0u;
+    for (int64_t i0 = 0; i0 < P; i0 += kPc) {
+      const int64_t pc = std::min(kPc, P - i0);
+      for (int64_t i = 0; i < pc; ++i) {
+        const int64_t k = 2 * (i0 + i);
+        const uint16_t* r0 = W + k * N + n0;
+        const uint16_t* r1 = k + 1 < K ? r0 + N : nullptr;
+        uint32_t* dst = panel + i * kNr;
+        if (ncols == kNr && r1) {
+          for (int v = 0; v < 2; ++v) {
+            const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * v)));
+            const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 16 * v)));
+            _mm512_store_si512(dst + 16 * v, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
           }
+        } else {
+          for (int64_t j = 0; j < kNr; ++j)
+            dst[j] = j < ncols ? (uint32_t{r0[j]} | (r1 ? uint32_t{r1[j]} << 16 : 0u)) : 0u;
         }
-        const uint32_t* xk = xb.data() + i0;
-        float* c = Y + n0;
-        int64_t m = m0;
-        for (; m + 12 <= m1; m += 12) gemm_tile_bf16<12>(xk + m * P, P, panel, pc, c + m * N, N, ncols, i0 == 0);
-        for (; m + 4 <= m1; m += 4) gemm_tile_bf16<4>(xk + m * P, P, panel, pc, c + m * N, N, ncols, i0 == 0);
-        for (; m < m1; ++m) gemm_tile_bf16<1>(xk + m * P, P, panel, pc, c + m * N, N, ncols, i0 == 0);
       }
+      const uint32_t* xk = xb.data() + i0;
+      float* c = Y + n0;
+      int64_t m = m0;
+      for (; m + 12 <= m1; m += 12) gemm_tile_bf16<12>(xk + m * P, P, panel, pc, c + m * N, N, ncols, i0 == 0);
+      for (; m + 4 <= m1; m += 4) gemm_tile_bf16<4>(xk + m * P, P, panel, pc, c + m * N, N, ncols, i0 == 0);
+      for (; m < m1; ++m) gemm_tile_bf16<1>(xk + m * P, P, panel, pc, c + m * N, N, ncols, i0 == 0);
     }
   });
 }
