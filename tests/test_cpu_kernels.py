@@ -231,10 +231,11 @@ class _RoundedXLA(layers.Matmul):
 @needs_kernels
 @needs_bf16_dot
 def test_bf16_products_model_equals_rounded_reference():
-    """matmul="cpu_kernels_bf16": prefill-sized projections take bf16-rounded inputs (the HLO asks for
-    them), decode steps stay exact. A full forward equals the float32 model of the same weights whose
-    projections round their inputs alike (XLA, float32 sums: 1e-4 as for the exact kernels), and
-    differs from the unrounded model by bf16 rounding, amplified through the tiny random layers."""
+    """matmul="cpu_kernels_bf16": projections of 8+ rows take bf16-rounded inputs (the HLO asks for
+    them), fewer rows stay exact. A full forward equals the float32 model of the same weights whose
+    projections round their inputs by the same row count (XLA, float32 sums: 1e-4 as for the exact
+    kernels), and differs from the unrounded model by bf16 rounding, amplified through the tiny
+    random layers."""
     model16, model32 = _bf16_twins("e2b", matmul="cpu_kernels_bf16")
     assert model16.matmul.bf16_products
     ids = jnp.asarray(fx.sample_ids(2, 9, seed=3))  # 18 rows: the bf16 path

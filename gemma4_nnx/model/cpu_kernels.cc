@@ -229,11 +229,6 @@ void gemm(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t K,
   });
 }
 
-// out[M, N] = x[M, K] @ W[N, K]^T for a weight stored by rows (the token table, quantized codes): the
-// same tile with the roles swapped. A block of 32 rows of x is transposed into the panel (kKc x 32), MR
-// rows of W are widened / dequantized into a small contiguous buffer (`row(n, k0, kc, dst)`, never a
-// transposed store), and the tile computes out^T[MR rows of W, 32 rows of x], kept for the whole of K
-// in `ct` and written back transposed at the end. Each task owns a range of rows of W.
 #if defined(__AVX512BF16__)
 // The same blocked product with activations rounded to bf16 (round to nearest even) and the
 // AVX512-BF16 dot instruction: vdpbf16ps adds two bf16 products per float32 lane, twice the multiply

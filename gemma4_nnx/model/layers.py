@@ -126,8 +126,9 @@ class Matmul:
     """
 
     cpu_kernels: bool = False
-    #: bf16 kernels' products of 8+ rows (prefill) round x to bf16 and use AVX512-BF16 dot instructions
-    #: (`cpu_kernels.matmul(bf16=True)`): ~2x faster prefill, bf16 rounding of those activations.
+    #: bf16 kernels' products of 8+ rows (prefill, and decode / verify steps of 8+ rows) round x to bf16
+    #: and use AVX512-BF16 dot instructions (`cpu_kernels.matmul(bf16=True)`): ~1.7x faster there, with
+    #: bf16 rounding of those activations; products of fewer rows stay exact float32.
     bf16_products: bool = False
 
     def takes(self, kernel_dtype, dtype) -> bool:
@@ -162,9 +163,10 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     "auto": the CPU kernels where they pay (bf16 or quantized weights, float32 compute, one CPU device)
     and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else.
     "xla": always XLA. "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
-    "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply prefill-sized inputs (8+ rows)
-    rounded to bf16 with AVX512-BF16 dot instructions (`Matmul.bf16_products`: about 2x faster prefill
-    than float32 products; decode rows stay float32; needs a CPU with avx512_bf16).
+    "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply inputs of 8+ rows (prefill, and
+    decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
+    (`Matmul.bf16_products`: ~1.7x faster than float32 products there; fewer rows stay float32; needs a
+    CPU with avx512_bf16).
     """
     if isinstance(option, Matmul):
         return option
