@@ -26,6 +26,7 @@ except ImportError:  # Python 3.12 leg without torch
 from gemma4_nnx.decode.sampling import (
     SamplingParams,
     apply_repetition_penalty,
+    argmax,
     filter_logits,
     make_seen_mask,
     sample,
@@ -227,6 +228,23 @@ def test_greedy_matches_transformers_and_filter() -> None:
     assert got[0] != np.argmax(HAND[0])
     kept = np.isfinite(np.asarray(filter_jit(jnp.asarray(HAND), params=params)))
     np.testing.assert_array_equal(kept, np.eye(HAND.shape[1], dtype=bool)[np.argmax(HAND, -1)])
+
+
+def test_argmax_equals_numpy_argmax() -> None:
+    """`argmax` (a max, then the lowest index holding it) against NumPy's argmax: random rows, ties,
+    rows of -inf, NaNs (NumPy, like jnp.argmax, returns the first NaN), 1-D to 3-D shapes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 1000)).astype(np.float32)
+    x[0, 0, [7, 400, 999]] = 9.0  # a three-way tie: the lowest index
+    x[0, 1] = -np.inf
+    x[0, 2, [3, 50]] = np.nan
+    x[0, 3, 999] = np.nan
+    x[1] = np.round(x[1])  # many ties below the maximum too
+    f = jax.jit(argmax)
+    for a in (x, x[1], x[0, 0], x[:, :, :1]):
+        got = np.asarray(f(jnp.asarray(a)))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.argmax(a, axis=-1))
 
 
 # ---------------------------------------------------------------- (2) sampling distribution

@@ -80,6 +80,7 @@ __all__ = [
     "RowParams",
     "SamplingParams",
     "apply_repetition_penalty",
+    "argmax",
     "filter_logits",
     "make_seen_mask",
     "sample",
@@ -303,6 +304,21 @@ class RowFeatures:
     bias: bool = False
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """int32 index of the largest entry along the last axis: `jnp.argmax` exactly (ties to the lowest
+    index, a NaN wins at its first position), computed as a max and then the lowest index holding it.
+
+    XLA:CPU runs argmax as one reduction over (value, index) pairs that it does not vectorize: 1.4 ms
+    for one row of a 262144-token vocabulary, 5 ms for eight, at every decode step; the two plain
+    reductions take 0.2 / 1.3 ms (2 cores). Elsewhere the two forms cost about the same."""
+    v = logits.shape[-1]
+    best = jnp.max(logits, axis=-1, keepdims=True)  # XLA:CPU's vectorized max may skip NaNs
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    # NaNs rank below every other index (index - v < 0), then the maxima, then the rest (v)
+    first = jnp.min(jnp.where(jnp.isnan(logits), index - v, jnp.where(logits == best, index, v)), axis=-1)
+    return jnp.where(first < 0, first + v, first)
+
+
 def penalize_rows(logits: jax.Array, penalty: jax.Array, seen_mask: jax.Array) -> jax.Array:
     """CTRL repetition penalty with a per-row factor penalty [B, 1] (1 = off)."""
     penalised = jnp.where(logits < 0, logits * penalty, logits / penalty)
@@ -418,7 +434,7 @@ def sample_rows(
       ``torch.argmax``); sampled rows a categorical draw from ``softmax(filtered logits)``.
     """
     logits = adjust_rows(logits.astype(jnp.float32), rows, features, seen_mask, counts, bias)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     if not features.sampled:
         return greedy
     drawn = jax.vmap(jax.random.categorical)(keys, filter_rows(logits, rows, features)).astype(jnp.int32)
@@ -461,7 +477,7 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """
     logits = logits.astype(jnp.float32)
     if params.is_greedy:
-        best = jnp.argmax(logits, axis=-1, keepdims=True)
+        best = argmax(logits)[..., None]
         return jnp.where(jnp.arange(logits.shape[-1])[None, :] == best, logits, jnp.float32(-jnp.inf))
     rows, features = _broadcast(params, *logits.shape)
     return filter_rows(logits, rows, features)
@@ -494,7 +510,7 @@ def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, seen_mask:
             raise ValueError("repetition_penalty is set but seen_mask is None")
         logits = apply_repetition_penalty(logits, seen_mask, params.repetition_penalty)
     if params.is_greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     rows, features = _broadcast(params, *logits.shape)
     filtered = filter_rows(logits, rows, features)
     if _is_key_batch(key):

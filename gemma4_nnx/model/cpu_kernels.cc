@@ -106,6 +106,18 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
 
 int64_t workers(ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads() + 1); }
 
+// Rows of a weight per task for the decode kernels, which stream the weight row by row: at least four
+// tasks per worker when each still reads 16 KB or more (the projections of small models are a few
+// hundred KB: one ~1 MB task per call left the other cores idle, and 5 tasks on 3 workers left one
+// idle for the last), at most ~1 MB of weight per task.
+int64_t rows_per_task(ffi::ThreadPool& pool, int64_t N, int64_t row_bytes) {
+  row_bytes = std::max<int64_t>(row_bytes, 1);
+  const int64_t most = std::max<int64_t>(16, (int64_t{1} << 20) / row_bytes);
+  const int64_t least = std::max<int64_t>(1, (int64_t{1} << 14) / row_bytes);
+  const int64_t even = (N + 4 * workers(pool) - 1) / (4 * workers(pool));
+  return std::max(least, std::min(most, even));
+}
+
 // acc[M, N] = x[M, k0:k1] @ w[k0:k1, N]. Four rows of w are widened together and folded into each
 // accumulator row at once, so acc is loaded and stored once per four rows of w.
 void cols_task(const float* __restrict__ x, const uint16_t* __restrict__ w, float* __restrict__ acc, int64_t M,
@@ -456,7 +468,7 @@ ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
     });
     return ffi::Error::Success();
   }
-  const int64_t per_task = std::max<int64_t>(16, (int64_t{1} << 20) / std::max<int64_t>(K, 1));  // ~2 MB of w
+  const int64_t per_task = rows_per_task(pool, N, 2 * K);
   const int64_t nt = (N + per_task - 1) / per_task;
   parallel_for(pool, nt, [&](int64_t t) {
     const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
@@ -710,7 +722,7 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
     });
     return ffi::Error::Success();
   }
-  const int64_t per_task = std::max<int64_t>(16, (int64_t{1} << 20) / std::max<int64_t>(q.code_cols, 1));
+  const int64_t per_task = rows_per_task(pool, N, q.code_cols);
   const int64_t nt = (N + per_task - 1) / per_task;
   const bool fused = q.group % (bits == 4 ? 32 : 16) == 0;
   if (fused) {
