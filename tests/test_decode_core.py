@@ -297,3 +297,33 @@ def test_prompt_buckets_cover_every_prefill_width_once():
         widths = [prompt_columns(n, None)[0] for n in got]
         assert widths == sorted({prompt_columns(n, None)[0] for n in range(1, longest + 1)}) and max(got) <= longest
     assert prompt_buckets(300, 32) == [1]
+
+
+def test_reused_split_follows_every_change_to_the_model():
+    """`split_model` reuses a model's last split only while nothing changed: after a new Variable
+    value, a replaced submodule and quantization, generation gives what a never-seen copy of the
+    model (`nnx.clone`, split afresh) gives, and the tokens did change."""
+    from gemma4_nnx.decode.core import split_model
+    from gemma4_nnx.model.quant import quantize
+
+    m = random_model("e2b", seed=7)
+
+    def tokens(model):
+        return generate(model, PROMPTS, 5, stop_tokens=[])
+
+    first = tokens(m)
+    g1, w1 = split_model(m)
+    g2, w2 = split_model(m)
+    assert g1 is g2  # unchanged: reused
+    assert [id(v) for v in jax.tree_util.tree_leaves(w1, is_leaf=lambda x: isinstance(x, nnx.Variable))] == [
+        id(v) for v in jax.tree_util.tree_leaves(w2, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    ]
+    m.norm.scale.set_value(-3.0 * m.norm.scale.get_value())  # new value in the same Variable
+    second = tokens(m)
+    assert second == tokens(nnx.clone(m)) and second != first
+    m.layers[0].mlp = m.layers[1].mlp  # a replaced submodule (the graph now shares one)
+    third = tokens(m)
+    assert third == tokens(nnx.clone(m)) and third != second
+    assert split_model(m)[0] is not g1
+    quantize(m, 8)  # every projection replaced by a QuantizedLinear
+    assert tokens(m) == tokens(nnx.clone(m))

@@ -331,54 +331,63 @@ void gemm_bf16(ffi::ThreadPool&, const float*, const uint16_t*, float*, int64_t,
 constexpr bool kHasBf16Dot = false;
 #endif
 
-template <int NV, typename Row>
-void gemm_t_block(const float* X, float* Y, int64_t K, int64_t N, int64_t m0, int64_t rows, int64_t n_begin,
-                  int64_t n_end, Row& row, float* ct) {
-  constexpr int MR = NV == 2 ? 12 : 24;  // 24 accumulators either way
-  constexpr int64_t W = 16 * NV;
-  alignas(64) float panel[kKc * W];
-  alignas(64) float wbuf[MR * kKc];
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t kc = std::min(kKc, K - k0);
-    for (int64_t kk = 0; kk < kc; ++kk) {
-      float* dst = panel + kk * W;
-      for (int64_t i = 0; i < rows; ++i) dst[i] = X[(m0 + i) * K + k0 + kk];
-      for (int64_t i = rows; i < W; ++i) dst[i] = 0.f;
-    }
-    for (int64_t n = n_begin; n < n_end; n += MR) {
-      const int64_t nr = std::min<int64_t>(MR, n_end - n);
-      for (int64_t r = 0; r < nr; ++r) row(n + r, k0, kc, wbuf + r * kc);
-      float* c = ct + (n - n_begin) * W;
-      if (nr == MR) {
-        gemm_tile<MR, NV>(wbuf, kc, panel, kc, c, W, W, k0 == 0);
-      } else {
-        for (int64_t r = 0; r < nr; ++r) gemm_tile<1, NV>(wbuf + r * kc, kc, panel, kc, c + r * W, W, W, k0 == 0);
-      }
-    }
-  }
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t n = n_begin; n < n_end; ++n) Y[(m0 + i) * N + n] = ct[(n - n_begin) * W + i];
-}
-
 // out[M, N] = x[M, K] @ W[N, K]^T for a weight stored by rows (the token table, quantized codes): the
-// same tile with the roles swapped. A block of 32 (or, for the last few, 16) rows of x is transposed
-// into the panel, MR rows of W are widened / dequantized into a small contiguous buffer
-// (`row(n, k0, kc, dst)`: no transposed stores of the weight), and the tile computes out^T[rows of W,
-// rows of x], kept for the whole of K in `ct` and written back transposed at the end. Each task owns a
-// range of rows of W.
+// same tile with the roles swapped. Each block of 32 (or, for the last few, 16) rows of x is transposed
+// once per call into xt[k * width + i] (zero past the block's rows). A task owns a range of rows of W
+// and takes them 24 at a time: for each kKc-wide slice of K those rows are widened / dequantized once
+// into a small contiguous buffer (`row(n, k0, kc, dst)`: no transposed stores of the weight) and
+// multiplied with the slice of every block of x (tiles of 12 rows of W by 32 rows of x, or 24 by 16),
+// so each weight element is dequantized once per call. The tiles accumulate out^T[rows of W, rows of
+// x] in `ct` over the whole of K, written back transposed at the end.
 template <typename Row>
 void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t K, int64_t N, Row&& row) {
-  const int64_t blocks = (N + 23) / 24;
+  const int64_t mblocks = (M + kNr - 1) / kNr;
+  auto width = [&](int64_t b) { return std::min(kNr, M - b * kNr) > 16 ? kNr : int64_t{16}; };
+  std::vector<float> xt(static_cast<size_t>(mblocks * K * kNr));
+  const int64_t kchunks = (K + kKc - 1) / kKc;
+  parallel_for(pool, mblocks * kchunks, [&](int64_t t) {
+    const int64_t b = t / kchunks, k0 = (t % kchunks) * kKc, k1 = std::min(K, k0 + kKc);
+    const int64_t m0 = b * kNr, rows = std::min(kNr, M - m0), w = width(b);
+    float* dst = xt.data() + b * K * kNr;
+    for (int64_t k = k0; k < k1; ++k) {
+      for (int64_t i = 0; i < rows; ++i) dst[k * w + i] = X[(m0 + i) * K + k];
+      for (int64_t i = rows; i < w; ++i) dst[k * w + i] = 0.f;
+    }
+  });
+  constexpr int64_t R = 24;  // rows of W dequantized together: two 12-row tiles or one 24-row tile
+  const int64_t blocks = (N + R - 1) / R;
   const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(16, blocks / (8 * workers(pool))));
   parallel_for(pool, (blocks + per_task - 1) / per_task, [&](int64_t t) {
-    const int64_t n_begin = t * per_task * 24, n_end = std::min(N, n_begin + per_task * 24);
-    std::vector<float> ct(static_cast<size_t>((n_end - n_begin) * kNr));
-    for (int64_t m0 = 0; m0 < M; m0 += kNr) {
-      const int64_t rows = std::min(kNr, M - m0);
-      if (rows > 16)
-        gemm_t_block<2>(X, Y, K, N, m0, rows, n_begin, n_end, row, ct.data());
-      else
-        gemm_t_block<1>(X, Y, K, N, m0, rows, n_begin, n_end, row, ct.data());
+    const int64_t n_begin = t * per_task * R, n_end = std::min(N, n_begin + per_task * R), nn = n_end - n_begin;
+    std::vector<float> ct(static_cast<size_t>(mblocks * nn * kNr));  // block b: [nn, width(b)]
+    alignas(64) float wbuf[R * kKc];
+    for (int64_t n = n_begin; n < n_end; n += R) {
+      const int64_t nr = std::min(R, n_end - n);
+      for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+        const int64_t kc = std::min(kKc, K - k0);
+        for (int64_t r = 0; r < nr; ++r) row(n + r, k0, kc, wbuf + r * kc);
+        for (int64_t b = 0; b < mblocks; ++b) {
+          const int64_t w = width(b);
+          const float* panel = xt.data() + b * K * kNr + k0 * w;
+          float* c = ct.data() + b * nn * kNr + (n - n_begin) * w;
+          const bool first = k0 == 0;
+          if (w == kNr) {
+            int64_t r = 0;
+            for (; r + 12 <= nr; r += 12) gemm_tile<12, 2>(wbuf + r * kc, kc, panel, kc, c + r * w, w, w, first);
+            for (; r < nr; ++r) gemm_tile<1, 2>(wbuf + r * kc, kc, panel, kc, c + r * w, w, w, first);
+          } else if (nr == R) {
+            gemm_tile<24, 1>(wbuf, kc, panel, kc, c, w, w, first);
+          } else {
+            for (int64_t r = 0; r < nr; ++r) gemm_tile<1, 1>(wbuf + r * kc, kc, panel, kc, c + r * w, w, w, first);
+          }
+        }
+      }
+    }
+    for (int64_t b = 0; b < mblocks; ++b) {
+      const int64_t w = width(b), m0 = b * kNr, rows = std::min(kNr, M - m0);
+      const float* c = ct.data() + b * nn * kNr;
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t n = n_begin; n < n_end; ++n) Y[(m0 + i) * N + n] = c[(n - n_begin) * w + i];
     }
   });
 }
