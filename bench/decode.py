@@ -86,7 +86,7 @@ model.embed_tokens_per_layer = QuantizedEmbedding.from_quantized(
 del parts
 if args["weights"] in ("int8", "int4"):  # every projection and the token table (gemma4_nnx.model.quant)
     from gemma4_nnx.model.quant import quantize
-    quantize(model, 8 if args["weights"] == "int8" else 4)
+    quantize(model, 8 if args["weights"] == "int8" else 4, **kw)  # the same product option as the model
 weight_bytes = 0
 for path, var in nnx.iter_graph(model):
     if isinstance(var, nnx.Param):

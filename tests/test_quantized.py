@@ -390,3 +390,92 @@ def test_quantized_matrices_have_sharding_axes():
     mesh = sharding.make_mesh(fsdp=1, tp=1)
     shardings = sharding.model_shardings(model, mesh)
     assert len(shardings) == len(axes)
+
+
+# ------------------------------------------------------------------ int8 activations (opt-in)
+needs_int8_dot = pytest.mark.skipif(
+    not cpu_kernels.available() or jax.default_backend() != "cpu" or not cpu_kernels.has_int8_dot(),
+    reason="CPU kernels or AVX512-VNNI unavailable",
+)
+
+
+def _q8_rounded(x: np.ndarray) -> np.ndarray:
+    """x rounded as llama.cpp's Q8_0, written from its definition (per 32 columns: s = max|x| / 127,
+    q = round-half-even(x * (127 / max|x|)), float32 arithmetic), as float64 q * s."""
+    b = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.max(np.abs(b), axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(b * inv), -127, 127)
+    s = (amax / np.float32(127)).astype(np.float32)
+    return (q.astype(np.float64) * s.astype(np.float64)).reshape(x.shape)
+
+
+ACT8_FORMATS = [
+    quant.QuantFormat(4, 32, False),  # Q4_0
+    quant.QuantFormat(4, 8, False),
+    quant.QuantFormat(4, 64, False),  # our int4
+    quant.QuantFormat(4, 128, False),
+    quant.QuantFormat(4, 32, True),  # Q4_K as scale + min
+]
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("fmt", ACT8_FORMATS + [quant.QuantFormat(8, 32, False)], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 9, cpu_kernels.GEMM_ROWS_T - 1])
+def test_int8_activation_products_equal_float64_of_rounded_activations(fmt, rows):
+    """qmatmul_t(act8=True) of int4 codes below GEMM_ROWS_T rows is deq(W) @ Q8_0(x) (exact integer
+    sums, float32 scaling): against float64 of the independently rounded x, within float32 rounding
+    (1e-5 of the largest output); it is not the float product of x (differences at the activations'
+    rounding, ~1e-3 relative). The float product stays for int8 codes, where the layout does not fit
+    (K = 288) and from GEMM_ROWS_T rows."""
+    rng = np.random.default_rng(fmt.bits * 100 + fmt.group + rows + 7 * fmt.asym)
+    n, k = 40, 384
+    codes, scales, mins = _random_quantized(rng, n, k, fmt)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[:, 5] *= 40.0  # an outlier column: its block's other entries round coarsely
+    x[0, 64:96] = 0.0  # an all-zero block
+    deq = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins), np.float64)
+    f = jax.jit(lambda x, act8: cpu_kernels.qmatmul_t(x, codes, scales, mins, fmt.bits, act8), static_argnums=1)
+    got = np.asarray(f(jnp.asarray(x), True), np.float64)
+    plain = x.astype(np.float64) @ deq.T
+    if fmt.bits == 8:
+        assert np.max(np.abs(got - plain)) <= 1e-5 * np.max(np.abs(plain))
+        return
+    ref = _q8_rounded(x) @ deq.T
+    assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
+    assert np.max(np.abs(got - plain)) > 1e-4 * np.max(np.abs(plain))
+    # other layouts and many rows: the float product, whatever act8 says
+    xs = rng.standard_normal((cpu_kernels.GEMM_ROWS_T, k)).astype(np.float32)
+    y = np.asarray(f(jnp.asarray(xs), True), np.float64)
+    ref = xs.astype(np.float64) @ deq.T
+    assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
+    if 288 % fmt.group:  # groups of 64 / 128 always fit: every K they divide is a multiple of 64
+        return
+    codes, scales, mins = _random_quantized(rng, n, 288, fmt)
+    y = np.asarray(
+        jax.jit(lambda x: cpu_kernels.qmatmul_t(x, codes, scales, mins, fmt.bits, True))(jnp.asarray(x[:, :288]))
+    )
+    deq = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins), np.float64)
+    ref = x[:, :288].astype(np.float64) @ deq.T
+    assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+@needs_int8_dot
+def test_int8_activations_option_reaches_the_quantized_projections(monkeypatch):
+    """matmul="cpu_kernels_int8": quantize() and the modules carry it, and a projection's product is
+    the one of int8-rounded activations (the full-attention layer's o_proj, 128 inputs: one chunk);
+    without VNNI the option is refused by name."""
+    model = random_model("e2b")
+    quant.quantize(model, 4, 32, matmul="cpu_kernels_int8")
+    mods = [m for _, m in nnx.iter_graph(model) if isinstance(m, quant.QuantizedLinear)]
+    assert mods and all(m.matmul.int8_activations for m in mods)
+    proj = model.layers[4].self_attn.o_proj
+    assert proj.in_features == 128
+    x = np.random.default_rng(3).standard_normal((2, 128)).astype(np.float32)
+    deq = np.asarray(quant.dequantize_matrix(proj), np.float64)
+    got = np.asarray(jax.jit(lambda x: proj(x))(jnp.asarray(x)), np.float64)
+    ref = _q8_rounded(x) @ deq.T
+    assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
+    monkeypatch.setattr(cpu_kernels, "has_int8_dot", lambda: False)
+    with pytest.raises(ValueError, match=r"cpu_kernels_int8.*avx512_vnni"):
+        layers.resolve_matmul("cpu_kernels_int8", dtype=jnp.float32, param_dtype=None, quantized=True)

@@ -284,8 +284,10 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         less memory, text prompts only).
       matmul: the projections' product, chosen here once: "auto" (the CPU bf16 kernels for bf16
         weights under float32 compute on one CPU device, when available; else XLA), "xla",
-        "cpu_kernels", or "cpu_kernels_bf16" (prefill products of bf16 weights with bf16-rounded
-        activations on AVX512-BF16: ~1.7x faster prefill; `gemma4_nnx.model.layers.resolve_matmul`).
+        "cpu_kernels", "cpu_kernels_bf16" (prefill products of bf16 weights with bf16-rounded
+        activations on AVX512-BF16: ~1.7x faster prefill) or "cpu_kernels_int8" (decode products of
+        int4 codes with int8-rounded activations on AVX512-VNNI, as llama.cpp;
+        `gemma4_nnx.model.layers.resolve_matmul`).
     """
 
     from gemma4_nnx.model import layers

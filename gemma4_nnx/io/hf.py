@@ -609,7 +609,8 @@ def from_hf(
     skips vision/audio tensors and ignores the unused K/V tensors of KV-consumer layers. A multimodal
     checkpoint loads with its vision / audio towers (`model(ids, pixel_values=..., input_features=...)`);
     `text_only=True` skips them (less memory, text prompts only). `sharding`: optional callable
-    path -> jax.sharding.Sharding. `matmul`: the projections' product ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16";
+    path -> jax.sharding.Sharding. `matmul`: the projections' product ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16",
+    "cpu_kernels_int8";
     `gemma4_nnx.model.layers`).
     """
     hf_dir = os.fspath(hf_dir)

@@ -8,7 +8,8 @@
 //   gemma4_bf16_cols: out[M, N] = x[M, K] @ w[K, N]    w stored [in, out] (nnx.Linear kernels)
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
 //   gemma4_bf16_take: out[i] = float32(table[ids[i]])  (the token lookup)
-//   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py)
+//   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py);
+//                      act8: int4 codes below kGemmRowsT rows, x rounded to int8 per 32 columns (VNNI)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
 //
 // Each has two algorithms chosen by the number of rows M: below kGemmRowsCols / kGemmRowsT (decode) a weight row is
@@ -19,9 +20,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -715,8 +718,128 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
   }
 }
 
+// ---------------------------------------------------------------------------- int8 activations
+// Opt-in (`act8`, Matmul(int8_activations=True)) for int4 codes at decode row counts: each row of x is
+// quantized to int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127, q =
+// round-half-even(x * (127 / max|x|))), and multiplied with the codes by AVX512-VNNI `vpdpbusd`: 64
+// byte products summed into 16 int32 lanes per instruction, where a float32 FMA multiplies 16 codes
+// after unpacking and converting them (the float product of int4 codes is compute-bound; int8 codes
+// are not, and stay float32). The result is deq(w) @ (q * s) up to float32 summation.
+// Per chunk of 128 columns: 64 bytes of codes give 64 low nibbles (the even columns) and 64 high
+// nibbles (the odd ones); x is permuted once per call to match, so lane l of both vpdpbusd spans the
+// columns [8l, 8l + 8): one weight group and one activation block, its integer sum scaled once per
+// chunk. vpdpbusd multiplies unsigned by signed bytes: the weights take the unsigned side (symmetric
+// codes offset by 8, and 8 * sum(q) over the lane taken back in the accumulator's start).
+#if defined(__AVX512VNNI__)
+constexpr bool kHasVnni = true;
+#else
+constexpr bool kHasVnni = false;
+#endif
+constexpr int64_t kAct8Span = 128;
+struct ActChunk {                // one row of x, 128 columns
+  alignas(64) int8_t q[128];     // [even columns | odd columns]
+  alignas(64) int32_t bias[16];  // -8 * sum of q over each lane (symmetric codes)
+  alignas(64) float sx[16];      // the activation scale of each lane
+  alignas(64) float sq[16];      // sx * sum of q over each lane (asymmetric codes: the mins' term)
+};
+
+// Whether the int8-activation product takes this weight: int4 codes, whole chunks, lanes in one group.
+bool act8_layout(const QWeight& q) {
+  return kHasVnni && q.bits == 4 && q.K % kAct8Span == 0 && q.group % 8 == 0 &&
+         (q.group % kAct8Span == 0 || kAct8Span % q.group == 0);
+}
+
+void quantize_rows_q8(const float* X, int64_t M, int64_t K, bool asym, ActChunk* out) {
+  const int64_t C = K / kAct8Span;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < C; ++c) {
+      const float* x = X + m * K + c * kAct8Span;
+      int8_t q[kAct8Span];
+      float s[kAct8Span / 32];
+      for (int b = 0; b < kAct8Span / 32; ++b) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[32 * b + j]));
+        const bool finite = amax <= std::numeric_limits<float>::max();
+        const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+        s[b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();  // NaN / inf x: NaN out
+        for (int j = 0; j < 32; ++j) {
+          const float r = std::nearbyint(x[32 * b + j] * inv);
+          q[32 * b + j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, r == r ? r : 0.f)));
+        }
+      }
+      ActChunk& a = out[m * C + c];
+      for (int j = 0; j < 64; ++j) a.q[j] = q[2 * j], a.q[64 + j] = q[2 * j + 1];
+      for (int l = 0; l < 16; ++l) {
+        int32_t sum = 0;
+        for (int j = 0; j < 4; ++j) sum += a.q[4 * l + j] + a.q[64 + 4 * l + j];
+        a.sx[l] = s[8 * l / 32];
+        a.bias[l] = asym ? 0 : -8 * sum;
+        a.sq[l] = a.sx[l] * static_cast<float>(sum);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+template <int MB, bool ASYM>
+void act8_block(const QWeight& q, const ActChunk* act, float* __restrict__ out, int64_t N, int64_t n0, int64_t n1,
+                int64_t m0) {
+  const int64_t C = q.K / kAct8Span, G = q.K / q.group;
+  alignas(64) int32_t idx[16];  // each lane's group within the chunk
+  for (int l = 0; l < 16; ++l) idx[l] = q.group >= kAct8Span ? 0 : static_cast<int32_t>(8 * l / q.group);
+  const __m512i lane_group = _mm512_load_si512(idx);
+  const __mmask16 groups = static_cast<__mmask16>((1u << (q.group >= kAct8Span ? 1 : kAct8Span / q.group)) - 1);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = q.codes + n * q.code_cols;
+    const float* sc = q.scales + n * G;
+    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    __m512 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t ch = 0; ch < C; ++ch) {
+      __m512i lo = _mm512_loadu_si512(c + 64 * ch);
+      if constexpr (!ASYM) lo = _mm512_xor_si512(lo, _mm512_set1_epi8(static_cast<char>(0x88)));  // code + 8
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(lo, 4), nib);
+      lo = _mm512_and_si512(lo, nib);
+      const int64_t g0 = kAct8Span * ch / q.group;
+      const __m512 sw = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(groups, sc + g0));
+      __m512 mw;
+      if constexpr (ASYM) mw = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps(groups, mn + g0));
+      for (int m = 0; m < MB; ++m) {
+        const ActChunk& a = act[(m0 + m) * C + ch];
+        __m512i sum = _mm512_dpbusd_epi32(_mm512_load_si512(a.bias), lo, _mm512_load_si512(a.q));
+        sum = _mm512_dpbusd_epi32(sum, hi, _mm512_load_si512(a.q + 64));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sw, _mm512_load_ps(a.sx)), acc[m]);
+        if constexpr (ASYM) acc[m] = _mm512_fnmadd_ps(mw, _mm512_load_ps(a.sq), acc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
+void act8_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, const QWeight& q, int64_t per_task) {
+  std::vector<ActChunk> act(static_cast<size_t>(M * (q.K / kAct8Span)));
+  quantize_rows_q8(X, M, q.K, q.asym, act.data());
+  const int64_t N = q.N, nt = (N + per_task - 1) / per_task;
+  auto run = [&](auto asym_c) {
+    constexpr bool A = decltype(asym_c)::value;
+    parallel_for(pool, nt, [&](int64_t t) {
+      const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) act8_block<8, A>(q, act.data(), Y, N, n0, n1, m);
+      for (; m + 4 <= M; m += 4) act8_block<4, A>(q, act.data(), Y, N, n0, n1, m);
+      for (; m + 2 <= M; m += 2) act8_block<2, A>(q, act.data(), Y, N, n0, n1, m);
+      for (; m < M; ++m) act8_block<1, A>(q, act.data(), Y, N, n0, n1, m);
+    });
+  };
+  q.asym ? run(std::true_type{}) : run(std::false_type{});
+}
+#else
+void act8_rows(ffi::ThreadPool&, const float*, float*, int64_t, const QWeight&, int64_t) {}
+#endif
+
 ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
-                 int64_t bits, bool asym) {
+                 int64_t bits, bool asym, bool act8) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   QWeight q;
   if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
@@ -732,6 +855,10 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
     return ffi::Error::Success();
   }
   const int64_t per_task = rows_per_task(pool, N, q.code_cols);
+  if (act8 && act8_layout(q)) {
+    act8_rows(pool, X, Y, M, q, per_task);
+    return ffi::Error::Success();
+  }
   const int64_t nt = (N + per_task - 1) / per_task;
   const bool fused = q.group % (bits == 4 ? 32 : 16) == 0;
   if (fused) {
@@ -833,7 +960,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QRows, QRows,
                                   .Arg<Matrix>()
                                   .Ret<Matrix>()
                                   .Attr<int64_t>("bits")
-                                  .Attr<bool>("asym"));
+                                  .Attr<bool>("asym")
+                                  .Attr<bool>("act8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QDequant, QDequant,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

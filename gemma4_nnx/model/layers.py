@@ -110,8 +110,8 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-MatmulOption = Literal["auto", "xla", "cpu_kernels", "cpu_kernels_bf16"]
-MATMUL_OPTIONS = ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16")
+MatmulOption = Literal["auto", "xla", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"]
+MATMUL_OPTIONS = ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +130,10 @@ class Matmul:
     #: and use AVX512-BF16 dot instructions (`cpu_kernels.matmul(bf16=True)`): ~1.7x faster there, with
     #: bf16 rounding of those activations; products of fewer rows stay exact float32.
     bf16_products: bool = False
+    #: int4 codes' products of fewer than `cpu_kernels.GEMM_ROWS_T` rows (decode, and prefill of short
+    #: prompts) round x to int8 per 32 columns and use AVX512-VNNI integer dots
+    #: (`cpu_kernels.qmatmul_t(act8=True)`, llama.cpp's Q8_0 activations); more rows stay float32.
+    int8_activations: bool = False
 
     def takes(self, kernel_dtype, dtype) -> bool:
         """Whether the CPU kernels multiply a `kernel_dtype` kernel in `dtype`."""
@@ -167,6 +171,9 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
     (`Matmul.bf16_products`: ~1.7x faster than float32 products there; fewer rows stay float32; needs a
     CPU with avx512_bf16).
+    "cpu_kernels_int8": "cpu_kernels" whose int4 code products of fewer than 24 rows (decode, short
+    prompts) round their inputs to int8 per 32 columns and sum integer products with AVX512-VNNI, as
+    llama.cpp does (`Matmul.int8_activations`: 2-3.5x the float32 int4 product; needs avx512_vnni).
     """
     if isinstance(option, Matmul):
         return option
@@ -175,9 +182,11 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     if option == "xla":
         return XLA
     one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
-    if option in ("cpu_kernels", "cpu_kernels_bf16"):
+    if option in ("cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"):
         if option == "cpu_kernels_bf16" and not cpu_kernels.has_bf16_dot():
             raise ValueError("matmul='cpu_kernels_bf16' needs a CPU with AVX512-BF16 (avx512_bf16); use 'cpu_kernels'")
+        if option == "cpu_kernels_int8" and not cpu_kernels.has_int8_dot():
+            raise ValueError("matmul='cpu_kernels_int8' needs a CPU with AVX512-VNNI (avx512_vnni); use 'cpu_kernels'")
         if not one_cpu:
             raise ValueError(
                 f"matmul='{option}' needs a single CPU device (backend {jax.default_backend()!r}, "
@@ -187,7 +196,11 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
             raise ValueError(
                 f"matmul='{option}': the kernels are unavailable ({cpu_kernels.unavailable_reason()}); use matmul='xla'"
             )
-        return Matmul(cpu_kernels=True, bf16_products=option == "cpu_kernels_bf16")
+        return Matmul(
+            cpu_kernels=True,
+            bf16_products=option == "cpu_kernels_bf16",
+            int8_activations=option == "cpu_kernels_int8",
+        )
     narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
     wanted = narrow and dtype is not None and jnp.dtype(dtype) == jnp.float32
     return Matmul(cpu_kernels=bool(wanted and one_cpu and cpu_kernels.available()))

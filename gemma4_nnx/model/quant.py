@@ -375,7 +375,9 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
     if mod.matmul.cpu_kernels and jnp.dtype(dtype) == jnp.float32:
         from gemma4_nnx.model import cpu_kernels
 
-        return cpu_kernels.qmatmul_t(x.astype(dtype), mod.codes[...], mod.scales[...], _mins(mod), f.bits)
+        return cpu_kernels.qmatmul_t(
+            x.astype(dtype), mod.codes[...], mod.scales[...], _mins(mod), f.bits, act8=mod.matmul.int8_activations
+        )
     w = dequantize_rows(mod.codes[...], mod.scales[...], f.bits, f.group, dtype, _mins(mod))
     return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
 
