@@ -449,6 +449,11 @@ def test_int8_activation_products_equal_float64_of_rounded_activations(fmt, rows
     y = np.asarray(f(jnp.asarray(xs), True), np.float64)
     ref = xs.astype(np.float64) @ deq.T
     assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
+    if fmt.bits == 4:  # a NaN or an infinity in x: NaN rows, as the float product gives
+        bad = np.repeat(x[:1], 2, axis=0)
+        bad[0, 7], bad[1, 200] = np.nan, np.inf
+        y = np.asarray(f(jnp.asarray(bad), True))
+        assert np.isnan(y).all()
     if 288 % fmt.group:  # groups of 64 / 128 always fit: every K they divide is a multiple of 64
         return
     codes, scales, mins = _random_quantized(rng, n, 288, fmt)

@@ -758,10 +758,13 @@ void quantize_rows_q8(const float* X, int64_t M, int64_t K, bool asym, ActChunk*
       float s[kAct8Span / 32];
       for (int b = 0; b < kAct8Span / 32; ++b) {
         float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[32 * b + j]));
+        for (int j = 0; j < 32; ++j) {  // a NaN wins, so a NaN in x gives NaN out as the float product does
+          const float v = std::fabs(x[32 * b + j]);
+          amax = v > amax || v != v ? v : amax;
+        }
         const bool finite = amax <= std::numeric_limits<float>::max();
         const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
-        s[b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();  // NaN / inf x: NaN out
+        s[b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();  // NaN / inf in x: NaN out
         for (int j = 0; j < 32; ++j) {
           const float r = std::nearbyint(x[32 * b + j] * inv);
           q[32 * b + j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, r == r ? r : 0.f)));
