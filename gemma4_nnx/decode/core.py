@@ -17,8 +17,9 @@ it, as one typed pytree (`DecodeState`). Four jitted programs do the work, share
 * `loop`: `generate`'s whole decode on device, a `jax.lax.while_loop` whose body is `decode` +
   `draw`. Program per (rows, output length, cache shape, `DrawConfig`).
 
-The model is split once (`nnx.split`): its weights are a jit *argument* (not constants folded into
-the programs) and the cache is *donated*, so each program updates it in place.
+The model is split once per decoder (`split_model`: `nnx.split`, reused across decoders while the
+model is unchanged): its weights are a jit *argument* (not constants folded into the programs) and
+the cache is *donated*, so each program updates it in place.
 
 Why the cache is an explicit pytree, passed in and returned (`model(ids, positions, cache=cache) ->
 (logits, cache)`), rather than NNX variables inside the model: exactly one object owns it (the
