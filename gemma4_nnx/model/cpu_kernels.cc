@@ -16,7 +16,9 @@
 // read once and multiplied with every row of x; from there on (prefill) a blocked product (`gemm`,
 // `gemm_t`) reuses each widened panel across register tiles of x.
 // Work is split over XLA's intra-op thread pool. Written with GCC/Clang vector extensions, so the
-// compiler maps the 16-lane vectors to what -march=native offers (AVX-512, AVX2, NEON).
+// compiler maps the 16-lane vectors to what -march=native offers (AVX-512, NEON); with AVX2 and no
+// AVX-512 a 16-lane vector is two 8-lane halves, with half the rows of x per register block (16 vector
+// registers, not 32), and the code widenings are written with AVX2 intrinsics.
 
 #include <algorithm>
 #include <atomic>
@@ -33,7 +35,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -45,6 +47,45 @@ using MatrixOut = ffi::ResultBuffer<ffi::F32, 2>;
 
 namespace {
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 without AVX-512: 16 lanes as two 8-lane halves. GCC lowers a 64-byte vector type on this target
+// through the stack, element pairs moved one by one (an int8 product of one row ran at 0.6 G codes/s
+// on an AMD EPYC); two 32-byte vectors stay in registers.
+typedef float f32x8 __attribute__((vector_size(32)));
+struct f32x16 {
+  f32x8 lo, hi;
+  float operator[](int j) const { return j < 8 ? lo[j] : hi[j - 8]; }
+  f32x16& operator+=(const f32x16& o) {
+    lo += o.lo, hi += o.hi;
+    return *this;
+  }
+};
+inline f32x16 operator+(f32x16 a, f32x16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline f32x16 operator-(f32x16 a, f32x16 b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline f32x16 operator*(f32x16 a, f32x16 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline f32x16 operator+(f32x16 a, float b) { return {a.lo + b, a.hi + b}; }
+inline f32x16 operator*(f32x16 a, float b) { return {a.lo * b, a.hi * b}; }
+inline f32x16 operator*(float a, f32x16 b) { return {a * b.lo, a * b.hi}; }
+inline f32x16 load_f32(const float* p) {
+  return {reinterpret_cast<f32x8>(_mm256_loadu_ps(p)), reinterpret_cast<f32x8>(_mm256_loadu_ps(p + 8))};
+}
+inline void store_f32(float* p, f32x16 v) {
+  _mm256_storeu_ps(p, reinterpret_cast<__m256>(v.lo));
+  _mm256_storeu_ps(p + 8, reinterpret_cast<__m256>(v.hi));
+}
+inline float hsum(f32x16 v) {
+  const __m256 s = reinterpret_cast<__m256>(v.lo + v.hi);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+inline f32x16 load_bf16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i a = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16);
+  const __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16);
+  return {reinterpret_cast<f32x8>(_mm256_castsi256_ps(a)), reinterpret_cast<f32x8>(_mm256_castsi256_ps(b))};
+}
+#else
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -63,16 +104,39 @@ inline f32x16 load_f32(const float* p) {
   return v;
 }
 inline void store_f32(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline float hsum(f32x16 v) {
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += v[j];
+  return s;
+}
+#endif
 inline float widen(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
-inline float hsum(f32x16 v) {
-  float s = 0.f;
-  for (int j = 0; j < 16; ++j) s += v[j];
-  return s;
+
+// Rows of x held in registers at once by the decode kernels: 8 with AVX-512's 32 vector registers,
+// 4 with AVX2's 16 (8 rows of 16-lane sums spill there: ~1.5x slower at 13 rows on an AMD EPYC).
+// Likewise the blocked product's register tile: kTileRows rows by 32 columns (or 2 * kTileRows by 16).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int kRowBlock = 4;
+constexpr int kTileRows = 3;
+#else
+constexpr int kRowBlock = 8;
+constexpr int kTileRows = 12;
+#endif
+
+// block(std::integral_constant<int, MB>{}, m) over rows [m, m + MB) of M: blocks of kRowBlock, then 4, 2, 1.
+template <typename Block>
+void for_row_blocks(int64_t M, Block&& block) {
+  int64_t m = 0;
+  if constexpr (kRowBlock == 8)
+    for (; m + 8 <= M; m += 8) block(std::integral_constant<int, 8>{}, m);
+  for (; m + 4 <= M; m += 4) block(std::integral_constant<int, 4>{}, m);
+  for (; m + 2 <= M; m += 2) block(std::integral_constant<int, 2>{}, m);
+  for (; m < M; ++m) block(std::integral_constant<int, 1>{}, m);
 }
 
 // fn(t) for t in [0, n) on the calling thread and XLA's intra-op pool. Tasks are claimed from an
@@ -237,8 +301,10 @@ void gemm(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t K,
       const float* xk = X + k0;
       float* c = Y + n0;
       int64_t m = m0;
-      for (; m + 12 <= m1; m += 12) gemm_tile<12>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
-      for (; m + 4 <= m1; m += 4) gemm_tile<4>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
+      for (; m + kTileRows <= m1; m += kTileRows)
+        gemm_tile<kTileRows>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
+      if constexpr (kTileRows > 4)
+        for (; m + 4 <= m1; m += 4) gemm_tile<4>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
       for (; m < m1; ++m) gemm_tile<1>(xk + m * K, K, panel, kc, c + m * N, N, ncols, k0 == 0);
     }
   });
@@ -357,7 +423,7 @@ void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t 
       for (int64_t i = rows; i < w; ++i) dst[k * w + i] = 0.f;
     }
   });
-  constexpr int64_t R = 24;  // rows of W dequantized together: two 12-row tiles or one 24-row tile
+  constexpr int64_t R = 24;  // rows of W dequantized together: whole tiles of kTileRows or 2 * kTileRows
   const int64_t blocks = (N + R - 1) / R;
   const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(16, blocks / (8 * workers(pool))));
   parallel_for(pool, (blocks + per_task - 1) / per_task, [&](int64_t t) {
@@ -376,10 +442,12 @@ void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t 
           const bool first = k0 == 0;
           if (w == kNr) {
             int64_t r = 0;
-            for (; r + 12 <= nr; r += 12) gemm_tile<12, 2>(wbuf + r * kc, kc, panel, kc, c + r * w, w, w, first);
+            for (; r + kTileRows <= nr; r += kTileRows)
+              gemm_tile<kTileRows, 2>(wbuf + r * kc, kc, panel, kc, c + r * w, w, w, first);
             for (; r < nr; ++r) gemm_tile<1, 2>(wbuf + r * kc, kc, panel, kc, c + r * w, w, w, first);
           } else if (nr == R) {
-            gemm_tile<24, 1>(wbuf, kc, panel, kc, c, w, w, first);
+            for (int64_t r = 0; r < R; r += 2 * kTileRows)
+              gemm_tile<2 * kTileRows, 1>(wbuf + r * kc, kc, panel, kc, c + r * w, w, w, first);
           } else {
             for (int64_t r = 0; r < nr; ++r) gemm_tile<1, 1>(wbuf + r * kc, kc, panel, kc, c + r * w, w, w, first);
           }
@@ -484,11 +552,7 @@ ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   const int64_t nt = (N + per_task - 1) / per_task;
   parallel_for(pool, nt, [&](int64_t t) {
     const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) rows_block<8>(X, W, Y, K, N, n0, n1, m);
-    for (; m + 4 <= M; m += 4) rows_block<4>(X, W, Y, K, N, n0, n1, m);
-    for (; m + 2 <= M; m += 2) rows_block<2>(X, W, Y, K, N, n0, n1, m);
-    for (; m < M; ++m) rows_block<1>(X, W, Y, K, N, n0, n1, m);
+    for_row_blocks(M, [&](auto mb, int64_t m) { rows_block<decltype(mb)::value>(X, W, Y, K, N, n0, n1, m); });
   });
   return ffi::Error::Success();
 }
@@ -596,6 +660,37 @@ inline void interleave(f32x16 lo, f32x16 hi, float* dst) {
   const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a, i0, b));
   _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(a, i1, b));
+}
+#elif defined(__AVX2__)
+// AVX2: the same widenings on the two 8-lane halves.
+inline f32x16 join_i32(__m256i a, __m256i b) {
+  return {reinterpret_cast<f32x8>(_mm256_cvtepi32_ps(a)), reinterpret_cast<f32x8>(_mm256_cvtepi32_ps(b))};
+}
+inline void bytes_to_i32(const uint8_t* p, bool sign, __m256i& a, __m256i& b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), h = _mm_unpackhi_epi64(v, v);
+  a = sign ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  b = sign ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h);
+}
+inline f32x16 widen_codes8(const uint8_t* p, bool asym) {
+  __m256i a, b;
+  bytes_to_i32(p, !asym, a, b);
+  return join_i32(a, b);
+}
+inline void widen_codes4(const uint8_t* p, bool asym, f32x16& lo, f32x16& hi) {
+  __m256i a, b;
+  bytes_to_i32(p, false, a, b);
+  if (asym) {
+    const __m256i m = _mm256_set1_epi32(0x0F);
+    lo = join_i32(_mm256_and_si256(a, m), _mm256_and_si256(b, m));
+    hi = join_i32(_mm256_srli_epi32(a, 4), _mm256_srli_epi32(b, 4));
+  } else {
+    lo = join_i32(_mm256_srai_epi32(_mm256_slli_epi32(a, 28), 28), _mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
+    hi = join_i32(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 28), _mm256_srai_epi32(_mm256_slli_epi32(b, 24), 28));
+  }
+}
+inline float hsum_q(f32x16 v) { return hsum(v); }
+inline void interleave(f32x16 lo, f32x16 hi, float* dst) {
+  for (int j = 0; j < 16; ++j) dst[2 * j] = lo[j], dst[2 * j + 1] = hi[j];
 }
 #else
 typedef int8_t i8x16 __attribute__((vector_size(16)));
@@ -882,11 +977,9 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
       constexpr bool A = decltype(asym_c)::value;
       parallel_for(pool, nt, [&](int64_t t) {
         const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-        int64_t m = 0;
-        for (; m + 8 <= M; m += 8) qdot_block<8, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
-        for (; m + 4 <= M; m += 4) qdot_block<4, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
-        for (; m + 2 <= M; m += 2) qdot_block<2, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
-        for (; m < M; ++m) qdot_block<1, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+        for_row_blocks(M, [&](auto mb, int64_t m) {
+          qdot_block<decltype(mb)::value, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+        });
       });
     };
     using I4 = std::integral_constant<int, 4>;
@@ -905,11 +998,7 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
       __builtin_prefetch(q.codes + (n + 2) * q.code_cols);
       dequant_row(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, K, q.group, q.bits,
                   q.asym, buf.data());
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) dot_rows<8>(X, buf.data(), Y, K, N, n, m);
-      for (; m + 4 <= M; m += 4) dot_rows<4>(X, buf.data(), Y, K, N, n, m);
-      for (; m + 2 <= M; m += 2) dot_rows<2>(X, buf.data(), Y, K, N, n, m);
-      for (; m < M; ++m) dot_rows<1>(X, buf.data(), Y, K, N, n, m);
+      for_row_blocks(M, [&](auto mb, int64_t m) { dot_rows<decltype(mb)::value>(X, buf.data(), Y, K, N, n, m); });
     }
   });
   return ffi::Error::Success();
