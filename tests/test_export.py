@@ -18,10 +18,13 @@ from tests import hf_fixtures as fx
 
 pytestmark = pytest.mark.reference
 
-# Same bar and batch as tests/test_parity.py (seed 3): our float32 forward vs transformers' within 1e-4
-# on logits up to the softcap (30), i.e. ~3e-6 relative. The export itself is exact: the reloaded HF
-# model's logits equal the source HF model's bit for bit (checked separately).
-F32_TOL = 1e-4
+# Our float32 forward vs transformers' float32 forward on the exported weights. The export itself is
+# exact: the reloaded HF model's logits equal the source HF model's bit for bit (checked separately), so
+# what is left is the float32 rounding of two implementations. Measured on an AMD EPYC (AVX2, no
+# AVX-512), seed 3, with LoRA merged: ours vs transformers in float64 9.2e-5, transformers' float32 vs
+# float64 3.9e-5, ours vs transformers' float32 1.05e-4 (on AVX-512 Xeons within 1e-4, the parity
+# suite's bar). 2e-4 on logits up to 22 is ~1e-5 relative; a wrong tensor or layout moves them by 1e-2+.
+F32_TOL = 2e-4
 BATCH, SEQ, SEED = 2, 11, 3
 
 
