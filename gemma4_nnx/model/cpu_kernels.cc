@@ -688,10 +688,6 @@ inline void widen_codes4(const uint8_t* p, bool asym, f32x16& lo, f32x16& hi) {
     hi = join_i32(_mm256_srai_epi32(_mm256_slli_epi32(a, 24), 28), _mm256_srai_epi32(_mm256_slli_epi32(b, 24), 28));
   }
 }
-inline float hsum_q(f32x16 v) { return hsum(v); }
-inline void interleave(f32x16 lo, f32x16 hi, float* dst) {
-  for (int j = 0; j < 16; ++j) dst[2 * j] = lo[j], dst[2 * j + 1] = hi[j];
-}
 #else
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -712,6 +708,8 @@ inline void widen_codes4(const uint8_t* p, bool asym, f32x16& lo, f32x16& hi) {
     hi = __builtin_convertvector(v >> 4, f32x16);
   }
 }
+#endif
+#if !defined(__AVX512F__)  // AVX2 and generic
 inline float hsum_q(f32x16 v) { return hsum(v); }
 inline void interleave(f32x16 lo, f32x16 hi, float* dst) {
   for (int j = 0; j < 16; ++j) dst[2 * j] = lo[j], dst[2 * j + 1] = hi[j];
@@ -923,11 +921,7 @@ void act8_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, const
     constexpr bool A = decltype(asym_c)::value;
     parallel_for(pool, nt, [&](int64_t t) {
       const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) act8_block<8, A>(q, act.data(), Y, N, n0, n1, m);
-      for (; m + 4 <= M; m += 4) act8_block<4, A>(q, act.data(), Y, N, n0, n1, m);
-      for (; m + 2 <= M; m += 2) act8_block<2, A>(q, act.data(), Y, N, n0, n1, m);
-      for (; m < M; ++m) act8_block<1, A>(q, act.data(), Y, N, n0, n1, m);
+      for_row_blocks(M, [&](auto mb, int64_t m) { act8_block<decltype(mb)::value, A>(q, act.data(), Y, N, n0, n1, m); });
     });
   };
   q.asym ? run(std::true_type{}) : run(std::false_type{});
