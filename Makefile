@@ -31,11 +31,14 @@ demo: $(VENV)/.installed-demo
 demo-tiny: $(VENV)/.installed-demo
 	$(PY) -m gemma4_nnx.demo
 
-# Lint and format checks first (seconds), then the suite.
+# Lint and format checks first (seconds), then the suite: test files spread over PYTEST_WORKERS
+# processes (pytest-xdist; a file's tests stay in one process, sharing its module fixtures).
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Newest jax/flax on Python 3.12, without torch: the reference tests are deselected there.
 $(VENV312)/.installed: pyproject.toml
@@ -46,7 +49,7 @@ $(VENV312)/.installed: pyproject.toml
 
 test-py312: $(VENV312)/.installed
 	$(VENV312)/bin/ruff check .
-	$(VENV312)/bin/python -m pytest -q
+	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # Google's gemma library (gm) and tunix running our exports and feeding our imports (tests/test_interop.py),
 # lm-evaluation-harness scoring through gemma4-serve (tests/test_lm_eval.py).

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
-import pytest
+# Compiling dominates the suite's time on CPU (a module warm from the cache below runs ~3x faster), and
+# many modules, the xdist workers and the server subprocesses compile the same programs. One persistent
+# compilation cache per run, made by the first process and inherited through the environment by the
+# workers and subprocesses; every program is still compiled at least once per run (a fresh directory,
+# removed at the end). Set JAX_COMPILATION_CACHE_DIR yourself to keep one across runs.
+_OWN_JAX_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _OWN_JAX_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="gemma4_nnx_jax_cache_")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -89,3 +102,8 @@ def hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+def pytest_unconfigure(config):
+    if _OWN_JAX_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_OWN_JAX_CACHE, ignore_errors=True)

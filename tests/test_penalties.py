@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from gemma4_nnx.decode.engine import Engine
 from gemma4_nnx.decode.errors import RequestError
@@ -33,6 +34,14 @@ def model():
     return m
 
 
+REF_LENGTH = 32
+
+
+@nnx.jit
+def _forward(model, ids):
+    return model(ids)
+
+
 def _reference(
     model, prompt, n, *, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None, repetition_penalty=None
 ):
@@ -41,7 +50,11 @@ def _reference(
     ids, out = list(prompt), []
     v = model.config.vocab_size
     for _ in range(n):
-        x = np.asarray(model(jnp.asarray([ids])))[0, -1].astype(np.float64)
+        # the whole sequence, right-padded to one length (one compiled program; causal, so the padding
+        # does not reach the last real position)
+        padded = np.zeros((1, REF_LENGTH), np.int32)
+        padded[0, : len(ids)] = ids
+        x = np.asarray(_forward(model, jnp.asarray(padded)))[0, len(ids) - 1].astype(np.float64)
         for t, b in (logit_bias or {}).items():
             x[t] += b
         if repetition_penalty:
