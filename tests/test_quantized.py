@@ -395,7 +395,7 @@ def test_quantized_matrices_have_sharding_axes():
 # ------------------------------------------------------------------ int8 activations (opt-in)
 needs_int8_dot = pytest.mark.skipif(
     not cpu_kernels.available() or jax.default_backend() != "cpu" or not cpu_kernels.has_int8_dot(),
-    reason="CPU kernels or AVX512-VNNI unavailable",
+    reason="CPU kernels, AVX512-VNNI or AVX2 unavailable",
 )
 
 
@@ -416,21 +416,36 @@ ACT8_FORMATS = [
     quant.QuantFormat(4, 64, False),  # our int4
     quant.QuantFormat(4, 128, False),
     quant.QuantFormat(4, 32, True),  # Q4_K as scale + min
+    quant.QuantFormat(8, 32, False),  # Q8_0, Q5_0
+    quant.QuantFormat(8, 16, False),  # Q6_K
+    quant.QuantFormat(8, 4, False),
+    quant.QuantFormat(8, 128, False),
 ]
 
 
+def _act8_takes(fmt) -> bool:
+    """Whether this CPU's act8 product takes codes of this format (int8 codes: AVX2 without VNNI, symmetric)."""
+    return fmt.bits in cpu_kernels.int8_dot_bits() and not (fmt.bits == 8 and fmt.asym)
+
+
 @needs_int8_dot
-@pytest.mark.parametrize("fmt", ACT8_FORMATS + [quant.QuantFormat(8, 32, False)], ids=str)
+@pytest.mark.parametrize("fmt", ACT8_FORMATS + [quant.QuantFormat(8, 32, True)], ids=str)
 @pytest.mark.parametrize("rows", [1, 3, 9, cpu_kernels.GEMM_ROWS_T - 1])
 def test_int8_activation_products_equal_float64_of_rounded_activations(fmt, rows):
-    """qmatmul_t(act8=True) of int4 codes below GEMM_ROWS_T rows is deq(W) @ Q8_0(x) (exact integer
-    sums, float32 scaling): against float64 of the independently rounded x, within float32 rounding
-    (1e-5 of the largest output); it is not the float product of x (differences at the activations'
-    rounding, ~1e-3 relative). The float product stays for int8 codes, where the layout does not fit
-    (K = 288) and from GEMM_ROWS_T rows."""
+    """qmatmul_t(act8=True) below GEMM_ROWS_T rows is deq(W) @ Q8_0(x) (exact integer sums, float32
+    scaling): against float64 of the independently rounded x, within float32 rounding (1e-5 of the
+    largest output); it is not the float product of x (differences at the activations' rounding, ~1e-3
+    relative). The float product stays for codes this CPU's integer product does not take (int8 codes
+    with VNNI, asymmetric int8 codes), where the layout does not fit (K = 288 for int4 codes, 296 for
+    int8) and from GEMM_ROWS_T rows. Codes at both ends of their range (int8: -128 and 127) included."""
     rng = np.random.default_rng(fmt.bits * 100 + fmt.group + rows + 7 * fmt.asym)
     n, k = 40, 384
     codes, scales, mins = _random_quantized(rng, n, k, fmt)
+    if fmt.bits == 8:  # the extremes: |-128| is the unsigned 128 of the integer product
+        codes = np.asarray(codes).copy()
+        codes[0, :64] = np.iinfo(codes.dtype).min
+        codes[1, :64] = np.iinfo(codes.dtype).max
+        codes = jnp.asarray(codes)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[:, 5] *= 40.0  # an outlier column: its block's other entries round coarsely
     x[0, 64:96] = 0.0  # an all-zero block
@@ -438,7 +453,7 @@ def test_int8_activation_products_equal_float64_of_rounded_activations(fmt, rows
     f = jax.jit(lambda x, act8: cpu_kernels.qmatmul_t(x, codes, scales, mins, fmt.bits, act8), static_argnums=1)
     got = np.asarray(f(jnp.asarray(x), True), np.float64)
     plain = x.astype(np.float64) @ deq.T
-    if fmt.bits == 8:
+    if not _act8_takes(fmt):
         assert np.max(np.abs(got - plain)) <= 1e-5 * np.max(np.abs(plain))
         return
     ref = _q8_rounded(x) @ deq.T
@@ -449,19 +464,20 @@ def test_int8_activation_products_equal_float64_of_rounded_activations(fmt, rows
     y = np.asarray(f(jnp.asarray(xs), True), np.float64)
     ref = xs.astype(np.float64) @ deq.T
     assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
-    if fmt.bits == 4:  # a NaN or an infinity in x: NaN rows, as the float product gives
-        bad = np.repeat(x[:1], 2, axis=0)
-        bad[0, 7], bad[1, 200] = np.nan, np.inf
-        y = np.asarray(f(jnp.asarray(bad), True))
-        assert np.isnan(y).all()
-    if 288 % fmt.group:  # groups of 64 / 128 always fit: every K they divide is a multiple of 64
+    # a NaN or an infinity in x: NaN rows, as the float product gives
+    bad = np.repeat(x[:1], 2, axis=0)
+    bad[0, 7], bad[1, 200] = np.nan, np.inf
+    y = np.asarray(f(jnp.asarray(bad), True))
+    assert np.isnan(y).all()
+    odd_k = 288 if fmt.bits == 4 else 296
+    if odd_k % fmt.group:  # groups of 64 / 128 (int4) and 16+ (int8) fit every K they divide
         return
-    codes, scales, mins = _random_quantized(rng, n, 288, fmt)
+    codes, scales, mins = _random_quantized(rng, n, odd_k, fmt)
     y = np.asarray(
-        jax.jit(lambda x: cpu_kernels.qmatmul_t(x, codes, scales, mins, fmt.bits, True))(jnp.asarray(x[:, :288]))
+        jax.jit(lambda x: cpu_kernels.qmatmul_t(x, codes, scales, mins, fmt.bits, True))(jnp.asarray(x[:, :odd_k]))
     )
     deq = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins), np.float64)
-    ref = x[:, :288].astype(np.float64) @ deq.T
+    ref = x[:, :odd_k].astype(np.float64) @ deq.T
     assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
 
 
@@ -469,7 +485,7 @@ def test_int8_activation_products_equal_float64_of_rounded_activations(fmt, rows
 def test_int8_activations_option_reaches_the_quantized_projections(monkeypatch):
     """matmul="cpu_kernels_int8": quantize() and the modules carry it, and a projection's product is
     the one of int8-rounded activations (the full-attention layer's o_proj, 128 inputs: one chunk);
-    without VNNI the option is refused by name."""
+    without VNNI or AVX2 the option is refused by name."""
     model = random_model("e2b")
     quant.quantize(model, 4, 32, matmul="cpu_kernels_int8")
     mods = [m for _, m in nnx.iter_graph(model) if isinstance(m, quant.QuantizedLinear)]
@@ -482,5 +498,5 @@ def test_int8_activations_option_reaches_the_quantized_projections(monkeypatch):
     ref = _q8_rounded(x) @ deq.T
     assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
     monkeypatch.setattr(cpu_kernels, "has_int8_dot", lambda: False)
-    with pytest.raises(ValueError, match=r"cpu_kernels_int8.*avx512_vnni"):
+    with pytest.raises(ValueError, match=r"cpu_kernels_int8.*avx512_vnni / avx2"):
         layers.resolve_matmul("cpu_kernels_int8", dtype=jnp.float32, param_dtype=None, quantized=True)

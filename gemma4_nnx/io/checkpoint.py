@@ -286,7 +286,7 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         weights under float32 compute on one CPU device, when available; else XLA), "xla",
         "cpu_kernels", "cpu_kernels_bf16" (prefill products of bf16 weights with bf16-rounded
         activations on AVX512-BF16: ~1.7x faster prefill) or "cpu_kernels_int8" (decode products of
-        int4 codes with int8-rounded activations on AVX512-VNNI, as llama.cpp;
+        codes with int8-rounded activations on AVX512-VNNI or AVX2, as llama.cpp;
         `gemma4_nnx.model.layers.resolve_matmul`).
     """
 

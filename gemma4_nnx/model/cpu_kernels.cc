@@ -9,7 +9,8 @@
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
 //   gemma4_bf16_take: out[i] = float32(table[ids[i]])  (the token lookup)
 //   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py);
-//                      act8: int4 codes below kGemmRowsT rows, x rounded to int8 per 32 columns (VNNI)
+//                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
+//                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
 //
 // Each has two algorithms chosen by the number of rows M: below kGemmRowsCols / kGemmRowsT (decode) a weight row is
@@ -812,34 +813,63 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
 }
 
 // ---------------------------------------------------------------------------- int8 activations
-// Opt-in (`act8`, Matmul(int8_activations=True)) for int4 codes at decode row counts: each row of x is
-// quantized to int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127, q =
-// round-half-even(x * (127 / max|x|))), and multiplied with the codes by AVX512-VNNI `vpdpbusd`: 64
-// byte products summed into 16 int32 lanes per instruction, where a float32 FMA multiplies 16 codes
-// after unpacking and converting them (the float product of int4 codes is compute-bound; int8 codes
-// are not, and stay float32). The result is deq(w) @ (q * s) up to float32 summation.
-// Per chunk of 128 columns: 64 bytes of codes give 64 low nibbles (the even columns) and 64 high
-// nibbles (the odd ones); x is permuted once per call to match, so lane l of both vpdpbusd spans the
-// columns [8l, 8l + 8): one weight group and one activation block, its integer sum scaled once per
-// chunk. vpdpbusd multiplies unsigned by signed bytes: the weights take the unsigned side (symmetric
-// codes offset by 8, and 8 * sum(q) over the lane taken back in the accumulator's start).
+// Opt-in (`act8`, Matmul(int8_activations=True)) at decode row counts: each row of x is quantized to
+// int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127, q = round-half-even(x * (127 /
+// max|x|))), and multiplied with the codes as integers: byte products summed in fours into int32 lanes
+// (AVX512-VNNI `vpdpbusd`, 64 bytes an instruction; AVX2 `vpmaddubsw` then `vpmaddwd` with ones, 32),
+// where a float32 FMA multiplies 16 (or 8) codes after widening them. The result is deq(w) @ (q * s) up
+// to float32 summation. Each lane's integer sum spans columns of one weight group and one activation
+// block, and is scaled once. Both instructions multiply unsigned by signed bytes.
+//  - int4 codes, chunks of 128 columns: 64 bytes of codes give 64 low nibbles (the even columns) and 64
+//    high nibbles (the odd ones); x is permuted once per call to match, so lane l spans the columns
+//    [8l, 8l + 8). The weights take the unsigned side (symmetric codes offset by 8, and 8 * sum(q) over
+//    the lane taken back in the accumulator's start).
+//  - symmetric int8 codes (AVX2 only; AVX-512 keeps the float32 product, measured at the memory
+//    bandwidth there), chunks of 32 columns in memory order, lane l spanning [4l, 4l + 4): |w| takes the
+//    unsigned side and x * sign(w) the signed one (`vpsignb`), so each pair of products fits the int16
+//    that `vpmaddubsw` saturates at (2 * 128 * 127). Asymmetric int8 codes (up to 255) would not.
 #if defined(__AVX512VNNI__)
-constexpr bool kHasVnni = true;
+constexpr bool kHasInt8Dot = true, kInt8Codes = false;
+#elif defined(__AVX2__)
+constexpr bool kHasInt8Dot = true, kInt8Codes = true;
 #else
-constexpr bool kHasVnni = false;
+constexpr bool kHasInt8Dot = false, kInt8Codes = false;
 #endif
-constexpr int64_t kAct8Span = 128;
-struct ActChunk {                // one row of x, 128 columns
+constexpr int64_t kAct8Span = 128;  // columns of an int4 chunk
+struct ActChunk {                // one row of x, 128 columns (int4 codes)
   alignas(64) int8_t q[128];     // [even columns | odd columns]
   alignas(64) int32_t bias[16];  // -8 * sum of q over each lane (symmetric codes)
   alignas(64) float sx[16];      // the activation scale of each lane
   alignas(64) float sq[16];      // sx * sum of q over each lane (asymmetric codes: the mins' term)
 };
+struct ActBlock {           // one row of x, 32 columns (int8 codes)
+  alignas(32) int8_t q[32];
+  float sx;
+};
 
-// Whether the int8-activation product takes this weight: int4 codes, whole chunks, lanes in one group.
+// Whether the int8-activation product takes this weight: whole chunks, each lane inside one group.
 bool act8_layout(const QWeight& q) {
-  return kHasVnni && q.bits == 4 && q.K % kAct8Span == 0 && q.group % 8 == 0 &&
-         (q.group % kAct8Span == 0 || kAct8Span % q.group == 0);
+  if (q.bits == 4)
+    return kHasInt8Dot && q.K % kAct8Span == 0 && q.group % 8 == 0 &&
+           (q.group % kAct8Span == 0 || kAct8Span % q.group == 0);
+  return kInt8Codes && !q.asym && q.K % 32 == 0 && q.group % 4 == 0 && (q.group % 32 == 0 || 32 % q.group == 0);
+}
+
+// x[0:32] rounded as Q8_0 into q[0:32]; returns the block's scale. A NaN or an infinity in x gives the
+// scale NaN (and q 0 where x is not a number), so the product is NaN as the float product is.
+float round_q8_block(const float* x, int8_t* q) {
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) {  // a NaN wins the max
+    const float v = std::fabs(x[j]);
+    amax = v > amax || v != v ? v : amax;
+  }
+  const bool finite = amax <= std::numeric_limits<float>::max();
+  const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+  for (int j = 0; j < 32; ++j) {
+    const float r = std::nearbyint(x[j] * inv);
+    q[j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, r == r ? r : 0.f)));
+  }
+  return finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
 }
 
 void quantize_rows_q8(const float* X, int64_t M, int64_t K, bool asym, ActChunk* out) {
@@ -849,20 +879,7 @@ void quantize_rows_q8(const float* X, int64_t M, int64_t K, bool asym, ActChunk*
       const float* x = X + m * K + c * kAct8Span;
       int8_t q[kAct8Span];
       float s[kAct8Span / 32];
-      for (int b = 0; b < kAct8Span / 32; ++b) {
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) {  // a NaN wins, so a NaN in x gives NaN out as the float product does
-          const float v = std::fabs(x[32 * b + j]);
-          amax = v > amax || v != v ? v : amax;
-        }
-        const bool finite = amax <= std::numeric_limits<float>::max();
-        const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
-        s[b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();  // NaN / inf in x: NaN out
-        for (int j = 0; j < 32; ++j) {
-          const float r = std::nearbyint(x[32 * b + j] * inv);
-          q[32 * b + j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, r == r ? r : 0.f)));
-        }
-      }
+      for (int b = 0; b < kAct8Span / 32; ++b) s[b] = round_q8_block(x + 32 * b, q + 32 * b);
       ActChunk& a = out[m * C + c];
       for (int j = 0; j < 64; ++j) a.q[j] = q[2 * j], a.q[64 + j] = q[2 * j + 1];
       for (int l = 0; l < 16; ++l) {
@@ -913,15 +930,130 @@ void act8_block(const QWeight& q, const ActChunk* act, float* __restrict__ out, 
   }
 }
 
+#elif defined(__AVX2__)
+// Eight lanes of `lane_cols` columns each (one 32-byte product), each given its weight group's value.
+struct LaneGroups {
+  __m256i index, mask;
+  int64_t group;
+  bool one;  // the 8 lanes lie in one group
+  LaneGroups(int64_t group_, int64_t lane_cols) : group(group_), one(group_ % (8 * lane_cols) == 0) {
+    alignas(32) int32_t idx[8], msk[8];
+    const int64_t groups = one ? 1 : 8 * lane_cols / group;
+    for (int l = 0; l < 8; ++l) idx[l] = one ? 0 : static_cast<int32_t>(lane_cols * l / group), msk[l] = l < groups ? -1 : 0;
+    index = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+    mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(msk));
+  }
+  // the values of a row's groups `v` for the lanes starting at column c0
+  __m256 of(const float* v, int64_t c0) const {
+    const float* p = v + c0 / group;
+    return one ? _mm256_broadcast_ss(p) : _mm256_permutevar8x32_ps(_mm256_maskload_ps(p, mask), index);
+  }
+};
+
+// 32 unsigned by 32 signed bytes, products summed in fours into 8 int32 lanes (each pair of products must
+// fit an int16).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+template <int MB, bool ASYM>
+void act8_block(const QWeight& q, const ActChunk* act, float* __restrict__ out, int64_t N, int64_t n0, int64_t n1,
+                int64_t m0) {
+  const int64_t C = q.K / kAct8Span, G = q.K / q.group;
+  const LaneGroups lanes(q.group, 8);
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = q.codes + n * q.code_cols;
+    const float* sc = q.scales + n * G;
+    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t ch = 0; ch < C; ++ch) {
+      for (int h = 0; h < 2; ++h) {  // 32 bytes: lanes 8h .. 8h + 7, columns [64h, 64h + 64) of the chunk
+        __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * ch + 32 * h));
+        if constexpr (!ASYM) lo = _mm256_xor_si256(lo, _mm256_set1_epi8(static_cast<char>(0x88)));  // code + 8
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(lo, 4), nib);
+        lo = _mm256_and_si256(lo, nib);
+        const int64_t c0 = kAct8Span * ch + 64 * h;
+        const __m256 sw = lanes.of(sc, c0);
+        __m256 mw;
+        if constexpr (ASYM) mw = lanes.of(mn, c0);
+        for (int m = 0; m < MB; ++m) {
+          const ActChunk& a = act[(m0 + m) * C + ch];
+          // codes <= 15: both nibbles' pair sums together stay within int16 (2 * 2 * 15 * 127)
+          const __m256i p = _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + 32 * h))),
+              _mm256_maddubs_epi16(hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + 64 + 32 * h))));
+          const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)),
+                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(a.bias + 8 * h)));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sw, _mm256_load_ps(a.sx + 8 * h)), acc[m]);
+          if constexpr (ASYM) acc[m] = _mm256_fnmadd_ps(mw, _mm256_load_ps(a.sq + 8 * h), acc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum8(acc[m]);
+  }
+}
+
+// Symmetric int8 codes: |w| . (x * sign(w)) per 32 columns.
+template <int MB>
+void act8_block8(const QWeight& q, const ActBlock* act, float* __restrict__ out, int64_t N, int64_t n0, int64_t n1,
+                 int64_t m0) {
+  const int64_t C = q.K / 32, G = q.K / q.group;
+  const LaneGroups lanes(q.group, 4);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = q.codes + n * q.code_cols;
+    const float* sc = q.scales + n * G;
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t ch = 0; ch < C; ++ch) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * ch));
+      const __m256i uw = _mm256_abs_epi8(w);  // -128 -> 0x80, read as the unsigned 128
+      const __m256 sw = lanes.of(sc, 32 * ch);
+      for (int m = 0; m < MB; ++m) {
+        const ActBlock& a = act[(m0 + m) * C + ch];
+        const __m256i sum =
+            dot_u8s8(uw, _mm256_sign_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(a.q)), w));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sw, _mm256_set1_ps(a.sx)), acc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum8(acc[m]);
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
 void act8_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, const QWeight& q, int64_t per_task) {
-  std::vector<ActChunk> act(static_cast<size_t>(M * (q.K / kAct8Span)));
-  quantize_rows_q8(X, M, q.K, q.asym, act.data());
   const int64_t N = q.N, nt = (N + per_task - 1) / per_task;
+  std::vector<ActChunk> act4;
+  std::vector<ActBlock> act8;
+  if (q.bits == 4) {
+    act4.resize(static_cast<size_t>(M * (q.K / kAct8Span)));
+    quantize_rows_q8(X, M, q.K, q.asym, act4.data());
+  } else {
+    act8.resize(static_cast<size_t>(M * (q.K / 32)));
+    for (int64_t i = 0; i < static_cast<int64_t>(act8.size()); ++i) act8[i].sx = round_q8_block(X + 32 * i, act8[i].q);
+  }
   auto run = [&](auto asym_c) {
     constexpr bool A = decltype(asym_c)::value;
     parallel_for(pool, nt, [&](int64_t t) {
       const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-      for_row_blocks(M, [&](auto mb, int64_t m) { act8_block<decltype(mb)::value, A>(q, act.data(), Y, N, n0, n1, m); });
+      for_row_blocks(M, [&](auto mb, int64_t m) {
+        constexpr int MB = decltype(mb)::value;
+        if (q.bits == 4) {
+          act8_block<MB, A>(q, act4.data(), Y, N, n0, n1, m);
+        } else {
+#if !defined(__AVX512VNNI__)
+          act8_block8<MB>(q, act8.data(), Y, N, n0, n1, m);
+#endif
+        }
+      });
     });
   };
   q.asym ? run(std::true_type{}) : run(std::false_type{});

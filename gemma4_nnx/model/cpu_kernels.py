@@ -53,6 +53,7 @@ __all__ = [
     "available",
     "has_bf16_dot",
     "has_int8_dot",
+    "int8_dot_bits",
     "matmul",
     "matmul_t",
     "qmatmul_t",
@@ -303,13 +304,14 @@ def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: i
     [N, K] / uint8 [N, K] (asymmetric) / uint8 [N, K/2] (int4), float32 scales [N, G] and mins [N, G]
     or None. Any number of rows (see `GEMM_ROWS_T`); the codes are never dequantized whole.
 
-    act8=True (needs `has_int8_dot()`): int4 products of fewer than `GEMM_ROWS_T` rows (decode) first
+    act8=True (needs `has_int8_dot()`): products of fewer than `GEMM_ROWS_T` rows (decode) first
     round each row of x to int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127,
     q = round-half-even(x * (127 / max|x|)) in [-127, 127]), and sum code x activation products as
-    integers (AVX512-VNNI): the result is deq(w) @ (q * s) up to float32 summation, 2-3.5x the rate of
-    the float32 int4 product. int8 codes (already at the memory bandwidth in float32), layouts the
-    integer product cannot take (K not a multiple of 128, groups neither dividing nor multiples of
-    128) and products of more rows stay float32."""
+    integers: the result is deq(w) @ (q * s) up to float32 summation. int4 codes with AVX512-VNNI or
+    AVX2 (K a multiple of 128, groups of 8+ dividing or multiples of 128; 2-3.5x the rate of the float32
+    int4 product with VNNI); symmetric int8 codes with AVX2 and no VNNI (K a multiple of 32, groups of
+    4+ dividing or multiples of 32; on AVX-512 the float32 product of int8 codes is already at the memory
+    bandwidth). Other layouts, asymmetric int8 codes and products of more rows stay float32."""
     lead, k, rows = _rows_of(x)
     if rows == 0:
         return jnp.zeros((*lead, codes.shape[0]), jnp.float32)
@@ -317,6 +319,13 @@ def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: i
     return _qrows(x.reshape(rows, k), codes, scales, mins, bits, bool(act8)).reshape(*lead, codes.shape[0])
 
 
+def int8_dot_bits() -> tuple[int, ...]:
+    """The code widths whose decode products `qmatmul_t(..., act8=True)` takes as integers on this CPU:
+    (4,) with AVX512-VNNI, (4, 8) with AVX2 and no VNNI (int8 codes symmetric only), () otherwise."""
+    flags = _cpu_id().split()
+    return (4,) if "avx512_vnni" in flags else (4, 8) if "avx2" in flags else ()
+
+
 def has_int8_dot() -> bool:
-    """Whether this CPU has the AVX512-VNNI integer dot instruction (`qmatmul_t(..., act8=True)`)."""
-    return "avx512_vnni" in _cpu_id().split()
+    """Whether this CPU has byte dot products for `qmatmul_t(..., act8=True)`: AVX512-VNNI or AVX2."""
+    return bool(int8_dot_bits())

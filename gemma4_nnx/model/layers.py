@@ -130,9 +130,10 @@ class Matmul:
     #: and use AVX512-BF16 dot instructions (`cpu_kernels.matmul(bf16=True)`): ~1.7x faster there, with
     #: bf16 rounding of those activations; products of fewer rows stay exact float32.
     bf16_products: bool = False
-    #: int4 codes' products of fewer than `cpu_kernels.GEMM_ROWS_T` rows (decode, and prefill of short
-    #: prompts) round x to int8 per 32 columns and use AVX512-VNNI integer dots
-    #: (`cpu_kernels.qmatmul_t(act8=True)`, llama.cpp's Q8_0 activations); more rows stay float32.
+    #: code products of fewer than `cpu_kernels.GEMM_ROWS_T` rows (decode, and prefill of short prompts)
+    #: round x to int8 per 32 columns and use integer dots (int4 codes: AVX512-VNNI or AVX2; symmetric
+    #: int8 codes: AVX2) (`cpu_kernels.qmatmul_t(act8=True)`, llama.cpp's Q8_0 activations); more rows
+    #: stay float32.
     int8_activations: bool = False
 
     def takes(self, kernel_dtype, dtype) -> bool:
@@ -171,9 +172,10 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
     (`Matmul.bf16_products`: ~1.7x faster than float32 products there; fewer rows stay float32; needs a
     CPU with avx512_bf16).
-    "cpu_kernels_int8": "cpu_kernels" whose int4 code products of fewer than 24 rows (decode, short
-    prompts) round their inputs to int8 per 32 columns and sum integer products with AVX512-VNNI, as
-    llama.cpp does (`Matmul.int8_activations`: 2-3.5x the float32 int4 product; needs avx512_vnni).
+    "cpu_kernels_int8": "cpu_kernels" whose code products of fewer than 24 rows (decode, short prompts)
+    round their inputs to int8 per 32 columns and sum integer products, as llama.cpp does
+    (`Matmul.int8_activations`): int4 codes with AVX512-VNNI (2-3.5x the float32 int4 product) or AVX2,
+    and symmetric int8 codes with AVX2 (`cpu_kernels.qmatmul_t`); needs avx512_vnni or avx2.
     """
     if isinstance(option, Matmul):
         return option
@@ -186,7 +188,9 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         if option == "cpu_kernels_bf16" and not cpu_kernels.has_bf16_dot():
             raise ValueError("matmul='cpu_kernels_bf16' needs a CPU with AVX512-BF16 (avx512_bf16); use 'cpu_kernels'")
         if option == "cpu_kernels_int8" and not cpu_kernels.has_int8_dot():
-            raise ValueError("matmul='cpu_kernels_int8' needs a CPU with AVX512-VNNI (avx512_vnni); use 'cpu_kernels'")
+            raise ValueError(
+                "matmul='cpu_kernels_int8' needs a CPU with AVX512-VNNI or AVX2 (avx512_vnni / avx2); use 'cpu_kernels'"
+            )
         if not one_cpu:
             raise ValueError(
                 f"matmul='{option}' needs a single CPU device (backend {jax.default_backend()!r}, "
