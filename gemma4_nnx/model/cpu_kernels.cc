@@ -48,6 +48,14 @@ using MatrixOut = ffi::ResultBuffer<ffi::F32, 2>;
 
 namespace {
 
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+#endif
+
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2 without AVX-512: 16 lanes as two 8-lane halves. GCC lowers a 64-byte vector type on this target
 // through the stack, element pairs moved one by one (an int8 product of one row ran at 0.6 G codes/s
@@ -74,12 +82,7 @@ inline void store_f32(float* p, f32x16 v) {
   _mm256_storeu_ps(p, reinterpret_cast<__m256>(v.lo));
   _mm256_storeu_ps(p + 8, reinterpret_cast<__m256>(v.hi));
 }
-inline float hsum(f32x16 v) {
-  const __m256 s = reinterpret_cast<__m256>(v.lo + v.hi);
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
+inline float hsum(f32x16 v) { return hsum8(reinterpret_cast<__m256>(v.lo + v.hi)); }
 inline f32x16 load_bf16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i a = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16);
@@ -954,12 +957,6 @@ struct LaneGroups {
 // fit an int16).
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 template <int MB, bool ASYM>
