@@ -436,8 +436,8 @@ def test_int8_activation_products_equal_float64_of_rounded_activations(fmt, rows
     scaling): against float64 of the independently rounded x, within float32 rounding (1e-5 of the
     largest output); it is not the float product of x (differences at the activations' rounding, ~1e-3
     relative). The float product stays for codes this CPU's integer product does not take (int8 codes
-    with VNNI, asymmetric int8 codes), where the layout does not fit (K = 288 for int4 codes, 296 for
-    int8) and from GEMM_ROWS_T rows. Codes at both ends of their range (int8: -128 and 127) included."""
+    with VNNI, asymmetric int8 codes), where the layout does not fit (K not a multiple of the chunk)
+    and from GEMM_ROWS_T rows. Codes at both ends of their range (int8: -128 and 127) included."""
     rng = np.random.default_rng(fmt.bits * 100 + fmt.group + rows + 7 * fmt.asym)
     n, k = 40, 384
     codes, scales, mins = _random_quantized(rng, n, k, fmt)
@@ -469,9 +469,12 @@ def test_int8_activation_products_equal_float64_of_rounded_activations(fmt, rows
     bad[0, 7], bad[1, 200] = np.nan, np.inf
     y = np.asarray(f(jnp.asarray(bad), True))
     assert np.isnan(y).all()
-    odd_k = 288 if fmt.bits == 4 else 296
-    if odd_k % fmt.group:  # groups of 64 / 128 (int4) and 16+ (int8) fit every K they divide
+    # a K the group divides and the integer product's chunk (128 columns for int4 codes, 32 for int8)
+    # does not; a group that is a multiple of the chunk has none
+    chunk = 128 if fmt.bits == 4 else 32
+    if fmt.group % chunk == 0:
         return
+    odd_k = 2 * chunk + fmt.group
     codes, scales, mins = _random_quantized(rng, n, odd_k, fmt)
     y = np.asarray(
         jax.jit(lambda x: cpu_kernels.qmatmul_t(x, codes, scales, mins, fmt.bits, True))(jnp.asarray(x[:, :odd_k]))
