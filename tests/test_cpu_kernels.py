@@ -18,6 +18,7 @@ from flax import nnx
 
 from gemma4_nnx import generate
 from gemma4_nnx.model import cpu_kernels, layers
+from gemma4_nnx.model.cache import KVCache
 from tests import hf_fixtures as fx
 from tests.helpers import PROMPTS, random_model
 
@@ -143,7 +144,9 @@ def test_the_product_is_chosen_once_when_the_model_is_built(monkeypatch):
     auto = random_model("plain", param_dtype=jnp.bfloat16)
     xla = random_model("plain", param_dtype=jnp.bfloat16, matmul="xla")
     assert auto.matmul.cpu_kernels and not xla.matmul.cpu_kernels
-    assert random_model("plain").matmul == layers.XLA  # float32 weights: nothing to gain
+    # float32 weights: no products to gain, but attention over the cache still takes the kernels
+    assert random_model("plain").matmul == layers.Matmul(cpu_attention=True)
+    assert auto.matmul.cpu_attention and not xla.matmul.cpu_attention
     assert nnx.graphdef(auto) == nnx.graphdef(random_model("plain", seed=3, param_dtype=jnp.bfloat16))
     assert nnx.graphdef(auto) != nnx.graphdef(xla)
     ids = jnp.asarray(fx.sample_ids(1, 3, seed=1))
@@ -268,3 +271,134 @@ def test_take_equals_jnp_take():
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
     emb = layers.Embedding(50, 64, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1), matmul=KERNELS)
     assert "gemma4_bf16_take" in jax.jit(lambda ids: emb(ids)).lower(ids).as_text()
+
+
+# ------------------------------------------------------------------------------------ KV-cache attention
+def _attention_f64(q, k, v, kpos, qpos, window, scale):
+    """Attention in float64 NumPy, loop by loop: the visible keys of each query (attention.visibility's
+    rule), softmax, weighted values; a query that sees no key gives zeros."""
+    b_, s_, n_, _ = q.shape
+    g = n_ // k.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(b_):
+        for s in range(s_):
+            p = qpos[b, s]
+            seen = (kpos[b] >= 0) & (kpos[b] <= p)
+            if window:
+                seen &= kpos[b] > p - window
+            if not seen.any():
+                continue
+            for n in range(n_):
+                scores = scale * (k[b][seen][:, n // g] @ q[b, s, n])
+                w = np.exp(scores - scores.max())
+                out[b, s, n] = (w / w.sum()) @ v[b][seen][:, n // g]
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "b,s,n,kh,h,t,window,dtype,scale",
+    [
+        (2, 1, 4, 1, 256, 40, None, jnp.float32, 1.0),  # decode, 4 query heads on one KV head
+        (3, 5, 8, 2, 36, 50, 16, jnp.bfloat16, 0.3),  # window, bf16 cache, H not a multiple of 16
+        (1, cpu_kernels.ATTEND_QUERIES, 4, 4, 512, 70, 7, jnp.float32, 1.0),  # global head dim, most queries
+    ],
+)
+def test_attend_equals_float64_reference(b, s, n, kh, h, t, window, dtype, scale):
+    """`cpu_kernels.attend` against float64 NumPy: empty slots (-1), slots in any order, keys after a
+    query or outside its window, and a query at position -1 (a padding row) that sees nothing.
+    Scores are O(1) (q scaled by H^-1/2, as the q norm does), so float32 rounding of the H-term dots
+    and of a softmax over <= 70 keys stays below ~1e-6 on outputs of size ~1."""
+    rng = np.random.default_rng(b * 100 + s)
+    q = (rng.standard_normal((b, s, n, h)) / np.sqrt(h)).astype(np.float32)
+    k = np.asarray(jnp.asarray(rng.standard_normal((b, t, kh, h)), dtype).astype(jnp.float32))
+    v = np.asarray(jnp.asarray(rng.standard_normal((b, t, kh, h)), dtype).astype(jnp.float32))
+    kpos = np.stack([rng.permutation(t) - 6 for _ in range(b)]).astype(np.int32)
+    kpos[kpos < 0] = -1
+    qpos = rng.integers(0, t, (b, s)).astype(np.int32)
+    qpos[-1, 0] = -1
+    ref = _attention_f64(q.astype(np.float64), k, v, kpos, qpos, window, scale)
+    got = jax.jit(cpu_kernels.attend, static_argnums=(5, 6))(
+        jnp.asarray(q), jnp.asarray(k, dtype), jnp.asarray(v, dtype), kpos, qpos, window, scale
+    )
+    assert float(np.max(np.abs(np.asarray(got, np.float64) - ref))) <= 2e-6
+    np.testing.assert_array_equal(np.asarray(got)[-1, 0], 0.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kv_write_stores_slots_in_place(dtype):
+    """`cpu_kernels.kv_write` puts row s of each batch row's new K / V / position into its slot and
+    drops slots outside [0, T) (NumPy reference); with the cache donated it writes the cache's own
+    buffers."""
+    rng = np.random.default_rng(5)
+    b, t, kh, h, s = 2, 12, 2, 20, 3
+    k, v, kn, vn = (
+        jnp.asarray(rng.standard_normal(shape), dtype) for shape in [(b, t, kh, h)] * 2 + [(b, s, kh, h)] * 2
+    )
+    pos = jnp.asarray(rng.integers(-1, 30, (b, t)), jnp.int32)
+    pos_new = jnp.asarray([[40, 41, 42], [7, 8, 9]], jnp.int32)
+    slots = jnp.asarray([[4, t, 11], [0, 5, t + 3]], jnp.int32)
+    want = [np.asarray(a).copy() for a in (k, v, pos)]
+    for r in range(b):
+        for j in range(s):
+            if 0 <= slots[r, j] < t:
+                for w, new in zip(want, (kn, vn, pos_new)):
+                    w[r, int(slots[r, j])] = np.asarray(new)[r, j]
+    pointers = [a.unsafe_buffer_pointer() for a in (k, v, pos)]
+    got = jax.jit(cpu_kernels.kv_write, donate_argnums=(0, 1, 2))(k, v, pos, kn, vn, pos_new, slots)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    assert [a.unsafe_buffer_pointer() for a in got] == pointers
+
+
+def _decode_loop(model, cache, token, pos, steps):
+    """`steps` greedy decode steps inside one while loop, as the decode core runs them."""
+
+    def body(carry):
+        cache, token, pos, i = carry
+        logits, cache = model(token[:, None], pos[:, None], cache=cache)
+        return cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32), pos + 1, i + 1
+
+    return jax.lax.while_loop(lambda c: c[3] < steps, body, (cache, token, pos, jnp.int32(0)))
+
+
+@needs_kernels
+def test_decode_steps_copy_no_cache():
+    """Inside the decode loop the kernels write every layer's cache in place and read it where it
+    lies: the compiled loop copies no cache-sized array (XLA's own scatter and dots copied each
+    layer's K and V several times per step, at a cost growing with the cache size, not the text)."""
+    model = random_model("e2b")
+    assert model.matmul.cpu_attention
+    cache = KVCache.init(model.config, 2, 64)
+    shapes = {str(list(a.shape)).replace(" ", "") for a in jax.tree_util.tree_leaves(cache)}
+    token, pos = jnp.asarray([5, 9], jnp.int32), jnp.asarray([3, 70], jnp.int32)  # row 1 wraps its ring
+    hlo = (
+        jax.jit(lambda c, t, p: _decode_loop(model, c, t, p, 4), donate_argnums=0)
+        .lower(cache, token, pos)
+        .compile()
+        .as_text()
+    )
+    copies = [
+        line.strip()
+        for line in hlo.splitlines()
+        if " copy(" in line and any(f"[{shape[1:-1]}]" in line.split("=")[1].split(" copy(")[0] for shape in shapes)
+    ]
+    assert "gemma4_kv_write" in hlo and "gemma4_attend" in hlo
+    assert not copies, copies[:4]
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
+def test_kernel_attention_decodes_like_xla(variant):
+    """Generation with the attention kernels equals XLA's attention: a ragged batch whose rows wrap the
+    sliding ring (window 4), prompts prefilled through the kernel (up to 16 queries, [ring ; new] for
+    10 tokens into a 4-slot ring) and every decode step storing first; KV sharing, GQA, two head
+    dims, k_eq_v. Same tokens; log-probabilities equal up to float32 summation order."""
+    kern, xla = random_model(variant, seed=4), random_model(variant, seed=4, matmul="xla")
+    assert kern.matmul.cpu_attention and not xla.matmul.cpu_attention
+    got = generate(kern, PROMPTS, 14, stop_tokens=[], return_logprobs=True)
+    want = generate(xla, PROMPTS, 14, stop_tokens=[], return_logprobs=True)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logprobs, want.logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)

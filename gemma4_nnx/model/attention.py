@@ -16,11 +16,14 @@ global layers) and whether the layer borrows K/V from a donor (KV sharing). Fact
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
+from gemma4_nnx.model import cpu_kernels
 from gemma4_nnx.model.cache import KV, LayerCache
 from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
 from gemma4_nnx.model.multimodal import VisionSpan
@@ -67,8 +70,44 @@ def attend(
     scale: float,
     reach: Array | None = None,
     floor: Array | None = None,
+    kernel: bool = False,
 ) -> Array:
-    """q [B, S, N, H] over kv -> [B, S, N, H]. GQA: query head n reads KV head n // (N / K)."""
+    """q [B, S, N, H] over kv -> [B, S, N, H]. GQA: query head n reads KV head n // (N / K).
+
+    kernel (`Matmul.cpu_attention`): float32 queries, up to `cpu_kernels.ATTEND_QUERIES` per row and
+    no vision span go through `cpu_kernels.attend` (reads only the visible slots, no copies of the
+    cache; gradients are this function's XLA ones). A query that sees no key then gives zeros instead
+    of the mean of all values (padding rows only)."""
+    if (
+        kernel
+        and reach is None
+        and floor is None
+        and q.dtype == jnp.float32
+        and q.shape[1] <= cpu_kernels.ATTEND_QUERIES
+    ):
+        return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, window, scale)
+    return _xla_attend(q, kv, q_pos, window, scale, reach, floor)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _kernel_attend(q, k, v, k_pos, q_pos, window, scale):
+    return cpu_kernels.attend(q, k, v, k_pos, q_pos, window, scale)
+
+
+def _kernel_attend_fwd(q, k, v, k_pos, q_pos, window, scale):
+    return _kernel_attend(q, k, v, k_pos, q_pos, window, scale), (q, k, v, k_pos, q_pos)
+
+
+def _kernel_attend_bwd(window, scale, res, g):
+    q, k, v, k_pos, q_pos = res
+    _, pullback = jax.vjp(lambda q, k, v: _xla_attend(q, KV(k, v, k_pos), q_pos, window, scale), q, k, v)
+    return (*pullback(g), None, None)
+
+
+_kernel_attend.defvjp(_kernel_attend_fwd, _kernel_attend_bwd)
+
+
+def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Array:
     b, s, n, h = q.shape
     k_heads = kv.k.shape[2]
     qg = q.reshape(b, s, k_heads, n // k_heads, h)
@@ -95,6 +134,7 @@ class Attention(nnx.Module):
         self.is_consumer = spec.is_consumer
         self.k_eq_v = spec.k_eq_v
         self.vision_block = spec.vision_block
+        self.cpu_attention = matmul.cpu_attention
         eps = config.rms_norm_eps
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
         self.q_proj = linear(d, n * h, **kw)
@@ -135,7 +175,9 @@ class Attention(nnx.Module):
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
             kv = KV(k, v, k_pos)
             if cache is not None:
-                kv, cache = cache.update(kv)
+                kv, cache = cache.update(kv, window=self.window, in_place=self.cpu_attention)
         reach, floor = span_bounds(self.vision_block, span)
-        out = attend(q, kv, q_pos, window=self.window, scale=self.scale, reach=reach, floor=floor)
+        out = attend(
+            q, kv, q_pos, window=self.window, scale=self.scale, reach=reach, floor=floor, kernel=self.cpu_attention
+        )
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), kv, cache

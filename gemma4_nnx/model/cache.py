@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
+from gemma4_nnx.model import cpu_kernels
 
 Array = jax.Array
 
@@ -75,13 +76,16 @@ class LayerCache:
     def size(self) -> int:
         return self.pos.shape[1]
 
-    def _write(self, new: KV) -> LayerCache:
+    def _write(self, new: KV, in_place: bool) -> LayerCache:
         b, s = new.pos.shape
         # Only the last `size` positions of each row can survive; writing just those keeps slots unique
         # within one update (scatter order for duplicate indices is unspecified).
         last = jnp.max(new.pos, axis=1, keepdims=True)
         keep = (new.pos >= 0) & (new.pos > last - self.size)
         slots = jnp.where(keep, new.pos % self.size, self.size)  # out of range -> dropped
+        if in_place:
+            k, v, pos = cpu_kernels.kv_write(self.k, self.v, self.pos, new.k, new.v, new.pos, slots)
+            return dataclasses.replace(self, k=k, v=v, pos=pos)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
         return dataclasses.replace(
             self,
@@ -90,16 +94,23 @@ class LayerCache:
             pos=self.pos.at[rows, slots].set(new.pos, mode="drop"),
         )
 
-    def update(self, new: KV) -> tuple[KV, LayerCache]:
-        """Store the new tokens' K/V; return (everything the new queries may attend over, new cache)."""
-        if self.ring:
+    def update(self, new: KV, *, window: int | None = None, in_place: bool = False) -> tuple[KV, LayerCache]:
+        """Store the new tokens' K/V; return (everything the new queries may attend over, new cache).
+
+        in_place (`Matmul.cpu_attention`): write with `cpu_kernels.kv_write`, which XLA runs on the
+        cache's own buffers. A ring then also stores first and returns itself, with no [ring ; new]
+        copy, wherever that overwrites no slot a new query still sees: S new tokens evict the S
+        positions `size` before them, all outside a `window`-wide view when S - 1 <= size - window
+        (decode steps; verification of k drafts in a ring with k extra slots)."""
+        s = new.pos.shape[1]
+        if self.ring and not (in_place and window is not None and s - 1 <= self.size - window):
             seen = KV(
                 jnp.concatenate([self.k, new.k.astype(self.k.dtype)], axis=1),
                 jnp.concatenate([self.v, new.v.astype(self.v.dtype)], axis=1),
                 jnp.concatenate([self.pos, new.pos], axis=1),
             )
-            return seen, self._write(new)
-        written = self._write(new)
+            return seen, self._write(new, in_place)
+        written = self._write(new, in_place)
         return KV(written.k, written.v, written.pos), written
 
 

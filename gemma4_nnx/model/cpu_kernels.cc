@@ -12,6 +12,8 @@
 //                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
 //                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
+//   gemma4_attend:     attention of few queries over a [B, T, K, H] KV cache, visible slots only
+//   gemma4_kv_write:   new K / V / positions into their cache slots, in place
 //
 // Each has two algorithms chosen by the number of rows M: below kGemmRowsCols / kGemmRowsT (decode) a weight row is
 // read once and multiplied with every row of x; from there on (prefill) a blocked product (`gemm`,
@@ -45,6 +47,10 @@ namespace ffi = xla::ffi;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
 using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
 using MatrixOut = ffi::ResultBuffer<ffi::F32, 2>;
+using Positions = ffi::Buffer<ffi::S32, 2>;  // [B, T] or [B, S] token positions / slots
+using Heads = ffi::Buffer<ffi::F32, 4>;      // [B, S, N, H]
+using HeadsOut = ffi::ResultBuffer<ffi::F32, 4>;
+using PositionsOut = ffi::ResultBuffer<ffi::S32, 2>;
 
 namespace {
 
@@ -1145,6 +1151,147 @@ ffi::Error QDequant(ffi::ThreadPool pool, ffi::AnyBuffer codes, Matrix scales, M
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------- attention over a KV cache
+// The attention of few queries (decode steps, speculative verification, short prompts) over a KV
+// cache, and the cache write, without XLA's copies: XLA:CPU fuses the cache's dynamic-update-slice into
+// each reshaping consumer (the dots want [T, H] views of the [B, T, K, H] cache), so a decode step
+// copied every layer's whole cache several times, at every step and at every cache length.
+//
+// out[b, s, n] = sum_t p_t v[b, t, n / G] with p = softmax_t(scale * q[b, s, n] . k[b, t, n / G]) over
+// the visible slots t: kpos >= 0, kpos <= qpos[b, s] and, with a window W, kpos > qpos - W (what
+// attention.visibility computes). Only visible slots are read; a query that sees none gives zeros.
+// K / V float32 or bfloat16, summed in float32 in slot order (XLA sums in another order: ~1e-7).
+template <typename A, typename B>
+bool same_dims(const A& a, const B& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+template <typename E>
+inline float kv_elem(const E* p, int64_t j) {
+  if constexpr (std::is_same_v<E, float>) return p[j];
+  else return widen(p[j]);
+}
+template <typename E>
+inline f32x16 kv_load(const E* p) {
+  if constexpr (std::is_same_v<E, float>) return load_f32(p);
+  else return load_bf16(p);
+}
+
+template <typename E>
+void attend_query(const float* __restrict__ q, const E* __restrict__ k, const E* __restrict__ v,
+                  const int32_t* __restrict__ kpos, int64_t T, int64_t row, int64_t H, int32_t qp, int64_t window,
+                  float scale, float* __restrict__ scores, int32_t* __restrict__ seen, float* __restrict__ out) {
+  const int64_t hv = H / 16 * 16;
+  int64_t n_seen = 0;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t p = kpos[t];
+    if (p < 0 || p > qp || (window > 0 && int64_t{p} <= int64_t{qp} - window)) continue;
+    const E* kt = k + t * row;
+    f32x16 acc{};
+    for (int64_t j = 0; j < hv; j += 16) acc += load_f32(q + j) * kv_load(kt + j);
+    float d = hsum(acc);
+    for (int64_t j = hv; j < H; ++j) d += q[j] * kv_elem(kt, j);
+    d *= scale;
+    seen[n_seen] = static_cast<int32_t>(t);
+    scores[n_seen++] = d;
+    top = std::max(top, d);
+  }
+  for (int64_t j = 0; j < H; ++j) out[j] = 0.f;
+  if (n_seen == 0) return;
+  float total = 0.f;
+  for (int64_t i = 0; i < n_seen; ++i) total += (scores[i] = std::exp(scores[i] - top));
+  for (int64_t i = 0; i < n_seen; ++i) {
+    const float w = scores[i] / total;
+    const E* vt = v + seen[i] * row;
+    int64_t j = 0;
+    for (; j < hv; j += 16) store_f32(out + j, load_f32(out + j) + w * kv_load(vt + j));
+    for (; j < H; ++j) out[j] += w * kv_elem(vt, j);
+  }
+}
+
+template <typename E>
+void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const int32_t* kpos, const int32_t* qpos,
+            float* out, int64_t B, int64_t S, int64_t N, int64_t T, int64_t KH, int64_t H, int64_t window,
+            float scale) {
+  const int64_t G = N / KH, row = KH * H;
+  // One task per query row and head; below ~1 M multiply-adds in all the pool costs more than it saves.
+  const int64_t tasks = B * S * N;
+  auto task = [&](int64_t i) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<int32_t> seen;
+    if (static_cast<int64_t>(scores.size()) < T) scores.resize(T), seen.resize(T);
+    const int64_t n = i % N, bs = i / N, b = bs / S;
+    const int64_t kh = n / G;
+    attend_query(Q + i * H, K + b * T * row + kh * H, V + b * T * row + kh * H, kpos + b * T, T, row, H, qpos[bs],
+                 window, scale, scores.data(), seen.data(), out + i * H);
+  };
+  if (tasks * T * H < (int64_t{1} << 20)) {
+    for (int64_t i = 0; i < tasks; ++i) task(i);
+  } else {
+    parallel_for(pool, tasks, task);
+  }
+}
+
+ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                  Positions kpos, Positions qpos, HeadsOut out,
+                  int64_t window, float scale) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (kd.size() != 4 || !same_dims(v.dimensions(), kd) || k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("gemma4_attend: k and v must be [B, T, K, H] of one dtype");
+  const int64_t B = qd[0], S = qd[1], N = qd[2], H = qd[3], T = kd[1], KH = kd[2];
+  if (kd[0] != B || kd[3] != H || KH < 1 || N % KH != 0)
+    return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H] and k [B, T, K, H] disagree");
+  if (kpos.dimensions()[0] != B || kpos.dimensions()[1] != T || qpos.dimensions()[0] != B || qpos.dimensions()[1] != S)
+    return ffi::Error::InvalidArgument("gemma4_attend: kpos must be [B, T] and qpos [B, S]");
+  if (k.element_type() == ffi::DataType::F32)
+    attend(pool, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()),
+           reinterpret_cast<const float*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(), out->typed_data(),
+           B, S, N, T, KH, H, window, scale);
+  else if (k.element_type() == ffi::DataType::BF16)
+    attend(pool, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()),
+           reinterpret_cast<const uint16_t*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(),
+           out->typed_data(), B, S, N, T, KH, H, window, scale);
+  else
+    return ffi::Error::InvalidArgument("gemma4_attend: k / v must be float32 or bfloat16");
+  return ffi::Error::Success();
+}
+
+// The cache write, in place: k_out / v_out / pos_out alias the cache's k / v / pos (XLA hands the
+// cache's own buffers over when nothing else reads them afterwards). Row s of b's new entries goes to
+// slot slots[b, s]; a slot outside [0, T) drops it.
+ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, Positions pos, ffi::AnyBuffer k_new,
+                   ffi::AnyBuffer v_new, Positions pos_new, Positions slots,
+                   ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                   PositionsOut pos_out) {
+  auto kd = k.dimensions(), nd = k_new.dimensions();
+  if (kd.size() != 4 || nd.size() != 4 || !same_dims(v.dimensions(), kd) || !same_dims(v_new.dimensions(), nd) ||
+      k_new.element_type() != k.element_type() || v_new.element_type() != k.element_type() ||
+      v.element_type() != k.element_type())
+    return ffi::Error::InvalidArgument("gemma4_kv_write: cache [B, T, K, H] and new [B, S, K, H] of one dtype");
+  const int64_t B = kd[0], T = kd[1], S = nd[1];
+  const int64_t row = static_cast<int64_t>(k.size_bytes()) / (B * T);  // bytes of one slot
+  if (nd[0] != B || nd[2] != kd[2] || nd[3] != kd[3] || slots.dimensions()[0] != B || slots.dimensions()[1] != S)
+    return ffi::Error::InvalidArgument("gemma4_kv_write: shapes disagree");
+  char* ko = static_cast<char*>(k_out->untyped_data());
+  char* vo = static_cast<char*>(v_out->untyped_data());
+  int32_t* po = pos_out->typed_data();
+  // Not aliased (XLA chose to copy): start from the old cache.
+  if (ko != k.untyped_data()) std::memcpy(ko, k.untyped_data(), k.size_bytes());
+  if (vo != v.untyped_data()) std::memcpy(vo, v.untyped_data(), v.size_bytes());
+  if (po != pos.typed_data()) std::memcpy(po, pos.typed_data(), pos.size_bytes());
+  const char* kn = static_cast<const char*>(k_new.untyped_data());
+  const char* vn = static_cast<const char*>(v_new.untyped_data());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) {
+      const int32_t slot = slots.typed_data()[b * S + s];
+      if (slot < 0 || slot >= T) continue;
+      std::memcpy(ko + (b * T + slot) * row, kn + (b * S + s) * row, row);
+      std::memcpy(vo + (b * T + slot) * row, vn + (b * S + s) * row, row);
+      po[b * T + slot] = pos_new.typed_data()[b * S + s];
+    }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Cols, Cols,
@@ -1186,3 +1333,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QDequant, QDequant,
                                   .Ret<Matrix>()
                                   .Attr<int64_t>("bits")
                                   .Attr<bool>("asym"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Attend, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Heads>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Positions>()
+                                  .Arg<Positions>()
+                                  .Ret<Heads>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4KvWrite, KvWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Positions>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Positions>()
+                                  .Arg<Positions>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<Positions>());

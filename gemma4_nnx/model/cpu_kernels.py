@@ -44,16 +44,19 @@ import warnings
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 Array = jax.Array
 
 __all__ = [
     "GEMM_ROWS_COLS",
     "GEMM_ROWS_T",
+    "attend",
     "available",
     "has_bf16_dot",
     "has_int8_dot",
     "int8_dot_bits",
+    "kv_write",
     "matmul",
     "matmul_t",
     "qmatmul_t",
@@ -78,6 +81,8 @@ _TARGETS = {
     "gemma4_bf16_take": "Gemma4Bf16Take",
     "gemma4_q_rows": "Gemma4QRows",
     "gemma4_q_dequant": "Gemma4QDequant",
+    "gemma4_attend": "Gemma4Attend",
+    "gemma4_kv_write": "Gemma4KvWrite",
 }
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once decided, "lib": the loaded library (kept alive), "error": why not
@@ -175,12 +180,16 @@ def unavailable_reason() -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ primitives
-def _call(target: str, shape: tuple[int, ...], *args: Array, **attrs) -> Array:
+def _registered() -> None:
     if not _state.get("ok"):  # decided when the model was built (`available()`), not here
         raise RuntimeError(
             f"gemma4_nnx CPU kernels are not registered ({_state.get('error') or 'never built'}); "
             "build the model with matmul='auto' or 'xla'"
         )
+
+
+def _call(target: str, shape: tuple[int, ...], *args: Array, **attrs) -> Array:
+    _registered()
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")(*args, **attrs)
 
 
@@ -329,3 +338,43 @@ def int8_dot_bits() -> tuple[int, ...]:
 def has_int8_dot() -> bool:
     """Whether this CPU has byte dot products for `qmatmul_t(..., act8=True)`: AVX512-VNNI or AVX2."""
     return bool(int8_dot_bits())
+
+
+# ------------------------------------------------------------------------------------------ KV cache
+#: `attend` serves up to this many queries per row (decode, speculative verification, short prompts);
+#: it reads every visible key once per query head, so longer chunks (prefill) stay XLA's dots.
+ATTEND_QUERIES = 16
+
+
+def attend(q: Array, k: Array, v: Array, kpos: Array, qpos: Array, window: int | None, scale: float) -> Array:
+    """Attention of q [B, S, N, H] float32 over k / v [B, T, K, H] (float32 or bfloat16) -> [B, S, N, H]
+    float32: query head n reads KV head n // (N / K); key t is visible to query s when kpos[b, t] >= 0,
+    kpos <= qpos[b, s] and, with a window W, kpos > qpos - W (`attention.visibility`); softmax of
+    scale * q.k over the visible keys, in float32. Reads only visible slots, so its cost follows the
+    tokens seen, not the cache size. A query that sees no key gives zeros (XLA's masked softmax gives
+    the mean of all values there). Not differentiable (`attention.attend` wraps it)."""
+    _registered()
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("gemma4_attend", out, vmap_method="sequential")(
+        q.astype(jnp.float32),
+        k,
+        v,
+        kpos.astype(jnp.int32),
+        qpos.astype(jnp.int32),
+        window=int(window or 0),
+        scale=np.float32(scale),
+    )
+
+
+def kv_write(
+    k: Array, v: Array, pos: Array, k_new: Array, v_new: Array, pos_new: Array, slots: Array
+) -> tuple[Array, Array, Array]:
+    """(k, v, pos) with row s of each batch row b's new entries (k_new / v_new [B, S, K, H], pos_new
+    [B, S]) in slot slots[b, s] of the cache k / v [B, T, K, H], pos [B, T]; slots outside [0, T) are
+    dropped. The outputs alias the inputs: XLA writes the cache in place wherever nothing reads the old
+    cache afterwards (a scatter inside the decode loop made it copy the whole cache per layer per step)."""
+    _registered()
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (k, v, pos))
+    return jax.ffi.ffi_call(
+        "gemma4_kv_write", shapes, vmap_method="sequential", input_output_aliases={0: 0, 1: 1, 2: 2}
+    )(k, v, pos, k_new.astype(k.dtype), v_new.astype(v.dtype), pos_new.astype(jnp.int32), slots.astype(jnp.int32))

@@ -135,6 +135,12 @@ class Matmul:
     #: int8 codes: AVX2) (`cpu_kernels.qmatmul_t(act8=True)`, llama.cpp's Q8_0 activations); more rows
     #: stay float32.
     int8_activations: bool = False
+    #: attention of up to `cpu_kernels.ATTEND_QUERIES` queries per row (decode, verification, short
+    #: prompts) by `cpu_kernels.attend`, and KV-cache writes in place by `cpu_kernels.kv_write`
+    #: (`attention.attend`, `cache.LayerCache.update`): XLA:CPU copied every layer's whole cache at
+    #: each decode step. Set wherever the CPU kernels are available on a single CPU device, whatever
+    #: the weights' dtype.
+    cpu_attention: bool = False
 
     def takes(self, kernel_dtype, dtype) -> bool:
         """Whether the CPU kernels multiply a `kernel_dtype` kernel in `dtype`."""
@@ -166,7 +172,9 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     weights are int8/int4 codes, `gemma4_nnx.model.quant`).
 
     "auto": the CPU kernels where they pay (bf16 or quantized weights, float32 compute, one CPU device)
-    and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else.
+    and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else. On a
+    single CPU device with the kernels available, attention over the KV cache uses them too
+    (`Matmul.cpu_attention`), whatever the weights' dtype.
     "xla": always XLA. "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
     "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply inputs of 8+ rows (prefill, and
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
@@ -204,10 +212,12 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
             cpu_kernels=True,
             bf16_products=option == "cpu_kernels_bf16",
             int8_activations=option == "cpu_kernels_int8",
+            cpu_attention=True,
         )
     narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
     wanted = narrow and dtype is not None and jnp.dtype(dtype) == jnp.float32
-    return Matmul(cpu_kernels=bool(wanted and one_cpu and cpu_kernels.available()))
+    kernels = one_cpu and cpu_kernels.available()
+    return Matmul(cpu_kernels=bool(wanted and kernels), cpu_attention=bool(kernels))
 
 
 @dataclasses.dataclass(frozen=True)
