@@ -658,7 +658,7 @@ def _structure(node, out: list, variables: list) -> None:
             variables.append(value)
         elif kind == _PYTREE:
             _structure(value, out, variables)
-        elif kind == _SEQUENCE or kind == _MAPPING:
+        elif kind in (_SEQUENCE, _MAPPING):
             for item in value if kind == _SEQUENCE else value.values():
                 out.append(item)
                 if _kind(item) == _PYTREE:
