@@ -11,7 +11,11 @@ registers and multiply in float32: the exact products of the stored bf16 values,
 order than XLA (relative differences ~1e-6).
 
 * `matmul(x, w)`: x [..., K] float32 @ w [K, N] bf16 (an `nnx.Linear` kernel) -> [..., N] float32;
-* `matmul_t(x, w)`: x [..., K] float32 @ w [N, K]^T bf16 (the tied embedding table) -> [..., N].
+* `matmul_t(x, w)`: x [..., K] float32 @ w [N, K]^T bf16 (the tied embedding table) -> [..., N];
+* `qmatmul_t`: the same for int8 / int4 codes with group scales (`gemma4_nnx.model.quant`);
+* `attend` / `kv_write`: attention of decode-size query counts over the KV cache, reading only the
+  visible slots, and the cache write in place (`Matmul.cpu_attention`: XLA:CPU copied every layer's
+  cache at each decode step).
 
 Every row count runs in the kernels: for few rows (decode) each weight row is read once and multiplied
 with all rows of x; from `GEMM_ROWS_COLS` / `GEMM_ROWS_T` rows (prefill, batched verify, training) a blocked
