@@ -1269,6 +1269,7 @@ ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, Positions pos, ffi::AnyBu
       v.element_type() != k.element_type())
     return ffi::Error::InvalidArgument("gemma4_kv_write: cache [B, T, K, H] and new [B, S, K, H] of one dtype");
   const int64_t B = kd[0], T = kd[1], S = nd[1];
+  if (B * T == 0) return ffi::Error::Success();
   const int64_t row = static_cast<int64_t>(k.size_bytes()) / (B * T);  // bytes of one slot
   if (nd[0] != B || nd[2] != kd[2] || nd[3] != kd[3] || slots.dimensions()[0] != B || slots.dimensions()[1] != S)
     return ffi::Error::InvalidArgument("gemma4_kv_write: shapes disagree");
