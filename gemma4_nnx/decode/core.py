@@ -258,14 +258,14 @@ def _key_width() -> int:
 def _forward(graphdef, weights, cache, ids, positions, valid, select, soft=None) -> tuple[Next, KVCache]:
     """The `Next` at the columns `select` [B, 1], and the updated cache. soft [B, S, D]: soft tokens
     at the placeholder columns (images, audio), or None."""
-    model = nnx.merge(graphdef.value, weights)
+    model = graphdef.merge(weights)
     h, cache = model(ids, positions, valid, cache=cache, return_hidden=True, select=select, soft_tokens=soft)
     return Next(model.logits(h[:, 0]).astype(jnp.float32), h[:, 0].astype(jnp.float32)), cache
 
 
 def _encode(graphdef, weights, ids, pixel_values, image_position_ids, input_features, input_features_mask):
     """Soft tokens [1, S, D] of one prompt (zeros off the placeholders): the towers run here, once."""
-    model = nnx.merge(graphdef.value, weights)
+    model = graphdef.merge(weights)
     return model.soft_tokens(ids, pixel_values, image_position_ids, input_features, input_features_mask)
 
 
@@ -457,7 +457,7 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     ids = jnp.concatenate([sub.token[:, None], drafts], axis=1)  # [m, S]
     valid = active[:, None] & (cols[None, :] <= ndraft[:, None])
     positions = jnp.where(valid, sub.pos[:, None] + cols[None, :], -1)
-    model = nnx.merge(graphdef.value, weights)
+    model = graphdef.merge(weights)
     h, part = model(ids, positions, valid, cache=cache.head(m), return_hidden=True)
     raw = model.logits(h).astype(jnp.float32)  # [m, S, V]: column j predicts the token at position pos + j + 1
     v = raw.shape[-1]
@@ -560,8 +560,8 @@ def _draft(k: int, m: int, a_graphdef, a_weights, graphdef, weights, cache: KVCa
     """k MTP assistant steps for the first m rows (`model.assistant`): each row drafts from its last
     token and `hidden` at its position, over the target's cache, feeding back its own argmax and
     projected state. Returns drafts [m, k] int32 (done rows draft garbage, verified as nothing)."""
-    assistant = nnx.merge(a_graphdef.value, a_weights)
-    target = nnx.merge(graphdef.value, weights)
+    assistant = a_graphdef.merge(a_weights)
+    target = graphdef.merge(weights)
     sub = head_rows(rows, m)
     kv = assistant.donor_kv(target.config, cache.head(m))
     positions = jnp.where(sub.done, -1, sub.pos)
@@ -583,7 +583,7 @@ def _score(n_top: int, chunk: int, graphdef, weights, ids, valid):
     token t + 1 (raw distribution, as `token_logprobs`) and the n_top most likely tokens there (their
     logprobs are the same numbers: one `log_softmax`). Logits `chunk` columns at a time, never the
     whole [B, T, V]. Returns (logprob [B, T], top_logprob [B, T, n_top], top_token [B, T, n_top])."""
-    model = nnx.merge(graphdef.value, weights)
+    model = graphdef.merge(weights)
     h = model(ids, None, valid, return_hidden=True)
     b, t = ids.shape
     target = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), ids.dtype)], axis=1)
@@ -607,21 +607,32 @@ def _score(n_top: int, chunk: int, graphdef, weights, ids, valid):
 
 
 class StaticGraph:
-    """A model's GraphDef as a jit static argument, hashed once. jit hashes its static arguments at
-    every call, and hashing an E2B GraphDef takes ~15 ms: two or three times per `generate` call."""
+    """A model's GraphDef and its weights' tree structure as one jit static argument, hashed once. jit
+    hashes its static arguments at every call, and hashing an E2B GraphDef takes ~15 ms: two or three
+    times per `generate` call.
 
-    __slots__ = ("_hash", "value")
+    The programs take the weights as a flat tuple of arrays (`split_model`) and rebuild the model
+    inside (`merge`): jit flattens a tuple of arrays in C++, where an `nnx.State` of ~800 Variables
+    runs a Python flatten per Variable at every dispatch (~1.5 ms a call on the 270M)."""
 
-    def __init__(self, value):
-        self.value, self._hash = value, hash(value)
+    __slots__ = ("_hash", "treedef", "value")
+
+    def __init__(self, value, treedef):
+        self.value, self.treedef = value, treedef
+        self._hash = hash((value, treedef))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
         return isinstance(other, StaticGraph) and (
-            self.value is other.value or (self._hash == other._hash and self.value == other.value)
+            (self.value is other.value and self.treedef is other.treedef)
+            or (self._hash == other._hash and self.value == other.value and self.treedef == other.treedef)
         )
+
+    def merge(self, weights: tuple):
+        """The model of these weights (`split_model`'s leaves, or the tracers a program gets)."""
+        return nnx.merge(self.value, jax.tree_util.tree_unflatten(self.treedef, weights))
 
 
 _VARIABLE, _PYTREE, _SEQUENCE, _MAPPING = 1, 2, 3, 4
@@ -666,18 +677,19 @@ def _structure(node, out: list, variables: list) -> None:
 
 
 class _Split:
-    """One model's last split: its StaticGraph, the State's paths, which walked Variable fills each
-    path, and the walked objects (by identity; `refs` keeps the ones that allow a weak reference, so
-    an id is never compared against a new object at a freed one's address)."""
+    """One model's last split: its StaticGraph, which walked Variable gives each leaf of the weights,
+    and the walked objects (by identity; `refs` keeps the ones that allow a weak reference, so an id
+    is never compared against a new object at a freed one's address)."""
 
-    __slots__ = ("graphdef", "ids", "order", "paths", "refs")
+    __slots__ = ("graphdef", "ids", "order", "refs")
 
     def __init__(self, graphdef, state, seen: list, variables: list):
-        flat = nnx.to_flat_state(state)
+        held = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        leaves, treedef = jax.tree_util.tree_flatten(state)
         position = {id(v): i for i, v in enumerate(variables)}
-        self.order = [position.get(id(v)) for _, v in flat]
-        self.paths = [path for path, _ in flat]
-        self.graphdef = StaticGraph(graphdef)
+        # one leaf per Variable, in the same order (else `order` holds a None: never reused)
+        self.order = [position.get(id(v)) for v in held] if len(held) == len(leaves) else [None]
+        self.graphdef = StaticGraph(graphdef, treedef)
         self.ids = [id(x) for x in seen]
         self.refs = [_weak(x) for x in seen]
 
@@ -700,10 +712,12 @@ _splits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _splits_lock = threading.Lock()
 
 
-def split_model(model) -> tuple[StaticGraph, nnx.State]:
-    """`nnx.split(model)` with the GraphDef as a `StaticGraph`, reusing the last split of the same model
-    while its structure is unchanged: splitting walks every node through nnx's general machinery
-    (15-20 ms on the 270M, more on E2B: at every `generate` call), a walk of the attributes ~1.5 ms.
+def split_model(model) -> tuple[StaticGraph, tuple]:
+    """`nnx.split(model)` as the programs take it: a `StaticGraph` (GraphDef and the weights' tree
+    structure) and the weights as a flat tuple of arrays (`StaticGraph.merge` rebuilds the model).
+    Reuses the last split of the same model while its structure is unchanged: splitting walks every
+    node through nnx's general machinery (15-20 ms on the 270M, more on E2B: at every `generate`
+    call), a walk of the attributes ~1 ms.
 
     The reuse is checked at every call: the same Modules, Variables, static attribute values and
     Variable values, by identity, in the same order; anything else (quantizing, LoRA, a new layer,
@@ -713,16 +727,16 @@ def split_model(model) -> tuple[StaticGraph, nnx.State]:
     seen: list = []
     variables: list = []
     _structure(model, seen, variables)
-    seen.extend(v.get_raw_value() for v in variables)
+    values = [v.get_raw_value() for v in variables]
+    seen.extend(values)
     entry = _splits.get(model)
     if entry is not None and entry.matches(seen):
-        leaves = [variables[i] for i in entry.order]
-        return entry.graphdef, nnx.statelib.FlatState.from_sorted_keys_values(entry.paths, leaves).to_nested_state()
+        return entry.graphdef, tuple(values[i] for i in entry.order)
     graphdef, state = nnx.split(model)
     entry = _Split(graphdef, state, seen, variables)
     with _splits_lock:
         _splits[model] = entry
-    return entry.graphdef, state
+    return entry.graphdef, tuple(jax.tree_util.tree_leaves(state))
 
 
 # graphdef and the static options are hashable jit static arguments; the weights are traced
@@ -735,10 +749,20 @@ _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
 _verify_jit = jax.jit(_verify, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 _draft_jit = jax.jit(_draft, static_argnums=(0, 1, 2, 4))
 _score_jit = jax.jit(_score, static_argnums=(0, 1, 2))
-_empty_cache_jit = jax.jit(
-    lambda config, rows, length, dtype, extra: KVCache.init(config, rows, length, dtype, ring_extra=extra),
-    static_argnums=(0, 1, 2, 3, 4),
-)
+
+
+@functools.cache
+def _empty_cache_jit(sharding):
+    """The program that creates an empty cache, its arrays committed to `sharding` (the weights' one
+    device; None: jax's default), so no `device_put` of ~50 arrays follows (~1 ms a call)."""
+    placed = {} if sharding is None else {"out_shardings": sharding}
+    return jax.jit(
+        lambda config, rows, length, dtype, extra: KVCache.init(config, rows, length, dtype, ring_extra=extra),
+        static_argnums=(0, 1, 2, 3, 4),
+        **placed,
+    )
+
+
 _snapshot_jit = jax.jit(lambda cache, idx: cache.take(idx))
 _restore_jit = jax.jit(lambda cache, idx, snap, length: cache.put(idx, snap.forget_from(length)), donate_argnums=(0,))
 
@@ -855,7 +879,7 @@ class Decoder:
             return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         # Committed to the weights' device, like every array a program returns: otherwise the first
         # call compiles once for the fresh (uncommitted) arrays and again for its own outputs.
-        devices = jax.tree_util.tree_leaves(self.weights)[0].devices()
+        devices = self.weights[0].devices()
         return jax.device_put(tree, next(iter(devices))) if len(devices) == 1 else tree
 
     def reset(self) -> None:
@@ -869,9 +893,9 @@ class Decoder:
 
             cache = jax.jit(init, out_shardings=sharding.cache_shardings(jax.eval_shape(init), self.mesh))()
         else:  # one program (compiled once per geometry) rather than ~5 dispatches per cache layer
-            cache = self._place(
-                _empty_cache_jit(self.config, self.rows, self.max_length, self.cache_dtype, self.ring_extra)
-            )
+            devices = self.weights[0].devices()
+            one = jax.sharding.SingleDeviceSharding(next(iter(devices))) if len(devices) == 1 else None
+            cache = _empty_cache_jit(one)(self.config, self.rows, self.max_length, self.cache_dtype, self.ring_extra)
         self.state = DecodeState(cache, self._place(self.build_rows([None] * self.rows)))
 
     def build_rows(self, requests: Sequence[Request | None]) -> RowState:
@@ -1183,6 +1207,10 @@ class Decoder:
     def loop(self, cfg: DrawConfig, first: Drawn, out_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decode on device until every row is done (at most `out_size` tokens a row, `first`
         included). Returns host (tokens [B, out_size], logprobs [B, out_size], lengths [B])."""
+        if np.all(first.done):  # what the loop returns without a step (max_new_tokens=1, all stopped)
+            out, lps = np.zeros((self.rows, out_size), np.int32), np.zeros((self.rows, out_size), np.float32)
+            out[:, 0], lps[:, 0] = first.token, first.logprob
+            return out, lps, np.ones(self.rows, np.int32)
         self.state, out, lps, lengths = self._run(
             "loop",
             _loop_jit,
