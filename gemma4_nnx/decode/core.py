@@ -829,6 +829,8 @@ class Decoder:
     assistant: a `Gemma4Assistant` that drafts from this decoder's cache (`draft`); checked against
     the model's KV geometry; rows then keep their hidden state and rings one slot more (the
     assistant sees one key more than the target's window).
+    requests: the rows' initial state (`start`; `rows` entries, None for an empty row); default: all
+    rows empty.
     """
 
     def __init__(
@@ -843,6 +845,7 @@ class Decoder:
         mesh=None,
         speculative_tokens: int = 0,
         assistant=None,
+        requests: Sequence[Request | None] | None = None,
     ):
         _listen()
         self.config = model.config
@@ -870,7 +873,7 @@ class Decoder:
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
         self._compiling: set[tuple] = set()
         self.draw_failures: set[DrawConfig] = set()  # samplers whose background compile raised
-        self.reset()
+        self.reset(requests)
 
     # ------------------------------------------------------------------ state
     def _place(self, tree):
@@ -882,8 +885,8 @@ class Decoder:
         devices = self.weights[0].devices()
         return jax.device_put(tree, next(iter(devices))) if len(devices) == 1 else tree
 
-    def reset(self) -> None:
-        """A fresh cache and empty (done) rows."""
+    def reset(self, requests: Sequence[Request | None] | None = None) -> None:
+        """A fresh cache, and rows of these requests (None, the default: empty (done) rows)."""
 
         def init():
             return KVCache.init(self.config, self.rows, self.max_length, self.cache_dtype, ring_extra=self.ring_extra)
@@ -896,7 +899,7 @@ class Decoder:
             devices = self.weights[0].devices()
             one = jax.sharding.SingleDeviceSharding(next(iter(devices))) if len(devices) == 1 else None
             cache = _empty_cache_jit(one)(self.config, self.rows, self.max_length, self.cache_dtype, self.ring_extra)
-        self.state = DecodeState(cache, self._place(self.build_rows([None] * self.rows)))
+        self.state = DecodeState(cache, self._place(self.build_rows(requests or [None] * self.rows)))
 
     def build_rows(self, requests: Sequence[Request | None]) -> RowState:
         """Host `RowState` of these requests (None: an empty row) with this decoder's widths."""
@@ -972,14 +975,26 @@ class Decoder:
         r = batch.ids.shape[0]
         # committed like the `Next` each chunk returns (a mix of committed and uncommitted arguments
         # would compile the chunk program twice)
-        logits = self._place(
-            Next(jnp.zeros((r, self.vocab_size), jnp.float32), jnp.zeros((r, self.config.hidden_size), jnp.float32))
+        # host arrays go over in one batched transfer per chunk (a `jnp.asarray` each costs ~0.1 ms)
+        logits, last, idx = self._place(
+            (
+                Next(np.zeros((r, self.vocab_size), np.float32), np.zeros((r, self.config.hidden_size), np.float32)),
+                np.asarray(batch.last, np.int32),
+                None if idx is None else np.asarray(idx, np.int32),
+            )
         )
-        last = jnp.asarray(batch.last)
-        idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         cache = self.state.cache
         fresh = np.ones(r, bool) if batch.starts is None else batch.starts == 0
         for c0, ids, pos, valid, soft in batch.chunks():
+            ids, pos, valid, c0, first = self._place(
+                (
+                    np.asarray(ids, np.int32),
+                    np.asarray(pos, np.int32),
+                    np.asarray(valid),
+                    np.int32(c0),
+                    fresh & (c0 == 0),
+                )
+            )
             cache, logits = self._run(
                 "prefill",
                 _prefill_jit,
@@ -987,13 +1002,13 @@ class Decoder:
                 self.weights,
                 cache,
                 idx,
-                jnp.asarray(ids),
-                jnp.asarray(pos),
-                jnp.asarray(valid),
+                ids,
+                pos,
+                valid,
                 last,
                 logits,
-                jnp.int32(c0),
-                jnp.asarray(fresh & (c0 == 0)),
+                c0,
+                first,
                 None if soft is None else jnp.asarray(soft, self.dtype),
             )
         self.state = dataclasses.replace(self.state, cache=cache)

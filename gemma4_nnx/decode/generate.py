@@ -197,9 +197,9 @@ def _start(
         vocab_width=config.vocab_size if params.uses_vocab_state else 1,
         speculative_tokens=spec.k if spec else 0,
         assistant=spec.assistant if spec else None,
+        requests=requests + [None] * (bb - len(requests)),
     )
     soft = decoder.soft_tokens(requests)
-    decoder.start(requests + [None] * (bb - len(requests)))
     logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk, soft=soft))
     cfg = DrawConfig(features, bool(return_logprobs))
     return _Run(requests, decoder, cfg, decoder.draw(cfg, logits), nb, spec)
