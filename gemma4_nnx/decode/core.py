@@ -285,19 +285,20 @@ def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last
 
 
 def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done):
-    """Feed each of the first m rows its last token at its position -> (cache, `Next` of m rows)."""
+    """Feed each of the first m rows its last token at its position -> (cache, `Next` of m rows).
+    The model gets the whole cache: m rows of queries write and read its first m rows (`LayerCache.update`,
+    `attention.attend`), with no copy of those rows out of the cache and back."""
     active = ~done[:m]
-    part = cache.head(m)
-    nxt, part = _forward(
+    nxt, cache = _forward(
         graphdef,
         weights,
-        part,
+        cache,
         token[:m, None],
         jnp.where(active, pos[:m], -1)[:, None],
         active[:, None],
         jnp.zeros((m, 1), jnp.int32),
     )
-    return cache.put_head(part), nxt
+    return cache, nxt
 
 
 def _allowed(mask, vocab_size: int):
@@ -458,7 +459,7 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     valid = active[:, None] & (cols[None, :] <= ndraft[:, None])
     positions = jnp.where(valid, sub.pos[:, None] + cols[None, :], -1)
     model = graphdef.merge(weights)
-    h, part = model(ids, positions, valid, cache=cache.head(m), return_hidden=True)
+    h, cache = model(ids, positions, valid, cache=cache, return_hidden=True)  # writes rows 0..m-1 (`_decode`)
     raw = model.logits(h).astype(jnp.float32)  # [m, S, V]: column j predicts the token at position pos + j + 1
     v = raw.shape[-1]
     x = raw
@@ -540,7 +541,8 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
         counts=counts,
         hidden=hidden,
     )
-    part = part.forget_from(jnp.where(active, sub.pos + n, jnp.iinfo(jnp.int32).max))
+    keep_all = jnp.full((cache.batch_size,), jnp.iinfo(jnp.int32).max, jnp.int32)
+    cache = cache.forget_from(keep_all.at[:m].set(jnp.where(active, sub.pos + n, jnp.iinfo(jnp.int32).max)))
     top_lp, top_tok = _alternatives(raw, cfg.top_logprobs)
     out = Verified(
         jnp.where(keep, emitted, 0),
@@ -553,7 +555,7 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
         top_tok,
         top_lp,
     )
-    return cache.put_head(part), put_head_rows(rows, new), out
+    return cache, put_head_rows(rows, new), out
 
 
 def _draft(k: int, m: int, a_graphdef, a_weights, graphdef, weights, cache: KVCache, rows: RowState):
@@ -563,7 +565,7 @@ def _draft(k: int, m: int, a_graphdef, a_weights, graphdef, weights, cache: KVCa
     assistant = a_graphdef.merge(a_weights)
     target = graphdef.merge(weights)
     sub = head_rows(rows, m)
-    kv = assistant.donor_kv(target.config, cache.head(m))
+    kv = assistant.donor_kv(target.config, cache)  # m rows of queries read rows 0..m-1 (`attention.attend`)
     positions = jnp.where(sub.done, -1, sub.pos)
 
     def body(carry, _):

@@ -77,7 +77,10 @@ def attend(
     kernel (`Matmul.cpu_attention`): float32 queries, up to `cpu_kernels.ATTEND_QUERIES` per row and
     no vision span go through `cpu_kernels.attend` (reads only the visible slots, no copies of the
     cache; gradients are this function's XLA ones). A query that sees no key then gives zeros instead
-    of the mean of all values (padding rows only)."""
+    of the mean of all values (padding rows only).
+
+    kv may have more rows than q (a cache of which the decode core steps the first B rows): query row
+    b reads row b; the kernel reads the cache where it is, XLA's path takes the first B rows."""
     if (
         kernel
         and reach is None
@@ -86,6 +89,8 @@ def attend(
         and q.shape[1] <= cpu_kernels.ATTEND_QUERIES
     ):
         return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, window, scale)
+    if kv.pos.shape[0] != q.shape[0]:
+        kv = KV(kv.k[: q.shape[0]], kv.v[: q.shape[0]], kv.pos[: q.shape[0]])
     return _xla_attend(q, kv, q_pos, window, scale, reach, floor)
 
 
@@ -100,7 +105,8 @@ def _kernel_attend_fwd(q, k, v, k_pos, q_pos, window, scale):
 
 def _kernel_attend_bwd(window, scale, res, g):
     q, k, v, k_pos, q_pos = res
-    _, pullback = jax.vjp(lambda q, k, v: _xla_attend(q, KV(k, v, k_pos), q_pos, window, scale), q, k, v)
+    b = q.shape[0]  # the cache may have more rows (zero gradient there)
+    _, pullback = jax.vjp(lambda q, k, v: _xla_attend(q, KV(k[:b], v[:b], k_pos[:b]), q_pos, window, scale), q, k, v)
     return (*pullback(g), None, None)
 
 

@@ -101,13 +101,17 @@ class LayerCache:
         cache's own buffers. A ring then also stores first and returns itself, with no [ring ; new]
         copy, wherever that overwrites no slot a new query still sees: S new tokens evict the S
         positions `size` before them, all outside a `window`-wide view when S - 1 <= size - window
-        (decode steps; verification of k drafts in a ring with k extra slots)."""
-        s = new.pos.shape[1]
+        (decode steps; verification of k drafts in a ring with k extra slots).
+
+        `new` may have fewer rows than the cache (b <= B): it goes to the first b rows, the others keep
+        their entries, and the returned cache has all B rows. The returned K/V then has B rows too
+        (row i of the queries reads row i), except for the [ring ; new] concatenation (b rows)."""
+        b, s = new.pos.shape
         if self.ring and not (in_place and window is not None and s - 1 <= self.size - window):
             seen = KV(
-                jnp.concatenate([self.k, new.k.astype(self.k.dtype)], axis=1),
-                jnp.concatenate([self.v, new.v.astype(self.v.dtype)], axis=1),
-                jnp.concatenate([self.pos, new.pos], axis=1),
+                jnp.concatenate([self.k[:b], new.k.astype(self.k.dtype)], axis=1),
+                jnp.concatenate([self.v[:b], new.v.astype(self.v.dtype)], axis=1),
+                jnp.concatenate([self.pos[:b], new.pos], axis=1),
             )
             return seen, self._write(new, in_place)
         written = self._write(new, in_place)

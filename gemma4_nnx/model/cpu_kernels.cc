@@ -1160,6 +1160,8 @@ ffi::Error QDequant(ffi::ThreadPool pool, ffi::AnyBuffer codes, Matrix scales, M
 // out[b, s, n] = sum_t p_t v[b, t, n / G] with p = softmax_t(scale * q[b, s, n] . k[b, t, n / G]) over
 // the visible slots t: kpos >= 0, kpos <= qpos[b, s] and, with a window W, kpos > qpos - W (what
 // attention.visibility computes). Only visible slots are read; a query that sees none gives zeros.
+// The cache may have more rows than q (the decode core steps the first B rows of a larger cache):
+// query row b reads cache row b.
 // K / V float32 or bfloat16, summed in float32 in slot order (XLA sums in another order: ~1e-7).
 template <typename A, typename B>
 bool same_dims(const A& a, const B& b) {
@@ -1239,10 +1241,11 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
   if (kd.size() != 4 || !same_dims(v.dimensions(), kd) || k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("gemma4_attend: k and v must be [B, T, K, H] of one dtype");
   const int64_t B = qd[0], S = qd[1], N = qd[2], H = qd[3], T = kd[1], KH = kd[2];
-  if (kd[0] != B || kd[3] != H || KH < 1 || N % KH != 0)
-    return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H] and k [B, T, K, H] disagree");
-  if (kpos.dimensions()[0] != B || kpos.dimensions()[1] != T || qpos.dimensions()[0] != B || qpos.dimensions()[1] != S)
-    return ffi::Error::InvalidArgument("gemma4_attend: kpos must be [B, T] and qpos [B, S]");
+  if (kd[0] < B || kd[3] != H || KH < 1 || N % KH != 0)
+    return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H] and k [Bc >= B, T, K, H] disagree");
+  if (kpos.dimensions()[0] != kd[0] || kpos.dimensions()[1] != T || qpos.dimensions()[0] != B ||
+      qpos.dimensions()[1] != S)
+    return ffi::Error::InvalidArgument("gemma4_attend: kpos must be [Bc, T] and qpos [B, S]");
   if (k.element_type() == ffi::DataType::F32)
     attend(pool, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()),
            reinterpret_cast<const float*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(), out->typed_data(),
@@ -1258,7 +1261,8 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
 
 // The cache write, in place: k_out / v_out / pos_out alias the cache's k / v / pos (XLA hands the
 // cache's own buffers over when nothing else reads them afterwards). Row s of b's new entries goes to
-// slot slots[b, s]; a slot outside [0, T) drops it.
+// slot slots[b, s]; a slot outside [0, T) drops it. The new entries may cover only the first rows of
+// the cache (new [Bn <= B, S, K, H]); the other rows are left as they are.
 ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, Positions pos, ffi::AnyBuffer k_new,
                    ffi::AnyBuffer v_new, Positions pos_new, Positions slots,
                    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
@@ -1271,7 +1275,9 @@ ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, Positions pos, ffi::AnyBu
   const int64_t B = kd[0], T = kd[1], S = nd[1];
   if (B * T == 0) return ffi::Error::Success();
   const int64_t row = static_cast<int64_t>(k.size_bytes()) / (B * T);  // bytes of one slot
-  if (nd[0] != B || nd[2] != kd[2] || nd[3] != kd[3] || slots.dimensions()[0] != B || slots.dimensions()[1] != S)
+  const int64_t Bn = nd[0];
+  if (Bn > B || nd[2] != kd[2] || nd[3] != kd[3] || slots.dimensions()[0] != Bn || slots.dimensions()[1] != S ||
+      pos_new.dimensions()[0] != Bn || pos_new.dimensions()[1] != S)
     return ffi::Error::InvalidArgument("gemma4_kv_write: shapes disagree");
   char* ko = static_cast<char*>(k_out->untyped_data());
   char* vo = static_cast<char*>(v_out->untyped_data());
@@ -1282,7 +1288,7 @@ ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, Positions pos, ffi::AnyBu
   if (po != pos.typed_data()) std::memcpy(po, pos.typed_data(), pos.size_bytes());
   const char* kn = static_cast<const char*>(k_new.untyped_data());
   const char* vn = static_cast<const char*>(v_new.untyped_data());
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < Bn; ++b)
     for (int64_t s = 0; s < S; ++s) {
       const int32_t slot = slots.typed_data()[b * S + s];
       if (slot < 0 || slot >= T) continue;

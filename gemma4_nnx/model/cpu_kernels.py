@@ -351,9 +351,10 @@ ATTEND_QUERIES = 16
 
 
 def attend(q: Array, k: Array, v: Array, kpos: Array, qpos: Array, window: int | None, scale: float) -> Array:
-    """Attention of q [B, S, N, H] float32 over k / v [B, T, K, H] (float32 or bfloat16) -> [B, S, N, H]
-    float32: query head n reads KV head n // (N / K); key t is visible to query s when kpos[b, t] >= 0,
-    kpos <= qpos[b, s] and, with a window W, kpos > qpos - W (`attention.visibility`); softmax of
+    """Attention of q [B, S, N, H] float32 over k / v [Bc, T, K, H] (float32 or bfloat16; Bc >= B, query
+    row b reads cache row b) -> [B, S, N, H] float32: query head n reads KV head n // (N / K); key t is
+    visible to query s when kpos[b, t] >= 0, kpos <= qpos[b, s] and, with a window W,
+    kpos > qpos - W (`attention.visibility`); softmax of
     scale * q.k over the visible keys, in float32. Reads only visible slots, so its cost follows the
     tokens seen, not the cache size. A query that sees no key gives zeros (XLA's masked softmax gives
     the mean of all values there). Not differentiable (`attention.attend` wraps it)."""
@@ -373,9 +374,10 @@ def attend(q: Array, k: Array, v: Array, kpos: Array, qpos: Array, window: int |
 def kv_write(
     k: Array, v: Array, pos: Array, k_new: Array, v_new: Array, pos_new: Array, slots: Array
 ) -> tuple[Array, Array, Array]:
-    """(k, v, pos) with row s of each batch row b's new entries (k_new / v_new [B, S, K, H], pos_new
-    [B, S]) in slot slots[b, s] of the cache k / v [B, T, K, H], pos [B, T]; slots outside [0, T) are
-    dropped. The outputs alias the inputs: XLA writes the cache in place wherever nothing reads the old
+    """(k, v, pos) with row s of each batch row b's new entries (k_new / v_new [Bn, S, K, H], pos_new
+    [Bn, S]) in slot slots[b, s] of the cache k / v [B, T, K, H], pos [B, T]; slots outside [0, T) are
+    dropped. Bn <= B: the new entries go to the cache's first Bn rows, the others are unchanged.
+    The outputs alias the inputs: XLA writes the cache in place wherever nothing reads the old
     cache afterwards (a scatter inside the decode loop made it copy the whole cache per layer per step)."""
     _registered()
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (k, v, pos))
