@@ -90,9 +90,4 @@ def test_rows_of_a_cache_are_taken_and_put_back_exactly():
         k, old = np.asarray(c.k), np.asarray(cache.layers[i].k)
         np.testing.assert_array_equal(k[[0, 2]], old[[0, 2]] + 1)
         np.testing.assert_array_equal(k[[1, 3]], old[[1, 3]])  # untouched, and index 4 was dropped
-    head = cache.head(2)
-    assert head.batch_size == 2
-    restored = cache.put_head(jax.tree_util.tree_map(lambda x: x * 0, head))
-    v = np.asarray(restored.layers[1].v)
-    assert not v[:2].any() and np.array_equal(v[2:], np.asarray(cache.layers[1].v[2:]))
     assert cache.nbytes == sum(2 * c.k.size * c.k.dtype.itemsize for c in cache.layers.values())

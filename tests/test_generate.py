@@ -112,6 +112,21 @@ def test_stream_yields_the_same_tokens_as_generate(models):
     assert steps[-1].done == [True] * 3 and steps[-1].finish_reasons == ["length"] * 3
 
 
+def test_one_new_token_equals_the_first_of_more(models):
+    """Every row is done after the first draw (max_new_tokens=1, or a stop token as the first token):
+    `Decoder.loop` then returns without running the loop program. Same tokens, logprobs and finish
+    reasons as the first step of a longer run, and rows stopped at once stay stopped."""
+    model = models("e2b")
+    longer = generate(model, PROMPTS, 4, stop_tokens=[], return_logprobs=True)
+    one = generate(model, PROMPTS, 1, stop_tokens=[], return_logprobs=True)
+    assert one.tokens == [t[:1] for t in longer.tokens] and one.finish_reasons == ["length"] * 3
+    assert one.logprobs == [lp[:1] for lp in longer.logprobs]
+    stops = sorted({t[0] for t in longer.tokens})
+    stopped = generate(model, PROMPTS, 4, stop_tokens=stops, return_logprobs=True)
+    assert stopped.tokens == one.tokens and stopped.finish_reasons == ["stop"] * 3
+    assert stopped.logprobs == one.logprobs
+
+
 def test_logprobs_are_raw_model_log_softmax(models):
     model = models("moe")
     p = PROMPTS[0]

@@ -24,7 +24,7 @@ from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
 from gemma4_nnx.model import cpu_kernels
-from gemma4_nnx.model.cache import KV, LayerCache
+from gemma4_nnx.model.cache import KV, LayerCache, head_rows
 from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
 from gemma4_nnx.model.multimodal import VisionSpan
 
@@ -89,9 +89,7 @@ def attend(
         and q.shape[1] <= cpu_kernels.ATTEND_QUERIES
     ):
         return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, window, scale)
-    if kv.pos.shape[0] != q.shape[0]:
-        kv = KV(kv.k[: q.shape[0]], kv.v[: q.shape[0]], kv.pos[: q.shape[0]])
-    return _xla_attend(q, kv, q_pos, window, scale, reach, floor)
+    return _xla_attend(q, head_rows(kv, q.shape[0]), q_pos, window, scale, reach, floor)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -105,8 +103,10 @@ def _kernel_attend_fwd(q, k, v, k_pos, q_pos, window, scale):
 
 def _kernel_attend_bwd(window, scale, res, g):
     q, k, v, k_pos, q_pos = res
-    b = q.shape[0]  # the cache may have more rows (zero gradient there)
-    _, pullback = jax.vjp(lambda q, k, v: _xla_attend(q, KV(k[:b], v[:b], k_pos[:b]), q_pos, window, scale), q, k, v)
+    # the cache may have more rows than q (their gradient is zero)
+    _, pullback = jax.vjp(
+        lambda q, k, v: _xla_attend(q, head_rows(KV(k, v, k_pos), q.shape[0]), q_pos, window, scale), q, k, v
+    )
     return (*pullback(g), None, None)
 
 

@@ -127,8 +127,9 @@ class KVCache:
     """The caches of every KV-owning layer of a batch: `layers[i]` is layer i's `LayerCache`.
 
     Row operations (the decode core's continuous batching) are pure functions returning a new cache:
-    `take` / `put` gather and scatter rows, `head` / `put_head` the first m rows, `reset` forgets rows
-    (positions -1: nothing of a row's previous sequence stays visible).
+    `take` / `put` gather and scatter rows, `reset` forgets rows (positions -1: nothing of a row's
+    previous sequence stays visible). A step of the first m rows passes the whole cache: the layers
+    write and read its first m rows (`LayerCache.update`, `attention.attend`).
     """
 
     layers: dict[int, LayerCache]
@@ -186,12 +187,6 @@ class KVCache:
         """Write `part` (k rows) into rows `rows` [k]; indices >= batch_size are dropped."""
         return put_rows(self, rows, part)
 
-    def head(self, m: int) -> KVCache:
-        return head_rows(self, m)
-
-    def put_head(self, part: KVCache) -> KVCache:
-        return put_head_rows(self, part)
-
     def reset(self, rows: Array) -> KVCache:
         """Forget rows (bool [B]) so their slots can take a new sequence."""
         return KVCache(
@@ -211,7 +206,7 @@ def put_rows(tree, rows: Array, part):
 
 def head_rows(tree, m: int):
     """The first m rows of every [B, ...] leaf of `tree`."""
-    return jax.tree_util.tree_map(lambda x: x[:m], tree)
+    return jax.tree_util.tree_map(lambda x: x if x.shape[0] == m else x[:m], tree)
 
 
 def put_head_rows(tree, part):
