@@ -9,6 +9,7 @@ weights held in float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,81 @@ def test_products_equal_float64_reference(m, k, n):
     # leading dimensions are flattened into rows and restored
     x3 = x.reshape(1, m, k)
     assert cpu_kernels.matmul(x3, w).shape == (1, m, n)
+
+
+def _zero_rows_products():
+    """(name, f(x) for x [M, 128] -> [M, 40] with output 7 poisoned by a NaN weight) for every product
+    (128 columns: one chunk of the int4 integer product)."""
+    from gemma4_nnx.model import quant
+
+    rng = np.random.default_rng(3)
+    k, n = 128, 40
+    w = np.asarray(_bf16(rng, (k, n))).copy()
+    w[5, 7] = np.nan
+    w = jnp.asarray(w)
+    wt = jnp.asarray(np.asarray(w).T.copy())
+    out = [("bf16 cols", lambda x: cpu_kernels.matmul(x, w)), ("bf16 rows", lambda x: cpu_kernels.matmul_t(x, wt))]
+    if cpu_kernels.has_bf16_dot():
+        out.append(("bf16 cols, bf16 dots", lambda x: cpu_kernels.matmul(x, w, bf16=True)))
+    for bits, group, asym in ((8, 32, False), (4, 32, False), (4, 32, True), (8, 16, True), (4, 64, False)):
+        q = rng.integers(0, 16, (n, k)) if asym else rng.integers(-8, 8, (n, k))
+        if bits == 4:
+            codes = quant.pack_uint4(q) if asym else quant.pack_int4(q)
+        else:
+            codes = q.astype(np.uint8 if asym else np.int8)
+        scales = (0.01 + 0.01 * rng.random((n, k // group))).astype(np.float32)
+        scales[7, -1] = np.nan
+        mins = rng.standard_normal(scales.shape).astype(np.float32) if asym else None
+        for act8 in (False, True):
+            f = functools.partial(cpu_kernels.qmatmul_t, codes=codes, scales=scales, mins=mins, bits=bits, act8=act8)
+            out.append((f"{bits}-bit g{group}{' asym' if asym else ''}{' act8' if act8 else ''}", f))
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [5, cpu_kernels.GEMM_ROWS_T + 8])
+@pytest.mark.parametrize("zero", ["tail", "interleaved", "all"])
+def test_products_skip_zero_rows(rows, zero):
+    """Rows of x that are all zero (padding tokens: `Gemma4` keeps their rows zero) are not multiplied:
+    their outputs are zeros even where a weight is NaN (computing them would give 0 * NaN = NaN), and
+    every other row is bit for bit its product in the call with those rows filled with data (the
+    algorithm still follows the call's row count: decode form below GEMM_ROWS_T rows, blocked from
+    there). Both packings: the live rows first (a right-padded prompt) and live rows in between."""
+    rng = np.random.default_rng(rows)
+    full = rng.standard_normal((rows, 128)).astype(np.float32)
+    dead = {"tail": np.arange(rows) >= rows - 3, "interleaved": np.arange(rows) % 3 == 1, "all": np.ones(rows, bool)}
+    dead = dead[zero]
+    x = np.where(dead[:, None], np.float32(0), full)
+    x[np.flatnonzero(dead)[:1]] = -0.0
+    for name, f in _zero_rows_products():
+        f = jax.jit(f)
+        got, ref = np.asarray(f(jnp.asarray(x))), np.asarray(f(jnp.asarray(full)))
+        np.testing.assert_array_equal(got[dead], 0.0, err_msg=name)
+        np.testing.assert_array_equal(got[~dead], ref[~dead], err_msg=name)
+        assert np.isnan(ref[:, 7]).all(), name  # the poisoned output: what a computed row gives
+
+
+@pytest.mark.parametrize("variant", ["e2b", "moe"])
+@pytest.mark.parametrize("matmul", ["xla", pytest.param("cpu_kernels", marks=needs_kernels)])
+def test_padding_rows_stay_zero_through_the_model(variant, matmul):
+    """What the products' skip rests on: a padding token's row of the residual stream is exactly zero
+    after the last layer (zero embedding, no biases, RMSNorm(0) = 0, zeros out of attention for padding
+    queries, PLE and MoE of a zero row), with a cache (the decode core: padding at position -1), without
+    one (attention_mask: padding columns get positions), and with `select` taking a padding column (the
+    KV-sharing consumers after the selection). That the real rows do not change is every padded-batch
+    test's (test_parity, test_generate, test_decode_core)."""
+    model = random_model(variant, param_dtype=jnp.bfloat16 if matmul == "cpu_kernels" else jnp.float32, matmul=matmul)
+    lengths, width = (5, 3), 8
+    ids = np.zeros((2, width), np.int32)
+    for r, n in enumerate(lengths):
+        ids[r, :n] = PROMPTS[1][r : r + n]
+    mask = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
+    h = np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask), return_hidden=True))
+    np.testing.assert_array_equal(h[~mask], 0.0)
+    pos = np.where(mask, np.arange(width)[None, :], -1).astype(np.int32)
+    select = np.asarray([[4, 6], [2, 7]], np.int32)  # each row's last token, then a padding column
+    hc, _ = model(ids, pos, mask, cache=model.init_cache(2, 16), return_hidden=True, select=select)
+    np.testing.assert_array_equal(np.asarray(hc)[:, 1], 0.0)
 
 
 @needs_kernels

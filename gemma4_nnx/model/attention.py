@@ -186,4 +186,6 @@ class Attention(nnx.Module):
         out = attend(
             q, kv, q_pos, window=self.window, scale=self.scale, reach=reach, floor=floor, kernel=self.cpu_attention
         )
+        # a padding token's query gives zeros: its row stays zero through the network (`Gemma4.__call__`)
+        out = jnp.where((k_pos >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), kv, cache

@@ -183,6 +183,43 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
 
 int64_t workers(ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads() + 1); }
 
+// Whether row x[0:K] is all zeros (+0 or -0). A live row usually stops the scan at its first element.
+inline bool zero_row(const float* x, int64_t K) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t k = 0; k < K; ++k)
+    if (u[k] << 1) return false;
+  return true;
+}
+
+// The products skip the rows of x [M, K] that are all zero: the padding tokens of a prompt batch (a
+// prompt padded to its bucket, rows that pad the batch), whose rows Gemma4 keeps zero through the whole
+// network, and the finished rows of a decode step. Their rows of out [M, N] are written as zeros, what
+// the product gives with finite weights. fn(x', out', M') runs the product, with the algorithm the
+// caller chose from the full M (so every live row's result is bit-for-bit what it was), on the live rows:
+// in place when they are the first M' rows (a right-padded prompt), else packed into a copy.
+template <typename Fn>
+void on_live_rows(const float* X, float* Y, int64_t M, int64_t K, int64_t N, Fn&& fn) {
+  std::vector<int64_t> live;
+  live.reserve(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m)
+    if (!zero_row(X + m * K, K)) live.push_back(m);
+  const int64_t L = static_cast<int64_t>(live.size());
+  if (L == M) {
+    fn(X, Y, M);
+    return;
+  }
+  if (L == 0 || live[L - 1] == L - 1) {
+    if (L > 0) fn(X, Y, L);
+    std::fill(Y + L * N, Y + M * N, 0.f);
+    return;
+  }
+  std::vector<float> xc(static_cast<size_t>(L * K)), yc(static_cast<size_t>(L * N));
+  for (int64_t i = 0; i < L; ++i) std::memcpy(xc.data() + i * K, X + live[i] * K, sizeof(float) * K);
+  fn(static_cast<const float*>(xc.data()), yc.data(), L);
+  std::fill(Y, Y + M * N, 0.f);
+  for (int64_t i = 0; i < L; ++i) std::memcpy(Y + live[i] * N, yc.data() + i * N, sizeof(float) * N);
+}
+
 // Rows of a weight per task for the decode kernels, which stream the weight row by row: at least four
 // tasks per worker when each still reads 16 KB or more (the projections of small models are a few
 // hundred KB: one ~1 MB task per call left the other cores idle, and 5 tasks on 3 workers left one
@@ -483,40 +520,40 @@ constexpr int64_t kGemmRowsT = 24;
 ffi::Error Cols(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out, bool bf16) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
   if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("gemma4_bf16_cols: x [M, K] and w [K, N] disagree");
-  const float* X = x.typed_data();
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
-  float* Y = out->typed_data();
   if (M * N == 0) return ffi::Error::Success();
-  if (M >= kGemmRowsCols && bf16 && kHasBf16Dot) {
-    gemm_bf16(pool, X, W, Y, M, K, N);
-    return ffi::Error::Success();
-  }
-  if (M >= kGemmRowsCols) {
-    gemm(pool, X, Y, M, K, N, [&](float* panel, int64_t n0, int64_t ncols, int64_t k0, int64_t kc) {
-      for (int64_t kk = 0; kk < kc; ++kk) {
-        const uint16_t* src = W + (k0 + kk) * N + n0;
-        float* dst = panel + kk * kNr;
-        if (ncols == kNr) {
-          store_f32(dst, load_bf16(src)), store_f32(dst + 16, load_bf16(src + 16));
-        } else {
-          for (int64_t j = 0; j < kNr; ++j) dst[j] = j < ncols ? widen(src[j]) : 0.f;
+  on_live_rows(x.typed_data(), out->typed_data(), M, K, N, [&](const float* X, float* Y, int64_t rows) {
+    if (M >= kGemmRowsCols && bf16 && kHasBf16Dot) {
+      gemm_bf16(pool, X, W, Y, rows, K, N);
+      return;
+    }
+    if (M >= kGemmRowsCols) {
+      gemm(pool, X, Y, rows, K, N, [&](float* panel, int64_t n0, int64_t ncols, int64_t k0, int64_t kc) {
+        for (int64_t kk = 0; kk < kc; ++kk) {
+          const uint16_t* src = W + (k0 + kk) * N + n0;
+          float* dst = panel + kk * kNr;
+          if (ncols == kNr) {
+            store_f32(dst, load_bf16(src)), store_f32(dst + 16, load_bf16(src + 16));
+          } else {
+            for (int64_t j = 0; j < kNr; ++j) dst[j] = j < ncols ? widen(src[j]) : 0.f;
+          }
         }
-      }
+      });
+      return;
+    }
+    // Each task streams a contiguous block of rows of w (in memory order) into its own [rows, N] partial
+    // sum; the partial sums are added at the end.
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(2 * workers(pool), K / 128));
+    std::vector<float> part(static_cast<size_t>(nt * rows * N));
+    parallel_for(pool, nt, [&](int64_t t) {
+      cols_task(X, W, part.data() + t * rows * N, rows, K, N, K * t / nt, K * (t + 1) / nt);
     });
-    return ffi::Error::Success();
-  }
-  // Each task streams a contiguous block of rows of w (in memory order) into its own [M, N] partial
-  // sum; the partial sums are added at the end.
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(2 * workers(pool), K / 128));
-  std::vector<float> part(static_cast<size_t>(nt * M * N));
-  parallel_for(pool, nt, [&](int64_t t) {
-    cols_task(X, W, part.data() + t * M * N, M, K, N, K * t / nt, K * (t + 1) / nt);
+    for (int64_t i = 0; i < rows * N; ++i) {
+      float s = part[i];
+      for (int64_t t = 1; t < nt; ++t) s += part[t * rows * N + i];
+      Y[i] = s;
+    }
   });
-  for (int64_t i = 0; i < M * N; ++i) {
-    float s = part[i];
-    for (int64_t t = 1; t < nt; ++t) s += part[t * M * N + i];
-    Y[i] = s;
-  }
   return ffi::Error::Success();
 }
 
@@ -545,24 +582,24 @@ void rows_block(const float* __restrict__ x, const uint16_t* __restrict__ w, flo
 ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
   if (w.dimensions()[1] != K) return ffi::Error::InvalidArgument("gemma4_bf16_rows: x [M, K] and w [N, K] disagree");
-  const float* X = x.typed_data();
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
-  float* Y = out->typed_data();
   if (M * N == 0) return ffi::Error::Success();
-  if (M >= kGemmRowsT) {
-    gemm_t(pool, X, Y, M, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
-      const uint16_t* src = W + n * K + k0;
-      int64_t j = 0;
-      for (; j + 16 <= kc; j += 16) store_f32(dst + j, load_bf16(src + j));
-      for (; j < kc; ++j) dst[j] = widen(src[j]);
+  on_live_rows(x.typed_data(), out->typed_data(), M, K, N, [&](const float* X, float* Y, int64_t rows) {
+    if (M >= kGemmRowsT) {
+      gemm_t(pool, X, Y, rows, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
+        const uint16_t* src = W + n * K + k0;
+        int64_t j = 0;
+        for (; j + 16 <= kc; j += 16) store_f32(dst + j, load_bf16(src + j));
+        for (; j < kc; ++j) dst[j] = widen(src[j]);
+      });
+      return;
+    }
+    const int64_t per_task = rows_per_task(pool, N, 2 * K);
+    const int64_t nt = (N + per_task - 1) / per_task;
+    parallel_for(pool, nt, [&](int64_t t) {
+      const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
+      for_row_blocks(rows, [&](auto mb, int64_t m) { rows_block<decltype(mb)::value>(X, W, Y, K, N, n0, n1, m); });
     });
-    return ffi::Error::Success();
-  }
-  const int64_t per_task = rows_per_task(pool, N, 2 * K);
-  const int64_t nt = (N + per_task - 1) / per_task;
-  parallel_for(pool, nt, [&](int64_t t) {
-    const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-    for_row_blocks(M, [&](auto mb, int64_t m) { rows_block<decltype(mb)::value>(X, W, Y, K, N, n0, n1, m); });
   });
   return ffi::Error::Success();
 }
@@ -1065,26 +1102,23 @@ void act8_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, const
 void act8_rows(ffi::ThreadPool&, const float*, float*, int64_t, const QWeight&, int64_t) {}
 #endif
 
-ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
-                 int64_t bits, bool asym, bool act8) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  QWeight q;
-  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
-  const int64_t N = q.N, G = K / q.group;
-  const float* X = x.typed_data();
-  float* Y = out->typed_data();
-  if (M * N == 0) return ffi::Error::Success();
-  if (M >= kGemmRowsT) {
+// out[M, N] = x[M, K] @ deq(w)^T by the algorithm for `rows_for_choice` rows (the call's full row count).
+void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y, int64_t M, int64_t rows_for_choice,
+               bool act8) {
+  const int64_t K = q.K, N = q.N, G = K / q.group;
+  const int bits = q.bits;
+  const bool asym = q.asym;
+  if (rows_for_choice >= kGemmRowsT) {
     gemm_t(pool, X, Y, M, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
       dequant_span(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, k0, k0 + kc, q.group,
                    q.bits, q.asym, dst);
     });
-    return ffi::Error::Success();
+    return;
   }
   const int64_t per_task = rows_per_task(pool, N, q.code_cols);
   if (act8 && act8_layout(q)) {
     act8_rows(pool, X, Y, M, q, per_task);
-    return ffi::Error::Success();
+    return;
   }
   const int64_t nt = (N + per_task - 1) / per_task;
   const bool fused = q.group % (bits == 4 ? 32 : 16) == 0;
@@ -1117,7 +1151,7 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
       asym ? run(I4{}, std::true_type{}) : run(I4{}, std::false_type{});
     else
       asym ? run(I8{}, std::true_type{}) : run(I8{}, std::false_type{});
-    return ffi::Error::Success();
+    return;
   }
   // other group sizes: each weight row dequantized once into an L1 buffer, then multiplied
   parallel_for(pool, nt, [&](int64_t t) {
@@ -1130,6 +1164,16 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
       for_row_blocks(M, [&](auto mb, int64_t m) { dot_rows<decltype(mb)::value>(X, buf.data(), Y, K, N, n, m); });
     }
   });
+}
+
+ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
+                 int64_t bits, bool asym, bool act8) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  QWeight q;
+  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
+  if (M * q.N == 0) return ffi::Error::Success();
+  on_live_rows(x.typed_data(), out->typed_data(), M, K, q.N,
+               [&](const float* X, float* Y, int64_t rows) { q_product(pool, q, X, Y, rows, M, act8); });
   return ffi::Error::Success();
 }
 

@@ -24,6 +24,11 @@ x, so no float32 copy of a weight is ever made (the old path for many rows widen
 first: ~0.5 G elements/s, several times the cost of the product itself). Both are differentiable
 (`jax.custom_vjp`).
 
+Rows of x that are all zero are not multiplied: their outputs are zeros (what the product gives with
+finite weights) and every other row's result is bit for bit what it is with them filled. `Gemma4`
+keeps the rows of padding tokens zero through the network, so a prompt padded to its bucket (13
+tokens in 16 columns), rows padding the batch and finished rows of a decode step cost no products.
+
 The kernels (`cpu_kernels.cc`) are compiled with the system C++ compiler on first use
 (`-O3 -march=native`, a few seconds), cached in `$GEMMA4_NNX_CACHE` (default
 `~/.cache/gemma4_nnx`) and registered as XLA FFI targets. They are used only on a single CPU device;

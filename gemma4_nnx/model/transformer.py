@@ -254,13 +254,17 @@ class Gemma4(nnx.Module):
             h = self.embed_tokens(ids)
             if soft_tokens is not None:
                 h = jnp.where(placeholder[..., None], jnp.asarray(soft_tokens).astype(h.dtype), h)
-            # HF: the PLE table row of the pad token at placeholders, its projection of the soft tokens
-            ple = self.per_layer_inputs(ids, h) if c.use_ple else None
+            ple_ids = ids  # HF: the PLE table row of the pad token at placeholders, its projection of the soft tokens
             if c.use_bidirectional_attention == "vision":
                 span = vision_span(jnp.isin(input_ids, self._vision_ids()), positions)
         else:
             h = self.embed_tokens(input_ids)
-            ple = self.per_layer_inputs(input_ids, h) if c.use_ple else None
+            ple_ids = input_ids
+        # Padding tokens' rows are zero from here on: every block keeps a zero row zero (no biases,
+        # RMSNorm(0) = 0, and `Attention` gives a padding query zeros), so the CPU kernels' products skip
+        # those rows (prompts padded to their bucket, rows padding the batch). Real tokens never see them.
+        h = jnp.where((k_pos >= 0)[..., None], h, jnp.zeros((), h.dtype))
+        ple = self.per_layer_inputs(ple_ids, h) if c.use_ple else None
         ropes = {}
         for spec in c.layers:
             key = (spec.type, spec.head_dim)
@@ -273,7 +277,7 @@ class Gemma4(nnx.Module):
         for layer in self.layers:
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:
-                h, positions, ple, ropes, span = _take_rows((h, positions, ple, ropes, span), select)
+                h, positions, k_pos, ple, ropes, span = _take_rows((h, positions, k_pos, ple, ropes, span), select)
                 select = None
             shared = published[spec.kv_donor] if spec.is_consumer else None
             layer_cache = cache.layers[spec.index] if cache is not None and not spec.is_consumer else None
