@@ -448,23 +448,29 @@ constexpr bool kHasBf16Dot = false;
 #endif
 
 // out[M, N] = x[M, K] @ W[N, K]^T for a weight stored by rows (the token table, quantized codes): the
-// same tile with the roles swapped. Each block of 32 (or, for the last few, 16) rows of x is transposed
+// same tile with the roles swapped. Each block of kXBlock (or, for the last few, 16) rows of x is transposed
 // once per call into xt[k * width + i] (zero past the block's rows). A task owns a range of rows of W
 // and takes them 24 at a time: for each kKc-wide slice of K those rows are widened / dequantized once
 // into a small contiguous buffer (`row(n, k0, kc, dst)`: no transposed stores of the weight) and
 // multiplied with the slice of every block of x (tiles of 12 rows of W by 32 rows of x, or 24 by 16),
 // so each weight element is dequantized once per call. The tiles accumulate out^T[rows of W, rows of
 // x] in `ct` over the whole of K, written back transposed at the end.
+// Rows of x per block of `gemm_t`: 32 (tiles of kTileRows rows of W by 32), or 16 with AVX2 and no
+// AVX-512, where a 3 x 32 tile needs 12 accumulators, 4 panel vectors and a broadcast: more than the 16
+// vector registers (it spilled: 15-30% slower per row than the 6 x 16 tile on an AMD EPYC). The sums are
+// the same either way (each output sums its products in increasing k).
+constexpr int64_t kXBlock = kRowBlock == 4 ? 16 : kNr;
+
 template <typename Row>
 void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t K, int64_t N, Row&& row) {
-  const int64_t mblocks = (M + kNr - 1) / kNr;
-  auto width = [&](int64_t b) { return std::min(kNr, M - b * kNr) > 16 ? kNr : int64_t{16}; };
-  std::vector<float> xt(static_cast<size_t>(mblocks * K * kNr));
+  const int64_t mblocks = (M + kXBlock - 1) / kXBlock;
+  auto width = [&](int64_t b) { return std::min(kXBlock, M - b * kXBlock) > 16 ? kNr : int64_t{16}; };
+  std::vector<float> xt(static_cast<size_t>(mblocks * K * kXBlock));
   const int64_t kchunks = (K + kKc - 1) / kKc;
   parallel_for(pool, mblocks * kchunks, [&](int64_t t) {
     const int64_t b = t / kchunks, k0 = (t % kchunks) * kKc, k1 = std::min(K, k0 + kKc);
-    const int64_t m0 = b * kNr, rows = std::min(kNr, M - m0), w = width(b);
-    float* dst = xt.data() + b * K * kNr;
+    const int64_t m0 = b * kXBlock, rows = std::min(kXBlock, M - m0), w = width(b);
+    float* dst = xt.data() + b * K * kXBlock;
     for (int64_t k = k0; k < k1; ++k) {
       for (int64_t i = 0; i < rows; ++i) dst[k * w + i] = X[(m0 + i) * K + k];
       for (int64_t i = rows; i < w; ++i) dst[k * w + i] = 0.f;
@@ -475,7 +481,7 @@ void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t 
   const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(16, blocks / (8 * workers(pool))));
   parallel_for(pool, (blocks + per_task - 1) / per_task, [&](int64_t t) {
     const int64_t n_begin = t * per_task * R, n_end = std::min(N, n_begin + per_task * R), nn = n_end - n_begin;
-    std::vector<float> ct(static_cast<size_t>(mblocks * nn * kNr));  // block b: [nn, width(b)]
+    std::vector<float> ct(static_cast<size_t>(mblocks * nn * kXBlock));  // block b: [nn, width(b)]
     alignas(64) float wbuf[R * kKc];
     for (int64_t n = n_begin; n < n_end; n += R) {
       const int64_t nr = std::min(R, n_end - n);
@@ -484,8 +490,8 @@ void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t 
         for (int64_t r = 0; r < nr; ++r) row(n + r, k0, kc, wbuf + r * kc);
         for (int64_t b = 0; b < mblocks; ++b) {
           const int64_t w = width(b);
-          const float* panel = xt.data() + b * K * kNr + k0 * w;
-          float* c = ct.data() + b * nn * kNr + (n - n_begin) * w;
+          const float* panel = xt.data() + b * K * kXBlock + k0 * w;
+          float* c = ct.data() + b * nn * kXBlock + (n - n_begin) * w;
           const bool first = k0 == 0;
           if (w == kNr) {
             int64_t r = 0;
@@ -502,8 +508,8 @@ void gemm_t(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, int64_t 
       }
     }
     for (int64_t b = 0; b < mblocks; ++b) {
-      const int64_t w = width(b), m0 = b * kNr, rows = std::min(kNr, M - m0);
-      const float* c = ct.data() + b * nn * kNr;
+      const int64_t w = width(b), m0 = b * kXBlock, rows = std::min(kXBlock, M - m0);
+      const float* c = ct.data() + b * nn * kXBlock;
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t n = n_begin; n < n_end; ++n) Y[(m0 + i) * N + n] = c[(n - n_begin) * w + i];
     }
