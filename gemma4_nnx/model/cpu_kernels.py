@@ -320,7 +320,8 @@ _qrows.defvjp(_qrows_fwd, _qrows_bwd)
 def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: int, act8: bool = False) -> Array:
     """x [..., K] float32 @ deq(w)[N, K]^T for a quantized weight (`gemma4_nnx.model.quant`): codes int8
     [N, K] / uint8 [N, K] (asymmetric) / uint8 [N, K/2] (int4), float32 scales [N, G] and mins [N, G]
-    or None. Any number of rows (see `GEMM_ROWS_T`); the codes are never dequantized whole.
+    or None. Any number of rows (see `GEMM_ROWS_T`; with AVX2 and no AVX-512 the float product takes the
+    blocked form from 12 rows); the codes are never dequantized whole.
 
     act8=True (needs `has_int8_dot()`): products of fewer than `GEMM_ROWS_T` rows (decode) first
     round each row of x to int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127,
