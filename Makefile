@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PY312 ?= $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
 VENV312 ?= .venv312
 
-.PHONY: demo demo-tiny test test-py312 test-interop lint format
+.PHONY: demo demo-tiny test test-isa test-py312 test-interop lint format
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,17 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The CPU kernels' other code paths (GEMMA4_NNX_CPU_ISA, gemma4_nnx/model/cpu_kernels.py): `make test`
+# runs what this CPU has; this runs the kernels' tests again on the AVX2 path (where the CPU has
+# AVX-512, which that run took) and on the generic path (plain vector extensions).
+KERNEL_TESTS ?= tests/test_cpu_kernels.py tests/test_quantized.py
+test-isa: $(VENV)/.installed
+	@isas="generic"; if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo; then isas="avx2 generic"; fi; \
+	for isa in $$isas; do \
+	  echo "== kernel tests with GEMMA4_NNX_CPU_ISA=$$isa"; \
+	  GEMMA4_NNX_CPU_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(KERNEL_TESTS) || exit 1; \
+	done
 
 # Newest jax/flax on Python 3.12, without torch: the reference tests are deselected there.
 $(VENV312)/.installed: pyproject.toml

@@ -395,7 +395,8 @@ def test_quantized_matrices_have_sharding_axes():
 # ------------------------------------------------------------------ int8 activations (opt-in)
 needs_int8_dot = pytest.mark.skipif(
     not cpu_kernels.available() or jax.default_backend() != "cpu" or not cpu_kernels.has_int8_dot(),
-    reason="CPU kernels, AVX512-VNNI or AVX2 unavailable",
+    reason="needs the CPU kernels with AVX512-VNNI (avx512_vnni: vpdpbusd) or AVX2 (avx2: vpmaddubsw) in their "
+    f"instruction set (GEMMA4_NNX_CPU_ISA={cpu_kernels.instruction_set()})",
 )
 
 

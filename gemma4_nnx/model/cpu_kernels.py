@@ -33,7 +33,16 @@ The kernels (`cpu_kernels.cc`) are compiled with the system C++ compiler on firs
 (`-O3 -march=native`, a few seconds), cached in `$GEMMA4_NNX_CACHE` (default
 `~/.cache/gemma4_nnx`) and registered as XLA FFI targets. They are used only on a single CPU device;
 without a compiler, or with `GEMMA4_NNX_CPU_KERNELS=0`, everything stays on XLA (same results up to
-summation order, slower). Whether a model uses them is decided once, when it is built or loaded
+summation order, slower).
+
+`GEMMA4_NNX_CPU_ISA` (read once, when the kernels are built) picks which of their code paths this
+process compiles: `native` (default: everything this CPU has), `avx2` (x86 only: this CPU without
+AVX-512, i.e. the AVX2 path an AVX2-only CPU runs, with its register tiles and integer dots) or
+`generic` (the compiler's baseline for the architecture: the plain vector-extension code). The
+instruction-dependent options follow it (`has_bf16_dot`, `int8_dot_bits`), so the AVX2 and generic
+code can be tested on an AVX-512 machine (`make test-isa`).
+
+Whether a model uses them is decided once, when it is built or loaded
 (`Gemma4(..., matmul="auto" | "xla" | "cpu_kernels")`, `gemma4_nnx.model.layers.resolve_matmul`).
 """
 
@@ -64,6 +73,7 @@ __all__ = [
     "available",
     "has_bf16_dot",
     "has_int8_dot",
+    "instruction_set",
     "int8_dot_bits",
     "kv_write",
     "matmul",
@@ -115,6 +125,33 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
+#: `GEMMA4_NNX_CPU_ISA` values -> the compiler's target flags.
+_ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=native", "-mno-avx512f"), "generic": ()}
+
+
+def instruction_set() -> str:
+    """The kernels' code path in this process: `GEMMA4_NNX_CPU_ISA` (native, avx2 or generic; default
+    native), read on the first call. A ValueError names the variable for another value, or for avx2
+    on a CPU without it."""
+    if "isa" not in _state:
+        isa = os.environ.get("GEMMA4_NNX_CPU_ISA", "").strip().lower() or "native"
+        if isa not in _ISA_FLAGS:
+            raise ValueError(f"GEMMA4_NNX_CPU_ISA must be one of {sorted(_ISA_FLAGS)}, got {isa!r}")
+        if isa == "avx2" and "avx2" not in _cpu_id().split():
+            raise ValueError("GEMMA4_NNX_CPU_ISA=avx2 needs an x86 CPU with AVX2; use native or generic")
+        _state["isa"] = isa
+    return _state["isa"]
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags that the kernels of this process were built to use."""
+    isa = instruction_set()
+    if isa == "generic":
+        return set()
+    flags = set(_cpu_id().split())
+    return {f for f in flags if not f.startswith("avx512")} if isa == "avx2" else flags
+
+
 def _build() -> str:
     """Compile cpu_kernels.cc (once per source, jaxlib, compiler and CPU) and return the library path."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
@@ -123,7 +160,10 @@ def _build() -> str:
     with open(_SOURCE, "rb") as f:
         source = f.read()
     key = hashlib.sha256(
-        b"\0".join([source, jax.__version__.encode(), jaxlib.__version__.encode(), cxx.encode(), _cpu_id().encode()])
+        b"\0".join(
+            [source, jax.__version__.encode(), jaxlib.__version__.encode(), cxx.encode(), _cpu_id().encode()]
+            + [flag.encode() for flag in _ISA_FLAGS[instruction_set()]]
+        )
     ).hexdigest()[:16]
     directory = _cache_dir()
     os.makedirs(directory, exist_ok=True)
@@ -135,7 +175,7 @@ def _build() -> str:
     cmd = [
         cxx,
         "-O3",
-        "-march=native",
+        *_ISA_FLAGS[instruction_set()],
         "-std=c++17",
         "-shared",
         "-fPIC",
@@ -252,8 +292,9 @@ def matmul(x: Array, w: Array, precision=None, bf16: bool = False) -> Array:
 
 
 def has_bf16_dot() -> bool:
-    """Whether this CPU has the AVX512-BF16 dot instruction (`matmul(..., bf16=True)`)."""
-    return "avx512_bf16" in _cpu_id().split()
+    """Whether this CPU has the AVX512-BF16 dot instruction (`matmul(..., bf16=True)`) and the kernels
+    are built to use it (`GEMMA4_NNX_CPU_ISA`)."""
+    return "avx512_bf16" in _cpu_flags()
 
 
 def matmul_t(x: Array, w: Array, precision=None) -> Array:
@@ -341,7 +382,7 @@ def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: i
 def int8_dot_bits() -> tuple[int, ...]:
     """The code widths whose decode products `qmatmul_t(..., act8=True)` takes as integers on this CPU:
     (4,) with AVX512-VNNI, (4, 8) with AVX2 and no VNNI (int8 codes symmetric only), () otherwise."""
-    flags = _cpu_id().split()
+    flags = _cpu_flags()
     return (4,) if "avx512_vnni" in flags else (4, 8) if "avx2" in flags else ()
 
 
