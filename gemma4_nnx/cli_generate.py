@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--max-length", type=int, help="cache slots (context); default: bucketed")
-    p.add_argument("--prefill-chunk", type=int, help="prefill the prompt in chunks of N tokens")
+    p.add_argument(
+        "--prefill-chunk", type=int, help="prefill the prompt in chunks of N tokens (default: 512 for longer prompts)"
+    )
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
     p.add_argument(
         "--compile-cache",

@@ -26,13 +26,42 @@ from tests import hf_fixtures as fx
 S, F = fx.S, fx.F
 
 
+# ----------------------------------------------------------------------------- references
+def attention_f64(q, k, v, kpos, qpos, window, scale):
+    """Attention in float64 NumPy, loop by loop: the visible keys of each query (attention.visibility's
+    rule), softmax, weighted values; a query that sees no key gives zeros."""
+    b_, s_, n_, _ = q.shape
+    g = n_ // k.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(b_):
+        for s in range(s_):
+            p = qpos[b, s]
+            seen = (kpos[b] >= 0) & (kpos[b] <= p)
+            if window:
+                seen &= kpos[b] > p - window
+            if not seen.any():
+                continue
+            for n in range(n_):
+                scores = scale * (k[b][seen][:, n // g] @ q[b, s, n])
+                w = np.exp(scores - scores.max())
+                out[b, s, n] = (w / w.sum()) @ v[b][seen][:, n // g]
+    return out
+
+
 # ----------------------------------------------------------------------------- models
 def random_model(
-    variant: str, *, seed: int = 0, vocab_size: int | None = None, param_dtype=jnp.float32, matmul: str = "auto"
+    variant: str,
+    *,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    param_dtype=jnp.float32,
+    matmul: str = "auto",
+    config: dict | None = None,
 ) -> Gemma4:
     """A tiny float32 model with weights perturbed like the HF fixtures (norms away from 1, large
-    final norm so the softcap is non-linear), built without torch."""
-    d = dict(fx.VARIANTS[variant], model_type="gemma4_text")
+    final norm so the softcap is non-linear), built without torch. config: HF config fields to
+    override (e.g. a longer context)."""
+    d = dict(fx.VARIANTS[variant], model_type="gemma4_text", **(config or {}))
     if vocab_size is not None:
         d.update(vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size)
     config = Gemma4Config.from_hf(d)

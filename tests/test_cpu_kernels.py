@@ -21,7 +21,7 @@ from gemma4_nnx import generate
 from gemma4_nnx.model import cpu_kernels, layers
 from gemma4_nnx.model.cache import KVCache
 from tests import hf_fixtures as fx
-from tests.helpers import PROMPTS, random_model
+from tests.helpers import PROMPTS, attention_f64, random_model
 
 KERNELS = layers.Matmul(cpu_kernels=True)
 
@@ -367,27 +367,6 @@ def test_take_equals_jnp_take():
 
 
 # ------------------------------------------------------------------------------------ KV-cache attention
-def _attention_f64(q, k, v, kpos, qpos, window, scale):
-    """Attention in float64 NumPy, loop by loop: the visible keys of each query (attention.visibility's
-    rule), softmax, weighted values; a query that sees no key gives zeros."""
-    b_, s_, n_, _ = q.shape
-    g = n_ // k.shape[2]
-    out = np.zeros(q.shape)
-    for b in range(b_):
-        for s in range(s_):
-            p = qpos[b, s]
-            seen = (kpos[b] >= 0) & (kpos[b] <= p)
-            if window:
-                seen &= kpos[b] > p - window
-            if not seen.any():
-                continue
-            for n in range(n_):
-                scores = scale * (k[b][seen][:, n // g] @ q[b, s, n])
-                w = np.exp(scores - scores.max())
-                out[b, s, n] = (w / w.sum()) @ v[b][seen][:, n // g]
-    return out
-
-
 @needs_kernels
 @pytest.mark.parametrize(
     "b,s,n,kh,h,t,window,dtype,scale",
@@ -410,7 +389,7 @@ def test_attend_equals_float64_reference(b, s, n, kh, h, t, window, dtype, scale
     kpos[kpos < 0] = -1
     qpos = rng.integers(0, t, (b, s)).astype(np.int32)
     qpos[-1, 0] = -1
-    ref = _attention_f64(q.astype(np.float64), k, v, kpos, qpos, window, scale)
+    ref = attention_f64(q.astype(np.float64), k, v, kpos, qpos, window, scale)
     got = jax.jit(cpu_kernels.attend, static_argnums=(5, 6))(
         jnp.asarray(q), jnp.asarray(k, dtype), jnp.asarray(v, dtype), kpos, qpos, window, scale
     )
@@ -433,7 +412,7 @@ def test_attend_and_kv_write_use_the_first_rows_of_a_larger_cache():
     qpos = rng.integers(0, t, (b, s)).astype(np.int32)
     run = jax.jit(cpu_kernels.attend, static_argnums=(5, 6))
     got = np.asarray(run(q, k, v, kpos, qpos, 5, 0.8))
-    ref = _attention_f64(q.astype(np.float64), k[:b], v[:b], kpos[:b], qpos, 5, 0.8)
+    ref = attention_f64(q.astype(np.float64), k[:b], v[:b], kpos[:b], qpos, 5, 0.8)
     assert float(np.max(np.abs(got - ref))) <= 2e-6
     np.testing.assert_array_equal(got, np.asarray(run(q, k[:b], v[:b], kpos[:b], qpos, 5, 0.8)))
 

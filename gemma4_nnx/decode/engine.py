@@ -175,7 +175,8 @@ class Engine:
       max_batch: rows decoded together (requests beyond it wait for a free row).
       max_length: cache slots per row: prompt + max_tokens of one request must fit. Default:
         min(max_position_embeddings, 4096).
-      prefill_chunk: prefill prompts in chunks of this many tokens (bounded activation memory).
+      prefill_chunk: prefill prompts in chunks of this many tokens (default: one chunk up to
+        `batching.AUTO_PREFILL_CHUNK` tokens, chunks of that beyond; prompts with images in one).
       cache_dtype: default the model's compute dtype.
       precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
         max_length): before serving, every decode step program (each power-of-two row count, with

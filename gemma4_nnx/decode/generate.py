@@ -7,7 +7,8 @@ How a call runs
    empty (done from the start).
 2. A `core.Decoder` of `Bb` rows allocates the KV cache (an explicit pytree it owns; the model is not
    changed) and the rows' state (per-row keys, limits, stop tokens, sampling parameters).
-3. Prefill runs the padded prompt (in chunks of `prefill_chunk` columns if set) and keeps only each
+3. Prefill runs the padded prompt (in chunks of `prefill_chunk` columns if set, else of
+   `batching.AUTO_PREFILL_CHUNK` for longer prompts without images) and keeps only each
    row's last real position (`Gemma4.__call__(select=...)`, which also skips the KV-consumer layers
    for every other position: exact, reference §8.4). The first token is drawn from it.
 4. Decode: `generate` runs the whole loop on device (`Decoder.loop`, one `jax.lax.while_loop`) until
@@ -20,8 +21,9 @@ Buckets and the compilation bound
 Shapes are rounded up to powers of two (`batching`):
 
 * batch: `Bb = 2^ceil(log2 B)`;
-* prompt: `Pb = max(16, 2^ceil(log2 P))` (P = longest prompt); with `prefill_chunk=C`, `Pb` is
-  `P` rounded up to a multiple of C and every chunk has the same shape `[Bb, C]`;
+* prompt: `Pb = max(16, 2^ceil(log2 P))` (P = longest prompt); with `prefill_chunk=C`, or from
+  `AUTO_PREFILL_CHUNK` tokens on (C = 512), `Pb` is `P` rounded up to a multiple of C and every chunk
+  has the same shape `[Bb, C]`;
 * new tokens: `Nb = max(16, 2^ceil(log2 max_new_tokens))` (the size of the on-device output buffer;
   the loop still stops after `max_new_tokens`);
 * cache slots: `T = max_length` if given, else `min(2^ceil(log2 (Pb + Nb)), max_position_embeddings)`.
@@ -240,7 +242,8 @@ def generate(
     `eos_token_id`). `stop_strings` are matched on the decoded text (needs `tokenizer`); with them the
     loop runs step by step from the host (as `generate_stream`) so rows can stop early.
     `max_length`: cache slots (context) to allocate; default: bucketed prompt + new tokens.
-    `prefill_chunk`: prefill the prompt in chunks of this many tokens (bounded activation memory).
+    `prefill_chunk`: prefill the prompt in chunks of this many tokens (default: one chunk up to
+    `batching.AUTO_PREFILL_CHUNK` tokens, chunks of that beyond; prompts with images in one).
     `seed`: with a fixed seed, output is reproducible (row r draws from fold_in(key(seed), r)).
     `cache_dtype`: default the compute dtype. The KV cache lives for the call only; the model is
     not changed (a plain `model(ids)` works at any time).

@@ -113,8 +113,32 @@ def _kernel_attend_bwd(window, scale, res, g):
 _kernel_attend.defvjp(_kernel_attend_fwd, _kernel_attend_bwd)
 
 
+#: XLA's attention takes keys in blocks of this many, with an online softmax, once there are more of
+#: them (a global layer's cache, a long prompt without one): its scores then take [S, KEY_BLOCK] per
+#: head, never [S, T], and blocks no query sees (empty cache slots, keys past every query) are skipped.
+KEY_BLOCK = 1024
+#: ... and queries in blocks of this many, one block after the other, once there are more of them and
+#: they split evenly (a whole long prompt in one forward: scoring, training); chunked prefill feeds
+#: at most `batching.AUTO_PREFILL_CHUNK` queries at a time anyway.
+QUERY_BLOCK = 1024
+
+
 def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Array:
+    """Softmax attention in XLA: the whole [S, T] score matrix for up to `KEY_BLOCK` keys, else
+    blockwise (`_blockwise_attend`); both are the same sums up to float32 rounding."""
     b, s, n, h = q.shape
+    if kv.k.shape[1] > KEY_BLOCK:
+        if s > QUERY_BLOCK and s % QUERY_BLOCK == 0:
+
+            def split(x):  # [B, S, ...] -> [S / QUERY_BLOCK, B, QUERY_BLOCK, ...]
+                return None if x is None else jnp.moveaxis(x.reshape(b, -1, QUERY_BLOCK, *x.shape[2:]), 1, 0)
+
+            out = jax.lax.map(
+                lambda a: _blockwise_attend(a[0], kv, a[1], window, scale, a[2], a[3]),
+                tuple(split(x) for x in (q, q_pos, reach, floor)),
+            )
+            return jnp.moveaxis(out, 0, 1).reshape(b, s, n, h)
+        return _blockwise_attend(q, kv, q_pos, window, scale, reach, floor)
     k_heads = kv.k.shape[2]
     qg = q.reshape(b, s, k_heads, n // k_heads, h)
     scores = jnp.einsum("bskgh,btkh->bkgst", qg, kv.k.astype(q.dtype))
@@ -125,6 +149,58 @@ def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Arra
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgst,btkh->bskgh", probs, kv.v.astype(q.dtype))
     return out.reshape(b, s, n, h)
+
+
+def _blockwise_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, block: int = KEY_BLOCK) -> Array:
+    """`_xla_attend` over the keys `block` at a time with an online softmax (flash attention's
+    algorithm): per query a running maximum, a running sum of exp(score - maximum) and the weighted
+    values, rescaled by exp(m_old - m_new) when a block raises the maximum. Masked scores are the
+    float32 minimum, as in the whole-matrix path: once a visible key arrives they weigh exp(min - m) = 0.
+    A block that no query of the batch sees is skipped (`lax.cond`), so the cost follows the keys
+    held and visible, not the cache size; a query that sees no key at all gives zeros (padding
+    queries: `Attention` zeroes them anyway). T need not divide by `block`: the last block is the
+    cache's last `block` slots, with the slots an earlier block already took masked out.
+    Differentiable; the backward pass recomputes each block (`jax.checkpoint`) instead of keeping its
+    probabilities."""
+    b, s, n, h = q.shape
+    t, k_heads = kv.k.shape[1], kv.k.shape[2]
+    block = min(block, t)
+    qg = q.reshape(b, s, k_heads, n // k_heads, h)
+    lowest = jnp.finfo(jnp.float32).min
+
+    @jax.checkpoint
+    def step(carry, i):
+        nominal = i * block
+        start = jnp.minimum(nominal, t - block)
+        k, v, pos = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (kv.k, kv.v, kv.pos))
+        mask = visibility(q_pos, pos, window, reach, floor) & (start + jnp.arange(block) >= nominal)
+        mask = mask[:, None, None, :, :]  # [B, 1, 1, S, block]
+
+        def update(carry):
+            top, total, acc = carry
+            scores = jnp.einsum("bskgh,btkh->bkgst", qg, k.astype(q.dtype)).astype(jnp.float32)
+            if scale != 1.0:
+                scores = scores * jnp.float32(scale)
+            scores = jnp.where(mask, scores, lowest)
+            new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+            p = jnp.exp(scores - new_top[..., None])
+            rescale = jnp.exp(top - new_top)
+            total = total * rescale + jnp.sum(p, axis=-1)
+            acc = acc * rescale[..., None] + jnp.einsum("bkgst,btkh->bkgsh", p.astype(q.dtype), v.astype(q.dtype))
+            return new_top, total, acc.astype(jnp.float32)
+
+        return jax.lax.cond(jnp.any(mask), update, lambda c: c, carry), None
+
+    g = n // k_heads
+    init = (
+        jnp.full((b, k_heads, g, s), lowest, jnp.float32),
+        jnp.zeros((b, k_heads, g, s), jnp.float32),
+        jnp.zeros((b, k_heads, g, s, h), jnp.float32),
+    )
+    (top, total, acc), _ = jax.lax.scan(step, init, jnp.arange(-(-t // block)))
+    seen = (top > lowest)[..., None]  # some key was visible (its total is then >= 1)
+    out = jnp.where(seen, acc / jnp.where(seen, total[..., None], 1.0), 0.0).astype(q.dtype)
+    return jnp.moveaxis(out, 3, 1).reshape(b, s, n, h)  # [B, K, G, S, H] -> [B, S, K, G, H]
 
 
 class Attention(nnx.Module):

@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-length", type=int, help="context per request: prompt + max_tokens (default: min(model context, 4096))"
     )
-    p.add_argument("--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens")
+    p.add_argument(
+        "--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens (default: 512 for longer prompts)"
+    )
     p.add_argument(
         "--prefix-cache-mb",
         type=int,
