@@ -327,3 +327,49 @@ def test_reused_split_follows_every_change_to_the_model():
     assert split_model(m)[0] is not g1
     quantize(m, 8)  # every projection replaced by a QuantizedLinear
     assert tokens(m) == tokens(nnx.clone(m))
+
+
+# ----------------------------------------------------------------------------- prefill between decode steps
+def test_long_prefill_interleaves_with_decoding_and_changes_no_tokens(model):
+    """While a 100-token prompt is prefilled in chunks of 16 (budget: one chunk per step), a running
+    stream gets a token after every chunk (before: all 7 chunks between two of its tokens), and both
+    requests' greedy and seeded sampled tokens equal each alone (`generate` with the same chunks)."""
+    long_prompt = fx.sample_ids(1, 100, seed=9)[0].tolist()
+    chunk = 16
+    engine = Engine(model, max_batch=2, max_length=160, prefill_chunk=chunk, max_num_batched_tokens=chunk)
+    chunks_at: list[int] = []  # prefill chunks run before each of the running stream's tokens
+    try:
+        running = engine.submit(
+            PROMPTS[0], 40, stop_tokens=[], sink=lambda ev: chunks_at.append(engine.stats.prefill_chunks)
+        )
+        while len(chunks_at) < 3:  # the stream is decoding
+            time.sleep(0.01)
+        late = engine.submit(long_prompt, 8, stop_tokens=[], temperature=0.8, seed=11)
+        got_late = late.result()[0]
+        while running.finish_reason is None:
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    assert engine.stats.prefill_chunks == 1 + -(-len(long_prompt) // chunk)  # the first prompt's and 7
+    gaps = np.diff(chunks_at)
+    assert gaps.max() <= 1 and gaps.sum() == 7, chunks_at
+    alone = generate(model, [PROMPTS[0]], 40, stop_tokens=[], prefill_chunk=chunk, max_length=160)
+    assert running.tokens == alone.tokens[0]
+    alone = generate(model, [long_prompt], 8, stop_tokens=[], prefill_chunk=chunk, temperature=0.8, seed=11)
+    assert got_late == alone.tokens[0]
+
+
+def test_prefill_budget_is_validated_and_limits_joining_rows(model):
+    """max_num_batched_tokens below the chunk width is refused by name; with a budget of one chunk,
+    requests with prompts of a full chunk join one at a time."""
+    with pytest.raises(RequestError, match="max_num_batched_tokens") as e:
+        Engine(model, max_batch=2, max_length=64, prefill_chunk=16, max_num_batched_tokens=8)
+    assert e.value.param == "max_num_batched_tokens"
+    engine = Engine(model, max_batch=4, max_length=64, prefill_chunk=16, max_num_batched_tokens=16)
+    try:
+        reqs = [engine.submit(fx.sample_ids(1, 16, seed=s)[0].tolist(), 2, stop_tokens=[]) for s in range(3)]
+        for r in reqs:
+            r.result()
+    finally:
+        engine.close()
+    assert engine.stats.prefills == 3 and engine.stats.prefill_chunks == 3

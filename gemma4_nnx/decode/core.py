@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -974,6 +974,19 @@ class Decoder:
     def prefill(self, batch: PromptBatch, idx: np.ndarray | None = None) -> Next:
         """Run the prompts of `batch` into rows `idx` (None: every row, in order; else [R] row indices,
         an index >= rows pads). Returns their `Next` (next-token logits [R, V], on device)."""
+        chunks = self.prefill_chunks(batch, idx)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_chunks(self, batch: PromptBatch, idx: np.ndarray | None = None) -> Generator[int, None, Next]:
+        """`prefill` one chunk at a time: a generator that runs the next chunk of `batch.chunk`
+        columns at each `next()` and yields the columns prefilled so far; it returns (StopIteration's
+        value) the `Next` after the last chunk. Between chunks the cache is this decoder's, so other
+        rows may step (the engine interleaves a long prefill with decode steps: rows being prefilled
+        are done rows there, which write nothing)."""
         r = batch.ids.shape[0]
         # committed like the `Next` each chunk returns (a mix of committed and uncommitted arguments
         # would compile the chunk program twice)
@@ -985,7 +998,6 @@ class Decoder:
                 None if idx is None else np.asarray(idx, np.int32),
             )
         )
-        cache = self.state.cache
         fresh = np.ones(r, bool) if batch.starts is None else batch.starts == 0
         for c0, ids, pos, valid, soft in batch.chunks():
             ids, pos, valid, c0, first = self._place(
@@ -1002,7 +1014,7 @@ class Decoder:
                 _prefill_jit,
                 self.graphdef,
                 self.weights,
-                cache,
+                self.state.cache,
                 idx,
                 ids,
                 pos,
@@ -1013,7 +1025,9 @@ class Decoder:
                 first,
                 None if soft is None else jnp.asarray(soft, self.dtype),
             )
-        self.state = dataclasses.replace(self.state, cache=cache)
+            self.state = dataclasses.replace(self.state, cache=cache)
+            if int(c0) + batch.chunk < batch.width:
+                yield int(c0) + batch.chunk
         return logits
 
     def draw(

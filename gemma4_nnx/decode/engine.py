@@ -3,9 +3,14 @@
 The engine keeps one `core.Decoder` of `max_batch` rows (the KV cache and per-row state) and a
 background thread that repeats:
 
-1. **Admit.** Pending requests take free rows. Their prompts are prefilled together into those rows
-   (`Decoder.prefill` with row indices: the rows are cleared first, the other rows' caches are
-   untouched), their row state is written and their first tokens drawn (`Decoder.draw` with `init`).
+1. **Admit.** Pending requests take free rows: as many as fit the prefill budget
+   (`max_num_batched_tokens`: joining rows x chunk columns, at least one request). Their prompts are
+   prefilled together into those rows (`Decoder.prefill_chunks` with row indices: the rows are
+   cleared first, the other rows' caches are untouched) **one chunk per loop**, between the decode
+   steps of the rows already running (vLLM's chunked prefill): a long prompt delays a running stream
+   by one chunk per token, not by its whole prefill. After the last chunk their row state is written
+   and their first tokens drawn (`Decoder.draw` with `init`); until then the rows are done rows that
+   the decode steps leave alone, and the next requests wait.
 2. **Decode.** One step for the first m rows (m a power of two covering every active row; rows are
    taken lowest first, so few requests cost a small step): every active row feeds its last token at
    its own position; done and free rows are masked (key position -1: they write nothing). Rows are
@@ -40,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from gemma4_nnx.decode.batching import PromptBatch, pow2, prompt_buckets
+from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, prompt_buckets, prompt_columns
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.prefix import PrefixCache
@@ -96,6 +101,7 @@ class EngineStats:
     rows_decoded: int = 0  # sum over steps of the requests decoded
     prefills: int = 0  # admissions (one prefill of one or more prompts each)
     prefill_rows: int = 0  # prompts prefilled
+    prefill_chunks: int = 0  # prefill chunks run (one per engine loop at most)
     completed: int = 0  # requests that ended with stop / stop_string / length
     cancelled: int = 0
     failed: int = 0
@@ -165,6 +171,20 @@ class EngineRequest:
         return tokens, "".join(text), ev.finish_reason, lps
 
 
+@dataclasses.dataclass
+class _Admission:
+    """Requests joining together: their (slot, request) pairs, the prefill's row indices (padded to
+    a power of two) and the prefill running chunk by chunk (`Decoder.prefill_chunks`)."""
+
+    pairs: list[tuple[int, EngineRequest]]
+    idx: np.ndarray
+    chunks: Iterator[int]
+
+    @property
+    def slots(self) -> set[int]:
+        return {slot for slot, _ in self.pairs}
+
+
 class Engine:
     """Continuous-batching generation over one model.
 
@@ -177,6 +197,9 @@ class Engine:
         min(max_position_embeddings, 4096).
       prefill_chunk: prefill prompts in chunks of this many tokens (default: one chunk up to
         `batching.AUTO_PREFILL_CHUNK` tokens, chunks of that beyond; prompts with images in one).
+      max_num_batched_tokens: the most prompt columns (joining rows x chunk width) prefilled between
+        two decode steps (vLLM's name); at least the chunk width (`prefill_chunk`, default 512). A
+        prompt with images is one chunk however long, and joins alone when it exceeds the budget.
       cache_dtype: default the model's compute dtype.
       precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
         max_length): before serving, every decode step program (each power-of-two row count, with
@@ -202,6 +225,7 @@ class Engine:
         max_batch: int = 8,
         max_length: int | None = None,
         prefill_chunk: int | None = None,
+        max_num_batched_tokens: int | None = None,
         cache_dtype=None,
         precompile: Sequence[int] | str | None = None,
         mesh=None,
@@ -221,8 +245,12 @@ class Engine:
                 f"max_length must be an int in [2, {context}] (the model's context), got {max_length}", "max_length"
             )
         check_int(prefill_chunk, "prefill_chunk", lo=1, optional=True)
+        chunk = prefill_chunk or AUTO_PREFILL_CHUNK
+        max_num_batched_tokens = chunk if max_num_batched_tokens is None else max_num_batched_tokens
+        check_int(max_num_batched_tokens, "max_num_batched_tokens", lo=chunk)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = model.config.vocab_size
         self.default_stops = tuple(tokenizer.stop_ids) if tokenizer is not None else tuple(model.config.eos_token_id)
         self.decoder = Decoder(
@@ -244,6 +272,7 @@ class Engine:
             self.prefix = PrefixCache(prefix_cache_bytes, ring)
             self._row_bytes = self.decoder.state.cache.nbytes // max_batch
         self._slots: list[EngineRequest | None] = [None] * max_batch
+        self._joining: _Admission | None = None  # the requests whose prompts are being prefilled
         self._pending: deque[EngineRequest] = deque()
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # compiled, see _constraint
         self._cv = threading.Condition()
@@ -404,22 +433,44 @@ class Engine:
                     self._cv.wait()
                 if self._closed:
                     break
-                free = [i for i, s in enumerate(self._slots) if s is None]
-                joining, later = [], []
-                while self._pending and len(joining) < len(free):
-                    req = self._pending.popleft()
-                    (joining if self._sampler_ready(req) else later).append(req)
-                self._pending.extendleft(reversed(later))
+                joining = self._take_joining() if self._joining is None else []
             try:
                 self._retire_cancelled()
                 if joining:
-                    self._admit(list(zip(free, joining)))
-                if self.active_rows:
+                    self._admit(joining)
+                if self._joining is not None:
+                    self._prefill_chunk()
+                if self._decoding():
                     self._step()
             except Exception as e:
                 self._fail_all(f"{type(e).__name__}: {e}")
         for req in [s for s in self._slots if s is not None] + list(self._pending):
             self._end(req, FinishReason.CANCELLED)
+
+    def _take_joining(self) -> list[tuple[int, EngineRequest]]:
+        """(free slot, request) pairs of the next pending requests whose samplers are ready, as many as
+        the free rows and the prefill budget hold (called under the lock)."""
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        joining, later, longest, media = [], [], 0, False
+        while self._pending and len(joining) < len(free):
+            req = self._pending[0]
+            n, m = max(longest, len(req.prompt)), media or req.request.media is not None
+            width = prompt_columns(n, self.prefill_chunk, whole=m)[1]
+            if joining and pow2(len(joining) + 1) * width > self.max_num_batched_tokens:
+                break
+            self._pending.popleft()
+            if self._sampler_ready(req):
+                joining.append(req)
+                longest, media = n, m
+            else:
+                later.append(req)
+        self._pending.extendleft(reversed(later))
+        return list(zip(free, joining))
+
+    def _decoding(self) -> list[int]:
+        """The slots whose requests decode (not the ones still prefilling)."""
+        joining = self._joining.slots if self._joining is not None else ()
+        return [i for i, s in enumerate(self._slots) if s is not None and i not in joining]
 
     def _sampler_ready(self, req: EngineRequest) -> bool:
         """Whether `req` can join without this thread compiling a sampler (checked only after a
@@ -446,7 +497,8 @@ class Engine:
             self._cv.notify()
 
     def _retire_cancelled(self) -> None:
-        gone = np.array([s is not None and s.cancelled for s in self._slots])
+        joining = self._joining.slots if self._joining is not None else ()
+        gone = np.array([s is not None and s.cancelled and i not in joining for i, s in enumerate(self._slots)])
         for slot in np.flatnonzero(gone):
             req, self._slots[slot] = self._slots[slot], None
             self._end(req, FinishReason.CANCELLED)
@@ -461,6 +513,7 @@ class Engine:
                 req.finish_reason = FinishReason.ERROR
                 req.emit(Event(None, "", None, FinishReason.ERROR, message))
                 self.stats.failed += 1
+        self._joining = None
         self.decoder.reset()  # the donated cache may be gone: start clean
 
     def _end(self, req: EngineRequest, reason: FinishReason) -> None:
@@ -470,6 +523,7 @@ class Engine:
         req.emit(Event(None, "", None, reason))
 
     def _admit(self, pairs: list[tuple[int, EngineRequest]]) -> None:
+        """Take the rows and start the prefill of these requests (`_prefill_chunk` runs it)."""
         k = len(pairs)
         for slot, req in pairs:  # taken now, so a failure below fails these requests too
             self._slots[slot] = req
@@ -492,7 +546,31 @@ class Engine:
             starts,
             self.decoder.soft_tokens(requests),
         )
-        logits = self.decoder.prefill(batch, idx)
+        self._joining = _Admission(pairs, idx, self.decoder.prefill_chunks(batch, idx))
+
+    def _prefill_chunk(self) -> None:
+        """Run the joining requests' next prefill chunk; after the last one, draw their first tokens.
+        When every one of them was cancelled meanwhile, the rest of the prefill is dropped."""
+        adm = self._joining
+        if all(req.cancelled for _, req in adm.pairs):
+            self._joining = None
+            for slot, req in adm.pairs:
+                self._slots[slot] = None
+                self._end(req, FinishReason.CANCELLED)
+            return
+        self.stats.prefill_chunks += 1
+        try:
+            next(adm.chunks)
+            return
+        except StopIteration as done:
+            logits = done.value
+        self._joining = None
+        self._start_rows(adm.pairs, adm.idx, logits)
+
+    def _start_rows(self, pairs: list[tuple[int, EngineRequest]], idx: np.ndarray, logits) -> None:
+        """The prefilled requests' rows: prefix snapshots, row state, first tokens."""
+        k, kb = len(pairs), len(idx)
+        requests = [req.request for _, req in pairs]
         for slot, req in pairs:
             if req.request.media is None:
                 self._keep_prefix(slot, req.prompt)
@@ -541,7 +619,7 @@ class Engine:
         return out
 
     def _step(self) -> None:
-        active = [i for i, s in enumerate(self._slots) if s is not None]
+        active = self._decoding()
         # Decode only the first m rows, m a power of two covering every active row (rows are taken
         # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
         m = min(pow2(active[-1] + 1), self.max_batch)

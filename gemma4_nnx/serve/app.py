@@ -260,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens (default: 512 for longer prompts)"
     )
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="the most prompt tokens prefilled between two decode steps (default: the chunk, 512): a long "
+        "prompt is prefilled a chunk at a time between the running streams' tokens",
+    )
+    p.add_argument(
         "--prefix-cache-mb",
         type=int,
         default=0,
@@ -397,6 +403,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         max_batch=args.max_batch,
         max_length=args.max_length,
         prefill_chunk=args.prefill_chunk,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
         mesh=mesh,
         speculative=speculative,

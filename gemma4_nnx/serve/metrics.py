@@ -79,6 +79,7 @@ class _EngineCollector:
             ("decode_rows", "Sum over decode steps of the rows decoded (occupancy = this / steps)", st.rows_decoded),
             ("prefills", "Admissions (one prefill of one or more prompts)", st.prefills),
             ("prefill_rows", "Prompts prefilled", st.prefill_rows),
+            ("prefill_chunks", "Prefill chunks run (at most one between two decode steps)", st.prefill_chunks),
             ("speculative_verify_steps", "Speculative (draft + verify) steps", st.verify_steps),
             ("speculative_drafted_tokens", "Draft tokens verified", st.drafted_tokens),
             ("speculative_accepted_tokens", "Draft tokens accepted", st.accepted_tokens),
