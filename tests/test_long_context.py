@@ -138,13 +138,14 @@ def long_model():
 
 def test_chunked_prefill_equals_whole_prefill(long_model):
     """A 1,300-token prompt (27 windows; > KEY_BLOCK keys in the global layers): prefilled in the
-    automatic chunks of 512, in chunks of 100, and in one chunk, greedy continuations are the same
-    tokens with the same logprobs up to float32 rounding, and the first token is the argmax of the
-    plain forward over the whole prompt."""
+    automatic chunks of 512 (3 chunks, the last partly padding) and in one chunk, greedy
+    continuations are the same tokens with the same logprobs up to float32 rounding (1e-4 for sums in
+    another order over 10 layers, as tests/test_generate.py's cached-vs-full bound), and the first
+    token is the argmax of the plain forward over the whole prompt."""
     prompt = np.random.default_rng(5).integers(3, 128, 1300).tolist()
     runs = {
         chunk: generate(long_model, [prompt], 6, stop_tokens=[], prefill_chunk=chunk, return_logprobs=True)
-        for chunk in (None, 100, 2048)
+        for chunk in (None, 2048)
     }
     whole = runs[2048]
     for chunk, run in runs.items():
