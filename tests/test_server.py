@@ -634,11 +634,16 @@ _BODY = {"model": NAME, "prompt": [2, 5, 7], "max_tokens": 2, "temperature": 0}
 def test_api_key_guards_the_api_and_leaves_health_open(served):
     engine = served[3]
     with _app_client(engine, api_key="s3cret") as c:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        for headers, challenge in (
+            ({}, "Bearer"),
+            ({"Authorization": "Bearer wrong"}, 'Bearer error="invalid_token"'),
+            ({"Authorization": "Basic s3cret"}, "Bearer"),
+        ):
             r = c.post("/v1/completions", json=_BODY, headers=headers)
             assert r.status_code == 401, r.text
             assert r.json()["error"]["code"] == "invalid_api_key"
             assert r.json()["error"]["type"] == "authentication_error"
+            assert r.headers["WWW-Authenticate"] == challenge  # RFC 6750: the scheme to use
         assert c.get("/v1/models").status_code == 401
         ok = {"Authorization": "Bearer s3cret"}
         assert c.get("/v1/models", headers=ok).status_code == 200

@@ -3,7 +3,7 @@
 A plain ASGI middleware (no request buffering of its own), in front of the FastAPI app:
 
 * `api_key`: `/v1/*`, `/tokenize`, `/detokenize` and `/tokenizer_info` need `Authorization: Bearer <key>` (401
-  otherwise, compared in constant time); `/health`, `/metrics`, `/stats`, `/docs` and
+  with `WWW-Authenticate: Bearer` otherwise, compared in constant time); `/health`, `/metrics`, `/stats`, `/docs` and
   `/openapi.json` stay open (probes and schema readers carry no key). vLLM's `--api-key`.
 * POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
   form to a local server without a CORS preflight, JSON it cannot.
@@ -106,13 +106,16 @@ class Guard:
         if self.api_key is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
             auth = headers.get("authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            bearer = scheme.lower() == b"bearer"
+            if not bearer or not hmac.compare_digest(token.strip(), self.api_key):
                 return ApiError(
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
                     "server was started with (--api-key / GEMMA4_API_KEY)",
                     status=401,
                     code="invalid_api_key",
                     type_="authentication_error",
+                    # RFC 6750: the challenge; an error code only when a bearer token was sent
+                    headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if bearer else "Bearer"},
                 )
         if method == "POST":
             kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
@@ -147,7 +150,11 @@ async def _respond(send, error: ApiError) -> None:
         {
             "type": "http.response.start",
             "status": error.status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (error.headers or {}).items()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})
