@@ -848,6 +848,28 @@ def test_malformed_bodies_get_json_400(served, case):
     assert r.headers["content-type"].startswith("application/json") and "error" in r.json()
 
 
+@pytest.mark.parametrize(
+    "path,field,value",
+    [
+        ("/v1/completions", "temperature", "NaN"),
+        ("/v1/completions", "temperature", "1e999"),
+        ("/v1/completions", "top_p", "NaN"),
+        ("/v1/completions", "logit_bias", '{"5": Infinity}'),
+        ("/v1/chat/completions", "frequency_penalty", "-Infinity"),
+    ],
+)
+def test_non_finite_numbers_are_named_as_such(served, path, field, value):
+    """Python's JSON parser accepts NaN, Infinity and 1e999 (inf): a 400 naming the field and saying
+    it must be finite, not "less than or equal to 2" (a NaN fails every range check)."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}]} if "chat" in path else _BODY
+    raw = json.dumps({**body, field: "@"}).replace('"@"', value).encode()
+    with _app_client(served[3]) as c:
+        r = c.post(path, content=raw, headers={"Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == field, r.text
+    assert "finite number" in err["message"] and "less than" not in err["message"], err
+
+
 def test_mutated_requests_never_get_a_5xx(served):
     """A seeded fuzzer: 300 random byte mutations (flips, deletions, insertions of JSON punctuation)
     of valid completion and chat bodies; every answer is a JSON response below 500."""
