@@ -826,6 +826,7 @@ def test_a_slow_body_is_cut_off(limited):
 _MALFORMED = {
     "deep nesting": b'{"model": "M", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "5000-digit integer": b'{"model": "M", "prompt": [2, ' + b"9" * 5000 + b"]}",
+    "5000-digit max_tokens": b'{"model": "M", "prompt": [2], "max_tokens": ' + b"9" * 5000 + b"}",
     "lone surrogate in a prompt": b'{"model": "M", "prompt": "a\\ud800b"}',
     "lone surrogate in a chat message": b'{"model": "M", "messages": [{"role": "user", "content": "\\udc00"}]}',
     "bad escape": b'{"model": "M", "prompt": "a\\x"}',
@@ -838,14 +839,34 @@ _MALFORMED = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(_MALFORMED))
-def test_malformed_bodies_get_json_400(served, case):
+def _post_malformed(engine, case):
     body = _MALFORMED[case].replace(b'"M"', json.dumps(NAME).encode())
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
-    with _app_client(served[3]) as c:
-        r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+    with _app_client(engine) as c:
+        return c.post(path, content=body, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("case", sorted(_MALFORMED))
+def test_malformed_bodies_get_json_400(served, case):
+    r = _post_malformed(served[3], case)
     assert r.status_code == 400, (case, r.status_code, r.text[:200])
     assert r.headers["content-type"].startswith("application/json") and "error" in r.json()
+
+
+@pytest.mark.parametrize(
+    "case,param,words",
+    [
+        ("5000-digit integer", "prompt", "'prompt.1' is an integer of 5000 digits"),
+        ("5000-digit max_tokens", "max_tokens", "'max_tokens' is an integer of 5000 digits"),
+        ("invalid UTF-8", None, "the request body is not valid UTF-8 JSON"),
+        ("deep nesting", None, "nest too deeply"),
+    ],
+)
+def test_unparsable_bodies_say_why(served, case, param, words):
+    """Bodies Python's JSON parser refuses other than for their syntax: the 400 names the problem
+    (and the field of a huge integer), not FastAPI's bare "There was an error parsing the body"."""
+    err = _post_malformed(served[3], case).json()["error"]
+    assert words in err["message"] and err["param"] == param, err
 
 
 @pytest.mark.parametrize(

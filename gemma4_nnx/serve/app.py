@@ -48,7 +48,7 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import Engine, EngineError
-from gemma4_nnx.serve.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
+from gemma4_nnx.serve.guard import BODY_SCOPE_KEY, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
 from gemma4_nnx.serve.protocol import (
@@ -65,7 +65,7 @@ from gemma4_nnx.serve.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, validation_error
+from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, parse_error, validation_error
 
 try:
     import uvicorn
@@ -158,6 +158,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
+        if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):  # the body's parse
+            return JSONResponse(parse_error(exc.__cause__, request.scope.get(BODY_SCOPE_KEY)).body(), status_code=400)
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(str(exc.detail), type_=type_).body(), status_code=exc.status_code)
 

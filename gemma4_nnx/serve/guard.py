@@ -26,12 +26,13 @@ import time
 
 from gemma4_nnx.serve.serving import ApiError
 
-__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
+__all__ = ["BODY_SCOPE_KEY", "DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 # besides /v1/*: they run the server's tokenizer
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole request body
+BODY_SCOPE_KEY = "gemma4_nnx.body"  # a POST's whole body, in the ASGI scope the app gets
 
 
 class Guard:
@@ -87,8 +88,9 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        body = scope[BODY_SCOPE_KEY] = b"".join(chunks)  # for the app's parse error handler (`parse_error`)
         if self.precheck is not None:  # a large body bound to be refused is answered without parsing it here
-            refusal = await self.precheck(path, b"".join(chunks))
+            refusal = await self.precheck(path, body)
             if refusal is not None:
                 return await _respond(send, refusal)
         replayed = False
@@ -97,7 +99,7 @@ class Guard:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: the client's disconnect, as the server reports it
 
         return await self.app(scope, replay, send)
