@@ -8,7 +8,6 @@ same loaded model, which the decode tests compare against transformers.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import socket
@@ -991,8 +990,9 @@ def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
         events = [stream.readline() for _ in range(6)]  # a few tokens in: the request is decoding
         proc.send_signal(signal.SIGTERM)
         t0 = time.time()
-        with contextlib.suppress(OSError):  # the listening socket may be closed already
-            assert _post(port, "/v1/completions", _BODY)[0] == 503  # admitted connection, refused request
+        # the socket stays open while the stream drains: a new client gets a JSON 503, not a refused connection
+        status, err = _post(port, "/v1/completions", _BODY)
+        assert status == 503 and err["error"]["code"] == "shutting_down", err
         events += stream.read().splitlines(keepends=True)
         ended = time.time() - t0
         data = [e[6:].strip() for e in events if e.startswith(b"data: ")]
@@ -1009,6 +1009,58 @@ def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_drain_answers_new_requests_with_a_json_503(served):
+    """During the drain (`Serving.drain` after SIGTERM; its flag set directly here, at the app level)
+    every API route answers a JSON 503 `shutting_down` with Retry-After, /health turns 503 "draining"
+    (a load balancer stops sending), /stats and /metrics stay open."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}]}
+    with _app_client(served[3]) as c:
+        c.app.state.serving.draining = True
+        for method, path, body in (
+            ("POST", "/v1/completions", _BODY),
+            ("POST", "/v1/chat/completions", chat),
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"prompt": "x"}),
+        ):
+            r = c.request(method, path, json=body)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1", (path, r.text)
+            assert r.json()["error"]["code"] == "shutting_down" and r.json()["error"]["type"] == "server_error"
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "draining"
+        assert c.get("/stats").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+def test_draining_server_listens_until_the_requests_in_flight_end():
+    """The first signal starts the drain, not uvicorn's shutdown (which closes the listening socket:
+    new clients would be refused at connect instead of answered 503); the shutdown begins once no
+    request is in flight or at --drain-timeout, and at once on a second signal."""
+    import asyncio
+    import signal
+    import types
+
+    import uvicorn
+
+    from gemma4_nnx.serve.app import DrainingServer
+
+    def server(in_flight, drain_timeout=60.0):
+        serving = types.SimpleNamespace(draining=False, in_flight=in_flight)
+        serving.drain = lambda timeout: setattr(serving, "draining", True)
+        s = DrainingServer(uvicorn.Config(app=None), serving, drain_timeout)
+        s.handle_exit(signal.SIGTERM, None)
+        assert serving.draining
+        return s, serving
+
+    busy, serving = server(in_flight=1)
+    assert not asyncio.run(busy.on_tick(1)) and not busy.should_exit  # still serving: a request in flight
+    serving.in_flight = 0
+    assert asyncio.run(busy.on_tick(1))  # nothing in flight: shut down
+    assert asyncio.run(server(in_flight=1, drain_timeout=0.0)[0].on_tick(1))  # the drain bound passed
+    again, _ = server(in_flight=1)
+    again.handle_exit(signal.SIGTERM, None)
+    assert asyncio.run(again.on_tick(1))  # a second signal: shut down now
+    assert again._captured_signals == [signal.SIGTERM] * 2  # re-raised by uvicorn after its shutdown
 
 
 def test_precompile_all_covers_every_prompt_bucket():

@@ -11,6 +11,8 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
   is read; a body without one (chunked) is refused as soon as it passes the limit.
 * `body_timeout`: the whole body must arrive within it (408 otherwise): a client sending a byte a
   second cannot hold a connection.
+* `draining`: a `() -> bool`; while it is true (the drain after SIGTERM) the API paths get 503
+  `shutting_down` with `Retry-After`.
 * `precheck`: an async `(path, body) -> ApiError | None` run on the whole body before the app
   (`precheck.Precheck`: large bodies are parsed and tokenized in a helper process first).
 
@@ -24,7 +26,7 @@ import hmac
 import json
 import time
 
-from gemma4_nnx.serve.serving import ApiError
+from gemma4_nnx.serve.serving import ApiError, shutting_down
 
 __all__ = ["BODY_SCOPE_KEY", "DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
 
@@ -46,8 +48,10 @@ class Guard:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         precheck=None,
+        draining=None,
     ):
         self.app = app
+        self.draining = draining
         self.precheck = precheck
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -105,7 +109,8 @@ class Guard:
         return await self.app(scope, replay, send)
 
     def _check(self, method: str, path: str, headers: dict[str, bytes]) -> ApiError | None:
-        if self.api_key is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
+        api = path.startswith("/v1/") or path in KEYED_PATHS
+        if self.api_key is not None and api:
             auth = headers.get("authorization", b"")
             scheme, _, token = auth.partition(b" ")
             bearer = scheme.lower() == b"bearer"
@@ -119,6 +124,8 @@ class Guard:
                     # RFC 6750: the challenge; an error code only when a bearer token was sent
                     headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if bearer else "Bearer"},
                 )
+        if api and self.draining is not None and self.draining():
+            return shutting_down()
         if method == "POST":
             kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
             if kind != b"application/json":

@@ -205,6 +205,17 @@ class _Thinking:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 
+def shutting_down() -> ApiError:
+    """The 503 of a request that comes during the drain (`Serving.drain`)."""
+    return ApiError(
+        "the server is shutting down; retry on another instance",
+        status=503,
+        code="shutting_down",
+        type_="server_error",
+        headers={"Retry-After": "1"},
+    )
+
+
 def validation_error(errors: list[dict]) -> ApiError:
     """The first pydantic error (FastAPI's or pydantic's own `errors()`) as an OpenAI-style 400:
     `param` is the top-level body field."""
@@ -473,14 +484,8 @@ class Serving:
     def admit(self, n: int) -> None:
         """Count n prompts in, or refuse them (429 + Retry-After) beyond --max-concurrent-requests;
         `release` counts them out. Every prompt of a list counts."""
-        if self.draining:
-            raise ApiError(
-                "the server is shutting down; retry on another instance",
-                status=503,
-                code="shutting_down",
-                type_="server_error",
-                headers={"Retry-After": "1"},
-            )
+        if self.draining:  # the guard refuses new requests already; these were past it when the drain began
+            raise shutting_down()
         limit = self.max_concurrent_requests
         if limit is not None and self.in_flight + n > limit:
             raise ApiError(
