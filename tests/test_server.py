@@ -8,7 +8,6 @@ same loaded model, which the decode tests compare against transformers.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import socket
@@ -634,11 +633,16 @@ _BODY = {"model": NAME, "prompt": [2, 5, 7], "max_tokens": 2, "temperature": 0}
 def test_api_key_guards_the_api_and_leaves_health_open(served):
     engine = served[3]
     with _app_client(engine, api_key="s3cret") as c:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        for headers, challenge in (
+            ({}, "Bearer"),
+            ({"Authorization": "Bearer wrong"}, 'Bearer error="invalid_token"'),
+            ({"Authorization": "Basic s3cret"}, "Bearer"),
+        ):
             r = c.post("/v1/completions", json=_BODY, headers=headers)
             assert r.status_code == 401, r.text
             assert r.json()["error"]["code"] == "invalid_api_key"
             assert r.json()["error"]["type"] == "authentication_error"
+            assert r.headers["WWW-Authenticate"] == challenge  # RFC 6750: the scheme to use
         assert c.get("/v1/models").status_code == 401
         ok = {"Authorization": "Bearer s3cret"}
         assert c.get("/v1/models", headers=ok).status_code == 200
@@ -821,6 +825,7 @@ def test_a_slow_body_is_cut_off(limited):
 _MALFORMED = {
     "deep nesting": b'{"model": "M", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "5000-digit integer": b'{"model": "M", "prompt": [2, ' + b"9" * 5000 + b"]}",
+    "5000-digit max_tokens": b'{"model": "M", "prompt": [2], "max_tokens": ' + b"9" * 5000 + b"}",
     "lone surrogate in a prompt": b'{"model": "M", "prompt": "a\\ud800b"}',
     "lone surrogate in a chat message": b'{"model": "M", "messages": [{"role": "user", "content": "\\udc00"}]}',
     "bad escape": b'{"model": "M", "prompt": "a\\x"}',
@@ -833,14 +838,56 @@ _MALFORMED = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(_MALFORMED))
-def test_malformed_bodies_get_json_400(served, case):
+def _post_malformed(engine, case):
     body = _MALFORMED[case].replace(b'"M"', json.dumps(NAME).encode())
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
-    with _app_client(served[3]) as c:
-        r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+    with _app_client(engine) as c:
+        return c.post(path, content=body, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("case", sorted(_MALFORMED))
+def test_malformed_bodies_get_json_400(served, case):
+    r = _post_malformed(served[3], case)
     assert r.status_code == 400, (case, r.status_code, r.text[:200])
     assert r.headers["content-type"].startswith("application/json") and "error" in r.json()
+
+
+@pytest.mark.parametrize(
+    "case,param,words",
+    [
+        ("5000-digit integer", "prompt", "'prompt.1' is an integer of 5000 digits"),
+        ("5000-digit max_tokens", "max_tokens", "'max_tokens' is an integer of 5000 digits"),
+        ("invalid UTF-8", None, "the request body is not valid UTF-8 JSON"),
+        ("deep nesting", None, "nest too deeply"),
+    ],
+)
+def test_unparsable_bodies_say_why(served, case, param, words):
+    """Bodies Python's JSON parser refuses other than for their syntax: the 400 names the problem
+    (and the field of a huge integer), not FastAPI's bare "There was an error parsing the body"."""
+    err = _post_malformed(served[3], case).json()["error"]
+    assert words in err["message"] and err["param"] == param, err
+
+
+@pytest.mark.parametrize(
+    "path,field,value",
+    [
+        ("/v1/completions", "temperature", "NaN"),
+        ("/v1/completions", "temperature", "1e999"),
+        ("/v1/completions", "top_p", "NaN"),
+        ("/v1/completions", "logit_bias", '{"5": Infinity}'),
+        ("/v1/chat/completions", "frequency_penalty", "-Infinity"),
+    ],
+)
+def test_non_finite_numbers_are_named_as_such(served, path, field, value):
+    """Python's JSON parser accepts NaN, Infinity and 1e999 (inf): a 400 naming the field and saying
+    it must be finite, not "less than or equal to 2" (a NaN fails every range check)."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}]} if "chat" in path else _BODY
+    raw = json.dumps({**body, field: "@"}).replace('"@"', value).encode()
+    with _app_client(served[3]) as c:
+        r = c.post(path, content=raw, headers={"Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == field, r.text
+    assert "finite number" in err["message"] and "less than" not in err["message"], err
 
 
 def test_mutated_requests_never_get_a_5xx(served):
@@ -943,8 +990,9 @@ def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
         events = [stream.readline() for _ in range(6)]  # a few tokens in: the request is decoding
         proc.send_signal(signal.SIGTERM)
         t0 = time.time()
-        with contextlib.suppress(OSError):  # the listening socket may be closed already
-            assert _post(port, "/v1/completions", _BODY)[0] == 503  # admitted connection, refused request
+        # the socket stays open while the stream drains: a new client gets a JSON 503, not a refused connection
+        status, err = _post(port, "/v1/completions", _BODY)
+        assert status == 503 and err["error"]["code"] == "shutting_down", err
         events += stream.read().splitlines(keepends=True)
         ended = time.time() - t0
         data = [e[6:].strip() for e in events if e.startswith(b"data: ")]
@@ -961,6 +1009,58 @@ def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_drain_answers_new_requests_with_a_json_503(served):
+    """During the drain (`Serving.drain` after SIGTERM; its flag set directly here, at the app level)
+    every API route answers a JSON 503 `shutting_down` with Retry-After, /health turns 503 "draining"
+    (a load balancer stops sending), /stats and /metrics stay open."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}]}
+    with _app_client(served[3]) as c:
+        c.app.state.serving.draining = True
+        for method, path, body in (
+            ("POST", "/v1/completions", _BODY),
+            ("POST", "/v1/chat/completions", chat),
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"prompt": "x"}),
+        ):
+            r = c.request(method, path, json=body)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1", (path, r.text)
+            assert r.json()["error"]["code"] == "shutting_down" and r.json()["error"]["type"] == "server_error"
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "draining"
+        assert c.get("/stats").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+def test_draining_server_listens_until_the_requests_in_flight_end():
+    """The first signal starts the drain, not uvicorn's shutdown (which closes the listening socket:
+    new clients would be refused at connect instead of answered 503); the shutdown begins once no
+    request is in flight or at --drain-timeout, and at once on a second signal."""
+    import asyncio
+    import signal
+    import types
+
+    import uvicorn
+
+    from gemma4_nnx.serve.app import DrainingServer
+
+    def server(in_flight, drain_timeout=60.0):
+        serving = types.SimpleNamespace(draining=False, in_flight=in_flight)
+        serving.drain = lambda timeout: setattr(serving, "draining", True)
+        s = DrainingServer(uvicorn.Config(app=None), serving, drain_timeout)
+        s.handle_exit(signal.SIGTERM, None)
+        assert serving.draining
+        return s, serving
+
+    busy, serving = server(in_flight=1)
+    assert not asyncio.run(busy.on_tick(1)) and not busy.should_exit  # still serving: a request in flight
+    serving.in_flight = 0
+    assert asyncio.run(busy.on_tick(1))  # nothing in flight: shut down
+    assert asyncio.run(server(in_flight=1, drain_timeout=0.0)[0].on_tick(1))  # the drain bound passed
+    again, _ = server(in_flight=1)
+    again.handle_exit(signal.SIGTERM, None)
+    assert asyncio.run(again.on_tick(1))  # a second signal: shut down now
+    assert again._captured_signals == [signal.SIGTERM] * 2  # re-raised by uvicorn after its shutdown
 
 
 def test_precompile_all_covers_every_prompt_bucket():

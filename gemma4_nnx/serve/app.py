@@ -21,15 +21,16 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   /tokenizer_info` (special tokens, vocabulary size, --max-length: clients that tokenize through
   the server read it first).
 * `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
-  503 while the last request the engine ran failed); `GET /metrics` (Prometheus text format:
-  latency histograms, tokens, responses by status, engine counters; `serve.metrics`); `GET /stats`
+  503 while the last request the engine ran failed, or during the drain after SIGTERM); `GET
+  /metrics` (Prometheus text format: latency histograms, tokens, responses by status, engine
+  counters; `serve.metrics`); `GET /stats`
   (the engine's counters as JSON: decode steps, how many were shared by several requests, rows in
   flight, compilations).
 
 Every bad request gets a 4xx with an OpenAI-style body `{"error": {"message", "type", "param",
 "code"}}` (`param` names the field); a client that disconnects frees its batch row at the next step.
-Before the routes, `guard.Guard` checks the API key (`--api-key`), the content type (JSON only) and
-the body size (`--max-body-bytes`).
+Before the routes, `guard.Guard` checks the API key (`--api-key`), the drain (503 after SIGTERM),
+the content type (JSON only) and the body size (`--max-body-bytes`).
 
 Tensor parallel: `--tensor-parallel-size N` loads the weights sharded over N local devices (heads,
 MLP width and vocabulary over the mesh axis "tp", `gemma4_nnx.sharding`) and the engine shards its
@@ -48,7 +49,7 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import Engine, EngineError
-from gemma4_nnx.serve.guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
+from gemma4_nnx.serve.guard import BODY_SCOPE_KEY, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
 from gemma4_nnx.serve.protocol import (
@@ -65,7 +66,7 @@ from gemma4_nnx.serve.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, validation_error
+from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, parse_error, validation_error
 
 try:
     import uvicorn
@@ -148,7 +149,12 @@ def create_app(
     app = FastAPI(title="gemma4_nnx", description="OpenAI-compatible API over a Gemma 4 model", lifespan=lifespan)
     precheck = Precheck(engine.tokenizer, engine.max_length, max_prompts, precheck_bytes)
     app.add_middleware(
-        Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout, precheck=precheck
+        Guard,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        body_timeout=body_timeout,
+        precheck=precheck,
+        draining=lambda: serving.draining,
     )
     app.add_middleware(CountResponses, metrics=metrics)  # outside the guard: its refusals count too
     app.state.engine = engine
@@ -158,6 +164,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
+        if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):  # the body's parse
+            return JSONResponse(parse_error(exc.__cause__, request.scope.get(BODY_SCOPE_KEY)).body(), status_code=400)
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(str(exc.detail), type_=type_).body(), status_code=exc.status_code)
 
@@ -172,9 +180,9 @@ def create_app(
     @app.get("/health")
     async def health():
         failing = engine.last_outcome == "error"
-        ok = state["ready"] and engine.alive and not failing
+        ok = state["ready"] and engine.alive and not failing and not serving.draining
         body = {
-            "status": "ok" if ok else "unavailable",
+            "status": "ok" if ok else "draining" if serving.draining else "unavailable",
             "ready": state["ready"],
             "engine_alive": engine.alive,
             "warmup_error": state["warmup_error"],
@@ -340,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM/Ctrl-C, seconds in-flight requests may take to finish before they are cancelled (default 30)",
+        help="on SIGTERM/Ctrl-C, seconds in-flight requests may take to finish before they are cancelled, new "
+        "ones getting 503 meanwhile (default 30)",
     )
     p.add_argument(
         "--header-timeout",
@@ -458,8 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         http=header_timeout_protocol(args.header_timeout),
         timeout_keep_alive=args.timeout_keep_alive,
         limit_concurrency=args.limit_concurrency,
-        # our drain ends every request cleanly at --drain-timeout; uvicorn's own bound is the backstop
-        timeout_graceful_shutdown=args.drain_timeout + _DRAIN_MARGIN_S,
+        # uvicorn shuts down after our drain (every request ended cleanly by --drain-timeout): its own
+        # bound is the backstop
+        timeout_graceful_shutdown=_DRAIN_MARGIN_S,
     )
     DrainingServer(config, app.state.serving, args.drain_timeout).run()
     engine.close()
@@ -520,21 +530,31 @@ def header_timeout_protocol(seconds: float) -> type:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server; the first SIGTERM / Ctrl-C also starts the drain (`Serving.drain`): no new
-    requests, and the ones in flight end cleanly after `drain_timeout` seconds."""
+    """uvicorn's server; the first SIGTERM / Ctrl-C starts the drain (`Serving.drain`): the server
+    keeps listening and answers new API requests 503 `shutting_down` (and /health 503) while the
+    requests in flight finish, ended cleanly after `drain_timeout` seconds; then uvicorn shuts down
+    (closes the socket, re-raises the signal). A second signal starts that shutdown at once."""
 
     def __init__(self, config: uvicorn.Config, serving: Serving, drain_timeout: float):
         super().__init__(config)
         self.serving, self.drain_timeout = serving, drain_timeout
+        self.drain_end = None
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.serving.draining:
-            print(
-                f"gemma4-serve: shutting down: requests in flight have {self.drain_timeout:g} s to finish",
-                file=sys.stderr,
-            )
-            self.serving.drain(self.drain_timeout)
-        super().handle_exit(sig, frame)
+        if self.serving.draining:
+            return super().handle_exit(sig, frame)
+        print(
+            f"gemma4-serve: shutting down: requests in flight have {self.drain_timeout:g} s to finish",
+            file=sys.stderr,
+        )
+        self._captured_signals.append(sig)  # uvicorn re-raises it once it has shut down
+        self.serving.drain(self.drain_timeout)
+        self.drain_end = time.monotonic() + self.drain_timeout
+
+    async def on_tick(self, counter: int) -> bool:  # every 0.1 s on the event loop
+        if self.drain_end is not None and (self.serving.in_flight == 0 or time.monotonic() > self.drain_end):
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def _loopback(host: str) -> bool:

@@ -3,7 +3,7 @@
 A plain ASGI middleware (no request buffering of its own), in front of the FastAPI app:
 
 * `api_key`: `/v1/*`, `/tokenize`, `/detokenize` and `/tokenizer_info` need `Authorization: Bearer <key>` (401
-  otherwise, compared in constant time); `/health`, `/metrics`, `/stats`, `/docs` and
+  with `WWW-Authenticate: Bearer` otherwise, compared in constant time); `/health`, `/metrics`, `/stats`, `/docs` and
   `/openapi.json` stay open (probes and schema readers carry no key). vLLM's `--api-key`.
 * POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
   form to a local server without a CORS preflight, JSON it cannot.
@@ -11,6 +11,8 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
   is read; a body without one (chunked) is refused as soon as it passes the limit.
 * `body_timeout`: the whole body must arrive within it (408 otherwise): a client sending a byte a
   second cannot hold a connection.
+* `draining`: a `() -> bool`; while it is true (the drain after SIGTERM) the API paths get 503
+  `shutting_down` with `Retry-After`.
 * `precheck`: an async `(path, body) -> ApiError | None` run on the whole body before the app
   (`precheck.Precheck`: large bodies are parsed and tokenized in a helper process first).
 
@@ -24,14 +26,15 @@ import hmac
 import json
 import time
 
-from gemma4_nnx.serve.serving import ApiError
+from gemma4_nnx.serve.serving import ApiError, shutting_down
 
-__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
+__all__ = ["BODY_SCOPE_KEY", "DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 # besides /v1/*: they run the server's tokenizer
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole request body
+BODY_SCOPE_KEY = "gemma4_nnx.body"  # a POST's whole body, in the ASGI scope the app gets
 
 
 class Guard:
@@ -45,8 +48,10 @@ class Guard:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         precheck=None,
+        draining=None,
     ):
         self.app = app
+        self.draining = draining
         self.precheck = precheck
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -87,8 +92,9 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        body = scope[BODY_SCOPE_KEY] = b"".join(chunks)  # for the app's parse error handler (`parse_error`)
         if self.precheck is not None:  # a large body bound to be refused is answered without parsing it here
-            refusal = await self.precheck(path, b"".join(chunks))
+            refusal = await self.precheck(path, body)
             if refusal is not None:
                 return await _respond(send, refusal)
         replayed = False
@@ -97,23 +103,29 @@ class Guard:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: the client's disconnect, as the server reports it
 
         return await self.app(scope, replay, send)
 
     def _check(self, method: str, path: str, headers: dict[str, bytes]) -> ApiError | None:
-        if self.api_key is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
+        api = path.startswith("/v1/") or path in KEYED_PATHS
+        if self.api_key is not None and api:
             auth = headers.get("authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            bearer = scheme.lower() == b"bearer"
+            if not bearer or not hmac.compare_digest(token.strip(), self.api_key):
                 return ApiError(
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
                     "server was started with (--api-key / GEMMA4_API_KEY)",
                     status=401,
                     code="invalid_api_key",
                     type_="authentication_error",
+                    # RFC 6750: the challenge; an error code only when a bearer token was sent
+                    headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if bearer else "Bearer"},
                 )
+        if api and self.draining is not None and self.draining():
+            return shutting_down()
         if method == "POST":
             kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
             if kind != b"application/json":
@@ -147,7 +159,11 @@ async def _respond(send, error: ApiError) -> None:
         {
             "type": "http.response.start",
             "status": error.status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (error.headers or {}).items()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API as pydantic models: requests (validated on arrival) and responses.
 
 FastAPI builds `/openapi.json` and `/docs` from these models. Numbers, booleans and strings are
-*strict* (no "0.5" for 0.5, no 1 for true), as the OpenAI API is. Fields the OpenAI API defines but
-this server does not implement are declared and refused by name when set to anything but their
-neutral value (`suffix`, `tools`, `response_format`, ...), so a client learns which
-parameter to drop; fields nobody defined are ignored (clients add their own, e.g. `user`).
+*strict* (no "0.5" for 0.5, no 1 for true), as the OpenAI API is, and numbers finite (no NaN or
+Infinity). Fields the OpenAI API defines but this server does not implement are declared and
+refused by name when set to anything but their neutral value (`suffix`, `tools`,
+`response_format`, ...), so a client learns which parameter to drop; fields nobody defined are
+ignored (clients add their own, e.g. `user`).
 
 Extensions beyond OpenAI (as vLLM spells them): `top_k` (-1 / 0 = off), `min_p`,
 `repetition_penalty`, `ignore_eos`, `chat_template_kwargs.enable_thinking`.
@@ -84,12 +85,15 @@ UNSUPPORTED: dict[str, Any] = {
 
 
 class _Api(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # numbers must be finite: Python's JSON parser accepts NaN, Infinity and 1e999 (else a NaN
+    # temperature failed "less than or equal to 2")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class _Response(_Api):
     """A response body: fields named in `_omit_if_none` are left out while None (OpenAI omits them)."""
 
+    model_config = ConfigDict(allow_inf_nan=True)  # a non-finite logprob is reported as -9999.0 (`_finite`)
     _omit_if_none: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import random
+import sys
 import threading
 import time
 import uuid
@@ -204,6 +205,17 @@ class _Thinking:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 
+def shutting_down() -> ApiError:
+    """The 503 of a request that comes during the drain (`Serving.drain`)."""
+    return ApiError(
+        "the server is shutting down; retry on another instance",
+        status=503,
+        code="shutting_down",
+        type_="server_error",
+        headers={"Retry-After": "1"},
+    )
+
+
 def validation_error(errors: list[dict]) -> ApiError:
     """The first pydantic error (FastAPI's or pydantic's own `errors()`) as an OpenAI-style 400:
     `param` is the top-level body field."""
@@ -221,6 +233,43 @@ def validation_error(errors: list[dict]) -> ApiError:
     if err.get("type") == "missing":
         return ApiError(f"'{where}' is required", field)
     return ApiError(f"'{where}': {msg.removeprefix('Value error, ')}", field)
+
+
+def parse_error(error: Exception, body: bytes | None) -> ApiError:
+    """The 400 of a body Python's JSON parser refused other than by a syntax error (FastAPI answers
+    those with a bare "There was an error parsing the body"): bytes that are not UTF-8, an integer
+    beyond Python's digit limit (its field named: the body is parsed again with such integers kept
+    aside), nesting deeper than the parser's recursion limit."""
+    if isinstance(error, UnicodeDecodeError):
+        return ApiError(f"the request body is not valid UTF-8 JSON ({error.reason} at byte {error.start})")
+    if isinstance(error, RecursionError):
+        return ApiError("the request body is not valid JSON: its arrays / objects nest too deeply")
+
+    class Huge(int):  # the digit count of an integer int() refuses
+        pass
+
+    def parse_int(digits: str) -> int:
+        try:
+            return int(digits)
+        except ValueError:
+            return Huge(len(digits.lstrip("-")))
+
+    try:
+        stack = [((), json.loads(body, parse_int=parse_int))]
+    except Exception:
+        return ApiError(f"the request body could not be parsed as JSON ({error})")
+    while stack:  # the first huge integer in document order
+        loc, node = stack.pop()
+        if isinstance(node, Huge):
+            what = f"'{'.'.join(map(str, loc))}'" if loc else "the request body"
+            return ApiError(
+                f"{what} is an integer of {int(node)} digits; this server parses integers of at most "
+                f"{sys.get_int_max_str_digits()} digits",
+                loc[0] if loc and isinstance(loc[0], str) else None,
+            )
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack += reversed([((*loc, k), v) for k, v in items])
+    return ApiError(f"the request body could not be parsed as JSON ({error})")
 
 
 def response_grammar(fmt) -> str | None:
@@ -435,14 +484,8 @@ class Serving:
     def admit(self, n: int) -> None:
         """Count n prompts in, or refuse them (429 + Retry-After) beyond --max-concurrent-requests;
         `release` counts them out. Every prompt of a list counts."""
-        if self.draining:
-            raise ApiError(
-                "the server is shutting down; retry on another instance",
-                status=503,
-                code="shutting_down",
-                type_="server_error",
-                headers={"Retry-After": "1"},
-            )
+        if self.draining:  # the guard refuses new requests already; these were past it when the drain began
+            raise shutting_down()
         limit = self.max_concurrent_requests
         if limit is not None and self.in_flight + n > limit:
             raise ApiError(
