@@ -436,6 +436,24 @@ def test_attend_split_over_a_long_cache_equals_float64_reference(b, s, n, kh, h,
 
 
 @needs_kernels
+def test_attend_row_is_the_same_alone_or_batched():
+    """A row's attention is bit for bit the same alone, beside rows of other lengths, and among more
+    queries (verification): how its span is split depends on that span alone, not on the batch."""
+    rng = np.random.default_rng(1)
+    b, n, kh, h, t = 3, 4, 1, 256, 3000
+    q = rng.standard_normal((b, 4, n, h)).astype(np.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32) for _ in range(2))
+    kpos = np.stack([np.where(np.arange(t) < held, np.arange(t), -1) for held in (2900, 300, 1500)]).astype(np.int32)
+    qpos = (np.array([2899, 299, 1499])[:, None] - np.arange(4)[::-1]).astype(np.int32)
+    batched = np.asarray(cpu_kernels.attend(jnp.asarray(q), k, v, kpos, qpos, None, 1.0))
+    for r in range(b):
+        alone = cpu_kernels.attend(
+            jnp.asarray(q[r : r + 1, -1:]), k[r : r + 1], v[r : r + 1], kpos[r : r + 1], qpos[r : r + 1, -1:], None, 1.0
+        )
+        np.testing.assert_array_equal(np.asarray(alone)[0, 0], batched[r, -1])
+
+
+@needs_kernels
 def test_attend_and_kv_write_use_the_first_rows_of_a_larger_cache():
     """The decode core steps the first m rows of a cache of more rows without copying them out:
     `attend` with q [2, ...] over a 5-row cache reads rows 0 and 1 (float64 reference of those rows,

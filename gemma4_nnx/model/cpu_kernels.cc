@@ -1331,67 +1331,51 @@ inline std::pair<int64_t, int64_t> visible_span(const int32_t* kpos, int64_t T, 
   return {lo, hi};
 }
 
-// Split-K (flash decoding) below this many tasks per worker, into ranges of at least kSplitSlots slots.
-constexpr int64_t kSplitTasks = 4;
-constexpr int64_t kSplitSlots = 128;
+// Split-K (flash decoding): each query's visible span (its first to its last visible slot, not the cache
+// length: a global cache of 32K slots at depth 1K has its keys in the first 1K) is cut into ranges of
+// about kRangeSlots slots, one task each, so batch-1 decode (one unit per KV head: one on the Gemma 3
+// 270M and E2B) still spreads over the pool, a sliding layer's 512-slot window over 2 tasks. The cut
+// depends on that query's span alone, and each range leaves its own (m, l, acc), merged in range
+// order: a row's result does not depend on the batch it is in, the other rows or the thread count.
+// 256 slots: a range's merge costs G * H multiply-adds, ~0.2% of its G * H * 2 * 256; 128 measured no
+// faster at 1K-32K (bench/attend_depth.py), and a split chosen from the task count (fewer, longer
+// ranges at large batches) made a row's sums depend on its batch.
+constexpr int64_t kRangeSlots = 256;
 
 template <typename E>
 void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const int32_t* kpos, const int32_t* qpos,
             float* out, int64_t B, int64_t S, int64_t N, int64_t T, int64_t KH, int64_t H, int64_t window,
             float scale) {
-  const int64_t G = N / KH, row = KH * H, units = B * S * KH;
-  // One unit per query row and KV head (its G query heads together); below ~1 M multiply-adds in all the
-  // pool costs more than it saves.
-  const bool serial = B * S * N * T * H < (int64_t{1} << 20);
-  // Split-K: batch-1 decode has only KH units (one, on the Gemma 3 270M and E2B), too few for the pool.
-  // Then each query's visible span (not the cache length: a global cache of 32K slots at depth 1K has
-  // its keys in the first 1K) is cut into P ranges, P such that there are about kSplitTasks tasks per
-  // worker (the atomic counter evens out ranges with fewer visible slots) but each range has at least
-  // kSplitSlots slots (its partial costs G * H floats to merge). Each range leaves its own (m, l, acc),
-  // merged in range order afterwards, so the result does not depend on which thread ran what.
-  int64_t P = 1;
-  std::vector<std::pair<int64_t, int64_t>> span;
-  if (!serial && units < kSplitTasks * workers(pool)) {
-    int64_t longest = 0;
-    for (int64_t bs = 0; bs < B * S; ++bs) {
-      span.push_back(visible_span(kpos + bs / S * T, T, qpos[bs], window));
-      longest = std::max(longest, span.back().second - span.back().first);
-    }
-    P = std::min((kSplitTasks * workers(pool) + units - 1) / units, longest / kSplitSlots);
+  const int64_t G = N / KH, row = KH * H, units = B * S * KH;  // a unit: a query and its KV head's G heads
+  std::vector<std::pair<int64_t, int64_t>> span(static_cast<size_t>(B * S));
+  for (int64_t bs = 0; bs < B * S; ++bs) span[bs] = visible_span(kpos + bs / S * T, T, qpos[bs], window);
+  std::vector<int64_t> first(static_cast<size_t>(units + 1), 0);  // the first range (task) of each unit
+  for (int64_t u = 0; u < units; ++u) {
+    const auto [lo, hi] = span[u / KH];
+    first[u + 1] = first[u] + std::max<int64_t>(1, (hi - lo + kRangeSlots / 2) / kRangeSlots);
   }
-  if (P <= 1) {
-    auto task = [&](int64_t u) {
-      thread_local std::vector<float> ml;
-      if (static_cast<int64_t>(ml.size()) < 2 * G) ml.resize(2 * G);
-      const int64_t kh = u % KH, bs = u / KH, b = bs / S;
-      float* o = out + (bs * N + kh * G) * H;
-      attend_range(Q + (bs * N + kh * G) * H, K + b * T * row + kh * H, V + b * T * row + kh * H, kpos + b * T, 0, T,
-                   row, G, H, qpos[bs], window, scale, ml.data(), ml.data() + G, o);
-      for (int64_t g = 0; g < G; ++g) {
-        if (ml[G + g] > 0.f)  // else the head saw nothing: acc is zeros
-          for (int64_t j = 0; j < H; ++j) o[g * H + j] /= ml[G + g];
-      }
-    };
-    if (serial) {
-      for (int64_t u = 0; u < units; ++u) task(u);
-    } else {
-      parallel_for(pool, units, task);
-    }
-    return;
-  }
-  const int64_t part = G * (H + 2);  // one range's m[G], l[G], acc[G, H]
-  std::vector<float> parts(static_cast<size_t>(units * P * part));
-  parallel_for(pool, units * P, [&](int64_t i) {
-    const int64_t u = i / P, r = i % P, kh = u % KH, bs = u / KH, b = bs / S;
+  const int64_t tasks = first[units], part = G * (H + 2);  // one range's m[G], l[G], acc[G, H]
+  std::vector<float> parts(static_cast<size_t>(tasks * part));
+  std::vector<int64_t> unit_of(static_cast<size_t>(tasks));
+  for (int64_t u = 0; u < units; ++u) std::fill(unit_of.begin() + first[u], unit_of.begin() + first[u + 1], u);
+  auto task = [&](int64_t i) {
+    const int64_t u = unit_of[i], r = i - first[u], P = first[u + 1] - first[u];
+    const int64_t kh = u % KH, bs = u / KH, b = bs / S;
     const auto [lo, hi] = span[bs];
     float* pt = parts.data() + i * part;
     attend_range(Q + (bs * N + kh * G) * H, K + b * T * row + kh * H, V + b * T * row + kh * H, kpos + b * T,
                  lo + (hi - lo) * r / P, lo + (hi - lo) * (r + 1) / P, row, G, H, qpos[bs], window, scale, pt,
                  pt + G, pt + 2 * G);
-  });
+  };
+  // below ~1 M multiply-adds in all the pool costs more than it saves (same arithmetic either way)
+  if (B * S * N * T * H < (int64_t{1} << 20)) {
+    for (int64_t i = 0; i < tasks; ++i) task(i);
+  } else {
+    parallel_for(pool, tasks, task);
+  }
   for (int64_t u = 0; u < units; ++u) {
-    const int64_t kh = u % KH, bs = u / KH;
-    const float* pu = parts.data() + u * P * part;
+    const int64_t kh = u % KH, bs = u / KH, P = first[u + 1] - first[u];
+    const float* pu = parts.data() + first[u] * part;
     for (int64_t g = 0; g < G; ++g) {
       float* o = out + (bs * N + kh * G + g) * H;
       float top = -std::numeric_limits<float>::infinity(), total = 0.f;
