@@ -398,6 +398,62 @@ def test_attend_equals_float64_reference(b, s, n, kh, h, t, window, dtype, scale
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    "b,s,n,kh,h,t,window,dtype",
+    [
+        (1, 1, 8, 1, 512, 5000, None, jnp.float32),  # E2B global decode: 8 query heads on one KV head
+        (1, 3, 4, 1, 256, 4000, 700, jnp.bfloat16),  # the 270M's 4 on 1, a window, 3 queries
+        (1, 1, 2, 2, 120, 5000, None, jnp.bfloat16),  # one query head per KV head, H not a multiple of 16
+        (2, 1, 8, 1, 64, 3000, 900, jnp.float32),  # slots in any order (a ring), 2 rows
+    ],
+)
+def test_attend_split_over_a_long_cache_equals_float64_reference(b, s, n, kh, h, t, window, dtype):
+    """Few queries over thousands of slots: B * S * KH <= 3 units (query row, KV head), too few for any
+    pool, so each query's visible span is cut into ranges (split-K) whose partial softmaxes are merged.
+    A hole of empty slots leaves whole ranges with nothing visible, keys after a query and outside its
+    window are skipped, the last query (of several) sees nothing (a window over the hole only, or
+    position -1), and the cache has one row more than q (query row b reads cache row b)."""
+    rng = np.random.default_rng(t + h)
+    q = (rng.standard_normal((b, s, n, h)) / np.sqrt(h)).astype(np.float32)
+    k, v = (
+        np.asarray(jnp.asarray(rng.standard_normal((b + 1, t, kh, h)), dtype).astype(jnp.float32)) for _ in range(2)
+    )
+    # positions 0 .. 0.9 t in slot order, but for a hole of empty slots at [0.3 t, 0.55 t) and the empty tail
+    pos = np.where(np.arange(t) < 0.9 * t, np.arange(t), -1)
+    pos[int(0.3 * t) : int(0.55 * t)] = -1
+    kpos = np.stack([pos if r % 2 == 0 else pos[rng.permutation(t)] for r in range(b)] + [pos]).astype(np.int32)
+    qpos = rng.integers(int(0.6 * t), int(0.9 * t), (b, s)).astype(np.int32)
+    if b * s > 1:
+        qpos[-1, -1] = int(0.5 * t) if window and window < 0.2 * t else -1
+    ref = attention_f64(q.astype(np.float64), k[:b], v[:b], kpos[:b], qpos, window, 0.9)
+    got = jax.jit(cpu_kernels.attend, static_argnums=(5, 6))(
+        jnp.asarray(q), jnp.asarray(k, dtype), jnp.asarray(v, dtype), kpos, qpos, window, 0.9
+    )
+    # the outputs are means over ~1000 values (~0.2): float32 rounding stays below ~1e-7
+    assert float(np.max(np.abs(np.asarray(got, np.float64) - ref))) <= 2e-6 * float(np.max(np.abs(ref)))
+    if b * s > 1:
+        np.testing.assert_array_equal(np.asarray(got)[-1, -1], 0.0)
+
+
+@needs_kernels
+def test_attend_row_is_the_same_alone_or_batched():
+    """A row's attention is bit for bit the same alone, beside rows of other lengths, and among more
+    queries (verification): how its span is split depends on that span alone, not on the batch."""
+    rng = np.random.default_rng(1)
+    b, n, kh, h, t = 3, 4, 1, 256, 3000
+    q = rng.standard_normal((b, 4, n, h)).astype(np.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32) for _ in range(2))
+    kpos = np.stack([np.where(np.arange(t) < held, np.arange(t), -1) for held in (2900, 300, 1500)]).astype(np.int32)
+    qpos = (np.array([2899, 299, 1499])[:, None] - np.arange(4)[::-1]).astype(np.int32)
+    batched = np.asarray(cpu_kernels.attend(jnp.asarray(q), k, v, kpos, qpos, None, 1.0))
+    for r in range(b):
+        alone = cpu_kernels.attend(
+            jnp.asarray(q[r : r + 1, -1:]), k[r : r + 1], v[r : r + 1], kpos[r : r + 1], qpos[r : r + 1, -1:], None, 1.0
+        )
+        np.testing.assert_array_equal(np.asarray(alone)[0, 0], batched[r, -1])
+
+
+@needs_kernels
 def test_attend_and_kv_write_use_the_first_rows_of_a_larger_cache():
     """The decode core steps the first m rows of a cache of more rows without copying them out:
     `attend` with q [2, ...] over a 5-row cache reads rows 0 and 1 (float64 reference of those rows,

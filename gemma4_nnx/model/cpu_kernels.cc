@@ -1217,7 +1217,8 @@ ffi::Error QDequant(ffi::ThreadPool pool, ffi::AnyBuffer codes, Matrix scales, M
 // attention.visibility computes). Only visible slots are read; a query that sees none gives zeros.
 // The cache may have more rows than q (the decode core steps the first B rows of a larger cache):
 // query row b reads cache row b.
-// K / V float32 or bfloat16, summed in float32 in slot order (XLA sums in another order: ~1e-7).
+// K / V float32 or bfloat16, summed in float32 in slot order within each slot range of the split below,
+// the ranges merged in order (XLA sums in another order: ~1e-7).
 template <typename A, typename B>
 bool same_dims(const A& a, const B& b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
@@ -1233,59 +1234,163 @@ inline f32x16 kv_load(const E* p) {
   else return load_bf16(p);
 }
 
+// Attention of the G query heads q[G, H] that share one KV head over slots [t0, t1) of the cache, as an
+// online softmax: per head the largest score m, the sum l of exp(score - m) and acc[H] = the sum of
+// exp(score - m) v. Each visible key and value is read once for all G heads (a task per query head read
+// them G times), and no buffer of the range's length is kept. The scores go in blocks of kAttendBlock
+// visible slots, so the running maximum (and the rescaling of acc when it rises) is paid per block,
+// not per key. A head that sees nothing ends with m = -inf, l = 0, acc = 0.
+constexpr int64_t kAttendBlock = 32;
+
 template <typename E>
-void attend_query(const float* __restrict__ q, const E* __restrict__ k, const E* __restrict__ v,
-                  const int32_t* __restrict__ kpos, int64_t T, int64_t row, int64_t H, int32_t qp, int64_t window,
-                  float scale, float* __restrict__ scores, int32_t* __restrict__ seen, float* __restrict__ out) {
+void attend_range(const float* __restrict__ q, const E* __restrict__ k, const E* __restrict__ v,
+                  const int32_t* __restrict__ kpos, int64_t t0, int64_t t1, int64_t row, int64_t G, int64_t H,
+                  int32_t qp, int64_t window, float scale, float* __restrict__ m, float* __restrict__ l,
+                  float* __restrict__ acc) {
   const int64_t hv = H / 16 * 16;
-  int64_t n_seen = 0;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < T; ++t) {
-    const int32_t p = kpos[t];
-    if (p < 0 || p > qp || (window > 0 && int64_t{p} <= int64_t{qp} - window)) continue;
-    const E* kt = k + t * row;
-    f32x16 acc{};
-    for (int64_t j = 0; j < hv; j += 16) acc += load_f32(q + j) * kv_load(kt + j);
-    float d = hsum(acc);
-    for (int64_t j = hv; j < H; ++j) d += q[j] * kv_elem(kt, j);
-    d *= scale;
-    seen[n_seen] = static_cast<int32_t>(t);
-    scores[n_seen++] = d;
-    top = std::max(top, d);
-  }
-  for (int64_t j = 0; j < H; ++j) out[j] = 0.f;
-  if (n_seen == 0) return;
-  float total = 0.f;
-  for (int64_t i = 0; i < n_seen; ++i) total += (scores[i] = std::exp(scores[i] - top));
-  for (int64_t i = 0; i < n_seen; ++i) {
-    const float w = scores[i] / total;
-    const E* vt = v + seen[i] * row;
-    int64_t j = 0;
-    for (; j < hv; j += 16) store_f32(out + j, load_f32(out + j) + w * kv_load(vt + j));
-    for (; j < H; ++j) out[j] += w * kv_elem(vt, j);
+  thread_local std::vector<float> buf;  // p[g * kAttendBlock + i]: scores, then their exponentials
+  if (static_cast<int64_t>(buf.size()) < G * kAttendBlock) buf.resize(G * kAttendBlock);
+  float* __restrict__ p = buf.data();
+  int32_t seen[kAttendBlock];
+  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + G, 0.f);
+  std::fill(acc, acc + G * H, 0.f);
+  for (int64_t t = t0; t < t1;) {
+    int64_t n = 0;
+    for (; t < t1 && n < kAttendBlock; ++t) {
+      const int32_t pos = kpos[t];
+      if (pos < 0 || pos > qp || (window > 0 && int64_t{pos} <= int64_t{qp} - window)) continue;
+      seen[n++] = static_cast<int32_t>(t);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const E* kt = k + seen[i] * row;
+      // The value rows are read 16 columns at a time across the block below: fetched into L2 now.
+      const char* vb = reinterpret_cast<const char*>(v + seen[i] * row);
+      for (int64_t j = 0; j < H * int64_t{sizeof(E)}; j += 64) __builtin_prefetch(vb + j, 0, 2);
+      for_row_blocks(G, [&](auto mb, int64_t g0) {
+        constexpr int MB = decltype(mb)::value;
+        f32x16 s[MB] = {};
+        for (int64_t j = 0; j < hv; j += 16) {
+          const f32x16 kc = kv_load(kt + j);
+          for (int r = 0; r < MB; ++r) s[r] += load_f32(q + (g0 + r) * H + j) * kc;
+        }
+        for (int r = 0; r < MB; ++r) {
+          float d = hsum(s[r]);
+          for (int64_t j = hv; j < H; ++j) d += q[(g0 + r) * H + j] * kv_elem(kt, j);
+          p[(g0 + r) * kAttendBlock + i] = d * scale;
+        }
+      });
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* pg = p + g * kAttendBlock;
+      float top = m[g];
+      for (int64_t i = 0; i < n; ++i) top = std::max(top, pg[i]);
+      if (top > m[g]) {
+        if (l[g] > 0.f) {  // earlier keys were weighed against a smaller maximum
+          const float c = std::exp(m[g] - top);
+          l[g] *= c;
+          for (int64_t j = 0; j < H; ++j) acc[g * H + j] *= c;
+        }
+        m[g] = top;
+      }
+      for (int64_t i = 0; i < n; ++i) l[g] += (pg[i] = std::exp(pg[i] - top));
+    }
+    // Each 16 columns of acc stay in registers over the block's values: one store per block instead
+    // of one per value (a 64-byte store takes two cycles on Zen 4; per value, the stores bounded it).
+    const E* vr[kAttendBlock];
+    for (int64_t i = 0; i < n; ++i) vr[i] = v + seen[i] * row;
+    for_row_blocks(G, [&](auto mb, int64_t g0) {
+      constexpr int MB = decltype(mb)::value;
+      const float* w = p + g0 * kAttendBlock;
+      int64_t j = 0;
+      for (; j < hv; j += 16) {
+        f32x16 a[MB];
+        for (int r = 0; r < MB; ++r) a[r] = load_f32(acc + (g0 + r) * H + j);
+        for (int64_t i = 0; i < n; ++i) {
+          const f32x16 vc = kv_load(vr[i] + j);
+          for (int r = 0; r < MB; ++r) a[r] += w[r * kAttendBlock + i] * vc;
+        }
+        for (int r = 0; r < MB; ++r) store_f32(acc + (g0 + r) * H + j, a[r]);
+      }
+      for (; j < H; ++j)
+        for (int r = 0; r < MB; ++r)
+          for (int64_t i = 0; i < n; ++i) acc[(g0 + r) * H + j] += w[r * kAttendBlock + i] * kv_elem(vr[i], j);
+    });
   }
 }
+
+// Slots [lo, hi) around the slots visible to a query at qp: the first and the last visible one.
+inline std::pair<int64_t, int64_t> visible_span(const int32_t* kpos, int64_t T, int32_t qp, int64_t window) {
+  auto visible = [&](int64_t t) {
+    const int32_t p = kpos[t];
+    return p >= 0 && p <= qp && (window <= 0 || int64_t{p} > int64_t{qp} - window);
+  };
+  int64_t lo = 0, hi = T;
+  while (lo < T && !visible(lo)) ++lo;
+  while (hi > lo && !visible(hi - 1)) --hi;
+  return {lo, hi};
+}
+
+// Split-K (flash decoding): each query's visible span (its first to its last visible slot, not the cache
+// length: a global cache of 32K slots at depth 1K has its keys in the first 1K) is cut into ranges of
+// about kRangeSlots slots, one task each, so batch-1 decode (one unit per KV head: one on the Gemma 3
+// 270M and E2B) still spreads over the pool, a sliding layer's 512-slot window over 2 tasks. The cut
+// depends on that query's span alone, and each range leaves its own (m, l, acc), merged in range
+// order: a row's result does not depend on the batch it is in, the other rows or the thread count.
+// 256 slots: a range's merge costs G * H multiply-adds, ~0.2% of its G * H * 2 * 256; 128 measured no
+// faster at 1K-32K (bench/attend_depth.py), and a split chosen from the task count (fewer, longer
+// ranges at large batches) made a row's sums depend on its batch.
+constexpr int64_t kRangeSlots = 256;
 
 template <typename E>
 void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const int32_t* kpos, const int32_t* qpos,
             float* out, int64_t B, int64_t S, int64_t N, int64_t T, int64_t KH, int64_t H, int64_t window,
             float scale) {
-  const int64_t G = N / KH, row = KH * H;
-  // One task per query row and head; below ~1 M multiply-adds in all the pool costs more than it saves.
-  const int64_t tasks = B * S * N;
+  const int64_t G = N / KH, row = KH * H, units = B * S * KH;  // a unit: a query and its KV head's G heads
+  std::vector<std::pair<int64_t, int64_t>> span(static_cast<size_t>(B * S));
+  for (int64_t bs = 0; bs < B * S; ++bs) span[bs] = visible_span(kpos + bs / S * T, T, qpos[bs], window);
+  std::vector<int64_t> first(static_cast<size_t>(units + 1), 0);  // the first range (task) of each unit
+  for (int64_t u = 0; u < units; ++u) {
+    const auto [lo, hi] = span[u / KH];
+    first[u + 1] = first[u] + std::max<int64_t>(1, (hi - lo + kRangeSlots / 2) / kRangeSlots);
+  }
+  const int64_t tasks = first[units], part = G * (H + 2);  // one range's m[G], l[G], acc[G, H]
+  std::vector<float> parts(static_cast<size_t>(tasks * part));
+  std::vector<int64_t> unit_of(static_cast<size_t>(tasks));
+  for (int64_t u = 0; u < units; ++u) std::fill(unit_of.begin() + first[u], unit_of.begin() + first[u + 1], u);
   auto task = [&](int64_t i) {
-    thread_local std::vector<float> scores;
-    thread_local std::vector<int32_t> seen;
-    if (static_cast<int64_t>(scores.size()) < T) scores.resize(T), seen.resize(T);
-    const int64_t n = i % N, bs = i / N, b = bs / S;
-    const int64_t kh = n / G;
-    attend_query(Q + i * H, K + b * T * row + kh * H, V + b * T * row + kh * H, kpos + b * T, T, row, H, qpos[bs],
-                 window, scale, scores.data(), seen.data(), out + i * H);
+    const int64_t u = unit_of[i], r = i - first[u], P = first[u + 1] - first[u];
+    const int64_t kh = u % KH, bs = u / KH, b = bs / S;
+    const auto [lo, hi] = span[bs];
+    float* pt = parts.data() + i * part;
+    attend_range(Q + (bs * N + kh * G) * H, K + b * T * row + kh * H, V + b * T * row + kh * H, kpos + b * T,
+                 lo + (hi - lo) * r / P, lo + (hi - lo) * (r + 1) / P, row, G, H, qpos[bs], window, scale, pt,
+                 pt + G, pt + 2 * G);
   };
-  if (tasks * T * H < (int64_t{1} << 20)) {
+  // below ~1 M multiply-adds in all the pool costs more than it saves (same arithmetic either way)
+  if (B * S * N * T * H < (int64_t{1} << 20)) {
     for (int64_t i = 0; i < tasks; ++i) task(i);
   } else {
     parallel_for(pool, tasks, task);
+  }
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t kh = u % KH, bs = u / KH, P = first[u + 1] - first[u];
+    const float* pu = parts.data() + first[u] * part;
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = out + (bs * N + kh * G + g) * H;
+      float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t r = 0; r < P; ++r) top = std::max(top, pu[r * part + g]);
+      std::fill(o, o + H, 0.f);
+      if (top == -std::numeric_limits<float>::infinity()) continue;  // no range saw a key: zeros
+      for (int64_t r = 0; r < P; ++r) {
+        const float* pr = pu + r * part;
+        const float c = std::exp(pr[g] - top);  // 0 for a range that saw nothing (m = -inf)
+        total += c * pr[G + g];
+        const float* a = pr + 2 * G + g * H;
+        for (int64_t j = 0; j < H; ++j) o[j] += c * a[j];
+      }
+      for (int64_t j = 0; j < H; ++j) o[j] /= total;
+    }
   }
 }
 

@@ -393,7 +393,8 @@ def has_int8_dot() -> bool:
 
 # ------------------------------------------------------------------------------------------ KV cache
 #: `attend` serves up to this many queries per row (decode, speculative verification, short prompts);
-#: it reads every visible key once per query head, so longer chunks (prefill) stay XLA's dots.
+#: it reads every visible key once per query (for all the query heads of its KV head), so longer
+#: chunks (prefill) stay XLA's dots.
 ATTEND_QUERIES = 16
 
 
