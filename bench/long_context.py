@@ -6,12 +6,12 @@
 
 Per prompt length, each side runs in a fresh worker process (bench/decode.py's `Worker`), pinned with
 `taskset` to the same cores with the same threads; an untimed warm-up at that length (our programs
-compile there), then timed runs alternating between the sides. Ours: `generate` with default
+compile there), then timed runs alternating between the sides. Ours: `generate_stream` with default
 settings (no prefill_chunk, no max_length) on the checkpoint `gemma4-convert --quantize keep` writes
 from the file. llama.cpp: llama-cpp-python with n_ctx = prompt + new tokens, n_batch 512. Same token
 ids (a public-domain text repeated to length), greedy, end of sequence ignored. Figures: time to
-first token (prompt evaluation plus one token), decode tok/s at that depth = (N - 1) / (time(N) -
-time(1)), and the worker's peak RSS after all its runs.
+first token (prompt evaluation plus one token), decode tok/s at that depth = (N - 1) / (time from
+the first token to the N-th), and the worker's peak RSS after all its runs.
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ OURS = (
     + r"""
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, sys.argv[1])
-from gemma4_nnx import generate, load
+from gemma4_nnx import generate_stream, load
 model = load(args["ckpt"])
 res = {}
-def timed(b, n):
+def timed(b, n):  # n == 1: time to the first token; n > 1: from the first token to the n-th
     t = time.perf_counter()
-    generate(model, [PROMPT], n, stop_tokens=[])
-    return time.perf_counter() - t
+    for i, _ in enumerate(generate_stream(model, [PROMPT], n, stop_tokens=[])):
+        if i == 0:
+            first = time.perf_counter()
+    return first - t if n == 1 else time.perf_counter() - first
 """
     + WORKER_LOOP
 )
@@ -56,15 +58,17 @@ from llama_cpp import Llama
 llm = Llama(model_path=args["gguf"], n_threads=args["threads"], n_threads_batch=args["threads"],
             n_ctx=len(PROMPT) + args["new"] + 8, n_batch=512, verbose=False)
 res = {}
-def timed(b, n):
+def timed(b, n):  # as ours
     t = time.perf_counter()
     got = 0
     llm.reset()
     for _ in llm.generate(PROMPT, top_k=1, temp=0.0, reset=True):
         got += 1
+        if got == 1:
+            first = time.perf_counter()
         if got == n:
             break
-    return time.perf_counter() - t
+    return first - t if n == 1 else time.perf_counter() - first
 """
     + WORKER_LOOP
 )
@@ -105,8 +109,8 @@ def main(argv=None) -> int:
             workers["ours"] = Worker(OURS, dict(common, ckpt=ckpt), executable=[*pin, sys.executable])
         if "llama.cpp" in a.sides:
             workers["llama.cpp"] = Worker(LLAMA, dict(common, gguf=gguf), executable=[*pin, a.llama_python])
-        for w in workers.values():  # compile / warm up at this length
-            w.time(1, 2)
+        for w in workers.values():  # compile / warm up at this length (the decode loop of N tokens too)
+            w.time(1, a.new)
         pairs = {name: [] for name in workers}
         for _ in range(a.repeats):  # alternate
             for name, w in workers.items():
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
         row = {"prompt": length}
         for name, w in workers.items():
             ttft = _median([x[0] for x in pairs[name]])
-            step = _median([(x[1] - x[0]) / (a.new - 1) for x in pairs[name]])
+            step = _median([x[1] / (a.new - 1) for x in pairs[name]])
             row[name] = {"ttft_s": ttft, "decode_tok_s": 1 / step, "peak_rss_GB": w.close()["peak_rss_GB"]}
         rows.append(row)
         print(json.dumps(row), flush=True)
