@@ -31,10 +31,10 @@ model = load(args["ckpt"])
 tok = load_tokenizer(args["ckpt"])
 text = open(os.path.join(args["root"], "tests", "data", "public_domain.txt"), encoding="utf-8").read()
 ids = tok.encode(text, add_bos=False)
-engine = Engine(model, tok, max_batch=2, max_length=args["length"] + 64)
+engine = Engine(model, tok, max_batch=2, max_length=max(args["length"] + 64, 512))
 def once():
     stamps = []
-    a = engine.submit(tok.encode("The capital of France is", add_bos=True), 4000, stop_tokens=[],
+    a = engine.submit(tok.encode("The capital of France is", add_bos=True), 400, stop_tokens=[],
                       sink=lambda ev: stamps.append(time.perf_counter()))
     while len(stamps) < 20:
         time.sleep(0.005)
