@@ -145,8 +145,11 @@ def _dequantized_float_model(qmodel, variant):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_model_is_the_float_model_of_its_dequantized_weights(variant, bits):
     """Every projection and the tied table quantized: logits equal the float model holding the
-    dequantized weights (1e-4: float32 summation order over ~10 layers, logits up to the softcap 30);
-    against the original float model, top-1 agreement and the logit error are reported and bounded."""
+    dequantized weights up to float32 summation order over ~10 layers, relative to the largest logit
+    (1.2e-5, as TEXT_REL_TOL in tests/test_multimodal.py: these random layers amplify float32 rounding
+    to ~6e-6 of the largest logit; an absolute 1e-4 failed at 1.02e-4 on logits of ~17 under jax
+    0.12 on an AVX-512 EPYC); against the original float model, top-1 agreement and the logit error
+    are reported and bounded."""
     model = random_model(variant)
     original = np.asarray(model(jnp.asarray(PROMPTS[1:2])))
     done = quant.quantize(model, bits, 8)
@@ -156,7 +159,8 @@ def test_quantized_model_is_the_float_model_of_its_dequantized_weights(variant, 
     ref = _dequantized_float_model(model, variant)
     ids = jnp.asarray(PROMPTS[1:2])
     got = np.asarray(model(ids))
-    np.testing.assert_allclose(got, np.asarray(ref(ids)), atol=1e-4, rtol=0)
+    want = np.asarray(ref(ids))
+    np.testing.assert_allclose(got, want, atol=1.2e-5 * float(np.max(np.abs(want))), rtol=0)
     top1 = float(np.mean(got.argmax(-1) == original.argmax(-1)))
     err = float(np.max(np.abs(got - original)))
     print(f"{variant} int{bits} group 8: top-1 agreement {top1:.2f}, max |logit error| {err:.3g}")
