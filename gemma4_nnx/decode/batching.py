@@ -43,8 +43,9 @@ def pow2(n: int) -> int:
 #: Without a `prefill_chunk`, prompts of more tokens than this prefill in chunks of this many columns
 #: (one program for every longer prompt; the chunk's queries attend block by block over the cache,
 #: `attention.KEY_BLOCK`), so a long prompt's prefill takes memory for its KV and a bounded working set.
-#: 512: prefill of the 270M on 2 cores ran 4K tokens 1.7x faster in chunks of 512 than whole, and a
-#: chunk this wide still multiplies each weight with enough rows to run at the blocked product's rate.
+#: 512: wide enough that every weight multiplies enough rows to run at the blocked product's rate,
+#: small enough that a chunk's working set, and the pause one chunk puts between a running stream's
+#: tokens in the engine, stay small (timings: README, "Long prompts against llama.cpp").
 AUTO_PREFILL_CHUNK = 512
 
 
