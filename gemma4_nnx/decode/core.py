@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx.decode.batching import PromptBatch, pow2
+from gemma4_nnx.decode.blocks import BLOCK_SIZE, BlockPool
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request
 from gemma4_nnx.decode.sampling import (
@@ -58,7 +59,7 @@ from gemma4_nnx.decode.sampling import (
     update_counts,
     update_seen,
 )
-from gemma4_nnx.model.cache import KVCache, head_rows, put_head_rows, put_rows, take_rows
+from gemma4_nnx.model.cache import KVCache, PagedCache, head_rows, put_head_rows, put_rows, take_rows
 
 Array = jax.Array
 
@@ -70,6 +71,7 @@ __all__ = [
     "Next",
     "RowState",
     "Scored",
+    "Snapshot",
     "Verified",
     "compiled_programs",
 ]
@@ -215,6 +217,17 @@ class Scored:
 
     logprob: list[float]
     top: list[list[tuple[int, float]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A row's cache kept for reuse (`Decoder.snapshot`): `rows`, a one-row copy of its per-row
+    layers (rings, plain caches); `blocks`, the pool blocks of its first `length` positions, which
+    the snapshot holds (`Decoder.release_snapshot` lets go of them)."""
+
+    rows: KVCache
+    blocks: tuple[int, ...]
+    length: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -759,14 +772,33 @@ def _empty_cache_jit(sharding):
     device; None: jax's default), so no `device_put` of ~50 arrays follows (~1 ms a call)."""
     placed = {} if sharding is None else {"out_shardings": sharding}
     return jax.jit(
-        lambda config, rows, length, dtype, extra: KVCache.init(config, rows, length, dtype, ring_extra=extra),
-        static_argnums=(0, 1, 2, 3, 4),
+        lambda config, rows, length, dtype, extra, block_size, blocks: KVCache.init(
+            config, rows, length, dtype, ring_extra=extra, block_size=block_size, blocks=blocks
+        ),
+        static_argnums=(0, 1, 2, 3, 4, 5, 6),
         **placed,
     )
 
 
-_snapshot_jit = jax.jit(lambda cache, idx: cache.take(idx))
+def _copy_blocks(cache: KVCache, src, dst) -> KVCache:
+    """Every pool's blocks `src` [n] copied into blocks `dst` [n] (a row's own copy of a shared block)."""
+    layers = {
+        i: dataclasses.replace(
+            c, k=c.k.at[dst].set(c.k[src]), v=c.v.at[dst].set(c.v[src]), pos=c.pos.at[dst].set(c.pos[src])
+        )
+        if isinstance(c, PagedCache)
+        else c
+        for i, c in cache.layers.items()
+    }
+    return KVCache(layers, cache.table)
+
+
+_snapshot_jit = jax.jit(lambda cache, idx: cache.rows_only().take(idx))
 _restore_jit = jax.jit(lambda cache, idx, snap, length: cache.put(idx, snap.forget_from(length)), donate_argnums=(0,))
+_copy_blocks_jit = jax.jit(_copy_blocks, donate_argnums=(0,))
+_set_rows_jit = jax.jit(
+    lambda rows, idx, init, hidden: put_rows(rows, idx, dataclasses.replace(init, hidden=hidden)), donate_argnums=(0,)
+)
 
 PROGRAMS = {
     "prefill": _prefill_jit,
@@ -779,6 +811,8 @@ PROGRAMS = {
     "score": _score_jit,
     "snapshot": _snapshot_jit,
     "restore": _restore_jit,
+    "copy_blocks": _copy_blocks_jit,
+    "set_rows": _set_rows_jit,
 }
 
 
@@ -833,6 +867,12 @@ class Decoder:
     assistant sees one key more than the target's window).
     requests: the rows' initial state (`start`; `rows` entries, None for an empty row); default: all
     rows empty.
+
+    The global donor layers' KV is paged (`gemma4_nnx.model.cache.PagedCache`, blocks of `block_size`
+    slots, `blocks` of them; `self.pool` keeps the accounts). blocks=None: enough for every row's
+    `max_length`, each row holding its blocks from the start (`generate`: a fixed batch); a number:
+    rows hold none until the driver gives them some (`reserve`; the engine's admission) and return
+    them when done (`release`).
     """
 
     def __init__(
@@ -848,6 +888,8 @@ class Decoder:
         speculative_tokens: int = 0,
         assistant=None,
         requests: Sequence[Request | None] | None = None,
+        blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
     ):
         _listen()
         self.config = model.config
@@ -870,6 +912,8 @@ class Decoder:
         self.stop_width, self.vocab_width = stop_width, vocab_width
         self.mesh = mesh
         self.speculative_tokens = speculative_tokens
+        self.block_size, self.fixed_blocks = block_size, blocks is None
+        self.blocks = rows * -(-max_length // block_size) if blocks is None else blocks
         self.compiles: dict[str, int] = {}
         self._draws_run: set[tuple] = set()  # (cfg, shape key) of every draw program run so far
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
@@ -890,8 +934,13 @@ class Decoder:
     def reset(self, requests: Sequence[Request | None] | None = None) -> None:
         """A fresh cache, and rows of these requests (None, the default: empty (done) rows)."""
 
+        geometry = (self.rows, self.max_length, self.cache_dtype, self.ring_extra, self.block_size, self.blocks)
+
         def init():
-            return KVCache.init(self.config, self.rows, self.max_length, self.cache_dtype, ring_extra=self.ring_extra)
+            rows, length, dtype, extra, block_size, blocks = geometry
+            return KVCache.init(
+                self.config, rows, length, dtype, ring_extra=extra, block_size=block_size, blocks=blocks
+            )
 
         if self.mesh is not None:  # created in place, shard by shard
             from gemma4_nnx import sharding
@@ -900,8 +949,38 @@ class Decoder:
         else:  # one program (compiled once per geometry) rather than ~5 dispatches per cache layer
             devices = self.weights[0].devices()
             one = jax.sharding.SingleDeviceSharding(next(iter(devices))) if len(devices) == 1 else None
-            cache = _empty_cache_jit(one)(self.config, self.rows, self.max_length, self.cache_dtype, self.ring_extra)
+            cache = _empty_cache_jit(one)(self.config, *geometry)
+        self.pool = None
+        if cache.table is not None:
+            self.pool = BlockPool(self.blocks, self.block_size, self.rows, cache.table.shape[1])
+            if self.fixed_blocks:
+                for row in range(self.rows):
+                    self.pool.grow(row, self.max_length)
         self.state = DecodeState(cache, self._place(self.build_rows(requests or [None] * self.rows)))
+        self._sync_table()
+
+    # ------------------------------------------------------------------ the block table
+    def _sync_table(self) -> None:
+        """Push the host's block table to the device cache when it changed."""
+        if self.pool is not None and self.pool.changed:
+            self.state = dataclasses.replace(
+                self.state, cache=self.state.cache.with_table(self._place(self.pool.table))
+            )
+            self.pool.changed = False
+
+    def reserve(self, row: int, length: int) -> bool:
+        """Give `row` the blocks for positions [0, length) (those it lacks); False when the pool has
+        too few free (nothing taken). Always True without paged layers or with fixed blocks."""
+        return self.pool is None or self.pool.grow(row, length)
+
+    def release(self, row: int) -> None:
+        """`row` gives its blocks back (its request ended or was preempted)."""
+        if self.pool is not None and not self.fixed_blocks:
+            self.pool.release(row)
+
+    def blocks_needed(self, row: int, length: int) -> int:
+        """Blocks `row` still lacks for positions [0, length) (0 without paged layers)."""
+        return 0 if self.pool is None else self.pool.need(row, length)
 
     def build_rows(self, requests: Sequence[Request | None]) -> RowState:
         """Host `RowState` of these requests (None: an empty row) with this decoder's widths."""
@@ -1009,6 +1088,7 @@ class Decoder:
                     fresh & (c0 == 0),
                 )
             )
+            self._sync_table()
             cache, logits = self._run(
                 "prefill",
                 _prefill_jit,
@@ -1137,6 +1217,7 @@ class Decoder:
         """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m
         (`mask` [m, W]: their token bitmasks, `cfg.constrained`)."""
         m = self.rows if m is None else m
+        self._sync_table()
         rows = self.state.rows
         cache, logits = self._run(
             "decode", _decode_jit, m, self.graphdef, self.weights, self.state.cache, rows.token, rows.pos, rows.done
@@ -1148,6 +1229,7 @@ class Decoder:
         """k assistant drafts for each of the first m rows ([m, k] int32, on device)."""
         if self.assistant is None:
             raise ValueError("this decoder has no assistant to draft with")
+        self._sync_table()
         return self._run(
             "draft",
             _draft_jit,
@@ -1177,6 +1259,7 @@ class Decoder:
                 f"{k} drafts per row do not fit this decoder's ring slots "
                 f"(speculative_tokens={self.speculative_tokens})"
             )
+        self._sync_table()
         cache, rows, out = self._run(
             "verify",
             _verify_jit,
@@ -1192,22 +1275,73 @@ class Decoder:
         self.state = DecodeState(cache, rows)
         return jax.device_get(out)
 
-    def snapshot(self, row: int) -> KVCache:
-        """A copy of one row's cache (on device; `decode.prefix` keeps it to reuse a prefix)."""
-        return self._run("snapshot", _snapshot_jit, self.state.cache, jnp.asarray([row], jnp.int32))
+    def snapshot(self, row: int, length: int) -> Snapshot:
+        """Row `row`'s cache of its first `length` positions, for `decode.prefix` to reuse: a copy of
+        its per-row layers (rings) and a hold on its blocks (`release_snapshot` lets go)."""
+        rows = self._run("snapshot", _snapshot_jit, self.state.cache, jnp.asarray([row], jnp.int32))
+        blocks = () if self.pool is None else self.pool.blocks_of(row, length)
+        if self.pool is not None:
+            self.pool.hold(blocks)
+        return Snapshot(rows, blocks, length)
 
-    def restore(self, row: int, snapshot: KVCache, length: int) -> None:
-        """Write a `snapshot` into `row`, keeping its first `length` positions (the rest forgotten):
-        the row then continues that prefix (`PromptBatch.build(..., starts=...)`)."""
+    def release_snapshot(self, snapshot: Snapshot) -> None:
+        """A snapshot is dropped: its blocks lose a holder."""
+        if self.pool is not None:
+            self.pool.drop(snapshot.blocks)
+
+    def restore(self, row: int, snapshot: Snapshot, length: int) -> bool:
+        """An empty `row` continues the first `length` positions of a `snapshot` (the rest forgotten;
+        `PromptBatch.build(..., starts=...)` then prefills from there): its rings are copied, its
+        blocks shared, and a partly used last block copied into one of the row's own (the row writes
+        there next). False when no block is free for that copy (nothing changed)."""
+        if self.pool is not None:
+            shared = snapshot.blocks[: -(-length // self.block_size)]
+            if length % self.block_size and not self.pool.free:
+                return False
+            self.pool.share(row, shared)
+            if length % self.block_size:
+                old, new = self.pool.replace(row, len(shared) - 1)
+                cache = self._run(
+                    "copy_blocks", _copy_blocks_jit, self.state.cache, *self._place((np.int32([old]), np.int32([new])))
+                )
+                self.state = dataclasses.replace(self.state, cache=cache)
         cache = self._run(
             "restore",
             _restore_jit,
             self.state.cache,
             jnp.asarray([row], jnp.int32),
-            snapshot,
+            snapshot.rows,
             jnp.asarray([length], jnp.int32),
         )
         self.state = dataclasses.replace(self.state, cache=cache)
+        return True
+
+    def resume(self, idx: np.ndarray, requests: Sequence[Request | None], outputs, nxt: Next) -> None:
+        """Rows `idx` continue requests whose output so far (`outputs`: token lists, each non-empty) a
+        prefill of prompt + all of it but the last token has just recomputed (a preempted request):
+        their state is what the uninterrupted decode had after drawing those tokens (the last token
+        to feed next, its position, the step count that keys the next draw, the penalties' counts,
+        and the hidden state of the prefill's last column), with no draw."""
+        init = self.build_rows(requests)
+        for i, (req, out) in enumerate(zip(requests, outputs, strict=True)):
+            if req is None:
+                continue
+            n = len(out)
+            init.token[i], init.pos[i], init.step[i] = out[-1], len(req.prompt) - 1 + n, n
+            if self.vocab_width > 1 and req.params.uses_penalty:
+                init.seen[i, list(out)] = True
+            if self.vocab_width > 1:
+                np.add.at(init.counts[i], list(out), 1)
+        hidden = nxt.hidden if self.hidden_width else self._place(init.hidden)
+        rows = self._run(
+            "set_rows",
+            _set_rows_jit,
+            self.state.rows,
+            self._place(np.asarray(idx, np.int32)),
+            self._place(init),
+            hidden,
+        )
+        self.state = dataclasses.replace(self.state, rows=rows)
 
     def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
         """Teacher-forced logprobs of each prompt's tokens after the first (one forward pass over
@@ -1242,6 +1376,7 @@ class Decoder:
             out, lps = np.zeros((self.rows, out_size), np.int32), np.zeros((self.rows, out_size), np.float32)
             out[:, 0], lps[:, 0] = first.token, first.logprob
             return out, lps, np.ones(self.rows, np.int32)
+        self._sync_table()
         self.state, out, lps, lengths = self._run(
             "loop",
             _loop_jit,

@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, prompt_buckets, prompt_columns
+from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.prefix import PrefixCache
@@ -53,9 +54,12 @@ from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request, check_int, che
 from gemma4_nnx.decode.sampling import RowFeatures, RowParams
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
+from gemma4_nnx.model.cache import token_bytes
 
 __all__ = ["DEFAULT_MAX_LENGTH", "Engine", "EngineError", "EngineRequest", "EngineStats", "Event"]
 
+#: Tokens of KV per row that the default block pool holds (`Engine(kv_cache_bytes=None)`: this many
+#: per row of `max_batch`, and at least one whole `max_length`).
 DEFAULT_MAX_LENGTH = 4096
 #: Besides "no top-k", the top-k width whose sampler `precompile` readies (Gemma's recommended
 #: sampling: temperature 1, top_k 64, top_p 0.95). Other widths compile on a helper thread.
@@ -106,6 +110,7 @@ class EngineStats:
     cancelled: int = 0
     failed: int = 0
     tokens_generated: int = 0
+    preemptions: int = 0  # rows given up for blocks when the pool ran dry (their requests recomputed)
     verify_steps: int = 0  # speculative steps (the rest of decode_steps were plain)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -130,10 +135,17 @@ class EngineRequest:
         self.first_token_s: float | None = None
         self.sink_error: str | None = None  # what the sink raised; the request then ends as ERROR
         self.waiting = False  # its sampler's programs compile in the background; it joins after
+        self.preempted = False  # it gave up its row (and blocks) mid-decode: its tokens so far are recomputed
 
     @property
     def prompt(self) -> tuple[int, ...]:
         return self.request.prompt
+
+    @property
+    def fed(self) -> tuple[int, ...]:
+        """The tokens its row's cache holds once prefilled: the prompt, and for a preempted request
+        every output token but the last (drawn, fed at the next step)."""
+        return self.request.prompt + tuple(self.tokens[:-1]) if self.preempted else self.request.prompt
 
     def emit(self, event: Event) -> None:
         """Hand the event to the consumer. A sink that raises fails this request only (the engine
@@ -193,8 +205,15 @@ class Engine:
         the KV cache).
       tokenizer: optional; needed for stop strings and text in events.
       max_batch: rows decoded together (requests beyond it wait for a free row).
-      max_length: cache slots per row: prompt + max_tokens of one request must fit. Default:
-        min(max_position_embeddings, 4096).
+      max_length: the longest sequence (prompt + max_tokens) of one request. Default: the model's
+        context (`max_position_embeddings`).
+      kv_cache_bytes: the block pool of the global layers' KV (`gemma4_nnx.model.cache.PagedCache`):
+        rows take blocks of `BLOCK_SIZE` tokens as their sequences grow and give them back when they
+        end, so memory follows the tokens held, not max_batch x max_length. Requests are admitted
+        while their prompts' blocks are free; when the pool runs dry mid-decode the newest row is
+        preempted and later recomputed from its tokens (same output). Default: `DEFAULT_MAX_LENGTH`
+        tokens per row of `max_batch` (and at least one `max_length`). Sliding layers keep their
+        per-row window rings besides (`cache_bytes`).
       prefill_chunk: prefill prompts in chunks of this many tokens (default: one chunk up to
         `batching.AUTO_PREFILL_CHUNK` tokens, chunks of that beyond; prompts with images in one).
       max_num_batched_tokens: the most prompt columns (joining rows x chunk width) prefilled between
@@ -231,14 +250,16 @@ class Engine:
         mesh=None,
         speculative: SpeculativeConfig | dict | None = None,
         prefix_cache_bytes: int = 0,
+        kv_cache_bytes: int | None = None,
     ):
         check_int(max_batch, "max_batch", lo=1)
+        check_int(kv_cache_bytes, "kv_cache_bytes", lo=1, optional=True)
         check_int(prefix_cache_bytes, "prefix_cache_bytes", lo=0)
         self.speculative = speculative_config(speculative)
         if self.speculative is not None:
             self.speculative.check_target(model.config)
         context = model.config.max_position_embeddings
-        max_length = min(context, DEFAULT_MAX_LENGTH) if max_length is None else max_length
+        max_length = context if max_length is None else max_length
         check_int(max_length, "max_length", lo=2)
         if max_length > context:
             raise RequestError(
@@ -253,6 +274,18 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = model.config.vocab_size
         self.default_stops = tuple(tokenizer.stop_ids) if tokenizer is not None else tuple(model.config.eos_token_id)
+        self.block_bytes = BLOCK_SIZE * token_bytes(model.config, cache_dtype or model.dtype)
+        if kv_cache_bytes is None:
+            tokens = max(max_batch * min(context, DEFAULT_MAX_LENGTH), max_length)
+            blocks = blocks_for(tokens, BLOCK_SIZE) + max_batch  # + a partly used block per row
+        else:
+            blocks = kv_cache_bytes // max(self.block_bytes, 1)
+            if blocks < 1:
+                raise RequestError(
+                    f"kv_cache_bytes={kv_cache_bytes} holds no block of {BLOCK_SIZE} tokens "
+                    f"({self.block_bytes} bytes); give at least that",
+                    "kv_cache_bytes",
+                )
         self.decoder = Decoder(
             model,
             rows=max_batch,
@@ -263,15 +296,19 @@ class Engine:
             mesh=mesh,
             speculative_tokens=self.speculative.k if self.speculative else 0,
             assistant=self.speculative.assistant if self.speculative else None,
+            blocks=blocks,
         )
+        self.pool = self.decoder.pool  # None: the model has no global layer to page
         self.drafting = Drafting(self.speculative, max_batch) if self.speculative else None
         self.prefix: PrefixCache | None = None
         if prefix_cache_bytes:
             rings = [c.size for c in self.decoder.state.cache.layers.values() if c.ring]
             ring = (min(rings), model.config.sliding_window) if rings else None
-            self.prefix = PrefixCache(prefix_cache_bytes, ring)
-            self._row_bytes = self.decoder.state.cache.nbytes // max_batch
+            self.prefix = PrefixCache(prefix_cache_bytes, ring, release=self.decoder.release_snapshot)
+            self._row_bytes = self.decoder.state.cache.rows_only().nbytes // max_batch
         self._slots: list[EngineRequest | None] = [None] * max_batch
+        self._order = [0] * max_batch  # admission number of each slot's request (preemption: newest first)
+        self._admissions = itertools.count()
         self._joining: _Admission | None = None  # the requests whose prompts are being prefilled
         self._pending: deque[EngineRequest] = deque()
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # compiled, see _constraint
@@ -331,6 +368,14 @@ class Engine:
             has_tokenizer=self.tokenizer is not None,
             **sampling,
         )
+        if self.pool is not None and blocks_for(len(request.prompt) + 1, BLOCK_SIZE) > self.pool.blocks:
+            n = blocks_for(len(request.prompt) + 1, BLOCK_SIZE)
+            raise RequestError(
+                f"prompt: {len(request.prompt)} tokens need {n} KV blocks of {BLOCK_SIZE} tokens, and the "
+                f"engine's pool holds {self.pool.blocks} ({self.pool.blocks * self.block_bytes >> 20} MiB); "
+                "give it more (Engine(kv_cache_bytes=...), gemma4-serve --kv-cache-mb) or send a shorter prompt",
+                "prompt",
+            )
         if request.grammar is not None:
             self._constraint(request)  # compiles, or says why not
         if request.media is not None or self.decoder.config.multimodal:  # placeholders vs soft tokens, now
@@ -451,21 +496,35 @@ class Engine:
         """(free slot, request) pairs of the next pending requests whose samplers are ready, as many as
         the free rows and the prefill budget hold (called under the lock)."""
         free = [i for i, s in enumerate(self._slots) if s is None]
-        joining, later, longest, media = [], [], 0, False
+        joining, later, longest, media, blocks = [], [], 0, False, 0
         while self._pending and len(joining) < len(free):
             req = self._pending[0]
-            n, m = max(longest, len(req.prompt)), media or req.request.media is not None
+            n, m = max(longest, len(req.fed)), media or req.request.media is not None
             width = prompt_columns(n, self.prefill_chunk, whole=m)[1]
-            if joining and pow2(len(joining) + 1) * width > self.max_num_batched_tokens:
+            if joining and (req.preempted or pow2(len(joining) + 1) * width > self.max_num_batched_tokens):
+                break
+            need = blocks_for(len(req.fed) + 1, BLOCK_SIZE)  # its prompt, and the first decode step's slot
+            if self.pool is not None and not self._room(blocks + need):
                 break
             self._pending.popleft()
+            if req.preempted:  # a recomputed request joins alone (its rows' state is restored, not drawn)
+                joining.append(req)
+                break
             if self._sampler_ready(req):
                 joining.append(req)
-                longest, media = n, m
+                longest, media, blocks = n, m, blocks + need
             else:
                 later.append(req)
         self._pending.extendleft(reversed(later))
         return list(zip(free, joining))
+
+    def _room(self, blocks: int) -> bool:
+        """Whether `blocks` pool blocks are free, dropping prefix snapshots (least recently used
+        first) to free theirs when they are not."""
+        while self.pool.free < blocks:
+            if self.prefix is None or not self.prefix.evict():
+                return False
+        return True
 
     def _decoding(self) -> list[int]:
         """The slots whose requests decode (not the ones still prefilling)."""
@@ -502,6 +561,7 @@ class Engine:
         for slot in np.flatnonzero(gone):
             req, self._slots[slot] = self._slots[slot], None
             self._end(req, FinishReason.CANCELLED)
+            self.decoder.release(slot)
         self.decoder.finish(gone)
 
     def _fail_all(self, message: str) -> None:
@@ -515,6 +575,8 @@ class Engine:
                 self.stats.failed += 1
         self._joining = None
         self.decoder.reset()  # the donated cache may be gone: start clean
+        if self.prefix is not None:  # their blocks were in that cache
+            self.prefix.clear()
 
     def _end(self, req: EngineRequest, reason: FinishReason) -> None:
         """A request ends without a token (cancelled while queued or between steps, or at close)."""
@@ -527,24 +589,34 @@ class Engine:
         k = len(pairs)
         for slot, req in pairs:  # taken now, so a failure below fails these requests too
             self._slots[slot] = req
+            self._order[slot] = next(self._admissions)
         kb = min(pow2(k), pow2(self.max_batch))
         requests = [req.request for _, req in pairs]
         self.decoder.widen_stops(max(pow2(len(r.stop_tokens)) for r in requests))
         idx = np.array([slot for slot, _ in pairs] + [self.max_batch] * (kb - k), np.int32)  # padding: dropped
         starts = [0] * k
-        if self.prefix is not None:  # rows that continue a cached prefix start from a copy of it
-            for j, (slot, req) in enumerate(pairs):
-                # placeholder ids say nothing about the images behind them: no prefix reuse with media
-                hit = None if req.request.media is not None else self.prefix.match(req.prompt)
-                if hit is not None:
-                    self.decoder.restore(slot, hit[0], hit[1])
-                    starts[j] = hit[1]
+        for j, (slot, req) in enumerate(pairs):
+            # rows that continue a cached prefix start from it (its blocks shared); placeholder ids say
+            # nothing about the images behind them: no prefix reuse with media
+            hit = None
+            if self.prefix is not None and req.request.media is None:
+                hit = self.prefix.match(req.fed)
+            if hit is not None and self.decoder.restore(slot, hit[0], hit[1]):
+                starts[j] = hit[1]
+            if not self.decoder.reserve(slot, len(req.fed) + 1):  # `_take_joining` counted these blocks
+                raise EngineError(f"the block pool lost the blocks admission counted (row {slot})")
+        soft = self.decoder.soft_tokens(requests)
+        if soft is not None:  # a recomputed request's output tokens have no soft tokens
+            soft = [
+                None if x is None else np.pad(x, ((0, len(req.fed) - len(x)), (0, 0)))
+                for x, (_, req) in zip(soft, pairs)
+            ]
         batch = PromptBatch.build(
-            [r.prompt[s:] for r, s in zip(requests, starts, strict=True)],
+            [req.fed[s:] for (_, req), s in zip(pairs, starts, strict=True)],
             kb,
             self.prefill_chunk,
             starts,
-            self.decoder.soft_tokens(requests),
+            soft,
         )
         self._joining = _Admission(pairs, idx, self.decoder.prefill_chunks(batch, idx))
 
@@ -557,6 +629,7 @@ class Engine:
             for slot, req in adm.pairs:
                 self._slots[slot] = None
                 self._end(req, FinishReason.CANCELLED)
+                self.decoder.release(slot)
             return
         self.stats.prefill_chunks += 1
         try:
@@ -571,6 +644,14 @@ class Engine:
         """The prefilled requests' rows: prefix snapshots, row state, first tokens."""
         k, kb = len(pairs), len(idx)
         requests = [req.request for _, req in pairs]
+        if self.drafting is not None:
+            for slot, _ in pairs:
+                self.drafting.reset(slot)
+        if pairs[0][1].preempted:  # recomputed: its row continues where it stopped, nothing is drawn
+            (slot, req), pad = pairs[0], [None] * (kb - 1)
+            self.decoder.resume(idx, [req.request, *pad], [req.tokens, *pad], logits)
+            req.preempted = False
+            return
         for slot, req in pairs:
             if req.request.media is None:
                 self._keep_prefix(slot, req.prompt)
@@ -580,9 +661,6 @@ class Engine:
         drawn = self.decoder.draw(self.decoder.cover(cfg, (kb, True, True)) or cfg, logits, idx, init, mask)
         self.stats.prefills += 1
         self.stats.prefill_rows += k
-        if self.drafting is not None:
-            for slot, _ in pairs:
-                self.drafting.reset(slot)
         now = time.perf_counter()
         for _, req in pairs:
             req.first_token_s = now - req.submitted
@@ -591,7 +669,8 @@ class Engine:
     def _keep_prefix(self, slot: int, tokens: Sequence[int]) -> None:
         """Snapshot `slot`'s cache, which holds exactly `tokens`, for later prompts that begin with them."""
         if self.prefix is not None and self.prefix.wants(tokens):
-            self.prefix.add(tokens, self.decoder.snapshot(slot), self._row_bytes)
+            snapshot = self.decoder.snapshot(slot, len(tokens))
+            self.prefix.add(tokens, snapshot, self._row_bytes + len(snapshot.blocks) * self.block_bytes)
 
     def _config(self, requests: Sequence[Request]) -> DrawConfig:
         """The draw program for these rows: their sampling features; alternatives at the one width
@@ -618,7 +697,54 @@ class Engine:
                 out[j] = c.mask()
         return out
 
+    def _grow_rows(self) -> None:
+        """Give every decoding row the blocks of the positions its next step writes, oldest request
+        first. When the pool is dry: drop prefix snapshots, then preempt the newest decoding row (its
+        blocks go back; it waits at the head of the queue and is recomputed from its tokens, `fed`),
+        down to the row itself; a row alone with the whole pool that still cannot grow ends ("length")."""
+        extra = self.speculative.k if self.speculative else 0
+        for slot in sorted(self._decoding(), key=self._order.__getitem__):
+            req = self._slots[slot]
+            if req is None:  # preempted for an older row
+                continue
+            length = min(len(req.prompt) + len(req.tokens) + extra, self.max_length)
+            while not self.decoder.reserve(slot, length):
+                if self.prefix is not None and self.prefix.evict():
+                    continue
+                victim = max(self._decoding(), key=self._order.__getitem__)
+                if victim == slot and self._joining is None and len(self._decoding()) == 1:
+                    self._out_of_room(slot)
+                else:
+                    self._preempt(victim)
+                if victim == slot:
+                    break
+
+    def _preempt(self, slot: int) -> None:
+        req, self._slots[slot] = self._slots[slot], None
+        mask = np.zeros(self.max_batch, bool)
+        mask[slot] = True
+        self.decoder.finish(mask)
+        self.decoder.release(slot)
+        req.preempted = True
+        self.stats.preemptions += 1
+        with self._cv:
+            self._pending.appendleft(req)
+
+    def _out_of_room(self, slot: int) -> None:
+        req, self._slots[slot] = self._slots[slot], None
+        mask = np.zeros(self.max_batch, bool)
+        mask[slot] = True
+        self.decoder.finish(mask)
+        self.decoder.release(slot)
+        req.finish_reason = FinishReason.LENGTH
+        self.stats.completed += 1
+        req.emit(Event(None, req.stream.end(FinishReason.LENGTH), None, FinishReason.LENGTH))
+
     def _step(self) -> None:
+        if self.pool is not None:
+            self._grow_rows()
+            if not self._decoding():
+                return
         active = self._decoding()
         # Decode only the first m rows, m a power of two covering every active row (rows are taken
         # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
@@ -646,6 +772,7 @@ class Engine:
         speculative step), emit an event per token, and free the slot once its request is done (rows
         the host ended are marked done on the device too)."""
         host_ended = np.zeros(self.max_batch, bool)
+        ended = []
         for slot, j in rows:
             req = self._slots[slot]
             want = req.request.top_logprobs
@@ -661,6 +788,7 @@ class Engine:
                 req.finish_reason = reason
                 if reason is not None:
                     self._slots[slot] = None
+                    ended.append(slot)
                     host_ended[slot] = not done
                     if reason in (FinishReason.STOP, FinishReason.LENGTH) and done and req.request.media is None:
                         # the row holds the prompt and every token but the last (never fed); a row the
@@ -675,11 +803,14 @@ class Engine:
                 if reason is None and req.sink_error is not None:  # its consumer failed: free the row now
                     req.finish_reason = FinishReason.ERROR
                     self._slots[slot] = None
+                    ended.append(slot)
                     host_ended[slot] = not done
                     self.stats.failed += 1
                     break
                 if reason is not None:
                     break
+        for slot in ended:  # after `_keep_prefix`, which holds the blocks it keeps
+            self.decoder.release(slot)
         self.decoder.finish(host_ended)
 
     def _precompile(self, prompt_lengths: Sequence[int] | str) -> None:

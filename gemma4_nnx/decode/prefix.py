@@ -47,7 +47,7 @@ class PrefixStats:
 @dataclasses.dataclass
 class _Entry:
     tokens: tuple[int, ...]
-    snapshot: object  # a one-row KVCache on device
+    snapshot: object  # a `core.Snapshot`: a one-row copy of the rings, and held pool blocks
     nbytes: int
 
 
@@ -66,10 +66,11 @@ class PrefixCache:
     ring: (ring size, window) of the decoder's sliding caches, or None when no layer has a ring
     (every position is kept). min_tokens: shorter reusable prefixes are not worth a copy."""
 
-    def __init__(self, max_bytes: int, ring: tuple[int, int] | None, *, min_tokens: int = 8):
+    def __init__(self, max_bytes: int, ring: tuple[int, int] | None, *, min_tokens: int = 8, release=None):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes, self.ring, self.min_tokens = max_bytes, ring, min_tokens
+        self.release = release  # called with each snapshot dropped (it may hold pool blocks)
         self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
         self.nbytes = 0
         self.stats = PrefixStats()
@@ -111,11 +112,28 @@ class PrefixCache:
         (a snapshot larger than the whole bound is not kept)."""
         key = tuple(tokens)
         if nbytes > self.max_bytes or key in self._entries:
+            if self.release is not None:
+                self.release(snapshot)
             return
         while self._entries and self.nbytes + nbytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
-            self.stats.evicted += 1
+            self.evict()
         self._entries[key] = _Entry(key, snapshot, nbytes)
         self.nbytes += nbytes
         self.stats.stored += 1
+
+    def evict(self) -> bool:
+        """Drop the least recently used snapshot (False when there is none): for room in the bound,
+        or for the blocks it holds when the engine's block pool runs dry."""
+        if not self._entries:
+            return False
+        _, old = self._entries.popitem(last=False)
+        self.nbytes -= old.nbytes
+        self.stats.evicted += 1
+        if self.release is not None:
+            self.release(old.snapshot)
+        return True
+
+    def clear(self) -> None:
+        """Drop every snapshot (the cache they came from was reset)."""
+        self._entries.clear()
+        self.nbytes = 0

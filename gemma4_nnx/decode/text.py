@@ -97,3 +97,12 @@ class TextStream:
                     text += self._matcher.flush()
         self.reason = reason
         return text, reason
+
+    def end(self, reason: FinishReason) -> str:
+        """The row ends without a new token (`reason`): the text still held back."""
+        text = self._decoder.flush() if self._decoder is not None else ""
+        if self._matcher is not None:
+            text = self._matcher.feed(text)
+            text = "" if self._matcher.hit else text + self._matcher.flush()
+        self.reason = reason
+        return text

@@ -80,10 +80,11 @@ class Gemma4Assistant(nnx.Module):
 
     def donor_kv(self, target_config, cache: KVCache) -> dict[str, KV]:
         """Layer type -> the target's K/V this assistant's layers of that type attend over."""
-        return {
-            t: KV(cache.layers[i].k, cache.layers[i].v, cache.layers[i].pos)
-            for t, i in target_config.assistant_donors.items()
-        }
+        out = {}
+        for t, i in target_config.assistant_donors.items():
+            c = cache.layer(i)
+            out[t] = KV(c.k, c.v, c.pos, getattr(c, "table", None))
+        return out
 
     def __call__(self, embeds: Array, state: Array, positions: Array, kv: dict[str, KV]) -> tuple[Array, Array]:
         """One drafting step for B rows: embeds [B, Db] (the target's scaled embedding of each row's

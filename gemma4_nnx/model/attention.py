@@ -24,7 +24,7 @@ from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
 from gemma4_nnx.model import cpu_kernels
-from gemma4_nnx.model.cache import KV, LayerCache, head_rows
+from gemma4_nnx.model.cache import KV, LayerCache, PagedCache, kv_rows, paged_view
 from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
 from gemma4_nnx.model.multimodal import VisionSpan
 
@@ -80,7 +80,9 @@ def attend(
     of the mean of all values (padding rows only).
 
     kv may have more rows than q (a cache of which the decode core steps the first B rows): query row
-    b reads row b; the kernel reads the cache where it is, XLA's path takes the first B rows."""
+    b reads row b; the kernel reads the cache where it is, XLA's path takes the first B rows. A paged
+    kv (`KV.table`) is read through its table: by the kernel in place, by XLA a key block at a time
+    (`paged_view`)."""
     if (
         kernel
         and reach is None
@@ -88,26 +90,26 @@ def attend(
         and q.dtype == jnp.float32
         and q.shape[1] <= cpu_kernels.ATTEND_QUERIES
     ):
-        return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, window, scale)
-    return _xla_attend(q, head_rows(kv, q.shape[0]), q_pos, window, scale, reach, floor)
+        return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, kv.table, window, scale)
+    return _xla_attend(q, kv_rows(kv, q.shape[0]), q_pos, window, scale, reach, floor)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _kernel_attend(q, k, v, k_pos, q_pos, window, scale):
-    return cpu_kernels.attend(q, k, v, k_pos, q_pos, window, scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _kernel_attend(q, k, v, k_pos, q_pos, table, window, scale):
+    return cpu_kernels.attend(q, k, v, k_pos, q_pos, window, scale, table)
 
 
-def _kernel_attend_fwd(q, k, v, k_pos, q_pos, window, scale):
-    return _kernel_attend(q, k, v, k_pos, q_pos, window, scale), (q, k, v, k_pos, q_pos)
+def _kernel_attend_fwd(q, k, v, k_pos, q_pos, table, window, scale):
+    return _kernel_attend(q, k, v, k_pos, q_pos, table, window, scale), (q, k, v, k_pos, q_pos, table)
 
 
 def _kernel_attend_bwd(window, scale, res, g):
-    q, k, v, k_pos, q_pos = res
+    q, k, v, k_pos, q_pos, table = res
     # the cache may have more rows than q (their gradient is zero)
     _, pullback = jax.vjp(
-        lambda q, k, v: _xla_attend(q, head_rows(KV(k, v, k_pos), q.shape[0]), q_pos, window, scale), q, k, v
+        lambda q, k, v: _xla_attend(q, kv_rows(KV(k, v, k_pos, table), q.shape[0]), q_pos, window, scale), q, k, v
     )
-    return (*pullback(g), None, None)
+    return (*pullback(g), None, None, None)
 
 
 _kernel_attend.defvjp(_kernel_attend_fwd, _kernel_attend_bwd)
@@ -127,7 +129,7 @@ def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Arra
     """Softmax attention in XLA: the whole [S, T] score matrix for up to `KEY_BLOCK` keys, else
     blockwise (`_blockwise_attend`); both are the same sums up to float32 rounding."""
     b, s, n, h = q.shape
-    if kv.k.shape[1] > KEY_BLOCK:
+    if kv.slots > KEY_BLOCK:
         if s > QUERY_BLOCK and s % QUERY_BLOCK == 0:
 
             def split(x):  # [B, S, ...] -> [S / QUERY_BLOCK, B, QUERY_BLOCK, ...]
@@ -139,6 +141,8 @@ def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Arra
             )
             return jnp.moveaxis(out, 0, 1).reshape(b, s, n, h)
         return _blockwise_attend(q, kv, q_pos, window, scale, reach, floor)
+    if kv.table is not None:
+        kv = paged_view(kv)
     k_heads = kv.k.shape[2]
     qg = q.reshape(b, s, k_heads, n // k_heads, h)
     scores = jnp.einsum("bskgh,btkh->bkgst", qg, kv.k.astype(q.dtype))
@@ -159,21 +163,31 @@ def _blockwise_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, b
     A block that no query of the batch sees is skipped (`lax.cond`), so the cost follows the keys
     held and visible, not the cache size; a query that sees no key at all gives zeros (padding
     queries: `Attention` zeroes them anyway). T need not divide by `block`: the last block is the
-    cache's last `block` slots, with the slots an earlier block already took masked out.
+    cache's last `block` slots, with the slots an earlier block already took masked out. A paged kv
+    is gathered a block at a time (`paged_view` of block / S table columns).
     Differentiable; the backward pass recomputes each block (`jax.checkpoint`) instead of keeping its
     probabilities."""
     b, s, n, h = q.shape
-    t, k_heads = kv.k.shape[1], kv.k.shape[2]
+    t, k_heads = kv.slots, kv.k.shape[2]
+    paged = kv.table is not None
+    if paged:
+        block = max(block, kv.pos.shape[1])  # whole pages (both powers of two)
     block = min(block, t)
     qg = q.reshape(b, s, k_heads, n // k_heads, h)
     lowest = jnp.finfo(jnp.float32).min
 
     @jax.checkpoint
     def step(carry, i):
-        nominal = i * block
-        start = jnp.minimum(nominal, t - block)
-        k, v, pos = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (kv.k, kv.v, kv.pos))
-        mask = visibility(q_pos, pos, window, reach, floor) & (start + jnp.arange(block) >= nominal)
+        if paged:
+            pages = block // kv.pos.shape[1]
+            view = paged_view(kv, i * pages, pages)
+            k, v, pos = view.k, view.v, view.pos
+            mask = visibility(q_pos, pos, window, reach, floor)
+        else:
+            nominal = i * block
+            start = jnp.minimum(nominal, t - block)
+            k, v, pos = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (kv.k, kv.v, kv.pos))
+            mask = visibility(q_pos, pos, window, reach, floor) & (start + jnp.arange(block) >= nominal)
         mask = mask[:, None, None, :, :]  # [B, 1, 1, S, block]
 
         def update(carry):
@@ -235,9 +249,9 @@ class Attention(nnx.Module):
         q_pos: Array,
         k_pos: Array,
         shared: KV | None = None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | PagedCache | None = None,
         span: VisionSpan | None = None,
-    ) -> tuple[Array, KV, LayerCache | None]:
+    ) -> tuple[Array, KV, LayerCache | PagedCache | None]:
         """x [B, S, D]; q_pos [B, S] query positions; k_pos [B, S] positions of the new tokens as keys
         (-1 for padding); `cache`: this layer's cache (donor layers, when decoding); span: each query's
         image (bidirectional vision attention), used as this layer's `vision_block` says (`span_bounds`).

@@ -6,13 +6,23 @@ The model object never holds one, so a plain forward pass works before, during a
 generation, and a cache can be kept, copied, split into rows, sharded or rolled back with ordinary
 array operations.
 
-Only layers that compute their own K/V own a cache (`LayerCache`); KV-consumer layers store nothing
-and attend over what their donor returned in the same forward pass. A sliding-window donor keeps a
-*ring* of `sliding_window` slots, a global donor keeps `max_length` slots. Every slot remembers the
-absolute position of the token in it (-1 = empty), per batch row, so masks are computed from
-positions: ragged batches, ring wrap-around and padding need no special cases.
+Only layers that compute their own K/V own a cache; KV-consumer layers store nothing and attend over
+what their donor returned in the same forward pass. A sliding-window donor keeps a *ring* of
+`sliding_window` slots per row (`LayerCache`). A global donor keeps either `max_length` slots per row
+(`LayerCache`, what `Gemma4.init_cache` makes) or, in the decode core, a share of one *block pool*
+(`PagedCache`, vLLM's PagedAttention layout): blocks of `block_size` slots that rows take as their
+tokens arrive, found through the cache's block table (`KVCache.table` [B, M]: row b's positions
+[j * block_size, (j + 1) * block_size) live in block table[b, j]; the number of blocks, P, means
+"none"). The table is shared by every paged layer (block i is slot range i of each layer's pool), so
+a row's memory follows its tokens, not `max_length`, and rows can share blocks (a cached prefix).
+Who owns the cache decides which blocks a row gets (`gemma4_nnx.decode.blocks`).
 
-Shapes: B batch rows, T slots, K KV heads, H head dim.
+Every slot remembers the absolute position of the token in it (-1 = empty), so masks are computed
+from positions: ragged batches, ring wrap-around and padding need no special cases. A paged slot
+counts only when the position it holds is the one its place in the row's table stands for (a block
+that changed owners keeps stale positions, which then never show).
+
+Shapes: B batch rows, T slots, K KV heads, H head dim; pools: P blocks of S = block_size slots.
 """
 
 from __future__ import annotations
@@ -31,12 +41,16 @@ __all__ = [
     "KV",
     "KVCache",
     "LayerCache",
+    "PagedCache",
     "cache_bytes",
     "cache_size",
     "head_rows",
+    "kv_rows",
+    "paged_view",
     "put_head_rows",
     "put_rows",
     "take_rows",
+    "token_bytes",
 ]
 
 
@@ -44,11 +58,46 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class KV:
     """Keys [B, T, K, H], values [B, T, K, H] and key positions [B, T] (int32, -1 = no token):
-    what an attention layer attends over."""
+    what an attention layer attends over. Paged (`table` [B, M] given): k / v are a pool
+    [P, S, K, H], pos [P, S], and row b's keys are `paged_view`'s: M * S slots through its table."""
 
     k: Array
     v: Array
     pos: Array
+    table: Array | None = None
+
+    @property
+    def rows(self) -> int:
+        return (self.pos if self.table is None else self.table).shape[0]
+
+    @property
+    def slots(self) -> int:
+        """Key slots per row (T; M * S when paged)."""
+        return self.pos.shape[1] if self.table is None else self.table.shape[1] * self.pos.shape[1]
+
+
+def kv_rows(kv: KV, m: int) -> KV:
+    """The first m rows of `kv` (of its table when paged: the pool is every row's)."""
+    if kv.table is None:
+        return head_rows(kv, m)
+    return kv if kv.table.shape[0] == m else dataclasses.replace(kv, table=kv.table[:m])
+
+
+def paged_view(kv: KV, first: Array | int = 0, count: int | None = None) -> KV:
+    """Row-major K/V of table columns [first, first + count) of a paged `kv`: k / v [B, count * S,
+    K, H], pos [B, count * S]; columns past the table and blocks that hold another position than
+    their place stands for read as empty (position -1)."""
+    table = kv.table
+    blocks, size = kv.pos.shape
+    b, m = table.shape
+    count = m if count is None else count
+    cols = jnp.asarray(first, jnp.int32) + jnp.arange(count, dtype=jnp.int32)
+    ids = jnp.where(cols < m, jnp.take(table, jnp.minimum(cols, m - 1), axis=1), blocks)  # [B, count]
+    k = kv.k.at[ids].get(mode="fill", fill_value=0).reshape(b, count * size, *kv.k.shape[2:])
+    v = kv.v.at[ids].get(mode="fill", fill_value=0).reshape(b, count * size, *kv.v.shape[2:])
+    pos = kv.pos.at[ids].get(mode="fill", fill_value=-1).reshape(b, count * size)
+    want = (cols[:, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(-1)
+    return KV(k, v, jnp.where(pos == want[None, :], pos, -1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,77 +170,184 @@ class LayerCache:
 jax.tree_util.register_dataclass(LayerCache, data_fields=["k", "v", "pos"], meta_fields=["ring"])
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """One global donor layer's block pool: k / v [P, S, K, H], pos [P, S] (-1 = empty). Rows reach
+    it through the cache's block table, which `KVCache.layer` attaches (`table`) for one forward pass
+    and `KVCache.with_layers` takes off again (one table for all layers)."""
+
+    k: Array
+    v: Array
+    pos: Array
+    table: Array | None = None  # [B, M] int32 while a forward pass holds it
+
+    ring = False
+
+    @classmethod
+    def zeros(cls, blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype) -> PagedCache:
+        shape = (blocks, block_size, num_kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((blocks, block_size), -1, jnp.int32))
+
+    @property
+    def block_size(self) -> int:
+        return self.pos.shape[1]
+
+    def update(self, new: KV, *, window: int | None = None, in_place: bool = False) -> tuple[KV, PagedCache]:
+        """Write the new tokens' K/V into their rows' blocks (a position whose table entry is empty is
+        dropped); return the paged `KV` to attend over (the pool with the table) and the new cache.
+        `new` may have fewer rows than the table: they are its first rows."""
+        blocks, size = self.pos.shape
+        b, s = new.pos.shape
+        table = self.table[:b]
+        col = new.pos // size
+        ids = jnp.take_along_axis(table, jnp.clip(col, 0, table.shape[1] - 1), axis=1)
+        keep = (new.pos >= 0) & (col < table.shape[1]) & (ids < blocks)
+        slots = jnp.where(keep, ids * size + new.pos % size, blocks * size).reshape(1, b * s)  # outside: dropped
+        flat = (1, blocks * size, *self.k.shape[2:])
+        nk, nv = (x.reshape(1, b * s, *x.shape[2:]) for x in (new.k, new.v))
+        if in_place:
+            k, v, pos = cpu_kernels.kv_write(
+                self.k.reshape(flat),
+                self.v.reshape(flat),
+                self.pos.reshape(1, -1),
+                nk,
+                nv,
+                new.pos.reshape(1, -1),
+                slots,
+            )
+        else:
+            k = self.k.reshape(flat).at[0, slots[0]].set(nk[0].astype(self.k.dtype), mode="drop")
+            v = self.v.reshape(flat).at[0, slots[0]].set(nv[0].astype(self.v.dtype), mode="drop")
+            pos = self.pos.reshape(1, -1).at[0, slots[0]].set(new.pos.reshape(-1), mode="drop")
+        written = dataclasses.replace(
+            self, k=k.reshape(self.k.shape), v=v.reshape(self.v.shape), pos=pos.reshape(blocks, size)
+        )
+        return KV(written.k, written.v, written.pos, self.table), written
+
+
+jax.tree_util.register_dataclass(PagedCache, data_fields=["k", "v", "pos", "table"], meta_fields=[])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """The caches of every KV-owning layer of a batch: `layers[i]` is layer i's `LayerCache`.
+    """The caches of every KV-owning layer of a batch: `layers[i]` is layer i's `LayerCache` (or
+    `PagedCache`, whose rows are `table`'s).
 
     Row operations (the decode core's continuous batching) are pure functions returning a new cache:
     `take` / `put` gather and scatter rows, `reset` forgets rows (positions -1: nothing of a row's
     previous sequence stays visible). A step of the first m rows passes the whole cache: the layers
-    write and read its first m rows (`LayerCache.update`, `attention.attend`).
+    write and read its first m rows (`LayerCache.update`, `attention.attend`). Paged layers' rows are
+    their table rows, which whoever owns the cache sets (`with_table`): `take` / `put` / `reset` /
+    `forget_from` leave the pools alone.
     """
 
-    layers: dict[int, LayerCache]
+    layers: dict[int, LayerCache | PagedCache]
+    table: Array | None = None  # [B, M] int32: the paged layers' block table
 
     @classmethod
     def init(
-        cls, config: Gemma4Config, batch_size: int, max_length: int, dtype=jnp.float32, *, ring_extra: int = 0
+        cls,
+        config: Gemma4Config,
+        batch_size: int,
+        max_length: int,
+        dtype=jnp.float32,
+        *,
+        ring_extra: int = 0,
+        block_size: int | None = None,
+        blocks: int | None = None,
     ) -> KVCache:
         """Empty caches: a `sliding_window`-slot ring per sliding donor (a plain cache when the context
         is no longer than the window), `max_length` slots per global donor, none for consumers.
 
         ring_extra: slots added to every ring, for steps that write positions which may be taken back
         (speculative decoding writes k drafts: with k extra slots no position the accepted prefix still
-        needs is evicted). Visibility stays the model's window."""
+        needs is evicted). Visibility stays the model's window.
+
+        block_size: page the global donors: a pool of `blocks` blocks of that many slots each (default
+        enough for every row's `max_length`) and an empty table of ceil(max_length / block_size)
+        columns per row (`with_table` gives rows their blocks)."""
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"KVCache.init: batch_size ({batch_size}) and max_length ({max_length}) must be >= 1")
-        layers = {}
+        layers, table = {}, None
+        if block_size is not None:
+            if block_size < 1 or block_size & (block_size - 1):
+                raise ValueError(f"KVCache.init: block_size must be a power of two, got {block_size}")
+            width = -(-max_length // block_size)
+            blocks = batch_size * width if blocks is None else blocks
+            table = jnp.full((batch_size, width), blocks, jnp.int32)
         for spec in config.cache_layers:
             size = cache_size(spec, config, max_length, ring_extra)
+            ring = spec.is_sliding and size < max_length
+            if block_size is not None and not ring:
+                layers[spec.index] = PagedCache.zeros(blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype)
+                continue
             layers[spec.index] = LayerCache.zeros(
-                batch_size,
-                size,
-                spec.num_kv_heads,
-                spec.head_dim,
-                ring=spec.is_sliding and size < max_length,
-                dtype=dtype,
+                batch_size, size, spec.num_kv_heads, spec.head_dim, ring=ring, dtype=dtype
             )
-        return cls(layers)
+        return cls(layers, table if any(isinstance(c, PagedCache) for c in layers.values()) else None)
 
     @property
     def batch_size(self) -> int:
+        if self.table is not None:
+            return self.table.shape[0]
         return next(iter(self.layers.values())).pos.shape[0]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V (positions excluded)."""
+        """Bytes of K and V (positions excluded; pools whole)."""
         return sum(
             int(c.k.size) * c.k.dtype.itemsize + int(c.v.size) * c.v.dtype.itemsize for c in self.layers.values()
         )
 
+    def layer(self, index: int) -> LayerCache | PagedCache:
+        """Layer `index`'s cache for a forward pass (a paged one with the table attached)."""
+        c = self.layers[index]
+        return dataclasses.replace(c, table=self.table) if isinstance(c, PagedCache) else c
+
+    def with_layers(self, layers: dict[int, LayerCache | PagedCache]) -> KVCache:
+        """This cache with these layers' caches (what a forward pass returns; tables taken off)."""
+        merged = dict(self.layers)
+        for i, c in layers.items():
+            merged[i] = dataclasses.replace(c, table=None) if isinstance(c, PagedCache) else c
+        return KVCache(merged, self.table)
+
+    def with_table(self, table: Array) -> KVCache:
+        """This cache with a new block table [B, M] (the pools unchanged)."""
+        return KVCache(self.layers, table)
+
+    def rows_only(self) -> KVCache:
+        """The per-row layers alone (rings and plain caches, no pools, no table): what a row's
+        snapshot copies; its paged part is the blocks it holds."""
+        return KVCache({i: c for i, c in self.layers.items() if not isinstance(c, PagedCache)})
+
+    def _map_rows(self, fn) -> KVCache:
+        return KVCache({i: c if isinstance(c, PagedCache) else fn(c) for i, c in self.layers.items()}, self.table)
+
     def forget_from(self, lengths: Array) -> KVCache:
-        """Forget every slot holding a position >= lengths[row] (int [B]): rejected draft tokens."""
-        return KVCache(
-            {
-                i: dataclasses.replace(c, pos=jnp.where(c.pos >= lengths[:, None], -1, c.pos))
-                for i, c in self.layers.items()
-            }
-        )
+        """Forget every slot holding a position >= lengths[row] (int [B]): rejected draft tokens. Paged
+        layers need nothing: a later position is written before any query can see it."""
+        return self._map_rows(lambda c: dataclasses.replace(c, pos=jnp.where(c.pos >= lengths[:, None], -1, c.pos)))
 
     def take(self, rows: Array) -> KVCache:
-        """Rows `rows` [k] (an index >= batch_size reads the last row; `put` drops it again)."""
-        return take_rows(self, rows)
+        """Rows `rows` [k] (an index >= batch_size reads the last row; `put` drops it again); pools
+        stay whole."""
+        part = self._map_rows(lambda c: take_rows(c, rows))
+        return part if self.table is None else part.with_table(take_rows(self.table, rows))
 
     def put(self, rows: Array, part: KVCache) -> KVCache:
-        """Write `part` (k rows) into rows `rows` [k]; indices >= batch_size are dropped."""
-        return put_rows(self, rows, part)
+        """Write `part` (k rows) into rows `rows` [k]; indices >= batch_size are dropped. `part`'s
+        pools replace these (a forward pass over taken rows wrote them); layers `part` lacks stay."""
+        layers = {}
+        for i, c in self.layers.items():
+            p = part.layers.get(i)
+            layers[i] = c if p is None else p if isinstance(c, PagedCache) else put_rows(c, rows, p)
+        table = self.table if part.table is None else put_rows(self.table, rows, part.table)
+        return KVCache(layers, table)
 
     def reset(self, rows: Array) -> KVCache:
-        """Forget rows (bool [B]) so their slots can take a new sequence."""
-        return KVCache(
-            {i: dataclasses.replace(c, pos=jnp.where(rows[:, None], -1, c.pos)) for i, c in self.layers.items()}
-        )
+        """Forget rows (bool [B]) so their slots can take a new sequence (paged rows: their table)."""
+        return self._map_rows(lambda c: dataclasses.replace(c, pos=jnp.where(rows[:, None], -1, c.pos)))
 
 
 def take_rows(tree, rows: Array):
@@ -224,6 +380,12 @@ def cache_size(spec: LayerSpec, config: Gemma4Config, max_length: int, ring_extr
     if spec.is_sliding:
         return min(config.sliding_window + ring_extra, max_length)
     return max_length
+
+
+def token_bytes(config: Gemma4Config, dtype=jnp.bfloat16) -> int:
+    """Bytes of K+V one token takes in the global donor layers (what a paged block holds per slot)."""
+    item = jnp.dtype(dtype).itemsize
+    return sum(2 * s.num_kv_heads * s.head_dim * item for s in config.cache_layers if not s.is_sliding)
 
 
 def cache_bytes(config: Gemma4Config, batch_size: int, max_length: int, dtype=jnp.bfloat16) -> int:

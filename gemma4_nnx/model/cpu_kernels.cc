@@ -12,7 +12,7 @@
 //                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
 //                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
-//   gemma4_attend:     attention of few queries over a [B, T, K, H] KV cache, visible slots only
+//   gemma4_attend:     attention of few queries over a [B, T, K, H] KV cache or a paged pool, visible slots only
 //   gemma4_kv_write:   new K / V / positions into their cache slots, in place
 //
 // Each has two algorithms chosen by the number of rows M: below kGemmRowsCols / kGemmRowsT (decode) a weight row is
@@ -1242,25 +1242,49 @@ inline f32x16 kv_load(const E* p) {
 // not per key. A head that sees nothing ends with m = -inf, l = 0, acc = 0.
 constexpr int64_t kAttendBlock = 32;
 
+// Where a row's key slot t lives. A dense row: slot t of the row's own cache (k, v, kpos point at the
+// row). A paged row: offset t % S of block blocks[t / S] of the pool (k, v, kpos point at the pool), and
+// only while that slot holds position t (a block that changed owners keeps stale positions); a table
+// entry >= P means no block. at(t) is that slot, or -1 when there is no key.
+struct RowSlots {
+  const int32_t* kpos;
+  const int32_t* blocks = nullptr;  // the row's table entries; nullptr: dense
+  int64_t shift = 0, P = 0;         // log2(S), pool blocks
+  inline int64_t at(int64_t t) const {
+    if (blocks == nullptr) return t;
+    const int64_t blk = blocks[t >> shift];
+    if (blk < 0 || blk >= P) return -1;
+    const int64_t slot = (blk << shift) | (t & ((int64_t{1} << shift) - 1));
+    return kpos[slot] == t ? slot : -1;
+  }
+  // the position of slot t's key, or -1
+  inline int32_t pos(int64_t t) const {
+    const int64_t a = at(t);
+    return a < 0 ? -1 : kpos[a];
+  }
+};
+
 template <typename E>
 void attend_range(const float* __restrict__ q, const E* __restrict__ k, const E* __restrict__ v,
-                  const int32_t* __restrict__ kpos, int64_t t0, int64_t t1, int64_t row, int64_t G, int64_t H,
+                  const RowSlots& slots, int64_t t0, int64_t t1, int64_t row, int64_t G, int64_t H,
                   int32_t qp, int64_t window, float scale, float* __restrict__ m, float* __restrict__ l,
                   float* __restrict__ acc) {
   const int64_t hv = H / 16 * 16;
   thread_local std::vector<float> buf;  // p[g * kAttendBlock + i]: scores, then their exponentials
   if (static_cast<int64_t>(buf.size()) < G * kAttendBlock) buf.resize(G * kAttendBlock);
   float* __restrict__ p = buf.data();
-  int32_t seen[kAttendBlock];
+  int64_t seen[kAttendBlock];
   std::fill(m, m + G, -std::numeric_limits<float>::infinity());
   std::fill(l, l + G, 0.f);
   std::fill(acc, acc + G * H, 0.f);
   for (int64_t t = t0; t < t1;) {
     int64_t n = 0;
     for (; t < t1 && n < kAttendBlock; ++t) {
-      const int32_t pos = kpos[t];
+      const int64_t a = slots.at(t);
+      if (a < 0) continue;
+      const int32_t pos = slots.kpos[a];
       if (pos < 0 || pos > qp || (window > 0 && int64_t{pos} <= int64_t{qp} - window)) continue;
-      seen[n++] = static_cast<int32_t>(t);
+      seen[n++] = a;
     }
     for (int64_t i = 0; i < n; ++i) {
       const E* kt = k + seen[i] * row;
@@ -1320,9 +1344,9 @@ void attend_range(const float* __restrict__ q, const E* __restrict__ k, const E*
 }
 
 // Slots [lo, hi) around the slots visible to a query at qp: the first and the last visible one.
-inline std::pair<int64_t, int64_t> visible_span(const int32_t* kpos, int64_t T, int32_t qp, int64_t window) {
+inline std::pair<int64_t, int64_t> visible_span(const RowSlots& slots, int64_t T, int32_t qp, int64_t window) {
   auto visible = [&](int64_t t) {
-    const int32_t p = kpos[t];
+    const int32_t p = slots.pos(t);
     return p >= 0 && p <= qp && (window <= 0 || int64_t{p} > int64_t{qp} - window);
   };
   int64_t lo = 0, hi = T;
@@ -1342,13 +1366,20 @@ inline std::pair<int64_t, int64_t> visible_span(const int32_t* kpos, int64_t T, 
 // ranges at large batches) made a row's sums depend on its batch.
 constexpr int64_t kRangeSlots = 256;
 
+// Paged (table != nullptr): K / V are a pool [P, PS, KH, H] with positions kpos [P, PS], row b's slot t
+// is found through table[b, t / PS] (`RowSlots`), T = M * PS; the same ranges and sums as a dense cache
+// holding those slots.
 template <typename E>
 void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const int32_t* kpos, const int32_t* qpos,
             float* out, int64_t B, int64_t S, int64_t N, int64_t T, int64_t KH, int64_t H, int64_t window,
-            float scale) {
+            float scale, const int32_t* table = nullptr, int64_t M = 0, int64_t shift = 0, int64_t blocks = 0) {
   const int64_t G = N / KH, row = KH * H, units = B * S * KH;  // a unit: a query and its KV head's G heads
+  auto row_slots = [&](int64_t b) {
+    return table == nullptr ? RowSlots{kpos + b * T} : RowSlots{kpos, table + b * M, shift, blocks};
+  };
+  const int64_t row_step = table == nullptr ? T * row : 0;  // where row b's K / V begin
   std::vector<std::pair<int64_t, int64_t>> span(static_cast<size_t>(B * S));
-  for (int64_t bs = 0; bs < B * S; ++bs) span[bs] = visible_span(kpos + bs / S * T, T, qpos[bs], window);
+  for (int64_t bs = 0; bs < B * S; ++bs) span[bs] = visible_span(row_slots(bs / S), T, qpos[bs], window);
   std::vector<int64_t> first(static_cast<size_t>(units + 1), 0);  // the first range (task) of each unit
   for (int64_t u = 0; u < units; ++u) {
     const auto [lo, hi] = span[u / KH];
@@ -1363,7 +1394,7 @@ void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const
     const int64_t kh = u % KH, bs = u / KH, b = bs / S;
     const auto [lo, hi] = span[bs];
     float* pt = parts.data() + i * part;
-    attend_range(Q + (bs * N + kh * G) * H, K + b * T * row + kh * H, V + b * T * row + kh * H, kpos + b * T,
+    attend_range(Q + (bs * N + kh * G) * H, K + b * row_step + kh * H, V + b * row_step + kh * H, row_slots(b),
                  lo + (hi - lo) * r / P, lo + (hi - lo) * (r + 1) / P, row, G, H, qpos[bs], window, scale, pt,
                  pt + G, pt + 2 * G);
   };
@@ -1395,25 +1426,35 @@ void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const
 }
 
 ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  Positions kpos, Positions qpos, HeadsOut out,
-                  int64_t window, float scale) {
+                  Positions kpos, Positions qpos, Positions table, HeadsOut out,
+                  int64_t window, float scale, bool paged) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (kd.size() != 4 || !same_dims(v.dimensions(), kd) || k.element_type() != v.element_type())
-    return ffi::Error::InvalidArgument("gemma4_attend: k and v must be [B, T, K, H] of one dtype");
-  const int64_t B = qd[0], S = qd[1], N = qd[2], H = qd[3], T = kd[1], KH = kd[2];
-  if (kd[0] < B || kd[3] != H || KH < 1 || N % KH != 0)
-    return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H] and k [Bc >= B, T, K, H] disagree");
-  if (kpos.dimensions()[0] != kd[0] || kpos.dimensions()[1] != T || qpos.dimensions()[0] != B ||
-      qpos.dimensions()[1] != S)
-    return ffi::Error::InvalidArgument("gemma4_attend: kpos must be [Bc, T] and qpos [B, S]");
+    return ffi::Error::InvalidArgument("gemma4_attend: k and v must be [B, T, K, H] (or [P, S, K, H]) of one dtype");
+  const int64_t B = qd[0], S = qd[1], N = qd[2], H = qd[3], KH = kd[2];
+  int64_t T = kd[1], M = 0, shift = 0;
+  if (paged) {  // k: a pool [P, PS, KH, H]; table [>= B, M]
+    const int64_t PS = kd[1];
+    M = table.dimensions()[1];
+    T = M * PS;
+    while ((int64_t{1} << shift) < PS) ++shift;
+    if ((int64_t{1} << shift) != PS || table.dimensions()[0] < B || kpos.dimensions()[0] != kd[0] ||
+        kpos.dimensions()[1] != PS)
+      return ffi::Error::InvalidArgument("gemma4_attend: a pool [P, S (a power of two), K, H], kpos [P, S], table [>= B, M]");
+  } else if (kd[0] < B || kpos.dimensions()[0] != kd[0] || kpos.dimensions()[1] != T) {
+    return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H], k [Bc >= B, T, K, H] and kpos [Bc, T] disagree");
+  }
+  if (kd[3] != H || KH < 1 || N % KH != 0 || qpos.dimensions()[0] != B || qpos.dimensions()[1] != S)
+    return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H], k [., ., K, H] and qpos [B, S] disagree");
+  const int32_t* tbl = paged ? table.typed_data() : nullptr;
   if (k.element_type() == ffi::DataType::F32)
     attend(pool, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()),
            reinterpret_cast<const float*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(), out->typed_data(),
-           B, S, N, T, KH, H, window, scale);
+           B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
   else if (k.element_type() == ffi::DataType::BF16)
     attend(pool, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()),
            reinterpret_cast<const uint16_t*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(),
-           out->typed_data(), B, S, N, T, KH, H, window, scale);
+           out->typed_data(), B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
   else
     return ffi::Error::InvalidArgument("gemma4_attend: k / v must be float32 or bfloat16");
   return ffi::Error::Success();
@@ -1508,9 +1549,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Attend, Attend,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Positions>()
                                   .Arg<Positions>()
+                                  .Arg<Positions>()
                                   .Ret<Heads>()
                                   .Attr<int64_t>("window")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("paged"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4KvWrite, KvWrite,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()

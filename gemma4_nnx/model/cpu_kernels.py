@@ -398,24 +398,33 @@ def has_int8_dot() -> bool:
 ATTEND_QUERIES = 16
 
 
-def attend(q: Array, k: Array, v: Array, kpos: Array, qpos: Array, window: int | None, scale: float) -> Array:
+def attend(
+    q: Array, k: Array, v: Array, kpos: Array, qpos: Array, window: int | None, scale: float, table: Array | None = None
+) -> Array:
     """Attention of q [B, S, N, H] float32 over k / v [Bc, T, K, H] (float32 or bfloat16; Bc >= B, query
     row b reads cache row b) -> [B, S, N, H] float32: query head n reads KV head n // (N / K); key t is
     visible to query s when kpos[b, t] >= 0, kpos <= qpos[b, s] and, with a window W,
     kpos > qpos - W (`attention.visibility`); softmax of
     scale * q.k over the visible keys, in float32. Reads only visible slots, so its cost follows the
     tokens seen, not the cache size. A query that sees no key gives zeros (XLA's masked softmax gives
-    the mean of all values there). Not differentiable (`attention.attend` wraps it)."""
+    the mean of all values there). Not differentiable (`attention.attend` wraps it).
+
+    table [>= B, M] int32 (a paged cache, `cache.PagedCache`): k / v are a pool [P, S, K, H] (S a power
+    of two) and kpos [P, S]; row b's slot t is offset t % S of block table[b, t // S] (an entry >= P:
+    none), counted only while it holds position t: the same result as `cache.paged_view`'s dense rows."""
     _registered()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    paged = table is not None
     return jax.ffi.ffi_call("gemma4_attend", out, vmap_method="sequential")(
         q.astype(jnp.float32),
         k,
         v,
         kpos.astype(jnp.int32),
         qpos.astype(jnp.int32),
+        table.astype(jnp.int32) if paged else jnp.zeros((1, 1), jnp.int32),
         window=int(window or 0),
         scale=np.float32(scale),
+        paged=paged,
     )
 
 

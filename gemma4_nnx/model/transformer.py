@@ -9,7 +9,7 @@ from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
 from gemma4_nnx.model.attention import Attention
-from gemma4_nnx.model.cache import KV, KVCache, LayerCache
+from gemma4_nnx.model.cache import KV, KVCache, LayerCache, PagedCache
 from gemma4_nnx.model.layers import (
     MLP,
     XLA,
@@ -271,7 +271,7 @@ class Gemma4(nnx.Module):
             if key not in ropes:
                 ropes[key] = rope_tables(positions, spec.rope, spec.head_dim, self.dtype)
         published: dict[int, KV] = {}
-        updated: dict[int, LayerCache] = {}
+        updated: dict[int, LayerCache | PagedCache] = {}
         # `model.remat = True` (training): recompute each layer's activations in the backward pass.
         call = nnx.remat(DecoderLayer.__call__) if self.remat else DecoderLayer.__call__
         for layer in self.layers:
@@ -280,7 +280,7 @@ class Gemma4(nnx.Module):
                 h, positions, k_pos, ple, ropes, span = _take_rows((h, positions, k_pos, ple, ropes, span), select)
                 select = None
             shared = published[spec.kv_donor] if spec.is_consumer else None
-            layer_cache = cache.layers[spec.index] if cache is not None and not spec.is_consumer else None
+            layer_cache = cache.layer(spec.index) if cache is not None and not spec.is_consumer else None
             h, kv, layer_cache = call(
                 layer,
                 h,
@@ -300,7 +300,7 @@ class Gemma4(nnx.Module):
             h = _take_rows(h, select)
         h = self.norm(h)
         out = h if return_hidden else self.logits(h)
-        return out if cache is None else (out, KVCache(updated))
+        return out if cache is None else (out, cache.with_layers(updated))
 
     # ------------------------------------------------------------------ images and audio
     def _vision_ids(self) -> Array:
