@@ -141,6 +141,7 @@ def test_rejected_positions_leave_no_trace(models):
     from gemma4_nnx.decode.batching import PromptBatch
     from gemma4_nnx.decode.core import Decoder, DrawConfig
     from gemma4_nnx.decode.requests import make_request
+    from gemma4_nnx.model.cache import KV, PagedCache, paged_view
 
     model = models("e2b")
     reqs = [
@@ -158,9 +159,13 @@ def test_rejected_positions_leave_no_trace(models):
     assert [int(t) for t in out.token[:, 0]] == [plain_next[0][1], plain_next[1][1]]
     assert out.count.tolist() == [1, 1] and out.accepted.tolist() == [0, 0]
     lengths = pos_before + 1  # positions 0..pos are written: the last token's; nothing beyond
-    for c in dec.state.cache.layers.values():
-        p = np.asarray(c.pos)
+    cache = dec.state.cache
+    for c in cache.layers.values():
+        # a paged layer: the positions each row's blocks hold (`paged_view` reads them through the table)
+        p = np.asarray(paged_view(KV(c.k, c.v, c.pos, cache.table)).pos if isinstance(c, PagedCache) else c.pos)
         assert (p < lengths[:, None]).all(), (p, lengths)
+        raw = np.asarray(c.pos)  # nor anywhere in the pool
+        assert raw.max() < lengths.max(), raw
 
 
 def test_sampled_speculation_has_the_target_distribution():

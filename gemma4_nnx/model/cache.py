@@ -325,9 +325,20 @@ class KVCache:
         return KVCache({i: c if isinstance(c, PagedCache) else fn(c) for i, c in self.layers.items()}, self.table)
 
     def forget_from(self, lengths: Array) -> KVCache:
-        """Forget every slot holding a position >= lengths[row] (int [B]): rejected draft tokens. Paged
-        layers need nothing: a later position is written before any query can see it."""
-        return self._map_rows(lambda c: dataclasses.replace(c, pos=jnp.where(c.pos >= lengths[:, None], -1, c.pos)))
+        """Forget every slot holding a position >= lengths[row] (int [B]): rejected draft tokens (in a
+        paged layer, the slots of the row's own blocks)."""
+        out = self._map_rows(lambda c: dataclasses.replace(c, pos=jnp.where(c.pos >= lengths[:, None], -1, c.pos)))
+        if self.table is None:
+            return out
+        layers = {}
+        for i, c in out.layers.items():
+            if isinstance(c, PagedCache):
+                held = c.pos.at[self.table].get(mode="fill", fill_value=-1)  # [B, M, S]
+                held = jnp.where(held >= lengths[:, None, None], -1, held)
+                # a block shared by rows holds positions below all their lengths: written back unchanged
+                c = dataclasses.replace(c, pos=c.pos.at[self.table].set(held, mode="drop"))
+            layers[i] = c
+        return KVCache(layers, self.table)
 
     def take(self, rows: Array) -> KVCache:
         """Rows `rows` [k] (an index >= batch_size reads the last row; `put` drops it again); pools

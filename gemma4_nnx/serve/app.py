@@ -208,7 +208,7 @@ def create_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=model_name, created=state["created"])])
+        return ModelList(data=[ModelCard(id=model_name, created=state["created"], max_model_len=engine.max_length)])
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest):
@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
     p.add_argument(
-        "--max-length", type=int, help="context per request: prompt + max_tokens (default: min(model context, 4096))"
+        "--max-length", type=int, help="context per request: prompt + max_tokens (default: the model's context)"
     )
     p.add_argument(
         "--prefill-chunk", type=int, help="prefill prompts in chunks of N tokens (default: 512 for longer prompts)"
@@ -272,6 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="the most prompt tokens prefilled between two decode steps (default: the chunk, 512): a long "
         "prompt is prefilled a chunk at a time between the running streams' tokens",
+    )
+    p.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        help="device memory for the global layers' KV block pool (MiB): rows take blocks of 32 tokens as "
+        "they grow, requests are admitted while their prompts fit, and when the pool runs dry the newest "
+        "request is preempted and recomputed later (default: 4096 tokens per --max-batch row, and at least "
+        "one --max-length)",
     )
     p.add_argument(
         "--prefix-cache-mb",
@@ -385,6 +393,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
 
     if args.prefix_cache_mb < 0:
         raise ValueError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
+    if args.kv_cache_mb is not None and args.kv_cache_mb < 1:
+        raise ValueError(f"--kv-cache-mb must be >= 1 (MiB), got {args.kv_cache_mb}")
     mesh = None
     tp = args.tensor_parallel_size
     if tp != 1:
@@ -417,6 +427,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         mesh=mesh,
         speculative=speculative,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
+        kv_cache_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
     )
 
 

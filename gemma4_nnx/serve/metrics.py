@@ -83,6 +83,11 @@ class _EngineCollector:
             ("speculative_verify_steps", "Speculative (draft + verify) steps", st.verify_steps),
             ("speculative_drafted_tokens", "Draft tokens verified", st.drafted_tokens),
             ("speculative_accepted_tokens", "Draft tokens accepted", st.accepted_tokens),
+            (
+                "preemptions",
+                "Requests that gave up their KV blocks when the pool ran dry (recomputed later)",
+                st.preemptions,
+            ),
         ):
             yield CounterMetricFamily(f"gemma4_{name}", doc, value=value)
         for name, doc, value in (
@@ -90,6 +95,9 @@ class _EngineCollector:
             ("requests_waiting", "Requests queued for a row", e.pending),
             ("batch_rows", "Batch rows (--max-batch)", e.max_batch),
             ("engine_alive", "1 while the engine thread runs", int(e.alive)),
+            ("kv_blocks_used", "KV pool blocks held by rows and prefix snapshots", e.pool.used if e.pool else 0),
+            ("kv_blocks_free", "KV pool blocks free", e.pool.free if e.pool else 0),
+            ("kv_block_tokens", "Tokens per KV pool block", e.pool.block_size if e.pool else 0),
         ):
             yield GaugeMetricFamily(f"gemma4_{name}", doc, value=value)
         if e.prefix is not None:

@@ -496,6 +496,7 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "gemma4_nnx"
+    max_model_len: int = Field(description="The server's --max-length (prompt + new tokens per request), as vLLM.")
 
 
 class ModelList(_Response):
