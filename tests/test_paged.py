@@ -24,10 +24,10 @@ from tests.helpers import attention_f64, tiny_model
 ATOL = 2e-5
 
 
-def _paged_case(rng, *, rows=3, blocks=24, size=8, width=6, heads=(4, 2), dim=16, lengths=(37, 5, 48)):
+def _paged_case(rng, *, rows=3, blocks=24, size=8, width=6, kv_heads=2, dim=16, lengths=(37, 5, 48)):
     """A pool filled with noise whose positions look plausible, then each row's tokens written
     through a shuffled table (some entries empty); returns (paged KV, dense k, v, pos of each row)."""
-    n, kh = heads
+    kh = kv_heads
     k = rng.standard_normal((blocks, size, kh, dim)).astype(np.float32)
     v = rng.standard_normal((blocks, size, kh, dim)).astype(np.float32)
     pos = rng.integers(0, width * size, (blocks, size)).astype(np.int32)  # stale entries: any position
