@@ -222,3 +222,126 @@ def test_random_submit_and_cancel_leaks_no_block(model):
         assert engine.pool.used == 0
     finally:
         engine.close()
+
+
+# ----------------------------------------------------------------------------- the server
+def test_server_with_a_small_pool_answers_everyone_as_alone(tmp_path):
+    """`gemma4-serve`'s app over an engine whose pool holds about two of six concurrent requests:
+    every completion equals the same request sent alone, and /metrics shows the pool (used / free
+    blocks) and the preemptions it took."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import http.client
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import gemma4_nnx
+    from tests.helpers import ServerThread, build_hf_json, random_model
+
+    build_hf_json(tmp_path / "tokenizer.json")
+    tok = gemma4_nnx.load_tokenizer(tmp_path)
+    model = random_model("e2b", seed=3, vocab_size=tok.vocab_size)
+    probe = Engine(model, max_batch=1, max_length=96)
+    block_bytes = probe.block_bytes
+    probe.close()
+    engine = Engine(model, tok, max_batch=4, max_length=96, kv_cache_bytes=6 * block_bytes)
+    prompts = [fx.sample_ids(1, n, seed=90 + n, vocab=tok.vocab_size)[0].tolist() for n in (30, 21, 41, 17, 26, 35)]
+
+    def complete(port, prompt):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        body = dict(model="m", prompt=prompt, max_tokens=NEW, temperature=0, logprobs=1)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        choice = json.loads(r.read())["choices"][0]
+        return choice["text"], choice["finish_reason"], choice["logprobs"]["token_logprobs"]
+
+    try:
+        with ServerThread(engine, "m") as server:
+            alone = [complete(server.port, p) for p in prompts]
+            assert engine.stats.preemptions == 0
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                together = list(pool.map(lambda p: complete(server.port, p), prompts))
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            conn.request("GET", "/metrics")
+            metrics = conn.getresponse().read().decode()
+    finally:
+        engine.close()
+    assert engine.stats.preemptions > 0
+    for (text, reason, lps), (want, want_reason, want_lps) in zip(together, alone, strict=True):
+        assert text == want and reason == want_reason
+        np.testing.assert_allclose(lps, want_lps, atol=1e-4, rtol=0)
+
+    def value(name):
+        line = next(x for x in metrics.splitlines() if x.startswith(name + " "))
+        return float(line.split()[1])
+
+    assert value("gemma4_preemptions_total") == engine.stats.preemptions
+    assert value("gemma4_kv_blocks_used") + value("gemma4_kv_blocks_free") == engine.pool.blocks == 6
+    assert value("gemma4_kv_block_tokens") == 32
+
+
+# ----------------------------------------------------------------------------- int8 KV
+def test_int8_codes_are_within_half_a_step():
+    """`quantize_kv`: every element of codes x scale is within scale / 2 of the input (round to
+    nearest), the largest of each token-head maps to +-127, an all-zero head stays zero."""
+    from gemma4_nnx.model.cache import quantize_kv
+
+    x = np.random.default_rng(4).standard_normal((3, 5, 2, 16)).astype(np.float32) * np.float32(3.0)
+    x[0, 0, 1] = 0.0
+    codes, scale = (np.asarray(a) for a in quantize_kv(jnp.asarray(x)))
+    err = np.abs(codes.astype(np.float64) * scale[..., None] - x)
+    assert np.all(err <= scale[..., None] / 2 * (1 + 1e-6) + 1e-12)
+    assert np.all(np.abs(codes).max(-1)[scale > 0] == 127)
+    assert scale[0, 0, 1] == 0 and not codes[0, 0, 1].any()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "kernel"])
+def test_int8_attention_equals_float64_over_the_dequantized_cache(kernel, paged):
+    """Attention over an int8 cache equals float64 attention over codes x scales (the dequantization
+    happens inside, exactly); and against the unquantized cache it errs by about the step's share."""
+    if kernel and not cpu_kernels.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    from gemma4_nnx.model.cache import quantize_kv
+
+    rng = np.random.default_rng(5)
+    kv, dk, dv, dpos = _paged_case(rng)
+    (kc, ks), (vc, vs) = quantize_kv(kv.k), quantize_kv(kv.v)
+    lengths, s = (37, 5, 48), 2
+    q = rng.standard_normal((3, s, 4, 16)).astype(np.float32)
+    q_pos = np.array([[length - s + i for i in range(s)] for length in lengths])
+    if paged:
+        cache = KV(kc, vc, kv.pos, kv.table, ks, vs)
+    else:  # the same codes laid out per row
+        view = paged_view(KV(kc, vc, kv.pos, kv.table, ks, vs))
+        cache = view
+    got = np.asarray(attend(q, cache, q_pos, window=None, scale=0.7, kernel=kernel))
+    deq = paged_view(KV(kc, vc, kv.pos, kv.table, ks, vs))
+    dk8 = np.asarray(deq.k, np.float64) * np.asarray(deq.k_scale)[..., None]
+    dv8 = np.asarray(deq.v, np.float64) * np.asarray(deq.v_scale)[..., None]
+    np.testing.assert_allclose(got, attention_f64(q, dk8, dv8, dpos, q_pos, None, 0.7), atol=ATOL, rtol=0)
+    # against the float cache: keys off by <= 1/254 of each head's largest, values likewise; on these
+    # unit-normal inputs that moves outputs by ~1e-2 at most
+    exact = attention_f64(q, dk, dv, dpos, q_pos, None, 0.7)
+    assert 1e-4 < np.abs(got - exact).max() < 0.05
+
+
+def test_int8_engine_equals_int8_generate_and_takes_a_quarter_of_float32(model):
+    """The engine and `generate` with cache_dtype="int8" give the same tokens (one decode core over
+    the same quantized cache); its bytes per token are (H + 4) / (4 H) of float32's."""
+    from gemma4_nnx.decode.generate import generate
+    from gemma4_nnx.model.cache import token_bytes
+
+    prompt = PROMPTS[0]
+    want = generate(model, [prompt], 12, stop_tokens=[], cache_dtype="int8").tokens[0]
+    engine = Engine(model, max_batch=2, max_length=96, cache_dtype="int8")
+    try:
+        tokens = engine.submit(prompt, 12, stop_tokens=[]).result()[0]
+        assert tokens == list(want)
+        assert engine.stats.completed == 1
+    finally:
+        engine.close()
+    heads = [s for s in model.config.cache_layers if not s.is_sliding]
+    assert token_bytes(model.config, "int8") == sum(2 * s.num_kv_heads * (s.head_dim + 4) for s in heads)
+    assert token_bytes(model.config, jnp.float32) == sum(2 * s.num_kv_heads * s.head_dim * 4 for s in heads)

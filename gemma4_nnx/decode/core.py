@@ -782,9 +782,13 @@ def _empty_cache_jit(sharding):
 
 def _copy_blocks(cache: KVCache, src, dst) -> KVCache:
     """Every pool's blocks `src` [n] copied into blocks `dst` [n] (a row's own copy of a shared block)."""
+
+    def copy(x):
+        return None if x is None else x.at[dst].set(x[src])
+
     layers = {
         i: dataclasses.replace(
-            c, k=c.k.at[dst].set(c.k[src]), v=c.v.at[dst].set(c.v[src]), pos=c.pos.at[dst].set(c.pos[src])
+            c, k=copy(c.k), v=copy(c.v), pos=copy(c.pos), k_scale=copy(c.k_scale), v_scale=copy(c.v_scale)
         )
         if isinstance(c, PagedCache)
         else c

@@ -219,7 +219,8 @@ class Engine:
       max_num_batched_tokens: the most prompt columns (joining rows x chunk width) prefilled between
         two decode steps (vLLM's name); at least the chunk width (`prefill_chunk`, default 512). A
         prompt with images is one chunk however long, and joins alone when it exceeds the budget.
-      cache_dtype: default the model's compute dtype.
+      cache_dtype: default the model's compute dtype; "int8": codes with a float32 scale per token and
+        head, dequantized inside attention (`cache.quantize_kv`; about half of bfloat16's bytes).
       precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
         max_length): before serving, every decode step program (each power-of-two row count, with
         its greedy draw) and the prefill and first draw programs for those prompt buckets and every

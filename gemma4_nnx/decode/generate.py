@@ -245,7 +245,8 @@ def generate(
     `prefill_chunk`: prefill the prompt in chunks of this many tokens (default: one chunk up to
     `batching.AUTO_PREFILL_CHUNK` tokens, chunks of that beyond; prompts with images in one).
     `seed`: with a fixed seed, output is reproducible (row r draws from fold_in(key(seed), r)).
-    `cache_dtype`: default the compute dtype. The KV cache lives for the call only; the model is
+    `cache_dtype`: default the compute dtype; "int8": codes with a float32 scale per token and head,
+    dequantized inside attention (`cache.quantize_kv`). The KV cache lives for the call only; the model is
     not changed (a plain `model(ids)` works at any time).
     `speculative`: draft and verify several tokens per step (`decode.speculative`), e.g.
     `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`:

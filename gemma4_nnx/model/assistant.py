@@ -83,7 +83,7 @@ class Gemma4Assistant(nnx.Module):
         out = {}
         for t, i in target_config.assistant_donors.items():
             c = cache.layer(i)
-            out[t] = KV(c.k, c.v, c.pos, getattr(c, "table", None))
+            out[t] = KV(c.k, c.v, c.pos, getattr(c, "table", None), c.k_scale, c.v_scale)
         return out
 
     def __call__(self, embeds: Array, state: Array, positions: Array, kv: dict[str, KV]) -> tuple[Array, Array]:

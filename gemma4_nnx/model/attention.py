@@ -24,7 +24,7 @@ from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
 from gemma4_nnx.model import cpu_kernels
-from gemma4_nnx.model.cache import KV, LayerCache, PagedCache, kv_rows, paged_view
+from gemma4_nnx.model.cache import KV, LayerCache, PagedCache, dequantized, kv_rows, paged_view
 from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
 from gemma4_nnx.model.multimodal import VisionSpan
 
@@ -90,26 +90,31 @@ def attend(
         and q.dtype == jnp.float32
         and q.shape[1] <= cpu_kernels.ATTEND_QUERIES
     ):
-        return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, kv.table, window, scale)
+        return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, kv.table, (kv.k_scale, kv.v_scale), window, scale)
     return _xla_attend(q, kv_rows(kv, q.shape[0]), q_pos, window, scale, reach, floor)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _kernel_attend(q, k, v, k_pos, q_pos, table, window, scale):
-    return cpu_kernels.attend(q, k, v, k_pos, q_pos, window, scale, table)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kernel_attend(q, k, v, k_pos, q_pos, table, scales, window, scale):
+    return cpu_kernels.attend(q, k, v, k_pos, q_pos, window, scale, table, *scales)
 
 
-def _kernel_attend_fwd(q, k, v, k_pos, q_pos, table, window, scale):
-    return _kernel_attend(q, k, v, k_pos, q_pos, table, window, scale), (q, k, v, k_pos, q_pos, table)
+def _kernel_attend_fwd(q, k, v, k_pos, q_pos, table, scales, window, scale):
+    out = _kernel_attend(q, k, v, k_pos, q_pos, table, scales, window, scale)
+    return out, (q, k, v, k_pos, q_pos, table, scales)
 
 
 def _kernel_attend_bwd(window, scale, res, g):
-    q, k, v, k_pos, q_pos, table = res
-    # the cache may have more rows than q (their gradient is zero)
+    q, k, v, k_pos, q_pos, table, scales = res
+    # the cache may have more rows than q (their gradient is zero); int8 codes have none
+    kv = KV(k, v, k_pos, table, *scales)
+    if scales[0] is not None:
+        _, pullback = jax.vjp(lambda q: _xla_attend(q, kv_rows(kv, q.shape[0]), q_pos, window, scale), q)
+        return (*pullback(g), None, None, None, None, None, None)
     _, pullback = jax.vjp(
         lambda q, k, v: _xla_attend(q, kv_rows(KV(k, v, k_pos, table), q.shape[0]), q_pos, window, scale), q, k, v
     )
-    return (*pullback(g), None, None, None)
+    return (*pullback(g), None, None, None, None)
 
 
 _kernel_attend.defvjp(_kernel_attend_fwd, _kernel_attend_bwd)
@@ -144,14 +149,15 @@ def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Arra
     if kv.table is not None:
         kv = paged_view(kv)
     k_heads = kv.k.shape[2]
+    keys, values = dequantized(kv, q.dtype)
     qg = q.reshape(b, s, k_heads, n // k_heads, h)
-    scores = jnp.einsum("bskgh,btkh->bkgst", qg, kv.k.astype(q.dtype))
+    scores = jnp.einsum("bskgh,btkh->bkgst", qg, keys)
     if scale != 1.0:
         scores = scores * jnp.asarray(scale, scores.dtype)
     mask = visibility(q_pos, kv.pos, window, reach, floor)[:, None, None, :, :]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgst,btkh->bskgh", probs, kv.v.astype(q.dtype))
+    out = jnp.einsum("bkgst,btkh->bskgh", probs, values)
     return out.reshape(b, s, n, h)
 
 
@@ -181,18 +187,19 @@ def _blockwise_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, b
         if paged:
             pages = block // kv.pos.shape[1]
             view = paged_view(kv, i * pages, pages)
-            k, v, pos = view.k, view.v, view.pos
-            mask = visibility(q_pos, pos, window, reach, floor)
+            mask = visibility(q_pos, view.pos, window, reach, floor)
         else:
             nominal = i * block
             start = jnp.minimum(nominal, t - block)
-            k, v, pos = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (kv.k, kv.v, kv.pos))
-            mask = visibility(q_pos, pos, window, reach, floor) & (start + jnp.arange(block) >= nominal)
+            view = KV(*(None if x is None else jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (
+                kv.k, kv.v, kv.pos, None, kv.k_scale, kv.v_scale)))  # fmt: skip
+            mask = visibility(q_pos, view.pos, window, reach, floor) & (start + jnp.arange(block) >= nominal)
         mask = mask[:, None, None, :, :]  # [B, 1, 1, S, block]
 
         def update(carry):
             top, total, acc = carry
-            scores = jnp.einsum("bskgh,btkh->bkgst", qg, k.astype(q.dtype)).astype(jnp.float32)
+            k, v = dequantized(view, q.dtype)
+            scores = jnp.einsum("bskgh,btkh->bkgst", qg, k).astype(jnp.float32)
             if scale != 1.0:
                 scores = scores * jnp.float32(scale)
             scores = jnp.where(mask, scores, lowest)
@@ -200,7 +207,7 @@ def _blockwise_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, b
             p = jnp.exp(scores - new_top[..., None])
             rescale = jnp.exp(top - new_top)
             total = total * rescale + jnp.sum(p, axis=-1)
-            acc = acc * rescale[..., None] + jnp.einsum("bkgst,btkh->bkgsh", p.astype(q.dtype), v.astype(q.dtype))
+            acc = acc * rescale[..., None] + jnp.einsum("bkgst,btkh->bkgsh", p.astype(q.dtype), v)
             return new_top, total, acc.astype(jnp.float32)
 
         return jax.lax.cond(jnp.any(mask), update, lambda c: c, carry), None

@@ -65,6 +65,8 @@ class KV:
     v: Array
     pos: Array
     table: Array | None = None
+    k_scale: Array | None = None  # int8 k / v: a float32 scale per slot and head ([B, T, K] / [P, S, K])
+    v_scale: Array | None = None
 
     @property
     def rows(self) -> int:
@@ -74,6 +76,32 @@ class KV:
     def slots(self) -> int:
         """Key slots per row (T; M * S when paged)."""
         return self.pos.shape[1] if self.table is None else self.table.shape[1] * self.pos.shape[1]
+
+
+def quantize_kv(x: Array) -> tuple[Array, Array]:
+    """x [..., H] float -> (int8 codes [..., H], float32 scales [...]): symmetric, one scale per token
+    and head, max|x| / 127, codes rounded to nearest (error at most scale / 2 per element)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    codes = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(codes, -127, 127).astype(jnp.int8), scale
+
+
+def dequantized(kv: KV, dtype) -> tuple[Array, Array]:
+    """kv's keys and values in `dtype` (int8 codes times their scales)."""
+    if kv.k_scale is None:
+        return kv.k.astype(dtype), kv.v.astype(dtype)
+    return (kv.k.astype(jnp.float32) * kv.k_scale[..., None]).astype(dtype), (
+        kv.v.astype(jnp.float32) * kv.v_scale[..., None]
+    ).astype(dtype)
+
+
+def _encode(new: KV, dtype) -> KV:
+    """New tokens' K/V as a cache of `dtype` stores them (int8: codes and scales)."""
+    if jnp.dtype(dtype) != jnp.int8:
+        return KV(new.k.astype(dtype), new.v.astype(dtype), new.pos)
+    (k, ks), (v, vs) = quantize_kv(new.k), quantize_kv(new.v)
+    return KV(k, v, new.pos, None, ks, vs)
 
 
 def kv_rows(kv: KV, m: int) -> KV:
@@ -93,11 +121,14 @@ def paged_view(kv: KV, first: Array | int = 0, count: int | None = None) -> KV:
     count = m if count is None else count
     cols = jnp.asarray(first, jnp.int32) + jnp.arange(count, dtype=jnp.int32)
     ids = jnp.where(cols < m, jnp.take(table, jnp.minimum(cols, m - 1), axis=1), blocks)  # [B, count]
-    k = kv.k.at[ids].get(mode="fill", fill_value=0).reshape(b, count * size, *kv.k.shape[2:])
-    v = kv.v.at[ids].get(mode="fill", fill_value=0).reshape(b, count * size, *kv.v.shape[2:])
-    pos = kv.pos.at[ids].get(mode="fill", fill_value=-1).reshape(b, count * size)
+
+    def gather(x, fill=0):
+        return None if x is None else x.at[ids].get(mode="fill", fill_value=fill).reshape(b, count * size, *x.shape[2:])
+
+    pos = gather(kv.pos, -1)
     want = (cols[:, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(-1)
-    return KV(k, v, jnp.where(pos == want[None, :], pos, -1))
+    pos = jnp.where(pos == want[None, :], pos, -1)
+    return KV(gather(kv.k), gather(kv.v), pos, None, gather(kv.k_scale), gather(kv.v_scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +146,23 @@ class LayerCache:
     v: Array  # [B, T, K, H]
     pos: Array  # [B, T] int32, -1 = empty slot
     ring: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    k_scale: Array | None = None  # int8 k / v: [B, T, K] float32
+    v_scale: Array | None = None
 
     @classmethod
     def zeros(cls, batch_size: int, size: int, num_kv_heads: int, head_dim: int, *, ring: bool, dtype) -> LayerCache:
         shape = (batch_size, size, num_kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch_size, size), -1, jnp.int32), ring)
+        scales = _scales(shape, dtype)
+        return cls(
+            jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch_size, size), -1, jnp.int32), ring, *scales
+        )
 
     @property
     def size(self) -> int:
         return self.pos.shape[1]
 
     def _write(self, new: KV, in_place: bool) -> LayerCache:
+        """Store `new` (already encoded: `_encode`)."""
         b, s = new.pos.shape
         # Only the last `size` positions of each row can survive; writing just those keeps slots unique
         # within one update (scatter order for duplicate indices is unspecified).
@@ -134,13 +171,26 @@ class LayerCache:
         slots = jnp.where(keep, new.pos % self.size, self.size)  # out of range -> dropped
         if in_place:
             k, v, pos = cpu_kernels.kv_write(self.k, self.v, self.pos, new.k, new.v, new.pos, slots)
-            return dataclasses.replace(self, k=k, v=v, pos=pos)
+            scales = {}
+            if self.k_scale is not None:  # the scales as [B, T, K, 1] "caches" of their own
+                ks, vs, pos = cpu_kernels.kv_write(
+                    self.k_scale[..., None], self.v_scale[..., None], pos, new.k_scale[..., None],
+                    new.v_scale[..., None], new.pos, slots,
+                )  # fmt: skip
+                scales = dict(k_scale=ks[..., 0], v_scale=vs[..., 0])
+            return dataclasses.replace(self, k=k, v=v, pos=pos, **scales)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
+
+        def put(x, y):
+            return None if x is None else x.at[rows, slots].set(y.astype(x.dtype), mode="drop")
+
         return dataclasses.replace(
             self,
-            k=self.k.at[rows, slots].set(new.k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[rows, slots].set(new.v.astype(self.v.dtype), mode="drop"),
-            pos=self.pos.at[rows, slots].set(new.pos, mode="drop"),
+            k=put(self.k, new.k),
+            v=put(self.v, new.v),
+            pos=put(self.pos, new.pos),
+            k_scale=put(self.k_scale, new.k_scale),
+            v_scale=put(self.v_scale, new.v_scale),
         )
 
     def update(self, new: KV, *, window: int | None = None, in_place: bool = False) -> tuple[KV, LayerCache]:
@@ -156,18 +206,37 @@ class LayerCache:
         their entries, and the returned cache has all B rows. The returned K/V then has B rows too
         (row i of the queries reads row i), except for the [ring ; new] concatenation (b rows)."""
         b, s = new.pos.shape
+        new = _encode(new, self.k.dtype)
         if self.ring and not (in_place and window is not None and s - 1 <= self.size - window):
+
+            def joined(x, y):
+                return None if x is None else jnp.concatenate([x[:b], y], axis=1)
+
             seen = KV(
-                jnp.concatenate([self.k[:b], new.k.astype(self.k.dtype)], axis=1),
-                jnp.concatenate([self.v[:b], new.v.astype(self.v.dtype)], axis=1),
-                jnp.concatenate([self.pos[:b], new.pos], axis=1),
+                joined(self.k, new.k),
+                joined(self.v, new.v),
+                joined(self.pos, new.pos),
+                None,
+                joined(self.k_scale, new.k_scale),
+                joined(self.v_scale, new.v_scale),
             )
             return seen, self._write(new, in_place)
         written = self._write(new, in_place)
-        return KV(written.k, written.v, written.pos), written
+        return written.kv(), written
+
+    def kv(self) -> KV:
+        """What attention reads of this cache."""
+        return KV(self.k, self.v, self.pos, None, self.k_scale, self.v_scale)
 
 
-jax.tree_util.register_dataclass(LayerCache, data_fields=["k", "v", "pos"], meta_fields=["ring"])
+jax.tree_util.register_dataclass(LayerCache, data_fields=["k", "v", "pos", "k_scale", "v_scale"], meta_fields=["ring"])
+
+
+def _scales(shape, dtype) -> tuple[Array, Array] | tuple[()]:
+    """Zero scales [..., K] for an int8 cache of `shape` [..., K, H]; none for a float one."""
+    if jnp.dtype(dtype) != jnp.int8:
+        return ()
+    return jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,13 +249,16 @@ class PagedCache:
     v: Array
     pos: Array
     table: Array | None = None  # [B, M] int32 while a forward pass holds it
+    k_scale: Array | None = None  # int8 k / v: [P, S, K] float32
+    v_scale: Array | None = None
 
     ring = False
 
     @classmethod
     def zeros(cls, blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype) -> PagedCache:
         shape = (blocks, block_size, num_kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((blocks, block_size), -1, jnp.int32))
+        pos = jnp.full((blocks, block_size), -1, jnp.int32)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), pos, None, *_scales(shape, dtype))
 
     @property
     def block_size(self) -> int:
@@ -198,34 +270,42 @@ class PagedCache:
         `new` may have fewer rows than the table: they are its first rows."""
         blocks, size = self.pos.shape
         b, s = new.pos.shape
+        new = _encode(new, self.k.dtype)
         table = self.table[:b]
         col = new.pos // size
         ids = jnp.take_along_axis(table, jnp.clip(col, 0, table.shape[1] - 1), axis=1)
         keep = (new.pos >= 0) & (col < table.shape[1]) & (ids < blocks)
         slots = jnp.where(keep, ids * size + new.pos % size, blocks * size).reshape(1, b * s)  # outside: dropped
-        flat = (1, blocks * size, *self.k.shape[2:])
-        nk, nv = (x.reshape(1, b * s, *x.shape[2:]) for x in (new.k, new.v))
-        if in_place:
-            k, v, pos = cpu_kernels.kv_write(
-                self.k.reshape(flat),
-                self.v.reshape(flat),
-                self.pos.reshape(1, -1),
-                nk,
-                nv,
-                new.pos.reshape(1, -1),
-                slots,
+        flat_pos = new.pos.reshape(1, -1)
+
+        def write(k, v, pos, nk, nv):  # pools [P, S, ...] <- new [b, s, ...] at `slots`
+            flat = (1, blocks * size, *k.shape[2:])
+            nk, nv = (x.reshape(1, b * s, *x.shape[2:]) for x in (nk, nv))
+            if in_place:
+                k, v, pos = cpu_kernels.kv_write(k.reshape(flat), v.reshape(flat), pos, nk, nv, flat_pos, slots)
+            else:
+                k = k.reshape(flat).at[0, slots[0]].set(nk[0].astype(k.dtype), mode="drop")
+                v = v.reshape(flat).at[0, slots[0]].set(nv[0].astype(v.dtype), mode="drop")
+            return k.reshape(blocks, size, *k.shape[2:]), v.reshape(blocks, size, *v.shape[2:]), pos
+
+        pos = self.pos.reshape(1, -1)
+        if not in_place:
+            pos = pos.at[0, slots[0]].set(flat_pos[0], mode="drop")
+        k, v, pos = write(self.k, self.v, pos, new.k, new.v)
+        scales = {}
+        if self.k_scale is not None:
+            ks, vs, pos = write(
+                self.k_scale[..., None], self.v_scale[..., None], pos, new.k_scale[..., None], new.v_scale[..., None]
             )
-        else:
-            k = self.k.reshape(flat).at[0, slots[0]].set(nk[0].astype(self.k.dtype), mode="drop")
-            v = self.v.reshape(flat).at[0, slots[0]].set(nv[0].astype(self.v.dtype), mode="drop")
-            pos = self.pos.reshape(1, -1).at[0, slots[0]].set(new.pos.reshape(-1), mode="drop")
-        written = dataclasses.replace(
-            self, k=k.reshape(self.k.shape), v=v.reshape(self.v.shape), pos=pos.reshape(blocks, size)
-        )
-        return KV(written.k, written.v, written.pos, self.table), written
+            scales = dict(k_scale=ks[..., 0], v_scale=vs[..., 0])
+        pos = pos.reshape(blocks, size)
+        written = dataclasses.replace(self, k=k, v=v, pos=pos, **scales)
+        return KV(written.k, written.v, written.pos, self.table, written.k_scale, written.v_scale), written
 
 
-jax.tree_util.register_dataclass(PagedCache, data_fields=["k", "v", "pos", "table"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    PagedCache, data_fields=["k", "v", "pos", "table", "k_scale", "v_scale"], meta_fields=[]
+)
 
 
 @jax.tree_util.register_dataclass
@@ -295,9 +375,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V (positions excluded; pools whole)."""
+        """Bytes of K and V and their int8 scales (positions excluded; pools whole)."""
         return sum(
-            int(c.k.size) * c.k.dtype.itemsize + int(c.v.size) * c.v.dtype.itemsize for c in self.layers.values()
+            int(x.size) * x.dtype.itemsize
+            for c in self.layers.values()
+            for x in (c.k, c.v, c.k_scale, c.v_scale)
+            if x is not None
         )
 
     def layer(self, index: int) -> LayerCache | PagedCache:
@@ -393,16 +476,20 @@ def cache_size(spec: LayerSpec, config: Gemma4Config, max_length: int, ring_extr
     return max_length
 
 
+def _head_bytes(head_dim: int, dtype) -> int:
+    """Bytes of one token's K (or V) in one head: the values, and an int8 cache's float32 scale."""
+    dtype = jnp.dtype(dtype)
+    return head_dim * dtype.itemsize + (4 if dtype == jnp.int8 else 0)
+
+
 def token_bytes(config: Gemma4Config, dtype=jnp.bfloat16) -> int:
     """Bytes of K+V one token takes in the global donor layers (what a paged block holds per slot)."""
-    item = jnp.dtype(dtype).itemsize
-    return sum(2 * s.num_kv_heads * s.head_dim * item for s in config.cache_layers if not s.is_sliding)
+    return sum(2 * s.num_kv_heads * _head_bytes(s.head_dim, dtype) for s in config.cache_layers if not s.is_sliding)
 
 
 def cache_bytes(config: Gemma4Config, batch_size: int, max_length: int, dtype=jnp.bfloat16) -> int:
     """Bytes of K+V cache `KVCache.init` allocates (positions excluded), from the config alone."""
-    item = jnp.dtype(dtype).itemsize
     return sum(
-        2 * batch_size * cache_size(s, config, max_length) * s.num_kv_heads * s.head_dim * item
+        2 * batch_size * cache_size(s, config, max_length) * s.num_kv_heads * _head_bytes(s.head_dim, dtype)
         for s in config.cache_layers
     )

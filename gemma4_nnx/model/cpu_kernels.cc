@@ -1226,11 +1226,13 @@ bool same_dims(const A& a, const B& b) {
 template <typename E>
 inline float kv_elem(const E* p, int64_t j) {
   if constexpr (std::is_same_v<E, float>) return p[j];
+  else if constexpr (std::is_same_v<E, int8_t>) return static_cast<float>(p[j]);
   else return widen(p[j]);
 }
 template <typename E>
 inline f32x16 kv_load(const E* p) {
   if constexpr (std::is_same_v<E, float>) return load_f32(p);
+  else if constexpr (std::is_same_v<E, int8_t>) return widen_codes8(reinterpret_cast<const uint8_t*>(p), false);
   else return load_bf16(p);
 }
 
@@ -1264,11 +1266,13 @@ struct RowSlots {
   }
 };
 
+// int8 K / V (ks, vs not null): codes, with a scale per slot and KV head at ks[slot * KH] (the pointers
+// at this head): a score is scale * ks (q . codes), a value weighs p * vs.
 template <typename E>
 void attend_range(const float* __restrict__ q, const E* __restrict__ k, const E* __restrict__ v,
                   const RowSlots& slots, int64_t t0, int64_t t1, int64_t row, int64_t G, int64_t H,
                   int32_t qp, int64_t window, float scale, float* __restrict__ m, float* __restrict__ l,
-                  float* __restrict__ acc) {
+                  float* __restrict__ acc, const float* ks = nullptr, const float* vs = nullptr, int64_t KH = 1) {
   const int64_t hv = H / 16 * 16;
   thread_local std::vector<float> buf;  // p[g * kAttendBlock + i]: scores, then their exponentials
   if (static_cast<int64_t>(buf.size()) < G * kAttendBlock) buf.resize(G * kAttendBlock);
@@ -1298,10 +1302,11 @@ void attend_range(const float* __restrict__ q, const E* __restrict__ k, const E*
           const f32x16 kc = kv_load(kt + j);
           for (int r = 0; r < MB; ++r) s[r] += load_f32(q + (g0 + r) * H + j) * kc;
         }
+        const float sc = ks == nullptr ? scale : scale * ks[seen[i] * KH];
         for (int r = 0; r < MB; ++r) {
           float d = hsum(s[r]);
           for (int64_t j = hv; j < H; ++j) d += q[(g0 + r) * H + j] * kv_elem(kt, j);
-          p[(g0 + r) * kAttendBlock + i] = d * scale;
+          p[(g0 + r) * kAttendBlock + i] = d * sc;
         }
       });
     }
@@ -1318,6 +1323,8 @@ void attend_range(const float* __restrict__ q, const E* __restrict__ k, const E*
         m[g] = top;
       }
       for (int64_t i = 0; i < n; ++i) l[g] += (pg[i] = std::exp(pg[i] - top));
+      if (vs != nullptr)
+        for (int64_t i = 0; i < n; ++i) pg[i] *= vs[seen[i] * KH];  // the values' scales, after the sum
     }
     // Each 16 columns of acc stay in registers over the block's values: one store per block instead
     // of one per value (a 64-byte store takes two cycles on Zen 4; per value, the stores bounded it).
@@ -1372,7 +1379,8 @@ constexpr int64_t kRangeSlots = 256;
 template <typename E>
 void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const int32_t* kpos, const int32_t* qpos,
             float* out, int64_t B, int64_t S, int64_t N, int64_t T, int64_t KH, int64_t H, int64_t window,
-            float scale, const int32_t* table = nullptr, int64_t M = 0, int64_t shift = 0, int64_t blocks = 0) {
+            float scale, const int32_t* table = nullptr, int64_t M = 0, int64_t shift = 0, int64_t blocks = 0,
+            const float* KS = nullptr, const float* VS = nullptr) {
   const int64_t G = N / KH, row = KH * H, units = B * S * KH;  // a unit: a query and its KV head's G heads
   auto row_slots = [&](int64_t b) {
     return table == nullptr ? RowSlots{kpos + b * T} : RowSlots{kpos, table + b * M, shift, blocks};
@@ -1394,9 +1402,10 @@ void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const
     const int64_t kh = u % KH, bs = u / KH, b = bs / S;
     const auto [lo, hi] = span[bs];
     float* pt = parts.data() + i * part;
+    const int64_t so = b * (row_step / H) + kh;  // this row and head's first scale
     attend_range(Q + (bs * N + kh * G) * H, K + b * row_step + kh * H, V + b * row_step + kh * H, row_slots(b),
                  lo + (hi - lo) * r / P, lo + (hi - lo) * (r + 1) / P, row, G, H, qpos[bs], window, scale, pt,
-                 pt + G, pt + 2 * G);
+                 pt + G, pt + 2 * G, KS == nullptr ? nullptr : KS + so, VS == nullptr ? nullptr : VS + so, KH);
   };
   // below ~1 M multiply-adds in all the pool costs more than it saves (same arithmetic either way)
   if (B * S * N * T * H < (int64_t{1} << 20)) {
@@ -1426,8 +1435,8 @@ void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const
 }
 
 ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  Positions kpos, Positions qpos, Positions table, HeadsOut out,
-                  int64_t window, float scale, bool paged) {
+                  Positions kpos, Positions qpos, Positions table, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                  HeadsOut out, int64_t window, float scale, bool paged) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (kd.size() != 4 || !same_dims(v.dimensions(), kd) || k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("gemma4_attend: k and v must be [B, T, K, H] (or [P, S, K, H]) of one dtype");
@@ -1455,8 +1464,18 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
     attend(pool, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()),
            reinterpret_cast<const uint16_t*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(),
            out->typed_data(), B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
-  else
-    return ffi::Error::InvalidArgument("gemma4_attend: k / v must be float32 or bfloat16");
+  else if (k.element_type() == ffi::DataType::S8) {
+    // scales [Bc, T, KH] (or [P, PS, KH]) float32: one per slot and KV head
+    if (k_scale.element_type() != ffi::DataType::F32 || v_scale.element_type() != ffi::DataType::F32 ||
+        static_cast<int64_t>(k_scale.element_count()) * H != static_cast<int64_t>(k.element_count()) ||
+        v_scale.element_count() != k_scale.element_count())
+      return ffi::Error::InvalidArgument("gemma4_attend: int8 k / v need float32 scales [..., K] per slot and head");
+    attend(pool, q.typed_data(), reinterpret_cast<const int8_t*>(k.untyped_data()),
+           reinterpret_cast<const int8_t*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(),
+           out->typed_data(), B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0],
+           reinterpret_cast<const float*>(k_scale.untyped_data()), reinterpret_cast<const float*>(v_scale.untyped_data()));
+  } else
+    return ffi::Error::InvalidArgument("gemma4_attend: k / v must be float32, bfloat16 or int8");
   return ffi::Error::Success();
 }
 
@@ -1550,6 +1569,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Attend, Attend,
                                   .Arg<Positions>()
                                   .Arg<Positions>()
                                   .Arg<Positions>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<Heads>()
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale")

@@ -399,7 +399,16 @@ ATTEND_QUERIES = 16
 
 
 def attend(
-    q: Array, k: Array, v: Array, kpos: Array, qpos: Array, window: int | None, scale: float, table: Array | None = None
+    q: Array,
+    k: Array,
+    v: Array,
+    kpos: Array,
+    qpos: Array,
+    window: int | None,
+    scale: float,
+    table: Array | None = None,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
 ) -> Array:
     """Attention of q [B, S, N, H] float32 over k / v [Bc, T, K, H] (float32 or bfloat16; Bc >= B, query
     row b reads cache row b) -> [B, S, N, H] float32: query head n reads KV head n // (N / K); key t is
@@ -411,7 +420,10 @@ def attend(
 
     table [>= B, M] int32 (a paged cache, `cache.PagedCache`): k / v are a pool [P, S, K, H] (S a power
     of two) and kpos [P, S]; row b's slot t is offset t % S of block table[b, t // S] (an entry >= P:
-    none), counted only while it holds position t: the same result as `cache.paged_view`'s dense rows."""
+    none), counted only while it holds position t: the same result as `cache.paged_view`'s dense rows.
+
+    k / v int8 (`cache.quantize_kv`): codes, with float32 scales k_scale / v_scale [..., K] per slot
+    and head (dequantized inside: a score is scale * k_scale * q.codes, a value weighs p * v_scale)."""
     _registered()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     paged = table is not None
@@ -422,6 +434,8 @@ def attend(
         kpos.astype(jnp.int32),
         qpos.astype(jnp.int32),
         table.astype(jnp.int32) if paged else jnp.zeros((1, 1), jnp.int32),
+        jnp.zeros((1,), jnp.float32) if k_scale is None else k_scale.astype(jnp.float32),
+        jnp.zeros((1,), jnp.float32) if v_scale is None else v_scale.astype(jnp.float32),
         window=int(window or 0),
         scale=np.float32(scale),
         paged=paged,

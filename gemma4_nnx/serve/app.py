@@ -282,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
         "one --max-length)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16", "int8"),
+        default="auto",
+        help="how the KV cache stores keys and values (vLLM's flag): auto = the compute dtype; int8 = codes "
+        "with a float32 scale per token and head, dequantized inside attention (about half of bfloat16's "
+        "memory)",
+    )
+    p.add_argument(
         "--prefix-cache-mb",
         type=int,
         default=0,
@@ -428,6 +436,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         speculative=speculative,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
         kv_cache_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
+        cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
     )
 
 
