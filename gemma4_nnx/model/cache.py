@@ -172,12 +172,11 @@ class LayerCache:
         if in_place:
             k, v, pos = cpu_kernels.kv_write(self.k, self.v, self.pos, new.k, new.v, new.pos, slots)
             scales = {}
-            if self.k_scale is not None:  # the scales as [B, T, K, 1] "caches" of their own
+            if self.k_scale is not None:  # the scales [B, T, K]: written as a cache of their own
                 ks, vs, pos = cpu_kernels.kv_write(
-                    self.k_scale[..., None], self.v_scale[..., None], pos, new.k_scale[..., None],
-                    new.v_scale[..., None], new.pos, slots,
-                )  # fmt: skip
-                scales = dict(k_scale=ks[..., 0], v_scale=vs[..., 0])
+                    self.k_scale, self.v_scale, pos, new.k_scale, new.v_scale, new.pos, slots
+                )
+                scales = dict(k_scale=ks, v_scale=vs)
             return dataclasses.replace(self, k=k, v=v, pos=pos, **scales)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
 
@@ -275,30 +274,29 @@ class PagedCache:
         col = new.pos // size
         ids = jnp.take_along_axis(table, jnp.clip(col, 0, table.shape[1] - 1), axis=1)
         keep = (new.pos >= 0) & (col < table.shape[1]) & (ids < blocks)
-        slots = jnp.where(keep, ids * size + new.pos % size, blocks * size).reshape(1, b * s)  # outside: dropped
-        flat_pos = new.pos.reshape(1, -1)
+        slots = jnp.where(keep, ids * size + new.pos % size, blocks * size)  # [b, s]; outside the pool: dropped
+        if in_place:  # straight into the pools (a reshape of a pool made XLA copy it first)
+            k, v, pos = cpu_kernels.kv_write(self.k, self.v, self.pos, new.k, new.v, new.pos, slots, flat=True)
+            scales = {}
+            if self.k_scale is not None:
+                ks, vs, pos = cpu_kernels.kv_write(
+                    self.k_scale, self.v_scale, pos, new.k_scale, new.v_scale, new.pos, slots, flat=True
+                )
+                scales = dict(k_scale=ks, v_scale=vs)
+        else:
 
-        def write(k, v, pos, nk, nv):  # pools [P, S, ...] <- new [b, s, ...] at `slots`
-            flat = (1, blocks * size, *k.shape[2:])
-            nk, nv = (x.reshape(1, b * s, *x.shape[2:]) for x in (nk, nv))
-            if in_place:
-                k, v, pos = cpu_kernels.kv_write(k.reshape(flat), v.reshape(flat), pos, nk, nv, flat_pos, slots)
-            else:
-                k = k.reshape(flat).at[0, slots[0]].set(nk[0].astype(k.dtype), mode="drop")
-                v = v.reshape(flat).at[0, slots[0]].set(nv[0].astype(v.dtype), mode="drop")
-            return k.reshape(blocks, size, *k.shape[2:]), v.reshape(blocks, size, *v.shape[2:]), pos
+            def put(x, y):
+                if x is None:
+                    return None
+                flat = x.reshape(blocks * size, *x.shape[2:])
+                return (
+                    flat.at[slots.reshape(-1)]
+                    .set(y.reshape(b * s, *y.shape[2:]).astype(x.dtype), mode="drop")
+                    .reshape(x.shape)
+                )
 
-        pos = self.pos.reshape(1, -1)
-        if not in_place:
-            pos = pos.at[0, slots[0]].set(flat_pos[0], mode="drop")
-        k, v, pos = write(self.k, self.v, pos, new.k, new.v)
-        scales = {}
-        if self.k_scale is not None:
-            ks, vs, pos = write(
-                self.k_scale[..., None], self.v_scale[..., None], pos, new.k_scale[..., None], new.v_scale[..., None]
-            )
-            scales = dict(k_scale=ks[..., 0], v_scale=vs[..., 0])
-        pos = pos.reshape(blocks, size)
+            k, v, pos = put(self.k, new.k), put(self.v, new.v), put(self.pos, new.pos)
+            scales = dict(k_scale=put(self.k_scale, new.k_scale), v_scale=put(self.v_scale, new.v_scale))
         written = dataclasses.replace(self, k=k, v=v, pos=pos, **scales)
         return KV(written.k, written.v, written.pos, self.table, written.k_scale, written.v_scale), written
 

@@ -1482,22 +1482,24 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
 // The cache write, in place: k_out / v_out / pos_out alias the cache's k / v / pos (XLA hands the
 // cache's own buffers over when nothing else reads them afterwards). Row s of b's new entries goes to
 // slot slots[b, s]; a slot outside [0, T) drops it. The new entries may cover only the first rows of
-// the cache (new [Bn <= B, S, K, H]); the other rows are left as they are.
+// the cache (new [Bn <= B, S, ...]); the other rows are left as they are. flat (a block pool [P, PS,
+// ...]): slots index the pool's P * PS slots as one row, whatever row the entry came from. K / V may
+// have any trailing dims ([.., K, H] values, [.., K] int8 scales); a slot is their product.
 ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, Positions pos, ffi::AnyBuffer k_new,
                    ffi::AnyBuffer v_new, Positions pos_new, Positions slots,
                    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                   PositionsOut pos_out) {
+                   PositionsOut pos_out, bool flat) {
   auto kd = k.dimensions(), nd = k_new.dimensions();
-  if (kd.size() != 4 || nd.size() != 4 || !same_dims(v.dimensions(), kd) || !same_dims(v_new.dimensions(), nd) ||
-      k_new.element_type() != k.element_type() || v_new.element_type() != k.element_type() ||
-      v.element_type() != k.element_type())
-    return ffi::Error::InvalidArgument("gemma4_kv_write: cache [B, T, K, H] and new [B, S, K, H] of one dtype");
-  const int64_t B = kd[0], T = kd[1], S = nd[1];
-  if (B * T == 0) return ffi::Error::Success();
-  const int64_t row = static_cast<int64_t>(k.size_bytes()) / (B * T);  // bytes of one slot
-  const int64_t Bn = nd[0];
-  if (Bn > B || nd[2] != kd[2] || nd[3] != kd[3] || slots.dimensions()[0] != Bn || slots.dimensions()[1] != S ||
-      pos_new.dimensions()[0] != Bn || pos_new.dimensions()[1] != S)
+  if (kd.size() < 2 || nd.size() != kd.size() || !same_dims(v.dimensions(), kd) ||
+      !same_dims(v_new.dimensions(), nd) || k_new.element_type() != k.element_type() ||
+      v_new.element_type() != k.element_type() || v.element_type() != k.element_type())
+    return ffi::Error::InvalidArgument("gemma4_kv_write: cache [B, T, ...] and new [B, S, ...] of one dtype");
+  const int64_t B = kd[0], T = kd[1], S = nd[1], Bn = nd[0];
+  bool same = true;
+  for (size_t i = 2; i < kd.size(); ++i) same = same && nd[i] == kd[i];
+  if (!same || (!flat && Bn > B) || slots.dimensions()[0] != Bn || slots.dimensions()[1] != S ||
+      pos_new.dimensions()[0] != Bn || pos_new.dimensions()[1] != S || pos.dimensions()[0] != B ||
+      pos.dimensions()[1] != T)
     return ffi::Error::InvalidArgument("gemma4_kv_write: shapes disagree");
   char* ko = static_cast<char*>(k_out->untyped_data());
   char* vo = static_cast<char*>(v_out->untyped_data());
@@ -1506,15 +1508,19 @@ ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, Positions pos, ffi::AnyBu
   if (ko != k.untyped_data()) std::memcpy(ko, k.untyped_data(), k.size_bytes());
   if (vo != v.untyped_data()) std::memcpy(vo, v.untyped_data(), v.size_bytes());
   if (po != pos.typed_data()) std::memcpy(po, pos.typed_data(), pos.size_bytes());
+  if (B * T == 0) return ffi::Error::Success();
+  const int64_t row = static_cast<int64_t>(k.size_bytes()) / (B * T);  // bytes of one slot
+  const int64_t span = flat ? B * T : T;  // the slots one entry may go to
   const char* kn = static_cast<const char*>(k_new.untyped_data());
   const char* vn = static_cast<const char*>(v_new.untyped_data());
   for (int64_t b = 0; b < Bn; ++b)
     for (int64_t s = 0; s < S; ++s) {
       const int32_t slot = slots.typed_data()[b * S + s];
-      if (slot < 0 || slot >= T) continue;
-      std::memcpy(ko + (b * T + slot) * row, kn + (b * S + s) * row, row);
-      std::memcpy(vo + (b * T + slot) * row, vn + (b * S + s) * row, row);
-      po[b * T + slot] = pos_new.typed_data()[b * S + s];
+      if (slot < 0 || slot >= span) continue;
+      const int64_t at = flat ? slot : b * T + slot;
+      std::memcpy(ko + at * row, kn + (b * S + s) * row, row);
+      std::memcpy(vo + at * row, vn + (b * S + s) * row, row);
+      po[at] = pos_new.typed_data()[b * S + s];
     }
   return ffi::Error::Success();
 }
@@ -1586,4 +1592,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4KvWrite, KvWrite,
                                   .Arg<Positions>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<Positions>());
+                                  .Ret<Positions>()
+                                  .Attr<bool>("flat"));

@@ -443,15 +443,27 @@ def attend(
 
 
 def kv_write(
-    k: Array, v: Array, pos: Array, k_new: Array, v_new: Array, pos_new: Array, slots: Array
+    k: Array, v: Array, pos: Array, k_new: Array, v_new: Array, pos_new: Array, slots: Array, *, flat: bool = False
 ) -> tuple[Array, Array, Array]:
-    """(k, v, pos) with row s of each batch row b's new entries (k_new / v_new [Bn, S, K, H], pos_new
-    [Bn, S]) in slot slots[b, s] of the cache k / v [B, T, K, H], pos [B, T]; slots outside [0, T) are
+    """(k, v, pos) with row s of each batch row b's new entries (k_new / v_new [Bn, S, ...], pos_new
+    [Bn, S]) in slot slots[b, s] of the cache k / v [B, T, ...], pos [B, T]; slots outside [0, T) are
     dropped. Bn <= B: the new entries go to the cache's first Bn rows, the others are unchanged.
+    flat (a block pool [P, PS, ...]): slots index its P * PS slots as one row (any Bn). Trailing dims
+    are free ([.., K, H] values, [.., K] int8 scales).
     The outputs alias the inputs: XLA writes the cache in place wherever nothing reads the old
-    cache afterwards (a scatter inside the decode loop made it copy the whole cache per layer per step)."""
+    cache afterwards (a scatter inside the decode loop made it copy the whole cache per layer per step;
+    so did a reshape of a pool into one row, hence `flat`)."""
     _registered()
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (k, v, pos))
     return jax.ffi.ffi_call(
         "gemma4_kv_write", shapes, vmap_method="sequential", input_output_aliases={0: 0, 1: 1, 2: 2}
-    )(k, v, pos, k_new.astype(k.dtype), v_new.astype(v.dtype), pos_new.astype(jnp.int32), slots.astype(jnp.int32))
+    )(
+        k,
+        v,
+        pos,
+        k_new.astype(k.dtype),
+        v_new.astype(v.dtype),
+        pos_new.astype(jnp.int32),
+        slots.astype(jnp.int32),
+        flat=flat,
+    )
