@@ -133,9 +133,10 @@ def speculative_config(spec: SpeculativeConfig | Mapping | None) -> SpeculativeC
 def load_assistant(path: str | os.PathLike):
     """A `Gemma4Assistant` from a checkpoint directory: converted (`gemma4-convert`, read with
     `gemma4_nnx.load`) or HF (`gemma4_nnx.from_hf`)."""
-    from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, model_type
+    from gemma4_nnx.config import ASSISTANT_MODEL_TYPE
     from gemma4_nnx.io import checkpoint as ck
     from gemma4_nnx.io.hf import from_hf
+    from gemma4_nnx.io.hf_config import model_type
     from gemma4_nnx.model.assistant import Gemma4Assistant
 
     if os.path.isfile(os.path.join(os.fspath(path), ck.METADATA_FILE)):
