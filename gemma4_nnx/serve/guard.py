@@ -26,7 +26,8 @@ import hmac
 import json
 import time
 
-from gemma4_nnx.serve.serving import ApiError, shutting_down
+from gemma4_nnx.serve.errors import ApiError
+from gemma4_nnx.serve.serving import shutting_down
 
 __all__ = ["BODY_SCOPE_KEY", "DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
 

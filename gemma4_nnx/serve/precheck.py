@@ -24,7 +24,7 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor
 
 from gemma4_nnx.decode.requests import prompt_too_long
-from gemma4_nnx.serve.serving import ApiError
+from gemma4_nnx.serve.errors import ApiError
 
 __all__ = ["PRECHECK_BYTES", "Precheck"]
 
