@@ -17,7 +17,7 @@ route cannot drift from the HF one. gm itself is never imported here except by `
 Numerics: gm computes the text model as transformers does except on MoE layers, where gm's router reads
 the expert branch's pre-normalised input (RMSNorm of `pre_ffw_norm(h)`) while transformers, llama.cpp
 and we read the residual stream h (RMSNorm of h). The weights map one to one either way; logits agree
-only when that norm's scale is 1 (see the README, "Moving between JAX stacks").
+only when that norm's scale is 1 (see docs/jax-stacks.md).
 """
 
 from __future__ import annotations
