@@ -92,8 +92,6 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
     `dtype`: None keeps each parameter's own dtype; else a dtype (or "bfloat16"/"float32"/"float16")
     every float tensor is cast to. `layout`: "hf" (`Gemma4ForCausalLM`) or "google" (`LAYOUTS`).
     """
-    from gemma4_nnx.model.quant import QuantizedEmbedding
-
     if isinstance(dtype, str):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
@@ -122,7 +120,7 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
     for entry in entries:
         if entry.path in merged:
             value = merged[entry.path]
-        elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), QuantizedEmbedding):
+        elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), quant.QuantizedEmbedding):
             value = _dequantized_ple(model.embed_tokens_per_layer)
         elif entry.path[:-1] in quantized:  # an int8/int4 matrix: written dequantized (float32)
             w = np.asarray(quant.dequantize_matrix(quantized[entry.path[:-1]]))
