@@ -29,6 +29,7 @@ from gemma4_nnx.io.tensors import DTYPE_NAMES, exportable_towers, hf_tensors, wr
 # The tensor writer lives in gemma4_nnx.io.tensors (shared with gemma4_nnx.io.gm); its names stay importable here.
 from gemma4_nnx.io.tensors import LAYOUTS as LAYOUTS
 from gemma4_nnx.io.tensors import _dequantized_ple as _dequantized_ple
+from gemma4_nnx.io.tensors import consumer_kv as consumer_kv
 
 #: Files copied from the source checkpoint next to the weights when present (tokenizer etc.).
 COPY_FILES = (
