@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PY312 ?= $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
 VENV312 ?= .venv312
 
-.PHONY: demo demo-tiny test test-isa test-py312 test-interop lint format
+.PHONY: demo demo-tiny test test-isa test-py312 test-interop lint format docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,18 @@ $(VENVI)/.installed: pyproject.toml
 
 test-interop: $(VENVI)/.installed
 	$(VENVI)/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_interop.py tests/test_lm_eval.py
+
+# The documentation site (docs/, mkdocs.yml) built strictly: a broken link or anchor fails. Its own light
+# virtualenv holding only the `docs` extra's requirements (read from pyproject.toml), not the package.
+VENVD ?= .venv-docs
+$(VENVD)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENVD)
+	$(VENVD)/bin/python -m pip install -q --upgrade pip
+	$(VENVD)/bin/python -m pip install -q $$($(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))")
+	touch $@
+
+docs: $(VENVD)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENVD)/bin/mkdocs build --strict
 
 # ruff: `make lint` checks, `make format` rewrites.
 lint: $(VENV)/.installed

@@ -1,5 +1,5 @@
 """Agreement of gemma4_nnx with Google's gemma library (gm 4.0.1) and tunix 0.1.7 on tiny random Gemma 4
-models, float32, CPU: the figures of the README's "Moving between JAX stacks".
+models, float32, CPU: the figures of docs/jax-stacks.md.
 
     .venv-interop/bin/python bench/interop.py      # after `make test-interop` built that virtualenv
 

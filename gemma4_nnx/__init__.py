@@ -15,6 +15,7 @@ from gemma4_nnx.decode.text import FinishReason
 from gemma4_nnx.io.checkpoint import load
 from gemma4_nnx.io.convert import convert
 from gemma4_nnx.io.export import to_hf
+from gemma4_nnx.io.gm import to_gm
 from gemma4_nnx.io.hf import CheckpointError, from_hf
 from gemma4_nnx.model import Gemma4, Gemma4Assistant, KVCache
 from gemma4_nnx.model.multimodal import Media
@@ -83,6 +84,7 @@ __all__ = [
     "shard_model",
     "sharding_for",
     "split_thinking",
+    "to_gm",
     "to_hf",
     "train_step",
 ]

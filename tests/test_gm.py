@@ -323,3 +323,9 @@ def test_errors_name_the_problem(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "dst")
     with pytest.raises(ValueError, match="layout"):
         export.to_hf(model, tmp_path / "x", layout="gm")
+
+
+def test_to_gm_is_public_beside_to_hf():
+    """`gemma4_nnx.to_gm` is the export to gm itself, at the top level like `gemma4_nnx.to_hf`."""
+    assert gemma4_nnx.to_gm is G.to_gm
+    assert "to_gm" in gemma4_nnx.__all__ and "to_hf" in gemma4_nnx.__all__

@@ -45,7 +45,7 @@ def pow2(n: int) -> int:
 #: `attention.KEY_BLOCK`), so a long prompt's prefill takes memory for its KV and a bounded working set.
 #: 512: wide enough that every weight multiplies enough rows to run at the blocked product's rate,
 #: small enough that a chunk's working set, and the pause one chunk puts between a running stream's
-#: tokens in the engine, stay small (timings: README, "Long prompts against llama.cpp").
+#: tokens in the engine, stay small (timings: docs/benchmarks.md, "Long prompts").
 AUTO_PREFILL_CHUNK = 512
 
 

@@ -49,10 +49,10 @@ Cost on a 262144-token vocabulary
   "low" Gumbel mode is biased for tokens of probability below ~1e-7 (per the
   JAX docs); top-k / top-p / min-p normally remove such tokens anyway.
 
-Measured on CPU only (XLA:CPU, 2 cores, B=8, V=262144, jitted ``sample``):
-greedy 8 ms; plain temperature or min-p ~125 ms (dominated by the random
-numbers); top-k=64 ~800 ms and top-p alone ~810 ms, because XLA:CPU
-implements ``top_k`` with a sort. Accelerator timings have not been measured.
+On XLA:CPU plain temperature or min-p sampling is dominated by the random
+numbers, and top-k or top-p cost far more, because XLA:CPU implements
+``top_k`` with a sort (timings: docs/benchmarks.md, "Sampling on XLA:CPU").
+Accelerator timings have not been measured.
 
 Kept sets are expressed as a per-row *threshold* on the logit value (keep
 ``logit >= threshold``), so no scatter is needed. This matches
@@ -308,9 +308,9 @@ def argmax(logits: jax.Array) -> jax.Array:
     """int32 index of the largest entry along the last axis: `jnp.argmax` exactly (ties to the lowest
     index, a NaN wins at its first position), computed as a max and then the lowest index holding it.
 
-    XLA:CPU runs argmax as one reduction over (value, index) pairs that it does not vectorize: 1.4 ms
-    for one row of a 262144-token vocabulary, 5 ms for eight, at every decode step; the two plain
-    reductions take 0.2 / 1.3 ms (2 cores). Elsewhere the two forms cost about the same."""
+    XLA:CPU runs argmax as one reduction over (value, index) pairs that it does not vectorize, at
+    every decode step; the two plain reductions it becomes here are vectorized and several times
+    faster (docs/benchmarks.md). Elsewhere the two forms cost about the same."""
     v = logits.shape[-1]
     best = jnp.max(logits, axis=-1, keepdims=True)  # XLA:CPU's vectorized max may skip NaNs
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
@@ -544,8 +544,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 def top_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """The n most likely tokens under the raw distribution (as `token_logprobs`): their logprobs
-    ``[..., n]`` float32 (descending) and ids ``[..., n]`` int32. ``jax.lax.top_k`` (on XLA:CPU about
-    0.6 ms a row over a 262144-token vocabulary, small beside a decode step)."""
+    ``[..., n]`` float32 (descending) and ids ``[..., n]`` int32. ``jax.lax.top_k`` (on XLA:CPU small
+    beside a decode step)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     values, ids = jax.lax.top_k(logp, n)
     return values, ids.astype(jnp.int32)

@@ -133,9 +133,10 @@ def speculative_config(spec: SpeculativeConfig | Mapping | None) -> SpeculativeC
 def load_assistant(path: str | os.PathLike):
     """A `Gemma4Assistant` from a checkpoint directory: converted (`gemma4-convert`, read with
     `gemma4_nnx.load`) or HF (`gemma4_nnx.from_hf`)."""
-    from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, model_type
+    from gemma4_nnx.config import ASSISTANT_MODEL_TYPE
     from gemma4_nnx.io import checkpoint as ck
     from gemma4_nnx.io.hf import from_hf
+    from gemma4_nnx.io.hf_config import model_type
     from gemma4_nnx.model.assistant import Gemma4Assistant
 
     if os.path.isfile(os.path.join(os.fspath(path), ck.METADATA_FILE)):
@@ -186,13 +187,14 @@ class NgramDrafter:
 class Drafting:
     """Drafting for the rows of one decoder, and the decision whether a step should verify drafts.
 
-    A verify step over k drafts costs more than a plain step (on a 2-core CPU about 1.1x at k = 1 and
-    1.6x at k = 4 for one row, much more for several rows: the target's compute grows with rows x
-    columns; on an accelerator it is nearly flat), so drafting pays only when enough drafts are
-    accepted. `choose_width` compares the expected tokens per second of both kinds of step, from
-    measured step times (`timed`, kept per row count and draft width) and each row's recent
-    acceptance rate (`record`); a row's rate drifts back up while it does not verify, so drafting is
-    tried again now and then (`choose_width`). `propose` builds the [rows, k] draft array a verify step takes."""
+    A verify step over k drafts costs more than a plain step (on a CPU, where the target is
+    compute-bound, more with every draft and much more for several rows: its compute grows with rows x
+    columns; on an accelerator it is nearly flat; measured ratios in docs/benchmarks.md), so drafting
+    pays only when enough drafts are accepted. `choose_width` compares the expected tokens per second
+    of both kinds of step, from measured step times (`timed`, kept per row count and draft width) and
+    each row's recent acceptance rate (`record`); a row's rate drifts back up while it does not verify,
+    so drafting is tried again now and then (`choose_width`). `propose` builds the [rows, k] draft array
+    a verify step takes."""
 
     def __init__(
         self, spec: SpeculativeConfig, rows: int, *, prior: float = 0.8, decay: float = 0.7, recovery: float = 0.02

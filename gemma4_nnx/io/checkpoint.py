@@ -285,7 +285,7 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
       matmul: the projections' product, chosen here once: "auto" (the CPU bf16 kernels for bf16
         weights under float32 compute on one CPU device, when available; else XLA), "xla",
         "cpu_kernels", "cpu_kernels_bf16" (prefill products of bf16 weights with bf16-rounded
-        activations on AVX512-BF16: ~1.7x faster prefill) or "cpu_kernels_int8" (decode products of
+        activations on AVX512-BF16: a faster prefill) or "cpu_kernels_int8" (decode products of
         codes with int8-rounded activations on AVX512-VNNI or AVX2, as llama.cpp;
         `gemma4_nnx.model.layers.resolve_matmul`).
     """

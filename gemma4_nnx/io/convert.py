@@ -25,7 +25,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config, model_type
+from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config
 from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.io.compressed import PackedWeight, packed_scheme, split_packed
 from gemma4_nnx.io.hf import (
@@ -40,6 +40,7 @@ from gemma4_nnx.io.hf import (
     safetensors_files,
     text_tensors,
 )
+from gemma4_nnx.io.hf_config import model_type
 from gemma4_nnx.model.quant import QuantFormat
 
 DTYPES = ("bfloat16", "float32")

@@ -17,7 +17,7 @@ route cannot drift from the HF one. gm itself is never imported here except by `
 Numerics: gm computes the text model as transformers does except on MoE layers, where gm's router reads
 the expert branch's pre-normalised input (RMSNorm of `pre_ffw_norm(h)`) while transformers, llama.cpp
 and we read the residual stream h (RMSNorm of h). The weights map one to one either way; logits agree
-only when that norm's scale is 1 (see the README, "Moving between JAX stacks").
+only when that norm's scale is 1 (see docs/jax-stacks.md).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 from gemma4_nnx.config import FULL, Gemma4Config
 from gemma4_nnx.io.checkpoint import flatten, nest
 from gemma4_nnx.io.hf import CheckpointError, Entry, expected_hf_shapes, name_map
+from gemma4_nnx.io.tensors import hf_tensors, write_safetensors
 
 #: `--gm-config` preset names -> (our config, gm's model class).
 PRESETS: dict[str, tuple[Callable[[], Gemma4Config], str]] = {
@@ -215,8 +216,6 @@ def _gm_entries(config: Gemma4Config) -> list[Entry]:
 
 def gm_arrays(model, dtype=None) -> dict[str, np.ndarray]:
     """{gm NESTED path: array} for `model` (LoRA merged, a quantized PLE table dequantized)."""
-    from gemma4_nnx.io.export import hf_tensors
-
     config = model.config
     if not isinstance(config, Gemma4Config):
         raise ValueError(f"model must be a gemma4_nnx.Gemma4 (gm has no MTP assistant), got {type(model).__name__}")
@@ -366,8 +365,6 @@ def hf_from_gm(ckpt: GmCheckpoint, config: Gemma4Config) -> Iterator[tuple[str, 
 def gm_to_hf_dir(gm_dir: str, config: Gemma4Config, out_dir: str) -> str:
     """Write gm checkpoint `gm_dir` as an HF-style directory (config.json + sharded safetensors) that the
     converter reads, one gm array in memory at a time."""
-    from gemma4_nnx.io.export import write_safetensors
-
     ckpt = GmCheckpoint(gm_dir)
     os.makedirs(out_dir, exist_ok=True)
     weight_map = {}  # one file per tensor, under a sharded index: nothing is held beyond the tensor

@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config, model_type
+from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config
+from gemma4_nnx.io.hf_config import model_type
 
 Path = tuple  # an NNX state path, e.g. ("layers", 3, "self_attn", "q_proj", "kernel")
 

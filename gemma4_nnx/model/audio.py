@@ -30,15 +30,16 @@ Quirks of the reference reproduced here (each marked where it happens):
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# The config lives in gemma4_nnx.config.audio; re-exported here for code that imported it from this module.
+from gemma4_nnx.config.audio import AUDIO_ACTIVATIONS, AudioConfig
+from gemma4_nnx.config.audio import subsampled_length as subsampled_length
 from gemma4_nnx.model.layers import ClippableLinear, RMSNorm, gelu_tanh, linear, scale_f32
 
 Array = jax.Array
@@ -53,118 +54,7 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 
 _CONFORMER_NORM_EPS = 1e-6  # HF builds these Gemma4RMSNorms without passing rms_norm_eps
 
-
-@dataclasses.dataclass(frozen=True)
-class AudioConfig:
-    """HF `Gemma4AudioConfig` (model_type `gemma4_audio`); defaults are transformers' defaults."""
-
-    hidden_size: int = 1024
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 8
-    hidden_act: str = "silu"
-    subsampling_conv_channels: tuple[int, int] = (128, 32)
-    conv_kernel_size: int = 5
-    residual_weight: float = 0.5
-    attention_chunk_size: int = 12
-    attention_context_left: int = 13
-    attention_context_right: int = 0
-    attention_logit_cap: float = 50.0
-    attention_invalid_logits_value: float = -1.0e9
-    use_clipped_linears: bool = True
-    rms_norm_eps: float = 1e-6
-    gradient_clipping: float = 1e10
-    output_proj_dims: int = 1536
-
-    def __post_init__(self):
-        object.__setattr__(self, "subsampling_conv_channels", tuple(self.subsampling_conv_channels))
-        positive = ("hidden_size", "num_hidden_layers", "num_attention_heads", "conv_kernel_size")
-        positive += ("attention_chunk_size", "attention_context_left", "output_proj_dims")
-        for name in positive:
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"AudioConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.attention_context_right < 0:
-            raise ValueError(f"AudioConfig.attention_context_right must be >= 0, got {self.attention_context_right}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"AudioConfig.hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-        channels = self.subsampling_conv_channels
-        if len(channels) != 2 or any(int(c) < 1 for c in channels):
-            raise ValueError(f"AudioConfig.subsampling_conv_channels must be two positive ints, got {channels!r}")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"AudioConfig.hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The HF `audio_config` dict that `from_hf_dict` reads back to this config."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["subsampling_conv_channels"] = list(self.subsampling_conv_channels)
-        return {"model_type": "gemma4_audio", **d}
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> AudioConfig:
-        """From an HF `audio_config` dict (a multimodal config.json's `audio_config`, or a Gemma4AudioConfig's
-        `to_dict()`). Keys it lacks take transformers' defaults, as transformers does (`save_pretrained`
-        writes only the keys that differ from them); unknown keys are ignored."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"audio_config must be a dict, got {type(d).__name__}")
-        model_type = d.get("model_type", "gemma4_audio")
-        if model_type != "gemma4_audio":
-            raise ValueError(f"audio_config.model_type is {model_type!r}; expected 'gemma4_audio'")
-        kwargs = {}
-        for field in dataclasses.fields(cls):
-            if field.name not in d:
-                continue
-            value, kind = d[field.name], type(field.default)
-            try:
-                if field.name == "subsampling_conv_channels":
-                    value = tuple(int(c) for c in value)
-                elif kind is bool:
-                    if not isinstance(value, bool):
-                        raise TypeError
-                elif kind is int:
-                    if isinstance(value, bool) or int(value) != value:
-                        raise TypeError
-                    value = int(value)
-                elif kind is float:
-                    value = float(value)
-                elif not isinstance(value, kind):
-                    raise TypeError
-            except (TypeError, ValueError):
-                raise ValueError(f"audio_config.{field.name}: expected {kind.__name__}, got {value!r}") from None
-            kwargs[field.name] = value
-        try:
-            return cls(**kwargs)
-        except ValueError as e:
-            raise ValueError(str(e).replace("AudioConfig.", "audio_config.")) from None
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def max_past_horizon(self) -> int:
-        return self.attention_context_left - 1
-
-    @property
-    def context_size(self) -> int:
-        """W: keys in one block's context window (past horizon + chunk + future horizon)."""
-        return self.attention_chunk_size + self.max_past_horizon + self.attention_context_right
-
-    @property
-    def subsampled_freq_bins(self) -> int:
-        """Frequency bins the input projection expects after the two stride-2 convs."""
-        return self.subsampling_conv_channels[0] // 4
-
-    def output_length(self, num_frames: int) -> int:
-        """S for T input frames."""
-        return subsampled_length(num_frames)
-
-
-def subsampled_length(n: int) -> int:
-    """Length of an axis after the two stride-2, padding-1, 3-wide convs: ceil(ceil(n / 2) / 2)."""
-    half = -(-n // 2)
-    return -(-half // 2)
+assert set(_ACTIVATIONS) == set(AUDIO_ACTIVATIONS), "the config names an activation the conformer lacks"
 
 
 def _clip(x: Array, bound: float) -> Array:

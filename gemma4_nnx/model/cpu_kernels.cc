@@ -3,7 +3,7 @@
 // Each weight is read once in its stored width (bf16: 2 bytes, int8 / int4 codes: 1 / 0.5) and
 // widened to float32 in registers or in an L1-sized panel, then multiplied in float32. XLA:CPU instead
 // converts the whole weight to float32 in a separate pass before its dot, which costs more than the
-// product itself when few rows multiply it (decode) and still ~2x at prefill row counts.
+// product itself when few rows multiply it (decode) and is still a large share at prefill row counts.
 //
 //   gemma4_bf16_cols: out[M, N] = x[M, K] @ w[K, N]    w stored [in, out] (nnx.Linear kernels)
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
@@ -128,7 +128,7 @@ inline float widen(uint16_t h) {
 }
 
 // Rows of x held in registers at once by the decode kernels: 8 with AVX-512's 32 vector registers,
-// 4 with AVX2's 16 (8 rows of 16-lane sums spill there: ~1.5x slower at 13 rows on an AMD EPYC).
+// 4 with AVX2's 16 (8 rows of 16-lane sums spill there and measured slower on an AMD EPYC).
 // Likewise the blocked product's register tile: kTileRows rows by 32 columns (or 2 * kTileRows by 16).
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int kRowBlock = 4;
@@ -246,7 +246,7 @@ void cols_task(const float* __restrict__ x, const uint16_t* __restrict__ w, floa
     const uint16_t* w3 = w2 + N;
     for (int64_t n = 0; n < nv; n += 16) {
       // The hardware prefetcher alone leaves one core short of the memory bandwidth: ask for the
-      // same columns of the next four rows (measured +10-40% on a 2-core Xeon).
+      // same columns of the next four rows (measured faster on a 2-core Xeon).
       __builtin_prefetch(w0 + 4 * N + n);
       __builtin_prefetch(w1 + 4 * N + n);
       __builtin_prefetch(w2 + 4 * N + n);
@@ -691,7 +691,7 @@ ffi::Error check_q(const ffi::AnyBuffer& codes, const Matrix& scales, const Matr
 
 // 16 codes widened to float32. With AVX-512 these are the one-instruction widenings (vpmovsxbd /
 // vpmovzxbd, shifts on 32-bit lanes for nibbles): GCC's generic vector conversions of the same were
-// measured 4.5x slower in this loop. Other CPUs take the generic code.
+// measured several times slower in this loop. Other CPUs take the generic code.
 #if defined(__AVX512F__)
 inline __m512i bytes_to_i32(const uint8_t* p, bool sign) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

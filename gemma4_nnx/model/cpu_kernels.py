@@ -1,9 +1,9 @@
 """Products with bfloat16 weights in float32 arithmetic on CPU (the decode path of a bf16 checkpoint).
 
-Why this exists. On CPU the model computes in float32 (XLA:CPU's bf16 dots are ~12x slower), and a
+Why this exists. On CPU the model computes in float32 (XLA:CPU's bf16 dots are far slower), and a
 bf16 checkpoint keeps its weights in bf16 (`load` keeps the stored dtype). XLA then multiplies
 `x @ kernel.astype(float32)` by first converting the *whole* kernel to float32 in a separate pass
-(~1 G elements/s) and only then running its dot: a decode step paid for a full float32 copy of every
+and only then running its dot: a decode step paid for a full float32 copy of every
 weight. Converting the weights to float32 up front avoids that but reads 4 bytes per weight per
 token, and XLA's one-row float32 matvec already runs at the memory bandwidth, so batch-1 decode could
 not get faster than that floor. These kernels read each weight once as 2 bytes, widen it in
@@ -85,11 +85,10 @@ __all__ = [
 
 #: From this many rows of x a product runs as the blocked matrix product (`gemm` / `gemm_t` in
 #: cpu_kernels.cc, where the same numbers are `kGemmRowsCols` / `kGemmRowsT`); fewer rows take the
-#: decode kernels. Measured on 1536 x 6144 here (2 cores; runs vary by up to 2x): the column-form decode
-#: kernel keeps [M, N] partial sums and falls to 20-80 GFLOP/s from 8 rows, where the blocked product
-#: gives 90-170; the row forms (token table, int8 / int4 codes) multiply 8 rows of x per pass over the
-#: weight and stay at 130-220 GFLOP/s up to ~24 rows. The blocked product reaches 250-370 GFLOP/s at
-#: 128-256 rows, XLA's own float32 dot on a float32 copy of the weight 290-400.
+#: decode kernels. The column-form decode kernel keeps [M, N] partial sums and falls behind the blocked
+#: product from 8 rows; the row forms (token table, int8 / int4 codes) multiply 8 rows of x per pass over
+#: the weight and stay fast up to ~24 rows. The rates behind these thresholds (1536 x 6144, 2 cores) are
+#: on the benchmarks page (docs/benchmarks.md, "Kernel rates behind the row thresholds").
 GEMM_ROWS_COLS = 8  # bf16 kernels [in, out]: `matmul`
 GEMM_ROWS_T = 24  # weights stored [out, in]: `matmul_t` (bf16 table), `qmatmul_t` (codes)
 
@@ -368,7 +367,7 @@ def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: i
     round each row of x to int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127,
     q = round-half-even(x * (127 / max|x|)) in [-127, 127]), and sum code x activation products as
     integers: the result is deq(w) @ (q * s) up to float32 summation. int4 codes with AVX512-VNNI or
-    AVX2 (K a multiple of 128, groups of 8+ dividing or multiples of 128; 2-3.5x the rate of the float32
+    AVX2 (K a multiple of 128, groups of 8+ dividing or multiples of 128; several times the rate of the float32
     int4 product with VNNI); symmetric int8 codes with AVX2 and no VNNI (K a multiple of 32, groups of
     4+ dividing or multiples of 32; on AVX-512 the float32 product of int8 codes is already at the memory
     bandwidth). Other layouts, asymmetric int8 codes and products of more rows stay float32."""

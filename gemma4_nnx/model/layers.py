@@ -127,7 +127,7 @@ class Matmul:
 
     cpu_kernels: bool = False
     #: bf16 kernels' products of 8+ rows (prefill, and decode / verify steps of 8+ rows) round x to bf16
-    #: and use AVX512-BF16 dot instructions (`cpu_kernels.matmul(bf16=True)`): ~1.7x faster there, with
+    #: and use AVX512-BF16 dot instructions (`cpu_kernels.matmul(bf16=True)`): faster there, with
     #: bf16 rounding of those activations; products of fewer rows stay exact float32.
     bf16_products: bool = False
     #: code products of fewer than `cpu_kernels.GEMM_ROWS_T` rows (decode, and prefill of short prompts)
@@ -178,12 +178,12 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     "xla": always XLA. "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
     "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply inputs of 8+ rows (prefill, and
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
-    (`Matmul.bf16_products`: ~1.7x faster than float32 products there; fewer rows stay float32; needs a
-    CPU with avx512_bf16).
+    (`Matmul.bf16_products`: faster than float32 products there, see docs/benchmarks.md; fewer rows stay
+    float32; needs a CPU with avx512_bf16).
     "cpu_kernels_int8": "cpu_kernels" whose code products of fewer than 24 rows (decode, short prompts)
     round their inputs to int8 per 32 columns and sum integer products, as llama.cpp does
-    (`Matmul.int8_activations`): int4 codes with AVX512-VNNI (2-3.5x the float32 int4 product) or AVX2,
-    and symmetric int8 codes with AVX2 (`cpu_kernels.qmatmul_t`); needs avx512_vnni or avx2.
+    (`Matmul.int8_activations`): int4 codes with AVX512-VNNI (several times the float32 int4 product) or
+    AVX2, and symmetric int8 codes with AVX2 (`cpu_kernels.qmatmul_t`); needs avx512_vnni or avx2.
     """
     if isinstance(option, Matmul):
         return option

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gemma4_nnx.config.audio import subsampled_length
+from gemma4_nnx.config.unified import is_unified
 from gemma4_nnx.model.layers import RMSNorm, linear
 
 Array = jax.Array
@@ -132,8 +134,6 @@ class Media:
     def soft_token_counts(self, config) -> tuple[int, int]:
         """(image, audio) soft tokens these inputs produce under `config` (a `Gemma4Config`): what
         the prompt's placeholders must number."""
-        from gemma4_nnx.model.unified import is_unified
-
         images = audio = 0
         if self.image_position_ids is not None:
             if config.vision is None:
@@ -149,8 +149,6 @@ class Media:
             if is_unified(config.audio):  # one soft token per raw waveform frame
                 audio = int(frames.sum())
             else:
-                from gemma4_nnx.model.audio import subsampled_length
-
                 audio = int(sum(subsampled_length(int(n)) for n in frames))
         return images, audio
 

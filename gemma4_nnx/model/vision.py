@@ -22,16 +22,18 @@ return them per image, padded to L slots, with a mask: `hidden[valid]` is HF's `
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemma4_nnx.config import RopeSpec
+from gemma4_nnx.config.text import RopeSpec
+
+# The config lives in gemma4_nnx.config.vision; re-exported here for code that imported it from this module.
+from gemma4_nnx.config.vision import SUPPORTED_SOFT_TOKENS as SUPPORTED_SOFT_TOKENS
+from gemma4_nnx.config.vision import VISION_MODEL_TYPE as VISION_MODEL_TYPE
+from gemma4_nnx.config.vision import VisionConfig
 from gemma4_nnx.model.attention import attend
 from gemma4_nnx.model.cache import KV
 from gemma4_nnx.model.layers import (
@@ -48,138 +50,6 @@ from gemma4_nnx.model.layers import (
 )
 
 Array = jax.Array
-
-VISION_MODEL_TYPE = "gemma4_vision"
-#: Soft-token budgets the Gemma 4 image processor accepts (`max_soft_tokens`).
-SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
-_ROPE_TYPES = ("axial", "default")  # transformers rewrites "default" to "axial" for the vision tower
-
-
-def _fail(field: str, problem: str, fix: str) -> None:
-    raise ValueError(f"VisionConfig.{field}: {problem}. Fix: {fix}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    """Hyperparameters of the vision encoder (names and defaults follow HF `Gemma4VisionConfig`).
-
-    Soft-token facts: an image becomes at most `default_output_length` soft tokens (the processor's
-    `max_soft_tokens`, 280 for the released models), from at most `max_patches()` =
-    soft tokens * `pooling_kernel_size`^2 patches of `patch_size`^2 pixels, each patch a vector of
-    `patch_dim` = 3 * patch_size^2 values.
-    """
-
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 16
-    num_attention_heads: int = 12
-    num_key_value_heads: int = 12
-    head_dim: int = 64
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 100.0
-    patch_size: int = 16
-    pooling_kernel_size: int = 3
-    position_embedding_size: int = 10 * 1024
-    use_clipped_linears: bool = False
-    standardize: bool = False
-    default_output_length: int = 280
-
-    def __post_init__(self):
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "patch_size",
-            "pooling_kernel_size",
-            "position_embedding_size",
-            "default_output_length",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                _fail(name, f"must be a positive integer, got {value!r}", f"set {name} to an integer >= 1")
-        if self.head_dim % 4:
-            _fail(
-                "head_dim",
-                f"{self.head_dim} is not a multiple of 4 (2-D RoPE rotates two halves, each in pairs)",
-                "use a head_dim divisible by 4",
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            _fail(
-                "num_key_value_heads",
-                f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}",
-                "use a divisor of num_attention_heads",
-            )
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                _fail(name, f"must be a positive number, got {value!r}", f"set {name} > 0")
-        for name in ("use_clipped_linears", "standardize"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(name, f"must be true or false, got {getattr(self, name)!r}", "use a boolean")
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch: 3 channels x patch_size^2 pixels."""
-        return 3 * self.patch_size**2
-
-    def max_patches(self, soft_tokens: int | None = None) -> int:
-        """Patches per image the processor pads to for a soft-token budget (default
-        `default_output_length`): soft tokens x pooling_kernel_size^2."""
-        return (soft_tokens or self.default_output_length) * self.pooling_kernel_size**2
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The HF `vision_config` dict that `from_hf_dict` reads back to this config."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rope_theta"}
-        d.pop("default_output_length")  # the processor's budget, not a transformers config field
-        d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        return {"model_type": VISION_MODEL_TYPE, "hidden_activation": "gelu_pytorch_tanh", **d}
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> VisionConfig:
-        """Read an HF `vision_config` dict (or a whole multimodal `config.json` dict holding one).
-
-        Missing keys take HF's defaults. `rope_parameters.rope_theta` (or a flat `rope_theta`) gives
-        `rope_theta`; keys the encoder does not use (`attention_bias`, `max_position_embeddings`,
-        `initializer_range`, ...) are ignored. Raises ValueError naming the offending key.
-        """
-        if not isinstance(d, Mapping):
-            raise ValueError(f"vision_config must be a dict, got {type(d).__name__}")
-        if d.get("model_type") == "gemma4":
-            if not isinstance(d.get("vision_config"), Mapping):
-                raise ValueError("this Gemma 4 config.json has no vision_config: the model has no vision tower")
-            d = d["vision_config"]
-        model_type = d.get("model_type", VISION_MODEL_TYPE)
-        if model_type != VISION_MODEL_TYPE:
-            raise ValueError(f"vision_config: model_type {model_type!r} is not {VISION_MODEL_TYPE!r}")
-        act = d.get("hidden_activation", "gelu_pytorch_tanh")
-        if act != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"vision_config: hidden_activation {act!r} is not supported (gemma4_nnx implements gelu_pytorch_tanh)"
-            )
-        rope = d.get("rope_parameters") or {}
-        if not isinstance(rope, Mapping):
-            raise ValueError(f"vision_config: rope_parameters must be a dict, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "axial"))
-        if rope_type not in _ROPE_TYPES:
-            raise ValueError(
-                f"vision_config: rope_parameters.rope_type {rope_type!r} is not supported (one of {_ROPE_TYPES})"
-            )
-        defaults = cls()
-        kwargs = {}
-        for field in dataclasses.fields(cls):
-            if field.name == "rope_theta":
-                kwargs["rope_theta"] = rope.get("rope_theta", d.get("rope_theta", defaults.rope_theta))
-            elif d.get(field.name) is not None:
-                kwargs[field.name] = d[field.name]
-        if isinstance(kwargs.get("rms_norm_eps"), int):
-            kwargs["rms_norm_eps"] = float(kwargs["rms_norm_eps"])
-        try:
-            return cls(**kwargs)
-        except ValueError as e:
-            raise ValueError(f"vision_config: {e}") from None
 
 
 class PatchEmbedder(nnx.Module):

@@ -49,7 +49,13 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import Engine, EngineError
-from gemma4_nnx.serve.guard import BODY_SCOPE_KEY, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
+from gemma4_nnx.serve.guard import (
+    BODY_SCOPE_KEY,
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    Guard,
+    report_unknown_fields,
+)
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
 from gemma4_nnx.serve.protocol import (
@@ -102,6 +108,7 @@ def create_app(
     max_tokens: int | None = None,
     precheck_bytes: int = PRECHECK_BYTES,
     processor=None,
+    strict_requests: bool = False,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
@@ -111,7 +118,9 @@ def create_app(
     after); `max_tokens`: the most tokens one request may generate (400 beyond; the default of a
     chat request without a limit); `precheck_bytes`: bodies from this size on are parsed and
     tokenized in a helper process first (`precheck`). `processor`: the `gemma4_nnx.processor.Processor`
-    that turns a multimodal model's image and audio parts into its arrays (None: text only)."""
+    that turns a multimodal model's image and audio parts into its arrays (None: text only).
+    `strict_requests`: request fields the protocol models do not define get 400 (default: ignored and
+    named in the `X-Gemma4-Unknown-Fields` response header)."""
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -211,7 +220,8 @@ def create_app(
         return ModelList(data=[ModelCard(id=model_name, created=state["created"], max_model_len=engine.max_length)])
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest, request: Request):
+        report_unknown_fields(request.scope, body, strict_requests)
         if body.model is not None:
             serving.check_model(body.model)
         return await asyncio.to_thread(serving.tokenize, body)
@@ -221,13 +231,15 @@ def create_app(
         return serving.tokenizer_info()
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        report_unknown_fields(request.scope, body, strict_requests)
         if body.model is not None:
             serving.check_model(body.model)
         return await asyncio.to_thread(serving.detokenize, body)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
+        report_unknown_fields(request.scope, body, strict_requests)
         serving.check_model(body.model)
         # tokenizing (up to --max-body-bytes of text) runs off the event loop: other streams keep flowing
         prompts = await asyncio.to_thread(serving.completion_prompts, body)
@@ -236,6 +248,7 @@ def create_app(
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        report_unknown_fields(request.scope, body, strict_requests)
         serving.check_model(body.model)
         # rendering (and decoding any images / audio) runs off the event loop
         ids, media = await asyncio.to_thread(serving.chat_prompt, body)
@@ -347,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="the most tokens one request may generate: a larger max_tokens gets 400, a chat request "
         "without one gets at most this (default: what the context leaves)",
+    )
+    p.add_argument(
+        "--strict-requests",
+        action="store_true",
+        help="refuse (400) request fields the server does not know; by default they are ignored and named "
+        "in the X-Gemma4-Unknown-Fields response header",
     )
     p.add_argument(
         "--body-timeout",
@@ -477,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         body_timeout=args.body_timeout,
         queue_timeout=args.queue_timeout,
         max_tokens=args.max_tokens,
+        strict_requests=args.strict_requests,
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     config = uvicorn.Config(

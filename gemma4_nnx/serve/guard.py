@@ -15,6 +15,9 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
   `shutting_down` with `Retry-After`.
 * `precheck`: an async `(path, body) -> ApiError | None` run on the whole body before the app
   (`precheck.Precheck`: large bodies are parsed and tokenized in a helper process first).
+* Unknown fields: a route that parsed fields its request models do not define records them in the
+  scope (`report_unknown_fields`), and the response carries them back in the
+  `X-Gemma4-Unknown-Fields` header (a JSON array of paths); with `strict` they are a 400 instead.
 
 Every refusal is an OpenAI-style JSON error body, as the routes' own.
 """
@@ -26,15 +29,26 @@ import hmac
 import json
 import time
 
-from gemma4_nnx.serve.serving import ApiError, shutting_down
+from gemma4_nnx.serve.errors import ApiError
+from gemma4_nnx.serve.protocol import UNKNOWN_FIELDS_HEADER, unknown_fields
+from gemma4_nnx.serve.serving import shutting_down
 
-__all__ = ["BODY_SCOPE_KEY", "DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "Guard"]
+__all__ = [
+    "BODY_SCOPE_KEY",
+    "DEFAULT_BODY_TIMEOUT",
+    "DEFAULT_MAX_BODY_BYTES",
+    "UNKNOWN_SCOPE_KEY",
+    "Guard",
+    "report_unknown_fields",
+]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 # besides /v1/*: they run the server's tokenizer
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole request body
 BODY_SCOPE_KEY = "gemma4_nnx.body"  # a POST's whole body, in the ASGI scope the app gets
+UNKNOWN_SCOPE_KEY = "gemma4_nnx.unknown_fields"  # the X-Gemma4-Unknown-Fields header value, set by a route
+_SHOWN_UNKNOWN = 32  # paths named in the header at most (the rest counted)
 
 
 class Guard:
@@ -106,7 +120,13 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: the client's disconnect, as the server reports it
 
-        return await self.app(scope, replay, send)
+        async def send_reporting(message):
+            if message["type"] == "http.response.start" and scope.get(UNKNOWN_SCOPE_KEY):
+                header = (UNKNOWN_FIELDS_HEADER.lower().encode(), scope[UNKNOWN_SCOPE_KEY].encode("ascii"))
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        return await self.app(scope, replay, send_reporting)
 
     def _check(self, method: str, path: str, headers: dict[str, bytes]) -> ApiError | None:
         api = path.startswith("/v1/") or path in KEYED_PATHS
@@ -167,3 +187,25 @@ async def _respond(send, error: ApiError) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+def report_unknown_fields(scope, body, strict: bool = False) -> None:
+    """Note the fields of a parsed request (`body`, a `protocol` request model) that the server does not
+    know: in the scope, for `Guard` to send back as the `X-Gemma4-Unknown-Fields` header (a JSON array
+    of paths, ASCII-escaped, at most 32 named); with `strict` (`gemma4-serve --strict-requests`) an
+    `ApiError` 400 naming them, the first as its `param`."""
+    paths = unknown_fields(body)
+    if not paths:
+        return
+    if strict:
+        shown = ", ".join(repr(p) for p in paths[:10]) + (f" and {len(paths) - 10} more" if len(paths) > 10 else "")
+        raise ApiError(
+            f"Unrecognized request argument(s) supplied: {shown}. Fix: remove them (this server runs with "
+            "--strict-requests; without it they are ignored and listed in the X-Gemma4-Unknown-Fields header)",
+            paths[0],
+            code="unknown_field",
+        )
+    named = [p[:100] for p in paths[:_SHOWN_UNKNOWN]]
+    if len(paths) > _SHOWN_UNKNOWN:
+        named.append(f"... {len(paths) - _SHOWN_UNKNOWN} more")
+    scope[UNKNOWN_SCOPE_KEY] = json.dumps(named, ensure_ascii=True)

@@ -12,7 +12,7 @@ import io
 
 import numpy as np
 
-from gemma4_nnx.serve.serving import ApiError
+from gemma4_nnx.serve.errors import ApiError
 
 __all__ = ["MAX_AUDIO_SECONDS", "MAX_IMAGE_PIXELS", "decode_audio", "decode_image"]
 

@@ -1,9 +1,9 @@
 """Large request bodies are checked in a helper process before the server's own process touches them.
 
 Parsing JSON, validating it and tokenizing all hold Python's GIL, so a worker *thread* does not keep
-the event loop free: measured on the 270M server before this check, an 8 MiB completion prompt held
-`/health` for 1.4 s, an 8 MiB chat of 140,000 short messages for 4.7 s, an 8 MiB token-id list for
-2.2 s (every one of them refused in the end, for exceeding the context). Bodies of at least
+the event loop free: before this check, an 8 MiB body held `/health` for seconds while it was parsed
+and tokenized, only to be refused in the end for exceeding the context (the figures are in
+docs/benchmarks.md, "Huge bodies"). Bodies of at least
 `PRECHECK_BYTES` therefore go first to one helper process (spawned, holding its own copy of the
 tokenizer), which parses and validates them with the same request models and tokenizes them with
 the same functions as the routes (`serving.completion_prompts`, `serving.chat_prompt`). A request
@@ -24,12 +24,12 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor
 
 from gemma4_nnx.decode.requests import prompt_too_long
-from gemma4_nnx.serve.serving import ApiError
+from gemma4_nnx.serve.errors import ApiError
 
 __all__ = ["PRECHECK_BYTES", "Precheck"]
 
 #: Bodies from this size on are checked in the helper process (smaller ones cost the event loop
-#: well under 100 ms in the worst shape we found).
+#: little even in the worst shape we found: docs/benchmarks.md, "Huge bodies").
 PRECHECK_BYTES = 256 * 1024
 _ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
 _tokenizer = None  # in the helper process

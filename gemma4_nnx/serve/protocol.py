@@ -3,9 +3,14 @@
 FastAPI builds `/openapi.json` and `/docs` from these models. Numbers, booleans and strings are
 *strict* (no "0.5" for 0.5, no 1 for true), as the OpenAI API is, and numbers finite (no NaN or
 Infinity). Fields the OpenAI API defines but this server does not implement are declared and
-refused by name when set to anything but their neutral value (`suffix`, `tools`,
-`response_format`, ...), so a client learns which parameter to drop; fields nobody defined are
-ignored (clients add their own, e.g. `user`).
+refused by name when set to anything but their neutral value (`suffix`, `best_of`, `functions`),
+so a client learns which parameter to drop. Fields nobody defined here (clients add their own, and
+a typo such as `max_token` looks the same) are ignored but reported: every request model
+notes the keys it did not know (`unknown_fields` lists them as paths, e.g. `messages[1].nmae`), the
+server sends them back in the `X-Gemma4-Unknown-Fields` response header, and refuses them with a 400
+under `gemma4-serve --strict-requests` (`gemma4_nnx.serve.guard.report_unknown_fields`). Reporting
+is the default rather than refusing because OpenAI clients and harnesses send fields of their own
+that change nothing here; strict mode is for catching typos in your own client.
 
 Extensions beyond OpenAI (as vLLM spells them): `top_k` (-1 / 0 = off), `min_p`,
 `repetition_penalty`, `ignore_eos`, `chat_template_kwargs.enable_thinking`.
@@ -13,14 +18,25 @@ Extensions beyond OpenAI (as vLLM spells them): `top_k` (-1 / 0 = off), `min_p`,
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS
 
 __all__ = [
+    "UNKNOWN_FIELDS_HEADER",
     "UNSUPPORTED",
     "ChatChoice",
     "ChatChunkChoice",
@@ -55,6 +71,7 @@ __all__ = [
     "ToolSpec",
     "TopLogprob",
     "Usage",
+    "unknown_fields",
 ]
 
 StrictFloat = Annotated[float, Field(strict=True)]
@@ -84,10 +101,47 @@ UNSUPPORTED: dict[str, Any] = {
 }
 
 
+#: Response header naming the request's unknown fields: a JSON array of their paths (`unknown_fields`).
+UNKNOWN_FIELDS_HEADER = "X-Gemma4-Unknown-Fields"
+
+
 class _Api(BaseModel):
     # numbers must be finite: Python's JSON parser accepts NaN, Infinity and 1e999 (else a NaN
     # temperature failed "less than or equal to 2")
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # the keys of the validated object this model does not define (ignored; `unknown_fields` reports them)
+    _unknown: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown(cls, data, handler):
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, _Api):
+            known = _known_keys(type(model))
+            unknown = tuple(k for k in data if k not in known)
+            if unknown:
+                model._unknown = unknown
+        return model
+
+
+@functools.cache
+def _known_keys(cls: type[BaseModel]) -> frozenset[str]:
+    return frozenset(k for name, f in cls.model_fields.items() for k in (name, f.alias) if k is not None)
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The paths of the fields a validated request carried that its models do not define (a model's own
+    first, then those inside its fields), e.g. `["max_token", "messages[1].nmae"]`."""
+    out = [prefix + str(k) for k in getattr(model, "_unknown", ())]
+    for name, f in type(model).model_fields.items():
+        value, key = getattr(model, name), f.alias or name
+        if isinstance(value, BaseModel):
+            out += unknown_fields(value, f"{prefix}{key}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    out += unknown_fields(item, f"{prefix}{key}[{i}].")
+    return out
 
 
 class _Response(_Api):

@@ -21,6 +21,8 @@ from gemma4_nnx.decode.engine import Engine, EngineError, Event
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, normalize_seed
 from gemma4_nnx.decode.text import FinishReason
+from gemma4_nnx.serve.errors import ApiError
+from gemma4_nnx.serve.media import decode_audio, decode_image
 from gemma4_nnx.serve.metrics import ServerMetrics
 from gemma4_nnx.serve.protocol import (
     ChatChoice,
@@ -38,8 +40,6 @@ from gemma4_nnx.serve.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorDetail,
-    ErrorResponse,
     FunctionCall,
     TokenizeRequest,
     TokenizeResponse,
@@ -67,34 +67,7 @@ ENGINE_PARAMS: dict[str, tuple[str | None, str | None]] = {
 }
 
 
-MAX_MESSAGE_CHARS = 500
 DEFAULT_MAX_PROMPTS = 64  # prompts in one completion request
-
-
-class ApiError(Exception):
-    """A request the server refuses: an OpenAI-style error body with this status."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        *,
-        status: int = 400,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.param, self.code, self.type = status, param, code, type_
-        self.headers = headers
-
-    def body(self) -> dict:
-        message = str(self)
-        if len(message) > MAX_MESSAGE_CHARS:  # never echo a huge offending value back whole
-            message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
-        return ErrorResponse(
-            error=ErrorDetail(message=message, type=self.type, param=self.param, code=self.code)
-        ).model_dump()
 
 
 class _Peeked:
@@ -383,7 +356,6 @@ def _chat_media(body, processor):
     """(image inputs, audio inputs, `Media`) of the request's image / audio parts in order, or None."""
     from gemma4_nnx.model.multimodal import Media
     from gemma4_nnx.processor import batch_audio, batch_images
-    from gemma4_nnx.serve.media import decode_audio, decode_image
 
     images, audios = [], []
     for i, m in enumerate(body.messages):
