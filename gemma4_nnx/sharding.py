@@ -67,9 +67,12 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"\.router\.proj\.kernel$", ("embed", None)),
     (r"\.experts\.gate_up$", ("expert", "embed", "mlp")),
     (r"\.experts\.down$", ("expert", "mlp", "embed")),
-    # the KV cache (`gemma4_nnx.model.cache.KVCache`: layers.<donor index>.k / .v / .pos)
+    # the KV cache (`gemma4_nnx.model.cache.KVCache`: layers.<donor index>.k / .v / .pos; a paged
+    # layer's pool [blocks, block size, K, H] takes the same axes, blocks in place of rows)
     (r"^layers\.\d+\.(k|v)$", ("batch", "cache_seq", "cache_heads", None)),
     (r"^layers\.\d+\.pos$", ("batch", "cache_seq")),
+    (r"^layers\.\d+\.(k|v)_scale$", ("batch", "cache_seq", "cache_heads")),  # an int8 cache's scales
+    (r"^table$", (None, None)),  # the paged layers' block table: every device reads any row's blocks
     (r"(^|\.)(scale|layer_scalar|per_expert_scale)$", (None,)),  # norms and scalars: replicated
 )
 _COMPILED = [(re.compile(p), axes) for p, axes in PARAM_AXES]
