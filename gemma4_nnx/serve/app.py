@@ -30,7 +30,11 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
 Every bad request gets a 4xx with an OpenAI-style body `{"error": {"message", "type", "param",
 "code"}}` (`param` names the field); a client that disconnects frees its batch row at the next step.
 Before the routes, `guard.Guard` checks the API key (`--api-key`), the drain (503 after SIGTERM),
-the content type (JSON only) and the body size (`--max-body-bytes`).
+the connection limit (503 at `--limit-concurrency`, API routes only: `/health` and `/metrics` answer
+through a connection flood; the limit is applied by our HTTP protocol, `serve.connections`, not by
+uvicorn, whose own check refuses every route), the content type (JSON only) and the body size
+(`--max-body-bytes`). Idle connections are closed after `--keep-alive-timeout`, slow headers after
+`--header-timeout`.
 
 Tensor parallel: `--tensor-parallel-size N` loads the weights sharded over N local devices (heads,
 MLP width and vocabulary over the mesh axis "tp", `gemma4_nnx.sharding`) and the engine shards its
@@ -49,6 +53,7 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import Engine, EngineError
+from gemma4_nnx.serve.connections import http_protocol
 from gemma4_nnx.serve.guard import BODY_SCOPE_KEY, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
@@ -359,13 +364,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_HEADER_TIMEOUT:g})",
     )
     p.add_argument(
-        "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays open"
+        "--keep-alive-timeout",
+        "--timeout-keep-alive",  # uvicorn's name, the flag's earlier one
+        dest="keep_alive_timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle connection stays open: one that has sent nothing since it opened or since its "
+        "last response is closed after this (default 5)",
     )
     p.add_argument(
         "--limit-concurrency",
         type=int,
         default=1000,
-        help="open connections beyond which the HTTP server answers 503 (default 1000; bounds file descriptors)",
+        help="open connections (or requests being served) at which the API routes answer 503 + Retry-After "
+        "(default 1000); /health and /metrics are still answered, so a connection flood does not make the "
+        "server look dead to its orchestrator (the limit is applied after the request line, not by uvicorn)",
     )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
@@ -464,9 +477,11 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level="info",
-        http=header_timeout_protocol(args.header_timeout),
-        timeout_keep_alive=args.timeout_keep_alive,
-        limit_concurrency=args.limit_concurrency,
+        # the connection limit is applied by our protocol, which spares /health and /metrics
+        # (`serve.connections`); uvicorn's own would answer them 503 too
+        http=http_protocol(args.header_timeout, args.limit_concurrency),
+        timeout_keep_alive=args.keep_alive_timeout,
+        limit_concurrency=None,
         # uvicorn shuts down after our drain (every request ended cleanly by --drain-timeout): its own
         # bound is the backstop
         timeout_graceful_shutdown=_DRAIN_MARGIN_S,
@@ -483,50 +498,8 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_timeout_protocol(seconds: float) -> type:
-    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers are not complete
-    within `seconds` of its opening or of its previous response. uvicorn has no such bound: a client
-    could open connections and send nothing, or headers a byte at a time, and hold file descriptors
-    (the body has its own bound, `--body-timeout`; idle keep-alive, `--timeout-keep-alive`)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderTimeoutProtocol(H11Protocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._header_timer = None
-            self._arm()
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(seconds, self._overdue)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _between_requests(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if not self._between_requests():  # the headers are in: a request is being served
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _overdue(self) -> None:
-            self._header_timer = None
-            if self._between_requests() and not self.transport.is_closing():
-                self.transport.close()
-
-    return HeaderTimeoutProtocol
+    """`connections.http_protocol` with only the header / idle timeouts (no connection limit)."""
+    return http_protocol(seconds)
 
 
 class DrainingServer(uvicorn.Server):
