@@ -1492,6 +1492,20 @@ def test_echo_and_logprobs_bad_values_are_400s(served):
         assert status == 400 and err["error"]["param"] == param, (extra, err)
 
 
+def test_scoring_beyond_max_score_tokens_is_a_400(served, monkeypatch):
+    """echo + logprobs over more prompt tokens than --max-score-tokens: a 400 naming "prompt", whose
+    message names the limit and the fix; at the limit the prompts are scored."""
+    port, engine = served[2], served[3]
+    prompts = [[2, 5, 7, 9], [2, 6, 8]]
+    monkeypatch.setattr(engine, "max_score_tokens", 7)
+    body = {"model": NAME, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, out = _post(port, "/v1/completions", body)
+    assert status == 200 and len(out["choices"]) == 2, out
+    status, err = _post(port, "/v1/completions", dict(body, prompt=prompts + [[2]]))
+    assert status == 400 and err["error"]["param"] == "prompt" and err["error"]["code"] == "score_tokens_exceeded"
+    assert "--max-score-tokens" in err["error"]["message"] and "8 tokens" in err["error"]["message"], err
+
+
 def test_tokenizer_info_lets_clients_tokenize_through_the_server(served):
     """lm-evaluation-harness's check: /tokenizer_info has eos_token, and /tokenize of that text
     (no special tokens added) is the eos id."""

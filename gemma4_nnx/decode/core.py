@@ -790,6 +790,9 @@ def compiled_programs() -> dict[str, int]:
 #: About how many positions `Decoder.score` computes logits for at once (memory: that many rows of
 #: [V] float32, 64 MiB on a 262144-token vocabulary).
 _SCORE_ROWS = 64
+#: The most padded positions (rows x columns) `Decoder.score` runs in one forward pass, a longer
+#: prompt alone (its activations: that many rows of the hidden and MLP widths).
+SCORE_POSITIONS = 4096
 
 # ------------------------------------------------------------------------------------------- compile counting
 _counting = threading.local()  # .counts: the dict of the Decoder whose program this thread is running
@@ -875,6 +878,7 @@ class Decoder:
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
         self._compiling: set[tuple] = set()
         self.draw_failures: set[DrawConfig] = set()  # samplers whose background compile raised
+        self._score_lock = threading.Lock()  # one scoring forward at a time (`score`)
         self.reset(requests)
 
     # ------------------------------------------------------------------ state
@@ -1209,19 +1213,40 @@ class Decoder:
         )
         self.state = dataclasses.replace(self.state, cache=cache)
 
-    def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
-        """Teacher-forced logprobs of each prompt's tokens after the first (one forward pass over
-        the prompts; the cache is not touched, so this may run beside the decoding thread), with the
-        `top_logprobs` most likely tokens at each of those positions. Prompts are padded to a power
-        of two (at least 16) and batched to a power of two: one program per such shape."""
-        b, t = pow2(len(prompts)), max(16, pow2(max(len(p) for p in prompts)))
+    def score(
+        self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0, *, positions: int = SCORE_POSITIONS
+    ) -> list[Scored]:
+        """Teacher-forced logprobs of each prompt's tokens after the first (forward passes over the
+        prompts; the cache is not touched, so this may run beside the decoding thread), with the
+        `top_logprobs` most likely tokens at each of those positions.
+
+        Bounded work per forward: the prompts are taken longest first in groups of at most
+        `positions` padded positions (rows x columns; a prompt longer than that alone), each padded
+        to a power of two (at least 16) and batched to a power of two: one program per such shape,
+        whatever the request, and one forward at a time per decoder (concurrent callers take turns),
+        so scoring holds at most one group's activations and one `_SCORE_ROWS` slice of logits."""
+        scored: list[Scored | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        while order:
+            t = max(16, pow2(len(prompts[order[0]])))
+            n = 1
+            while n < len(order) and pow2(n + 1) * t <= positions:
+                n += 1
+            group, order = order[:n], order[n:]
+            for i, sc in zip(group, self._score_group([prompts[i] for i in group], top_logprobs, t), strict=True):
+                scored[i] = sc
+        return scored
+
+    def _score_group(self, prompts: Sequence[Sequence[int]], top_logprobs: int, t: int) -> list[Scored]:
+        b = pow2(len(prompts))
         ids, valid = np.zeros((b, t), np.int32), np.zeros((b, t), bool)
         for i, p in enumerate(prompts):
             ids[i, : len(p)], valid[i, : len(p)] = p, True
         chunk = min(t, pow2(max(1, _SCORE_ROWS // b)))  # logits of about _SCORE_ROWS positions at once
-        lp, top_lp, top_tok = jax.device_get(
-            self._run("score", _score_jit, top_logprobs, chunk, self.graphdef, self.weights, ids, valid)
-        )
+        with self._score_lock:
+            lp, top_lp, top_tok = jax.device_get(
+                self._run("score", _score_jit, top_logprobs, chunk, self.graphdef, self.weights, ids, valid)
+            )
         out = []
         for i, p in enumerate(prompts):
             n = len(p) - 1

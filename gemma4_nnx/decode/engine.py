@@ -54,9 +54,20 @@ from gemma4_nnx.decode.sampling import RowFeatures, RowParams
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
-__all__ = ["DEFAULT_MAX_LENGTH", "Engine", "EngineError", "EngineRequest", "EngineStats", "Event"]
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "DEFAULT_MAX_SCORE_TOKENS",
+    "Engine",
+    "EngineError",
+    "EngineRequest",
+    "EngineStats",
+    "Event",
+]
 
 DEFAULT_MAX_LENGTH = 4096
+#: Prompt tokens one `Engine.score` call may score (all its prompts together) unless told otherwise;
+#: raised to `max_length` when that is larger, so one whole-context prompt always fits.
+DEFAULT_MAX_SCORE_TOKENS = 16384
 #: Besides "no top-k", the top-k width whose sampler `precompile` readies (Gemma's recommended
 #: sampling: temperature 1, top_k 64, top_p 0.95). Other widths compile on a helper thread.
 COMMON_TOP_K = 64
@@ -200,6 +211,9 @@ class Engine:
       max_num_batched_tokens: the most prompt columns (joining rows x chunk width) prefilled between
         two decode steps (vLLM's name); at least the chunk width (`prefill_chunk`, default 512). A
         prompt with images is one chunk however long, and joins alone when it exceeds the budget.
+      max_score_tokens: the most prompt tokens one `score` call may score, its prompts together (a
+        `RequestError` beyond, naming "prompt"). Default: `DEFAULT_MAX_SCORE_TOKENS` (16384), or
+        `max_length` when larger.
       cache_dtype: default the model's compute dtype.
       precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
         max_length): before serving, every decode step program (each power-of-two row count, with
@@ -226,6 +240,7 @@ class Engine:
         max_length: int | None = None,
         prefill_chunk: int | None = None,
         max_num_batched_tokens: int | None = None,
+        max_score_tokens: int | None = None,
         cache_dtype=None,
         precompile: Sequence[int] | str | None = None,
         mesh=None,
@@ -248,6 +263,8 @@ class Engine:
         chunk = prefill_chunk or AUTO_PREFILL_CHUNK
         max_num_batched_tokens = chunk if max_num_batched_tokens is None else max_num_batched_tokens
         check_int(max_num_batched_tokens, "max_num_batched_tokens", lo=chunk)
+        check_int(max_score_tokens, "max_score_tokens", lo=1, optional=True)
+        self.max_score_tokens = max_score_tokens or max(DEFAULT_MAX_SCORE_TOKENS, max_length)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -397,14 +414,25 @@ class Engine:
     def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
         """Logprobs of each prompt's own tokens (teacher-forced, `Decoder.score`) with the
         `top_logprobs` most likely alternatives at each position: what `echo` reports for a prompt.
-        Runs on the calling thread, beside the engine's (it reads the weights, not the cache).
-        Raises `RequestError` naming "prompt" or "top_logprobs"."""
+        Runs on the calling thread, beside the engine's (it reads the weights, not the cache), in
+        forward passes of bounded size (`Decoder.score`). Raises `RequestError` naming "prompt" (also
+        when the prompts hold more than `max_score_tokens` tokens together) or "top_logprobs"."""
         name = f"max_length={self.max_length}"
         prompts = [
             make_request(p, 1, vocab_size=self.vocab_size, context=self.max_length + 1, context_name=name).prompt
             for p in prompts
         ]
-        return self.decoder.score(prompts, check_top_logprobs(top_logprobs))
+        top_logprobs = check_top_logprobs(top_logprobs)
+        total = sum(len(p) for p in prompts)
+        if total > self.max_score_tokens:
+            raise RequestError(
+                f"the prompts to score hold {total} tokens together, more than the {self.max_score_tokens} one "
+                "request may score (max_score_tokens; the server's --max-score-tokens): send fewer or shorter "
+                "prompts per request, or raise that limit",
+                "prompt",
+                "score_tokens_exceeded",
+            )
+        return self.decoder.score(prompts, top_logprobs)
 
     def cancel(self, req: EngineRequest) -> None:
         """The client went away: free the request's row at the next step (or drop it from the queue)."""

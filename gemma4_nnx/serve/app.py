@@ -15,7 +15,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
   token-id lists. `echo` returns the prompt before the completion and, with `logprobs` (0..20
   alternatives), its tokens' logprobs too; `max_tokens: 0` with `echo` scores a prompt only (what
-  lm-evaluation-harness's log-likelihood tasks send).
+  lm-evaluation-harness's log-likelihood tasks send). A request scores at most `--max-score-tokens`
+  prompt tokens (400 beyond, `param` "prompt").
 * `POST /tokenize`, `POST /detokenize`: vLLM's shapes (text or a chat -> `{count, max_model_len,
   tokens, token_strs}`; ids -> `{prompt}`), the ids the routes above would run; `GET
   /tokenizer_info` (special tokens, vocabulary size, --max-length: clients that tokenize through
@@ -52,7 +53,7 @@ import sys
 import time
 from contextlib import asynccontextmanager
 
-from gemma4_nnx.decode.engine import Engine, EngineError
+from gemma4_nnx.decode.engine import DEFAULT_MAX_SCORE_TOKENS, Engine, EngineError
 from gemma4_nnx.serve.connections import http_protocol
 from gemma4_nnx.serve.guard import BODY_SCOPE_KEY, DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
@@ -279,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt is prefilled a chunk at a time between the running streams' tokens",
     )
     p.add_argument(
+        "--max-score-tokens",
+        type=int,
+        help="the most prompt tokens one request may have scored (echo + logprobs on /v1/completions, all its "
+        f"prompts together), 400 beyond (default {DEFAULT_MAX_SCORE_TOKENS}, or --max-length when larger); "
+        "scoring runs beside the decode loop, in forward passes of at most 4096 padded positions, one at a time",
+    )
+    p.add_argument(
         "--prefix-cache-mb",
         type=int,
         default=0,
@@ -426,6 +434,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         max_length=args.max_length,
         prefill_chunk=args.prefill_chunk,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_score_tokens=args.max_score_tokens,
         precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
         mesh=mesh,
         speculative=speculative,
