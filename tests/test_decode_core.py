@@ -264,6 +264,56 @@ def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
         engine.close()
 
 
+def test_a_new_top_k_or_top_logprobs_waits_for_no_compile(model):
+    """After a precompile, requests with a top-k and a top_logprobs count the engine has not seen
+    finish while the helper thread that would compile their own sampler is held: they draw with the
+    precompiled superset sampler of their top-k width, and the engine thread compiles no draw
+    program. Tokens, logprobs and alternatives equal those of an engine without a precompile (the
+    exact program, compiled on first use), and the tokens equal generate()'s alone."""
+    import threading
+
+    settings = [
+        dict(temperature=0.9, top_k=5, top_p=0.9, seed=4, top_logprobs=3),
+        dict(temperature=0.7, top_k=100, seed=6, top_logprobs=1),  # beyond 64: the vocabulary width
+        dict(temperature=0.0, top_logprobs=2),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+
+    def run(engine):
+        reqs = [engine.submit(p, 8, stop_tokens=[], **kw) for p, kw in zip(prompts, settings, strict=True)]
+        deadline = time.time() + 60
+        while any(r.finish_reason is None for r in reqs) and time.time() < deadline:
+            time.sleep(0.01)
+        assert all(r.finish_reason is not None for r in reqs), "a request waited for a compile"
+        return [[(ev.token, ev.logprob, ev.top) for ev in r if ev.token is not None] for r in reqs]
+
+    engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
+    gate = threading.Event()
+    held = engine.decoder._placeholder_draw
+
+    def hold(*args):
+        gate.wait(120)
+        return held(*args)
+
+    engine.decoder._placeholder_draw = hold  # the helper thread compiles nothing until the gate opens
+    try:
+        on_thread = dict(engine.decoder.compiles)
+        got = run(engine)
+        assert engine.decoder.compiles.get("draw", 0) == on_thread.get("draw", 0), engine.decoder.compiles
+        assert engine.decoder._compiling, "no exact sampler was queued for the helper thread"
+    finally:
+        gate.set()
+        engine.close()
+    plain = Engine(model, max_batch=4, max_length=32)
+    try:
+        assert run(plain) == got
+    finally:
+        plain.close()
+    for p, kw, out in zip(prompts, settings, got, strict=True):
+        kw = {k: v for k, v in kw.items() if k != "top_logprobs"}
+        assert [t for t, _, _ in out] == generate(model, [p], 8, stop_tokens=[], **kw).tokens[0]
+
+
 def test_a_failing_background_compile_does_not_strand_the_request(model):
     """When the helper thread cannot compile a request's sampler, the request is not left waiting:
     the engine thread compiles it as without a precompile, and the output is still generate()'s."""

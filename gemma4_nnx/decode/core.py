@@ -43,7 +43,7 @@ from flax import nnx
 
 from gemma4_nnx.decode.batching import PromptBatch, pow2
 from gemma4_nnx.decode.errors import RequestError
-from gemma4_nnx.decode.requests import Request
+from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request
 from gemma4_nnx.decode.sampling import (
     RowFeatures,
     RowParams,
@@ -228,16 +228,18 @@ class DrawConfig:
     constrained: bool = False  # the draw takes a token bitmask per row (`decode.constraints`)
 
     def widest(self) -> DrawConfig:
-        """Every sampling feature on, at this top-k width: it draws the same tokens as `self` for
-        every row `self` covers (a feature a row does not use is a no-op on it: top-p of 1, min-p of 0,
-        repetition penalty of 1, presence / frequency penalties and bias of 0, temperature 0 takes the
-        argmax; the top-k width is kept, since it changes the order of float sums). The engine serves
-        with it while the exact program compiles."""
+        """Every sampling feature on, at this top-k width, with the widest alternatives: it draws the
+        same tokens as `self` for every row `self` covers (a feature a row does not use is a no-op on
+        it: top-p of 1, min-p of 0, repetition penalty of 1, presence / frequency penalties and bias of
+        0, temperature 0 takes the argmax; the top-k width is kept, since top-p sums at it; the
+        `MAX_TOP_LOGPROBS` alternatives begin with any fewer). With the few top-k widths
+        (`sampling.TOP_K_WIDTHS`) there are few of these, all compiled ahead by the engine, which
+        serves with one while the exact program compiles on a helper thread."""
         f = RowFeatures(
             sampled=True, top_k=self.features.top_k, top_p=True, full_sort=True, min_p=True, penalty=True,
             counts=True, bias=True,
         )  # fmt: skip
-        return DrawConfig(f, self.logprobs, self.top_logprobs, self.constrained)
+        return DrawConfig(f, self.logprobs, MAX_TOP_LOGPROBS, self.constrained)
 
 
 @jax.jit

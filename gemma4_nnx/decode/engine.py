@@ -50,7 +50,7 @@ from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.prefix import PrefixCache
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request, check_int, check_top_logprobs, make_request
-from gemma4_nnx.decode.sampling import RowFeatures, RowParams
+from gemma4_nnx.decode.sampling import TOP_K_WIDTHS, RowFeatures, RowParams, top_k_width
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
@@ -68,9 +68,6 @@ DEFAULT_MAX_LENGTH = 4096
 #: Prompt tokens one `Engine.score` call may score (all its prompts together) unless told otherwise;
 #: raised to `max_length` when that is larger, so one whole-context prompt always fits.
 DEFAULT_MAX_SCORE_TOKENS = 16384
-#: Besides "no top-k", the top-k width whose sampler `precompile` readies (Gemma's recommended
-#: sampling: temperature 1, top_k 64, top_p 0.95). Other widths compile on a helper thread.
-COMMON_TOP_K = 64
 
 #: Compiled grammars an engine keeps (structured-output schemas and tool sets repeat across requests).
 _GRAMMARS = 32
@@ -218,11 +215,11 @@ class Engine:
       precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
         max_length): before serving, every decode step program (each power-of-two row count, with
         its greedy draw) and the prefill and first draw programs for those prompt buckets and every
-        power-of-two number of joining rows are compiled, and the samplers of requests with and
-        without top-k 64. Afterwards no sampler compiles on the serving thread: a request with new
-        settings draws with a superset sampler (same tokens) while its own compiles on a helper
-        thread, or, for a new top-k width, waits for that compile while the other rows go on.
-        None: compile on first use.
+        power-of-two number of joining rows are compiled, and a superset sampler (`DrawConfig.widest`)
+        at each top-k width (none, `sampling.TOP_K_WIDTHS`, the vocabulary), with alternatives.
+        Afterwards no sampler compiles on the serving thread and no request waits for one: a request
+        with new settings (a new top_k, top_logprobs, penalty, ...) draws with the superset sampler of
+        its width (same tokens) while its own compiles on a helper thread. None: compile on first use.
       mesh: the `jax.sharding.Mesh` the model's weights are sharded over (tensor parallel serving);
         the KV cache is sharded the same way (`gemma4_nnx.sharding`).
       speculative: draft and verify several tokens per step for every request
@@ -503,9 +500,10 @@ class Engine:
     def _sampler_ready(self, req: EngineRequest) -> bool:
         """Whether `req` can join without this thread compiling a sampler (checked only after a
         precompile: otherwise programs compile on first use). Its draws run on its sampler's
-        `widest()` program until the exact one is compiled (same tokens); when that is not compiled
-        yet for every shape, it is compiled on a helper thread and `req` waits in the queue while the
-        rows decoding go on."""
+        `widest()` program until the exact one is compiled (same tokens); the precompile readied the
+        `widest()` of every top-k width, so a request waits here only when that program is missing
+        (a precompile that failed part-way): it is compiled on a helper thread and `req` waits in the
+        queue while the rows decoding go on."""
         if req.waiting:
             return False
         if not self._precompiled or self.drafting is not None or self.decoder.mesh is not None:
@@ -725,7 +723,9 @@ class Engine:
                         self.decoder.draft(m, w)
         if self.drafting is None and self.decoder.mesh is None:  # what `_sampler_ready` looks for
             shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
-            for width in sorted({0, min(COMMON_TOP_K, self.vocab_size)}):
+            # every top-k width a request can need (no top-k, the few `TOP_K_WIDTHS`, the vocabulary)
+            widths = {0, *(top_k_width(w, self.vocab_size) for w in (*TOP_K_WIDTHS, self.vocab_size))}
+            for width in sorted(widths):
                 self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
         if prompt_lengths == "all":  # every prompt bucket a request can meet
             prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
