@@ -236,10 +236,10 @@ def test_a_failing_sink_ends_only_its_own_request(model):
 
 def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
     """After a precompile, requests with sampler settings the engine has not seen (min-p + penalty;
-    a top-k width of 8; greedy + penalty) are served without the engine thread compiling a draw
-    program: they draw with the superset sampler while their own compiles on a helper thread (or, for
-    the new top-k width, wait for it); every output equals generate() alone with the same settings,
-    including a greedy request decoding beside them."""
+    top-k 5 with top-p; greedy + penalty) are served without the engine thread compiling a draw
+    program: they draw with the superset sampler of their top-k width while their own compiles on a
+    helper thread; every output equals generate() alone with the same settings, including a greedy
+    request decoding beside them."""
     engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
     try:
         on_thread = engine.decoder.compiles.get("draw", 0)
