@@ -73,7 +73,7 @@ def test_score_matches_float64_forward(model, engine):
 def test_score_in_bounded_groups_equals_the_float64_forward(model, engine):
     """Forward passes of at most `positions` padded positions: with 16 each prompt is scored alone
     (three passes instead of one), and every logprob and alternative is still the float64 forward's;
-    the results come back in the prompts' order."""
+    the results come back in the prompts' order. A new alternatives count compiles nothing."""
     calls = []
     group = engine.decoder._score_group
     engine.decoder._score_group = lambda prompts, *a: calls.append(len(prompts)) or group(prompts, *a)
@@ -90,6 +90,11 @@ def test_score_in_bounded_groups_equals_the_float64_forward(model, engine):
     whole = engine.decoder.score(PROMPTS, TOP)  # one pass
     for a, b in zip(scored, whole, strict=True):
         np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-6)
+    # another alternatives count runs the same program (the first n of the widest): no compile
+    compiled = engine.decoder.compiles.get("score", 0)
+    fewer = engine.decoder.score(PROMPTS, 2)
+    assert engine.decoder.compiles.get("score", 0) == compiled, engine.decoder.compiles
+    assert [s.top for s in fewer] == [[t[:2] for t in s.top] for s in whole]
 
 
 def test_score_refuses_more_than_max_score_tokens(model):

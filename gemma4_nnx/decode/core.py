@@ -1225,8 +1225,9 @@ class Decoder:
         Bounded work per forward: the prompts are taken longest first in groups of at most
         `positions` padded positions (rows x columns; a prompt longer than that alone), each padded
         to a power of two (at least 16) and batched to a power of two: one program per such shape,
-        whatever the request, and one forward at a time per decoder (concurrent callers take turns),
-        so scoring holds at most one group's activations and one `_SCORE_ROWS` slice of logits."""
+        whatever the request (alternatives are computed at `MAX_TOP_LOGPROBS` whatever the count, so
+        a new count compiles nothing), and one forward at a time per decoder (concurrent callers take
+        turns), so scoring holds at most one group's activations and one `_SCORE_ROWS` slice of logits."""
         scored: list[Scored | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         while order:
@@ -1245,10 +1246,12 @@ class Decoder:
         for i, p in enumerate(prompts):
             ids[i, : len(p)], valid[i, : len(p)] = p, True
         chunk = min(t, pow2(max(1, _SCORE_ROWS // b)))  # logits of about _SCORE_ROWS positions at once
+        width = MAX_TOP_LOGPROBS if top_logprobs else 0  # one program for every count: the first n of 20
         with self._score_lock:
             lp, top_lp, top_tok = jax.device_get(
-                self._run("score", _score_jit, top_logprobs, chunk, self.graphdef, self.weights, ids, valid)
+                self._run("score", _score_jit, width, chunk, self.graphdef, self.weights, ids, valid)
             )
+        top_lp, top_tok = top_lp[..., :top_logprobs], top_tok[..., :top_logprobs]
         out = []
         for i, p in enumerate(prompts):
             n = len(p) - 1

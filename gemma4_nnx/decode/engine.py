@@ -502,8 +502,8 @@ class Engine:
         precompile: otherwise programs compile on first use). Its draws run on its sampler's
         `widest()` program until the exact one is compiled (same tokens); the precompile readied the
         `widest()` of every top-k width, so a request waits here only when that program is missing
-        (a precompile that failed part-way): it is compiled on a helper thread and `req` waits in the
-        queue while the rows decoding go on."""
+        (a grammar-constrained sampler, whose superset is not compiled ahead): it is compiled on a
+        helper thread and `req` waits in the queue while the rows decoding go on."""
         if req.waiting:
             return False
         if not self._precompiled or self.drafting is not None or self.decoder.mesh is not None:
