@@ -216,10 +216,11 @@ class Engine:
         max_length): before serving, every decode step program (each power-of-two row count, with
         its greedy draw) and the prefill and first draw programs for those prompt buckets and every
         power-of-two number of joining rows are compiled, and a superset sampler (`DrawConfig.widest`)
-        at each top-k width (none, `sampling.TOP_K_WIDTHS`, the vocabulary), with alternatives.
-        Afterwards no sampler compiles on the serving thread and no request waits for one: a request
-        with new settings (a new top_k, top_logprobs, penalty, ...) draws with the superset sampler of
-        its width (same tokens) while its own compiles on a helper thread. None: compile on first use.
+        at each top-k width (none, `sampling.TOP_K_WIDTHS`; the vocabulary-wide one, for a top_k above
+        64, on a helper thread once serving starts), with alternatives. Afterwards no sampler compiles
+        on the serving thread and no request waits for one: a request with new settings (a new top_k,
+        top_logprobs, penalty, ...) draws with the superset sampler of its width (same tokens) while
+        its own compiles on a helper thread. None: compile on first use.
       mesh: the `jax.sharding.Mesh` the model's weights are sharded over (tensor parallel serving);
         the KV cache is sharded the same way (`gemma4_nnx.sharding`).
       speculative: draft and verify several tokens per step for every request
@@ -502,7 +503,8 @@ class Engine:
         precompile: otherwise programs compile on first use). Its draws run on its sampler's
         `widest()` program until the exact one is compiled (same tokens); the precompile readied the
         `widest()` of every top-k width, so a request waits here only when that program is missing
-        (a grammar-constrained sampler, whose superset is not compiled ahead): it is compiled on a
+        (a grammar-constrained sampler, whose superset is not compiled ahead, or a top_k above 64
+        while the vocabulary-wide superset is still compiling after start-up): it is compiled on a
         helper thread and `req` waits in the queue while the rows decoding go on."""
         if req.waiting:
             return False
@@ -723,10 +725,17 @@ class Engine:
                         self.decoder.draft(m, w)
         if self.drafting is None and self.decoder.mesh is None:  # what `_sampler_ready` looks for
             shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
-            # every top-k width a request can need (no top-k, the few `TOP_K_WIDTHS`, the vocabulary)
+            # every top-k width a request can need (no top-k, the few `TOP_K_WIDTHS`, the vocabulary);
+            # a top_k above the last of them is rare, and the vocabulary-wide sampler costs the most to
+            # compile (+60% of a 270M precompile): it compiles on the helper thread while serving starts
+            rare = self.vocab_size if self.vocab_size > max(TOP_K_WIDTHS) else None
             widths = {0, *(top_k_width(w, self.vocab_size) for w in (*TOP_K_WIDTHS, self.vocab_size))}
             for width in sorted(widths):
-                self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
+                cfg = DrawConfig(RowFeatures(top_k=width), logprobs=True).widest()
+                if width == rare:
+                    self.decoder.compile_draws(cfg, shapes, background=True, then=self._compiled)
+                else:
+                    self.decoder.compile_draws(cfg, shapes)
         if prompt_lengths == "all":  # every prompt bucket a request can meet
             prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
         joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
