@@ -723,19 +723,17 @@ class Engine:
                     self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.full((m,), w, np.int32))
                     if self.speculative.assistant is not None:
                         self.decoder.draft(m, w)
+        rare = None
         if self.drafting is None and self.decoder.mesh is None:  # what `_sampler_ready` looks for
             shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
             # every top-k width a request can need (no top-k, the few `TOP_K_WIDTHS`, the vocabulary);
             # a top_k above the last of them is rare, and the vocabulary-wide sampler costs the most to
             # compile (+60% of a 270M precompile): it compiles on the helper thread while serving starts
+            # (below, after the prefills)
             rare = self.vocab_size if self.vocab_size > max(TOP_K_WIDTHS) else None
             widths = {0, *(top_k_width(w, self.vocab_size) for w in (*TOP_K_WIDTHS, self.vocab_size))}
-            for width in sorted(widths):
-                cfg = DrawConfig(RowFeatures(top_k=width), logprobs=True).widest()
-                if width == rare:
-                    self.decoder.compile_draws(cfg, shapes, background=True, then=self._compiled)
-                else:
-                    self.decoder.compile_draws(cfg, shapes)
+            for width in sorted(widths - {rare}):
+                self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
         if prompt_lengths == "all":  # every prompt bucket a request can meet
             prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
         joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
@@ -745,3 +743,6 @@ class Engine:
                 logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
                 init = self.decoder.build_rows([None] * kb)
                 self.decoder.draw(greedy, logits, idx, init)
+        if rare is not None:  # last, so it does not slow the compiles above
+            wide = DrawConfig(RowFeatures(top_k=rare), logprobs=True).widest()
+            self.decoder.compile_draws(wide, shapes, background=True, then=self._compiled)
