@@ -236,10 +236,10 @@ def test_a_failing_sink_ends_only_its_own_request(model):
 
 def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
     """After a precompile, requests with sampler settings the engine has not seen (min-p + penalty;
-    a top-k width of 8; greedy + penalty) are served without the engine thread compiling a draw
-    program: they draw with the superset sampler while their own compiles on a helper thread (or, for
-    the new top-k width, wait for it); every output equals generate() alone with the same settings,
-    including a greedy request decoding beside them."""
+    top-k 5 with top-p; greedy + penalty) are served without the engine thread compiling a draw
+    program: they draw with the superset sampler of their top-k width while their own compiles on a
+    helper thread; every output equals generate() alone with the same settings, including a greedy
+    request decoding beside them."""
     engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
     try:
         on_thread = engine.decoder.compiles.get("draw", 0)
@@ -264,9 +264,75 @@ def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
         engine.close()
 
 
+def test_a_new_top_k_or_top_logprobs_waits_for_no_compile(model):
+    """After a precompile, requests with a top-k and a top_logprobs count the engine has not seen
+    finish while the helper thread that would compile their own sampler is held: they draw with the
+    precompiled superset sampler of their top-k width, and the engine thread compiles no draw
+    program. Tokens and alternatives equal those of an engine without a precompile (the exact
+    program, compiled on first use; logprobs to float32 rounding), and the tokens equal generate()'s
+    alone."""
+    import threading
+
+    settings = [
+        dict(temperature=0.9, top_k=5, top_p=0.9, seed=4, top_logprobs=3),
+        dict(temperature=0.7, top_k=100, seed=6, top_logprobs=1),  # beyond 64: the vocabulary width
+        dict(temperature=0.0, top_logprobs=2),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+
+    def run(engine):
+        reqs = [engine.submit(p, 8, stop_tokens=[], **kw) for p, kw in zip(prompts, settings, strict=True)]
+        deadline = time.time() + 60
+        while any(r.finish_reason is None for r in reqs) and time.time() < deadline:
+            time.sleep(0.01)
+        assert all(r.finish_reason is not None for r in reqs), "a request waited for a compile"
+        return [[(ev.token, ev.logprob, ev.top) for ev in r if ev.token is not None] for r in reqs]
+
+    engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
+    deadline = time.time() + 120
+    while engine.decoder._compiling and time.time() < deadline:
+        time.sleep(0.05)  # the vocabulary-wide superset sampler, compiled on the helper after start-up
+    assert not engine.decoder._compiling
+    gate = threading.Event()
+    held = engine.decoder._placeholder_draw
+
+    def hold(*args):
+        gate.wait(120)
+        return held(*args)
+
+    engine.decoder._placeholder_draw = hold  # the helper thread compiles nothing until the gate opens
+    try:
+        on_thread = dict(engine.decoder.compiles)
+        got = run(engine)
+        assert engine.decoder.compiles.get("draw", 0) == on_thread.get("draw", 0), engine.decoder.compiles
+        assert engine.decoder._compiling, "no exact sampler was queued for the helper thread"
+    finally:
+        gate.set()
+        engine.close()
+    plain = Engine(model, max_batch=4, max_length=32)
+    try:
+        want = run(plain)
+    finally:
+        plain.close()
+    # tokens and alternatives' ids exactly; logprobs to float32 rounding (a row's logits come from
+    # decode programs of as many rows as were running with it, which timing decides)
+    for a, b in zip(got, want, strict=True):
+        assert [t for t, _, _ in a] == [t for t, _, _ in b]
+        assert [[i for i, _ in top or ()] for _, _, top in a] == [[i for i, _ in top or ()] for _, _, top in b]
+        np.testing.assert_allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b], atol=1e-5)
+        np.testing.assert_allclose(
+            [[v for _, v in top or ()] for _, _, top in a], [[v for _, v in top or ()] for _, _, top in b], atol=1e-5
+        )
+    for p, kw, out in zip(prompts, settings, got, strict=True):
+        kw = {k: v for k, v in kw.items() if k != "top_logprobs"}
+        assert [t for t, _, _ in out] == generate(model, [p], 8, stop_tokens=[], **kw).tokens[0]
+
+
 def test_a_failing_background_compile_does_not_strand_the_request(model):
-    """When the helper thread cannot compile a request's sampler, the request is not left waiting:
-    the engine thread compiles it as without a precompile, and the output is still generate()'s."""
+    """When the helper thread cannot compile the sampler a request waits for (here the
+    vocabulary-wide superset, for a top_k above 64, which it compiles after start-up), the request is
+    not left waiting: the engine thread compiles it as without a precompile, and the output is still
+    generate()'s."""
     engine = Engine(model, max_batch=1, max_length=32, precompile=(16,))
     try:
 
@@ -274,7 +340,8 @@ def test_a_failing_background_compile_does_not_strand_the_request(model):
             raise RuntimeError("no compiler here")
 
         engine.decoder._placeholder_draw = broken
-        kw = dict(temperature=0.9, top_k=5, seed=2)
+        assert model.config.vocab_size > 100
+        kw = dict(temperature=0.9, top_k=100, seed=2)
         req = engine.submit(PROMPTS[1], 6, stop_tokens=[], **kw)
         deadline = time.time() + 300
         while req.finish_reason is None and time.time() < deadline:

@@ -70,6 +70,54 @@ def test_score_matches_float64_forward(model, engine):
     assert alone.top == [[] for _ in alone.top]
 
 
+def test_score_in_bounded_groups_equals_the_float64_forward(model, engine):
+    """Forward passes of at most `positions` padded positions: with 16 each prompt is scored alone
+    (three passes instead of one), and every logprob and alternative is still the float64 forward's;
+    the results come back in the prompts' order. A new alternatives count compiles nothing."""
+    calls = []
+    group = engine.decoder._score_group
+    engine.decoder._score_group = lambda prompts, *a: calls.append(len(prompts)) or group(prompts, *a)
+    try:
+        scored = engine.decoder.score(PROMPTS, TOP, positions=16)
+    finally:
+        del engine.decoder._score_group
+    assert calls == [1, 1, 1], calls
+    for p, s in zip(PROMPTS, scored, strict=True):
+        ref = _log_softmax64(model, p)
+        np.testing.assert_allclose(s.logprob, [ref[i, p[i + 1]] for i in range(len(p) - 1)], atol=LP_TOL)
+        for i in range(len(p) - 1):
+            _check_top(s.top[i], ref[i], TOP)
+    whole = engine.decoder.score(PROMPTS, TOP)  # one pass
+    for a, b in zip(scored, whole, strict=True):
+        np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-6)
+    # another alternatives count runs the same program (the first n of the widest): no compile
+    compiled = engine.decoder.compiles.get("score", 0)
+    fewer = engine.decoder.score(PROMPTS, 2)
+    assert engine.decoder.compiles.get("score", 0) == compiled, engine.decoder.compiles
+    assert [s.top for s in fewer] == [[t[:2] for t in s.top] for s in whole]
+
+
+def test_score_refuses_more_than_max_score_tokens(model):
+    """The prompts of one call together: at the limit they are scored, one token beyond is a
+    RequestError naming "prompt" whose message names max_score_tokens and the fix."""
+    total = sum(len(p) for p in PROMPTS)
+    e = Engine(model, max_batch=1, max_length=48, max_score_tokens=total)
+    try:
+        assert len(e.score(PROMPTS)) == len(PROMPTS)
+        with pytest.raises(RequestError) as err:
+            e.score(PROMPTS + [[2]])
+        assert err.value.param == "prompt" and err.value.code == "score_tokens_exceeded"
+        assert "max_score_tokens" in str(err.value) and f"{total + 1} tokens" in str(err.value)
+    finally:
+        e.close()
+    e = Engine(model, max_batch=1, max_length=48)
+    e.close()
+    assert e.max_score_tokens == 16384  # the default
+    with pytest.raises(RequestError) as err:
+        Engine(model, max_batch=1, max_length=48, max_score_tokens=0)
+    assert err.value.param == "max_score_tokens"
+
+
 def test_generated_tokens_carry_their_alternatives(model, engine):
     """Greedy: the first alternative is the token itself, with the very same logprob; all of them
     agree with the float64 forward over prompt + output."""

@@ -1119,6 +1119,112 @@ def test_slow_or_silent_connections_are_closed(served):
         thread.join(30)
 
 
+def _uvicorn_thread(app, port, **config):
+    """A uvicorn server over `app` on loopback in a daemon thread, started; (server, thread)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not server.started:
+        time.sleep(0.05)
+    return server, thread
+
+
+def test_health_answers_while_idle_connections_fill_the_limit(served):
+    """--limit-concurrency 8 with 12 idle sockets open (each holds a connection, sends nothing):
+    /health and /metrics still answer 200, the API routes get a JSON 503 with Retry-After and
+    Connection: close; once the flood is gone the API answers again. Under uvicorn's own limit (the
+    last part), /health itself is 503: why the limit moved into our protocol."""
+    from gemma4_nnx.serve.app import create_app
+    from gemma4_nnx.serve.connections import http_protocol
+
+    limit, flood = 8, 12
+    app = create_app(served[3], NAME, warmup=False)
+    port = _free_port()
+    server, thread = _uvicorn_thread(app, port, http=http_protocol(30.0, limit), timeout_keep_alive=30)
+    idle = []
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(flood)]
+        deadline = time.time() + 10
+        while len(server.server_state.connections) < flood and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(server.server_state.connections) >= flood
+        status, health = _get(port, "/health")
+        assert status == 200 and health["status"] == "ok", health
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        assert r.status == 200 and b"gemma4_http_responses" in r.read()
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            body = json.dumps(_BODY) if method == "POST" else None
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            err = json.loads(r.read())
+            assert r.status == 503 and err["error"]["code"] == "server_overloaded", (path, r.status, err)
+            assert r.getheader("Retry-After") == "1" and r.getheader("Connection") == "close"
+        for s in idle:
+            s.close()
+        deadline = time.time() + 10
+        while len(server.server_state.connections) >= limit and time.time() < deadline:
+            time.sleep(0.01)
+        assert _get(port, "/v1/models")[0] == 200
+    finally:
+        for s in idle:
+            s.close()
+        server.should_exit = True
+        thread.join(30)
+    # uvicorn's own limit, for contrast: the same flood takes /health down
+    port = _free_port()
+    server, thread = _uvicorn_thread(create_app(served[3], NAME, warmup=False), port, limit_concurrency=limit)
+    idle = []
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(flood)]
+        deadline = time.time() + 10
+        while len(server.server_state.connections) < flood and time.time() < deadline:
+            time.sleep(0.01)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+    finally:
+        for s in idle:
+            s.close()
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_idle_connections_are_closed_after_the_keep_alive_timeout(served):
+    """A connection that sends nothing is closed after --keep-alive-timeout (here 0.3 s, the header
+    timeout 30 s), and so is one idle after a response; --timeout-keep-alive is the flag's alias."""
+    from gemma4_nnx.serve.app import build_parser, create_app
+    from gemma4_nnx.serve.connections import http_protocol
+
+    for flag in ("--keep-alive-timeout", "--timeout-keep-alive"):
+        assert build_parser().parse_args(["ckpt", flag, "3"]).keep_alive_timeout == 3.0
+    port = _free_port()
+    app = create_app(served[3], NAME, warmup=False)
+    server, thread = _uvicorn_thread(app, port, http=http_protocol(30.0), timeout_keep_alive=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            t0 = time.time()
+            assert s.recv(1024) == b""  # closed by the server, no response
+            assert 0.2 < time.time() - t0 < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                reply += s.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200")
+            t0 = time.time()
+            assert s.recv(1024) == b""
+            assert time.time() - t0 < 5
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def test_prometheus_metrics(served):
     """/metrics parses with prometheus_client's own parser; after two streamed and one plain request,
     a 400 and a 401: the latency histograms counted each token (first tokens as TTFT, the rest as
@@ -1384,6 +1490,20 @@ def test_echo_and_logprobs_bad_values_are_400s(served):
     ):
         status, err = _post(port, "/v1/completions", {"model": NAME, "prompt": "x", **extra})
         assert status == 400 and err["error"]["param"] == param, (extra, err)
+
+
+def test_scoring_beyond_max_score_tokens_is_a_400(served, monkeypatch):
+    """echo + logprobs over more prompt tokens than --max-score-tokens: a 400 naming "prompt", whose
+    message names the limit and the fix; at the limit the prompts are scored."""
+    port, engine = served[2], served[3]
+    prompts = [[2, 5, 7, 9], [2, 6, 8]]
+    monkeypatch.setattr(engine, "max_score_tokens", 7)
+    body = {"model": NAME, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, out = _post(port, "/v1/completions", body)
+    assert status == 200 and len(out["choices"]) == 2, out
+    status, err = _post(port, "/v1/completions", dict(body, prompt=prompts + [[2]]))
+    assert status == 400 and err["error"]["param"] == "prompt" and err["error"]["code"] == "score_tokens_exceeded"
+    assert "--max-score-tokens" in err["error"]["message"] and "8 tokens" in err["error"]["message"], err
 
 
 def test_tokenizer_info_lets_clients_tokenize_through_the_server(served):

@@ -44,7 +44,7 @@ from flax import nnx
 from gemma4_nnx.decode.batching import PromptBatch, pow2
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, BlockPool
 from gemma4_nnx.decode.errors import RequestError
-from gemma4_nnx.decode.requests import Request
+from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request
 from gemma4_nnx.decode.sampling import (
     RowFeatures,
     RowParams,
@@ -241,16 +241,18 @@ class DrawConfig:
     constrained: bool = False  # the draw takes a token bitmask per row (`decode.constraints`)
 
     def widest(self) -> DrawConfig:
-        """Every sampling feature on, at this top-k width: it draws the same tokens as `self` for
-        every row `self` covers (a feature a row does not use is a no-op on it: top-p of 1, min-p of 0,
-        repetition penalty of 1, presence / frequency penalties and bias of 0, temperature 0 takes the
-        argmax; the top-k width is kept, since it changes the order of float sums). The engine serves
-        with it while the exact program compiles."""
+        """Every sampling feature on, at this top-k width, with the widest alternatives: it draws the
+        same tokens as `self` for every row `self` covers (a feature a row does not use is a no-op on
+        it: top-p of 1, min-p of 0, repetition penalty of 1, presence / frequency penalties and bias of
+        0, temperature 0 takes the argmax; the top-k width is kept, since top-p sums at it; the
+        `MAX_TOP_LOGPROBS` alternatives begin with any fewer). With the few top-k widths
+        (`sampling.TOP_K_WIDTHS`) there are few of these, all compiled ahead by the engine, which
+        serves with one while the exact program compiles on a helper thread."""
         f = RowFeatures(
             sampled=True, top_k=self.features.top_k, top_p=True, full_sort=True, min_p=True, penalty=True,
             counts=True, bias=True,
         )  # fmt: skip
-        return DrawConfig(f, self.logprobs, self.top_logprobs, self.constrained)
+        return DrawConfig(f, self.logprobs, MAX_TOP_LOGPROBS, self.constrained)
 
 
 @jax.jit
@@ -828,6 +830,9 @@ def compiled_programs() -> dict[str, int]:
 #: About how many positions `Decoder.score` computes logits for at once (memory: that many rows of
 #: [V] float32, 64 MiB on a 262144-token vocabulary).
 _SCORE_ROWS = 64
+#: The most padded positions (rows x columns) `Decoder.score` runs in one forward pass, a longer
+#: prompt alone (its activations: that many rows of the hidden and MLP widths).
+SCORE_POSITIONS = 4096
 
 # ------------------------------------------------------------------------------------------- compile counting
 _counting = threading.local()  # .counts: the dict of the Decoder whose program this thread is running
@@ -923,6 +928,7 @@ class Decoder:
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
         self._compiling: set[tuple] = set()
         self.draw_failures: set[DrawConfig] = set()  # samplers whose background compile raised
+        self._score_lock = threading.Lock()  # one scoring forward at a time (`score`)
         self.reset(requests)
 
     # ------------------------------------------------------------------ state
@@ -1347,19 +1353,43 @@ class Decoder:
         )
         self.state = dataclasses.replace(self.state, rows=rows)
 
-    def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
-        """Teacher-forced logprobs of each prompt's tokens after the first (one forward pass over
-        the prompts; the cache is not touched, so this may run beside the decoding thread), with the
-        `top_logprobs` most likely tokens at each of those positions. Prompts are padded to a power
-        of two (at least 16) and batched to a power of two: one program per such shape."""
-        b, t = pow2(len(prompts)), max(16, pow2(max(len(p) for p in prompts)))
+    def score(
+        self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0, *, positions: int = SCORE_POSITIONS
+    ) -> list[Scored]:
+        """Teacher-forced logprobs of each prompt's tokens after the first (forward passes over the
+        prompts; the cache is not touched, so this may run beside the decoding thread), with the
+        `top_logprobs` most likely tokens at each of those positions.
+
+        Bounded work per forward: the prompts are taken longest first in groups of at most
+        `positions` padded positions (rows x columns; a prompt longer than that alone), each padded
+        to a power of two (at least 16) and batched to a power of two: one program per such shape,
+        whatever the request (alternatives are computed at `MAX_TOP_LOGPROBS` whatever the count, so
+        a new count compiles nothing), and one forward at a time per decoder (concurrent callers take
+        turns), so scoring holds at most one group's activations and one `_SCORE_ROWS` slice of logits."""
+        scored: list[Scored | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        while order:
+            t = max(16, pow2(len(prompts[order[0]])))
+            n = 1
+            while n < len(order) and pow2(n + 1) * t <= positions:
+                n += 1
+            group, order = order[:n], order[n:]
+            for i, sc in zip(group, self._score_group([prompts[i] for i in group], top_logprobs, t), strict=True):
+                scored[i] = sc
+        return scored
+
+    def _score_group(self, prompts: Sequence[Sequence[int]], top_logprobs: int, t: int) -> list[Scored]:
+        b = pow2(len(prompts))
         ids, valid = np.zeros((b, t), np.int32), np.zeros((b, t), bool)
         for i, p in enumerate(prompts):
             ids[i, : len(p)], valid[i, : len(p)] = p, True
         chunk = min(t, pow2(max(1, _SCORE_ROWS // b)))  # logits of about _SCORE_ROWS positions at once
-        lp, top_lp, top_tok = jax.device_get(
-            self._run("score", _score_jit, top_logprobs, chunk, self.graphdef, self.weights, ids, valid)
-        )
+        width = MAX_TOP_LOGPROBS if top_logprobs else 0  # one program for every count: the first n of 20
+        with self._score_lock:
+            lp, top_lp, top_tok = jax.device_get(
+                self._run("score", _score_jit, width, chunk, self.graphdef, self.weights, ids, valid)
+            )
+        top_lp, top_tok = top_lp[..., :top_logprobs], top_tok[..., :top_logprobs]
         out = []
         for i, p in enumerate(prompts):
             n = len(p) - 1

@@ -51,19 +51,27 @@ from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.prefix import PrefixCache
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request, check_int, check_top_logprobs, make_request
-from gemma4_nnx.decode.sampling import RowFeatures, RowParams
+from gemma4_nnx.decode.sampling import TOP_K_WIDTHS, RowFeatures, RowParams, top_k_width
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
 from gemma4_nnx.model.cache import token_bytes
 
-__all__ = ["DEFAULT_MAX_LENGTH", "Engine", "EngineError", "EngineRequest", "EngineStats", "Event"]
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "DEFAULT_MAX_SCORE_TOKENS",
+    "Engine",
+    "EngineError",
+    "EngineRequest",
+    "EngineStats",
+    "Event",
+]
 
 #: Tokens of KV per row that the default block pool holds (`Engine(kv_cache_bytes=None)`: this many
 #: per row of `max_batch`, and at least one whole `max_length`).
 DEFAULT_MAX_LENGTH = 4096
-#: Besides "no top-k", the top-k width whose sampler `precompile` readies (Gemma's recommended
-#: sampling: temperature 1, top_k 64, top_p 0.95). Other widths compile on a helper thread.
-COMMON_TOP_K = 64
+#: Prompt tokens one `Engine.score` call may score (all its prompts together) unless told otherwise;
+#: raised to `max_length` when that is larger, so one whole-context prompt always fits.
+DEFAULT_MAX_SCORE_TOKENS = 16384
 
 #: Compiled grammars an engine keeps (structured-output schemas and tool sets repeat across requests).
 _GRAMMARS = 32
@@ -219,16 +227,20 @@ class Engine:
       max_num_batched_tokens: the most prompt columns (joining rows x chunk width) prefilled between
         two decode steps (vLLM's name); at least the chunk width (`prefill_chunk`, default 512). A
         prompt with images is one chunk however long, and joins alone when it exceeds the budget.
+      max_score_tokens: the most prompt tokens one `score` call may score, its prompts together (a
+        `RequestError` beyond, naming "prompt"). Default: `DEFAULT_MAX_SCORE_TOKENS` (16384), or
+        `max_length` when larger.
       cache_dtype: default the model's compute dtype; "int8": codes with a float32 scale per token and
         head, dequantized inside attention (`cache.quantize_kv`; about half of bfloat16's bytes).
       precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
         max_length): before serving, every decode step program (each power-of-two row count, with
         its greedy draw) and the prefill and first draw programs for those prompt buckets and every
-        power-of-two number of joining rows are compiled, and the samplers of requests with and
-        without top-k 64. Afterwards no sampler compiles on the serving thread: a request with new
-        settings draws with a superset sampler (same tokens) while its own compiles on a helper
-        thread, or, for a new top-k width, waits for that compile while the other rows go on.
-        None: compile on first use.
+        power-of-two number of joining rows are compiled, and a superset sampler (`DrawConfig.widest`)
+        at each top-k width (none, `sampling.TOP_K_WIDTHS`; the vocabulary-wide one, for a top_k above
+        64, on a helper thread once serving starts), with alternatives. Afterwards no sampler compiles
+        on the serving thread and no request waits for one: a request with new settings (a new top_k,
+        top_logprobs, penalty, ...) draws with the superset sampler of its width (same tokens) while
+        its own compiles on a helper thread. None: compile on first use.
       mesh: the `jax.sharding.Mesh` the model's weights are sharded over (tensor parallel serving);
         the KV cache is sharded the same way (`gemma4_nnx.sharding`).
       speculative: draft and verify several tokens per step for every request
@@ -246,6 +258,7 @@ class Engine:
         max_length: int | None = None,
         prefill_chunk: int | None = None,
         max_num_batched_tokens: int | None = None,
+        max_score_tokens: int | None = None,
         cache_dtype=None,
         precompile: Sequence[int] | str | None = None,
         mesh=None,
@@ -270,6 +283,8 @@ class Engine:
         chunk = prefill_chunk or AUTO_PREFILL_CHUNK
         max_num_batched_tokens = chunk if max_num_batched_tokens is None else max_num_batched_tokens
         check_int(max_num_batched_tokens, "max_num_batched_tokens", lo=chunk)
+        check_int(max_score_tokens, "max_score_tokens", lo=1, optional=True)
+        self.max_score_tokens = max_score_tokens or max(DEFAULT_MAX_SCORE_TOKENS, max_length)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -443,14 +458,25 @@ class Engine:
     def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
         """Logprobs of each prompt's own tokens (teacher-forced, `Decoder.score`) with the
         `top_logprobs` most likely alternatives at each position: what `echo` reports for a prompt.
-        Runs on the calling thread, beside the engine's (it reads the weights, not the cache).
-        Raises `RequestError` naming "prompt" or "top_logprobs"."""
+        Runs on the calling thread, beside the engine's (it reads the weights, not the cache), in
+        forward passes of bounded size (`Decoder.score`). Raises `RequestError` naming "prompt" (also
+        when the prompts hold more than `max_score_tokens` tokens together) or "top_logprobs"."""
         name = f"max_length={self.max_length}"
         prompts = [
             make_request(p, 1, vocab_size=self.vocab_size, context=self.max_length + 1, context_name=name).prompt
             for p in prompts
         ]
-        return self.decoder.score(prompts, check_top_logprobs(top_logprobs))
+        top_logprobs = check_top_logprobs(top_logprobs)
+        total = sum(len(p) for p in prompts)
+        if total > self.max_score_tokens:
+            raise RequestError(
+                f"the prompts to score hold {total} tokens together, more than the {self.max_score_tokens} one "
+                "request may score (max_score_tokens; the server's --max-score-tokens): send fewer or shorter "
+                "prompts per request, or raise that limit",
+                "prompt",
+                "score_tokens_exceeded",
+            )
+        return self.decoder.score(prompts, top_logprobs)
 
     def cancel(self, req: EngineRequest) -> None:
         """The client went away: free the request's row at the next step (or drop it from the queue)."""
@@ -535,9 +561,11 @@ class Engine:
     def _sampler_ready(self, req: EngineRequest) -> bool:
         """Whether `req` can join without this thread compiling a sampler (checked only after a
         precompile: otherwise programs compile on first use). Its draws run on its sampler's
-        `widest()` program until the exact one is compiled (same tokens); when that is not compiled
-        yet for every shape, it is compiled on a helper thread and `req` waits in the queue while the
-        rows decoding go on."""
+        `widest()` program until the exact one is compiled (same tokens); the precompile readied the
+        `widest()` of every top-k width, so a request waits here only when that program is missing
+        (a grammar-constrained sampler, whose superset is not compiled ahead, or a top_k above 64
+        while the vocabulary-wide superset is still compiling after start-up): it is compiled on a
+        helper thread and `req` waits in the queue while the rows decoding go on."""
         if req.waiting:
             return False
         if not self._precompiled or self.drafting is not None or self.decoder.mesh is not None:
@@ -827,9 +855,16 @@ class Engine:
                     self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.full((m,), w, np.int32))
                     if self.speculative.assistant is not None:
                         self.decoder.draft(m, w)
+        rare = None
         if self.drafting is None and self.decoder.mesh is None:  # what `_sampler_ready` looks for
             shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
-            for width in sorted({0, min(COMMON_TOP_K, self.vocab_size)}):
+            # every top-k width a request can need (no top-k, the few `TOP_K_WIDTHS`, the vocabulary);
+            # a top_k above the last of them is rare, and the vocabulary-wide sampler costs the most to
+            # compile (+60% of a 270M precompile): it compiles on the helper thread while serving starts
+            # (below, after the prefills)
+            rare = self.vocab_size if self.vocab_size > max(TOP_K_WIDTHS) else None
+            widths = {0, *(top_k_width(w, self.vocab_size) for w in (*TOP_K_WIDTHS, self.vocab_size))}
+            for width in sorted(widths - {rare}):
                 self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
         if prompt_lengths == "all":  # every prompt bucket a request can meet
             prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
@@ -840,3 +875,6 @@ class Engine:
                 logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
                 init = self.decoder.build_rows([None] * kb)
                 self.decoder.draw(greedy, logits, idx, init)
+        if rare is not None:  # last, so it does not slow the compiles above
+            wide = DrawConfig(RowFeatures(top_k=rare), logprobs=True).widest()
+            self.decoder.compile_draws(wide, shapes, background=True, then=self._compiled)

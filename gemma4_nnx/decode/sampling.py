@@ -72,10 +72,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_nnx.decode.batching import pow2
 from gemma4_nnx.decode.errors import RequestError
 
 __all__ = [
+    "TOP_K_WIDTHS",
     "RowFeatures",
     "RowParams",
     "SamplingParams",
@@ -86,10 +86,29 @@ __all__ = [
     "sample",
     "sample_rows",
     "token_logprobs",
+    "top_k_width",
     "top_logprobs",
     "update_counts",
     "update_seen",
 ]
+
+
+#: The static top-k widths a batch sampler is compiled for (`RowParams.of`), beyond the last one the
+#: whole vocabulary: the largest k of the rows is served by the narrowest width >= k. Few widths
+#: mean few sampler programs, so a server compiles each ahead (`Engine(precompile=...)`) and a
+#: request with a top-k never seen before waits for no compile. The width moves no top-k cut (the
+#: k-th value is exact at any width >= k); top-p over the k survivors is summed at the width, which
+#: every program serving the same rows shares (the engine's superset sampler too), so they draw the
+#: same tokens. Cost: `lax.top_k` at 64 is cheap on an accelerator (XLA:CPU sorts the row at any
+#: width); a k above 64 costs a full sort of the row, as top-p alone does.
+TOP_K_WIDTHS = (64,)
+
+
+def top_k_width(k: int, vocab_size: int) -> int:
+    """The compiled top-k width serving a largest row k (0: no row uses top-k), capped at V."""
+    if not k:
+        return 0
+    return min(next((w for w in TOP_K_WIDTHS if k <= w), vocab_size), vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,8 +258,8 @@ class RowParams:
     ) -> tuple[RowParams, RowFeatures]:
         """NumPy arrays for one :class:`SamplingParams` per row, and the rows' :class:`RowFeatures`.
 
-        The top-k width is the largest row k rounded up to a power of two (capped at V), so a server
-        compiles one sampler per power of two, not per k (`exact_top_k`: the largest k itself)."""
+        The top-k width is `top_k_width` of the largest row k (64, or V beyond), so a server compiles
+        one sampler per such width, not per k (`exact_top_k`: the largest k itself)."""
         sampled = [not p.is_greedy for p in params]
         rows = cls(
             temperature=np.array([p.temperature for p in params], np.float32),
@@ -262,7 +281,7 @@ class RowParams:
             frequency=np.array([p.frequency_penalty or 0.0 for p in params], np.float32),
         )
         kmax = int(rows.top_k.max()) if len(params) else 0
-        width = kmax if exact_top_k else min(pow2(kmax), vocab_size)
+        width = kmax if exact_top_k else top_k_width(kmax, vocab_size)
         features = RowFeatures(
             sampled=any(sampled),
             top_k=width if kmax else 0,

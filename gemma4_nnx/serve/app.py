@@ -15,7 +15,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
   token-id lists. `echo` returns the prompt before the completion and, with `logprobs` (0..20
   alternatives), its tokens' logprobs too; `max_tokens: 0` with `echo` scores a prompt only (what
-  lm-evaluation-harness's log-likelihood tasks send).
+  lm-evaluation-harness's log-likelihood tasks send). A request scores at most `--max-score-tokens`
+  prompt tokens (400 beyond, `param` "prompt").
 * `POST /tokenize`, `POST /detokenize`: vLLM's shapes (text or a chat -> `{count, max_model_len,
   tokens, token_strs}`; ids -> `{prompt}`), the ids the routes above would run; `GET
   /tokenizer_info` (special tokens, vocabulary size, --max-length: clients that tokenize through
@@ -30,7 +31,11 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
 Every bad request gets a 4xx with an OpenAI-style body `{"error": {"message", "type", "param",
 "code"}}` (`param` names the field); a client that disconnects frees its batch row at the next step.
 Before the routes, `guard.Guard` checks the API key (`--api-key`), the drain (503 after SIGTERM),
-the content type (JSON only) and the body size (`--max-body-bytes`).
+the connection limit (503 at `--limit-concurrency`, API routes only: `/health` and `/metrics` answer
+through a connection flood; the limit is applied by our HTTP protocol, `serve.connections`, not by
+uvicorn, whose own check refuses every route), the content type (JSON only) and the body size
+(`--max-body-bytes`). Idle connections are closed after `--keep-alive-timeout`, slow headers after
+`--header-timeout`.
 
 Tensor parallel: `--tensor-parallel-size N` loads the weights sharded over N local devices (heads,
 MLP width and vocabulary over the mesh axis "tp", `gemma4_nnx.sharding`) and the engine shards its
@@ -48,7 +53,8 @@ import sys
 import time
 from contextlib import asynccontextmanager
 
-from gemma4_nnx.decode.engine import Engine, EngineError
+from gemma4_nnx.decode.engine import DEFAULT_MAX_SCORE_TOKENS, Engine, EngineError
+from gemma4_nnx.serve.connections import http_protocol
 from gemma4_nnx.serve.guard import (
     BODY_SCOPE_KEY,
     DEFAULT_BODY_TIMEOUT,
@@ -303,12 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
         "memory)",
     )
     p.add_argument(
+        "--max-score-tokens",
+        type=int,
+        help="the most prompt tokens one request may have scored (echo + logprobs on /v1/completions, all its "
+        f"prompts together), 400 beyond (default {DEFAULT_MAX_SCORE_TOKENS}, or --max-length when larger); "
+        "scoring runs beside the decode loop, in forward passes of at most 4096 padded positions, one at a time",
+    )
+    p.add_argument(
         "--prefix-cache-mb",
         type=int,
         default=0,
         help="device memory for prefix caching (MiB; default 0 = off): prompts that begin with an earlier "
-        "request's tokens (multi-turn chat, shared system prompts) reuse its KV; each snapshot costs one "
-        "row's cache",
+        "request's tokens (multi-turn chat, shared system prompts) reuse its KV; a snapshot copies a row's "
+        "sliding-window rings and shares its global layers' KV blocks",
     )
     p.add_argument(
         "--precompile",
@@ -394,13 +407,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_HEADER_TIMEOUT:g})",
     )
     p.add_argument(
-        "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays open"
+        "--keep-alive-timeout",
+        "--timeout-keep-alive",  # uvicorn's name, the flag's earlier one
+        dest="keep_alive_timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle connection stays open: one that has sent nothing since it opened or since its "
+        "last response is closed after this (default 5)",
     )
     p.add_argument(
         "--limit-concurrency",
         type=int,
         default=1000,
-        help="open connections beyond which the HTTP server answers 503 (default 1000; bounds file descriptors)",
+        help="open connections (or requests being served) at which the API routes answer 503 + Retry-After "
+        "(default 1000); /health and /metrics are still answered, so a connection flood does not make the "
+        "server look dead to its orchestrator (the limit is applied after the request line, not by uvicorn)",
     )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
@@ -450,6 +471,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         max_length=args.max_length,
         prefill_chunk=args.prefill_chunk,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_score_tokens=args.max_score_tokens,
         precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
         mesh=mesh,
         speculative=speculative,
@@ -504,9 +526,11 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level="info",
-        http=header_timeout_protocol(args.header_timeout),
-        timeout_keep_alive=args.timeout_keep_alive,
-        limit_concurrency=args.limit_concurrency,
+        # the connection limit is applied by our protocol, which spares /health and /metrics
+        # (`serve.connections`); uvicorn's own would answer them 503 too
+        http=http_protocol(args.header_timeout, args.limit_concurrency),
+        timeout_keep_alive=args.keep_alive_timeout,
+        limit_concurrency=None,
         # uvicorn shuts down after our drain (every request ended cleanly by --drain-timeout): its own
         # bound is the backstop
         timeout_graceful_shutdown=_DRAIN_MARGIN_S,
@@ -523,50 +547,8 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_timeout_protocol(seconds: float) -> type:
-    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers are not complete
-    within `seconds` of its opening or of its previous response. uvicorn has no such bound: a client
-    could open connections and send nothing, or headers a byte at a time, and hold file descriptors
-    (the body has its own bound, `--body-timeout`; idle keep-alive, `--timeout-keep-alive`)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderTimeoutProtocol(H11Protocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._header_timer = None
-            self._arm()
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(seconds, self._overdue)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _between_requests(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if not self._between_requests():  # the headers are in: a request is being served
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _overdue(self) -> None:
-            self._header_timer = None
-            if self._between_requests() and not self.transport.is_closing():
-                self.transport.close()
-
-    return HeaderTimeoutProtocol
+    """`connections.http_protocol` with only the header / idle timeouts (no connection limit)."""
+    return http_protocol(seconds)
 
 
 class DrainingServer(uvicorn.Server):

@@ -13,6 +13,10 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
   second cannot hold a connection.
 * `draining`: a `() -> bool`; while it is true (the drain after SIGTERM) the API paths get 503
   `shutting_down` with `Retry-After`.
+* the connection limit: a request the connection layer marked as arriving at `--limit-concurrency`
+  (`connections.OVER_LIMIT_SCOPE_KEY`) gets 503 `server_overloaded` with `Retry-After` and
+  `Connection: close` on the API paths; the other paths (`/health`, `/metrics`, ...) are served, so a
+  flood of connections never makes a healthy server look dead to its orchestrator.
 * `precheck`: an async `(path, body) -> ApiError | None` run on the whole body before the app
   (`precheck.Precheck`: large bodies are parsed and tokenized in a helper process first).
 * Unknown fields: a route that parsed fields its request models do not define records them in the
@@ -29,6 +33,7 @@ import hmac
 import json
 import time
 
+from gemma4_nnx.serve.connections import OVER_LIMIT_SCOPE_KEY
 from gemma4_nnx.serve.errors import ApiError
 from gemma4_nnx.serve.protocol import UNKNOWN_FIELDS_HEADER, unknown_fields
 from gemma4_nnx.serve.serving import shutting_down
@@ -76,7 +81,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
-        refusal = self._check(scope["method"], path, headers)
+        refusal = self._check(scope["method"], path, headers, scope.get(OVER_LIMIT_SCOPE_KEY, False))
         if refusal is not None:
             return await _respond(send, refusal)
         if scope["method"] != "POST":
@@ -128,7 +133,7 @@ class Guard:
 
         return await self.app(scope, replay, send_reporting)
 
-    def _check(self, method: str, path: str, headers: dict[str, bytes]) -> ApiError | None:
+    def _check(self, method: str, path: str, headers: dict[str, bytes], over_limit: bool = False) -> ApiError | None:
         api = path.startswith("/v1/") or path in KEYED_PATHS
         if self.api_key is not None and api:
             auth = headers.get("authorization", b"")
@@ -146,6 +151,14 @@ class Guard:
                 )
         if api and self.draining is not None and self.draining():
             return shutting_down()
+        if api and over_limit:
+            return ApiError(
+                "the server is at its connection limit (--limit-concurrency): retry shortly",
+                status=503,
+                code="server_overloaded",
+                type_="server_error",
+                headers={"Retry-After": "1", "Connection": "close"},
+            )
         if method == "POST":
             kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
             if kind != b"application/json":
