@@ -345,3 +345,20 @@ def test_int8_engine_equals_int8_generate_and_takes_a_quarter_of_float32(model):
     heads = [s for s in model.config.cache_layers if not s.is_sliding]
     assert token_bytes(model.config, "int8") == sum(2 * s.num_kv_heads * (s.head_dim + 4) for s in heads)
     assert token_bytes(model.config, jnp.float32) == sum(2 * s.num_kv_heads * s.head_dim * 4 for s in heads)
+
+
+def test_a_request_that_outgrows_the_whole_pool_ends_with_length(model, solo):
+    """Alone on a pool of 2 blocks (64 slots), a 30-token prompt asking 30 new tokens fills it: the
+    request ends "length" after 35 tokens (34 fed at positions 30-63, and the last one drawn), which
+    begin with its solo run's 30."""
+    probe = Engine(model, max_batch=1, max_length=96)
+    block_bytes = probe.block_bytes
+    probe.close()
+    engine = Engine(model, max_batch=2, max_length=96, kv_cache_bytes=2 * block_bytes)
+    try:
+        tokens, _, reason, _ = engine.submit(PROMPTS[0], NEW + 10, stop_tokens=[]).result()
+        assert reason == FinishReason.LENGTH and engine.pool.used == 0
+    finally:
+        engine.close()
+    assert len(PROMPTS[0]) == 30 and len(tokens) == 64 - 30 + 1
+    assert tokens[:NEW] == solo[0][0]

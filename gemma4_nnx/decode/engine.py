@@ -531,6 +531,10 @@ class Engine:
             if joining and (req.preempted or pow2(len(joining) + 1) * width > self.max_num_batched_tokens):
                 break
             need = blocks_for(len(req.fed) + 1, BLOCK_SIZE)  # its prompt, and the first decode step's slot
+            if self.pool is not None and need > self.pool.blocks:  # a preempted request grown past the pool
+                self._pending.popleft()
+                self._finish_for_room(req)
+                continue
             if self.pool is not None and not self._room(blocks + need):
                 break
             self._pending.popleft()
@@ -765,6 +769,10 @@ class Engine:
         mask[slot] = True
         self.decoder.finish(mask)
         self.decoder.release(slot)
+        self._finish_for_room(req)
+
+    def _finish_for_room(self, req: EngineRequest) -> None:
+        """`req` ends ("length") holding no row: its sequence outgrew the whole block pool."""
         req.finish_reason = FinishReason.LENGTH
         self.stats.completed += 1
         req.emit(Event(None, req.stream.end(FinishReason.LENGTH), None, FinishReason.LENGTH))
