@@ -28,7 +28,7 @@ from decode import ROOT, WORKER_LOOP, Worker, _median
 COMMON = r"""
 import json, os, resource, sys, time
 args = json.loads(sys.argv[2])
-PROMPT = args["prompt"]
+PROMPT = json.load(open(args["prompt_file"]))  # a file: 32K ids overflow a command line
 def stats():
     return {}
 """
@@ -103,7 +103,10 @@ def main(argv=None) -> int:
     rows = []
     for length in a.prompts:
         prompt = [tok.bos_id] + (ids * (length // len(ids) + 1))[: length - 1]
-        common = {"prompt": prompt, "threads": a.threads, "new": a.new}
+        prompt_file = os.path.join(tempfile.mkdtemp(prefix="bench-long-"), "prompt.json")
+        with open(prompt_file, "w") as f:
+            json.dump(prompt, f)
+        common = {"prompt_file": prompt_file, "threads": a.threads, "new": a.new}
         workers = {}
         if "ours" in a.sides:
             workers["ours"] = Worker(OURS, dict(common, ckpt=ckpt), executable=[*pin, sys.executable])
