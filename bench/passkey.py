@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 LLAMA = r"""
 import json, sys
 from llama_cpp import Llama
-args = json.loads(sys.argv[1])
+args = json.loads(sys.stdin.read())  # 16K-token prompts overflow a command line
 out = []
 for prompt in args["prompts"]:
     llm = Llama(model_path=args["gguf"], n_threads=2, n_ctx=len(prompt) + 16, n_batch=512, verbose=False)
@@ -76,7 +76,8 @@ def main(argv=None) -> int:
             prompts.append([tok.bos_id] + body[:at] + needle + body[at:] + ask)
         ours = [gemma4_nnx.generate(model, [q], 8, stop_tokens=[]).tokens[0] for q in prompts]
         run = subprocess.run(
-            ["taskset", "-c", "0,1", a.llama_python, "-c", LLAMA, json.dumps({"gguf": gguf, "prompts": prompts})],
+            ["taskset", "-c", "0,1", a.llama_python, "-c", LLAMA],
+            input=json.dumps({"gguf": gguf, "prompts": prompts}),
             capture_output=True,
             text=True,
             check=True,
