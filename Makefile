@@ -43,7 +43,8 @@ test: $(VENV)/.installed
 # The CPU kernels' other code paths (GEMMA4_NNX_CPU_ISA, gemma4_nnx/model/cpu_kernels.py): `make test`
 # runs what this CPU has; this runs the kernels' tests again on the AVX2 path (where the CPU has
 # AVX-512, which that run took) and on the generic path (plain vector extensions).
-KERNEL_TESTS ?= tests/test_cpu_kernels.py tests/test_quantized.py -k "not convert and not gguf_blocks"
+KERNEL_TESTS ?= tests/test_cpu_kernels.py tests/test_quantized.py tests/test_paged.py::test_paged_attention_equals_float64 \
+	tests/test_paged.py::test_int8_attention_equals_float64_over_the_dequantized_cache -k "not convert and not gguf_blocks"
 test-isa: $(VENV)/.installed
 	@isas="generic"; if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo; then isas="avx2 generic"; fi; \
 	for isa in $$isas; do \
