@@ -91,9 +91,9 @@ def test_block_pool_random_use_keeps_exact_accounts():
                 with pytest.raises(ValueError):
                     pool.grow(row, want)
                 continue
-            need = blocks_for(want, 4) - blocks_for(lengths[row], 4)
+            need, free = blocks_for(want, 4) - blocks_for(lengths[row], 4), pool.free
             ok = pool.grow(row, want)
-            assert ok == (need <= pool.free + (need if ok else 0)) and (ok or need > pool.free)
+            assert ok == (need <= free) and pool.free == (free - need if ok else free)
             if ok:
                 lengths[row] = want
         elif op == 1:

@@ -50,10 +50,6 @@ class BlockPool:
     def used(self) -> int:
         return self.blocks - len(self._free)
 
-    def need(self, row: int, length: int) -> int:
-        """Blocks `row` still needs to hold positions [0, length)."""
-        return max(0, blocks_for(length, self.block_size) - int(self.held[row]))
-
     def grow(self, row: int, length: int) -> bool:
         """Give `row` blocks for positions [0, length); False (and nothing taken) when too few are
         free. Raises ValueError past the table's width (a longer sequence than the cache holds)."""

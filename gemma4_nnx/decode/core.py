@@ -988,10 +988,6 @@ class Decoder:
         if self.pool is not None and not self.fixed_blocks:
             self.pool.release(row)
 
-    def blocks_needed(self, row: int, length: int) -> int:
-        """Blocks `row` still lacks for positions [0, length) (0 without paged layers)."""
-        return 0 if self.pool is None else self.pool.need(row, length)
-
     def build_rows(self, requests: Sequence[Request | None]) -> RowState:
         """Host `RowState` of these requests (None: an empty row) with this decoder's widths."""
         return RowState.build(

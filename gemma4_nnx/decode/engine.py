@@ -752,24 +752,24 @@ class Engine:
                 if victim == slot:
                     break
 
-    def _preempt(self, slot: int) -> None:
+    def _vacate(self, slot: int) -> EngineRequest:
+        """Take `slot`'s request off its row: the row is done on the device and its blocks go back."""
         req, self._slots[slot] = self._slots[slot], None
         mask = np.zeros(self.max_batch, bool)
         mask[slot] = True
         self.decoder.finish(mask)
         self.decoder.release(slot)
+        return req
+
+    def _preempt(self, slot: int) -> None:
+        req = self._vacate(slot)
         req.preempted = True
         self.stats.preemptions += 1
         with self._cv:
             self._pending.appendleft(req)
 
     def _out_of_room(self, slot: int) -> None:
-        req, self._slots[slot] = self._slots[slot], None
-        mask = np.zeros(self.max_batch, bool)
-        mask[slot] = True
-        self.decoder.finish(mask)
-        self.decoder.release(slot)
-        self._finish_for_room(req)
+        self._finish_for_room(self._vacate(slot))
 
     def _finish_for_room(self, req: EngineRequest) -> None:
         """`req` ends ("length") holding no row: its sequence outgrew the whole block pool."""
