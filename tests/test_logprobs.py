@@ -118,6 +118,43 @@ def test_score_refuses_more_than_max_score_tokens(model):
     assert err.value.param == "max_score_tokens"
 
 
+def test_scoring_never_holds_up_decoding(model):
+    """Scoring runs on the caller's thread beside the engine's, never inside an engine step: while
+    a score call is held in the middle of its forward (however long it would take), a stream
+    submitted after it decodes all its tokens, and they equal generate()'s alone; the held call then
+    returns the float64 forward's logprobs."""
+    import threading
+
+    from gemma4_nnx import generate
+
+    e = Engine(model, max_batch=2, max_length=48)
+    inside, release = threading.Event(), threading.Event()
+    group = e.decoder._score_group
+
+    def held(*args):
+        inside.set()
+        release.wait(120)
+        return group(*args)
+
+    e.decoder._score_group = held
+    out = {}
+    scorer = threading.Thread(target=lambda: out.setdefault("scored", e.score([PROMPTS[0]])))
+    try:
+        scorer.start()
+        assert inside.wait(60)
+        req = e.submit(PROMPTS[1], 8, stop_tokens=[])
+        tokens = [ev.token for ev in req if ev.token is not None]  # ends while the score call is held
+        assert req.finish_reason is not None and scorer.is_alive()
+        assert tokens == generate(model, [PROMPTS[1]], 8, stop_tokens=[]).tokens[0]
+    finally:
+        release.set()
+        scorer.join(60)
+        e.close()
+    ref = _log_softmax64(model, PROMPTS[0])
+    want = [ref[t, PROMPTS[0][t + 1]] for t in range(len(PROMPTS[0]) - 1)]
+    np.testing.assert_allclose(out["scored"][0].logprob, want, atol=LP_TOL)
+
+
 def test_generated_tokens_carry_their_alternatives(model, engine):
     """Greedy: the first alternative is the token itself, with the very same logprob; all of them
     agree with the float64 forward over prompt + output."""
