@@ -119,6 +119,80 @@ def test_outputs_follow_their_schema(setup, temperature):
     assert free.result()[0] == want
 
 
+def test_new_settings_and_grammars_wait_for_no_compile(setup):
+    """After a precompile and the supersets it queues on the helper thread at start-up, requests
+    with a top-k, a top_logprobs count or a grammar the engine has not seen finish while that thread
+    is held (it would compile their own samplers): they draw with the precompiled superset sampler
+    of their top-k width (constrained or not) and the engine thread compiles no draw program. Tokens
+    and alternatives equal those of an engine without a precompile (each request's exact program,
+    compiled on first use); the unconstrained ones equal generate()'s alone, and the constrained ones
+    follow their schema."""
+    import threading
+    import time
+
+    model, tok, _ = setup
+    prompt = tok.encode("the model reads the text", add_bos=True)
+    grammar = C.json_grammar(SCHEMAS[2])
+    settings = [
+        dict(temperature=0.9, top_k=5, top_p=0.9, seed=4, top_logprobs=3, stop_tokens=[]),
+        dict(temperature=0.7, top_k=100, seed=6, top_logprobs=1, stop_tokens=[]),  # beyond 64: the vocabulary
+        dict(temperature=0.0, grammar=grammar),
+        dict(temperature=1.0, seed=3, top_k=7, grammar=grammar),
+    ]
+
+    def run(engine):
+        with engine._cv:  # one admission in both engines: the same batch shapes
+            reqs = [engine.submit(prompt, 40, **kw) for kw in settings]
+        deadline = time.time() + 60
+        while any(r.finish_reason is None for r in reqs) and time.time() < deadline:
+            time.sleep(0.01)
+        assert all(r.finish_reason is not None for r in reqs), "a request waited for a compile"
+        return [[(ev.token, ev.logprob, ev.top) for ev in r if ev.token is not None] for r in reqs]
+
+    engine = Engine(model, tok, max_batch=4, max_length=64, precompile=(16,))
+    deadline = time.time() + 300
+    while engine.decoder._compiling and time.time() < deadline:
+        time.sleep(0.05)  # the supersets queued on the helper thread at start-up
+    assert not engine.decoder._compiling
+    gate, held = threading.Event(), engine.decoder._placeholder_draw
+
+    def hold(*args):
+        gate.wait(120)
+        return held(*args)
+
+    engine.decoder._placeholder_draw = hold  # the helper thread compiles nothing until the gate opens
+    try:
+        before = engine.decoder.compiles.get("draw", 0)
+        got = run(engine)
+        assert engine.decoder.compiles.get("draw", 0) == before, engine.decoder.compiles
+        assert engine.decoder._compiling, "no exact sampler was queued for the helper thread"
+    finally:
+        gate.set()
+        engine.close()
+    plain = Engine(model, tok, max_batch=4, max_length=64)
+    try:
+        want = run(plain)
+    finally:
+        plain.close()
+    # tokens and alternatives' ids exactly; logprobs to float32 rounding: the superset sampler
+    # normalizes over its top-k width, the exact one over the whole vocabulary (the logits themselves
+    # are equal, both engines having run the same admissions and batch widths)
+    for a, b in zip(got, want, strict=True):
+        assert [t for t, _, _ in a] == [t for t, _, _ in b]
+        assert [[i for i, _ in top or ()] for _, _, top in a] == [[i for i, _ in top or ()] for _, _, top in b]
+        np.testing.assert_allclose([lp for _, lp, _ in a], [lp for _, lp, _ in b], atol=1e-6)
+        np.testing.assert_allclose(
+            [[v for _, v in top or ()] for _, _, top in a], [[v for _, v in top or ()] for _, _, top in b], atol=1e-6
+        )
+    for kw, out in zip(settings[:2], got, strict=False):
+        kw = {k: v for k, v in kw.items() if k != "top_logprobs"}
+        assert [t for t, _, _ in out] == generate(model, [prompt], 40, tokenizer=tok, **kw).tokens[0]
+    for out in got[2:]:
+        tokens = [t for t, _, _ in out]
+        assert tokens[-1] in tok.stop_ids
+        _validate(json.loads(tok.decode(tokens[:-1])), SCHEMAS[2])
+
+
 def test_grammar_errors_name_the_parameter(setup):
     model, tok, engine = setup
     prompt = tok.encode("x", add_bos=True)

@@ -566,10 +566,10 @@ class Engine:
         """Whether `req` can join without this thread compiling a sampler (checked only after a
         precompile: otherwise programs compile on first use). Its draws run on its sampler's
         `widest()` program until the exact one is compiled (same tokens); the precompile readied the
-        `widest()` of every top-k width, so a request waits here only when that program is missing
-        (a grammar-constrained sampler, whose superset is not compiled ahead, or a top_k above 64
-        while the vocabulary-wide superset is still compiling after start-up): it is compiled on a
-        helper thread and `req` waits in the queue while the rows decoding go on."""
+        `widest()` of every unconstrained top-k width but the vocabulary's, and queued the rest on the
+        helper thread, so a request waits here only while its superset is still compiling after
+        start-up (a top_k above 64, or a grammar): `req` waits in the queue while the rows decoding
+        go on."""
         if req.waiting:
             return False
         if not self._precompiled or self.drafting is not None or self.decoder.mesh is not None:
@@ -883,6 +883,12 @@ class Engine:
                 logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
                 init = self.decoder.build_rows([None] * kb)
                 self.decoder.draw(greedy, logits, idx, init)
-        if rare is not None:  # last, so it does not slow the compiles above
-            wide = DrawConfig(RowFeatures(top_k=rare), logprobs=True).widest()
-            self.decoder.compile_draws(wide, shapes, background=True, then=self._compiled)
+        if self.drafting is None and self.decoder.mesh is None:
+            # on the helper thread once serving starts, last so they do not slow the compiles above:
+            # the vocabulary-wide superset, then (with a tokenizer: grammars need one) the
+            # constrained supersets of every width, for response_format / tools requests
+            later = [DrawConfig(RowFeatures(top_k=rare), logprobs=True)] if rare is not None else []
+            if self.tokenizer is not None:
+                later += [DrawConfig(RowFeatures(top_k=w), logprobs=True, constrained=True) for w in sorted(widths)]
+            for cfg in later:
+                self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled)
