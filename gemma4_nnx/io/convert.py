@@ -32,7 +32,6 @@ from gemma4_nnx.io.hf import (
     CheckpointError,
     Entry,
     TensorInfo,
-    abstract_assistant,
     assistant_tensors,
     plan_assistant,
     plan_load,
@@ -41,6 +40,7 @@ from gemma4_nnx.io.hf import (
     text_tensors,
 )
 from gemma4_nnx.io.hf_config import model_type
+from gemma4_nnx.model.build import abstract_assistant
 from gemma4_nnx.model.quant import QuantFormat
 
 DTYPES = ("bfloat16", "float32")
@@ -414,7 +414,7 @@ def convert(
         _check_destination(src, dst, overwrite)
         staging = _temp_sibling(dst, "gm")
         try:
-            config = gm.read_gm_config(gm_config or _gm_config_beside(src))
+            config = gm.read_gm_config(gm_config or gm.config_beside(src))
             gm.gm_to_hf_dir(src, config, staging)
             return convert(
                 staging,
@@ -543,18 +543,6 @@ def _temp_sibling(dst: str, kind: str) -> str:
     `_remove_stale_temps` clears those of dead processes)."""
     parent, name = os.path.split(dst)
     return os.path.join(parent, f".{name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _gm_config_beside(src: str) -> str:
-    from gemma4_nnx.io.gm import HF_CONFIG_FILE, PRESETS
-
-    path = os.path.join(src, HF_CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"{src} is a checkpoint of Google's gemma library, which carries no config: pass --gm-config "
-            f"with a preset ({', '.join(PRESETS)}) or the model's HF config.json"
-        )
-    return path
 
 
 def _metadata(src, files, config, dtype, bits, group, copied, src_bytes, leaves) -> dict[str, Any]:

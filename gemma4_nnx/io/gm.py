@@ -34,6 +34,7 @@ from gemma4_nnx.config import FULL, Gemma4Config
 from gemma4_nnx.io.checkpoint import flatten, nest
 from gemma4_nnx.io.hf import CheckpointError, Entry, expected_hf_shapes, name_map
 from gemma4_nnx.io.tensors import hf_tensors, write_safetensors
+from gemma4_nnx.model.build import abstract_model
 
 #: `--gm-config` preset names -> (our config, gm's model class).
 PRESETS: dict[str, tuple[Callable[[], Gemma4Config], str]] = {
@@ -264,6 +265,18 @@ def is_gm_checkpoint(path: str) -> bool:
     )
 
 
+def config_beside(path: str | os.PathLike) -> str:
+    """The `HF_CONFIG_FILE` that `to_gm` writes beside gm checkpoint `path` (gm itself stores no
+    config); a ValueError naming the fix when it is absent."""
+    config = os.path.join(os.fspath(path), HF_CONFIG_FILE)
+    if not os.path.isfile(config):
+        raise ValueError(
+            f"{os.fspath(path)} is a checkpoint of Google's gemma library, which carries no config: pass --gm-config "
+            f"with a preset ({', '.join(PRESETS)}) or the model's HF config.json"
+        )
+    return config
+
+
 class GmCheckpoint:
     """A gm Orbax checkpoint, read one array at a time: `names` maps each parameter's NESTED path to
     its Orbax tree path (NESTED, or FLAT: ``transformer/layer_0/attn/q_einsum`` with leaf ``w``)."""
@@ -378,13 +391,15 @@ def gm_to_hf_dir(gm_dir: str, config: Gemma4Config, out_dir: str) -> str:
     return out_dir
 
 
-def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="auto"):
+def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="auto", sharding=None, compute_dtype=None):
     """A `Gemma4` from gm parameters: a gm checkpoint directory, or the params tree gm users hold
     (`gm.ckpts.load_params(...)` / `model.init(...)["params"]`). `config`: a `Gemma4Config`, a preset
-    name or an HF config.json path. `dtype`: the parameters' dtype (default: as stored)."""
+    name or an HF config.json path. `dtype`: the parameters' dtype (default: as stored);
+    `compute_dtype`: the activations' (default float32); `sharding`: optional callable
+    path -> jax.sharding.Sharding (as `from_hf`)."""
     import jax.numpy as jnp
 
-    from gemma4_nnx.io.hf import abstract_model, fill
+    from gemma4_nnx.io.hf import fill
 
     if isinstance(config, str):
         config = read_gm_config(config)
@@ -395,8 +410,8 @@ def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="au
     arrays = dict(hf_from_gm(ckpt, config))
     if dtype is None:
         dtype = next(iter(arrays.values())).dtype
-    model = abstract_model(config, jnp.float32, jnp.dtype(dtype), matmul)
-    return fill(model, ((e, e.to_nnx(arrays[e.hf_name])) for e in name_map(config)))
+    model = abstract_model(config, jnp.dtype(compute_dtype or jnp.float32), jnp.dtype(dtype), matmul)
+    return fill(model, ((e, e.to_nnx(arrays[e.hf_name])) for e in name_map(config)), sharding)
 
 
 class _InMemory(GmCheckpoint):
