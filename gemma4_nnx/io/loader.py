@@ -30,8 +30,8 @@ FORMATS = ("orbax", "hf", "gm")
 KINDS = ("model", "assistant")
 #: What each format is recognised by, for the error when a directory holds none of them.
 _LOOKED_FOR = (
-    f"{ck.METADATA_FILE} / {ck.CONFIG_FILE} (a gemma4-convert checkpoint), config.json (an HF checkpoint) "
-    "or _METADATA (a checkpoint of Google's gemma library)"
+    f"config.json not found (an HF model directory has one), nor {ck.METADATA_FILE} / {ck.CONFIG_FILE} "
+    "(a gemma4-convert checkpoint) nor _METADATA (a checkpoint of Google's gemma library)"
 )
 
 
@@ -42,7 +42,9 @@ def checkpoint_format(path: str | os.PathLike) -> str:
     directory of none of these formats (naming the files looked for)."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path} does not exist (expected a directory with {_LOOKED_FOR})")
+        raise FileNotFoundError(
+            f"checkpoint {path} does not exist: give a gemma4-convert output, an HF model directory or a gm checkpoint"
+        )
     if not os.path.isdir(path):
         hint = " (a GGUF file: convert it first with `gemma4-convert FILE DST`)" if path.endswith(".gguf") else ""
         raise CheckpointError(f"checkpoint {path} is a file, not a checkpoint directory{hint}")
@@ -55,8 +57,8 @@ def checkpoint_format(path: str | os.PathLike) -> str:
     if os.path.isdir(os.path.join(path, ck.PARAMS_DIR)):  # an interrupted conversion: `load` says so
         return "orbax"
     raise CheckpointError(
-        f"{path} is not a checkpoint directory: none of {_LOOKED_FOR} is in it. Give the directory "
-        "`gemma4-convert` wrote, or an HF model directory."
+        f"{path} is not a checkpoint directory: {_LOOKED_FOR}. Give the directory `gemma4-convert` wrote, "
+        "an HF model directory or a gm checkpoint."
     )
 
 
