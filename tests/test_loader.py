@@ -112,3 +112,23 @@ def test_the_speculative_assistant_loads_through_it(tmp_path):
             np.testing.assert_array_equal(np.asarray(got[path].get_value()), np.asarray(var.get_value()))
     with pytest.raises(gemma4_nnx.RequestError, match="not an assistant"):
         speculative_config({"method": "assistant", "model": str(gemma4_nnx.to_hf(target, tmp_path / "t"))})
+
+
+def test_a_gm_checkpoint_converts_in_place(written, tmp_path):
+    """gemma4-convert reads a gm checkpoint directly (no HF copy written beside DST), its metadata names
+    the gm directory's files, and the result loads to the same weights as `load_any` of the gm directory."""
+    import json
+    import os
+
+    model, dirs = written
+    dst = gemma4_nnx.convert(dirs["gm"], tmp_path / "ours", dtype="float32", ple="none", quantize="none")
+    assert os.listdir(tmp_path) == ["ours"]
+    with open(os.path.join(dst, "metadata.json")) as f:
+        source = json.load(f)["source"]
+    assert source["dir"] == dirs["gm"] and {"_METADATA", G.HF_CONFIG_FILE} <= {f["name"] for f in source["files"]}
+    with open(os.path.join(dst, "hf_config.json")) as f:
+        assert gemma4_nnx.Gemma4Config.from_hf(json.load(f)) == model.config
+    got, want = variables_by_path(load_any(dst)), variables_by_path(load_any(dirs["gm"]))
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_array_equal(np.asarray(got[path].get_value()), np.asarray(want[path].get_value()))

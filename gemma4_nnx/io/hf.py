@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -392,6 +392,9 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     nbytes: int
+    #: A tensor that is no byte range of a file (a gm checkpoint's, `gemma4_nnx.io.gm.gm_tensors`): a
+    #: function returning the whole array in HF layout, called when the tensor is read.
+    load: Callable[[], np.ndarray] | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class SafetensorsFile:
@@ -449,6 +452,10 @@ class SafetensorsFile:
 
 
 def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor (or rows [start, stop) of its first axis) as a NumPy array."""
+    if info.load is not None:
+        x = info.load()
+        return x if rows is None else x[rows[0] : rows[1]]
     shape, offset, nbytes = info.shape, info.start, info.nbytes
     if rows is not None:
         row_bytes = nbytes // max(shape[0], 1)
