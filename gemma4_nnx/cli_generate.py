@@ -26,7 +26,7 @@ import time
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-generate", description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="converted (Orbax) or HF checkpoint directory")
+    p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text prompt (one <bos> is prepended)")
     src.add_argument("--chat", help="a user message, formatted as a Gemma 4 chat turn")

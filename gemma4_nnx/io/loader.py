@@ -36,7 +36,7 @@ _LOOKED_FOR = (
 
 
 def checkpoint_format(path: str | os.PathLike) -> str:
-    """ "orbax", "hf" or "gm": the format of checkpoint directory `path` (see the module docstring).
+    """The format of checkpoint directory `path`: "orbax", "hf" or "gm" (see the module docstring).
 
     Raises FileNotFoundError when `path` does not exist, CheckpointError when it is a file or a
     directory of none of these formats (naming the files looked for)."""
@@ -63,8 +63,8 @@ def checkpoint_format(path: str | os.PathLike) -> str:
 
 
 def checkpoint_kind(path: str | os.PathLike, fmt: str | None = None) -> str:
-    """ "model" (a `Gemma4`) or "assistant" (an MTP drafter, `Gemma4Assistant`): what checkpoint
-    directory `path` holds, read from its metadata / config only (no weights)."""
+    """What checkpoint directory `path` holds: "model" (a `Gemma4`) or "assistant" (an MTP drafter, a
+    `Gemma4Assistant`), read from its metadata / config only (no weights)."""
     path = os.fspath(path)
     fmt = fmt or checkpoint_format(path)
     if fmt == "orbax":
