@@ -18,7 +18,7 @@ import numpy as np
 from gemma4_nnx import Gemma4Config
 from gemma4_nnx.io import gm as G
 from gemma4_nnx.io.export import to_hf
-from gemma4_nnx.io.hf import abstract_model, variables_by_path
+from gemma4_nnx.model.build import abstract_model, variables_by_path
 
 S, F = "sliding_attention", "full_attention"
 BASE = dict(

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma4_nnx import config as C
-from gemma4_nnx.io.hf import abstract_model
 from gemma4_nnx.model import layers, quant
+from gemma4_nnx.model.build import abstract_model
 
 
 def weight_bytes(config, bits: int | None, ple_bits: int | None) -> int:

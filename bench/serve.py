@@ -66,13 +66,13 @@ def main(argv=None) -> int:
     import openai
     import uvicorn
 
-    from gemma4_nnx.cli_generate import load_model
     from gemma4_nnx.decode.engine import Engine
+    from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.serve.app import create_app
     from gemma4_nnx.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.checkpoint)
-    model = load_model(args.checkpoint)
+    model = load_any(args.checkpoint)
     engine = Engine(model, tok, max_batch=args.max_batch, max_length=args.max_length, precompile=(16,))
     port = _free_port()
     server = uvicorn.Server(

@@ -44,14 +44,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from gemma4_nnx.cli_generate import load_model
+    from gemma4_nnx.io.loader import checkpoint_format, load_any
 
-    if os.path.isfile(os.path.join(a.checkpoint, "gemma4_config.json")):
-        model = load_model(a.checkpoint)
-    else:
-        import gemma4_nnx
-
-        model = gemma4_nnx.from_hf(a.checkpoint, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    # a converted checkpoint as stored; an HF directory with bf16 weights
+    model = load_any(a.checkpoint, None if checkpoint_format(a.checkpoint) == "orbax" else jnp.bfloat16)
     print(
         f"jax {jax.__version__}, {os.cpu_count()} CPUs; {a.checkpoint}: {model.config.num_hidden_layers} layers, "
         f"hidden {model.config.hidden_size}, matmul {model.matmul}",

@@ -17,6 +17,7 @@ from gemma4_nnx.io.convert import convert
 from gemma4_nnx.io.export import to_hf
 from gemma4_nnx.io.gm import to_gm
 from gemma4_nnx.io.hf import CheckpointError, from_hf
+from gemma4_nnx.io.loader import load_any
 from gemma4_nnx.model import Gemma4, Gemma4Assistant, KVCache
 from gemma4_nnx.model.multimodal import Media
 from gemma4_nnx.model.quant import QuantizedEmbedding
@@ -72,6 +73,7 @@ __all__ = [
     "generate_stream",
     "load",
     "load_adapters",
+    "load_any",
     "load_tokenizer",
     "make_batch",
     "make_mesh",

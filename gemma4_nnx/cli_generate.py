@@ -1,8 +1,8 @@
 """`gemma4-generate CKPT --prompt TEXT | --chat TEXT [...]`: stream generated text to stdout.
 
-CKPT is a converted Orbax checkpoint directory (`gemma4-convert`, loaded with `gemma4_nnx.load`)
-or an HF checkpoint directory (config.json + *.safetensors, loaded with `gemma4_nnx.from_hf`). The
-tokenizer is read from the same directory (or `--tokenizer`).
+CKPT is a converted Orbax checkpoint directory (`gemma4-convert`), an HF checkpoint directory
+(config.json + *.safetensors) or a gm checkpoint with its hf_config.json, loaded with
+`gemma4_nnx.load_any`. The tokenizer is read from the same directory (or `--tokenizer`).
 
 Prompts and BOS: `--prompt` text is encoded with exactly one leading <bos> (the tokenizer's BOS
 rule: prepended unless the text already starts with <bos>); `--chat` wraps the message in Gemma 4's
@@ -26,7 +26,7 @@ import time
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-generate", description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="converted (Orbax) or HF checkpoint directory")
+    p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text prompt (one <bos> is prepended)")
     src.add_argument("--chat", help="a user message, formatted as a Gemma 4 chat turn")
@@ -58,29 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(path: str, dtype: str | None = None, *, mesh=None):
-    """An Orbax checkpoint dir (`gemma4-convert` output) via `load`, else an HF dir via `from_hf`.
-    With a `mesh`, every array is placed straight onto its devices (`gemma4_nnx.sharding`)."""
-    import jax.numpy as jnp
-
-    import gemma4_nnx
-    from gemma4_nnx.config import Gemma4Config
-    from gemma4_nnx.io.checkpoint import load_config
-
-    is_hf = os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
-        os.path.join(path, "gemma4_config.json")
-    )
-    sharding = None
-    if mesh is not None:
-        from gemma4_nnx.sharding import sharding_for
-
-        sharding = sharding_for(mesh, Gemma4Config.from_hf(path) if is_hf else load_config(path))
-    if is_hf:
-        kw = {"param_dtype": jnp.dtype(dtype)} if dtype else {}
-        return gemma4_nnx.from_hf(path, sharding=sharding, **kw)
-    return gemma4_nnx.load(path, dtype=dtype, sharding=sharding)
-
-
 def prompt_ids(tokenizer, args, processor=None) -> tuple[list[int], object | None]:
     """The prompt's token ids (always exactly one leading <bos>, see the module docstring) and its
     `Media` (None without --image / --audio)."""
@@ -100,6 +77,7 @@ def prompt_ids(tokenizer, args, processor=None) -> tuple[list[int], object | Non
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from gemma4_nnx.decode.generate import enable_compilation_cache, generate_stream
+    from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, load_tokenizer
 
     if args.compile_cache:
@@ -107,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-        model = load_model(args.checkpoint, args.dtype)
+        model = load_any(args.checkpoint, args.dtype)
         t_load = time.perf_counter() - t0
         processor = None
         if args.image or args.audio:

@@ -7,7 +7,7 @@
 2. converts it with our converter (`gemma4-convert model.gguf checkpoints/gemma3-270m`): the GGUF is
    dequantized into an HF-style Gemma 3 directory (cached), read through the one name map and
    written as an Orbax checkpoint with the tokenizer rebuilt from the GGUF vocabulary;
-3. in a *fresh* Python process, loads that checkpoint through Orbax (`gemma4_nnx.io.checkpoint.load`)
+3. in a *fresh* Python process, loads that checkpoint through Orbax (`gemma4_nnx.load_any`, the one loader)
    and streams greedy completions of a few few-shot prompts (`gemma4_nnx.decode.generate.generate_stream`).
 
 Why Gemma 3: no Gemma 4 checkpoint can be downloaded offline. Gemma 3 is a degenerate Gemma 4 (no
@@ -89,10 +89,11 @@ def ensure_checkpoint(ckpt_dir: str = DEFAULT_CHECKPOINT, *, dtype: str = "float
 def stream_completions(ckpt_dir: str, prompts=PROMPTS, max_new_tokens: int = 24, out=sys.stdout) -> list[str]:
     """Load `ckpt_dir` through Orbax and stream a greedy completion of each prompt to `out`."""
     from gemma4_nnx.decode.generate import generate_stream
-    from gemma4_nnx.io.checkpoint import load, load_tokenizer
+    from gemma4_nnx.io.checkpoint import load_tokenizer
+    from gemma4_nnx.io.loader import load_any
 
     t0 = time.time()
-    model = load(ckpt_dir)
+    model = load_any(ckpt_dir)
     tok = load_tokenizer(ckpt_dir)
     c = model.config
     print(

@@ -165,7 +165,7 @@ def sharding_for(mesh: Mesh, config=None, rules=DEFAULT_RULES) -> Callable[..., 
     if config is not None:
         import jax.numpy as jnp
 
-        from gemma4_nnx.io.hf import abstract_model, variables_by_path
+        from gemma4_nnx.model.build import abstract_model, variables_by_path
 
         abstract = abstract_model(config, jnp.float32)
         shapes = {_dotted(p): tuple(v.shape) for p, v in variables_by_path(abstract).items()}

@@ -20,7 +20,8 @@ from flax import nnx
 
 import gemma4_nnx
 from gemma4_nnx import Gemma4, Gemma4Config
-from gemma4_nnx.io.hf import abstract_model, expected_hf_shapes, variables_by_path
+from gemma4_nnx.io.hf import expected_hf_shapes
+from gemma4_nnx.model.build import abstract_model, variables_by_path
 from tests import hf_fixtures as fx
 
 S, F = fx.S, fx.F
@@ -303,7 +304,7 @@ def random_assistant(target: Gemma4Config, *, ordered: bool, seed: int = 0):
     """A tiny random MTP assistant that fits `target` (its KV geometry and hidden size), filled from
     NumPy like `model_from_config`; `ordered`: the centroid head with a random token ordering."""
     from gemma4_nnx.config import AssistantConfig
-    from gemma4_nnx.io.hf import abstract_assistant
+    from gemma4_nnx.model.build import abstract_assistant
 
     text = dict(
         model_type="gemma4_text",

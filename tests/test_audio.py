@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemma4_nnx.io.hf import mirrored_entries, variables_by_path
+from gemma4_nnx.io.hf import mirrored_entries
 from gemma4_nnx.model.audio import AudioConfig, AudioModel
+from gemma4_nnx.model.build import variables_by_path
 
 pytestmark = pytest.mark.reference
 

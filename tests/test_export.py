@@ -116,7 +116,7 @@ def test_to_hf_validates_arguments(tmp_path):
     with pytest.raises(ValueError, match="model"):
         export.to_hf(object(), tmp_path / "x")
     cfg = gemma4_nnx.Gemma4Config.from_hf(dict(fx.VARIANTS["plain"], model_type="gemma4_text"))
-    from gemma4_nnx.io.hf import abstract_model
+    from gemma4_nnx.model.build import abstract_model
 
     with pytest.raises(ValueError, match="dtype"):
         export.hf_tensors(abstract_model(cfg, jnp.float32), dtype="int3")

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import gemma4_nnx
-from gemma4_nnx.io.hf import variables_by_path
+from gemma4_nnx.model.build import variables_by_path
 from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx
 from tests.helpers import micro_model, tiny_model

@@ -18,7 +18,8 @@ import gemma4_nnx
 from gemma4_nnx.io import convert as cv
 from gemma4_nnx.io import export
 from gemma4_nnx.io import gm as G
-from gemma4_nnx.io.hf import CheckpointError, SafetensorsFile, ignored_names, variables_by_path
+from gemma4_nnx.io.hf import CheckpointError, SafetensorsFile, ignored_names
+from gemma4_nnx.model.build import variables_by_path
 from tests import hf_fixtures as fx
 from tests.helpers import random_model
 

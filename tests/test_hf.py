@@ -65,7 +65,7 @@ def test_truncated_file_is_reported(hf_checkpoint, tmp_path):
 def test_name_map_covers_every_parameter_once():
     from flax import nnx
 
-    from gemma4_nnx.io.hf import abstract_model, variables_by_path
+    from gemma4_nnx.model.build import abstract_model, variables_by_path
     from tests.hf_fixtures import VARIANTS
 
     for variant in VARIANTS:

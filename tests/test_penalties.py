@@ -14,7 +14,7 @@ from gemma4_nnx.decode.engine import Engine
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.generate import generate
 from gemma4_nnx.decode.sampling import RowParams, SamplingParams, adjust_rows, bias_row, sample
-from gemma4_nnx.io.hf import abstract_model
+from gemma4_nnx.model.build import abstract_model
 from tests.helpers import fill_random, tiny_config
 
 PROMPTS = [[2, 5, 9, 11], [2, 7], [2, 40, 41, 42, 40, 41]]

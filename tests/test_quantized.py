@@ -21,8 +21,8 @@ from flax import nnx
 
 from gemma4_nnx.io.checkpoint import load
 from gemma4_nnx.io.convert import convert
-from gemma4_nnx.io.hf import variables_by_path
 from gemma4_nnx.model import cpu_kernels, layers, quant
+from gemma4_nnx.model.build import variables_by_path
 from tests.helpers import PROMPTS, make_tiny_hf, random_model
 
 needs_kernels = pytest.mark.skipif(

@@ -28,7 +28,7 @@ from flax import nnx
 import gemma4_nnx
 from gemma4_nnx import sharding as sh
 from gemma4_nnx.train import finetune as ft
-from gemma4_nnx.io.hf import variables_by_path
+from gemma4_nnx.model.build import variables_by_path
 from tests.helpers import model_from_config as random_model, tiny_config
 from tests import hf_fixtures as fx
 
@@ -175,7 +175,7 @@ def test_kv_cache_sharded_and_prefill_matches(multi):
 
 # ---------------------------------------------------------------------------- the declared table
 def test_every_parameter_has_declared_axes():
-    from gemma4_nnx.io.hf import abstract_model, variables_by_path
+    from gemma4_nnx.model.build import abstract_model, variables_by_path
     from tests.helpers import tiny_config
 
     for cfg in (

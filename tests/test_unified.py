@@ -90,7 +90,7 @@ def test_12b_config_json_equals_preset_and_defaults():
 
 
 def test_12b_preset_has_12b_parameters():
-    from gemma4_nnx.io.hf import abstract_model, variables_by_path
+    from gemma4_nnx.model.build import abstract_model, variables_by_path
 
     sizes = {
         p: int(np.prod(v.shape))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemma4_nnx.io.hf import mirrored_entries, variables_by_path
+from gemma4_nnx.io.hf import mirrored_entries
+from gemma4_nnx.model.build import variables_by_path
 from gemma4_nnx.model.vision import VisionConfig, VisionModel
 
 pytestmark = pytest.mark.reference

@@ -126,39 +126,13 @@ def speculative_config(spec: SpeculativeConfig | Mapping | None) -> SpeculativeC
         raise RequestError(f"speculative: unknown keys {unknown}; known: {sorted(fields)}", "speculative")
     spec = dict(spec)
     if spec.get("method") == "assistant" and isinstance(spec.get("model"), (str, os.PathLike)):
-        spec["model"] = load_assistant(spec["model"])
+        from gemma4_nnx.io.loader import load_any  # a converted or HF assistant directory
+
+        try:
+            spec["model"] = load_any(spec["model"], kind="assistant")
+        except (FileNotFoundError, ValueError) as e:
+            raise RequestError(f"speculative: model: {e}", "speculative") from None
     return SpeculativeConfig(**spec)
-
-
-def load_assistant(path: str | os.PathLike):
-    """A `Gemma4Assistant` from a checkpoint directory: converted (`gemma4-convert`, read with
-    `gemma4_nnx.load`) or HF (`gemma4_nnx.from_hf`)."""
-    from gemma4_nnx.config import ASSISTANT_MODEL_TYPE
-    from gemma4_nnx.io import checkpoint as ck
-    from gemma4_nnx.io.hf import from_hf
-    from gemma4_nnx.io.hf_config import model_type
-    from gemma4_nnx.model.assistant import Gemma4Assistant
-
-    if os.path.isfile(os.path.join(os.fspath(path), ck.METADATA_FILE)):
-        model = ck.load(path)
-        if not isinstance(model, Gemma4Assistant):
-            raise RequestError(
-                f"speculative: model {os.fspath(path)!r} is a converted target model, not an assistant: "
-                "give the assistant checkpoint released for the target (e.g. gemma-4-E2B-it-assistant)",
-                "speculative",
-            )
-        return model
-    try:
-        kind = model_type(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise RequestError(f"speculative: model: {e}", "speculative") from None
-    if kind != ASSISTANT_MODEL_TYPE:
-        raise RequestError(
-            f"speculative: model {os.fspath(path)!r} has model_type {kind!r}, not {ASSISTANT_MODEL_TYPE!r}: "
-            "give the assistant checkpoint released for the target (e.g. gemma-4-E2B-it-assistant)",
-            "speculative",
-        )
-    return from_hf(path)
 
 
 class NgramDrafter:

@@ -39,14 +39,8 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx.config import AssistantConfig, Gemma4Config
-from gemma4_nnx.io.hf import (
-    CheckpointError,
-    abstract_assistant,
-    abstract_model,
-    assistant_name_map,
-    name_map,
-    variables_by_path,
-)
+from gemma4_nnx.io.hf import CheckpointError, assistant_name_map, name_map
+from gemma4_nnx.model.build import abstract_assistant, abstract_model, variables_by_path
 
 FORMAT = "gemma4_nnx.orbax"
 FORMAT_VERSION = 1
@@ -403,7 +397,7 @@ def _restore(ckpt_dir: str, model, paths, where):
                 _release_freed_memory()
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(
-            f"{ckpt_dir}: the parameters do not match gemma4_config.json or are damaged "
+            f"{ckpt_dir}: the parameters do not match {CONFIG_FILE} or are damaged "
             f"({type(e).__name__}: {str(e)[:500]}); convert the checkpoint again"
         ) from None
     left = [

@@ -32,7 +32,6 @@ from gemma4_nnx.io.hf import (
     CheckpointError,
     Entry,
     TensorInfo,
-    abstract_assistant,
     assistant_tensors,
     plan_assistant,
     plan_load,
@@ -41,6 +40,7 @@ from gemma4_nnx.io.hf import (
     text_tensors,
 )
 from gemma4_nnx.io.hf_config import model_type
+from gemma4_nnx.model.build import abstract_assistant
 from gemma4_nnx.model.quant import QuantFormat
 
 DTYPES = ("bfloat16", "float32")
@@ -367,7 +367,8 @@ def convert(
     """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
 
     Args:
-      src: HF directory: config.json, model.safetensors or a sharded index, tokenizer files.
+      src: HF directory: config.json, model.safetensors or a sharded index, tokenizer files; a Gemma 3
+        GGUF file; or a checkpoint of Google's gemma library (read in place, see `gm_config`).
       dst: output directory; must not exist unless `overwrite` (and then must be a gemma4_nnx checkpoint).
       dtype: "bfloat16" or "float32", the stored dtype of the float parameters.
       ple: "int4", "int8" or "none": how the per-layer-embedding table is stored (one float32 scale per
@@ -410,35 +411,22 @@ def convert(
         raise FileNotFoundError(f"source directory {src} does not exist")
     from gemma4_nnx.io import gm
 
-    if gm_config is not None or gm.is_gm_checkpoint(src):
-        _check_destination(src, dst, overwrite)
-        staging = _temp_sibling(dst, "gm")
-        try:
-            config = gm.read_gm_config(gm_config or _gm_config_beside(src))
-            gm.gm_to_hf_dir(src, config, staging)
-            return convert(
-                staging,
-                dst,
-                dtype=dtype,
-                ple=ple,
-                overwrite=overwrite,
-                progress=progress,
-                quantize=quantize,
-                group=group,
-            )
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    assistant = model_type(src) == ASSISTANT_MODEL_TYPE  # an MTP drafter: its own config and name map
+    from_gm = gm_config is not None or gm.is_gm_checkpoint(src)  # gm: read in place, no HF copy written
+    assistant = not from_gm and model_type(src) == ASSISTANT_MODEL_TYPE  # an MTP drafter: its own name map
     scheme, kept = None, {}
     if assistant:
         config = AssistantConfig.from_hf(src)
         plan = plan_assistant(config, abstract_assistant(config, np.float32), assistant_tensors(src))
     else:
-        config = Gemma4Config.from_hf(src)
+        config = gm.read_gm_config(gm_config or gm.config_beside(src)) if from_gm else Gemma4Config.from_hf(src)
+        gm_hf_config = config.to_hf_dict() if from_gm else None  # gm carries none: ours goes beside
         if text_only:
             config = config.text_only()
-        tensors = text_tensors(src, towers=config.multimodal)
-        scheme = packed_scheme(src)  # compressed-tensors int4/int8: codes kept as stored
+        if from_gm:
+            tensors = gm.gm_tensors(gm.GmCheckpoint(src), config)
+        else:
+            tensors = text_tensors(src, towers=config.multimodal)
+            scheme = packed_scheme(src)  # compressed-tensors int4/int8: codes kept as stored
         if scheme is not None:
             if quantize != "keep":
                 raise ValueError(
@@ -447,7 +435,8 @@ def convert(
                 )
             tensors, kept = split_packed(tensors, scheme)
         plan = plan_load(config, tensors)
-    files = safetensors_files(src)
+    # the source's files, for the metadata: config.json and the safetensors, or every file of a gm checkpoint
+    files = _all_files(src) if from_gm else [os.path.join(src, "config.json")] + safetensors_files(src)
     _check_destination(src, dst, overwrite)
     _remove_stale_temps(dst)
 
@@ -485,7 +474,10 @@ def convert(
         ck.save_streaming(os.path.join(tmp, ck.PARAMS_DIR), ck.nest(leaves))
         bar.close()
         _write_json(os.path.join(tmp, ck.CONFIG_FILE), config.to_json_dict())
-        shutil.copyfile(os.path.join(src, "config.json"), os.path.join(tmp, "hf_config.json"))
+        if from_gm:
+            _write_json(os.path.join(tmp, "hf_config.json"), gm_hf_config)
+        else:
+            shutil.copyfile(os.path.join(src, "config.json"), os.path.join(tmp, "hf_config.json"))
         copied = [fn for fn in COPY_FILES if os.path.isfile(os.path.join(src, fn))]
         for fn in copied:
             shutil.copyfile(os.path.join(src, fn), os.path.join(tmp, fn))
@@ -545,18 +537,6 @@ def _temp_sibling(dst: str, kind: str) -> str:
     return os.path.join(parent, f".{name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def _gm_config_beside(src: str) -> str:
-    from gemma4_nnx.io.gm import HF_CONFIG_FILE, PRESETS
-
-    path = os.path.join(src, HF_CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"{src} is a checkpoint of Google's gemma library, which carries no config: pass --gm-config "
-            f"with a preset ({', '.join(PRESETS)}) or the model's HF config.json"
-        )
-    return path
-
-
 def _metadata(src, files, config, dtype, bits, group, copied, src_bytes, leaves) -> dict[str, Any]:
     from importlib import metadata as md
 
@@ -586,13 +566,14 @@ def _metadata(src, files, config, dtype, bits, group, copied, src_bytes, leaves)
         "source": {
             "dir": src,
             "bytes": int(src_bytes),
-            "files": [
-                {"name": os.path.relpath(f, src), "bytes": os.path.getsize(f)}
-                for f in [os.path.join(src, "config.json")] + files
-            ],
+            "files": [{"name": os.path.relpath(f, src), "bytes": os.path.getsize(f)} for f in files],
         },
         "copied_files": copied,
     }
+
+
+def _all_files(root: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
 
 
 def _write_json(path: str, obj: Any) -> None:

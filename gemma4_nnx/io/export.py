@@ -18,12 +18,12 @@ import os
 import shutil
 import sys
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from gemma4_nnx.io.gm import to_gm
+from gemma4_nnx.io.loader import load_any
 from gemma4_nnx.io.tensors import DTYPE_NAMES, exportable_towers, hf_tensors, write_safetensors
 
 # The tensor writer lives in gemma4_nnx.io.tensors (shared with gemma4_nnx.io.gm); its names stay importable here.
@@ -119,25 +119,13 @@ def to_hf(
     return out_dir
 
 
-def _load_any(path: str, dtype):
-    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
-        os.path.join(path, "gemma4_config.json")
-    ):
-        from gemma4_nnx.io.hf import from_hf
-
-        return from_hf(path, dtype=jnp.float32)
-    from gemma4_nnx.io.checkpoint import load
-
-    return load(path, dtype=dtype)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gemma4-export",
         description="Export a gemma4_nnx checkpoint (or an HF "
         "directory, e.g. with --adapters) to HF safetensors + config.json, or to Google's gemma library.",
     )
-    p.add_argument("ckpt", help="converted checkpoint directory (gemma4-convert) or HF model directory")
+    p.add_argument("ckpt", help="converted checkpoint directory (gemma4-convert), HF model directory or gm checkpoint")
     p.add_argument("out", help="output directory (created)")
     p.add_argument(
         "--dtype",
@@ -159,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        model = _load_any(args.ckpt, None)
+        model = load_any(args.ckpt)
         if args.adapters:
             from gemma4_nnx.train.finetune import load_adapters, merge_lora
 

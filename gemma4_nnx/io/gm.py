@@ -12,7 +12,8 @@ route cannot drift from the HF one. gm itself is never imported here except by `
   key norm of KV-consumer layers, which gm computes and then discards, are written as zeros / ones.
 - ``gemma4-convert GM_CKPT DST --gm-config CONFIG`` / `from_gm(params_or_dir, config)`: gm checkpoints
   in the NESTED and FLAT (``transformer/layer_0/attn/q_einsum`` with leaf ``w``: Google's released
-  files) layouts, read one array at a time.
+  files) layouts, read one array at a time (`gm_tensors`: the converter and `from_gm` read a gm
+  checkpoint as they read safetensors, in place, with no HF copy written).
 
 Numerics: gm computes the text model as transformers does except on MoE layers, where gm's router reads
 the expert branch's pre-normalised input (RMSNorm of `pre_ffw_norm(h)`) while transformers, llama.cpp
@@ -22,9 +23,11 @@ only when that norm's scale is 1 (see docs/jax-stacks.md).
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,8 +35,9 @@ import numpy as np
 
 from gemma4_nnx.config import FULL, Gemma4Config
 from gemma4_nnx.io.checkpoint import flatten, nest
-from gemma4_nnx.io.hf import CheckpointError, Entry, expected_hf_shapes, name_map
-from gemma4_nnx.io.tensors import hf_tensors, write_safetensors
+from gemma4_nnx.io.hf import CheckpointError, Entry, TensorInfo, expected_hf_shapes, name_map
+from gemma4_nnx.io.tensors import hf_tensors
+from gemma4_nnx.model.build import abstract_model
 
 #: `--gm-config` preset names -> (our config, gm's model class).
 PRESETS: dict[str, tuple[Callable[[], Gemma4Config], str]] = {
@@ -264,6 +268,18 @@ def is_gm_checkpoint(path: str) -> bool:
     )
 
 
+def config_beside(path: str | os.PathLike) -> str:
+    """The `HF_CONFIG_FILE` that `to_gm` writes beside gm checkpoint `path` (gm itself stores no
+    config); a ValueError naming the fix when it is absent."""
+    config = os.path.join(os.fspath(path), HF_CONFIG_FILE)
+    if not os.path.isfile(config):
+        raise ValueError(
+            f"{os.fspath(path)} is a checkpoint of Google's gemma library, which carries no config: pass --gm-config "
+            f"with a preset ({', '.join(PRESETS)}) or the model's HF config.json"
+        )
+    return config
+
+
 class GmCheckpoint:
     """A gm Orbax checkpoint, read one array at a time: `names` maps each parameter's NESTED path to
     its Orbax tree path (NESTED, or FLAT: ``transformer/layer_0/attn/q_einsum`` with leaf ``w``)."""
@@ -282,6 +298,7 @@ class GmCheckpoint:
         tree = getattr(meta, "item_metadata", meta)
         tree = getattr(tree, "tree", tree)
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, np.dtype] = {}
         self.names: dict[str, tuple[str, ...]] = {}
         for keys, leaf in flatten(tree).items():
             name = "/".join(keys)
@@ -291,6 +308,7 @@ class GmCheckpoint:
                 name = "vision_encoder/" + name
             self.names[name] = keys
             self.shapes[name] = tuple(leaf.shape)
+            self.dtypes[name] = np.dtype(leaf.dtype)
 
     def find(self, path: str) -> str | None:
         """The stored name of NESTED `path`: FLAT files keep gm's dense MLP kernels under a leaf `w`."""
@@ -317,8 +335,10 @@ class GmCheckpoint:
         return np.asarray(out)
 
 
-def hf_from_gm(ckpt: GmCheckpoint, config: Gemma4Config) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array in HF layout) for every entry of the name map, read from `ckpt`.
+def gm_tensors(ckpt: GmCheckpoint, config: Gemma4Config) -> dict[str, TensorInfo]:
+    """{HF name: `TensorInfo`} for every entry of the name map, each read from `ckpt` in HF layout when
+    first needed: the converter and `from_gm` read a gm checkpoint as they read safetensors, with no HF
+    copy written anywhere.
 
     Raises one CheckpointError listing every missing, misshaped and unexpected gm parameter first.
     """
@@ -349,42 +369,53 @@ def hf_from_gm(ckpt: GmCheckpoint, config: Gemma4Config) -> Iterator[tuple[str, 
             + "\n  ".join(problems)
             + "\nFix: name the config of the model these weights belong to (--gm-config PRESET or config.json)."
         )
-    cache: dict[str, np.ndarray] = {}
+    reader = _Reader(ckpt)
+    out = {}
     for e in entries:
-        name = found[e.gm.path]
-        if e.gm.part is None:
-            y = ckpt.read(name)
-        else:  # a stacked array: read once, sliced per part (K then V; gate then up)
-            if name not in cache:
-                cache.clear()
-                cache[name] = ckpt.read(name)
-            y = cache[name][e.gm.part]
-        yield e.hf_name, e.gm.to_hf(y, shapes[e.hf_name])
+        name, shape = found[e.gm.path], shapes[e.hf_name]
+        dtype = ckpt.dtypes[name]
+        out[e.hf_name] = TensorInfo(
+            e.hf_name,
+            ckpt.path,
+            dtype,
+            shape,
+            0,
+            math.prod(shape) * dtype.itemsize,
+            load=functools.partial(reader.read, e, name, shape),
+        )
+    return out
 
 
-def gm_to_hf_dir(gm_dir: str, config: Gemma4Config, out_dir: str) -> str:
-    """Write gm checkpoint `gm_dir` as an HF-style directory (config.json + sharded safetensors) that the
-    converter reads, one gm array in memory at a time."""
-    ckpt = GmCheckpoint(gm_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    weight_map = {}  # one file per tensor, under a sharded index: nothing is held beyond the tensor
-    for i, (name, array) in enumerate(hf_from_gm(ckpt, config)):
-        weight_map["model." + name] = fn = f"tensor-{i:05d}.safetensors"
-        write_safetensors(os.path.join(out_dir, fn), {"model." + name: array})
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"source": gm_dir}, "weight_map": weight_map}, f)
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config.to_hf_dict(), f, indent=2)
-    return out_dir
+class _Reader:
+    """HF-layout tensors out of a gm checkpoint. Holds the last tensor (the converter reads one tensor in
+    row blocks) and the last gm array (a stacked one, K and V or gate and up, is read once for both
+    parts when they are read one after the other): never more than those two."""
+
+    def __init__(self, ckpt: GmCheckpoint):
+        self.ckpt = ckpt
+        self.tensor: tuple[str, np.ndarray] | None = None
+        self.array: tuple[str, np.ndarray] | None = None
+
+    def read(self, entry: Entry, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if self.tensor is None or self.tensor[0] != entry.hf_name:
+            self.tensor = None  # the previous tensor is done: let it go before reading the next
+            if self.array is None or self.array[0] != name:
+                self.array = None
+                self.array = (name, self.ckpt.read(name))
+            y = self.array[1] if entry.gm.part is None else self.array[1][entry.gm.part]
+            self.tensor = (entry.hf_name, entry.gm.to_hf(y, shape))
+        return self.tensor[1]
 
 
-def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="auto"):
+def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="auto", sharding=None, compute_dtype=None):
     """A `Gemma4` from gm parameters: a gm checkpoint directory, or the params tree gm users hold
     (`gm.ckpts.load_params(...)` / `model.init(...)["params"]`). `config`: a `Gemma4Config`, a preset
-    name or an HF config.json path. `dtype`: the parameters' dtype (default: as stored)."""
+    name or an HF config.json path. `dtype`: the parameters' dtype (default: as stored);
+    `compute_dtype`: the activations' (default float32); `sharding`: optional callable
+    path -> jax.sharding.Sharding (as `from_hf`)."""
     import jax.numpy as jnp
 
-    from gemma4_nnx.io.hf import abstract_model, fill
+    from gemma4_nnx.io.hf import fill, read_tensor
 
     if isinstance(config, str):
         config = read_gm_config(config)
@@ -392,11 +423,12 @@ def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="au
         ckpt = GmCheckpoint(params_or_dir)
     else:
         ckpt = _InMemory(params_or_dir)
-    arrays = dict(hf_from_gm(ckpt, config))
+    tensors = gm_tensors(ckpt, config)
     if dtype is None:
-        dtype = next(iter(arrays.values())).dtype
-    model = abstract_model(config, jnp.float32, jnp.dtype(dtype), matmul)
-    return fill(model, ((e, e.to_nnx(arrays[e.hf_name])) for e in name_map(config)))
+        dtype = next(iter(tensors.values())).dtype
+    model = abstract_model(config, jnp.dtype(compute_dtype or jnp.float32), jnp.dtype(dtype), matmul)
+    arrays = ((e, e.to_nnx(read_tensor(tensors[e.hf_name]))) for e in name_map(config))
+    return fill(model, arrays, sharding)
 
 
 class _InMemory(GmCheckpoint):
@@ -407,6 +439,7 @@ class _InMemory(GmCheckpoint):
         self.arrays = {"/".join(k): v for k, v in flatten(params).items()}
         self.names = {k: tuple(k.split("/")) for k in self.arrays}
         self.shapes = {k: tuple(np.shape(v)) for k, v in self.arrays.items()}
+        self.dtypes = {k: np.asarray(v).dtype for k, v in self.arrays.items()}
 
     def read(self, name: str) -> np.ndarray:
         return np.asarray(self.arrays[name])

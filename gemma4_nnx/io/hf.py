@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from flax import nnx
 
 from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config
 from gemma4_nnx.io.hf_config import model_type
+from gemma4_nnx.model.build import abstract_assistant, abstract_model, variables_by_path
 
 Path = tuple  # an NNX state path, e.g. ("layers", 3, "self_attn", "q_proj", "kernel")
 
@@ -347,16 +348,6 @@ def assistant_tensors(hf_dir: str) -> dict[str, TensorInfo]:
     return out
 
 
-def abstract_assistant(config: AssistantConfig, dtype, param_dtype=None, matmul="auto"):
-    """`Gemma4Assistant(config)` with shapes only."""
-    from gemma4_nnx.model.assistant import Gemma4Assistant
-
-    param_dtype = param_dtype or dtype
-    return nnx.eval_shape(
-        lambda: Gemma4Assistant(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), matmul=matmul)
-    )
-
-
 def plan_assistant(config: AssistantConfig, abstract, tensors: dict[str, TensorInfo]) -> Plan:
     entries = assistant_name_map(config)
     return match_tensors(entries, expected_hf_shapes(config.text, entries, abstract), tensors)
@@ -401,6 +392,9 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     nbytes: int
+    #: A tensor that is no byte range of a file (a gm checkpoint's, `gemma4_nnx.io.gm.gm_tensors`): a
+    #: function returning the whole array in HF layout, called when the tensor is read.
+    load: Callable[[], np.ndarray] | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class SafetensorsFile:
@@ -458,6 +452,10 @@ class SafetensorsFile:
 
 
 def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor (or rows [start, stop) of its first axis) as a NumPy array."""
+    if info.load is not None:
+        x = info.load()
+        return x if rows is None else x[rows[0] : rows[1]]
     shape, offset, nbytes = info.shape, info.start, info.nbytes
     if rows is not None:
         row_bytes = nbytes // max(shape[0], 1)
@@ -572,18 +570,6 @@ def expected_hf_shapes(config: Gemma4Config, entries: list[Entry] | None = None,
 
 
 # ---------------------------------------------------------------------------- model filling
-def abstract_model(config: Gemma4Config, dtype, param_dtype=None, matmul="auto"):
-    """`Gemma4(config)` with shapes only (`nnx.eval_shape`): no weights allocated."""
-    from gemma4_nnx.model import Gemma4
-
-    param_dtype = param_dtype or dtype
-    return nnx.eval_shape(lambda: Gemma4(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), matmul=matmul))
-
-
-def variables_by_path(model: nnx.Module) -> dict[Path, nnx.Variable]:
-    return {tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
-
-
 def iter_arrays(plan: Plan) -> Iterator[tuple[Entry, np.ndarray]]:
     for entry, info in plan.items:
         yield entry, entry.to_nnx(read_tensor(info))

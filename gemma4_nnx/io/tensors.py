@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx.config import AssistantConfig, AudioConfig, VisionConfig
-from gemma4_nnx.io.hf import assistant_name_map, name_map, variables_by_path
+from gemma4_nnx.io.hf import assistant_name_map, name_map
 from gemma4_nnx.model import quant
+from gemma4_nnx.model.build import variables_by_path
 
 _ST_DTYPES = {
     np.dtype(np.float32): "F32",

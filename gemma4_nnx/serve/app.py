@@ -276,7 +276,7 @@ def _length_or_all(value: str) -> int | str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-serve", description="OpenAI-compatible server for a Gemma 4 checkpoint")
-    p.add_argument("checkpoint", help="converted (Orbax) or HF checkpoint directory")
+    p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_engine(args: argparse.Namespace) -> Engine:
     """Load the checkpoint (sharded with --tensor-parallel-size) and start the engine over it."""
-    from gemma4_nnx.cli_generate import load_model
+    from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.tokenizer import load_tokenizer
 
     if args.prefix_cache_mb < 0:
@@ -463,7 +463,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-    model = load_model(args.checkpoint, args.dtype, mesh=mesh)
+    model = load_any(args.checkpoint, args.dtype, mesh=mesh)
     return Engine(
         model,
         tokenizer,
