@@ -21,7 +21,7 @@ cache); `score` is teacher-forced prompt logprobs; the rest move rows' caches (`
 `restore`, `copy_blocks`) and set rows' state (`set_rows`).
 
 The weights come in as a jit argument (`split.split_model`) and the cache is *donated*, so each
-program updates it in place.
+program updates it in place. `draw` and `verify` advance the rows the same way (`_advance`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_nnx.decode.sampling import (
+    RowFeatures,
     adjust_rows,
     argmax,
     filter_rows,
@@ -129,25 +130,31 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None
     top_lp, top_tok = _alternatives(raw, cfg.top_logprobs)
     active = ~sub.done
     stopped = active & jnp.any(tok[:, None] == sub.stops, axis=1)
-    step = sub.step + active
-    done = sub.done | stopped | (active & (step >= sub.limit))
-    seen = update_seen(sub.seen, jnp.where(active, tok, -1)) if penalty else sub.seen
-    counts = update_counts(sub.counts, jnp.where(active, tok, -1)) if f.counts else sub.counts
-    hidden = sub.hidden
-    if hidden.shape[1]:
-        hidden = jnp.where(active[:, None], nxt.hidden, hidden)
-    sub = dataclasses.replace(
-        sub,
-        token=jnp.where(active, tok, sub.token),
-        pos=sub.pos + active,
-        step=step,
-        done=done,
-        seen=seen,
-        counts=counts,
-        hidden=hidden,
-    )
+    sub = _advance(sub, f, tok[:, None], active.astype(jnp.int32), stopped, nxt.hidden)
     rows = sub if idx is None else put_rows(rows, idx, sub)
-    return rows, Drawn(tok, lp, stopped, done, active, top_tok, top_lp)
+    return rows, Drawn(tok, lp, stopped, sub.done, active, top_tok, top_lp)
+
+
+def _advance(sub: RowState, features: RowFeatures, emitted, n, stopped, hidden) -> RowState:
+    """Rows `sub` [k] after each emitted its first n [k] tokens of `emitted` [k, S] (n = 0 for a
+    done row, which stays as it was): the last emitted token is the one fed next, position and step
+    move n on, `stopped` [k] (the last one is a stop token) or reaching the limit ends the row, the
+    penalties' seen / counts take the emitted tokens, and `hidden` [k, D] (the state the last one
+    was drawn from) is kept when the rows carry one. What `_draw` (S = 1) and `_verify` share."""
+    active = ~sub.done
+    kept = jnp.where(jnp.arange(emitted.shape[1])[None, :] < n[:, None], emitted, -1)  # -1: not emitted
+    last = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+    step = sub.step + n
+    return dataclasses.replace(
+        sub,
+        token=jnp.where(active, last, sub.token),
+        pos=sub.pos + n,
+        step=step,
+        done=sub.done | stopped | (active & (step >= sub.limit)),
+        seen=update_seen(sub.seen, kept) if features.penalty else sub.seen,
+        counts=update_counts(sub.counts, kept) if features.counts else sub.counts,
+        hidden=jnp.where(active[:, None], hidden, sub.hidden) if sub.hidden.shape[1] else sub.hidden,
+    )
 
 
 def _alternatives(logits, n: int) -> tuple[Array, Array]:
@@ -268,34 +275,14 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     n = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, n)
     n = jnp.where(active, jnp.minimum(n, sub.limit - sub.step), 0)
     stopped = jnp.any(is_stop & (cols[None, :] == (n - 1)[:, None]), axis=1)
-    step = sub.step + n
-    done = sub.done | stopped | (active & (step >= sub.limit))
     if cfg.logprobs:
         lp = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), emitted[..., None], axis=-1)[..., 0]
     else:
         lp = jnp.zeros(emitted.shape, jnp.float32)
     keep = cols[None, :] < n[:, None]
-    last = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
-    seen = sub.seen
-    if features.penalty:
-        seen = seen | jnp.any(jax.nn.one_hot(emitted, v, dtype=jnp.bool_) & keep[..., None], axis=1)
-    counts = sub.counts
-    if features.counts:
-        counts = counts + jnp.sum(jax.nn.one_hot(emitted, v, dtype=jnp.int32) * keep[..., None], axis=1)
-    hidden = sub.hidden
-    if hidden.shape[1]:  # the state the last emitted token was drawn from: column n - 1
-        at = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
-        hidden = jnp.where(active[:, None], at, hidden)
-    new = dataclasses.replace(
-        sub,
-        token=jnp.where(active, last, sub.token),
-        pos=sub.pos + n,
-        step=step,
-        done=done,
-        seen=seen,
-        counts=counts,
-        hidden=hidden,
-    )
+    # the state the last emitted token was drawn from: column n - 1
+    at = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+    new = _advance(sub, features, emitted, n, stopped, at)
     keep_all = jnp.full((cache.batch_size,), jnp.iinfo(jnp.int32).max, jnp.int32)
     cache = cache.forget_from(keep_all.at[:m].set(jnp.where(active, sub.pos + n, jnp.iinfo(jnp.int32).max)))
     top_lp, top_tok = _alternatives(raw, cfg.top_logprobs)
@@ -305,7 +292,7 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
         n,
         jnp.minimum(a, n),
         stopped,
-        done,
+        new.done,
         active,
         top_tok,
         top_lp,
