@@ -84,7 +84,8 @@ class Decoder(Compiles):
 
     `generate` makes one per call (a fixed batch); the engine keeps one (rows join and leave).
     `compiles` counts the programs this decoder had to compile (by kind), measured by jax's
-    lowering events on the calling thread.
+    lowering events on the calling thread (`decode.compiles.Compiles`, mixed in, which also
+    compiles draw programs on a helper thread: `cover`, `compile_draws`).
 
     mesh: a `jax.sharding.Mesh` the model's weights are placed on (tensor/FSDP parallel): the cache is
     placed by `gemma4_nnx.sharding` (KV heads over "tp"), the rows' state replicated. Without one, the
