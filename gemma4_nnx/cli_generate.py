@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from gemma4_nnx.decode.generate import enable_compilation_cache, generate_stream
     from gemma4_nnx.io.loader import load_any
-    from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, load_tokenizer
+    from gemma4_nnx.tokenizer import END_OF_CHANNEL, ThinkingSplitter, load_tokenizer
 
     if args.compile_cache:
         enable_compilation_cache(args.compile_cache)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         stops = set(tokenizer.stop_ids)
         t1 = time.perf_counter()
         t_first, n = None, 0
-        in_thought = False
+        thinking = ThinkingSplitter()
         out = sys.stdout
         for step in generate_stream(
             model,
@@ -124,14 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             n += 1
             if tok in stops:
                 continue
-            if not args.show_thinking:  # hide <|channel>thought ... <channel|>
-                if START_OF_CHANNEL in piece:
-                    in_thought, piece = True, piece.split(START_OF_CHANNEL)[0]
-                if in_thought:
-                    if END_OF_CHANNEL in piece:
-                        in_thought, piece = False, piece.split(END_OF_CHANNEL, 1)[1].lstrip()
-                    else:
-                        continue
+            if not args.show_thinking:  # hide <|channel>thought ... <channel|> (and the space after it)
+                answer, _ = thinking.feed(piece)
+                piece = answer.lstrip() if END_OF_CHANNEL in piece else answer
+                if not piece:
+                    continue
             out.write(piece)
             out.flush()
         out.write("\n")

@@ -79,6 +79,7 @@ __all__ = [
     "START_OF_TURN",
     "THINK_TOKEN",
     "StreamDecoder",
+    "ThinkingSplitter",
     "Tokenizer",
     "encode_chat",
     "format_chat",
@@ -604,8 +605,69 @@ def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], **k
 _TRAILING_STOPS = (END_OF_TURN, EOS_TOKEN)
 
 
+#: What a thought block's opening carries before the thought itself: its channel name.
+_CHANNEL_NAME = "thought\n"
+
+
+class ThinkingSplitter:
+    """Splits generated text, fed piece by piece as it streams, into answer and thought: the text
+    inside ``<|channel>...<channel|>`` blocks is thought, the rest answer. Each block's channel name
+    (``thought\\n``) is dropped, even when it arrives over several pieces: the start of a block is
+    held back until it is known to be the name (dropped), a partial name that the block (or the
+    text) ends on (dropped too), or thought (released). :func:`split_thinking` is the whole-text
+    form.
+
+    ``seen``: a block has opened; ``inside``: the text is in one now.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.inside = False
+        self._name: str | None = None  # the start of the current block, held while it may be its name
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """``(answer, thought)`` of this piece (text held back from earlier pieces included)."""
+        answer: list[str] = []
+        thought: list[str] = []
+        while piece:
+            if not self.inside:
+                i = piece.find(START_OF_CHANNEL)
+                if i < 0:
+                    answer.append(piece)
+                    break
+                answer.append(piece[:i])
+                piece = piece[i + len(START_OF_CHANNEL) :]
+                self.seen, self.inside, self._name = True, True, ""
+                continue
+            end = piece.find(END_OF_CHANNEL)
+            if self._name is not None:
+                held = self._name + (piece if end < 0 else piece[:end])
+                rest = "" if end < 0 else piece[end:]
+                if held.startswith(_CHANNEL_NAME):  # the name: dropped
+                    self._name, piece = None, held[len(_CHANNEL_NAME) :] + rest
+                elif not _is_partial_name(held):  # not the name: thought
+                    self._name, piece = None, held + rest
+                elif end < 0:  # may still become the name
+                    self._name = held
+                    break
+                else:  # the block closes on a partial name: dropped
+                    self._name, piece = None, rest
+                continue
+            if end < 0:
+                thought.append(piece)
+                break
+            thought.append(piece[:end])
+            piece, self.inside = piece[end + len(END_OF_CHANNEL) :], False
+        return "".join(answer), "".join(thought)
+
+
+def _is_partial_name(text: str) -> bool:
+    """The channel name, partly written (up to trailing whitespace): ``"thought"`` begins with it."""
+    return "thought".startswith(text.rstrip())
+
+
 def split_thinking(text: str) -> tuple[str | None, str]:
-    """Split generated text into ``(thought, answer)``.
+    """Split generated text into ``(thought, answer)`` (:class:`ThinkingSplitter` over the whole text).
 
     * ``"<|channel>thought\\n...<channel|>answer"`` -> ``("...", "answer")``;
     * no closing ``<channel|>`` yet (still thinking) -> everything after
@@ -615,22 +677,12 @@ def split_thinking(text: str) -> tuple[str | None, str]:
 
     The ``thought`` channel name is removed, both parts are whitespace-stripped
     and a trailing ``<turn|>``/``<eos>`` (decoded with specials) is dropped
-    from the answer. Text before the block, if any, stays in the answer.
+    from the answer. Text outside the blocks stays in the answer; the text of
+    every block is thought.
     """
-    start = text.find(START_OF_CHANNEL)
-    if start < 0:
-        return None, _clean_answer(text)
-    body = text[start + len(START_OF_CHANNEL) :]
-    end = body.find(END_OF_CHANNEL)
-    if end < 0:
-        thought, after = body, ""
-    else:
-        thought, after = body[:end], body[end + len(END_OF_CHANNEL) :]
-    if thought.startswith("thought\n"):
-        thought = thought[len("thought\n") :]
-    elif "thought".startswith(thought.rstrip()):  # channel name only (partly) written
-        thought = ""
-    return thought.strip(), _clean_answer(text[:start] + after)
+    splitter = ThinkingSplitter()
+    answer, thought = splitter.feed(text)  # a partial channel name still held at the end: dropped
+    return (thought.strip() if splitter.seen else None), _clean_answer(answer)
 
 
 def _clean_answer(text: str) -> str:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from gemma4_nnx.decode import constraints as C
-from gemma4_nnx.decode.core import _allowed
 from gemma4_nnx.decode.engine import Engine
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.generate import generate
+from gemma4_nnx.decode.programs import _allowed
 from tests.helpers import tokenizer_and_model
 
 SCHEMAS = [

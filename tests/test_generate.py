@@ -376,3 +376,21 @@ def test_stop_string_spanning_tokens_is_cut_whole(chat_setup):
     ]
     assert "".join(streamed) == want
     assert all(stop[:2] not in p for p in streamed)  # never shown, even in part
+
+
+def test_generate_options_are_the_drivers_keywords():
+    """`GenerateOptions` (what generate / generate_stream pass on) has exactly their keyword
+    arguments, with the same defaults: a keyword added to one place and not the others fails here."""
+    import dataclasses
+    import inspect
+
+    from gemma4_nnx.decode.generate import GenerateOptions
+
+    fields = {f.name: f.default for f in dataclasses.fields(GenerateOptions)}
+    for driver in (generate, generate_stream):
+        keywords = {
+            name: p.default
+            for name, p in inspect.signature(driver).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+        }
+        assert keywords == fields, driver.__name__

@@ -15,6 +15,7 @@ import pytest
 
 from gemma4_nnx.tokenizer import (
     StreamDecoder,
+    ThinkingSplitter,
     Tokenizer,
     encode_chat,
     format_chat,
@@ -370,3 +371,22 @@ def test_encode_chat_matches_gemma_ids_on_hf(hf_tok: Tokenizer) -> None:
 )
 def test_split_thinking(text: str, expected: tuple[str | None, str]) -> None:
     assert split_thinking(text) == expected
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<|channel>", "thought", "\n", "Let me add.", "\n", "<channel|>", "The answer", " is 4."],
+        ["Before ", "<|channel>", "thou", "ght\nT", "<channel|>", "after"],
+        ["<|channel>", "thought", " ", "x", "<channel|>", "A"],  # not the channel name: thought
+        ["<|channel>", "thou", "<channel|>", "A"],  # a partial name the block ends on: dropped
+        ["<|channel>", "thought\nstill going"],
+    ],
+)
+def test_streamed_thinking_split_equals_the_whole_texts(pieces: list[str]) -> None:
+    """ThinkingSplitter fed piece by piece (the server's stream, the CLI) routes the same text as
+    split_thinking does the whole text, the channel name dropped even when it arrives in parts."""
+    splitter = ThinkingSplitter()
+    routed = [splitter.feed(p) for p in pieces]
+    answer, thought = "".join(a for a, _ in routed), "".join(t for _, t in routed)
+    assert (thought.strip(), answer.strip()) == split_thinking("".join(pieces))

@@ -1,6 +1,7 @@
 """The decode core and its two drivers.
 
-`core` (the `Decoder`: KV cache + per-row state, and the prefill / decode / draw / loop programs),
+`core` (the `Decoder`: KV cache + per-row state; its parts `state`, `programs` (prefill / decode /
+draw / loop ...), `split` (the model's weights as a program argument) and `compiles`),
 `batching` (prompt batches, shape buckets), `sampling` (per-row samplers), `requests` + `errors`
 (one validation, `RequestError`), `text` (detokenizing, stop strings, finish reasons); drivers:
 `generate` (a fixed batch: `generate`, `generate_stream`) and `engine` (continuous batching).

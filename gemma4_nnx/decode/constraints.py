@@ -10,7 +10,7 @@ a JSON schema becomes a regex, which cannot express recursive schemas, and its i
 Division of work: on the host, one `Constraint` per constrained request holds the matcher; before
 each draw the engine asks every constrained row for its bitmask ([V / 32] int32, bit t of word
 t // 32 = token t allowed) and hands the batch of them to the jitted draw, which sets disallowed
-logits to -inf before sampling (`core._draw`); unconstrained rows in the same batch get all bits set.
+logits to -inf before sampling (`programs._draw`); unconstrained rows in the same batch get all bits set.
 After the draw the row's token is fed back (`consume`). Reported logprobs stay those of the raw
 model distribution, as for every other sampling setting.
 """

@@ -54,7 +54,7 @@ from gemma4_nnx.decode.batching import PromptBatch, bucket_shapes, pow2
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, check_int, make_request
-from gemma4_nnx.decode.sampling import RowParams
+from gemma4_nnx.decode.sampling import RowParams, SamplingParams
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
@@ -112,6 +112,41 @@ def enable_compilation_cache(directory: str | os.PathLike) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+# ------------------------------------------------------------------------------------------- options
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """The keyword arguments of `generate` / `generate_stream` (same names, types and defaults; see
+    `generate` for what each does), as one typed value the drivers pass on."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Mapping[int, float] | None = None
+    stop_tokens: Sequence[int] | None = None
+    stop_strings: Sequence[str] | None = None
+    seed: int = 0
+    tokenizer: object = None
+    return_logprobs: bool = False
+    max_length: int | None = None
+    prefill_chunk: int | None = None
+    cache_dtype: object = None
+    speculative: SpeculativeConfig | dict | None = None
+    media: Sequence | None = None
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, object]) -> GenerateOptions:
+        """The options among a driver's arguments (its `locals()`: the model and prompts are not)."""
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls)})
+
+    def sampling(self) -> dict:
+        """The `SamplingParams` fields (temperature ... logit_bias), as `make_request` takes them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)}
+
+
 # ------------------------------------------------------------------------------------------- start
 @dataclasses.dataclass
 class _Run:
@@ -125,29 +160,14 @@ class _Run:
     speculative: SpeculativeConfig | None = None
 
 
-def _start(
-    model,
-    prompts,
-    max_new_tokens,
-    *,
-    stop_tokens,
-    stop_strings,
-    seed,
-    tokenizer,
-    return_logprobs,
-    max_length,
-    prefill_chunk,
-    cache_dtype,
-    speculative=None,
-    media=None,
-    **sampling,
-) -> _Run:
+def _start(model, prompts, max_new_tokens, opts: GenerateOptions) -> _Run:
     """Validate every argument, prefill, draw the first tokens: the common start of both drivers."""
     config = model.config
+    tokenizer, max_length, prefill_chunk, media = opts.tokenizer, opts.max_length, opts.prefill_chunk, opts.media
     check_int(max_new_tokens, "max_new_tokens", lo=1)
     check_int(max_length, "max_length", lo=2, optional=True)
     check_int(prefill_chunk, "prefill_chunk", lo=1, optional=True)
-    spec = speculative_config(speculative)
+    spec = speculative_config(opts.speculative)
     if spec is not None:
         spec.check_target(config)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -168,15 +188,15 @@ def _start(
             vocab_size=config.vocab_size,
             context=context,
             context_name=context_name,
-            seed=seed,
+            seed=opts.seed,
             row=r,
-            stop_tokens=stop_tokens,
-            stop_strings=stop_strings,
+            stop_tokens=opts.stop_tokens,
+            stop_strings=opts.stop_strings,
             default_stops=default_stops,
             has_tokenizer=tokenizer is not None,
             names={"prompt": f"prompts[{r}]", "max_tokens": "max_new_tokens"},
             media=None if media is None else media[r],
-            **sampling,
+            **opts.sampling(),
         )
         for r, p in enumerate(prompts)
     ]
@@ -194,7 +214,7 @@ def _start(
         model,
         rows=bb,
         max_length=t,
-        cache_dtype=cache_dtype,
+        cache_dtype=opts.cache_dtype,
         stop_width=max(4, pow2(len(requests[0].stop_tokens))),
         vocab_width=config.vocab_size if params.uses_vocab_state else 1,
         speculative_tokens=spec.k if spec else 0,
@@ -203,7 +223,7 @@ def _start(
     )
     soft = decoder.soft_tokens(requests)
     logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk, soft=soft))
-    cfg = DrawConfig(features, bool(return_logprobs))
+    cfg = DrawConfig(features, bool(opts.return_logprobs))
     return _Run(requests, decoder, cfg, decoder.draw(cfg, logits), nb, spec)
 
 
@@ -257,11 +277,11 @@ def generate(
     The towers run once, before the prefill; the KV cache holds the rest.
     Raises `RequestError` (a ValueError naming the argument) for invalid input.
     """
-    options = {k: v for k, v in locals().items() if k not in ("model", "prompts", "max_new_tokens")}
+    opts = GenerateOptions.of(locals())
+    run = _start(model, prompts, max_new_tokens, opts)
     if stop_strings or speculative:
-        steps = list(generate_stream(model, prompts, max_new_tokens, **options))
+        steps = list(_stream(run, max_new_tokens, tokenizer, return_logprobs))
         return _collect(steps, len(prompts), return_logprobs, tokenizer)
-    run = _start(model, prompts, max_new_tokens, **options)
     out, lps, lengths = run.decoder.loop(run.cfg, run.first, run.new_bucket)
     tokens, reasons, logprobs = [], [], []
     for r, req in enumerate(run.requests):
@@ -303,8 +323,7 @@ def generate_stream(
     complete) and `stop_strings` end a row as soon as its text contains one, even one spanning several
     tokens: text that may begin a stop string is held back until decided, so no part of a stop
     string is ever yielded (`text.StopMatcher`)."""
-    options = {k: v for k, v in locals().items() if k not in ("model", "prompts", "max_new_tokens")}
-    run = _start(model, prompts, max_new_tokens, **options)
+    run = _start(model, prompts, max_new_tokens, GenerateOptions.of(locals()))
     return _stream(run, max_new_tokens, tokenizer, return_logprobs)
 
 

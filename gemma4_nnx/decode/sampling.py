@@ -571,15 +571,17 @@ def top_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
 
 
 def update_seen(seen_mask: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``seen_mask [B, V]`` with ``seen_mask[b, tokens[b]] = True``; ids outside ``[0, V)`` ignored."""
-    rows = jnp.arange(seen_mask.shape[0])
+    """``seen_mask [B, V]`` with ``seen_mask[b, tokens[b]] = True`` (tokens [B], or [B, S]: each of a
+    row's S); ids outside ``[0, V)`` ignored."""
+    rows = _row_index(tokens)
     tokens = _out_of_range_to_v(tokens, seen_mask.shape[-1])
     return seen_mask.at[rows, tokens].set(True, mode="drop")
 
 
 def update_counts(counts: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``counts [B, V]`` with ``counts[b, tokens[b]] += 1``; ids outside ``[0, V)`` ignored."""
-    rows = jnp.arange(counts.shape[0])
+    """``counts [B, V]`` with ``counts[b, tokens[b]] += 1`` (tokens [B], or [B, S]: once for each of a
+    row's S); ids outside ``[0, V)`` ignored."""
+    rows = _row_index(tokens)
     return counts.at[rows, _out_of_range_to_v(tokens, counts.shape[-1])].add(1, mode="drop")
 
 
@@ -601,6 +603,11 @@ def make_seen_mask(token_ids: jax.Array, vocab_size: int, valid: jax.Array | Non
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
     mask = jnp.zeros((batch, vocab_size), dtype=bool)
     return mask.at[rows, ids].set(True, mode="drop")
+
+
+def _row_index(tokens: jax.Array) -> jax.Array:
+    """Each token's row, broadcast against tokens [B] or [B, S]."""
+    return jnp.arange(tokens.shape[0]).reshape((-1,) + (1,) * (tokens.ndim - 1))
 
 
 def _out_of_range_to_v(ids: jax.Array, vocab_size: int) -> jax.Array:

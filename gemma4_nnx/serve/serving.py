@@ -49,7 +49,7 @@ from gemma4_nnx.serve.protocol import (
     TopLogprob,
     Usage,
 )
-from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL, format_chat
+from gemma4_nnx.tokenizer import ThinkingSplitter, format_chat
 
 __all__ = ["DEFAULT_COMPLETION_TOKENS", "ENGINE_PARAMS", "ApiError", "Serving"]
 
@@ -143,36 +143,6 @@ class _ToolCalls:
         """Text of a call that never closed (the output was cut)."""
         held, self.held = self.held or "", None
         return held
-
-
-class _Thinking:
-    """Routes streamed chat text: inside <|channel>...<channel|> to reasoning, the rest to content."""
-
-    def __init__(self):
-        self.inside = False
-        self.started = False
-
-    def split(self, piece: str) -> tuple[str, str]:
-        content, reasoning = [], []
-        while piece:
-            if self.inside:
-                i = piece.find(END_OF_CHANNEL)
-                if i < 0:
-                    reasoning.append(piece)
-                    break
-                reasoning.append(piece[:i])
-                piece, self.inside = piece[i + len(END_OF_CHANNEL) :], False
-            else:
-                i = piece.find(START_OF_CHANNEL)
-                if i < 0:
-                    content.append(piece)
-                    break
-                content.append(piece[:i])
-                piece, self.inside = piece[i + len(START_OF_CHANNEL) :], True
-                if piece.startswith("thought\n") and not self.started:
-                    piece = piece[len("thought\n") :]
-                self.started = True
-        return "".join(content), "".join(reasoning)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
@@ -839,7 +809,8 @@ class Serving:
         choices = []
         for i, evs in enumerate(collected):
             text = "".join(e.text for e in evs)
-            content, reasoning = _Thinking().split(text)
+            thinking = ThinkingSplitter()
+            content, reasoning = thinking.feed(text)
             finish = _finish(evs[-1].finish_reason)
             calls = None
             if tools:
@@ -850,7 +821,7 @@ class Serving:
                     calls = [_tool_call(name, args) for name, args in found]
                     finish = "tool_calls" if finish == "stop" else finish
             msg = ChatResponseMessage(content=content or (None if calls else ""), tool_calls=calls)
-            if reasoning or START_OF_CHANNEL in text:
+            if thinking.seen:
                 msg = ChatResponseMessage(
                     content=content.strip() or (None if calls else ""),
                     reasoning_content=reasoning.strip(),
@@ -905,7 +876,7 @@ class Serving:
                     ],
                 )
             )
-        routers = [_Thinking() for _ in range(n)]
+        routers = [ThinkingSplitter() for _ in range(n)]
         callers = [_ToolCalls() for _ in range(n)]
         async for i, ev, reason in self._events(events, n):
             if i is None:
@@ -913,7 +884,7 @@ class Serving:
                 return
             if not ev.text and reason is None and (ev.token is None or not want_lp):
                 continue
-            content, reasoning = routers[i].split(ev.text)
+            content, reasoning = routers[i].feed(ev.text)
             delta = ChatDelta()
             if tools:  # a call is sent whole once its closing token arrives
                 content, found = callers[i].split(content)

@@ -1,0 +1,147 @@
+"""Compile management of the decode core: counting the programs compiled, and draw programs
+compiled off the caller's thread.
+
+`compiled_programs()` counts each jitted program's compiled variants in this process; a `Decoder`
+counts its own (`Decoder.compiles`, by kind) from jax's lowering events on the thread that runs it.
+
+`Compiles` (mixed into `Decoder`) also keeps which draw programs have run and a one-thread pool
+that compiles more by running them on placeholder rows: the engine serves a request whose exact
+sampler has not compiled yet with the precompiled `DrawConfig.widest()` of its top-k width (same
+tokens) while the exact one compiles there (`cover`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4_nnx.decode.batching import pow2
+from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit
+from gemma4_nnx.decode.state import DrawConfig, Next
+
+__all__ = ["Compiles", "compiled_programs"]
+
+
+def compiled_programs() -> dict[str, int]:
+    """How many programs each jitted stage has compiled in this process (all decoders together)."""
+    return {name: fn._cache_size() for name, fn in PROGRAMS.items()}
+
+
+# ------------------------------------------------------------------------------------------- compile counting
+_counting = threading.local()  # .counts: the dict of the Decoder whose program this thread is running
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+def _on_event(name: str, *args, **kwargs) -> None:
+    counts = getattr(_counting, "counts", None)
+    if counts is not None and name == _LOWERING_EVENT:
+        counts[_counting.kind] = counts.get(_counting.kind, 0) + 1
+
+
+_listening = False
+_listen_lock = threading.Lock()
+
+
+def _listen() -> None:
+    """Register the compile listener once (on first use of a Decoder, not at import)."""
+    global _listening
+    with _listen_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listening = True
+
+
+# ------------------------------------------------------------------------------------------- the decoder's share
+class Compiles:
+    """The compile bookkeeping of a `Decoder` (a mixin: it uses the decoder's `rows`, `mesh`,
+    `config`, `vocab_size`, `stop_width`, `_place`, `build_rows` and `_mask`).
+
+    compiles: the programs this decoder had to compile, by kind ("draw (background)": on the helper
+    thread). draw_failures: samplers whose background compile raised (the caller then compiles them
+    itself, and sees the error)."""
+
+    def _init_compiles(self) -> None:
+        _listen()
+        self.compiles: dict[str, int] = {}
+        self._draws_run: set[tuple] = set()  # (cfg, shape key) of every draw program run so far
+        self._background = None  # a one-thread executor compiling draw programs (created on first use)
+        self._compiling: set[tuple] = set()  # (cfg, shapes) jobs queued or running there
+        self.draw_failures: set[DrawConfig] = set()
+
+    def _run(self, kind: str, fn, *args):
+        """fn(*args), its compiles counted in `compiles[kind]`."""
+        _counting.counts, _counting.kind = self.compiles, kind
+        try:
+            return fn(*args)
+        finally:
+            _counting.counts = None
+
+    def _draw_key(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> tuple:
+        return (cfg, self.stop_width, n, indexed, init)
+
+    def draw_shapes(self, joining: bool) -> list[tuple[int, bool, bool]]:
+        """(rows drawn, indexed, with init) of every draw the engine makes: a step of the first m
+        rows (m a power of two up to `rows`), or `joining` rows (kb a power of two, written first)."""
+        top = pow2(self.rows) if joining else self.rows
+        sizes = sorted({min(1 << i, top) for i in range(self.rows.bit_length() + 1)})
+        return [(n, True, True) if joining else (n, n != self.rows, False) for n in sizes]
+
+    def draw_ready(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> bool:
+        return self._draw_key(cfg, *shape) in self._draws_run
+
+    def cover(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> DrawConfig | None:
+        """The program to draw `cfg` with, at this shape, without compiling: `cfg` itself once it ran,
+        else its `widest()` (same tokens) while `cfg` compiles in the background; None when neither is
+        ready (the caller compiles)."""
+        if self.draw_ready(cfg, shape):
+            return cfg
+        if self.mesh is None and cfg not in self.draw_failures and self.draw_ready(cfg.widest(), shape):
+            self.compile_draws(cfg, [shape], background=True)
+            return cfg.widest()
+        return None
+
+    def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None):
+        """Compile the draw program of `cfg` at each shape by running it on placeholder rows (the
+        decoder's state is not touched). `background`: on a helper thread (returns its future);
+        `then()` runs after the last one."""
+
+        def work() -> None:
+            try:
+                for shape in shapes:
+                    key = self._draw_key(cfg, *shape)
+                    if key not in self._draws_run:
+                        self._placeholder_draw(cfg, *shape)
+                        self._draws_run.add(key)
+            except Exception:
+                self.draw_failures.add(cfg)  # the caller then compiles it itself, and sees the error
+                if not background:
+                    raise
+            finally:
+                self._compiling.discard((cfg, tuple(shapes)))
+                if then is not None:
+                    then()
+
+        if not background:
+            return work()
+        job = (cfg, tuple(shapes))
+        if job in self._compiling:
+            return None
+        self._compiling.add(job)
+        if self._background is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="gemma4-compile")
+        return self._background.submit(work)
+
+    def _placeholder_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
+        hidden = self.config.hidden_size
+        nxt = self._place(Next(jnp.zeros((n, self.vocab_size), jnp.float32), jnp.zeros((n, hidden), jnp.float32)))
+        rows = self._place(self.build_rows([None] * self.rows))
+        idx = jnp.asarray(np.arange(n) % self.rows, jnp.int32) if indexed else None
+        start = self._place(self.build_rows([None] * n)) if init else None
+        jax.block_until_ready(
+            self._run("draw (background)", _draw_jit, cfg, rows, idx, nxt, start, self._mask(cfg, n, None))
+        )

@@ -1,0 +1,256 @@
+"""The decode core's state: what a `Decoder` keeps between programs, and what its programs return.
+
+`RowState` (each batch row's token, position, key, step, limit, stop tokens, penalty state, sampling
+parameters, hidden state) and the KV cache together are `DecodeState`, the one typed pytree a decode
+carries; `Next` (next-token logits), `Drawn` (one draw) and `Verified` (one speculative step) are
+what the programs (`decode.programs`) hand back; `DrawConfig` names a draw program's static
+features; `Scored` and `Snapshot` are what `Decoder.score` and `Decoder.snapshot` return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request
+from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams, bias_row
+from gemma4_nnx.model.cache import KVCache
+
+Array = jax.Array
+
+__all__ = ["DecodeState", "DrawConfig", "Drawn", "Next", "RowState", "Scored", "Snapshot", "Verified"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowState:
+    """Everything a batch row carries between steps besides its cache (leading axis: rows).
+
+    token [B] int32: the row's last token, fed at the next step; pos [B] int32: its position.
+    key [B, W] uint32: key data of `fold_in(key(seed), row)`; a draw uses `fold_in(that, step)`.
+    step [B] int32: tokens drawn so far; limit [B] int32: the row's max new tokens.
+    done [B] bool: finished (or a free/padding row): masked in every program.
+    stops [B, S] int32: stop-token ids, -1 padded.
+    seen [B, V] bool: prompt + output tokens, for the repetition penalty; counts [B, V] int32: output
+    tokens, for the presence / frequency penalties; bias [B, V] float32: the logit bias. (All three
+    [B, 1] when the decoder keeps no vocabulary-wide state: `vocab_width` 1.)
+    sampling: per-row sampling parameters.
+    hidden [B, D]: the target's final-norm hidden state at pos - 1, the one `token` was drawn from
+    (what an MTP assistant drafts from; [B, 0] when the decoder has no assistant).
+    """
+
+    token: Array
+    pos: Array
+    key: Array
+    step: Array
+    limit: Array
+    done: Array
+    stops: Array
+    seen: Array
+    counts: Array
+    bias: Array
+    sampling: RowParams
+    hidden: Array
+
+    @classmethod
+    def build(
+        cls,
+        requests: Sequence[Request | None],
+        *,
+        vocab_size: int,
+        stop_width: int,
+        vocab_width: int,
+        hidden_width: int = 0,
+    ) -> RowState:
+        """Initial host-side (NumPy) state of rows for these requests; None: an empty row (done)."""
+        n = len(requests)
+        real = [r for r in requests if r is not None]
+        keys = _row_keys([r.seed for r in real], [r.row for r in real]) if real else None
+        key = np.zeros((n, _key_width()), np.uint32)
+        params = [SamplingParams() if r is None else r.params for r in requests]
+        sampling, _ = RowParams.of(params, vocab_size)
+        state = cls(
+            token=np.zeros(n, np.int32),
+            pos=np.zeros(n, np.int32),
+            key=key,
+            step=np.zeros(n, np.int32),
+            limit=np.zeros(n, np.int32),
+            done=np.ones(n, bool),
+            stops=np.full((n, stop_width), -1, np.int32),
+            seen=np.zeros((n, vocab_width), bool),
+            counts=np.zeros((n, vocab_width), np.int32),
+            bias=np.zeros((n, vocab_width), np.float32),
+            sampling=sampling,
+            hidden=np.zeros((n, hidden_width), np.float32),
+        )
+        j = 0
+        for i, r in enumerate(requests):
+            if r is None:
+                continue
+            if len(r.stop_tokens) > stop_width:
+                raise ValueError(f"{len(r.stop_tokens)} stop tokens do not fit stop_width={stop_width}")
+            state.key[i] = keys[j]
+            j += 1
+            state.pos[i] = len(r.prompt) - 1  # the last prompt token's; the first draw advances it
+            state.limit[i] = r.max_tokens
+            state.done[i] = False
+            state.stops[i, : len(r.stop_tokens)] = r.stop_tokens
+            if r.params.uses_vocab_state and vocab_width != vocab_size:
+                raise ValueError("a row uses a penalty or logit_bias but the decoder keeps no vocabulary state")
+            if vocab_width > 1 and r.params.uses_penalty:
+                state.seen[i, list(r.prompt)] = True
+            if vocab_width > 1 and r.params.logit_bias:
+                state.bias[i] = bias_row(r.params.logit_bias, vocab_size)
+        return state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The whole state of a decode: the KV cache and the rows' state (the `loop` carry's core)."""
+
+    cache: KVCache
+    rows: RowState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Next:
+    """What the target computed for each row's next token: logits [R, V] (float32) and the final
+    hidden state they came from [R, D] (kept in `RowState.hidden` when an assistant drafts)."""
+
+    logits: Array
+    hidden: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """What one draw produced, per drawn row ([k]): token, its logprob (raw model distribution; 0
+    unless `DrawConfig.logprobs`), stopped (a stop token), done (the row has finished: stop or
+    length), active (the row was running: its token is real), and the `DrawConfig.top_logprobs` most
+    likely tokens of the same distribution: top_token / top_logprob [k, n] (n = 0 when off)."""
+
+    token: Array
+    logprob: Array
+    stopped: Array
+    done: Array
+    active: Array
+    top_token: Array
+    top_logprob: Array
+
+    def emitted(self, j: int) -> list[tuple[int, float, bool, bool]]:
+        """Row j's new tokens on the host: [(token, logprob, is a stop token, the row is done)]."""
+        if not self.active[j]:
+            return []
+        return [(int(self.token[j]), float(self.logprob[j]), bool(self.stopped[j]), bool(self.done[j]))]
+
+    def alternatives(self, j: int) -> list[list[tuple[int, float]]]:
+        """Per token of `emitted(j)`: the most likely (id, logprob) pairs, best first."""
+        if not self.active[j]:
+            return []
+        return [list(zip(self.top_token[j].tolist(), self.top_logprob[j].tolist(), strict=True))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """One prompt scored by `Decoder.score`: logprob[i] of token i + 1 given tokens 0..i (raw model
+    distribution; the first token has none), and top[i]: the most likely (id, logprob) pairs there,
+    best first."""
+
+    logprob: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A row's cache kept for reuse (`Decoder.snapshot`): `rows`, a one-row copy of its per-row
+    layers (rings, plain caches); `blocks`, the pool blocks of its first `length` positions, which
+    the snapshot holds (`Decoder.release_snapshot` lets go of them)."""
+
+    rows: KVCache
+    blocks: tuple[int, ...]
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawConfig:
+    """Static options of a draw (a jit static argument): the sampling features any drawn row uses,
+    and whether logprobs are computed."""
+
+    features: RowFeatures = dataclasses.field(default_factory=RowFeatures)
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per drawn token (`Drawn.top_token`); 0: none
+    constrained: bool = False  # the draw takes a token bitmask per row (`decode.constraints`)
+
+    def widest(self) -> DrawConfig:
+        """Every sampling feature on, at this top-k width, with the widest alternatives: it draws the
+        same tokens as `self` for every row `self` covers (a feature a row does not use is a no-op on
+        it: top-p of 1, min-p of 0, repetition penalty of 1, presence / frequency penalties and bias of
+        0, temperature 0 takes the argmax; the top-k width is kept, since top-p sums at it; the
+        `MAX_TOP_LOGPROBS` alternatives begin with any fewer). With the few top-k widths
+        (`sampling.TOP_K_WIDTHS`) there are few of these, all compiled ahead by the engine, which
+        serves with one while the exact program compiles on a helper thread."""
+        f = RowFeatures(
+            sampled=True, top_k=self.features.top_k, top_p=True, full_sort=True, min_p=True, penalty=True,
+            counts=True, bias=True,
+        )  # fmt: skip
+        return DrawConfig(f, self.logprobs, MAX_TOP_LOGPROBS, self.constrained)
+
+
+@jax.jit
+def _row_keys_jit(seeds: Array, rows: Array) -> Array:
+    return jax.vmap(lambda s, r: jax.random.key_data(jax.random.fold_in(jax.random.key(s), r)))(seeds, rows)
+
+
+def _row_keys(seeds: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+    return np.asarray(_row_keys_jit(np.asarray(seeds, np.int32), np.asarray(rows, np.int32)))
+
+
+@functools.cache
+def _key_width() -> int:
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape[-1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """What one speculative step produced, per verified row ([m]): tokens [m, S] (the first `count`
+    are emitted), their logprobs [m, S] (raw model distribution), count (0 for inactive rows),
+    accepted (drafts among the emitted tokens), stopped (the last emitted token is a stop token),
+    done, active; top_token / top_logprob [m, S, n]: each position's most likely tokens."""
+
+    token: Array
+    logprob: Array
+    count: Array
+    accepted: Array
+    stopped: Array
+    done: Array
+    active: Array
+    top_token: Array
+    top_logprob: Array
+
+    def alternatives(self, j: int) -> list[list[tuple[int, float]]]:
+        """Per token of `emitted(j)`: the most likely (id, logprob) pairs, best first."""
+        return [
+            list(zip(self.top_token[j, i].tolist(), self.top_logprob[j, i].tolist(), strict=True))
+            for i in range(int(self.count[j]))
+        ]
+
+    def emitted(self, j: int) -> list[tuple[int, float, bool, bool]]:
+        """Row j's new tokens on the host, as `Drawn.emitted` (the flags belong to the last one)."""
+        n = int(self.count[j])
+        last = n - 1
+        return [
+            (
+                int(self.token[j, i]),
+                float(self.logprob[j, i]),
+                i == last and bool(self.stopped[j]),
+                i == last and bool(self.done[j]),
+            )
+            for i in range(n)
+        ]
