@@ -165,10 +165,18 @@ def test_new_settings_and_grammars_wait_for_no_compile(setup):
         before = engine.decoder.compiles.get("draw", 0)
         got = run(engine)
         assert engine.decoder.compiles.get("draw", 0) == before, engine.decoder.compiles
-        assert engine.decoder._compiling, "no exact sampler was queued for the helper thread"
+        queued = len(engine.decoder._compiling)
+        assert queued, "no exact sampler was queued for the helper thread"
     finally:
+        calls = []  # the helper's draws from now on (the one it is held in is not one)
+        engine.decoder._placeholder_draw = lambda *a: calls.append(a) or hold(*a)
+        engine.close()  # with the helper still held in its first job
         gate.set()
-        engine.close()
+    # closing dropped the queued jobs: once the gate opens the helper ends the job it was held in and
+    # starts none of the others (a job leaves `_compiling` when it ends; the dropped ones never run)
+    engine.decoder._background.shutdown(wait=True)
+    assert queued >= 2 and len(engine.decoder._compiling) == queued - 1, (queued, engine.decoder._compiling)
+    assert len(calls) < len(engine.decoder.draw_shapes(True) + engine.decoder.draw_shapes(False))
     plain = Engine(model, tok, max_batch=4, max_length=64)
     try:
         want = run(plain)

@@ -70,6 +70,15 @@ class Compiles:
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
         self._compiling: set[tuple] = set()  # (cfg, shapes) jobs queued or running there
         self.draw_failures: set[DrawConfig] = set()
+        self._stopped = False
+
+    def stop_compiling(self) -> None:
+        """Drop the background compiles not yet started (the one running finishes: a compile cannot be
+        interrupted) and queue no more, so a closed engine leaves no helper thread working for
+        minutes, nor holds up the process's exit (which joins that thread)."""
+        self._stopped = True
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, kind: str, fn, *args):
         """fn(*args), its compiles counted in `compiles[kind]`."""
@@ -127,7 +136,7 @@ class Compiles:
         if not background:
             return work()
         job = (cfg, tuple(shapes))
-        if job in self._compiling:
+        if job in self._compiling or self._stopped:
             return None
         self._compiling.add(job)
         if self._background is None:

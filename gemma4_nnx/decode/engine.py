@@ -491,6 +491,7 @@ class Engine:
         with self._cv:
             self._closed = True
             self._cv.notify()
+        self.decoder.stop_compiling()
         self._thread.join(timeout)
 
     def compiled_programs(self) -> dict[str, int]:
