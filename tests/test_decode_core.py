@@ -252,16 +252,13 @@ def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0][:2]]
         reqs = [engine.submit(p, 10, stop_tokens=[], **kw) for p, kw in zip(prompts, settings)]
         got = [r.result()[0] for r in reqs]
-        deadline = time.time() + 60
-        while engine.decoder._background is not None and engine.decoder._compiling and time.time() < deadline:
-            time.sleep(0.05)  # background compiles of the exact samplers finish
         assert engine.decoder.compiles.get("draw", 0) == on_thread, engine.decoder.compiles
         assert engine.decoder.compiles.get("draw (background)", 0) > 0
-        # references afterwards: generate's own compiles cannot have warmed the engine's programs
-        refs = [generate(model, [p], 10, stop_tokens=[], **kw).tokens[0] for p, kw in zip(prompts, settings)]
-        assert got == refs
     finally:
-        engine.close()
+        engine.close()  # its exact samplers' compiles still queued on the helper are dropped
+    # references afterwards: generate's own compiles cannot have warmed the engine's programs
+    refs = [generate(model, [p], 10, stop_tokens=[], **kw).tokens[0] for p, kw in zip(prompts, settings)]
+    assert got == refs
 
 
 def test_a_failing_background_compile_does_not_strand_the_request(model):

@@ -594,6 +594,7 @@ def test_speculative_config_with_an_assistant_directory(checkpoint, tmp_path):
     spec = {"method": "assistant", "model": assistant_dir, "num_speculative_tokens": 2, "adaptive": False}
     args = build_parser().parse_args(
         [str(checkpoint), "--speculative-config", json.dumps(spec), "--max-batch", "2", "--max-length", "64"]
+        + ["--precompile"]  # compile on first use: the precompile of every draft width is not what this checks
     )
     engine = make_engine(args)
     try:
