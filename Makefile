@@ -52,7 +52,9 @@ test-isa: $(VENV)/.installed
 	  GEMMA4_NNX_CPU_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(KERNEL_TESTS) || exit 1; \
 	done
 
-# Newest jax/flax on Python 3.12, without torch: the reference tests are deselected there.
+# Newest jax/flax on Python 3.12, without torch: the reference tests are deselected there, and so are
+# the tests marked `slow` (pyproject.toml): a compatibility check of every module under the newest
+# jax/flax, not a second copy of the whole suite. Every test, slow ones included, runs in `make test`.
 $(VENV312)/.installed: pyproject.toml
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install -q --upgrade pip
@@ -61,7 +63,7 @@ $(VENV312)/.installed: pyproject.toml
 
 test-py312: $(VENV312)/.installed
 	$(VENV312)/bin/ruff check .
-	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS) -m "not slow"
 
 # Google's gemma library (gm) and tunix running our exports and feeding our imports (tests/test_interop.py),
 # lm-evaluation-harness scoring through gemma4-serve (tests/test_lm_eval.py).

@@ -119,6 +119,7 @@ def test_outputs_follow_their_schema(setup, temperature):
     assert free.result()[0] == want
 
 
+@pytest.mark.slow
 def test_new_settings_and_grammars_wait_for_no_compile(setup):
     """After a precompile and the supersets it queues on the helper thread at start-up, requests
     with a top-k, a top_logprobs count or a grammar the engine has not seen finish while that thread

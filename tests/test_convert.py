@@ -94,6 +94,7 @@ def test_multimodal_layout_input(hf_checkpoint, tmp_path):
 PROMPTS = fx.sample_ids(32, 12, seed=42)
 
 
+@pytest.mark.slow
 @pytest.mark.reference
 @pytest.mark.parametrize("ple,bits", [("int4", 4), ("int8", 8)])
 def test_quantized_ple_error_is_bounded(hf_checkpoint, tmp_path, ple, bits):

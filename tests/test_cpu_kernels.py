@@ -130,6 +130,7 @@ def test_products_skip_zero_rows(rows, zero):
         assert np.isnan(ref[:, 7]).all(), name  # the poisoned output: what a computed row gives
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["e2b", "moe"])
 @pytest.mark.parametrize("matmul", ["xla", pytest.param("cpu_kernels", marks=needs_kernels)])
 def test_padding_rows_stay_zero_through_the_model(variant, matmul):
@@ -255,6 +256,7 @@ def _bf16_twins(variant, matmul="cpu_kernels"):
     return model16, model32
 
 
+@pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
 def test_bf16_weights_decode_like_float32_weights(variant):
@@ -308,6 +310,7 @@ class _ProductLog(layers.Matmul):
         return out
 
 
+@pytest.mark.slow
 @needs_kernels
 @needs_bf16_dot
 def test_bf16_products_model_equals_rounded_reference():
@@ -615,6 +618,7 @@ def test_stepping_the_first_rows_copies_no_cache(variant):
         np.testing.assert_array_equal(np.asarray(a)[m:], np.asarray(b)[m:])  # rows m.. never written
 
 
+@pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
 def test_kernel_attention_decodes_like_xla(variant):

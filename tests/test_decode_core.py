@@ -35,6 +35,7 @@ def engine(model):
 
 
 # ----------------------------------------------------------------------------- the cache has one owner
+@pytest.mark.slow
 def test_model_holds_no_cache_and_plain_forward_works_after_generation(model):
     """Generation leaves the model as it was: no cache variables, the same weights, and a plain
     `model(ids)` (no positions, no flags) gives the same logits before and after."""
@@ -54,6 +55,7 @@ def test_model_holds_no_cache_and_plain_forward_works_after_generation(model):
     np.testing.assert_array_equal(np.asarray(model(ids)), before)
 
 
+@pytest.mark.slow
 def test_cache_is_an_explicit_pytree_in_and_out(model):
     """`model(ids, positions, cache=c)` returns (logits, new cache) and leaves `c` untouched, so a
     cache can be kept and reused: prefilling the same prompt twice from one empty cache gives the
@@ -234,6 +236,7 @@ def test_a_failing_sink_ends_only_its_own_request(model):
         engine.close()
 
 
+@pytest.mark.slow
 def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
     """After a precompile, requests with sampler settings the engine has not seen (min-p + penalty;
     top-k 5 with top-p; greedy + penalty) are served without the engine thread compiling a draw
@@ -261,6 +264,7 @@ def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
     assert got == refs
 
 
+@pytest.mark.slow
 def test_a_failing_background_compile_does_not_strand_the_request(model):
     """When the helper thread cannot compile the sampler a request waits for (here the
     vocabulary-wide superset, for a top_k above 64, which it compiles after start-up), the request is
@@ -299,6 +303,7 @@ def test_prompt_buckets_cover_every_prefill_width_once():
     assert prompt_buckets(300, 32) == [1]
 
 
+@pytest.mark.slow
 def test_reused_split_follows_every_change_to_the_model():
     """`split_model` reuses a model's last split only while nothing changed: after a new Variable
     value, a replaced submodule and quantization, generation gives what a never-seen copy of the
@@ -330,6 +335,7 @@ def test_reused_split_follows_every_change_to_the_model():
 
 
 # ----------------------------------------------------------------------------- prefill between decode steps
+@pytest.mark.slow
 def test_long_prefill_interleaves_with_decoding_and_changes_no_tokens(model):
     """While a 100-token prompt is prefilled in chunks of 16 (budget: one chunk per step), a running
     stream gets a token after every chunk (before: all 7 chunks between two of its tokens), and both

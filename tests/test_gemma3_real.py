@@ -387,6 +387,7 @@ def test_real_logits_match_transformers_gemma3(real_hf_dir, real_tokenizer, real
         np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.slow
 @pytest.mark.real_weights
 @pytest.mark.reference
 def test_real_greedy_continuations_through_orbax(real_checkpoint, real_hf_model):
@@ -501,6 +502,7 @@ def _perplexity(model, ids: list[int], chunk: int = 64) -> float:
     return float(np.exp(np.mean(np.asarray(nll(weights, jnp.asarray([ids[:t]]))))))
 
 
+@pytest.mark.slow
 @pytest.mark.real_weights
 def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
     """Perplexity of the 270M on tests/data/public_domain.txt (Lincoln, Dickens, Austen, the Declaration

@@ -40,6 +40,7 @@ def _max_diff(a, b) -> float:
 
 
 # ----------------------------------------------------------------------------- incremental decoding
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["e2b", "k_eq_v", "moe"])
 @pytest.mark.parametrize("chunk", [None, 3, 6], ids=["whole", "chunk3", "chunk6"])
 def test_cached_decoding_reproduces_full_forward_logits(models, variant, chunk):
@@ -89,6 +90,7 @@ def test_select_rows_is_exact(models):
 
 
 # ----------------------------------------------------------------------------- generate
+@pytest.mark.slow
 def test_ragged_batch_equals_each_prompt_alone(models):
     model = models("e2b")
     n = 12  # > 2 * window past each prompt
@@ -168,6 +170,7 @@ def test_greedy_generate_matches_transformers(hf_checkpoint, variant):
 
 
 # ----------------------------------------------------------------------------- sampling
+@pytest.mark.slow
 def test_sampling_is_reproducible_and_temperature_to_zero_is_greedy(models):
     model = models("e2b")
     kw = dict(temperature=1.3, top_k=20, top_p=0.9, min_p=0.01, stop_tokens=[])
@@ -184,6 +187,7 @@ def test_sampling_is_reproducible_and_temperature_to_zero_is_greedy(models):
 
 
 # ----------------------------------------------------------------------------- compilation bound
+@pytest.mark.slow
 def test_compilations_equal_the_bucket_bound():
     """Programs compiled = one prefill per (Bb, Pb, T) + one decode loop per (Bb, Nb, T) + one first-token
     draw per Bb, bounded by 2 * #(Bb, Pb, Nb) + #Bb; a second pass over the same buckets compiles

@@ -258,6 +258,7 @@ def test_placeholder_count_mismatch_is_a_clear_error(loaded, inputs):
         _ours(model, x)
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_keeps_towers(checkpoint, loaded, inputs, tmp_path):
     from gemma4_nnx import convert, load
     from gemma4_nnx.model.quant import quantization_of

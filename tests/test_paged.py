@@ -225,6 +225,7 @@ def test_random_submit_and_cancel_leaks_no_block(model):
 
 
 # ----------------------------------------------------------------------------- the server
+@pytest.mark.slow
 def test_server_with_a_small_pool_answers_everyone_as_alone(tmp_path):
     """`gemma4-serve`'s app over an engine whose pool holds about two of six concurrent requests:
     every completion equals the same request sent alone, and /metrics shows the pool (used / free

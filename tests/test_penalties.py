@@ -92,6 +92,7 @@ def test_speculative_decoding_stays_exact(model, kw):
         assert sum(fast.accepted) > 0, "no draft accepted: the test would not see the per-column counts"
 
 
+@pytest.mark.slow
 def test_engine_rows_with_and_without_penalties_equal_generate(model):
     settings = [dict(seed=1, temperature=0.9, **SETTINGS[2]), dict(temperature=0.0), dict(**SETTINGS[0])]
     engine = Engine(model, max_batch=4, max_length=32)

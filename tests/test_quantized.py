@@ -141,6 +141,7 @@ def _dequantized_float_model(qmodel, variant):
     return ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["e2b", "moe"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_model_is_the_float_model_of_its_dequantized_weights(variant, bits):
@@ -168,6 +169,7 @@ def test_quantized_model_is_the_float_model_of_its_dequantized_weights(variant, 
         assert top1 == 1.0 and err < 1.0
 
 
+@pytest.mark.slow
 def test_quantized_cached_decode_equals_full_forward():
     """Prefill 4 tokens, then 6 single-token steps with the KV cache: each step's logits equal the
     full forward's at that position (int4 model, CPU kernels where available)."""
@@ -191,6 +193,7 @@ def tiny_hf(tmp_path_factory):
     return make_tiny_hf(tmp_path_factory.mktemp("q") / "hf")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,bits", [("int8", 8), ("int4", 4)])
 def test_convert_quantize_loads_what_in_memory_quantize_gives(tiny_hf, tmp_path, mode, bits):
     """`--quantize int8|int4` (streamed, no float model) restores the very codes and scales that
@@ -207,6 +210,7 @@ def test_convert_quantize_loads_what_in_memory_quantize_gives(tiny_hf, tmp_path,
         assert v == {"bits": 8 if name == "embed_tokens" else bits, "group": 8, "asym": False}, name
 
 
+@pytest.mark.slow
 def test_convert_quantizes_moe_experts_like_in_memory(tmp_path):
     """A MoE checkpoint under `--quantize int8`: the expert stacks become codes [E, out, in] equal to
     `quant.quantize`'s, the router stays float, and `hf_tensors` writes the dequantized stacks back in
@@ -231,6 +235,7 @@ def test_convert_quantizes_moe_experts_like_in_memory(tmp_path):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_convert_keep_stores_a_qat_grid_exactly(tmp_path):
     """bf16 weights on Q4_0's grid (d * q, q in [-8, 7], one d per 32 inputs) become int4 codes whose
     dequantized values are the stored bf16 values exactly; weights off the grid stay float."""
@@ -279,6 +284,7 @@ def test_convert_rejects_bad_quantize_options(tiny_hf, tmp_path, kwargs, match):
 
 
 # ------------------------------------------------------------------ QLoRA
+@pytest.mark.slow
 def test_qlora_trains_adapters_on_a_frozen_int4_base():
     """LoRA on int4 projections: the loss falls, the codes and scales stay bit-identical, merging gives
     float kernels with the adapted model's logits, and `hf_tensors` writes float weights."""

@@ -428,6 +428,7 @@ def _row_params_grid():
     return rows
 
 
+@pytest.mark.slow
 def test_sample_rows_equals_sample_row_by_row():
     """A batch whose rows each carry their own parameters gives, row for row, exactly the token
     `sample` gives that row alone with the same key (the server's per-request sampling)."""

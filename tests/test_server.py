@@ -185,6 +185,7 @@ def test_seeded_sampling_equals_generate(served):
     assert other != text  # the seed matters (10 draws at temperature 0.9 from a 700-token vocabulary)
 
 
+@pytest.mark.slow
 def test_openai_penalties_and_logit_bias_equal_generate(served):
     """The official client's presence_penalty / frequency_penalty / logit_bias reach the sampler: the
     text is generate()'s with the same settings, and a +100 bias on one token makes it the output."""
@@ -242,6 +243,7 @@ def test_stop_matcher_holds_back_a_stop_string_spanning_pieces():
 
 
 # ----------------------------------------------------------------------------- batching
+@pytest.mark.slow
 def test_concurrent_requests_share_decode_steps_and_equal_each_alone(served):
     """More concurrent requests than batch rows: every one returns exactly what it returns alone,
     rows are reused, and the engine ran them in shared decode steps."""
@@ -296,6 +298,7 @@ def test_a_list_of_prompts_gives_one_choice_each(served):
     assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
 
 
+@pytest.mark.slow
 def test_mixed_sampling_settings_share_steps_and_each_equals_generate(served):
     """Rows with different settings (greedy, seeded top-k/top-p, min-p, repetition penalty) decoded
     in the same steps: each equals generate() with its own settings alone."""
@@ -317,6 +320,7 @@ def test_mixed_sampling_settings_share_steps_and_each_equals_generate(served):
     assert engine.stats.shared_decode_steps > before
 
 
+@pytest.mark.slow
 def test_precompile_compiles_every_decode_step_and_prefill_ahead():
     """Engine(precompile=(16,)) compiles the decode step for each power-of-two row count and the
     16-token prefill for each power-of-two number of joining rows, leaves the cache unchanged, and
@@ -953,6 +957,7 @@ def test_max_tokens_cap(served):
         assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
     """`gemma4-serve` as a process: after SIGTERM no new request is served, a stream in flight gets
     --drain-timeout seconds, then a final chunk (finish_reason "length") and `[DONE]`, and the process
@@ -1064,6 +1069,7 @@ def test_draining_server_listens_until_the_requests_in_flight_end():
     assert again._captured_signals == [signal.SIGTERM] * 2  # re-raised by uvicorn after its shutdown
 
 
+@pytest.mark.slow
 def test_precompile_all_covers_every_prompt_bucket():
     """Engine(precompile="all") compiles the prefill of every prompt bucket up to max_length (16 and
     32 here) for every power-of-two number of joining rows; prompts of any length then compile no
@@ -1315,6 +1321,7 @@ def test_large_bodies_are_refused_in_the_helper_process(served, monkeypatch):
         assert c.app.state.precheck.checked == 2
 
 
+@pytest.mark.slow
 def test_n_choices_are_the_rows_of_generate(served):
     """n > 1: choice j of prompt i (index i * n + j) draws as row j of generate() over n copies of the
     prompt with the request's seed: distinct, reproducible, streamed or not; prompt tokens are counted
@@ -1390,6 +1397,7 @@ def _log_softmax64(model, ids) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_echo_scores_the_prompt_as_the_model_does(served):
     """What lm-evaluation-harness sends for log-likelihoods: token-id prompts, echo, logprobs, greedy,
     one new token. Every prompt token after the first gets the float64 forward's logprob, and its
@@ -1440,6 +1448,7 @@ def test_echo_scores_the_prompt_as_the_model_does(served):
     assert whole.startswith("alpha beta") and len(whole) > len("alpha beta")
 
 
+@pytest.mark.slow
 def test_top_logprobs_of_generated_tokens(served):
     """Completions' `logprobs: n` and chat's `top_logprobs: n`: n alternatives per generated token,
     greedy's first one the token itself with the same logprob, values as the float64 forward."""
@@ -1618,6 +1627,7 @@ def _post_app(c, body):
     return r.status_code, r.json()
 
 
+@pytest.mark.slow
 def test_required_and_named_tool_choice_return_calls_that_validate(tool_server):
     """Even a random model returns calls whose arguments follow the function's schema when the call
     is forced (constrained decoding); streamed calls equal the non-streamed ones."""

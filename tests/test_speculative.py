@@ -248,6 +248,7 @@ def test_speculative_config_is_validated():
         assert e.value.param == "speculative"
 
 
+@pytest.mark.slow
 def test_engine_rows_accept_their_own_drafts(models):
     """Continuous batching with speculation: concurrent requests (more than the rows) each return the
     plain greedy tokens; every row accepted its own number of drafts per step; the counters add up."""
@@ -348,6 +349,7 @@ def test_assistant_speculation_equals_plain_greedy(assisted, variant, ordered):
     assert streamed == plain.tokens
 
 
+@pytest.mark.slow
 def test_assistant_drafts_see_only_the_accepted_sequence(assisted):
     """After verify steps that rejected drafts, the device drafts equal the assistant run afresh on
     the accepted sequence alone (a new prefill of prompt + emitted tokens): rows' hidden states and
