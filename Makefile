@@ -43,18 +43,31 @@ test: $(VENV)/.installed
 # The CPU kernels' other code paths (GEMMA4_NNX_CPU_ISA, gemma4_nnx/model/cpu_kernels.py): `make test`
 # runs what this CPU has; this runs the kernels' tests again on the AVX2 path (where the CPU has
 # AVX-512, which that run took) and on the generic path (plain vector extensions).
+# The kernel-level tests (each kernel against a float64 / NumPy reference) and the quicker model ones run on
+# each path; the whole-model tests marked `slow` run on the CPU's own path only, in `make test`.
 KERNEL_TESTS ?= tests/test_cpu_kernels.py tests/test_quantized.py tests/test_paged.py::test_paged_attention_equals_float64 \
 	tests/test_paged.py::test_int8_attention_equals_float64_over_the_dequantized_cache -k "not convert and not gguf_blocks"
 test-isa: $(VENV)/.installed
 	@isas="generic"; if grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo; then isas="avx2 generic"; fi; \
 	for isa in $$isas; do \
 	  echo "== kernel tests with GEMMA4_NNX_CPU_ISA=$$isa"; \
-	  GEMMA4_NNX_CPU_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(KERNEL_TESTS) || exit 1; \
+	  GEMMA4_NNX_CPU_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) -m "not slow" $(KERNEL_TESTS) || exit 1; \
 	done
 
-# Newest jax/flax on Python 3.12, without torch: the reference tests are deselected there, and so are
-# the tests marked `slow` (pyproject.toml): a compatibility check of every module under the newest
-# jax/flax, not a second copy of the whole suite. Every test, slow ones included, runs in `make test`.
+# Newest jax/flax/orbax on Python 3.12, without torch: a compatibility check, not a second copy of the
+# whole suite (every test runs in `make test`). It runs the tests of every layer that calls jax, flax,
+# orbax or the kernels' FFI (model, cache, kernels, quantization, checkpoint I/O, conversion, the
+# decode core, generate, paged KV, long context, fine-tuning, sharding) except those marked `slow`
+# (pyproject.toml), the reference tests (torch) deselected; of the scheduling / HTTP behaviour files
+# (the engine's policies, written in Python over that core) the server's start-up, a streamed and a
+# plain chat, bad requests and mutated bodies.
+PY312_BEHAVIOUR := tests/test_server.py tests/test_speculative.py tests/test_penalties.py tests/test_logprobs.py \
+	tests/test_constraints.py
+PY312_TESTS ?= $(filter-out $(PY312_BEHAVIOUR),$(sort $(wildcard tests/test_*.py))) \
+	tests/test_server.py::test_health_models_and_warmup_generation \
+	tests/test_server.py::test_chat_greedy_equals_generate_streaming_and_not \
+	tests/test_server.py::test_bad_completion_requests_get_openai_errors \
+	tests/test_server.py::test_mutated_requests_never_get_a_5xx
 $(VENV312)/.installed: pyproject.toml
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install -q --upgrade pip
@@ -63,7 +76,7 @@ $(VENV312)/.installed: pyproject.toml
 
 test-py312: $(VENV312)/.installed
 	$(VENV312)/bin/ruff check .
-	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS) -m "not slow"
+	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS) -m "not slow" $(PY312_TESTS)
 
 # Google's gemma library (gm) and tunix running our exports and feeding our imports (tests/test_interop.py),
 # lm-evaluation-harness scoring through gemma4-serve (tests/test_lm_eval.py).
