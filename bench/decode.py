@@ -57,8 +57,9 @@ for line in sys.stdin:
     print(f"TIME {timed(cmd['b'], cmd['n'])}", flush=True)
 """
 
-OURS = (
-    r"""
+# Our model from the E2B-shaped HF folder, as described above (bf16 weights, PLE table int4); also
+# bench/long_context.py's E2B side. Defines `model` and `res`.
+OURS_LOAD = r"""
 import json, os, resource, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np, jax, jax.numpy as jnp
@@ -96,6 +97,11 @@ for path, var in nnx.iter_graph(model):
             weight_bytes += var.get_value().nbytes
 res["load_s"] = time.perf_counter() - t
 res["weight_bytes_per_step"] = weight_bytes
+"""
+
+OURS = (
+    OURS_LOAD
+    + r"""
 rng = np.random.default_rng(0)
 P = args["prompt"]
 def timed(b, n):
@@ -114,8 +120,8 @@ def stats():  # memory bandwidth: a 1 GiB float32 matvec
     + WORKER_LOOP
 )
 
-HF = (
-    r"""
+# transformers' model from the same folder, bf16. Defines `model` and `res`.
+HF_LOAD = r"""
 import json, resource, sys, time
 import numpy as np, torch
 from transformers import AutoModelForCausalLM
@@ -127,6 +133,11 @@ with torch.no_grad():  # out of the safetensors mmap: page-cache pages can be ev
     for p in list(model.parameters()) + list(model.buffers()):
         p.data = p.data.clone()
 res = {"load_s": time.perf_counter() - t}
+"""
+
+HF = (
+    HF_LOAD
+    + r"""
 rng = np.random.default_rng(0)
 P = args["prompt"]
 def timed(b, n):

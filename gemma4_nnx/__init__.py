@@ -38,6 +38,7 @@ from gemma4_nnx.train.finetune import (
     make_optimizer,
     masked_lm_loss,
     merge_lora,
+    perplexity,
     save_adapters,
     train_step,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "make_optimizer",
     "masked_lm_loss",
     "merge_lora",
+    "perplexity",
     "save_adapters",
     "shard_batch",
     "shard_cache",

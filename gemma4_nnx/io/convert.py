@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -47,8 +48,9 @@ DTYPES = ("bfloat16", "float32")
 PLE_MODES = {"int4": 4, "int8": 8, "none": None}
 #: --quantize: "keep" the source's own quantization where our formats hold it exactly (GGUF blocks,
 #: QAT grids, compressed-tensors; everything else stays float), quantize every projection, the experts
-#: and the token table to "int8" / "int4" (`gemma4_nnx.model.quant.format_for`), or "none" (all float).
-QUANTIZE_MODES = ("keep", "int8", "int4", "none")
+#: and the token table to "int8" / "int4" (`gemma4_nnx.model.quant.format_for`), to llama.cpp's
+#: "q4_k_m" mix of GGUF blocks (`gemma4_nnx.io.gguf_quantize`), or "none" (all float).
+QUANTIZE_MODES = ("keep", "q4_k_m", "int8", "int4", "none")
 #: Files copied from SRC when present (the tokenizer and what generation needs).
 COPY_FILES = (
     "tokenizer.json",
@@ -227,6 +229,53 @@ def _gguf_kept(tensor, progress: Progress) -> _QuantizedMatrix:
     return _QuantizedMatrix(rows, cols, format_of(kind), decode, raw.shape[1], progress)
 
 
+def _k_quantizing(info: TensorInfo, kind: str, progress: Progress) -> _QuantizedMatrix:
+    """An HF tensor [rows, cols] (or an expert stack [E, out, in]) quantized into GGUF blocks of `kind`
+    (`gemma4_nnx.io.gguf_quantize`) and read back as our codes and scales, as a `keep` import reads them."""
+    from gemma4_nnx.io.gguf_blocks import decode_rows, format_of
+    from gemma4_nnx.io.gguf_quantize import encode_rows
+
+    rows, *inner, cols = info.shape
+
+    def decode(a: int, b: int):
+        x = read_tensor(info, rows=(a, b)).reshape(-1, cols)
+        parts = decode_rows(encode_rows(x, kind), kind, cols)[:3]
+        return tuple(None if t is None else t.reshape(b - a, *inner, -1) for t in parts)
+
+    return _QuantizedMatrix(rows, cols, format_of(kind), decode, info.nbytes // rows, progress, inner)
+
+
+def _q4_k_m_mix(items) -> dict[str, str]:
+    """{HF name: GGUF block type} of llama.cpp's Q4_K_M mix over the plan's matrices
+    (`gguf_quantize.q4_k_m_type`): the token table Q6_K; `v_proj` and `down_proj` Q6_K by their place
+    among the model's matrices of that role (with MoE experts, llama.cpp places `down_proj`s by their
+    layer number among all of them, dense and expert); everything else Q4_K; None (float) for a row
+    width no block divides."""
+    from gemma4_nnx.io.gguf_quantize import q4_k_m_type
+
+    def layer(name: str) -> int:
+        m = re.search(r"layers\.(\d+)\.", name)
+        return int(m.group(1)) if m else 0
+
+    items = [(entry, info) for entry, info in items if _quantizable_matrix(entry, info)]
+    names = [entry.hf_name for entry, _ in items]
+    moe = any(entry.transform == "T021" for entry, _ in items)
+    mix = {}
+    for entry, info in items:
+        name, cols = entry.hf_name, info.shape[-1]
+        if name.endswith("embed_tokens.weight"):
+            mix[name] = q4_k_m_type("embed", cols=cols)
+            continue
+        role = next((r for r in ("v_proj", "down_proj") if f".{r}" in name), None)
+        if role is None:
+            mix[name] = q4_k_m_type("other", cols=cols)
+            continue
+        same = sorted((n for n in names if f".{role}" in n), key=layer)
+        index = layer(name) if moe and role == "down_proj" else same.index(name)
+        mix[name] = q4_k_m_type(role, index, len(same), cols)
+    return mix
+
+
 #: QAT grid (`-qat-q4_0-unquantized` checkpoints): Q4_0's 32-value blocks of d * q, q in [-8, 7].
 QAT_FORMAT_ARGS = (4, 32)
 
@@ -382,8 +431,11 @@ def convert(
         are stored (`gemma4_nnx.model.quant`): "keep" (default) keeps a GGUF's own Q8_0 / Q5_0 / Q4_0 /
         Q4_1 / Q4_K / Q5_K / Q6_K blocks, compressed-tensors pack-quantized weights, and float weights
         that lie on a Q4_0 grid (Google's `-qat-q4_0-unquantized` checkpoints) as int4, all exactly;
-        "int8" / "int4" quantize them symmetrically (`quant.format_for`: under "int4" the token table,
-        which is also the output head, gets int8; a matrix whose width its group does not divide stays
+        "q4_k_m" quantizes them into llama.cpp's Q4_K_M mix of GGUF blocks (`gguf_quantize`: Q4_K, Q6_K
+        for the token table and some `v_proj` / `down_proj`, Q5_0 / Q8_0 where 256 does not divide a
+        row; the 4-bit mode that keeps the model's quality); "int8" / "int4" quantize them
+        symmetrically (`quant.format_for`: under "int4" the token table, which is also the output
+        head, gets int8; a matrix whose width its group does not divide stays
         float); "none" stores everything float. Norms and other vectors, the MoE router and MTP
         assistants stay float. The metadata records each quantized matrix.
       group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
@@ -449,13 +501,14 @@ def convert(
     quantized: dict[str, Any] = {}
     if gguf_reader is not None:
         kept = _gguf_tensors_by_hf_name(gguf_reader)
+    mix = _q4_k_m_mix(plan.items) if quantize == "q4_k_m" else None
     for entry, info in plan.items:
         if bits and entry.path[:1] == ck.PLE_PATH:
             fmt = QuantFormat(bits, group)
             for name, leaf in _quantizing(info, fmt, bar).leaves().items():
                 leaves[ck.PLE_PATH + (name,)] = leaf
             continue
-        matrix = None if assistant else _quantized_matrix(entry, info, quantize, group_size, kept, bar)
+        matrix = None if assistant else _quantized_matrix(entry, info, quantize, group_size, kept, bar, mix)
         if matrix is not None:
             module = entry.path if matrix.inner else entry.path[:-1]
             quantized[".".join(map(str, module))] = matrix.fmt.to_json()
@@ -507,15 +560,25 @@ def _gguf_tensors_by_hf_name(reader) -> dict[str, Any]:
     return out
 
 
-def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept, progress):
-    """The quantized leaves of one mapped tensor under `quantize`, or None to store it float."""
-    from gemma4_nnx.model.quant import format_for, quantizable
+def _quantizable_matrix(entry: Entry, info: TensorInfo):
+    """(module path, is an expert stack) of a tensor the quantize modes may quantize, or None."""
+    from gemma4_nnx.model.quant import quantizable
 
     stack = entry.transform == "T021" and len(info.shape) == 3  # MoE experts: the stack is the module
     module = entry.path if stack else entry.path[:-1]
     matrix = entry.path[-1] in ("kernel", "embedding") and entry.transform in (None, "T") and len(info.shape) == 2
-    if quantize == "none" or not (matrix or stack) or not quantizable(module):
+    return (module, stack) if (matrix or stack) and quantizable(module) else None
+
+
+def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept, progress, mix=None):
+    """The quantized leaves of one mapped tensor under `quantize` (`mix`: the q4_k_m block types), or
+    None to store it float."""
+    from gemma4_nnx.model.quant import format_for
+
+    found = _quantizable_matrix(entry, info)
+    if quantize == "none" or found is None:
         return None
+    module, stack = found
     if stack and quantize == "keep":
         return None  # no imported format holds experts quantized yet
     if quantize == "keep":
@@ -526,6 +589,9 @@ def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept
         if source is not None:
             return _gguf_kept(source, progress)
         return _qat_leaves(info, progress)
+    if quantize == "q4_k_m":
+        kind = mix[entry.hf_name]
+        return None if kind is None else _k_quantizing(info, kind, progress)
     fmt = format_for(module, 8 if quantize == "int8" else 4, group, info.shape[-1])
     return _quantizing(info, fmt, progress) if info.shape[1] % fmt.group == 0 else None
 
@@ -635,7 +701,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZE_MODES,
         default="keep",
         help="projections and token embedding: keep a GGUF's own blocks / a QAT grid exactly (default), "
-        "quantize to int8 or int4 (group-wise symmetric), or none (float, --dtype)",
+        "quantize to llama.cpp's Q4_K_M mix of GGUF blocks (q4_k_m: 4-bit k-quants, 6 bits where it "
+        "matters; the 4-bit mode to pick), to int8 or int4 (group-wise symmetric), or none (float, --dtype)",
     )
     p.add_argument(
         "--group", type=int, default=None, help="columns per scale for --quantize int8/int4 (default 128 / 32)"

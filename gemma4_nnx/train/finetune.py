@@ -211,6 +211,33 @@ def masked_lm_loss(logits: Array, input_ids: Array, loss_mask: Array) -> Array:
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
+def perplexity(model: nnx.Module, ids: Sequence[int], chunk: int = 64) -> float:
+    """exp(mean negative log-likelihood of ids[1:] given what precedes each), teacher-forced in one
+    no-cache forward over the first len(ids) // chunk * chunk tokens; the logits [chunk, V] are formed
+    `chunk` positions at a time, so a 262K vocabulary never takes [T, V] floats at once."""
+    graphdef, weights = nnx.split(model)
+
+    @jax.jit
+    def nll(weights, x):
+        m = nnx.merge(graphdef, weights)
+        h = m(x, return_hidden=True)[0]  # [T, D]
+        t = x.shape[1]
+        target = jnp.concatenate([x[0, 1:], x[0, :1]])
+
+        def piece(i):
+            hc = jax.lax.dynamic_slice_in_dim(h, i * chunk, chunk)
+            tc = jax.lax.dynamic_slice_in_dim(target, i * chunk, chunk)
+            logp = jax.nn.log_softmax(m.logits(hc).astype(jnp.float32), axis=-1)
+            return -jnp.take_along_axis(logp, tc[:, None], axis=-1)[:, 0]
+
+        return jax.lax.map(piece, jnp.arange(t // chunk)).reshape(-1)[: t - 1]
+
+    t = len(ids) // chunk * chunk
+    if t < 2:
+        raise ValueError(f"ids: perplexity needs at least {chunk} tokens (one chunk), got {len(ids)}")
+    return float(np.exp(np.mean(np.asarray(nll(weights, jnp.asarray([list(ids[:t])]))))))
+
+
 def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
     """The training-path (no cache) forward + `masked_lm_loss`. batch: input_ids, loss_mask and
     optionally attention_mask (1 = real token)."""
