@@ -294,9 +294,13 @@ def test_tiny_gguf_import_convert_and_tokenizer(tmp_path, monkeypatch):
     from gemma4_nnx.io.convert import convert
 
     monkeypatch.setenv("GEMMA4_NNX_CACHE", str(tmp_path / "cache"))  # the converter's staging dir
-    ckpt = convert(path, tmp_path / "ckpt", dtype="float32")
+    ckpt = convert(path, tmp_path / "ckpt")  # keep (default): float tensors as the file stores them
     assert os.listdir(tmp_path / "cache" / "gguf") == ["tiny-float32"]
     assert os.path.isfile(os.path.join(ckpt, "tokenizer.model"))
+    assert json.load(open(os.path.join(ckpt, "metadata.json")))["dtype"] == "float32"
+    loaded = gemma4_nnx.load(ckpt)
+    assert loaded.norm.scale.get_value().dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(loaded(jnp.asarray(ids))), np.asarray(ours(jnp.asarray(ids))), atol=1e-5)
 
     tok = gemma4_nnx.load_tokenizer(hf_dir)
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)

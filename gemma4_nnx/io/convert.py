@@ -344,8 +344,8 @@ def _qat_leaves(info: TensorInfo, progress: Progress) -> _QuantizedMatrix | None
 
 
 # ---------------------------------------------------------------------------- conversion
-def _check_options(dtype: str, ple: str, quantize: str, group) -> None:
-    if dtype not in DTYPES:
+def _check_options(dtype: str | None, ple: str, quantize: str, group) -> None:
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {DTYPES}")
     if ple not in PLE_MODES:
         raise ValueError(f"ple: {ple!r} is not one of {tuple(PLE_MODES)}")
@@ -404,7 +404,7 @@ def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     ple: str = "int4",
     overwrite: bool = False,
     progress: bool | None = None,
@@ -419,7 +419,10 @@ def convert(
       src: HF directory: config.json, model.safetensors or a sharded index, tokenizer files; a Gemma 3
         GGUF file; or a checkpoint of Google's gemma library (read in place, see `gm_config`).
       dst: output directory; must not exist unless `overwrite` (and then must be a gemma4_nnx checkpoint).
-      dtype: "bfloat16" or "float32", the stored dtype of the float parameters.
+      dtype: "bfloat16" or "float32", the stored dtype of the float parameters. Default: the source's
+        precision where it is known exactly, "float32" for a GGUF file imported with quantize="keep"
+        (its float tensors are F32, or F16 / BF16 that float32 holds exactly; bfloat16 would move the
+        270M's logits by up to 0.1 through its norms alone), else "bfloat16".
       ple: "int4", "int8" or "none": how the per-layer-embedding table is stored (one float32 scale per
         (token, layer) slice of hidden_size_per_layer_input values).
       overwrite: replace an existing checkpoint at `dst`.
@@ -459,6 +462,8 @@ def convert(
         src = cached_hf_dir(src, verbose=bool(progress))
         if quantize == "keep":  # ... and its quantized blocks read straight from the file
             gguf_reader = _reader(gguf_path)
+            dtype = dtype or "float32"  # and its float tensors as the file stores them
+    dtype = dtype or "bfloat16"
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source directory {src} does not exist")
     from gemma4_nnx.io import gm
@@ -688,7 +693,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a Gemma 3 .gguf file (needs the gguf package), or a checkpoint of Google's gemma library (see --gm-config)",
     )
     p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="stored dtype of float parameters")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="stored dtype of float parameters (default: float32 for a GGUF file's float tensors under "
+        "--quantize keep, as the file stores them; bfloat16 otherwise)",
+    )
     p.add_argument(
         "--ple",
         choices=tuple(PLE_MODES),
