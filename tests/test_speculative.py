@@ -274,6 +274,58 @@ def test_engine_rows_accept_their_own_drafts(models):
     assert e.value.param == "speculative"
 
 
+def test_new_sampling_settings_compile_their_verify_program_ahead(models):
+    """After a precompile (greedy verify programs, and the superset samplers on the helper thread),
+    requests with settings no verify program was compiled for (top_logprobs; a sampled top-k) take
+    plain steps while their verify programs compile on the helper thread, ahead of time from the
+    shapes: the engine thread compiles no verify and no draw program. Greedy rows keep the plain
+    greedy tokens (and alternatives); sampled rows finish. Once compiled, the same settings verify, and
+    the first real call of the program compiles nothing (jax's cache holds the ahead-of-time one)."""
+    import time
+
+    from gemma4_nnx import Engine
+
+    model = models("e2b")
+    n = 12
+    plain = [generate(model, [p], n, stop_tokens=[]).tokens[0] for p in PROMPTS]
+    drafter = _Table(PROMPTS, plain, "oracle")
+    engine = Engine(model, max_batch=4, max_length=64, speculative=_config(drafter), precompile=(16,))
+
+    def settle():
+        deadline = time.time() + 300
+        while engine.decoder._compiling and time.time() < deadline:
+            time.sleep(0.05)
+        assert not engine.decoder._compiling
+
+    def run():
+        with engine._cv:  # one admission: the same step shapes each round
+            greedy = [engine.submit(p, n, stop_tokens=[], top_logprobs=2) for p in PROMPTS]
+            sampled = engine.submit(PROMPTS[0], n, stop_tokens=[], temperature=0.8, top_k=5, seed=1)
+        return [list(r) for r in greedy], sampled.result()[0]
+
+    try:
+        settle()
+        before = dict(engine.decoder.compiles)
+        steps = engine.stats.verify_steps
+        events, sampled = run()
+        assert [[ev.token for ev in evs if ev.token is not None] for evs in events] == plain
+        assert all(ev.top for evs in events for ev in evs if ev.token is not None)
+        assert len(sampled) == n
+        after = engine.decoder.compiles
+        assert after.get("verify", 0) == before.get("verify", 0), (before, after)
+        assert after.get("draw", 0) == before.get("draw", 0), (before, after)
+        settle()
+        assert after.get("verify (background)", 0) > before.get("verify (background)", 0), after
+        assert not engine.decoder.verify_failures
+        ready = engine.stats.verify_steps
+        events, _ = run()  # now verified, with the programs compiled ahead of time
+        assert [[ev.token for ev in evs if ev.token is not None] for evs in events] == plain
+        assert engine.stats.verify_steps > ready >= steps
+        assert engine.decoder.compiles.get("verify", 0) == before.get("verify", 0), engine.decoder.compiles
+    finally:
+        engine.close()
+
+
 def test_adaptive_policy_verifies_only_when_it_pays():
     """`Drafting.choose_width`: a plain step and each width are measured first (narrow before wide),
     then the expected tokens per second decide; a row whose drafts fail stops verifying, and its rate

@@ -1,5 +1,5 @@
-"""Compile management of the decode core: counting the programs compiled, and draw programs
-compiled off the caller's thread.
+"""Compile management of the decode core: counting the programs compiled, and draw and verify
+programs compiled off the caller's thread.
 
 `compiled_programs()` counts each jitted program's compiled variants in this process; a `Decoder`
 counts its own (`Decoder.compiles`, by kind) from jax's lowering events on the thread that runs it.
@@ -7,7 +7,8 @@ counts its own (`Decoder.compiles`, by kind) from jax's lowering events on the t
 `Compiles` (mixed into `Decoder`) also keeps which draw programs have run and a one-thread pool
 that compiles more by running them on placeholder rows: the engine serves a request whose exact
 sampler has not compiled yet with the precompiled `DrawConfig.widest()` of its top-k width (same
-tokens) while the exact one compiles there (`cover`).
+tokens) while the exact one compiles there (`cover`). Verify programs (speculative decoding) compile
+there ahead of time from abstract shapes (`compile_verify`); the engine takes plain steps meanwhile.
 """
 
 from __future__ import annotations
@@ -19,10 +20,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_nnx.decode.batching import pow2
-from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit
+from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _verify_jit
 from gemma4_nnx.decode.state import DrawConfig, Next
 
-__all__ = ["Compiles", "compiled_programs"]
+__all__ = ["Compiles", "compiled_programs", "verify_width"]
+
+
+def verify_width(ndraft: np.ndarray, k: int) -> int:
+    """The draft columns a verify step runs for proposals of `ndraft` [m] drafts each (at most k): as
+    many as the longest, bucketed to 1, 2, 4, ... (one program each), so a step whose rows propose
+    little costs little."""
+    return min(pow2(int(ndraft.max())), k) if len(ndraft) else 0
+
+
+def _abstract(x):
+    """The shape, dtype and placement of an array: what a program compiled for it is keyed on."""
+    sharding = x.sharding if getattr(x, "_committed", True) else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
 
 
 def compiled_programs() -> dict[str, int]:
@@ -57,19 +71,22 @@ def _listen() -> None:
 # ------------------------------------------------------------------------------------------- the decoder's share
 class Compiles:
     """The compile bookkeeping of a `Decoder` (a mixin: it uses the decoder's `rows`, `mesh`,
-    `config`, `vocab_size`, `stop_width`, `_place`, `build_rows` and `_mask`).
+    `config`, `vocab_size`, `stop_width`, `graphdef`, `weights`, `state`, `_place`, `build_rows` and
+    `_mask`).
 
-    compiles: the programs this decoder had to compile, by kind ("draw (background)": on the helper
-    thread). draw_failures: samplers whose background compile raised (the caller then compiles them
-    itself, and sees the error)."""
+    compiles: the programs this decoder had to compile, by kind ("draw (background)", "verify
+    (background)": on the helper thread). draw_failures / verify_failures: programs whose background
+    compile raised (the caller then compiles them itself, and sees the error)."""
 
     def _init_compiles(self) -> None:
         _listen()
         self.compiles: dict[str, int] = {}
         self._draws_run: set[tuple] = set()  # (cfg, shape key) of every draw program run so far
+        self._verifies_run: set[tuple] = set()  # (cfg, m, width) of every verify program run or compiled
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
         self._compiling: set[tuple] = set()  # (cfg, shapes) jobs queued or running there
         self.draw_failures: set[DrawConfig] = set()
+        self.verify_failures: set[tuple] = set()  # (cfg, m, width) whose background compile raised
         self._stopped = False
 
     def stop_compiling(self) -> None:
@@ -112,6 +129,51 @@ class Compiles:
             return cfg.widest()
         return None
 
+    def verify_ready(self, cfg: DrawConfig, m: int, width: int) -> bool:
+        return (cfg, m, width) in self._verifies_run
+
+    def compile_verify(self, cfg: DrawConfig, m: int, width: int):
+        """Compile the verify program of `cfg` for the first m rows and `width` draft columns on the
+        helper thread, ahead of time from the shapes of the decoder's weights, cache and rows: a verify
+        step rewrites the cache, so unlike a draw it cannot be compiled by running it on placeholders
+        without a second cache. jax's ahead-of-time compile fills the cache its calls look in, so the
+        first real call runs the compiled program. Returns the future, or None (queued already,
+        compiled, or stopped)."""
+        key = (cfg, m, width)
+        job = ("verify", *key)
+        if job in self._compiling or self._stopped or key in self._verifies_run:
+            return None
+        state = self.state
+        args = (
+            cfg,
+            m,
+            self.graphdef,
+            jax.tree.map(_abstract, self.weights),
+            jax.tree.map(_abstract, state.cache),
+            jax.tree.map(_abstract, state.rows),
+            jax.ShapeDtypeStruct((m, width), jnp.int32),
+            jax.ShapeDtypeStruct((m,), jnp.int32),
+        )
+
+        def work() -> None:
+            try:
+                self._run("verify (background)", lambda: _verify_jit.lower(*args).compile())
+                self._verifies_run.add(key)
+            except Exception:
+                self.verify_failures.add(key)  # the caller then compiles it itself, and sees the error
+            finally:
+                self._compiling.discard(job)
+
+        self._compiling.add(job)
+        return self._submit(work)
+
+    def _submit(self, work):
+        if self._background is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="gemma4-compile")
+        return self._background.submit(work)
+
     def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None):
         """Compile the draw program of `cfg` at each shape by running it on placeholder rows (the
         decoder's state is not touched). `background`: on a helper thread (returns its future);
@@ -139,11 +201,7 @@ class Compiles:
         if job in self._compiling or self._stopped:
             return None
         self._compiling.add(job)
-        if self._background is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._background = ThreadPoolExecutor(1, thread_name_prefix="gemma4-compile")
-        return self._background.submit(work)
+        return self._submit(work)
 
     def _placeholder_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
         hidden = self.config.hidden_size

@@ -32,7 +32,7 @@ import numpy as np
 
 from gemma4_nnx.decode.batching import PromptBatch, pow2
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, BlockPool
-from gemma4_nnx.decode.compiles import Compiles, compiled_programs
+from gemma4_nnx.decode.compiles import Compiles, compiled_programs, verify_width
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.programs import (
     _copy_blocks_jit,
@@ -395,9 +395,7 @@ class Decoder(Compiles):
         `speculative_tokens`), ndraft [m] valid drafts per row (0: a plain step for that row). Returns
         the host `Verified` of those m rows."""
         m, k = drafts.shape
-        # Only as many draft columns as the longest proposal (bucketed: 1, 2, 4, ... programs), so a
-        # step whose rows propose little costs little.
-        width = min(pow2(int(ndraft.max())), k) if len(ndraft) else 0
+        width = verify_width(ndraft, k)
         drafts = drafts[:, :width]
         ndraft = np.minimum(ndraft, width)  # a row's proposal beyond the verified columns is not a draft
         k = width
@@ -420,6 +418,7 @@ class Decoder(Compiles):
             jnp.asarray(ndraft, jnp.int32),
         )
         self.state = DecodeState(cache, rows)
+        self._verifies_run.add((cfg, m, k))
         return jax.device_get(out)
 
     def snapshot(self, row: int, length: int) -> Snapshot:

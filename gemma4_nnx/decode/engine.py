@@ -573,7 +573,7 @@ class Engine:
         go on."""
         if req.waiting:
             return False
-        if not self._precompiled or self.drafting is not None or self.decoder.mesh is not None:
+        if not self._precompiled or self.decoder.mesh is not None:
             return True
         cfg = self._config([req.request])
         shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
@@ -790,7 +790,8 @@ class Engine:
         cfg = self._config([self._slots[i].request for i in active])
         if self.drafting is not None:
             histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
-            out, drafted, accepted = self.drafting.step(self.decoder, cfg, histories, m)
+            ahead = self._precompiled and self.decoder.mesh is None
+            out, drafted, accepted = self.drafting.step(self.decoder, cfg, histories, m, compile_ahead=ahead)
             if isinstance(out, Verified):
                 self.stats.verify_steps += 1
                 self.stats.drafted_tokens += drafted
@@ -865,7 +866,7 @@ class Engine:
                     if self.speculative.assistant is not None:
                         self.decoder.draft(m, w)
         rare = None
-        if self.drafting is None and self.decoder.mesh is None:  # what `_sampler_ready` looks for
+        if self.decoder.mesh is None:  # what `_sampler_ready` looks for
             shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
             # every top-k width a request can need (no top-k, the few `TOP_K_WIDTHS`, the vocabulary);
             # a top_k above the last of them is rare, and the vocabulary-wide sampler costs the most to
@@ -884,7 +885,7 @@ class Engine:
                 logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
                 init = self.decoder.build_rows([None] * kb)
                 self.decoder.draw(greedy, logits, idx, init)
-        if self.drafting is None and self.decoder.mesh is None:
+        if self.decoder.mesh is None:
             # on the helper thread once serving starts, last so they do not slow the compiles above:
             # the vocabulary-wide superset, then (with a tokenizer: grammars need one) the
             # constrained supersets of every width, for response_format / tools requests

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from gemma4_nnx.decode.batching import pow2
+from gemma4_nnx.decode.compiles import verify_width
 from gemma4_nnx.decode.errors import RequestError
 
 __all__ = ["Drafting", "NgramDrafter", "SpeculativeConfig", "speculative_config"]
@@ -186,9 +187,12 @@ class Drafting:
         self.rate[row] = self.prior
         self.drafted[row] = self.accepted[row] = 0
 
-    def step(self, decoder, cfg, histories: Mapping[int, Sequence[int]], m: int):
+    def step(self, decoder, cfg, histories: Mapping[int, Sequence[int]], m: int, compile_ahead: bool = False):
         """One step of the first m rows of `decoder` (`core.Decoder`): draft for the running rows
         `histories` (row -> tokens so far), choose the width, then verify, or take a plain step.
+        `compile_ahead` (the engine after its precompile): a verify program not compiled yet is
+        compiled on the decoder's helper thread while this step is a plain one (greedy rows: the same
+        tokens; sampled rows: the same distribution), so no step waits for a compile.
         Returns (the step's `Verified` or `Drawn`, drafts verified, drafts accepted)."""
         running = list(histories)
         if self.drafter is None:  # the assistant: k drafts for every running row, made on the device
@@ -197,9 +201,15 @@ class Drafting:
         else:
             drafts, counts = self.propose(histories, m)
         width = self.choose_width(counts, running, m)
+        if width and compile_ahead:
+            columns = verify_width(np.minimum(counts, width), width)
+            if not decoder.verify_ready(cfg, m, columns) and (cfg, m, columns) not in decoder.verify_failures:
+                decoder.compile_verify(cfg, m, columns)
+                width = 0
         t0 = time.perf_counter()
         if not width:
-            out = decoder.step(cfg, m)
+            shape = (m, m != decoder.rows, False)
+            out = decoder.step((decoder.cover(cfg, shape) if compile_ahead else None) or cfg, m)
             self.timed(time.perf_counter() - t0, m)
             return out, 0, 0
         counts = np.minimum(counts, width)
