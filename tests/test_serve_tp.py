@@ -52,8 +52,10 @@ def post(port, body):
     return r.status, json.loads(r.read())
 
 def serve(tp):
+    # a precompile (for the new-setting check) on one device and TP=2; TP=8 compiles on first use
+    precompile = ["--precompile", "8"] if tp < 8 else ["--precompile"]
     args = build_parser().parse_args([ckpt, "--tensor-parallel-size", str(tp), "--max-batch", "4",
-                                      "--max-length", "64", "--precompile"])
+                                      "--max-length", "64", *precompile])
     engine = make_engine(args)
     port = free_port()
     config = uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="warning")
@@ -96,6 +98,15 @@ for tp in (1, 2, 8):
     threads = [threading.Thread(target=one, args=(i, b)) for i, b in enumerate(REQUESTS)]
     [t.start() for t in threads]
     [t.join() for t in threads]
+    deadline = time.time() + 300  # the supersets the precompile queued on the helper thread
+    while engine.decoder._compiling and time.time() < deadline:
+        time.sleep(0.05)
+    before = dict(engine.decoder.compiles)
+    status, out = post(port, {"model": "tiny", "prompt": "a new sampler", "max_tokens": 8, "seed": 2,
+                              "temperature": 0.8, "top_k": 3, "ignore_eos": True})
+    assert status == 200, out
+    new_setting = {"text": out["choices"][0]["text"],
+                   "draw_compiles": engine.decoder.compiles.get("draw", 0) - before.get("draw", 0)}
     leaves = jax.tree_util.tree_leaves(engine.decoder.state.cache)  # the live cache (each step donates it)
     weights = jax.tree_util.tree_leaves(engine.decoder.weights)
     report[str(tp)] = {
@@ -107,6 +118,7 @@ for tp in (1, 2, 8):
         "cache_arrays": len(leaves),
         "weights_split": sum(1 for x in weights if not x.sharding.is_fully_replicated),
         "compiled": engine.compiled_programs(),
+        "new_setting": new_setting,
     }
     server.should_exit = True
     engine.close()
@@ -149,3 +161,16 @@ def test_tensor_parallel_engine_compiles_one_decode_program_per_row_count(report
     power-of-two row count (1, 2, 4 with max_batch 4)."""
     for tp in ("1", "2", "8"):
         assert report[tp]["compiled"]["decode"] <= 3, report[tp]["compiled"]
+
+
+def test_tensor_parallel_new_sampling_settings_compile_off_the_serving_thread(report):
+    """After the precompile, a request with a top_k no sampler was compiled for is served by its
+    width's superset sampler while its own compiles on the helper thread, ahead of time (nothing runs
+    there, so it is safe beside multi-device programs): the engine thread compiles no draw program,
+    on one device and on two; the seeded text is the same on each, and on eight devices without a
+    precompile (its engine thread compiles the sampler on first use)."""
+    for tp in ("1", "2"):
+        assert report[tp]["new_setting"]["draw_compiles"] == 0, (tp, report[tp]["new_setting"])
+    assert report["8"]["new_setting"]["draw_compiles"] > 0
+    for tp in ("2", "8"):
+        assert report[tp]["new_setting"]["text"] == report["1"]["new_setting"]["text"]

@@ -5,7 +5,8 @@ programs compiled off the caller's thread.
 counts its own (`Decoder.compiles`, by kind) from jax's lowering events on the thread that runs it.
 
 `Compiles` (mixed into `Decoder`) also keeps which draw programs have run and a one-thread pool
-that compiles more by running them on placeholder rows: the engine serves a request whose exact
+that compiles more ahead of time, from the shapes and placements of placeholder rows (nothing runs
+there, so it is safe beside multi-device programs): the engine serves a request whose exact
 sampler has not compiled yet with the precompiled `DrawConfig.widest()` of its top-k width (same
 tokens) while the exact one compiles there (`cover`). Verify programs (speculative decoding) compile
 there ahead of time from abstract shapes (`compile_verify`); the engine takes plain steps meanwhile.
@@ -124,7 +125,7 @@ class Compiles:
         ready (the caller compiles)."""
         if self.draw_ready(cfg, shape):
             return cfg
-        if self.mesh is None and cfg not in self.draw_failures and self.draw_ready(cfg.widest(), shape):
+        if cfg not in self.draw_failures and self.draw_ready(cfg.widest(), shape):
             self.compile_draws(cfg, [shape], background=True)
             return cfg.widest()
         return None
@@ -175,7 +176,7 @@ class Compiles:
         return self._background.submit(work)
 
     def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None):
-        """Compile the draw program of `cfg` at each shape by running it on placeholder rows (the
+        """Compile the draw program of `cfg` at each shape, ahead of time from placeholder rows (the
         decoder's state is not touched). `background`: on a helper thread (returns its future);
         `then()` runs after the last one."""
 
@@ -204,11 +205,12 @@ class Compiles:
         return self._submit(work)
 
     def _placeholder_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
+        """Compile the draw program of `cfg` at this shape ahead of time, from placeholders placed as
+        the real arguments are (nothing runs: safe beside multi-device programs on the caller's thread)."""
         hidden = self.config.hidden_size
         nxt = self._place(Next(jnp.zeros((n, self.vocab_size), jnp.float32), jnp.zeros((n, hidden), jnp.float32)))
         rows = self._place(self.build_rows([None] * self.rows))
         idx = jnp.asarray(np.arange(n) % self.rows, jnp.int32) if indexed else None
         start = self._place(self.build_rows([None] * n)) if init else None
-        jax.block_until_ready(
-            self._run("draw (background)", _draw_jit, cfg, rows, idx, nxt, start, self._mask(cfg, n, None))
-        )
+        args = jax.tree.map(_abstract, (rows, idx, nxt, start, self._mask(cfg, n, None)))
+        self._run("draw (background)", lambda: _draw_jit.lower(cfg, *args).compile())

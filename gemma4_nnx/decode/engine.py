@@ -573,7 +573,7 @@ class Engine:
         go on."""
         if req.waiting:
             return False
-        if not self._precompiled or self.decoder.mesh is not None:
+        if not self._precompiled:
             return True
         cfg = self._config([req.request])
         shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
@@ -790,8 +790,9 @@ class Engine:
         cfg = self._config([self._slots[i].request for i in active])
         if self.drafting is not None:
             histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
-            ahead = self._precompiled and self.decoder.mesh is None
-            out, drafted, accepted = self.drafting.step(self.decoder, cfg, histories, m, compile_ahead=ahead)
+            out, drafted, accepted = self.drafting.step(
+                self.decoder, cfg, histories, m, compile_ahead=self._precompiled
+            )
             if isinstance(out, Verified):
                 self.stats.verify_steps += 1
                 self.stats.drafted_tokens += drafted
@@ -865,17 +866,15 @@ class Engine:
                     self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.full((m,), w, np.int32))
                     if self.speculative.assistant is not None:
                         self.decoder.draft(m, w)
-        rare = None
-        if self.decoder.mesh is None:  # what `_sampler_ready` looks for
-            shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
-            # every top-k width a request can need (no top-k, the few `TOP_K_WIDTHS`, the vocabulary);
-            # a top_k above the last of them is rare, and the vocabulary-wide sampler costs the most to
-            # compile (+60% of a 270M precompile): it compiles on the helper thread while serving starts
-            # (below, after the prefills)
-            rare = self.vocab_size if self.vocab_size > max(TOP_K_WIDTHS) else None
-            widths = {0, *(top_k_width(w, self.vocab_size) for w in (*TOP_K_WIDTHS, self.vocab_size))}
-            for width in sorted(widths - {rare}):
-                self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
+        # what `_sampler_ready` looks for: every top-k width a request can need (no top-k, the few
+        # `TOP_K_WIDTHS`, the vocabulary); a top_k above the last of them is rare, and the
+        # vocabulary-wide sampler costs the most to compile (+60% of a 270M precompile): it compiles on
+        # the helper thread while serving starts (below, after the prefills)
+        shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
+        rare = self.vocab_size if self.vocab_size > max(TOP_K_WIDTHS) else None
+        widths = {0, *(top_k_width(w, self.vocab_size) for w in (*TOP_K_WIDTHS, self.vocab_size))}
+        for width in sorted(widths - {rare}):
+            self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
         if prompt_lengths == "all":  # every prompt bucket a request can meet
             prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
         joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
@@ -885,12 +884,11 @@ class Engine:
                 logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
                 init = self.decoder.build_rows([None] * kb)
                 self.decoder.draw(greedy, logits, idx, init)
-        if self.decoder.mesh is None:
-            # on the helper thread once serving starts, last so they do not slow the compiles above:
-            # the vocabulary-wide superset, then (with a tokenizer: grammars need one) the
-            # constrained supersets of every width, for response_format / tools requests
-            later = [DrawConfig(RowFeatures(top_k=rare), logprobs=True)] if rare is not None else []
-            if self.tokenizer is not None:
-                later += [DrawConfig(RowFeatures(top_k=w), logprobs=True, constrained=True) for w in sorted(widths)]
-            for cfg in later:
-                self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled)
+        # on the helper thread once serving starts, last so they do not slow the compiles above: the
+        # vocabulary-wide superset, then (with a tokenizer: grammars need one) the constrained supersets
+        # of every width, for response_format / tools requests
+        later = [DrawConfig(RowFeatures(top_k=rare), logprobs=True)] if rare is not None else []
+        if self.tokenizer is not None:
+            later += [DrawConfig(RowFeatures(top_k=w), logprobs=True, constrained=True) for w in sorted(widths)]
+        for cfg in later:
+            self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled)
