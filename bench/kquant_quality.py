@@ -105,6 +105,7 @@ def main(argv=None) -> int:
 
     src = real270m.gguf_file(a.gguf)
     work = a.work or tempfile.mkdtemp(prefix="bench-kquant-")
+    os.makedirs(work, exist_ok=True)
     f32 = os.path.join(work, "f32.gguf")
     if not os.path.exists(f32):
         write_f32_gguf(src, f32)
