@@ -486,9 +486,10 @@ def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
     """Perplexity of the 270M on tests/data/public_domain.txt (Lincoln, Dickens, Austen, the Declaration
     of Independence, Melville, Tolstoy in Garnett's translation: 832 tokens scored) for the float32
     import, the GGUF's own blocks (`--quantize keep`, the default) and our int8 / int4 of the float
-    weights. keep is the float import up to float32 summation order; int8 costs little; int4 of every
-    projection (requantizing weights the GGUF holds mostly at 5-8 bits) costs a lot on a model this
-    small (measured 23.3 against 4.93): bounded so that a broken int4 path (hundreds) fails."""
+    weights, and our q4_k_m of them. keep is the float import up to float32 summation order; int8 and
+    q4_k_m cost little; int4 of every projection (requantizing weights the GGUF holds mostly at 5-8
+    bits) costs a lot on a model this small (measured 23.3 against 4.93): bounded so that a broken
+    int4 path (hundreds) fails."""
     from gemma4_nnx.io.checkpoint import load
     from gemma4_nnx.io.convert import convert
     from gemma4_nnx.train.finetune import perplexity
@@ -499,11 +500,15 @@ def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
     ids = tok.encode(open(os.path.join(root, "data", "public_domain.txt"), encoding="utf-8").read())
     out = tmp_path_factory.mktemp("ppl")
     ppl = {"keep": perplexity(load(real_checkpoint), ids)}
-    for mode in ("none", "int8", "int4"):
+    for mode in ("none", "q4_k_m", "int8", "int4"):
         ckpt = convert(pkg.assemble(), out / mode, dtype="float32", quantize=mode, progress=False)
         ppl[mode] = perplexity(load(ckpt), ids)
     print("perplexity:", json.dumps({k: round(v, 3) for k, v in ppl.items()}))
     assert ppl["none"] < 30, ppl  # the model reads English (a broken model scores in the thousands)
     assert abs(ppl["keep"] / ppl["none"] - 1) < 1e-4, ppl
     assert abs(ppl["int8"] / ppl["none"] - 1) < 0.02, ppl
+    # q4_k_m requantizes floats that are themselves the file's Q4_K_M blocks dequantized: llama.cpp's
+    # recipe nearly reproduces them (measured 0.9998x; bench/kquant_quality.py: llama.cpp's own
+    # requantization writes the same bytes); Q4_0-like int4 cannot (4.7x)
+    assert abs(ppl["q4_k_m"] / ppl["none"] - 1) < 0.01, ppl
     assert ppl["none"] < ppl["int4"] < 6 * ppl["none"], ppl
