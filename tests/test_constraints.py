@@ -155,13 +155,13 @@ def test_new_settings_and_grammars_wait_for_no_compile(setup):
     while engine.decoder._compiling and time.time() < deadline:
         time.sleep(0.05)  # the supersets queued on the helper thread at start-up
     assert not engine.decoder._compiling
-    gate, held = threading.Event(), engine.decoder._placeholder_draw
+    gate, held = threading.Event(), engine.decoder._compile_draw
 
     def hold(*args):
         gate.wait(120)
         return held(*args)
 
-    engine.decoder._placeholder_draw = hold  # the helper thread compiles nothing until the gate opens
+    engine.decoder._compile_draw = hold  # the helper thread compiles nothing until the gate opens
     try:
         before = engine.decoder.compiles.get("draw", 0)
         got = run(engine)
@@ -170,7 +170,7 @@ def test_new_settings_and_grammars_wait_for_no_compile(setup):
         assert queued, "no exact sampler was queued for the helper thread"
     finally:
         calls = []  # the helper's draws from now on (the one it is held in is not one)
-        engine.decoder._placeholder_draw = lambda *a: calls.append(a) or hold(*a)
+        engine.decoder._compile_draw = lambda *a: calls.append(a) or hold(*a)
         engine.close()  # with the helper still held in its first job
         gate.set()
     # closing dropped the queued jobs: once the gate opens the helper ends the job it was held in and

@@ -276,7 +276,7 @@ def test_a_failing_background_compile_does_not_strand_the_request(model):
         def broken(*args):
             raise RuntimeError("no compiler here")
 
-        engine.decoder._placeholder_draw = broken
+        engine.decoder._compile_draw = broken
         assert model.config.vocab_size > 100
         kw = dict(temperature=0.9, top_k=100, seed=2)
         req = engine.submit(PROMPTS[1], 6, stop_tokens=[], **kw)

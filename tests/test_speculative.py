@@ -279,8 +279,9 @@ def test_new_sampling_settings_compile_their_verify_program_ahead(models):
     requests with settings no verify program was compiled for (top_logprobs; a sampled top-k) take
     plain steps while their verify programs compile on the helper thread, ahead of time from the
     shapes: the engine thread compiles no verify and no draw program. Greedy rows keep the plain
-    greedy tokens (and alternatives); sampled rows finish. Once compiled, the same settings verify, and
-    the first real call of the program compiles nothing (jax's cache holds the ahead-of-time one)."""
+    greedy tokens, each with its alternatives; sampled rows finish. Once compiled, the same settings
+    verify, and the first real call of the program compiles nothing (jax's cache holds the
+    ahead-of-time one)."""
     import time
 
     from gemma4_nnx import Engine
@@ -306,21 +307,21 @@ def test_new_sampling_settings_compile_their_verify_program_ahead(models):
     try:
         settle()
         before = dict(engine.decoder.compiles)
-        steps = engine.stats.verify_steps
         events, sampled = run()
         assert [[ev.token for ev in evs if ev.token is not None] for evs in events] == plain
         assert all(ev.top for evs in events for ev in evs if ev.token is not None)
         assert len(sampled) == n
-        after = engine.decoder.compiles
+        after = dict(engine.decoder.compiles)
         assert after.get("verify", 0) == before.get("verify", 0), (before, after)
         assert after.get("draw", 0) == before.get("draw", 0), (before, after)
-        settle()
-        assert after.get("verify (background)", 0) > before.get("verify (background)", 0), after
+        settle()  # the verify programs those steps queued
+        done = engine.decoder.compiles
+        assert done.get("verify (background)", 0) > before.get("verify (background)", 0), done
         assert not engine.decoder.verify_failures
         ready = engine.stats.verify_steps
         events, _ = run()  # now verified, with the programs compiled ahead of time
         assert [[ev.token for ev in evs if ev.token is not None] for evs in events] == plain
-        assert engine.stats.verify_steps > ready >= steps
+        assert engine.stats.verify_steps > ready
         assert engine.decoder.compiles.get("verify", 0) == before.get("verify", 0), engine.decoder.compiles
     finally:
         engine.close()

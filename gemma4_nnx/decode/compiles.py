@@ -185,7 +185,7 @@ class Compiles:
                 for shape in shapes:
                     key = self._draw_key(cfg, *shape)
                     if key not in self._draws_run:
-                        self._placeholder_draw(cfg, *shape)
+                        self._compile_draw(cfg, *shape)
                         self._draws_run.add(key)
             except Exception:
                 self.draw_failures.add(cfg)  # the caller then compiles it itself, and sees the error
@@ -204,7 +204,7 @@ class Compiles:
         self._compiling.add(job)
         return self._submit(work)
 
-    def _placeholder_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
+    def _compile_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
         """Compile the draw program of `cfg` at this shape ahead of time, from placeholders placed as
         the real arguments are (nothing runs: safe beside multi-device programs on the caller's thread)."""
         hidden = self.config.hidden_size

@@ -258,21 +258,21 @@ def _q4_k_m_mix(items) -> dict[str, str]:
         return int(m.group(1)) if m else 0
 
     items = [(entry, info) for entry, info in items if _quantizable_matrix(entry, info)]
-    names = [entry.hf_name for entry, _ in items]
     moe = any(entry.transform == "T021" for entry, _ in items)
+    roles = ("v_proj", "down_proj")
+    role_of = {e.hf_name: next((r for r in roles if f".{r}" in e.hf_name), None) for e, _ in items}
+    ordered = {r: sorted((n for n, x in role_of.items() if x == r), key=layer) for r in roles}
     mix = {}
     for entry, info in items:
-        name, cols = entry.hf_name, info.shape[-1]
+        name, cols, role = entry.hf_name, info.shape[-1], role_of[entry.hf_name]
         if name.endswith("embed_tokens.weight"):
             mix[name] = q4_k_m_type("embed", cols=cols)
-            continue
-        role = next((r for r in ("v_proj", "down_proj") if f".{r}" in name), None)
-        if role is None:
+        elif role is None:
             mix[name] = q4_k_m_type("other", cols=cols)
-            continue
-        same = sorted((n for n in names if f".{role}" in n), key=layer)
-        index = layer(name) if moe and role == "down_proj" else same.index(name)
-        mix[name] = q4_k_m_type(role, index, len(same), cols)
+        else:
+            same = ordered[role]
+            index = layer(name) if moe and role == "down_proj" else same.index(name)
+            mix[name] = q4_k_m_type(role, index, len(same), cols)
     return mix
 
 
