@@ -5,9 +5,10 @@ loaders use, so export cannot drift from import. LoRA wrappers are merged on the
 not modified); a quantized PLE table is dequantized (lossy by the quantization error). The result
 loads with `transformers.Gemma4ForCausalLM.from_pretrained(out_dir)`.
 
-Command: ``gemma4-export CKPT OUT [--dtype bfloat16] [--adapters DIR] [--format hf|hf-google|gm]`` where
+Command: ``gemma4-export CKPT OUT [--dtype bfloat16] [--adapters DIR] [--format hf|hf-google|gm|gguf]`` where
 CKPT is a converted checkpoint (`gemma4-convert`) or an HF directory. ``--format hf-google`` writes Google's
-multimodal layout (`to_hf(..., layout="google")`), ``--format gm`` a gm checkpoint (`gemma4_nnx.io.gm`).
+multimodal layout (`to_hf(..., layout="google")`), ``--format gm`` a gm checkpoint (`gemma4_nnx.io.gm`),
+``--format gguf [--quantize f32|f16|bf16|q8_0|q4_k_m]`` one GGUF file for llama.cpp (`gemma4_nnx.io.gguf_export`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from gemma4_nnx.io.gguf_export import GGUF_TYPES, to_gguf
 from gemma4_nnx.io.gm import to_gm
 from gemma4_nnx.io.loader import load_any
 from gemma4_nnx.io.tensors import DTYPE_NAMES, exportable_towers, hf_tensors, write_safetensors
@@ -41,7 +43,7 @@ COPY_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-FORMATS = ("hf", "hf-google", "gm")  # `gemma4-export --format`
+FORMATS = ("hf", "hf-google", "gm", "gguf")  # `gemma4-export --format`
 
 
 def google_config(config) -> dict:
@@ -139,7 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="hf",
         choices=FORMATS,
         help="hf: Gemma4ForCausalLM (transformers); hf-google: Google's multimodal layout (tunix, "
-        "Gemma4ForConditionalGeneration); gm: an Orbax checkpoint for gm.ckpts.load_params (gemma==4.0.1)",
+        "Gemma4ForConditionalGeneration); gm: an Orbax checkpoint for gm.ckpts.load_params (gemma==4.0.1); "
+        "gguf: one .gguf file (OUT) for llama.cpp, Ollama, LM Studio",
+    )
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=sorted(GGUF_TYPES),
+        help="--format gguf only: f32 (default), f16, bf16, q8_0 or q4_k_m (llama.cpp's mix)",
     )
     return p
 
@@ -152,7 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             from gemma4_nnx.train.finetune import load_adapters, merge_lora
 
             merge_lora(load_adapters(model, args.adapters))
-        if args.format == "gm":
+        if args.quantize and args.format != "gguf":
+            raise ValueError("--quantize applies to --format gguf only")
+        if args.format == "gguf":
+            if args.dtype:
+                raise ValueError("--dtype does not apply to --format gguf; use --quantize f32|f16|bf16|q8_0|q4_k_m")
+            out = to_gguf(model, args.out, tokenizer_dir=args.ckpt, quantize=args.quantize or "f32")
+        elif args.format == "gm":
             out = to_gm(model, args.out, dtype=args.dtype)
         else:
             layout = "google" if args.format == "hf-google" else "hf"

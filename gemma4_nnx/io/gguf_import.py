@@ -64,10 +64,28 @@ GGUF_TO_HF: dict[str, str] = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    # Gemma 4 (`gemma4`): per-layer embeddings, layer_scalar, the MoE block (llama.cpp's converter moves
+    # `router.scale` to `ffn_gate_inp.scale` and `router.per_expert_scale` to `ffn_down_exps.scale`)
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+    "blk.{i}.layer_output_scale.weight": "model.layers.{i}.layer_scalar",
+    "blk.{i}.inp_gate.weight": "model.layers.{i}.per_layer_input_gate.weight",
+    "blk.{i}.proj.weight": "model.layers.{i}.per_layer_projection.weight",
+    "blk.{i}.post_norm.weight": "model.layers.{i}.post_per_layer_input_norm.weight",
+    "blk.{i}.post_ffw_norm_1.weight": "model.layers.{i}.post_feedforward_layernorm_1.weight",
+    "blk.{i}.pre_ffw_norm_2.weight": "model.layers.{i}.pre_feedforward_layernorm_2.weight",
+    "blk.{i}.post_ffw_norm_2.weight": "model.layers.{i}.post_feedforward_layernorm_2.weight",
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.router.proj.weight",
+    "blk.{i}.ffn_gate_inp.scale": "model.layers.{i}.router.scale",
+    "blk.{i}.ffn_down_exps.scale": "model.layers.{i}.router.per_expert_scale",
+    "blk.{i}.ffn_gate_up_exps.weight": "model.layers.{i}.experts.gate_up_proj",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.experts.down_proj",
 }
+ARCHITECTURES = ("gemma3", "gemma4")
 
 _MARKER = "gguf_import.json"  # written last: a directory without it is incomplete
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: Gemma 4 files
 _SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6  # = GGUF token types
 
 
@@ -99,14 +117,22 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 # ---------------------------------------------------------------------------- config
-def hf_config_from_gguf(reader) -> dict[str, Any]:
-    """The HF `config.json` dict (`Gemma3ForCausalLM`, model_type `gemma3_text`) of a Gemma 3 GGUF."""
+def architecture(reader) -> str:
+    """The file's `general.architecture`, checked to be one this import reads."""
     arch = _field(reader, "general.architecture")
-    if arch != "gemma3":
+    if arch not in ARCHITECTURES:
+        hint = " (an MTP drafter: not read from GGUF yet)" if arch == "gemma4-assistant" else ""
         raise ValueError(
-            f"GGUF architecture is {arch!r}; only Gemma 3 ('gemma3') GGUF files can be imported "
-            "(there is no llama.cpp Gemma 4 format to read)"
+            f"GGUF architecture is {arch!r}{hint}; only Gemma 3 ('gemma3') and Gemma 4 ('gemma4') GGUF "
+            "files can be imported"
         )
+    return arch
+
+
+def hf_config_from_gguf(reader) -> dict[str, Any]:
+    """The HF `config.json` dict of a Gemma 3 (`Gemma3ForCausalLM`) or Gemma 4 (`Gemma4ForCausalLM`) GGUF."""
+    if architecture(reader) == "gemma4":
+        return _gemma4_config(reader).to_hf_dict()
 
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"gemma3.{key}", default)
@@ -162,6 +188,90 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
     }
 
 
+def _per_layer(value, n: int) -> list:
+    """A GGUF hyperparameter that is one value for every layer or an array of one per layer."""
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * n
+
+
+def _gemma4_config(reader):
+    """`Gemma4Config` of a `gemma4` GGUF, from the keys llama.cpp's converter writes (and reads back in
+    `llama_model_gemma4::load_arch_hparams`) and from which tensors the file holds:
+
+    - head dims: `key_length` is the full layers' (`global_head_dim`), `key_length_swa` the sliding ones';
+      KV heads and MLP widths are per-layer arrays (`use_double_wide_mlp`: the KV-shared layers' width
+      doubles);
+    - the full layers' proportional RoPE is llama.cpp's `rope_freqs` tensor: factor 1 on the rotated
+      frequency pairs, 1e30 (no rotation) on the rest, so `partial_rotary_factor` = 2 * ones / head dim;
+    - `attention_k_eq_v` (31B): full layers with a K but no V projection.
+    """
+    from gemma4_nnx.config import Gemma4Config, RopeSpec
+    from gemma4_nnx.config.text import FULL, SLIDING
+
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"gemma4.{key}", default)
+
+    n = int(get("block_count"))
+    names = {t.name: t for t in reader.tensors}
+    pattern = get("attention.sliding_window_pattern")
+    if not isinstance(pattern, (list, tuple)) or len(pattern) != n:
+        raise ValueError("GGUF: gemma4.attention.sliding_window_pattern must hold one flag per layer")
+    layer_types = tuple(SLIDING if s else FULL for s in pattern)
+    kv = _per_layer(get("attention.head_count_kv"), n)
+    ff = _per_layer(get("feed_forward_length"), n)
+    shared = int(get("attention.shared_kv_layers", 0) or 0)
+    sliding_kv = next((k for k, t in zip(kv, layer_types) if t == SLIDING), kv[0])
+    full_kv = next((k for k, t in zip(kv, layer_types) if t == FULL), sliding_kv)
+    head_dim, global_head_dim = int(get("attention.key_length_swa")), int(get("attention.key_length"))
+    full = [i for i, t in enumerate(layer_types) if t == FULL]
+    partial = 1.0
+    if "rope_freqs.weight" in names:
+        factors = np.asarray(names["rope_freqs.weight"].data, np.float32)
+        partial = 2 * int(np.sum(factors == 1.0)) / global_head_dim
+    experts = int(get("expert_count", 0) or 0)
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    ple = int(get("embedding_length_per_layer_input", 0) or 0)
+    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 1))
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    softcap = get("final_logit_softcapping")
+    config = Gemma4Config(
+        vocab_size=len(tokens.data),
+        hidden_size=int(get("embedding_length")),
+        intermediate_size=ff[0],
+        num_hidden_layers=n,
+        num_attention_heads=_per_layer(get("attention.head_count"), n)[0],
+        num_key_value_heads=sliding_kv,
+        num_global_key_value_heads=full_kv if full_kv != sliding_kv else None,
+        head_dim=head_dim,
+        global_head_dim=global_head_dim,
+        layer_types=layer_types,
+        sliding_window=int(get("attention.sliding_window")),
+        rope_sliding=RopeSpec("default", float(get("rope.freq_base_swa", 10_000.0))),
+        rope_full=RopeSpec("proportional", float(get("rope.freq_base", 1_000_000.0)), partial),
+        rms_norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),
+        final_logit_softcapping=None if softcap is None else float(f"{float(softcap):.6g}"),
+        attention_k_eq_v=bool(full) and all(f"blk.{i}.attn_v.weight" not in names for i in full),
+        num_kv_shared_layers=shared,
+        use_double_wide_mlp=shared > 0 and ff[-1] == 2 * ff[0],
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=(int(names["per_layer_token_embd.weight"].shape[1]) if ple else len(tokens.data)),
+        enable_moe_block=experts > 0,
+        num_experts=experts or None,
+        top_k_experts=int(get("expert_used_count")) if experts else None,
+        moe_intermediate_size=int(get("expert_feed_forward_length")) if experts else None,
+        max_position_embeddings=int(get("context_length", 131_072)),
+        pad_token_id=int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
+        eos_token_id=(eos,) if eot is None or int(eot) == eos else (eos, int(eot)),
+        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
+    )
+    derived = ([s.num_kv_heads for s in config.layers], [s.mlp_width for s in config.layers])
+    if derived != (kv, ff):
+        raise ValueError(
+            "GGUF: the per-layer KV heads / MLP widths (gemma4.attention.head_count_kv, "
+            f"gemma4.feed_forward_length: {kv}, {ff}) are not a Gemma 4 layout (derived: {derived})"
+        )
+    return config
+
+
 # ---------------------------------------------------------------------------- tensors
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in GGUF_TO_HF:
@@ -175,34 +285,52 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def hf_tensors_from_gguf(reader, dtype=np.float32) -> dict[str, np.ndarray]:
-    """Every GGUF tensor dequantized, renamed to HF and with norms in HF's (1 + w) storage (w = x - 1).
+    """Every GGUF tensor dequantized and renamed to HF; Gemma 3 norms in HF's (1 + w) storage (w = x - 1),
+    Gemma 4's as stored (its norms multiply by w).
 
     Raises one ValueError listing every tensor it cannot place.
     """
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
+    gemma3 = architecture(reader) == "gemma3"
     out: dict[str, np.ndarray] = {}
+    split_experts: dict[str, dict[str, np.ndarray]] = {}
     unknown = []
     for t in reader.tensors:
         name = _hf_name(t.name)
+        parts = t.name.split(".")
+        if t.name == "rope_freqs.weight" and not gemma3:
+            continue  # the full layers' proportional RoPE, read into the config (`_gemma4_config`)
+        if name is None and parts[-2:-1] in (["ffn_gate_exps"], ["ffn_up_exps"]) and not gemma3:
+            split_experts.setdefault(parts[1], {})[parts[-2]] = dequantized(t)  # older files: fused below
+            continue
         if name is None:
             if t.name == "output.weight":  # an untied LM head would be a different model
                 unknown.append(f"{t.name} (untied output head; Gemma ties it to token_embd)")
             else:
                 unknown.append(t.name)
             continue
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            x = np.asarray(t.data)
-        else:
-            x = dequantize(t.data, t.tensor_type)
-        x = np.asarray(x, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        if name.endswith("norm.weight"):
+        x = dequantized(t)
+        if gemma3 and name.endswith("norm.weight"):
             x = x - np.float32(1.0)
         out[name] = np.ascontiguousarray(x.astype(dtype))
+    for i, pair in split_experts.items():  # HF's gate_up_proj [E, 2F, D] is gate rows, then up rows
+        out[f"model.layers.{i}.experts.gate_up_proj"] = np.concatenate(
+            [pair["ffn_gate_exps"], pair["ffn_up_exps"]], axis=1
+        ).astype(dtype)
     if unknown:
-        raise ValueError(f"GGUF tensors with no Gemma 3 HF name: {unknown}")
+        raise ValueError(f"GGUF tensors with no Gemma HF name: {unknown}")
     return out
+
+
+def dequantized(t) -> np.ndarray:
+    """A GGUF tensor as float32 in HF layout (GGUF lists dimensions innermost first)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        x = np.asarray(t.data)
+    else:
+        x = dequantize(t.data, t.tensor_type)
+    return np.asarray(x, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
 
 
 # ---------------------------------------------------------------------------- tokenizer
@@ -250,6 +378,51 @@ def tokenizer_model_from_gguf(reader) -> bytes:
     return m.SerializeToString()
 
 
+def tokenizer_json_from_gguf(reader) -> str:
+    """An HF `tokenizer.json` rebuilt from a Gemma 4 GGUF vocabulary (`tokenizer.ggml.model` "gemma4":
+    tokens, types and BPE merges, as llama.cpp's converter writes Gemma 4's own tokenizer.json).
+
+    The model is Gemma 4's: BPE over the whole text with spaces as "▁" (no pre-splitting), byte
+    fallback, and the file's control and user-defined tokens as added tokens, matched in the text
+    before BPE; those written `<...>` (Gemma 4's turn, channel, tool and media markers: llama.cpp types
+    the ones a chat parser must see as user-defined) are special, the rest plain.
+    """
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gemma4":
+        raise ValueError(f"GGUF tokenizer model is {model!r}; expected Gemma 4's BPE vocabulary ('gemma4')")
+    pieces = _field(reader, "tokenizer.ggml.tokens")
+    types = [int(t) for t in _field(reader, "tokenizer.ggml.token_type")]
+    merges = []
+    for m in _field(reader, "tokenizer.ggml.merges") or []:
+        cut = m.find(" ", 1)  # a piece may itself start with a space
+        merges.append((m[:cut], m[cut + 1 :]))
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    vocab = {}
+    for i, piece in enumerate(pieces):
+        vocab.setdefault(piece, i)
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=None if unk is None else pieces[int(unk)],
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    added = [
+        AddedToken(p, special=p.startswith("<") and p.endswith(">"), normalized=False)
+        for p, kind in zip(pieces, types)
+        if kind in (_SP_CONTROL, _SP_USER, _SP_UNKNOWN)
+    ]
+    tok.add_tokens(added)
+    return tok.to_str()
+
+
 # ---------------------------------------------------------------------------- directory
 def gguf_to_hf_dir(
     gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32", verbose: bool = False
@@ -278,7 +451,9 @@ def gguf_to_hf_dir(
         np_dtype = ml_dtypes.bfloat16
     tensors = hf_tensors_from_gguf(reader, np_dtype)
     log(f"dequantized {sum(x.size for x in tensors.values()) / 1e6:.0f}M parameters ({time.time() - t0:.1f}s)")
-    tok = tokenizer_model_from_gguf(reader)
+    gemma4 = architecture(reader) == "gemma4"
+    tok = tokenizer_json_from_gguf(reader).encode() if gemma4 else tokenizer_model_from_gguf(reader)
+    template = _field(reader, "tokenizer.chat_template")
     del reader
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -299,7 +474,9 @@ def gguf_to_hf_dir(
             + "\n",
             encoding="utf-8",
         )
-        (tmp / "tokenizer.model").write_bytes(tok)
+        (tmp / ("tokenizer.json" if gemma4 else "tokenizer.model")).write_bytes(tok)
+        if template:
+            (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         st = gguf_path.stat()
@@ -346,7 +523,8 @@ def _is_current(hf_dir: Path, gguf_path: Path, dtype: str) -> bool:
         and meta.get("source_bytes") == st.st_size
         and meta.get("source_mtime") == st.st_mtime
         and meta.get("dtype") == dtype
-        and all((hf_dir / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.model"))
+        and all((hf_dir / f).is_file() for f in ("config.json", "model.safetensors"))
+        and any((hf_dir / f).is_file() for f in ("tokenizer.model", "tokenizer.json"))
     )
 
 
