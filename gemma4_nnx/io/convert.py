@@ -248,8 +248,9 @@ def _k_quantizing(info: TensorInfo, kind: str, progress: Progress) -> _Quantized
 def _q4_k_m_mix(items) -> dict[str, str]:
     """{HF name: GGUF block type} of llama.cpp's Q4_K_M mix over the plan's matrices
     (`gguf_quantize.q4_k_m_type`): the token table Q6_K; `v_proj` and `down_proj` Q6_K by their place
-    among the model's matrices of that role (with MoE experts, llama.cpp places `down_proj`s by their
-    layer number among all of them, dense and expert); everything else Q4_K; None (float) for a row
+    among the model's matrices of that role (with MoE experts, llama.cpp places each `down_proj`, dense
+    and expert, by its layer number among the layers: what llama-cpp-python 0.3.36's `llama_model_quantize`
+    writes, `bench/gguf_export.py`); everything else Q4_K; None (float) for a row
     width no block divides."""
     from gemma4_nnx.io.gguf_quantize import q4_k_m_type
 
@@ -271,8 +272,11 @@ def _q4_k_m_mix(items) -> dict[str, str]:
             mix[name] = q4_k_m_type("other", cols=cols)
         else:
             same = ordered[role]
-            index = layer(name) if moe and role == "down_proj" else same.index(name)
-            mix[name] = q4_k_m_type(role, index, len(same), cols)
+            if moe and role == "down_proj":  # by layer number among the layers (llama.cpp 0.3.36's files)
+                index, count = layer(name), len({layer(n) for n in same})
+            else:
+                index, count = same.index(name), len(same)
+            mix[name] = q4_k_m_type(role, index, count, cols)
     return mix
 
 

@@ -136,10 +136,11 @@ def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
 
 
 def _block_types(config, tensors: dict[str, np.ndarray], quantize: str) -> dict[str, str]:
-    """{GGUF name: GGML type name} under `quantize`. Vectors, the RoPE factors and the MoE router stay F32
-    (as in llama.cpp's files and our own quantize modes); matrices and expert stacks take the mode's
-    type where their rows are whole blocks, else F16. "q4_k_m" is the converter's mix (`convert._q4_k_m_mix`,
-    llama.cpp's choice per role and place), with the PLE table a token table (Q6_K) as llama.cpp has it."""
+    """{GGUF name: GGML type name} under `quantize`. Vectors, the RoPE factors, the MoE router and the PLE
+    model projection stay F32 (as llama.cpp's `llama_model_quantize` leaves them); matrices and expert
+    stacks take the mode's type where their rows are whole blocks, else F16. "q4_k_m" is the converter's
+    mix (`convert._q4_k_m_mix`, llama.cpp's choice per role and place), with the PLE table a token table
+    (Q6_K) as llama.cpp has it."""
     from types import SimpleNamespace
 
     from gemma4_nnx.io.convert import _q4_k_m_mix
@@ -157,7 +158,7 @@ def _block_types(config, tensors: dict[str, np.ndarray], quantize: str) -> dict[
             mix["per_layer_token_embd.weight"] = q4_k_m_type("embed", cols=ple.shape[-1])
     out = {}
     for name, x in tensors.items():
-        if x.ndim < 2 or quantize == "f32" or ".ffn_gate_inp." in name:
+        if x.ndim < 2 or quantize == "f32" or ".ffn_gate_inp." in name or name == "per_layer_model_proj.weight":
             kind = "F32"
         elif quantize in ("f16", "bf16"):
             kind = quantize.upper()
