@@ -71,6 +71,7 @@ VARIANTS = {
         top_k_experts=2,
         moe_intermediate_size=32,
         num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
         hidden_size_per_layer_input=0,
     ),
 }

@@ -312,7 +312,8 @@ def _gemma4_vocab(tokenizer_dir: Path) -> tuple[list[str], list[int], list[str]]
 
 def _sentencepiece_vocab(tokenizer_dir: Path) -> tuple[list[str], list[int], list[float]]:
     """(pieces, GGUF types, scores) of a SentencePiece `tokenizer.model` (Gemma 3): GGUF's token types are
-    SentencePiece's; user-defined whitespace runs are stored as spaces, as in llama.cpp's Gemma 3 files."""
+    SentencePiece's, except `<unk>` control; user-defined whitespace runs are stored as spaces (both as in
+    llama.cpp's Gemma 3 files: `gguf_import.tokenizer_model_from_gguf` undoes them)."""
     from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
     path = tokenizer_dir / "tokenizer.model"
@@ -326,6 +327,6 @@ def _sentencepiece_vocab(tokenizer_dir: Path) -> tuple[list[str], list[int], lis
         if p.type == _USER and piece and not piece.strip("\u2581"):
             piece = piece.replace("\u2581", " ")
         pieces.append(piece)
-        types.append(int(p.type))
+        types.append(_CONTROL if p.type == _UNKNOWN else int(p.type))  # llama.cpp's Gemma 3 files type <unk> so
         scores.append(float(p.score))
     return pieces, types, scores

@@ -1,0 +1,218 @@
+"""GGUF both ways for Gemma 4 (and Gemma 3 export): `gemma4_nnx.io.gguf_export` and the `gemma4` reader
+of `gemma4_nnx.io.gguf_import`.
+
+References: `gguf`'s own tensor names for the `gemma4` architecture, `gguf`'s dequantizer, the source
+HF weights and config, llama.cpp's converter vocabulary (`gguf.LlamaHfVocab`, which its
+`convert_hf_to_gguf.py` reads Gemma 4's tokenizer.json with) and the `tokenizers` library's encoding
+of the source tokenizer.json. That llama.cpp runs the exports with our logits, and that our quantized
+tensors are byte for byte llama.cpp's own quantization, is `bench/gguf_export.py` (llama.cpp lives in the
+benchmark-only venv).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.helpers import build_hf_json, make_tiny_hf
+
+gguf = pytest.importorskip("gguf")
+
+from gemma4_nnx.io.gguf_export import gguf_tensor_names, to_gguf  # noqa: E402
+from gemma4_nnx.io.gguf_import import dequantized, gguf_to_hf_dir  # noqa: E402
+from gemma4_nnx.io.hf import from_hf  # noqa: E402
+
+#: the variants llama.cpp's gemma4 graph must get right (over tests.helpers.TINY: sliding + full layers,
+#: PLE, KV sharing, double-wide MLP)
+VARIANTS = {
+    "e2b": {},
+    "k_eq_v": dict(
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+        hidden_size_per_layer_input=0,
+    ),
+    "moe": dict(
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+        hidden_size_per_layer_input=0,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    build_hf_json(d / "tokenizer.json")
+    (d / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return d
+
+
+def _vocab(tokenizer_dir) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+
+
+def _tiny(tmp_path, tokenizer_dir, **over):
+    import shutil
+
+    v = _vocab(tokenizer_dir)
+    d = make_tiny_hf(tmp_path / "hf", vocab_size=v, vocab_size_per_layer_input=v, hidden_size=256, **over)
+    for f in ("tokenizer.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / f, os.path.join(d, f))
+    return d, from_hf(d, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gemma4_export_import_round_trip(tmp_path, tokenizer_dir, variant):
+    """F32 export, then import: the same config, every HF tensor bit for bit, the same logits; every
+    tensor named as `gguf`'s MODEL_TENSORS for gemma4 names it, with llama.cpp's shapes."""
+    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS[variant])
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src)
+    reader = gguf.GGUFReader(path)
+    formats = [gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.GEMMA4]]
+    patterns = [re.compile(re.escape(f).replace(r"\{bid\}", r"\d+") + r"\.(weight|scale)") for f in formats]
+    for t in reader.tensors:
+        assert any(p.fullmatch(t.name) for p in patterns), t.name
+    assert reader.fields["general.architecture"].contents() == "gemma4"
+
+    back = gguf_to_hf_dir(path, tmp_path / "back")
+    again = from_hf(back, dtype=jnp.float32)
+    assert again.config == model.config
+    from safetensors.numpy import load_file
+
+    want, got = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11, 400, 13]])
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(model(ids)))
+    if variant == "e2b":  # llama.cpp's proportional RoPE: factor 1 on the rotated pairs, 1e30 on the rest
+        freqs = dequantized(next(t for t in reader.tensors if t.name == "rope_freqs.weight"))
+        rotated = int(model.config.global_head_dim * model.config.rope_full.partial_rotary_factor / 2)
+        want = np.float32([1.0] * rotated + [1e30] * (model.config.global_head_dim // 2 - rotated))
+        np.testing.assert_array_equal(freqs, want)
+
+
+@pytest.mark.parametrize("quantize", ["q8_0", "q4_k_m", "f16"])
+def test_gemma4_quantized_export_blocks_read_back_exactly(tmp_path, tokenizer_dir, quantize):
+    """A quantized export imported with `keep`: each matrix holds exactly `gguf`'s dequantization of the
+    file's blocks (and those blocks are the float weights quantized: their error is the type's)."""
+    from gemma4_nnx.io.convert import convert
+    from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.io.tensors import hf_tensors
+
+    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe" if quantize == "q4_k_m" else "e2b"])
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize=quantize)
+    reader = gguf.GGUFReader(path)
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    assert kinds >= ({"F16"} if quantize == "f16" else {"Q8_0"} if quantize == "q8_0" else {"Q4_K", "Q6_K"})
+    ckpt = convert(path, tmp_path / "ckpt", quantize="keep", ple="none", progress=False)
+    got = hf_tensors(load_any(ckpt, matmul="xla"), np.float32)
+    names = gguf_tensor_names(model.config.num_hidden_layers)
+    source = hf_tensors(model, np.float32)
+    for t in reader.tensors:
+        hf = next((h for h, g in names.items() if g == t.name), None)
+        if hf is None:
+            continue
+        want = dequantized(t)
+        np.testing.assert_array_equal(got[hf], want, err_msg=t.name)
+        if t.tensor_type.name != "F32":  # quantized: within the type's rounding of the source, not equal
+            scale = np.abs(source[hf]).max()
+            assert 0 < np.abs(want - source[hf]).max() <= 0.25 * scale, t.name
+
+
+def test_gemma4_vocab_is_llama_cpp_converters(tmp_path, tokenizer_dir):
+    """The exported vocabulary is what llama.cpp's converter writes from the same tokenizer.json
+    (`gguf.LlamaHfVocab` plus its Gemma 4 override of the visible chat markers), and the tokenizer.json
+    rebuilt on import encodes and decodes text with special tokens as the source does."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from gemma4_nnx.io.gguf_export import VISIBLE_TOKENS
+    from gemma4_nnx.tokenizer import Tokenizer
+
+    src, model = _tiny(tmp_path, tokenizer_dir)
+    import json
+
+    added = json.loads((tokenizer_dir / "tokenizer.json").read_text())["added_tokens"]
+    core = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    extra = [t["content"] for t in added if t["special"] and t["content"] not in core.values()]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **core, "extra_special_tokens": extra}
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(config))  # as Gemma 4's lists its specials
+    ref = gguf.LlamaHfVocab(tmp_path / "hf")
+    ref_tokens, ref_types = [], []
+    for text, _score, kind in ref.all_tokens():
+        ref_tokens.append(text.decode())
+        ref_types.append(int(gguf.TokenType.USER_DEFINED if text.decode() in VISIBLE_TOKENS else kind))
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src)
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == ref_tokens
+    assert [int(x) for x in reader.fields["tokenizer.ggml.token_type"].contents()] == ref_types
+    assert reader.fields["tokenizer.ggml.model"].contents() == "gemma4"
+    assert "{{ bos_token }}" in reader.fields["tokenizer.chat_template"].contents()
+
+    back = gguf_to_hf_dir(path, tmp_path / "back")
+    assert os.path.isfile(os.path.join(back, "chat_template.jinja"))
+    ours, theirs = Tokenizer.from_file(back), HFTokenizer.from_file(os.path.join(src, "tokenizer.json"))
+    samples = [
+        "hello world",
+        "<bos><|turn>user\nWhat is  the   weather?<turn|>\n<|turn>model\n",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+        "<|channel>thought\nnaïve ☃ résumé<channel|>done",
+        "  leading and trailing  ",
+    ]
+    for text in samples:
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_bos=False) == want, text
+        assert ours.decode(want) == theirs.decode(want, skip_special_tokens=False), text
+
+
+@pytest.mark.reference
+def test_gemma3_export_gives_back_the_file(tmp_path):
+    """A Gemma 3 GGUF imported and exported again (F32): the same tensors bit for bit (norms 1 + w), the
+    same vocabulary (pieces, scores, types) and hyperparameters."""
+    from tests.test_gemma3_real import F, S, _tiny_gemma3, _write_tiny_gguf
+
+    hf_model = _tiny_gemma3([S] * 5 + [F], query_pre_attn_scalar=16, vocab=270)
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(hf_model, path)
+    hf_dir = gguf_to_hf_dir(path, tmp_path / "hf")
+    out = to_gguf(from_hf(hf_dir, dtype=jnp.float32), tmp_path / "out.gguf", tokenizer_dir=hf_dir)
+    a, b = gguf.GGUFReader(str(path)), gguf.GGUFReader(out)
+    assert b.fields["general.architecture"].contents() == "gemma3"
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert sorted(ta) == sorted(tb)
+    for name, t in ta.items():
+        np.testing.assert_array_equal(np.asarray(tb[name].data), np.asarray(t.data), err_msg=name)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        assert b.fields[key].contents() == a.fields[key].contents(), key
+    for key, field in a.fields.items():
+        if key.startswith("gemma3.") and key != "gemma3.context_length":
+            assert b.fields[key].contents() == pytest.approx(field.contents()), key
+
+
+def test_export_refuses_bad_input_and_leaves_nothing(tmp_path, tokenizer_dir):
+    from gemma4_nnx.io.export import main
+
+    src, model = _tiny(tmp_path, tokenizer_dir)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="int4")
+    with pytest.raises(ValueError, match=r"tokenizer_dir: .* has no tokenizer\.json"):
+        to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=tmp_path)
+    with pytest.raises(ValueError, match="is a directory"):
+        to_gguf(model, tmp_path, tokenizer_dir=src)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".gguf") or ".tmp-" in f]
+    assert main([src, str(tmp_path / "x"), "--quantize", "q8_0"]) == 2  # --quantize without --format gguf
+    assert main([src, str(tmp_path / "cli.gguf"), "--format", "gguf", "--quantize", "q8_0"]) == 0
+    assert gguf.GGUFReader(str(tmp_path / "cli.gguf")).fields["general.file_type"].contents() == 7
