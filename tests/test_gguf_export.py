@@ -216,3 +216,26 @@ def test_export_refuses_bad_input_and_leaves_nothing(tmp_path, tokenizer_dir):
     assert main([src, str(tmp_path / "x"), "--quantize", "q8_0"]) == 2  # --quantize without --format gguf
     assert main([src, str(tmp_path / "cli.gguf"), "--format", "gguf", "--quantize", "q8_0"]) == 0
     assert gguf.GGUFReader(str(tmp_path / "cli.gguf")).fields["general.file_type"].contents() == 7
+
+
+def test_gemma4_moe_gguf_keeps_expert_blocks(tmp_path, tokenizer_dir):
+    """`--quantize keep` of a MoE GGUF keeps each expert stack's blocks as a quantized stack whose values
+    are `gguf`'s dequantization of the file's blocks, and the model gives the float import's logits."""
+    from gemma4_nnx.io.convert import convert
+    from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.model import quant
+
+    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q8_0")
+    kept = load_any(convert(path, tmp_path / "keep", quantize="keep", progress=False), matmul="xla")
+    floats = load_any(convert(path, tmp_path / "none", quantize="none", dtype="float32", progress=False))
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for layer in (0, 3):
+        for name, gguf_name in (("gate_up", "ffn_gate_up_exps"), ("down", "ffn_down_exps")):
+            stack = getattr(kept.layers[layer].moe.experts, name)
+            assert isinstance(stack, quant.QuantizedStack), name
+            want = dequantized(reader[f"blk.{layer}.{gguf_name}.weight"])  # [E, out, in]
+            np.testing.assert_array_equal(np.asarray(quant.dequantize_matrix(stack)), want)
+    ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
+    # the same values; only the order of float32 sums differs (the dequantized-weight matmul against the float one)
+    np.testing.assert_allclose(np.asarray(kept(ids)), np.asarray(floats(ids)), atol=2e-4)

@@ -219,14 +219,15 @@ def _gguf_kept(tensor, progress: Progress) -> _QuantizedMatrix:
     from gemma4_nnx.io.gguf_blocks import decode_rows, format_of
 
     kind = tensor.tensor_type.name
-    cols, rows = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
+    cols, *inner = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
+    rows, *inner = inner[::-1]  # a matrix [rows, cols], or an expert stack [E, out, in]: rows = E
     raw = np.asarray(tensor.data).reshape(rows, -1)
 
     def decode(a: int, b: int):
-        codes, scales, mins, _ = decode_rows(raw[a:b], kind, cols)
-        return codes, scales, mins
+        parts = decode_rows(raw[a:b].reshape((b - a) * int(np.prod(inner, dtype=int)), -1), kind, cols)[:3]
+        return tuple(None if t is None else t.reshape(b - a, *inner, -1) for t in parts)
 
-    return _QuantizedMatrix(rows, cols, format_of(kind), decode, raw.shape[1], progress)
+    return _QuantizedMatrix(rows, cols, format_of(kind), decode, raw.shape[1], progress, inner)
 
 
 def _k_quantizing(info: TensorInfo, kind: str, progress: Progress) -> _QuantizedMatrix:
@@ -588,10 +589,10 @@ def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept
     if quantize == "none" or found is None:
         return None
     module, stack = found
-    if stack and quantize == "keep":
-        return None  # no imported format holds experts quantized yet
     if quantize == "keep":
         source = kept.get(entry.hf_name)
+        if stack:  # expert stacks: a GGUF's blocks (Gemma 4 26B-A4B files); no other format holds them
+            return None if source is None or isinstance(source, PackedWeight) else _gguf_kept(source, progress)
         if isinstance(source, PackedWeight):  # compressed-tensors
             rows, cols = source.shape
             return _QuantizedMatrix(rows, cols, source.fmt, source.decode, info.nbytes // rows // 4, progress)
