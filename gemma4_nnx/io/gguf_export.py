@@ -40,6 +40,7 @@ __all__ = ["GGUF_TYPES", "gguf_tensor_names", "to_gguf"]
 
 #: `quantize` -> llama.cpp's file type (`general.file_type`)
 GGUF_TYPES = {
+    "keep": "GUESSED",
     "f32": "ALL_F32",
     "f16": "MOSTLY_F16",
     "bf16": "MOSTLY_BF16",
@@ -84,8 +85,9 @@ def to_gguf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike,
     if path.is_dir():
         raise ValueError(f"path: {path} is a directory; pass the .gguf file to write")
     arch = "gemma3" if config.model_family == "gemma3" else "gemma4"
-    tensors = _gguf_tensors(model, arch)
-    types = _block_types(config, tensors, quantize)
+    tensors, dtypes = _gguf_tensors(model, arch)
+    kept = _kept_blocks(model) if quantize == "keep" else {}
+    types = _block_types(config, tensors, quantize, dtypes, kept)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
@@ -94,7 +96,11 @@ def to_gguf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike,
         (_gemma4_metadata if arch == "gemma4" else _gemma3_metadata)(writer, config)
         _write_vocab(writer, config, Path(tokenizer_dir), arch)
         for name, x in tensors.items():
-            data, raw = _encoded(x, types[name])
+            if name in kept:  # the module's own blocks, byte for byte
+                kind, rows = kept[name]
+                data, raw = rows.reshape(*x.shape[:-1], -1), gguf.GGMLQuantizationType[kind]
+            else:
+                data, raw = _encoded(x, types[name])
             writer.add_tensor(name, data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -108,19 +114,21 @@ def to_gguf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike,
 
 
 # ---------------------------------------------------------------------------- tensors
-def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
-    """{GGUF name: float32 array in HF layout}, in llama.cpp's order (global tensors, then by layer)."""
+def _gguf_tensors(model, arch: str) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
+    """({GGUF name: float32 array in HF layout}, {GGUF name: the parameter's own dtype}), in llama.cpp's
+    order (global tensors, then by layer)."""
     from gemma4_nnx.io.tensors import hf_tensors
 
     config = model.config
     names = gguf_tensor_names(config.num_hidden_layers)
-    out = {}
-    for hf, x in hf_tensors(model, np.float32).items():
+    out, dtypes = {}, {}
+    for hf, x in hf_tensors(model).items():
         name = names.get(hf)
         if name is None:
             raise ValueError(f"no GGUF name for {hf}: not exportable to llama.cpp's {arch}")
         if arch == "gemma3" and name.endswith("norm.weight"):
             x = x + np.float32(1.0)
+        dtypes[name] = x.dtype
         out[name] = np.ascontiguousarray(x, np.float32)
     if arch == "gemma4" and any(t == "full_attention" for t in config.layer_types):
         r = config.rope_full
@@ -132,10 +140,38 @@ def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         m = re.match(r"blk\.(\d+)\.", name)
         return (1, int(m.group(1))) if m else (0, 0)
 
-    return dict(sorted(out.items(), key=lambda kv: order(kv[0])))
+    return dict(sorted(out.items(), key=lambda kv: order(kv[0]))), dtypes
 
 
-def _block_types(config, tensors: dict[str, np.ndarray], quantize: str) -> dict[str, str]:
+def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
+    """{GGUF name: (block type, uint8 rows)} of the quantized matrices whose codes, scales and mins a GGUF
+    block type holds exactly (`gguf_blocks.encode_rows`: a `keep` import's blocks come back byte for byte).
+    LoRA-wrapped matrices and the PLE table (our own int4 / int8 format) are not among them."""
+    from flax import nnx
+
+    from gemma4_nnx.io.gguf_blocks import encode_rows
+    from gemma4_nnx.io.hf import name_map
+    from gemma4_nnx.model import quant
+
+    kinds = (quant.QuantizedLinear, quant.QuantizedEmbedding, quant.QuantizedStack)
+    modules = {tuple(p): m for p, m in nnx.iter_graph(model) if isinstance(m, kinds)}
+    names = gguf_tensor_names(model.config.num_hidden_layers)
+    out = {}
+    for entry in name_map(model.config.text_only()):
+        mod = modules.get(entry.path) or modules.get(entry.path[:-1])
+        if mod is None or entry.path[0] == "embed_tokens_per_layer":
+            continue
+        codes, scales = np.asarray(mod.codes[...]), np.asarray(mod.scales[...])
+        mins = None if getattr(mod, "mins", None) is None else np.asarray(mod.mins[...])
+        cols = codes.shape[-1] * (2 if mod.fmt.bits == 4 else 1)
+        flat = [None if a is None else a.reshape(-1, a.shape[-1]) for a in (codes, scales, mins)]
+        found = encode_rows(*flat, mod.fmt, cols)
+        if found is not None:
+            out[names["model." + entry.hf_name]] = found
+    return out
+
+
+def _block_types(config, tensors: dict[str, np.ndarray], quantize: str, dtypes=None, kept=None) -> dict[str, str]:
     """{GGUF name: GGML type name} under `quantize`. Vectors, the RoPE factors, the MoE router and the PLE
     model projection stay F32 (as llama.cpp's `llama_model_quantize` leaves them); matrices and expert
     stacks take the mode's type where their rows are whole blocks, else F16. "q4_k_m" is the converter's
@@ -150,7 +186,7 @@ def _block_types(config, tensors: dict[str, np.ndarray], quantize: str) -> dict[
     names = gguf_tensor_names(config.num_hidden_layers)
     mix = {}
     if quantize == "q4_k_m":
-        entries = name_map(config.text_only())
+        entries = [e for e in name_map(config.text_only()) if names["model." + e.hf_name] in tensors]
         items = [(e, SimpleNamespace(shape=tensors[names["model." + e.hf_name]].shape)) for e in entries]
         mix = {names["model." + k]: v for k, v in _q4_k_m_mix(items).items()}
         ple = tensors.get("per_layer_token_embd.weight")
@@ -158,6 +194,10 @@ def _block_types(config, tensors: dict[str, np.ndarray], quantize: str) -> dict[
             mix["per_layer_token_embd.weight"] = q4_k_m_type("embed", cols=ple.shape[-1])
     out = {}
     for name, x in tensors.items():
+        if quantize == "keep":  # kept blocks as they are; floats at their own precision (vectors F32)
+            bf16 = x.ndim >= 2 and np.dtype(dtypes[name]).name == "bfloat16"
+            out[name] = kept[name][0] if name in kept else "BF16" if bf16 else "F32"
+            continue
         if x.ndim < 2 or quantize == "f32" or ".ffn_gate_inp." in name or name == "per_layer_model_proj.weight":
             kind = "F32"
         elif quantize in ("f16", "bf16"):

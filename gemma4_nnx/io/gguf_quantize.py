@@ -89,6 +89,13 @@ def encode_rows(x: np.ndarray, kind: str) -> np.ndarray:
 # ---------------------------------------------------------------------------- helpers
 
 
+def _roundf_abs(a: np.ndarray) -> np.ndarray:
+    """C's roundf on |v| (half away from zero), exactly: floor(a + 0.5) would round 0.49999997 up, as
+    a + 0.5 rounds to 1.0 in float32 (llama.cpp's Q8_0 keeps it 0)."""
+    r = np.floor(a)
+    return r + ((a - r) >= np.float32(0.5))
+
+
 def _nearest(v: np.ndarray) -> np.ndarray:
     """llama.cpp's `nearest_int` (the float32 + 1.5 * 2^23 trick): round half to even."""
     return np.rint(v).astype(np.int32)
@@ -127,7 +134,7 @@ def _q8_0(x: np.ndarray) -> np.ndarray:
     d = np.abs(x).max(-1) / np.float32(127)
     inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     v = x * inv[:, None]
-    q = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)  # C's roundf
+    q = (np.sign(v) * _roundf_abs(np.abs(v))).astype(np.int8)
     return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=-1)
 
 
