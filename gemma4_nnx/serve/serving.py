@@ -279,6 +279,9 @@ def _encode_chat(tokenizer, body, processor=None, **options) -> tuple[list[int],
         text = format_chat(messages, thinking=thinking, tools=tools, **options)
     except ValueError as e:
         raise ApiError(str(e), "messages") from None
+    budget = getattr(body, "max_soft_tokens", None)  # `MediaOptions`: the request's image budget
+    if processor is not None and budget is not None:
+        processor = processor.with_max_soft_tokens(budget)
     media = _chat_media(body, processor) if processor is not None else None
     if media is not None:
         images, audios, media = media
