@@ -243,6 +243,18 @@ def test_refused_media(served, monkeypatch):
     assert param == "messages" and "user messages only" in message
 
 
+def test_an_image_beyond_the_position_table_is_a_400(served):
+    """The tiny tower's position table has 64 rows per axis: a 300x4 image resizes to one strip of
+    140 patches (transformers' tower fails on it), which is refused by name rather than encoded."""
+    png, _ = _png(9, size=(300, 4))
+    param, message = _bad(served[3], [_image_part(png)])
+    assert param == "messages" and "coordinate of 139 is beyond this model's position table (64" in message, message
+    _, img = _png(9, size=(64, 16))  # 4:1 fits (32 x 8 patches)
+    model, _, processor = served[:3]
+    image = processor.preprocess_image(img)
+    assert gemma4_nnx.Media(*batch_images([image])).soft_token_counts(model.config) == (image.num_soft_tokens, 0)
+
+
 def test_cli_generate_with_image_and_audio_equals_generate(served, tmp_path, capsys):
     """`gemma4-generate CKPT --chat TEXT --image PNG --audio WAV`: the images, then the clip, lead the
     user message; the printed text is `generate`'s."""
