@@ -301,7 +301,9 @@ class ImageUrl(_Api):
         "fetches nothing, so http(s) URLs are refused."
     )
     detail: Literal["auto", "low", "high"] | None = Field(
-        None, description="Accepted for compatibility; every image gets the model's soft-token budget."
+        None,
+        description="Accepted for compatibility; every image gets the request's budget "
+        "(`mm_processor_kwargs.max_soft_tokens`) or the server's.",
     )
 
 
