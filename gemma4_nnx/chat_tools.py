@@ -134,11 +134,17 @@ _ENDS = (END_TOOL_CALL, TOOL_RESPONSE)
 _NAME = re.compile(r"[A-Za-z_][\w.:-]*")
 _BARE_KEY = re.compile(r"[A-Za-z_$][\w.$-]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_STRINGS = {'"': re.compile(r'"(?:[^"\\]|\\.)*"', re.S), "'": re.compile(r"'(?:[^'\\]|\\.)*'", re.S)}
+_BARE = re.compile(r"[^,}\])<]*")
 _LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
 class _NeedMore(Exception):
-    """The text ends before the parse can decide (a stream waits for more)."""
+    """The text ends before the parse can decide (a stream waits for more). `until`: a character
+    that must come before anything changes (the end of an open string), or None."""
+
+    def __init__(self, until: str | None = None):
+        self.until = until
 
 
 class _Reader:
@@ -149,10 +155,10 @@ class _Reader:
     def __init__(self, s: str, i: int, final: bool):
         self.s, self.i, self.final = s, i, final
 
-    def more(self):
+    def more(self, until: str | None = None):
         if self.final:
             raise ToolCallError("the text ends inside a tool call")
-        raise _NeedMore
+        raise _NeedMore(until)
 
     def fail(self, what: str):
         if self.i >= len(self.s):
@@ -245,7 +251,7 @@ class _Reader:
         if self.at(QUOTE):
             j = s.find(QUOTE, self.i)
             if j < 0:
-                self.more()
+                self.more(QUOTE[-1])
             self.i = j + len(QUOTE)
             return s[i + len(QUOTE) : j]
         if s[i] in "'\"":
@@ -258,12 +264,10 @@ class _Reader:
 
     def quoted(self, q: str):
         """A JSON ("...") or Python ('...') string literal."""
-        j = self.i + 1
-        while j < len(self.s) and self.s[j] != q:
-            j += 2 if self.s[j] == "\\" else 1
-        if j >= len(self.s):
-            self.more()
-        literal, self.i = self.s[self.i : j + 1], j + 1
+        m = _STRINGS[q].match(self.s, self.i)
+        if not m:  # not terminated
+            self.more(q)
+        literal, self.i = m.group(), m.end()
         try:
             return json.loads(literal, strict=False) if q == '"' else ast.literal_eval(literal)
         except (ValueError, SyntaxError):
@@ -272,9 +276,7 @@ class _Reader:
     def bare(self):
         """An unquoted value up to `,`, a closing bracket or a marker: a number, true / false / null
         (or Python's True / False / None), else the text as a string."""
-        j = self.i
-        while j < len(self.s) and self.s[j] not in ",}])<":
-            j += 1
+        j = _BARE.match(self.s, self.i).end()
         if j == len(self.s):
             self.more()
         token, self.i = self.s[self.i : j].strip(), j
@@ -341,9 +343,12 @@ class ToolCallParser:
         self.names = None if names is None else frozenset(names)
         self.buf = ""
         self.after_call = False  # right after a call: stray closers are dropped
+        self.until = None  # inside an open string of a call: nothing changes before this character
 
     def feed(self, piece: str) -> tuple[str, list[tuple[str, dict]]]:
         self.buf += piece
+        if self.until is not None and self.until not in piece:  # a long argument streams in linear time
+            return "", []
         return self._scan(final=False)
 
     def flush(self) -> tuple[str, list[tuple[str, dict]]]:
@@ -351,6 +356,7 @@ class ToolCallParser:
 
     def _scan(self, final: bool) -> tuple[str, list[tuple[str, dict]]]:
         s, i, content, calls = self.buf, 0, [], []
+        self.until = None
         while i < len(s):
             if self.after_call:
                 if s.startswith(END_TOOL_CALL, i):
@@ -368,8 +374,8 @@ class ToolCallParser:
             content.append(s[i:j])
             try:
                 found, end, failed = _envelope(s, j, final)
-            except _NeedMore:
-                i = j
+            except _NeedMore as e:
+                i, self.until = j, e.until
                 break
             for name, args, raw in found:
                 if self.names is None or name in self.names:
