@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from gemma4_nnx.chat_tools import ToolCallParser
+from gemma4_nnx.chat_tools import ToolCallParser, parse_tool_calls
 from gemma4_nnx.decode.engine import Engine, EngineError, Event
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, normalize_seed
@@ -784,10 +784,7 @@ class Serving:
             finish = _finish(evs[-1].finish_reason)
             calls = None
             if tools is not None:
-                parser = ToolCallParser(tools)
-                content, found = parser.feed(content)
-                rest, more = parser.flush()
-                content, found = content + rest, found + more
+                content, found = parse_tool_calls(content, tools)
                 if found:
                     calls = [_tool_call(name, args) for name, args in found]
                     finish = "tool_calls" if finish == "stop" else finish
