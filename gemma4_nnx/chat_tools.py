@@ -19,11 +19,15 @@ Where each rule comes from:
   the checkpoint's stop tokens (`generation_config.json`: `<eos>`, `<turn|>`, `<|tool_response>`).
 * Parsing: transformers' Gemma 4 response template (`transformers/cli/serving/utils.py`): calls are
   `<|tool_call>call:(\\w+)` ... `<tool_call|>`, repeated, with JSON-like content whose keys are
-  unquoted and whose strings are delimited by `<|"|>`; text outside calls is the content.
+  unquoted and whose strings are delimited by `<|"|>`; text outside calls is the content. Real
+  models also write neighbours of that shape (an unclosed call, `call:name(key="v")`, JSON bodies,
+  several calls in one opener; `ToolCallParser` lists them and the issues that reported them are in
+  `tests/test_chat_tools.py`): those are read as calls too, and anything else is left as content.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -33,6 +37,7 @@ __all__ = [
     "QUOTE",
     "TOOL_CALL",
     "ToolCallError",
+    "ToolCallParser",
     "call_grammar",
     "declaration",
     "gemma_value",
@@ -122,50 +127,288 @@ def tool_response_text(name: str, response: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- reading
-_CALL = re.compile(r"<\|tool_call>call:(\w+)(.*?)<tool_call\|>", re.S)
-_KEY = re.compile(r"([A-Za-z_][\w\-.]*)\s*:")  # an unquoted object key
+#: Openers of a call: Gemma's token, and the spelling with a second `|` some checkpoints drift to.
+OPENERS = (TOOL_CALL, "<|tool_call|>")
+#: Markers that end a call's arguments: brackets the model left open there are closed for it.
+_ENDS = (END_TOOL_CALL, TOOL_RESPONSE)
+_NAME = re.compile(r"[A-Za-z_][\w.:-]*")
+_BARE_KEY = re.compile(r"[A-Za-z_$][\w.$-]*")
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_STRINGS = {'"': re.compile(r'"(?:[^"\\]|\\.)*"', re.S), "'": re.compile(r"'(?:[^'\\]|\\.)*'", re.S)}
+_BARE = re.compile(r"[^,}\])<]*")
+_LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
-def _to_json(body: str) -> str:
-    """Gemma's syntax -> JSON text: strings re-quoted with JSON escapes, bare keys quoted."""
-    out, i = [], 0
-    while i < len(body):
-        if body.startswith(QUOTE, i):
-            j = body.find(QUOTE, i + len(QUOTE))
+class _NeedMore(Exception):
+    """The text ends before the parse can decide (a stream waits for more). `until`: a character
+    that must come before anything changes (the end of an open string), or None."""
+
+    def __init__(self, until: str | None = None):
+        self.until = until
+
+
+class _Reader:
+    """Recursive descent over Gemma's call syntax and its sloppy neighbours, from `s[i]` on. `final`:
+    the text is complete (its end is an end, not a pause); otherwise reaching it raises `_NeedMore`,
+    so a decision taken on a prefix holds for every continuation."""
+
+    def __init__(self, s: str, i: int, final: bool):
+        self.s, self.i, self.final = s, i, final
+
+    def more(self, until: str | None = None):
+        if self.final:
+            raise ToolCallError("the text ends inside a tool call")
+        raise _NeedMore(until)
+
+    def fail(self, what: str):
+        if self.i >= len(self.s):
+            self.more()
+        raise ToolCallError(f"{what} at character {self.i} of a tool call")
+
+    def ws(self) -> None:
+        """Skip whitespace; the text must go on."""
+        while self.i < len(self.s) and self.s[self.i].isspace():
+            self.i += 1
+        if self.i == len(self.s):
+            self.more()
+
+    def at(self, word: str, consume: bool = True) -> bool:
+        rest = self.s[self.i : self.i + len(word)]
+        if rest == word:
+            self.i += len(word) if consume else 0
+            return True
+        if not self.final and self.i + len(rest) == len(self.s) and word.startswith(rest):
+            raise _NeedMore
+        return False
+
+    def at_end(self) -> bool:
+        """At a marker that ends the call (not consumed)."""
+        return any(self.at(m, consume=False) for m in _ENDS)
+
+    def call(self) -> tuple[str, dict]:
+        """`call:NAME{...}`, `call:NAME(...)` with `:` or `=` between names and values, `call:NAME({...})`,
+        or `call:NAME` right before the closer (no arguments)."""
+        self.ws()
+        if not self.at("call:"):
+            self.at(":")  # openers seen without `call` (vLLM #54778)
+        m = _NAME.match(self.s, self.i)
+        if not m:
+            self.fail("expected a function name")
+        if m.end() == len(self.s):
+            self.more()
+        name, self.i = m.group(), m.end()
+        self.ws()
+        if self.at("{"):
+            return name, self.items("}", self.member, {})
+        if self.at("("):
+            self.ws()
+            if not self.at("{", consume=False):
+                return name, self.items(")", self.member, {})
+            args = self.value()
+            self.ws()
+            if not (self.at(")") or self.at_end()):
+                self.fail("expected ')'")
+            return name, args
+        if self.at_end():
+            return name, {}
+        self.fail("expected '{' or '(' after the function name")
+
+    def items(self, close: str, item, out):
+        """Items up to `close` (a trailing comma allowed), or up to an end marker if `close` is missing."""
+        self.ws()
+        if self.at(close):
+            return out
+        while True:
+            item(out)
+            self.ws()
+            comma = self.at(",")
+            if comma:
+                self.ws()
+            if self.at(close) or self.at_end():
+                return out
+            if not comma:
+                self.fail(f"expected ',' or {close!r}")
+
+    def member(self, out: dict) -> None:
+        self.ws()
+        if self.s[self.i] in "'\"" or self.at(QUOTE, consume=False):
+            key = self.value()
+        else:
+            m = _BARE_KEY.match(self.s, self.i)
+            if not m:
+                self.fail("expected a key")
+            if m.end() == len(self.s):
+                self.more()
+            key, self.i = m.group(), m.end()
+        self.ws()
+        if not (self.at(":") or self.at("=")):
+            self.fail("expected ':' or '=' after a key")
+        out[key] = self.value()
+
+    def value(self):
+        self.ws()
+        s, i = self.s, self.i
+        if self.at(QUOTE):
+            j = s.find(QUOTE, self.i)
             if j < 0:
-                raise ToolCallError("an unterminated string in a tool call")
-            out.append(json.dumps(body[i + len(QUOTE) : j]))
-            i = j + len(QUOTE)
-            continue
-        m = _KEY.match(body, i)
-        if m and (not out or out[-1].rstrip().endswith(("{", ","))):
-            out.append(json.dumps(m.group(1)) + ":")
-            i = m.end()
-            continue
-        out.append(body[i])
-        i += 1
-    return "".join(out)
+                self.more(QUOTE[-1])
+            self.i = j + len(QUOTE)
+            return s[i + len(QUOTE) : j]
+        if s[i] in "'\"":
+            return self.quoted(s[i])
+        if self.at("{"):
+            return self.items("}", self.member, {})
+        if self.at("["):
+            return self.items("]", lambda out: out.append(self.value()), [])
+        return self.bare()
+
+    def quoted(self, q: str):
+        """A JSON ("...") or Python ('...') string literal."""
+        m = _STRINGS[q].match(self.s, self.i)
+        if not m:  # not terminated
+            self.more(q)
+        literal, self.i = m.group(), m.end()
+        try:
+            return json.loads(literal, strict=False) if q == '"' else ast.literal_eval(literal)
+        except (ValueError, SyntaxError):
+            self.fail(f"bad string literal {literal!r}")
+
+    def bare(self):
+        """An unquoted value up to `,`, a closing bracket or a marker: a number, true / false / null
+        (or Python's True / False / None), else the text as a string."""
+        j = _BARE.match(self.s, self.i).end()
+        if j == len(self.s):
+            self.more()
+        token, self.i = self.s[self.i : j].strip(), j
+        if not token:
+            self.fail("expected a value")
+        if token in _LITERALS:
+            return _LITERALS[token]
+        return json.loads(token) if _NUMBER.fullmatch(token) else token
 
 
 def parse_arguments(body: str) -> dict:
-    """The `{...}` of a call as a dict; ToolCallError if it is not an object in Gemma's syntax."""
-    try:
-        value = json.loads(_to_json(body.strip()))
-    except json.JSONDecodeError as e:
-        raise ToolCallError(f"tool call arguments are not valid: {e}") from None
-    if not isinstance(value, dict):
-        raise ToolCallError("tool call arguments must be an object")
+    """A `{...}` in Gemma's syntax (or a tolerated neighbour of it) as a dict; ToolCallError otherwise."""
+    r = _Reader(body.strip(), 0, final=True)
+    value = r.value() if r.s.startswith("{") else r.fail("expected '{'")
+    if r.i != len(r.s):
+        r.fail("unexpected text after the arguments")
     return value
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[tuple[str, dict]]]:
-    """(content, [(name, arguments)]) of a model's output: the calls in it, parsed, and the text
-    around them (a trailing `<|tool_response>` dropped). A call whose arguments do not parse raises
-    ToolCallError."""
-    calls = [(m.group(1), parse_arguments(m.group(2))) for m in _CALL.finditer(text)]
-    content = _CALL.sub("", text)
-    content = content.replace(TOOL_RESPONSE, "")
-    return content, calls
+def _envelope(s: str, start: int, final: bool) -> tuple[list[tuple[str, dict, str]], int, int]:
+    """The calls after the opener at `start`: ([(name, arguments, raw text)], where the envelope
+    ends, where the text of a call that did not parse begins (-1: none)). The raw texts partition
+    the envelope: the first from the opener, the last through the closer."""
+    opener = next(o for o in OPENERS if s.startswith(o, start))
+    r = _Reader(s, start + len(opener), final)
+    calls, begin = [], start
+    while True:
+        try:
+            name, args = r.call()
+        except ToolCallError:
+            return calls, begin, begin
+        end = r.i
+        more = False
+        while r.i < len(s) and s[r.i].isspace():
+            r.i += 1
+        if r.i < len(s) or not final:
+            if r.at(END_TOOL_CALL):
+                end = r.i
+            else:
+                r.at(",") or r.at(";")
+                while r.i < len(s) and s[r.i].isspace():
+                    r.i += 1
+                more = r.at("call:", consume=False)
+        calls.append((name, args, s[begin:end]))
+        if not more:
+            return calls, end, -1
+        begin = end
+
+
+class ToolCallParser:
+    """Splits a model's output into content and calls, incrementally (`feed` pieces, then `flush`):
+    what a stream shows equals what `parse_tool_calls` returns for the whole text.
+
+    Recovered: a call without its closer (at the end of the text, before other text or before the
+    next opener), `call:NAME(key="v", n=3)` (Python keywords) and `call:NAME(key:<|"|>v<|"|>)`,
+    `call:NAME({...})` behind a drifted `<|tool_call|>` opener, several calls in one opener (with or
+    without `,` / `;` / newlines between), JSON bodies (`{"city": "Paris"}`), Python strings, bare
+    words as strings, an opener without `call:`, brackets left open before the closer, and repeated
+    closers after a call. `names` (the request's tools): a call to any other function is content.
+    Whatever does not parse is content, verbatim: no call is dropped and no text swallowed. A call
+    cut off inside its arguments at the end of the text (max_tokens) is content too."""
+
+    def __init__(self, names=None):
+        self.names = None if names is None else frozenset(names)
+        self.buf = ""
+        self.after_call = False  # right after a call: stray closers are dropped
+        self.until = None  # inside an open string of a call: nothing changes before this character
+
+    def feed(self, piece: str) -> tuple[str, list[tuple[str, dict]]]:
+        self.buf += piece
+        if self.until is not None and self.until not in piece:  # a long argument streams in linear time
+            return "", []
+        return self._scan(final=False)
+
+    def flush(self) -> tuple[str, list[tuple[str, dict]]]:
+        return self._scan(final=True)
+
+    def _scan(self, final: bool) -> tuple[str, list[tuple[str, dict]]]:
+        s, i, content, calls = self.buf, 0, [], []
+        self.until = None
+        while i < len(s):
+            if self.after_call:
+                if s.startswith(END_TOOL_CALL, i):
+                    i += len(END_TOOL_CALL)
+                    continue
+                if not final and END_TOOL_CALL.startswith(s[i:]):
+                    break
+                self.after_call = False
+            j = min((k for k in (s.find(o, i) for o in OPENERS) if k >= 0), default=-1)
+            if j < 0:
+                keep = 0 if final else _marker_prefix(s, i)
+                content.append(s[i : len(s) - keep])
+                i = len(s) - keep
+                break
+            content.append(s[i:j])
+            try:
+                found, end, failed = _envelope(s, j, final)
+            except _NeedMore as e:
+                i, self.until = j, e.until
+                break
+            for name, args, raw in found:
+                if self.names is None or name in self.names:
+                    calls.append((name, args))
+                else:  # OpenAI returns calls to declared tools only: the client sees what was written
+                    content.append(raw)
+            if failed < 0:
+                i, self.after_call = end, bool(found)
+            elif failed == j:  # the first call did not parse: its opener is text, and so is what follows
+                content.append(s[j : j + next(len(o) for o in OPENERS if s.startswith(o, j))])
+                i = j + len(content[-1])
+            else:
+                i = failed
+        self.buf = s[i:]
+        return "".join(content).replace(TOOL_RESPONSE, ""), calls
+
+
+def _marker_prefix(s: str, i: int) -> int:
+    """The length of the longest end of s[i:] that may begin an opener or `<|tool_response>` (held
+    back: the next piece decides)."""
+    for n in range(min(len(s) - i, len(TOOL_RESPONSE) - 1), 0, -1):
+        if any(m.startswith(s[len(s) - n :]) for m in (*OPENERS, TOOL_RESPONSE)):
+            return n
+    return 0
+
+
+def parse_tool_calls(text: str, names=None) -> tuple[str, list[tuple[str, dict]]]:
+    """(content, [(name, arguments)]) of a model's whole output (`ToolCallParser`; a trailing
+    `<|tool_response>` dropped). `names`: the declared functions (None: any)."""
+    parser = ToolCallParser(names)
+    content, calls = parser.feed(text)
+    rest, more = parser.flush()
+    return content + rest, calls + more
 
 
 # ------------------------------------------------------------------------------------------- forcing a call

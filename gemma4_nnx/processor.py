@@ -956,6 +956,13 @@ class Processor:
     def from_hf(cls, path: str | os.PathLike) -> Processor:
         return cls(ProcessorConfig.from_hf(path))
 
+    def with_max_soft_tokens(self, max_soft_tokens: int) -> Processor:
+        """This processor with another image budget (one of 70, 140, 280, 560, 1120): the same rule
+        for both kinds, where an image holds at most max_soft_tokens x pooling_kernel_size**2 patches
+        (Gemma 4) or max_soft_tokens merged patches (unified), one soft token per pooled / merged patch."""
+        image = dataclasses.replace(self.config.image, max_soft_tokens=max_soft_tokens)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, image=image))
+
     def preprocess_image(self, image: PIL.Image.Image | np.ndarray) -> ImageInputs:
         if self.config.kind == "unified":
             return _preprocess_image_unified(image, self.config.image)

@@ -151,3 +151,139 @@ def test_forced_calls_parse_and_follow_the_schema(tok, parallel):
             assert name in ("get_weather", "noop")
             _validate(args, {k: v for k, v in schema.items() if k != "$schema"})
     assert finished >= 6
+
+
+# ------------------------------------------------------------------------------------------- sloppy calls
+# Shapes of Gemma 4 tool calls that users of other stacks reported (the issue or pull request each
+# row comes from is cited), and what the parser must make of them: (model output, expected content,
+# expected calls as (name, JSON text)). The expected values are written by hand.
+DECLARED = ["get_weather", "search", "terminal", "read_files", "noop", "solve", "sort"]
+Q = '<|"|>'
+SLOPPY = [
+    # the documented shape (https://github.com/ml-explore/mlx-lm/pull/1105)
+    (
+        f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:3}}<tool_call|>",
+        "",
+        [("get_weather", '{"city": "Paris", "days": 3}')],
+    ),
+    # no closer at the end of the output (https://github.com/NousResearch/hermes-agent/pull/7449,
+    # https://github.com/JustVugg/colibri/pull/505)
+    (
+        f"I'll check.<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}",
+        "I'll check.",
+        [("get_weather", '{"city": "Paris"}')],
+    ),
+    # Python keyword arguments, unclosed (https://github.com/waybarrios/vllm-mlx/pull/622,
+    # https://github.com/jundot/omlx/pull/1886)
+    (
+        '<|tool_call>call:get_weather(city="Tokyo", unit="celsius")',
+        "",
+        [("get_weather", '{"city": "Tokyo", "unit": "celsius"}')],
+    ),
+    # round brackets around Gemma's own syntax, then a documented call
+    # (https://github.com/vllm-project/vllm/issues/53642)
+    (
+        f"<|tool_call>call:terminal(command:{Q}ls -a{Q})<tool_call|>"
+        f"<|tool_call>call:terminal{{command:{Q}pwd{Q}}}<tool_call|>",
+        "",
+        [("terminal", '{"command": "ls -a"}'), ("terminal", '{"command": "pwd"}')],
+    ),
+    # `key: "value"` in round brackets (https://github.com/NousResearch/hermes-agent/issues/7457)
+    ('<|tool_call>call:search(query: "blockchain news")<tool_call|>', "", [("search", '{"query": "blockchain news"}')]),
+    # a drifted opener and a JSON object in round brackets (https://github.com/osaurus-ai/vmlx-swift/pull/61)
+    (
+        '<|tool_call|>call:search({"query":"gemma","limit":5})<tool_call|>',
+        "",
+        [("search", '{"query": "gemma", "limit": 5}')],
+    ),
+    # two calls in one opener, nothing between them (https://github.com/openvinotoolkit/model_server/pull/4179)
+    (
+        f"<|tool_call>call:solve{{equation:{Q}2(x + 5) = 13{Q}}}"
+        f"call:sort{{array:[{Q}hello, it's me{Q}, {Q}hi{Q}]}}<tool_call|>",
+        "",
+        [("solve", '{"equation": "2(x + 5) = 13"}'), ("sort", '{"array": ["hello, it\'s me", "hi"]}')],
+    ),
+    # ... and separated by a newline
+    (
+        f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}\ncall:get_weather{{city:{Q}Rome{Q}}}<tool_call|>",
+        "",
+        [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')],
+    ),
+    # text after a call is the answer, closed or not (https://github.com/vllm-project/vllm/issues/53642:
+    # "swallows the rest of the turn")
+    ("<|tool_call>call:noop{}<tool_call|>Checking now.", "Checking now.", [("noop", "{}")]),
+    (
+        f"<|tool_call>call:get_weather{{city:{Q}Oslo{Q}}} Let me know.",
+        " Let me know.",
+        [("get_weather", '{"city": "Oslo"}')],
+    ),
+    # JSON bodies and quoted keys (https://github.com/waybarrios/vllm-mlx/pull/267)
+    (
+        '<|tool_call>call:get_weather{"city": "Paris", "days": 2}<tool_call|>',
+        "",
+        [("get_weather", '{"city": "Paris", "days": 2}')],
+    ),
+    (f"<|tool_call>call:get_weather{{{Q}city{Q}:{Q}Lima{Q}}}<tool_call|>", "", [("get_weather", '{"city": "Lima"}')]),
+    # braces, quotes and the closer inside strings (https://github.com/ml-explore/mlx-lm/pull/1150,
+    # https://github.com/ollama/ollama/pull/15255, https://github.com/ollama/ollama/pull/16075)
+    (
+        f"<|tool_call>call:terminal{{command:{Q}echo '{{}}' \"a\" <tool_call|>{Q}}}<tool_call|>",
+        "",
+        [("terminal", '{"command": "echo \'{}\' \\"a\\" <tool_call|>"}')],
+    ),
+    # the last brace missing before the closer (https://github.com/ollama/ollama/pull/17565)
+    (
+        f"<|tool_call>call:read_files{{files:[{{path:{Q}c:\\Users\\me\\a.json{Q},start_line:1}}]<tool_call|>",
+        "",
+        [("read_files", '{"files": [{"path": "c:\\\\Users\\\\me\\\\a.json", "start_line": 1}]}')],
+    ),
+    # repeated closers after a call (https://github.com/ollama/ollama/pull/15370)
+    ("<|tool_call>call:noop{}<tool_call|><tool_call|>Done.", "Done.", [("noop", "{}")]),
+    # single-quoted values holding commas (https://github.com/jundot/omlx/pull/1854)
+    (
+        "<|tool_call>call:search(query='cats, dogs', limit=3)<tool_call|>",
+        "",
+        [("search", '{"query": "cats, dogs", "limit": 3}')],
+    ),
+    # bare values: numbers and literals typed, words as strings (https://github.com/vllm-project/vllm/issues/47906)
+    (
+        "<|tool_call>call:get_weather{city:Paris,days:3,metric:true,region:None}<tool_call|>",
+        "",
+        [("get_weather", '{"city": "Paris", "days": 3, "metric": true, "region": null}')],
+    ),
+    # an opener without `call:` (https://github.com/vllm-project/vllm/pull/54778)
+    (f"<|tool_call>get_weather{{city:{Q}Rome{Q}}}<tool_call|>", "", [("get_weather", '{"city": "Rome"}')]),
+    # no arguments at all before the closer
+    ("<|tool_call>call:noop<tool_call|>", "", [("noop", "{}")]),
+    # ---- left as content, verbatim
+    # a function the request did not declare (https://github.com/jundot/omlx/pull/1854: namespaced names)
+    (
+        f"<|tool_call>call:google:mcp:create-pdf{{file:{Q}a.pdf{Q}}}<tool_call|>ok",
+        f"<|tool_call>call:google:mcp:create-pdf{{file:{Q}a.pdf{Q}}}<tool_call|>ok",
+        [],
+    ),
+    # cut off inside its arguments (max_tokens)
+    (f"<|tool_call>call:get_weather{{city:{Q}Par", f"<|tool_call>call:get_weather{{city:{Q}Par", []),
+    # an opener that starts no call
+    ("Use <|tool_call> to call tools.", "Use <|tool_call> to call tools.", []),
+    # a call without an opener is prose (https://github.com/Gitlawb/openclaude/pull/380: "ordinary
+    # explanatory text capable of triggering tool execution")
+    (f"Syntax: call:get_weather{{city:{Q}X{Q}}}", f"Syntax: call:get_weather{{city:{Q}X{Q}}}", []),
+    # a good call, then one that does not parse: the first is a call, the second text
+    ("<|tool_call>call:noop{}call:search{query}<tool_call|>", "call:search{query}<tool_call|>", [("noop", "{}")]),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", SLOPPY, ids=[f"case{i}" for i in range(len(SLOPPY))])
+def test_sloppy_calls_are_recovered_or_left_as_content(text, content, calls):
+    """Each reported shape gives the hand-written (content, calls), whole or fed one character at a
+    time (a stream shows what the whole text gives)."""
+    want = (content, [(name, json.loads(args)) for name, args in calls])
+    assert T.parse_tool_calls(text + T.TOOL_RESPONSE, DECLARED) == want
+    parser, pieces, found = T.ToolCallParser(DECLARED), [], []
+    for ch in text:
+        piece, more = parser.feed(ch)
+        pieces.append(piece)
+        found += more
+    piece, more = parser.flush()
+    assert ("".join(pieces) + piece, found + more) == want

@@ -124,9 +124,11 @@ def _image_cases():
 @reference
 def test_images_equal_hf_pil_processor_bit_for_bit(hf):
     proc, _ = hf
+    bound = P.Processor()  # its budget (280) replaced per image, as a server request's is
     for what, image, budget in _image_cases():
         ours = P.preprocess_image(image, max_soft_tokens=budget)
         pixel_values, position_ids, soft = _hf_image(proc, [image], max_soft_tokens=budget)
+        _assert_same(bound.with_max_soft_tokens(budget).preprocess_image(image).pixel_values, pixel_values[0], what)
         _assert_same(ours.pixel_values, pixel_values[0], f"{what}: pixel_values")
         _assert_same(ours.position_ids, position_ids[0].astype(np.int32), f"{what}: position_ids")
         assert ours.pixel_values.dtype == np.float32 and ours.position_ids.dtype == np.int32

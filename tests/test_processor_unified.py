@@ -161,9 +161,11 @@ _IMAGE_CASES = [
 
 def test_images_equal_hf_unified_image_processor(hf):
     proc, _ = hf
+    bound = P.Processor(P.ProcessorConfig(kind="unified"))  # its budget replaced per image, as a server request's is
     for what, image, budget in _IMAGE_CASES:
         ours = P.preprocess_image_unified(image, max_soft_tokens=budget)
         pixel_values, position_ids, soft = _hf_image(proc, [image], max_soft_tokens=budget)
+        _assert_same(bound.with_max_soft_tokens(budget).preprocess_image(image).pixel_values, pixel_values[0], what)
         assert pixel_values.shape == (1, budget, 3 * 48 * 48), what
         _assert_same(ours.pixel_values, pixel_values[0], f"{what}: pixel_values")
         _assert_same(ours.position_ids, position_ids[0].astype(np.int32), f"{what}: position_ids")

@@ -1612,14 +1612,19 @@ def _tools():
 
 
 @pytest.fixture(scope="module")
-def tool_server(served):
-    """(openai client, TestClient) of an app over the served model with room for tool declarations
-    (the whole context of the tiny model)."""
+def tool_engine(served):
+    """An engine over the served model with room for tool declarations (the whole context of the tiny model)."""
     model, tok, _, _ = served
     engine = Engine(model, tok, max_batch=2, max_length=256)
-    with _app_client(engine) as c:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=c), c
+    yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_engine):
+    """(openai client, TestClient) of an app over `tool_engine`."""
+    with _app_client(tool_engine) as c:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=c), c
 
 
 def _post_app(c, body):
@@ -1729,6 +1734,82 @@ def test_a_tool_round_trip_is_rendered_in_gemma_format(served, tool_server):
     bad = [msgs[0], {"role": "tool", "tool_call_id": "call_9", "content": "1"}]
     status, err = _post_app(app, {"model": NAME, "messages": bad, "tools": _tools()})
     assert status == 400 and err["error"]["param"] == "messages"
+
+
+class _Scripted:
+    """The served engine for everything but generation: `submit` plays `text` token by token (the
+    tokenizer's ids, each with the text it adds), then ends as `finish` (at the stop token
+    `<|tool_response>` for "stop"): a model that writes what a test needs."""
+
+    def __init__(self, engine, text: str, finish):
+        self.engine, self.text, self.finish = engine, text, finish
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, request, sink=None):
+        from gemma4_nnx.decode.engine import EngineRequest, Event
+        from gemma4_nnx.decode.text import FinishReason
+
+        tok, req = self.engine.tokenizer, EngineRequest(request, None, sink)
+        ids, shown, stop = tok.encode(self.text, add_bos=False), "", self.finish == FinishReason.STOP
+        for k, t in enumerate(ids):
+            text = tok.decode(ids[: k + 1])
+            req.tokens.append(t)
+            last = k == len(ids) - 1 and not stop
+            req.emit(Event(t, text[len(shown) :], -1.0, self.finish if last else None))
+            shown = text
+        if stop:
+            req.tokens.append(tok.token_to_id("<|tool_response>"))
+            req.emit(Event(req.tokens[-1], "", -1.0, FinishReason.STOP))
+        req.finish_reason = self.finish
+        return req
+
+
+Q = '<|"|>'
+
+
+@pytest.mark.parametrize(
+    "text,finish,content,calls,reason",
+    [
+        # text, a call with Python keywords, a repeated closer, an unclosed call, then the answer
+        (
+            'Checking.<|tool_call>call:wx(c="a", n=3, f=True)<tool_call|><tool_call|><|tool_call>call:noop{} Done.',
+            "stop",
+            "Checking. Done.",
+            [("wx", '{"c": "a", "n": 3, "f": true}'), ("noop", "{}")],
+            "tool_calls",
+        ),
+        # a call to an undeclared function, then one whose arguments were cut by max_tokens: both text
+        (
+            f"<|tool_call>call:rm{{p:{Q}/{Q}}}<tool_call|>Ok.<|tool_call>call:wx{{c:{Q}a",
+            "length",
+            f"<|tool_call>call:rm{{p:{Q}/{Q}}}<tool_call|>Ok.<|tool_call>call:wx{{c:{Q}a",
+            [],
+            "length",
+        ),
+    ],
+    ids=["recovered", "left-as-text"],
+)
+def test_sloppy_tool_calls_come_back_as_tool_calls(tool_engine, text, finish, content, calls, reason):
+    """A model that writes calls in shapes other stacks drop (`tests/test_chat_tools.py` has the
+    table): the response carries the hand-written content and calls, and the stream, fed one token
+    at a time, carries the same."""
+    from gemma4_nnx.decode.text import FinishReason
+
+    finish = FinishReason.STOP if finish == "stop" else FinishReason.LENGTH
+    with _app_client(_Scripted(tool_engine, text, finish)) as c:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=c)
+        kw = dict(model=NAME, messages=[{"role": "user", "content": "w?"}], tools=_tools(), max_tokens=50)
+        choice = client.chat.completions.create(**kw).choices[0]
+        got = [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls or []]
+        want = [(name, json.loads(args)) for name, args in calls]
+        assert (choice.message.content or "", got, choice.finish_reason) == (content, want, reason)
+        chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
+    deltas = [d for ch in chunks for d in ch.delta.tool_calls or []]
+    assert "".join(ch.delta.content or "" for ch in chunks) == content
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == want
+    assert [d.index for d in deltas] == list(range(len(want))) and chunks[-1].finish_reason == reason
 
 
 def test_non_finite_logprobs_become_openai_floor_not_a_500():

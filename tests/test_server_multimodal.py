@@ -125,6 +125,70 @@ def test_image_and_audio_chat_equals_generate(served):
     assert [t.logprob for t in plain.choices[0].logprobs.content] != pytest.approx(ref.logprobs[0], abs=1e-5)
 
 
+def test_image_budget_per_request_equals_transformers_and_generate(served):
+    """`mm_processor_kwargs.max_soft_tokens` (vLLM's spelling) sets one request's image budget: the
+    prompt ids (/tokenize) and the answer's tokens are those of transformers' image processor at that
+    budget, its placeholders expanded by hand, and `generate` on its arrays; the next request without
+    it gets the server's budget again (nothing of the first is reused: there is no image cache, and
+    the engine's prefix cache skips prompts with media); a budget not in the list is a 400 naming the
+    field and the allowed values."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    model, tok, _, port, _ = served
+    png, img = _png(11)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, _image_part(png)]}]
+    hf = Gemma4ImageProcessorPil(**PROCESSOR["image_processor"])  # the server's settings (budget 70)
+
+    def reference(budget):
+        out = hf(images=[img], return_tensors="np", max_soft_tokens=budget)
+        n = int(out["num_soft_tokens_per_image"][0])
+        text = format_chat([{"role": "user", "content": "look<|image|>"}])
+        text = text.replace("<|image|>", "<|image>" + "<|image|>" * n + "<image|>")
+        return tok.encode(text, add_bos=True), gemma4_nnx.Media(out["pixel_values"], out["image_position_ids"])
+
+    ids, media = reference(140)
+    ids70, _ = reference(70)
+    assert len(ids) > len(ids70)  # the budget matters for this image
+    extra = {"mm_processor_kwargs": {"max_soft_tokens": 140}}
+    assert _tokenize(port, {"model": NAME, "messages": messages, **extra})["tokens"] == ids
+    ref = gemma4_nnx.generate(model, [ids], 6, tokenizer=tok, media=[media], return_logprobs=True, max_length=256)
+    client = _client(port)
+    out = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True, extra_body=extra
+    )
+    lps = out.choices[0].logprobs.content
+    assert [t.token for t in lps] == [tok.decode([t]) for t in ref.tokens[0]]
+    assert [t.logprob for t in lps] == pytest.approx(ref.logprobs[0], abs=1e-5)
+    assert out.usage.prompt_tokens == len(ids)
+    assert _tokenize(port, {"model": NAME, "messages": messages})["tokens"] == ids70
+    for bad in (300, "140", 0):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=NAME,
+                messages=messages,
+                max_tokens=1,
+                extra_body={"mm_processor_kwargs": {"max_soft_tokens": bad}},
+            )
+        body = e.value.body
+        assert body["param"] == "mm_processor_kwargs", body
+        assert "mm_processor_kwargs.max_soft_tokens" in body["message"], body
+        assert bad == "140" or "70, 140, 280, 560, 1120" in body["message"], body
+
+
+def _tokenize(port, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _image_part(png: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": _data_url(png)}}
+
+
 def _bad(port, content, role="user"):
     client = _client(port)
     with pytest.raises(openai.BadRequestError) as e:
@@ -177,6 +241,18 @@ def test_refused_media(served, monkeypatch):
     png, _ = _png(4)
     param, message = _bad(port, [{"type": "image_url", "image_url": {"url": _data_url(png)}}], role="system")
     assert param == "messages" and "user messages only" in message
+
+
+def test_an_image_beyond_the_position_table_is_a_400(served):
+    """The tiny tower's position table has 64 rows per axis: a 300x4 image resizes to one strip of
+    140 patches (transformers' tower fails on it), which is refused by name rather than encoded."""
+    png, _ = _png(9, size=(300, 4))
+    param, message = _bad(served[3], [_image_part(png)])
+    assert param == "messages" and "coordinate of 139 is beyond this model's position table (64" in message, message
+    _, img = _png(9, size=(64, 16))  # 4:1 fits (32 x 8 patches)
+    model, _, processor = served[:3]
+    image = processor.preprocess_image(img)
+    assert gemma4_nnx.Media(*batch_images([image])).soft_token_counts(model.config) == (image.num_soft_tokens, 0)
 
 
 def test_cli_generate_with_image_and_audio_equals_generate(served, tmp_path, capsys):

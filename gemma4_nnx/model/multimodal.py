@@ -106,6 +106,19 @@ def check_counts(name: str, placeholders: int, soft_tokens: int, token_name: str
         )
 
 
+def _check_positions(pos: np.ndarray, vision) -> None:
+    """Patch coordinates must have rows in the tower's position table (transformers fails on one
+    beyond it). The released checkpoints hold every image of every budget: Gemma 4's longest side is
+    max_soft_tokens x pooling_kernel_size patches (3360 at 1120) of 10240 rows, unified's
+    max_soft_tokens merged patches (1120) of 1120."""
+    rows = vision.mm_posemb_size if is_unified(vision) else vision.position_embedding_size
+    if pos.size and int(pos.max()) >= rows:
+        raise ValueError(
+            f"image_position_ids: a patch coordinate of {int(pos.max())} is beyond this model's position table "
+            f"({rows} per axis). Fix: a smaller max_soft_tokens, or a less elongated image (crop or pad it)"
+        )
+
+
 def concrete(x) -> np.ndarray | None:
     """x as NumPy when it is a concrete value (not traced inside jit), else None."""
     if isinstance(x, jax.core.Tracer):
@@ -138,7 +151,9 @@ class Media:
         if self.image_position_ids is not None:
             if config.vision is None:
                 raise ValueError("pixel_values: this model has no vision tower (a text-only checkpoint or load)")
-            real = np.all(np.asarray(self.image_position_ids) != -1, axis=-1).sum(-1)
+            pos = np.asarray(self.image_position_ids)
+            _check_positions(pos, config.vision)
+            real = np.all(pos != -1, axis=-1).sum(-1)
             # Gemma 4 unified: one soft token per (merged) patch; Gemma 4: one per pooled k x k block
             k = 1 if is_unified(config.vision) else config.vision.pooling_kernel_size
             images = int((real // k**2).sum())

@@ -13,7 +13,8 @@ is the default rather than refusing because OpenAI clients and harnesses send fi
 that change nothing here; strict mode is for catching typos in your own client.
 
 Extensions beyond OpenAI (as vLLM spells them): `top_k` (-1 / 0 = off), `min_p`,
-`repetition_penalty`, `ignore_eos`, `chat_template_kwargs.enable_thinking`.
+`repetition_penalty`, `ignore_eos`, `chat_template_kwargs.enable_thinking`,
+`mm_processor_kwargs.max_soft_tokens` (`MediaOptions`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from gemma4_nnx.config.vision import SUPPORTED_SOFT_TOKENS
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS
 
 __all__ = [
@@ -58,6 +60,8 @@ __all__ = [
     "ErrorDetail",
     "ErrorResponse",
     "JsonSchemaFormat",
+    "MediaOptions",
+    "MmProcessorKwargs",
     "ModelCard",
     "ModelList",
     "ResponseFormat",
@@ -297,7 +301,9 @@ class ImageUrl(_Api):
         "fetches nothing, so http(s) URLs are refused."
     )
     detail: Literal["auto", "low", "high"] | None = Field(
-        None, description="Accepted for compatibility; every image gets the model's soft-token budget."
+        None,
+        description="Accepted for compatibility; every image gets the request's budget "
+        "(`mm_processor_kwargs.max_soft_tokens`) or the server's.",
     )
 
 
@@ -317,6 +323,39 @@ class AudioPart(_Api):
 
 
 ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+
+
+class MmProcessorKwargs(_Api):
+    """vLLM's `mm_processor_kwargs`: this request's settings of the image processor."""
+
+    max_soft_tokens: StrictInt | None = Field(
+        None,
+        description=f"Soft tokens per image at most, one of {', '.join(map(str, SUPPORTED_SOFT_TOKENS))} (default: "
+        "the checkpoint's processor_config.json, 280 for Google's): more tokens keep finer detail (OCR, small "
+        "print) and make the prompt longer.",
+    )
+
+    @field_validator("max_soft_tokens")
+    @classmethod
+    def _budget(cls, v):
+        if v is not None and v not in SUPPORTED_SOFT_TOKENS:
+            allowed = ", ".join(map(str, SUPPORTED_SOFT_TOKENS))
+            raise ValueError(f"must be one of {allowed} (Gemma 4's image soft-token budgets), got {v}")
+        return v
+
+
+class MediaOptions(_Api):
+    """The fields of a request with images that say how to process them (chat completions, /tokenize;
+    any endpoint taking images inherits them)."""
+
+    mm_processor_kwargs: MmProcessorKwargs | None = Field(
+        None, description='Extension (vLLM\'s spelling): {"max_soft_tokens": N}, the image budget of this request.'
+    )
+
+    @property
+    def max_soft_tokens(self) -> int | None:
+        """The request's image soft-token budget (None: the server's)."""
+        return self.mm_processor_kwargs.max_soft_tokens if self.mm_processor_kwargs is not None else None
 
 
 class FunctionCall(_Api):
@@ -389,7 +428,7 @@ class ChatTemplateKwargs(_Api):
     enable_thinking: StrictBool = False
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, MediaOptions):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -572,7 +611,7 @@ class ErrorResponse(_Response):
 
 
 # ------------------------------------------------------------------------------------------- tokenizer endpoints
-class TokenizeRequest(_Api):
+class TokenizeRequest(MediaOptions):
     """POST /tokenize (vLLM's shape): `prompt` (text) or `messages` (a chat, rendered as
     /v1/chat/completions renders it)."""
 

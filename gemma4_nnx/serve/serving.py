@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from gemma4_nnx.chat_tools import ToolCallParser, parse_tool_calls
 from gemma4_nnx.decode.engine import Engine, EngineError, Event
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, normalize_seed
@@ -106,43 +107,9 @@ def _tool_call(name: str, args: dict) -> ToolCall:
     return ToolCall(id="call_" + uuid.uuid4().hex[:24], function=FunctionCall(name=name, arguments=json.dumps(args)))
 
 
-class _ToolCalls:
-    """Routes chat content: text inside <|tool_call>...<tool_call|> is held until the call closes,
-    then parsed into (name, arguments); a call that does not parse is given back as text."""
-
-    def __init__(self):
-        self.held: str | None = None
-        self.sent = 0  # calls emitted so far (their stream index)
-
-    def split(self, piece: str) -> tuple[str, list[tuple[str, dict]]]:
-        from gemma4_nnx import chat_tools
-
-        text, calls = [], []
-        while piece:
-            if self.held is None:
-                i = piece.find(chat_tools.TOOL_CALL)
-                if i < 0:
-                    text.append(piece)
-                    break
-                text.append(piece[:i])
-                self.held, piece = "", piece[i:]
-            whole = self.held + piece
-            j = whole.find(chat_tools.END_TOOL_CALL)
-            if j < 0:
-                self.held = whole
-                break
-            end = j + len(chat_tools.END_TOOL_CALL)
-            self.held, piece = None, whole[end:]
-            try:
-                calls.extend(chat_tools.parse_tool_calls(whole[:end])[1])
-            except chat_tools.ToolCallError:
-                text.append(whole[:end])
-        return "".join(text).replace(chat_tools.TOOL_RESPONSE, ""), calls
-
-    def flush(self) -> str:
-        """Text of a call that never closed (the output was cut)."""
-        held, self.held = self.held or "", None
-        return held
+def _tool_names(body) -> list[str] | None:
+    """The functions a chat request's output may call (None: it uses no tools; its output is all content)."""
+    return [t.function.name for t in body.tools] if _uses_tools(body) else None
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
@@ -312,6 +279,9 @@ def _encode_chat(tokenizer, body, processor=None, **options) -> tuple[list[int],
         text = format_chat(messages, thinking=thinking, tools=tools, **options)
     except ValueError as e:
         raise ApiError(str(e), "messages") from None
+    budget = getattr(body, "max_soft_tokens", None)  # `MediaOptions`: the request's image budget
+    if processor is not None and budget is not None:
+        processor = processor.with_max_soft_tokens(budget)
     media = _chat_media(body, processor) if processor is not None else None
     if media is not None:
         images, audios, media = media
@@ -767,12 +737,12 @@ class Serving:
                 gone.cancel()
                 self.live.difference_update(reqs)
             if chat:
-                return self._chat_response(ctx, collected, want_lp, usage(), _uses_tools(body)).model_dump()
+                return self._chat_response(ctx, collected, want_lp, usage(), _tool_names(body)).model_dump()
             return self._completion_response(ctx, collected, want_lp, top, echo, usage()).model_dump()
 
         if chat:
             stream = self._chat_chunks(
-                ctx, events, len(requests), want_lp, body.include_usage, usage, _uses_tools(body)
+                ctx, events, len(requests), want_lp, body.include_usage, usage, _tool_names(body)
             )
         else:
             stream = self._completion_chunks(ctx, events, len(requests), want_lp, top, echo, body.include_usage, usage)
@@ -805,7 +775,7 @@ class Serving:
             )
         return CompletionResponse(**ctx, choices=choices, usage=usage)
 
-    def _chat_response(self, ctx, collected, want_lp, usage, tools: bool) -> ChatCompletionResponse:
+    def _chat_response(self, ctx, collected, want_lp, usage, tools: list[str] | None) -> ChatCompletionResponse:
         choices = []
         for i, evs in enumerate(collected):
             text = "".join(e.text for e in evs)
@@ -813,10 +783,8 @@ class Serving:
             content, reasoning = thinking.feed(text)
             finish = _finish(evs[-1].finish_reason)
             calls = None
-            if tools:
-                router = _ToolCalls()
-                content, found = router.split(content)
-                content += router.flush()
+            if tools is not None:
+                content, found = parse_tool_calls(content, tools)
                 if found:
                     calls = [_tool_call(name, args) for name, args in found]
                     finish = "tool_calls" if finish == "stop" else finish
@@ -864,7 +832,7 @@ class Serving:
         if include_usage:
             yield _sse(CompletionResponse(**ctx, choices=[], usage=usage()))
 
-    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage, tools: bool):
+    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage, tools: list[str] | None):
         for i in range(n):
             yield _sse(
                 ChatCompletionChunk(
@@ -877,7 +845,8 @@ class Serving:
                 )
             )
         routers = [ThinkingSplitter() for _ in range(n)]
-        callers = [_ToolCalls() for _ in range(n)]
+        callers = [ToolCallParser(tools) for _ in range(n)] if tools is not None else None
+        sent = [0] * n  # calls streamed so far per choice (their index)
         async for i, ev, reason in self._events(events, n):
             if i is None:
                 yield _sse(ev.body())
@@ -886,17 +855,18 @@ class Serving:
                 continue
             content, reasoning = routers[i].feed(ev.text)
             delta = ChatDelta()
-            if tools:  # a call is sent whole once its closing token arrives
-                content, found = callers[i].split(content)
+            if callers is not None:  # a call is sent whole once it is decided (closed, or followed by text)
+                content, found = callers[i].feed(content)
                 if reason is not None:
-                    content += callers[i].flush()
+                    rest, more = callers[i].flush()
+                    content, found = content + rest, found + more
                 if found:
                     delta.tool_calls = [
-                        ToolCallDelta(index=callers[i].sent + k, id=c.id, function=c.function)
+                        ToolCallDelta(index=sent[i] + k, id=c.id, function=c.function)
                         for k, c in enumerate(_tool_call(name, args) for name, args in found)
                     ]
-                    callers[i].sent += len(found)
-                if reason == "stop" and callers[i].sent:
+                    sent[i] += len(found)
+                if reason == "stop" and sent[i]:
                     reason = "tool_calls"
             if content:
                 delta.content = content
