@@ -640,10 +640,14 @@ class Serving:
             out.append((text, entries))
         return out
 
-    async def run(self, http, requests: list[Request], body, *, chat: bool, prompts: list[list[int]] | None = None):
+    async def run(
+        self, http, requests: list[Request], body, *, chat: bool, prompts: list[list[int]] | None = None, render=None
+    ):
         """Admit and queue the requests; a response body (dict) or, with `stream`, an SSE
         `StreamingResponse`. `prompts`: a completion's prompts (`echo` scores them; with
-        `max_tokens` 0 there are no requests)."""
+        `max_tokens` 0 there are no requests). `render`: another API's shape of a one-choice chat
+        (`responses.Render`): `render.response(ChatCompletionResponse, reqs)` gives the body and
+        `render.stream(chunks, reqs)` the SSE text of the chat's chunks (objects; no `[DONE]`)."""
         from fastapi.responses import StreamingResponse
         from starlette.background import BackgroundTask
 
@@ -658,7 +662,7 @@ class Serving:
                 self.release(n)
 
         try:
-            response = await self._run(http, requests, body, chat=chat, release=release, prompts=prompts)
+            response = await self._run(http, requests, body, chat=chat, release=release, prompts=prompts, render=render)
         except BaseException:
             release()
             raise
@@ -668,7 +672,9 @@ class Serving:
             release()
         return response
 
-    async def _run(self, http, requests: list[Request], body, *, chat: bool, release: Callable[[], None], prompts=None):
+    async def _run(
+        self, http, requests: list[Request], body, *, chat: bool, release: Callable[[], None], prompts=None, render=None
+    ):
         from fastapi.responses import JSONResponse, StreamingResponse
 
         echo = None
@@ -766,11 +772,16 @@ class Serving:
             finally:
                 gone.cancel()
                 self.live.difference_update(reqs)
+            if render is not None:
+                return render.response(self._chat_response(ctx, collected, want_lp, usage(), _uses_tools(body)), reqs)
             if chat:
                 return self._chat_response(ctx, collected, want_lp, usage(), _uses_tools(body)).model_dump()
             return self._completion_response(ctx, collected, want_lp, top, echo, usage()).model_dump()
 
-        if chat:
+        if render is not None:
+            chunks = self._chat_chunks(ctx, events, 1, want_lp, True, usage, _uses_tools(body), emit=lambda c: c)
+            stream = render.stream(chunks, reqs)
+        elif chat:
             stream = self._chat_chunks(
                 ctx, events, len(requests), want_lp, body.include_usage, usage, _uses_tools(body)
             )
@@ -781,7 +792,8 @@ class Serving:
             try:
                 async for chunk in stream:
                     yield chunk
-                yield "data: [DONE]\n\n"
+                if render is None:
+                    yield "data: [DONE]\n\n"
             finally:  # also on client disconnect (the response task is cancelled)
                 cancel_all()
                 release()
@@ -864,9 +876,10 @@ class Serving:
         if include_usage:
             yield _sse(CompletionResponse(**ctx, choices=[], usage=usage()))
 
-    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage, tools: bool):
+    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage, tools: bool, emit=_sse):
+        """The chat's chunks, each through `emit` (SSE text by default); an engine failure's error body last."""
         for i in range(n):
-            yield _sse(
+            yield emit(
                 ChatCompletionChunk(
                     **ctx,
                     choices=[
@@ -880,7 +893,7 @@ class Serving:
         callers = [_ToolCalls() for _ in range(n)]
         async for i, ev, reason in self._events(events, n):
             if i is None:
-                yield _sse(ev.body())
+                yield emit(ev.body())
                 return
             if not ev.text and reason is None and (ev.token is None or not want_lp):
                 continue
@@ -906,6 +919,6 @@ class Serving:
             chunk = ChatCompletionChunk(
                 **ctx, choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=reason, logprobs=lp)]
             )
-            yield _sse(chunk)
+            yield emit(chunk)
         if include_usage:
-            yield _sse(ChatCompletionChunk(**ctx, choices=[], usage=usage()))
+            yield emit(ChatCompletionChunk(**ctx, choices=[], usage=usage()))
