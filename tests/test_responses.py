@@ -307,3 +307,24 @@ def test_stream_events_of_thinking_and_calls_match_the_response(served):
     assert [{k: v for k, v in o.model_dump().items() if k not in strip} for o in whole.output] == [
         {k: v for k, v in o.model_dump().items() if k not in strip} for o in final.output
     ]
+
+
+def test_unknown_fields_are_named_as_in_chat(served):
+    r = _request(served[2], {"model": NAME, "input": [{"role": "user", "content": "x", "nmae": 1}], "temprature": 0})
+    assert r.status == 200 and json.loads(r.getheader("X-Gemma4-Unknown-Fields")) == ["temprature", "input[0].nmae"]
+    r.read()
+
+
+def test_the_store_evicts_the_least_recently_used():
+    from gemma4_nnx.serve.responses import ResponseStore
+
+    store = ResponseStore(2)
+    store.put({"id": "a"}, [])
+    store.put({"id": "b"}, [])
+    assert store.get("a") is not None  # a use: b is now the least recent
+    store.put({"id": "c"}, [])
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert store.delete("a") and not store.delete("a") and len(store) == 1
+    nothing = ResponseStore(0)
+    nothing.put({"id": "a"}, [])
+    assert len(nothing) == 0

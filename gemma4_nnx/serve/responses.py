@@ -273,7 +273,7 @@ class Render:
             output=output,
             parallel_tool_calls=b.parallel_tool_calls,
             previous_response_id=b.previous_response_id,
-            reasoning={"effort": b.reasoning.effort, "summary": b.reasoning.summary} if b.reasoning else {},
+            reasoning=b.reasoning.model_dump(exclude_none=True) if b.reasoning else {"effort": None, "summary": None},
             store=b.store,
             temperature=1.0 if b.temperature is None else b.temperature,
             text={"format": fmt},
