@@ -328,3 +328,80 @@ def test_the_store_evicts_the_least_recently_used():
     nothing = ResponseStore(0)
     nothing.put({"id": "a"}, [])
     assert len(nothing) == 0
+
+
+def test_items_become_the_chat_request_chat_would_get():
+    """instructions + the opening developer message are one system turn; parts keep their kinds and
+    order; a function_call joins the assistant message before it; its output is a tool message."""
+    from gemma4_nnx.serve.protocol import ChatCompletionRequest
+    from gemma4_nnx.serve.responses import chat_request, new_items
+    from gemma4_nnx.serve.responses_protocol import ResponsesRequest
+
+    image, audio = "data:image/png;base64,iVBORw0KGgo=", {"data": "UklGRg==", "format": "wav"}
+    body = ResponsesRequest.model_validate(
+        {
+            "model": NAME,
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "developer", "content": "Use tools."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "see "},
+                        {"type": "input_image", "image_url": image, "detail": "high"},
+                        {"type": "input_audio", "input_audio": audio},
+                    ],
+                },
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": '{"c": "a"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "21"},
+            ],
+            "max_output_tokens": 7,
+            "text": {"format": {"type": "json_object"}},
+        }
+    )
+    got = chat_request(body, new_items(body))
+    want = ChatCompletionRequest.model_validate(
+        {
+            "model": NAME,
+            "messages": [
+                {"role": "system", "content": "Be brief.\n\nUse tools."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "see "},
+                        {"type": "image_url", "image_url": {"url": image, "detail": "high"}},
+                        {"type": "input_audio", "input_audio": audio},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": "ok"}],
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "pick", "arguments": '{"c": "a"}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "21"},
+            ],
+            "max_completion_tokens": 7,
+            "response_format": {"type": "json_object"},
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+    )
+    assert got == want
+
+
+def test_large_bodies_are_prechecked_like_chat(served):
+    """The precheck's helper runs the same rendering: a too-long input is refused naming `input`; a
+    continuation (its conversation is in the server's store) is checked for its fields only."""
+    from gemma4_nnx.serve.precheck import refusal
+
+    tok = served[1]
+
+    def check(body):
+        return refusal(tok, "responses", json.dumps({"model": NAME, **body}).encode(), MAX_LENGTH, 8)
+
+    assert check({"input": "word " * 300})[1:] == ("input", "context_length_exceeded")
+    assert check({"input": "hi"}) is None
+    assert check({"input": [], "previous_response_id": "resp_x"}) is None
+    assert check({"input": "hi", "tool_choice": "sometimes"})[1] == "tool_choice"

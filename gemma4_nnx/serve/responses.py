@@ -44,10 +44,10 @@ from gemma4_nnx.serve.responses_protocol import (
     ResponseUsage,
     input_items,
 )
-from gemma4_nnx.serve.serving import Serving, validation_error
+from gemma4_nnx.serve.serving import Serving, chat_prompt, validation_error
 from gemma4_nnx.tokenizer import END_OF_CHANNEL, START_OF_CHANNEL
 
-__all__ = ["DEFAULT_MAX_STORED_RESPONSES", "ResponseStore", "Responses", "chat_request"]
+__all__ = ["DEFAULT_MAX_STORED_RESPONSES", "ResponseStore", "Responses", "chat_request", "precheck_prompt"]
 
 #: Responses kept for `previous_response_id` and GET (`gemma4-serve --max-stored-responses`).
 DEFAULT_MAX_STORED_RESPONSES = 1024
@@ -66,7 +66,7 @@ def _renamed(e: ApiError) -> ApiError:
     """The chat path's refusal in the Responses request's terms."""
     param = _PARAMS.get(e.param, e.param)
     message = str(e)
-    for old, new in (("'messages", "'input"), ("'response_format", "'text.format")):
+    for old, new in (("'messages", "'input"), ("'response_format", "'text.format"), ("max_completion", "max_output")):
         message = message.replace(old, new)
     return ApiError(message, param, status=e.status, code=e.code, type_=e.type, headers=e.headers)
 
@@ -165,6 +165,23 @@ def _response_format(body: ResponsesRequest) -> dict | None:
         return None if fmt is None else {"type": fmt.type}
     schema = {"name": fmt.name or "schema", "schema": fmt.schema_, "strict": fmt.strict, "description": fmt.description}
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+def new_items(body: ResponsesRequest) -> list:
+    """This request's input as items (a string is one user message)."""
+    return [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
+
+
+def precheck_prompt(tokenizer, raw: bytes) -> list[int] | None:
+    """The prompt ids of a Responses body (`precheck`'s helper process; images and audio one token
+    each), or None when it continues a stored response (its conversation is in the server's store)."""
+    body = ResponsesRequest.model_validate_json(raw)
+    if body.previous_response_id is not None:
+        return None
+    try:
+        return chat_prompt(tokenizer, chat_request(body, new_items(body)))[0]
+    except ApiError as e:
+        raise _renamed(e) from None
 
 
 def chat_request(body: ResponsesRequest, items: list, first_new: int = 0) -> ChatCompletionRequest:
@@ -454,8 +471,7 @@ class Responses:
                     code="previous_response_not_found",
                 )
             history = entry[1]
-        new = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
-        return history + new, len(history)
+        return history + new_items(body), len(history)
 
     async def create(self, http, body: ResponsesRequest):
         items, first_new = self.conversation(body)
