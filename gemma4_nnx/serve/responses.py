@@ -19,6 +19,7 @@ become the Responses output items and stream events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -269,7 +270,7 @@ class Render:
 
     def __init__(self, responses: Responses, body: ResponsesRequest, conversation: list):
         self.responses, self.body, self.conversation = responses, body, conversation
-        self.id, self.created = _new_id("resp"), time.time()
+        self.id, self.created = _new_id("resp"), int(time.time())
 
     def object(self, status: str, output: list, usage: ResponseUsage | None = None) -> ResponseObject:
         b = self.body
@@ -280,7 +281,7 @@ class Render:
         return ResponseObject(
             id=self.id,
             created_at=self.created,
-            completed_at=time.time() if status in ("completed", "incomplete") else None,
+            completed_at=int(time.time()) if status in ("completed", "incomplete") else None,
             status=status,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=b.instructions,
@@ -350,6 +351,16 @@ class Render:
         yield events.emit(kind, response=body)
 
 
+@dataclasses.dataclass
+class _Open:
+    """The item being streamed: its kind ("message" / "reasoning"), id once shown, texts sent."""
+
+    kind: str
+    trim: _Stripped | None
+    id: str | None = None
+    texts: list[str] = dataclasses.field(default_factory=list)
+
+
 class _Events:
     """The event sequence of one streamed response: items opened, their deltas, closed in order."""
 
@@ -357,7 +368,7 @@ class _Events:
         self.render = render
         self.seq = 0
         self.output: list = []  # the finished items
-        self.open: tuple[str, str, list[str], _Stripped | None] | None = None  # (kind, id, texts, trim)
+        self.open: _Open | None = None
         self.thought = False  # a reasoning item was streamed (the answer is then stripped, as chat's)
 
     def emit(self, kind: str, **fields) -> str:
@@ -378,68 +389,62 @@ class _Events:
             out += self.close(None)
             item = _function_call(ToolCall(id=call.id, function=call.function))
             added = item.model_copy(update={"arguments": "", "status": "in_progress"})
-            index = {"item_id": item.id, "output_index": len(self.output)}
+            at = {"item_id": item.id, "output_index": len(self.output)}
             out.append(self.emit("response.output_item.added", output_index=len(self.output), item=added.model_dump()))
-            out.append(self.emit("response.function_call_arguments.delta", **index, delta=item.arguments))
+            out.append(self.emit("response.function_call_arguments.delta", **at, delta=item.arguments))
             out.append(
-                self.emit("response.function_call_arguments.done", **index, name=item.name, arguments=item.arguments)
+                self.emit("response.function_call_arguments.done", **at, name=item.name, arguments=item.arguments)
             )
             out.append(self.emit("response.output_item.done", output_index=len(self.output), item=item.model_dump()))
             self.output.append(item)
         return out
 
     def _text(self, kind: str, piece: str) -> list[str]:
-        out = []
-        if self.open is not None and self.open[0] != kind:
-            out += self.close(None)
+        """A text delta of a message or reasoning item (opened at its first visible text)."""
+        out = self.close(None) if self.open is not None and self.open.kind != kind else []
         if self.open is None:
-            trim = _Stripped() if kind == "reasoning" or self.thought else None
-            if trim is not None:
-                piece = trim.feed(piece)
-                if not piece:  # nothing to show yet: the item opens with its first visible text
-                    self.open = (kind, "", [], trim)
-                    return out
-            out += self._start(kind, trim)
-        elif self.open[3] is not None:
-            piece = self.open[3].feed(piece)
+            self.open = _Open(kind, _Stripped() if kind == "reasoning" or self.thought else None)
+        if self.open.trim is not None:
+            piece = self.open.trim.feed(piece)
             if not piece:
                 return out
-            if not self.open[1]:
-                out += self._start(kind, self.open[3])
-        kind, item_id, texts, _ = self.open
-        texts.append(piece)
+        if self.open.id is None:
+            out += self._start()
+        self.open.texts.append(piece)
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         extra = {"logprobs": []} if kind == "message" else {}
-        out.append(self.emit(name, **self._at(item_id), delta=piece, **extra))
+        out.append(self.emit(name, **self._at(self.open.id), delta=piece, **extra))
         return out
 
-    def _start(self, kind: str, trim) -> list[str]:
-        if kind == "message":
+    def _start(self) -> list[str]:
+        if self.open.kind == "message":
             item, part = _message("", "in_progress"), OutputText(text="")
         else:
-            item, part = _reasoning(""), ReasoningText(text="")
-            item = item.model_copy(update={"status": "in_progress"})
-        self.thought = self.thought or kind == "reasoning"
-        self.open = (kind, item.id, [], trim)
-        added = item.model_dump() | {"content": []}
+            item, part = _reasoning("").model_copy(update={"status": "in_progress"}), ReasoningText(text="")
+            self.thought = True
+        self.open.id = item.id
         return [
-            self.emit("response.output_item.added", output_index=len(self.output), item=added),
+            self.emit(
+                "response.output_item.added", output_index=len(self.output), item=item.model_dump() | {"content": []}
+            ),
             self.emit("response.content_part.added", **self._at(item.id), part=part.model_dump()),
         ]
 
     def close(self, finish: str | None) -> list[str]:
         """End the open item (`finish`: the response's end; with no item at all, an empty message)."""
-        if self.open is None or not self.open[1]:
+        out = []
+        if self.open is None or self.open.id is None:
             self.open = None
             if finish is None or self.output:
-                return []
-            out = self._start("message", None)
-        else:
-            out = []
-        kind, item_id, texts, _ = self.open
-        text, status = "".join(texts), "incomplete" if finish == "length" else "completed"
-        if kind == "message":
-            item, part = _message(text, status, item_id), OutputText(text=text)
+                return out
+            self.open = _Open("message", None)
+            out += self._start()
+        text, item_id = "".join(self.open.texts), self.open.id
+        if self.open.kind == "message":
+            item, part = (
+                _message(text, "incomplete" if finish == "length" else "completed", item_id),
+                OutputText(text=text),
+            )
             out.append(self.emit("response.output_text.done", **self._at(item_id), text=text, logprobs=[]))
         else:
             item, part = _reasoning(text, item_id), ReasoningText(text=text)

@@ -316,8 +316,8 @@ class IncompleteDetails(_Response):
 class ResponseObject(_Response):
     id: str
     object: Literal["response"] = "response"
-    created_at: float
-    completed_at: float | None = None
+    created_at: int
+    completed_at: int | None = None
     status: Literal["completed", "incomplete", "in_progress", "failed"]
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
