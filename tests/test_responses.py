@@ -343,7 +343,7 @@ def test_items_become_the_chat_request_chat_would_get():
             "model": NAME,
             "instructions": "Be brief.",
             "input": [
-                {"role": "developer", "content": "Use tools."},
+                {"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
                 {
                     "role": "user",
                     "content": [

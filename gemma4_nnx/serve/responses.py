@@ -122,6 +122,8 @@ def _content(item: MessageItem, where: str):
             parts.append({"type": "image_url", "image_url": {"url": p.image_url, "detail": detail}})
         else:
             parts.append({"type": "input_audio", "input_audio": p.input_audio.model_dump()})
+    if item.role in ("system", "developer") and all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)  # (to merge into the one system turn; media: chat refuses them)
     return parts
 
 
