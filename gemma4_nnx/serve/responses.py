@@ -279,7 +279,7 @@ class Render:
         fmt = {"type": "text"}
         if b.text is not None and b.text.format is not None:
             fmt = b.text.format.model_dump(by_alias=True, exclude_none=True)
-        choice = b.tool_choice if b.tool_choice is not None else ("auto" if b.tools else "none")
+        choice = b.tool_choice if b.tool_choice is not None else "auto"  # (OpenAI's default, tools or not)
         return ResponseObject(
             id=self.id,
             created_at=self.created,
