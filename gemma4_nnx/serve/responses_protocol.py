@@ -194,7 +194,7 @@ class ResponsesRequest(_Api):
     """POST /v1/responses."""
 
     model: StrictStr = Field(description="The model id (GET /v1/models lists it).")
-    input: StrictStr | list[InputItem] = Field(
+    input: list[InputItem] | StrictStr = Field(
         description="A user message's text, or a list of items (messages, function_call, function_call_output)."
     )
     instructions: StrictStr | None = Field(
