@@ -36,6 +36,7 @@ PICK = {
     "parameters": {"type": "object", "properties": {"c": {"enum": ["a", "b"]}}, "required": ["c"]},
 }
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+_JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def _client(port):
 
 def _request(port, body) -> http.client.HTTPResponse:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/responses", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/responses", body=json.dumps(body), headers=_JSON)
     return conn.getresponse()
 
 
@@ -287,7 +288,9 @@ def test_stream_events_of_thinking_and_calls_match_the_response(served):
             for c in chunks:
                 yield c
 
-        return [x async for x in Render(Responses(serving), body, []).stream(source(), reqs)]
+        render = Render(Responses(serving), body, [])
+        render.submitted(reqs)
+        return [x async for x in render.stream(source())]
 
     events = [json.loads(t.split("data: ", 1)[1]) for t in asyncio.run(collect())]
     _check_order(events)
@@ -302,7 +305,9 @@ def test_stream_events_of_thinking_and_calls_match_the_response(served):
     chat = p.ChatCompletionResponse(
         **ctx, choices=[p.ChatChoice(index=0, message=msg, finish_reason="tool_calls")], usage=usage
     )
-    whole = Response.model_validate(Render(Responses(serving), body, []).response(chat, reqs))
+    render = Render(Responses(serving), body, [])
+    render.submitted(reqs)
+    whole = Response.model_validate(render.response(chat))
     strip = ("id", "call_id")
     assert [{k: v for k, v in o.model_dump().items() if k not in strip} for o in whole.output] == [
         {k: v for k, v in o.model_dump().items() if k not in strip} for o in final.output
@@ -405,3 +410,34 @@ def test_large_bodies_are_prechecked_like_chat(served):
     assert check({"input": "hi"}) is None
     assert check({"input": [], "previous_response_id": "resp_x"}) is None
     assert check({"input": "hi", "tool_choice": "sometimes"})[1] == "tool_choice"
+
+
+def test_a_stream_whose_client_hangs_up_frees_its_row(served):
+    """The Responses stream wraps the chat's: closing the connection still cancels the request."""
+    import socket
+    import time
+
+    port = served[2]
+
+    def stats():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", "/stats")
+        return json.loads(conn.getresponse().read())
+
+    before = stats()
+    body = {"model": NAME, "input": "a long story", "max_output_tokens": 200, "temperature": 0, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/responses", body=json.dumps(dict(body, stream=True)), headers=_JSON)
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"event: response.created")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        m = stats()
+        if m["cancelled"] > before["cancelled"] and m["active_rows"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the disconnected request kept its row: {m}")
+    assert m["tokens_generated"] - before["tokens_generated"] < 200

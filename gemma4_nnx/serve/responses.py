@@ -28,7 +28,7 @@ from collections import OrderedDict
 import pydantic
 
 from gemma4_nnx.serve.errors import ApiError
-from gemma4_nnx.serve.protocol import ChatCompletionRequest, ChatCompletionResponse, ToolCall
+from gemma4_nnx.serve.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ToolCall
 from gemma4_nnx.serve.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -204,6 +204,7 @@ def chat_request(body: ResponsesRequest, items: list, first_new: int = 0) -> Cha
         response_format=_response_format(body),
         chat_template_kwargs={"enable_thinking": bool(body.reasoning and body.reasoning.thinking)},
         stream=body.stream,
+        stream_options={"include_usage": True} if body.stream else None,
         user=body.user,
         top_k=body.top_k,
         min_p=body.min_p,
@@ -268,10 +269,11 @@ class _Stripped:
 
 
 class Render:
-    """One request's Responses shape of its chat answer (`Serving.run`'s `render`)."""
+    """One request's Responses shape of its chat answer (or of its chat chunks, streamed)."""
 
     def __init__(self, responses: Responses, body: ResponsesRequest, conversation: list):
         self.responses, self.body, self.conversation = responses, body, conversation
+        self.reqs: list = []  # the engine's requests (`Serving.run`'s `submitted`): their tokens
         self.id, self.created = _new_id("resp"), int(time.time())
 
     def object(self, status: str, output: list, usage: ResponseUsage | None = None) -> ResponseObject:
@@ -304,9 +306,12 @@ class Render:
             user=b.user,
         )
 
-    def finish(self, output: list, usage, finish_reason: str | None, reqs) -> dict:
+    def submitted(self, reqs: list) -> None:
+        self.reqs = reqs
+
+    def finish(self, output: list, usage, finish_reason: str | None) -> dict:
         """The final response body (stored when `store`)."""
-        tokens = reqs[0].tokens if reqs else []
+        tokens = self.reqs[0].tokens if self.reqs else []
         details = OutputTokensDetails(reasoning_tokens=_reasoning_tokens(tokens, self.responses.serving.tokenizer))
         use = ResponseUsage(
             input_tokens=usage.prompt_tokens,
@@ -320,17 +325,18 @@ class Render:
             self.responses.store.put(body, self.conversation + input_items(body["output"]))
         return body
 
-    def response(self, chat: ChatCompletionResponse, reqs) -> dict:
+    def response(self, chat: ChatCompletionResponse) -> dict:
         choice = chat.choices[0]
         msg, status = choice.message, "incomplete" if choice.finish_reason == "length" else "completed"
         output = [_reasoning(msg.reasoning_content)] if msg.reasoning_content else []
         if msg.content or not (msg.tool_calls or output):
             output.append(_message(msg.content or "", status))
         output += [_function_call(c) for c in msg.tool_calls or ()]
-        return self.finish(output, chat.usage, choice.finish_reason, reqs)
+        return self.finish(output, chat.usage, choice.finish_reason)
 
-    async def stream(self, chunks, reqs):
-        """The SSE text of the Responses events of the chat's chunks."""
+    async def stream(self, chunks):
+        """The SSE text of the Responses events of the chat's chunks (`ChatCompletionChunk`s; an
+        error body ends them)."""
         events = _Events(self)
         yield events.emit("response.created", response=self.object("in_progress", []).model_dump())
         yield events.emit("response.in_progress", response=self.object("in_progress", []).model_dump())
@@ -348,7 +354,7 @@ class Render:
                 finish = c.finish_reason or finish
         for text in events.close(finish):
             yield text
-        body = self.finish(events.output, usage, finish, reqs)
+        body = self.finish(events.output, usage, finish)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         yield events.emit(kind, response=body)
 
@@ -459,6 +465,21 @@ class _Events:
 
 
 # ------------------------------------------------------------------------------------------- serving
+async def _chat_chunks(sse):
+    """The chat stream's chunks (`ChatCompletionChunk`; an error body as a dict) from its SSE text;
+    closing this closes the chat stream (which frees the request's row)."""
+    try:
+        async for text in sse:
+            for line in text.splitlines():
+                payload = line.removeprefix("data: ")
+                if payload == line or payload == "[DONE]":
+                    continue
+                data = json.loads(payload)
+                yield data if "error" in data else ChatCompletionChunk.model_validate(data)
+    finally:
+        await sse.aclose()
+
+
 class Responses:
     """The Responses endpoints over a `Serving` (its chat path) and a `ResponseStore`."""
 
@@ -488,8 +509,15 @@ class Responses:
             requests = self.serving.engine_requests([ids], chat, chat=True, media=[media])
         except ApiError as e:
             raise _renamed(e) from None
+        from fastapi.responses import StreamingResponse
+
         render = Render(self, body, items)
-        return await self.serving.run(http, requests, chat, chat=True, render=render)
+        response = await self.serving.run(http, requests, chat, chat=True, submitted=render.submitted)
+        if isinstance(response, dict):  # the chat's answer
+            return render.response(ChatCompletionResponse.model_validate(response))
+        if isinstance(response, StreamingResponse):  # the chat's SSE, re-read as chunks
+            response.body_iterator = render.stream(_chat_chunks(response.body_iterator))
+        return response  # (an error the chat path answered: client gone, generation failed)
 
     def get(self, response_id: str) -> dict:
         entry = self.store.get(response_id)

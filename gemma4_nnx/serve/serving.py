@@ -641,13 +641,12 @@ class Serving:
         return out
 
     async def run(
-        self, http, requests: list[Request], body, *, chat: bool, prompts: list[list[int]] | None = None, render=None
+        self, http, requests: list[Request], body, *, chat: bool, prompts: list[list[int]] | None = None, submitted=None
     ):
         """Admit and queue the requests; a response body (dict) or, with `stream`, an SSE
         `StreamingResponse`. `prompts`: a completion's prompts (`echo` scores them; with
-        `max_tokens` 0 there are no requests). `render`: another API's shape of a one-choice chat
-        (`responses.Render`): `render.response(ChatCompletionResponse, reqs)` gives the body and
-        `render.stream(chunks, reqs)` the SSE text of the chat's chunks (objects; no `[DONE]`)."""
+        `max_tokens` 0 there are no requests). `submitted`: called with the engine's requests once
+        queued (their `.tokens` grow as they decode; `serve.responses` counts thinking tokens there)."""
         from fastapi.responses import StreamingResponse
         from starlette.background import BackgroundTask
 
@@ -662,7 +661,9 @@ class Serving:
                 self.release(n)
 
         try:
-            response = await self._run(http, requests, body, chat=chat, release=release, prompts=prompts, render=render)
+            response = await self._run(
+                http, requests, body, chat=chat, release=release, prompts=prompts, submitted=submitted
+            )
         except BaseException:
             release()
             raise
@@ -673,7 +674,15 @@ class Serving:
         return response
 
     async def _run(
-        self, http, requests: list[Request], body, *, chat: bool, release: Callable[[], None], prompts=None, render=None
+        self,
+        http,
+        requests: list[Request],
+        body,
+        *,
+        chat: bool,
+        release: Callable[[], None],
+        prompts=None,
+        submitted=None,
     ):
         from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -710,6 +719,8 @@ class Serving:
             for r in reqs:
                 self.engine.cancel(r)
             raise ApiError(str(e), status=503, type_="server_error") from None
+        if submitted is not None:
+            submitted(reqs)
         if self.queue_timeout is not None:  # the first token must come in time (queue + prefill)
             try:
                 first = await asyncio.wait_for(queue.get(), timeout=self.queue_timeout)
@@ -772,16 +783,11 @@ class Serving:
             finally:
                 gone.cancel()
                 self.live.difference_update(reqs)
-            if render is not None:
-                return render.response(self._chat_response(ctx, collected, want_lp, usage(), _uses_tools(body)), reqs)
             if chat:
                 return self._chat_response(ctx, collected, want_lp, usage(), _uses_tools(body)).model_dump()
             return self._completion_response(ctx, collected, want_lp, top, echo, usage()).model_dump()
 
-        if render is not None:
-            chunks = self._chat_chunks(ctx, events, 1, want_lp, True, usage, _uses_tools(body), emit=lambda c: c)
-            stream = render.stream(chunks, reqs)
-        elif chat:
+        if chat:
             stream = self._chat_chunks(
                 ctx, events, len(requests), want_lp, body.include_usage, usage, _uses_tools(body)
             )
@@ -792,8 +798,7 @@ class Serving:
             try:
                 async for chunk in stream:
                     yield chunk
-                if render is None:
-                    yield "data: [DONE]\n\n"
+                yield "data: [DONE]\n\n"
             finally:  # also on client disconnect (the response task is cancelled)
                 cancel_all()
                 release()
@@ -876,10 +881,9 @@ class Serving:
         if include_usage:
             yield _sse(CompletionResponse(**ctx, choices=[], usage=usage()))
 
-    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage, tools: bool, emit=_sse):
-        """The chat's chunks, each through `emit` (SSE text by default); an engine failure's error body last."""
+    async def _chat_chunks(self, ctx, events, n, want_lp, include_usage, usage, tools: bool):
         for i in range(n):
-            yield emit(
+            yield _sse(
                 ChatCompletionChunk(
                     **ctx,
                     choices=[
@@ -893,7 +897,7 @@ class Serving:
         callers = [_ToolCalls() for _ in range(n)]
         async for i, ev, reason in self._events(events, n):
             if i is None:
-                yield emit(ev.body())
+                yield _sse(ev.body())
                 return
             if not ev.text and reason is None and (ev.token is None or not want_lp):
                 continue
@@ -919,6 +923,6 @@ class Serving:
             chunk = ChatCompletionChunk(
                 **ctx, choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=reason, logprobs=lp)]
             )
-            yield emit(chunk)
+            yield _sse(chunk)
         if include_usage:
-            yield emit(ChatCompletionChunk(**ctx, choices=[], usage=usage()))
+            yield _sse(ChatCompletionChunk(**ctx, choices=[], usage=usage()))
