@@ -11,6 +11,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   Streams with `"stream": true` (server-sent events, `data: [DONE]` at the end). A thinking block
   the model writes goes to `message.reasoning_content` (`delta.reasoning_content` when streaming),
   the rest to `content`; `"chat_template_kwargs": {"enable_thinking": true}` turns thinking on.
+* `POST /v1/responses` (OpenAI's Responses API on the chat path: `serve.responses`), `GET` and
+  `DELETE /v1/responses/{id}` (responses kept in memory, `--max-stored-responses`).
 * `POST /v1/completions`: `prompt` as a string (encoded with one leading <bos>), a list of
   strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
   token-id lists. `echo` returns the prompt before the completion and, with `logprobs` (0..20
@@ -78,6 +80,8 @@ from gemma4_nnx.serve.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
+from gemma4_nnx.serve.responses import DEFAULT_MAX_STORED_RESPONSES, Responses
+from gemma4_nnx.serve.responses_protocol import ResponseObject, ResponsesRequest
 from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, parse_error, validation_error
 
 try:
@@ -115,6 +119,7 @@ def create_app(
     precheck_bytes: int = PRECHECK_BYTES,
     processor=None,
     strict_requests: bool = False,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
@@ -126,7 +131,8 @@ def create_app(
     tokenized in a helper process first (`precheck`). `processor`: the `gemma4_nnx.processor.Processor`
     that turns a multimodal model's image and audio parts into its arrays (None: text only).
     `strict_requests`: request fields the protocol models do not define get 400 (default: ignored and
-    named in the `X-Gemma4-Unknown-Fields` response header)."""
+    named in the `X-Gemma4-Unknown-Fields` response header). `max_stored_responses`: responses kept
+    for `previous_response_id` and GET /v1/responses/{id}, least recently used evicted beyond."""
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -261,6 +267,23 @@ def create_app(
         requests = serving.engine_requests([ids], body, chat=True, media=[media])
         return await serving.run(request, requests, body, chat=True)
 
+    responses = Responses(serving, max_stored_responses)
+    app.state.responses = responses
+
+    @app.post("/v1/responses", responses={200: {"model": ResponseObject}, **_ERRORS})
+    async def create_response(body: ResponsesRequest, request: Request):
+        report_unknown_fields(request.scope, body, strict_requests)
+        serving.check_model(body.model)
+        return await responses.create(request, body)
+
+    @app.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **_ERRORS})
+    async def get_response(response_id: str):
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
+
     return app
 
 
@@ -379,6 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refuse (400) request fields the server does not know; by default they are ignored and named "
         "in the X-Gemma4-Unknown-Fields response header",
+    )
+    p.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=DEFAULT_MAX_STORED_RESPONSES,
+        help="responses kept in memory for previous_response_id and GET /v1/responses/{id}; beyond it the least "
+        f"recently used (created, retrieved or continued) is dropped (default {DEFAULT_MAX_STORED_RESPONSES}, "
+        "0 = none kept)",
     )
     p.add_argument(
         "--body-timeout",
@@ -519,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         queue_timeout=args.queue_timeout,
         max_tokens=args.max_tokens,
         strict_requests=args.strict_requests,
+        max_stored_responses=args.max_stored_responses,
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     config = uvicorn.Config(

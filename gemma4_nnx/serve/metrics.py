@@ -30,6 +30,7 @@ _ROUTES = frozenset(
     {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/v1/models",
         "/tokenize",
         "/detokenize",

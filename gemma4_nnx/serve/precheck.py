@@ -31,7 +31,7 @@ __all__ = ["PRECHECK_BYTES", "Precheck"]
 #: Bodies from this size on are checked in the helper process (smaller ones cost the event loop
 #: little even in the worst shape we found: docs/benchmarks.md, "Huge bodies").
 PRECHECK_BYTES = 256 * 1024
-_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
+_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True, "/v1/responses": "responses"}
 _tokenizer = None  # in the helper process
 
 
@@ -50,9 +50,11 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(0)
 
 
-def refusal(tokenizer, chat: bool, body: bytes, max_length: int, max_prompts: int) -> tuple | None:
+def refusal(tokenizer, chat: bool | str, body: bytes, max_length: int, max_prompts: int) -> tuple | None:
     """(message, param, code) of the 400 this body gets for its shape or size, or None when it fits
-    (runs in the helper process; a plain function of its arguments, also callable in-process)."""
+    (runs in the helper process; a plain function of its arguments, also callable in-process).
+    `chat`: False for a completion, True for a chat, "responses" for /v1/responses (checked without
+    the stored conversation a `previous_response_id` continues: only its fields then)."""
     import pydantic
 
     from gemma4_nnx.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -60,8 +62,15 @@ def refusal(tokenizer, chat: bool, body: bytes, max_length: int, max_prompts: in
 
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
-        request = model.model_validate_json(body)
-        prompts = [chat_prompt(tokenizer, request)[0]] if chat else completion_prompts(tokenizer, request, max_prompts)
+        if chat == "responses":  # /v1/responses: its chat rendering (`serve.responses`)
+            from gemma4_nnx.serve.responses import precheck_prompt
+
+            prompts = [ids for ids in [precheck_prompt(tokenizer, body)] if ids is not None]
+        else:
+            request = model.model_validate_json(body)
+            prompts = (
+                [chat_prompt(tokenizer, request)[0]] if chat else completion_prompts(tokenizer, request, max_prompts)
+            )
     except pydantic.ValidationError as e:
         err = validation_error(e.errors(include_url=False))
         return str(err), err.param, err.code
@@ -70,7 +79,7 @@ def refusal(tokenizer, chat: bool, body: bytes, max_length: int, max_prompts: in
     for ids in prompts:
         if len(ids) >= max_length:  # the engine's own error, reported on the field the client sent
             err = prompt_too_long(len(ids), f"max_length={max_length}")
-            return str(err), "messages" if chat else "prompt", err.code
+            return str(err), ("input" if chat == "responses" else "messages") if chat else "prompt", err.code
     return None
 
 

@@ -610,10 +610,13 @@ class Serving:
             out.append((text, entries))
         return out
 
-    async def run(self, http, requests: list[Request], body, *, chat: bool, prompts: list[list[int]] | None = None):
+    async def run(
+        self, http, requests: list[Request], body, *, chat: bool, prompts: list[list[int]] | None = None, submitted=None
+    ):
         """Admit and queue the requests; a response body (dict) or, with `stream`, an SSE
         `StreamingResponse`. `prompts`: a completion's prompts (`echo` scores them; with
-        `max_tokens` 0 there are no requests)."""
+        `max_tokens` 0 there are no requests). `submitted`: called with the engine's requests once
+        queued (their `.tokens` grow as they decode; `serve.responses` counts thinking tokens there)."""
         from fastapi.responses import StreamingResponse
         from starlette.background import BackgroundTask
 
@@ -628,7 +631,9 @@ class Serving:
                 self.release(n)
 
         try:
-            response = await self._run(http, requests, body, chat=chat, release=release, prompts=prompts)
+            response = await self._run(
+                http, requests, body, chat=chat, release=release, prompts=prompts, submitted=submitted
+            )
         except BaseException:
             release()
             raise
@@ -638,7 +643,17 @@ class Serving:
             release()
         return response
 
-    async def _run(self, http, requests: list[Request], body, *, chat: bool, release: Callable[[], None], prompts=None):
+    async def _run(
+        self,
+        http,
+        requests: list[Request],
+        body,
+        *,
+        chat: bool,
+        release: Callable[[], None],
+        prompts=None,
+        submitted=None,
+    ):
         from fastapi.responses import JSONResponse, StreamingResponse
 
         echo = None
@@ -674,6 +689,8 @@ class Serving:
             for r in reqs:
                 self.engine.cancel(r)
             raise ApiError(str(e), status=503, type_="server_error") from None
+        if submitted is not None:
+            submitted(reqs)
         if self.queue_timeout is not None:  # the first token must come in time (queue + prefill)
             try:
                 first = await asyncio.wait_for(queue.get(), timeout=self.queue_timeout)
