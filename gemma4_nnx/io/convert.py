@@ -460,7 +460,7 @@ def convert(
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     _check_options(dtype, ple, quantize, group)
     gguf_reader = None
-    if os.path.isfile(src):  # a Gemma 3 / 4 GGUF: dequantized once into a cached HF-style dir (gemma4_nnx.io.gguf_import)
+    if os.path.isfile(src):  # a Gemma 3 / 4 GGUF: dequantized once into a cached HF-style dir (io.gguf_import)
         from gemma4_nnx.io.gguf_import import _reader, cached_hf_dir
 
         gguf_path = src
@@ -695,7 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "src",
         help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
-        "a Gemma 3 or Gemma 4 .gguf file (needs the gguf package), or a checkpoint of Google's gemma library (see --gm-config)",
+        "a Gemma 3 or Gemma 4 .gguf file (needs the gguf package), or a checkpoint of Google's gemma library "
+        "(see --gm-config)",
     )
     p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")
     p.add_argument(
