@@ -363,6 +363,7 @@ def test_items_become_the_chat_request_chat_would_get():
             ],
             "max_output_tokens": 7,
             "text": {"format": {"type": "json_object"}},
+            "mm_processor_kwargs": {"max_soft_tokens": 560},
         }
     )
     got = chat_request(body, new_items(body))
@@ -391,9 +392,10 @@ def test_items_become_the_chat_request_chat_would_get():
             "max_completion_tokens": 7,
             "response_format": {"type": "json_object"},
             "chat_template_kwargs": {"enable_thinking": False},
+            "mm_processor_kwargs": {"max_soft_tokens": 560},
         }
     )
-    assert got == want
+    assert got == want and got.max_soft_tokens == 560
 
 
 def test_large_bodies_are_prechecked_like_chat(served):

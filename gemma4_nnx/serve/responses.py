@@ -212,6 +212,7 @@ def chat_request(body: ResponsesRequest, items: list, first_new: int = 0) -> Cha
         seed=body.seed,
         stop=body.stop,
         ignore_eos=body.ignore_eos,
+        mm_processor_kwargs=body.mm_processor_kwargs.model_dump() if body.mm_processor_kwargs else None,
     )
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
-from gemma4_nnx.serve.protocol import StrictBool, StrictInt, StrictStr, _Api, _Response, _unicode
+from gemma4_nnx.serve.protocol import MediaOptions, StrictBool, StrictInt, StrictStr, _Api, _Response, _unicode
 
 __all__ = [
     "FunctionCallItem",
@@ -190,8 +190,8 @@ class ReasoningConfig(_Api):
         return self.effort not in (None, "none", "minimal")
 
 
-class ResponsesRequest(_Api):
-    """POST /v1/responses."""
+class ResponsesRequest(MediaOptions):
+    """POST /v1/responses (with the chat's per-request image budget, `mm_processor_kwargs`)."""
 
     model: StrictStr = Field(description="The model id (GET /v1/models lists it).")
     input: list[InputItem] | StrictStr = Field(
