@@ -13,6 +13,10 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   the rest to `content`; `"chat_template_kwargs": {"enable_thinking": true}` turns thinking on.
 * `POST /v1/responses` (OpenAI's Responses API on the chat path: `serve.responses`), `GET` and
   `DELETE /v1/responses/{id}` (responses kept in memory, `--max-stored-responses`).
+* `POST /v1/audio/transcriptions`, `POST /v1/audio/translations` (OpenAI's speech endpoints, multipart
+  uploads, on the chat path: `serve.speech`): a model with an audio tower transcribes or translates an
+  audio file (WAV, and FLAC / MP3 / Ogg / M4A / WebM with the `audio` extra), clips beyond the tower's
+  30 s in windows, at most `--max-audio-seconds`.
 * `POST /v1/completions`: `prompt` as a string (encoded with one leading <bos>), a list of
   strings (one choice per prompt, all batched), a list of token ids (used as given), or a list of
   token-id lists. `echo` returns the prompt before the completion and, with `logprobs` (0..20
@@ -35,7 +39,8 @@ Every bad request gets a 4xx with an OpenAI-style body `{"error": {"message", "t
 Before the routes, `guard.Guard` checks the API key (`--api-key`), the drain (503 after SIGTERM),
 the connection limit (503 at `--limit-concurrency`, API routes only: `/health` and `/metrics` answer
 through a connection flood; the limit is applied by our HTTP protocol, `serve.connections`, not by
-uvicorn, whose own check refuses every route), the content type (JSON only) and the body size
+uvicorn, whose own check refuses every route), the content type (JSON; multipart on the speech routes)
+and the body size
 (`--max-body-bytes`). Idle connections are closed after `--keep-alive-timeout`, slow headers after
 `--header-timeout`.
 
@@ -83,6 +88,13 @@ from gemma4_nnx.serve.protocol import (
 from gemma4_nnx.serve.responses import DEFAULT_MAX_STORED_RESPONSES, Responses
 from gemma4_nnx.serve.responses_protocol import ResponseObject, ResponsesRequest
 from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, parse_error, validation_error
+from gemma4_nnx.serve.speech import DEFAULT_MAX_AUDIO_SECONDS, Speech
+from gemma4_nnx.serve.speech_protocol import (
+    TranscriptionRequest,
+    TranscriptionText,
+    TranscriptionVerbose,
+    TranslationRequest,
+)
 
 try:
     import uvicorn
@@ -120,6 +132,7 @@ def create_app(
     processor=None,
     strict_requests: bool = False,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
@@ -132,7 +145,8 @@ def create_app(
     that turns a multimodal model's image and audio parts into its arrays (None: text only).
     `strict_requests`: request fields the protocol models do not define get 400 (default: ignored and
     named in the `X-Gemma4-Unknown-Fields` response header). `max_stored_responses`: responses kept
-    for `previous_response_id` and GET /v1/responses/{id}, least recently used evicted beyond."""
+    for `previous_response_id` and GET /v1/responses/{id}, least recently used evicted beyond.
+    `max_audio_seconds`: the longest audio file the speech endpoints take (400 naming `file` beyond)."""
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -276,6 +290,26 @@ def create_app(
         serving.check_model(body.model)
         return await responses.create(request, body)
 
+    speech = Speech(serving, max_audio_seconds)
+    app.state.speech = speech
+
+    def speech_route(path: str, model, translate: bool):
+        schema = model.model_json_schema()
+        schema["properties"] = {"file": {"type": "string", "format": "binary"}, **schema["properties"]}
+        schema["required"] = ["file", *schema.get("required", [])]
+        body = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
+        ok = {"model": TranscriptionText | TranscriptionVerbose, "description": "json / verbose_json, or text"}
+
+        @app.post(path, responses={200: ok, **_ERRORS}, openapi_extra=body, name=path.rsplit("/", 1)[1])
+        async def route(request: Request):
+            fields, raw, filename = await speech.parse(request, translate)
+            report_unknown_fields(request.scope, fields, strict_requests)
+            serving.check_model(fields.model)
+            return await speech.create(request, fields, raw, filename, translate)
+
+    speech_route("/v1/audio/transcriptions", TranscriptionRequest, translate=False)
+    speech_route("/v1/audio/translations", TranslationRequest, translate=True)
+
     @app.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **_ERRORS})
     async def get_response(response_id: str):
         return responses.get(response_id)
@@ -410,6 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="responses kept in memory for previous_response_id and GET /v1/responses/{id}; beyond it the least "
         f"recently used (created, retrieved or continued) is dropped (default {DEFAULT_MAX_STORED_RESPONSES}, "
         "0 = none kept)",
+    )
+    p.add_argument(
+        "--max-audio-seconds",
+        type=float,
+        default=DEFAULT_MAX_AUDIO_SECONDS,
+        help="the longest audio file /v1/audio/transcriptions and /v1/audio/translations take, 400 beyond "
+        f"(default {DEFAULT_MAX_AUDIO_SECONDS:g}); longer than the audio tower's 30 s is transcribed in windows, "
+        "one batch row each (at most --max-prompts of them)",
     )
     p.add_argument(
         "--body-timeout",
@@ -551,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         strict_requests=args.strict_requests,
         max_stored_responses=args.max_stored_responses,
+        max_audio_seconds=args.max_audio_seconds,
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     config = uvicorn.Config(

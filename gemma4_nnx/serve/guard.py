@@ -6,7 +6,10 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
   with `WWW-Authenticate: Bearer` otherwise, compared in constant time); `/health`, `/metrics`, `/stats`, `/docs` and
   `/openapi.json` stay open (probes and schema readers carry no key). vLLM's `--api-key`.
 * POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
-  form to a local server without a CORS preflight, JSON it cannot.
+  form to a local server without a CORS preflight, JSON it cannot. The speech endpoints
+  (`MULTIPART_PATHS`) take `multipart/form-data` too, as OpenAI's do (an upload has no JSON form): such
+  a cross-site form can make the server transcribe, never read the answer; `--api-key` shuts that too
+  (a form cannot carry the Authorization header).
 * `max_body_bytes`: a declared `Content-Length` above it is refused (413) before any of the body
   is read; a body without one (chunked) is refused as soon as it passes the limit.
 * `body_timeout`: the whole body must arrive within it (408 otherwise): a client sending a byte a
@@ -42,6 +45,7 @@ __all__ = [
     "BODY_SCOPE_KEY",
     "DEFAULT_BODY_TIMEOUT",
     "DEFAULT_MAX_BODY_BYTES",
+    "MULTIPART_PATHS",
     "UNKNOWN_SCOPE_KEY",
     "Guard",
     "report_unknown_fields",
@@ -50,6 +54,8 @@ __all__ = [
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 # besides /v1/*: they run the server's tokenizer
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+# the routes whose bodies are multipart/form-data (file uploads), as OpenAI's
+MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to receive a whole request body
 BODY_SCOPE_KEY = "gemma4_nnx.body"  # a POST's whole body, in the ASGI scope the app gets
 UNKNOWN_SCOPE_KEY = "gemma4_nnx.unknown_fields"  # the X-Gemma4-Unknown-Fields header value, set by a route
@@ -161,10 +167,13 @@ class Guard:
             )
         if method == "POST":
             kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
-            if kind != b"application/json":
+            multipart = path in MULTIPART_PATHS
+            if kind != b"application/json" and not (multipart and kind == b"multipart/form-data"):
                 shown = kind.decode("latin-1")[:80] or "none"
+                want = "multipart/form-data (an upload in the field 'file')" if multipart else "application/json"
                 return ApiError(
-                    f"request bodies must be JSON: send 'Content-Type: application/json' (got {shown})",
+                    f"request bodies must be {'multipart' if multipart else 'JSON'}: send 'Content-Type: "
+                    f"{want}' (got {shown})",
                     status=415,
                     code="unsupported_media_type",
                 )

@@ -1,7 +1,8 @@
-"""Images and audio of chat requests: data URLs and base64 WAV in, the model's arrays out.
+"""Images and audio of requests: data URLs, base64 WAV and uploaded audio files in, the model's arrays out.
 
 The server fetches nothing: an `image_url` must be a `data:` URL, an `input_audio` a base64 WAV
-file. Every problem is the client's and gets a 400 naming the message and part (`ApiError`).
+file. Every problem is the client's and gets a 400 naming the message and part (`ApiError`), or the
+`file` of an audio upload (`decode_audio_file`, the speech endpoints).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from gemma4_nnx.serve.errors import ApiError
 
-__all__ = ["MAX_AUDIO_SECONDS", "MAX_IMAGE_PIXELS", "decode_audio", "decode_image"]
+__all__ = ["MAX_AUDIO_SECONDS", "MAX_IMAGE_PIXELS", "decode_audio", "decode_audio_file", "decode_image"]
 
 #: Larger images are refused before decoding (PIL's own bomb guard warns at 89 M pixels): the model
 #: downsizes every image to its soft-token budget anyway.
@@ -83,3 +84,48 @@ def decode_audio(data: str, where: str, sampling_rate: int) -> np.ndarray:
             "messages",
         )
     return x
+
+
+def decode_audio_file(raw: bytes, filename: str, sampling_rate: int) -> np.ndarray:
+    """A mono float32 waveform at `sampling_rate` Hz from an uploaded audio file (the speech endpoints'
+    `file`): PCM WAV at that rate with the standard library (`read_wav`, as chat's `input_audio`);
+    anything else (WAV at another rate, FLAC, MP3, Ogg/Opus/Vorbis, M4A/AAC, WebM, MP4 audio) through
+    PyAV (FFmpeg's decoders and its resampler, bundled in PyAV's wheels: no system ffmpeg; the `audio`
+    extra), channels mixed down to mono. A file neither can read is a 400 naming `file`."""
+    from gemma4_nnx.processor import read_wav
+
+    if not raw:
+        raise ApiError("'file' is empty: upload an audio file", "file")
+    if raw[:4] == b"RIFF" and raw[8:12] == b"WAVE":
+        try:
+            x, rate = read_wav(raw)
+        except ValueError:
+            x, rate = None, None  # e.g. float or compressed WAV: FFmpeg reads those
+        if rate == sampling_rate:
+            return x
+    try:
+        import av
+    except ImportError:
+        raise ApiError(
+            f"'file' ({filename}): this server reads PCM WAV at {sampling_rate} Hz only; for other formats "
+            "and rates install the `audio` extra (PyAV) on the server, or convert the file first",
+            "file",
+        ) from None
+    try:
+        with av.open(io.BytesIO(raw), mode="r") as container:
+            if not container.streams.audio:
+                raise ApiError(f"'file' ({filename}): the file has no audio stream", "file")
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=sampling_rate)
+            chunks = []
+            for frame in container.decode(audio=0):
+                chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+    except ApiError:
+        raise
+    except Exception as e:  # FFmpeg's errors (InvalidDataError, ...) and anything it cannot open
+        raise ApiError(
+            f"'file' ({filename}): not a readable audio file ({type(e).__name__}: {e}); send WAV, FLAC, MP3, "
+            "Ogg, M4A or WebM audio",
+            "file",
+        ) from None
+    return np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)

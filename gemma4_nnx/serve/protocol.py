@@ -315,6 +315,9 @@ class ImagePart(_Api):
 class InputAudio(_Api):
     data: StrictStr = Field(description="The base64 bytes of a WAV file (PCM, mono or averaged to mono, 16 kHz).")
     format: Literal["wav"]
+    # a clip decoded already (the speech endpoints' windows: a mono float32 array at the model's rate), used
+    # instead of `data`; never set from a request body
+    _waveform: Any = PrivateAttr(default=None)
 
 
 class AudioPart(_Api):

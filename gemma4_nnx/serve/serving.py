@@ -306,7 +306,9 @@ def _chat_media(body, processor):
                     images.append(processor.preprocess_image(decode_image(part.image_url.url, where)))
                 else:
                     rate = processor.config.audio.sampling_rate
-                    wave = decode_audio(part.input_audio.data, where, rate)
+                    wave = part.input_audio._waveform  # (decoded already: a speech endpoint's window)
+                    if wave is None:
+                        wave = decode_audio(part.input_audio.data, where, rate)
                     audios.append(processor.preprocess_audio(wave, rate))
             except (ValueError, TypeError) as e:
                 raise ApiError(f"'{where}': {e}", "messages") from None
