@@ -7,7 +7,7 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
   `/openapi.json` stay open (probes and schema readers carry no key). vLLM's `--api-key`.
 * POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
   form to a local server without a CORS preflight, JSON it cannot. The speech endpoints
-  (`MULTIPART_PATHS`) take `multipart/form-data` too, as OpenAI's do (an upload has no JSON form): such
+  (`MULTIPART_PATHS`) take `multipart/form-data` instead, as OpenAI's do (an upload has no JSON form): such
   a cross-site form can make the server transcribe, never read the answer; `--api-key` shuts that too
   (a form cannot carry the Authorization header).
 * `max_body_bytes`: a declared `Content-Length` above it is refused (413) before any of the body
@@ -168,7 +168,7 @@ class Guard:
         if method == "POST":
             kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
             multipart = path in MULTIPART_PATHS
-            if kind != b"application/json" and not (multipart and kind == b"multipart/form-data"):
+            if kind != (b"multipart/form-data" if multipart else b"application/json"):
                 shown = kind.decode("latin-1")[:80] or "none"
                 want = "multipart/form-data (an upload in the field 'file')" if multipart else "application/json"
                 return ApiError(
