@@ -294,6 +294,12 @@ def test_bad_input_is_a_4xx_naming_the_field(served):
     assert status == 400 and body["error"]["param"] == "file", body
     status, body = _post(url, json.dumps({"model": NAME}).encode(), "application/json")
     assert status == 415 and "multipart/form-data" in body["error"]["message"], body
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/openapi.json", timeout=60) as r:
+        schema = json.loads(r.read())["paths"]["/v1/audio/transcriptions"]["post"]["requestBody"]["content"]
+    fields = schema["multipart/form-data"]["schema"]["properties"]
+    assert {"file", "model", "language", "prompt", "response_format", "temperature", "stream"} <= set(fields)
     # the guard's key and body limit hold here too; a model without an audio tower is a 400 naming `model`
     _refused(lambda: _client(plain).audio.transcriptions.create(model=NAME, file=("a.wav", wav)), status=401)
     big = _wav(_pcm(2.0, 9))
