@@ -148,9 +148,11 @@ def window_bounds(wave: np.ndarray, window: int, rate: int) -> list[tuple[int, i
     out, start = [], 0
     while n - start > window:
         lo, hi = start + window - window // 5, min(start + window, n - window // 10)
-        count = max(1, (hi - lo) // frame)
-        frames = wave[lo : lo + count * frame].astype(np.float64).reshape(count, frame)
-        cut = lo + int(np.argmin((frames**2).sum(axis=1))) * frame + frame // 2
+        count = (hi - lo) // frame
+        cut = hi  # (a window too short to search: a fixed cut)
+        if count > 0:
+            frames = wave[lo : lo + count * frame].astype(np.float64).reshape(count, frame)
+            cut = lo + int(np.argmin((frames**2).sum(axis=1))) * frame + frame // 2
         out.append((start, cut))
         start = cut
     out.append((start, n))
@@ -206,9 +208,12 @@ class Speech:
 
     async def parse(self, http, translate: bool) -> tuple[SpeechRequest, bytes, str]:
         """(the validated form fields, the file's bytes, its name) of a multipart request."""
+        async with http.form() as form:  # (closes the upload's spooled file)
+            return await self._read(form, translate)
+
+    async def _read(self, form, translate: bool) -> tuple[SpeechRequest, bytes, str]:
         from starlette.datastructures import UploadFile
 
-        form = await http.form()
         fields: dict = {}
         upload = None
         for key, value in form.multi_items():
