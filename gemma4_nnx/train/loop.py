@@ -202,7 +202,7 @@ class Trainer:
         until = self.config.steps if until is None else min(until, self.config.steps)
         self.restore()
         losses = []
-        start, tokens = time.perf_counter(), 0
+        start, tokens, first = time.perf_counter(), 0, self.step
         while self.step < until:
             batch = next(self.loader)
             self.rng, _ = jax.random.split(self.rng)
@@ -210,7 +210,9 @@ class Trainer:
             self.step += 1
             losses.append(loss)
             tokens += int(batch["attention_mask"].sum())
-            record = {"step": self.step, "loss": loss, "tokens_per_s": tokens / (time.perf_counter() - start)}
+            elapsed = time.perf_counter() - start
+            eta = elapsed / (self.step - first) * (until - self.step)
+            record = {"step": self.step, "loss": loss, "tokens_per_s": tokens / elapsed, "eta_s": eta}
             if self.eval_rows is not None and self.config.eval_every and self.step % self.config.eval_every == 0:
                 record["eval_loss"] = evaluate(self.model, self.eval_rows, self.config.batch_size)
             self._log(record)
@@ -221,7 +223,16 @@ class Trainer:
         return losses
 
     def _log(self, record: dict) -> None:
-        log.info("step %(step)d loss %(loss).4f (%(tokens_per_s).0f tok/s)", record)
+        extra = f", eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+        log.info(
+            "step %d/%d loss %.4f%s (%.0f tok/s, ETA %.0f s)",
+            record["step"],
+            self.config.steps,
+            record["loss"],
+            extra,
+            record["tokens_per_s"],
+            record["eta_s"],
+        )
         if self.out is not None:
             with open(os.path.join(self.out, "metrics.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
@@ -262,12 +273,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("gemma4_nnx").setLevel(logging.INFO)
 
-    import gemma4_nnx
+    from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.tokenizer import load_tokenizer
 
     checkpoints = os.path.join(args.out, "checkpoints")
     if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not args.resume:
         p.error(f"--out {args.out} holds a run already; pass --resume to continue it")
-    tok = gemma4_nnx.load_tokenizer(args.model)
+    tok = load_tokenizer(args.model)
     examples, stats = data.read_jsonl(args.data, tok, max_len=args.max_len, overflow=args.overflow)
     log.info("training data: %s", stats.summary())
     pad = tok.pad_id or 0
@@ -288,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         save_every=args.save_every,
         eval_every=args.eval_every if eval_rows is not None else 0,
     )
-    model = gemma4_nnx.load_any(args.model, kind="model")
+    model = load_any(args.model, kind="model")
     ft.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, rngs=nnx.Rngs(args.seed))
     loader = data.Loader(rows, args.batch_size * args.accumulate, seed=args.seed)
     trainer = Trainer(model, loader, config, out=args.out, eval_rows=eval_rows)
