@@ -123,9 +123,9 @@ def evaluate(model: nnx.Module, rows: dict[str, np.ndarray], batch_size: int) ->
 class Trainer:
     """A training run over `loader` with `config`; `out` (optional) holds checkpoints/ and metrics.jsonl.
 
-    `run()` restores the newest checkpoint in `out` first (if any), so calling it again after a crash
-    resumes. Trains the variables `wrt` selects (default the LoRA adapters; `ft.trainable_params` for
-    the full model)."""
+    The first `run()` restores the newest checkpoint in `out` (if any), so a new Trainer over the same
+    `out` resumes a crashed run; later calls continue from where the last one stopped. Trains the
+    variables `wrt` selects (default the LoRA adapters; `ft.trainable_params` for the full model)."""
 
     def __init__(
         self,
@@ -146,6 +146,7 @@ class Trainer:
         self.optimizer = ft.make_optimizer(model, make_tx(config), wrt=wrt)
         self.wrt = wrt
         self.step = 0
+        self._resumed = False  # run() restores the newest checkpoint once, not on every call
         self.rng = jax.random.key(config.seed)
         self.out = None if out is None else os.path.abspath(os.fspath(out))
         self._manager = None
@@ -200,7 +201,9 @@ class Trainer:
     def run(self, until: int | None = None) -> list[float]:
         """Train up to step `until` (default config.steps); returns this call's per-step losses."""
         until = self.config.steps if until is None else min(until, self.config.steps)
-        self.restore()
+        if not self._resumed:
+            self._resumed = True
+            self.restore()
         losses = []
         start, tokens, first = time.perf_counter(), 0, self.step
         while self.step < until:
