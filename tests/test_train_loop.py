@@ -19,6 +19,10 @@ from tests.helpers import make_tiny_hf, micro_model
 
 @pytest.fixture(scope="module")
 def rows():
+    return make_rows()
+
+
+def make_rows():
     lengths = np.random.default_rng(0).integers(5, 15, 24)
     exs = []
     for n in lengths:
@@ -107,3 +111,50 @@ def test_finetune_command_trains_resumes_and_writes_adapters(tmp_path):
     assert [r["step"] for r in lines] == [1, 2, 3, 3] and "eval_loss" in lines[1]
     assert lines[3]["loss"] == lines[2]["loss"], "the resumed step 3 differs from the first one"
     assert (tmp_path / "run" / "adapters" / "lora.json").is_file()
+
+
+# Data parallel: the same 3 steps (8 rows a batch, one per device) in 1 process x 8 CPU devices and in
+# 2 processes x 4 (jax.distributed over gloo), each a fresh interpreter (the device count is fixed when
+# jax starts).
+DP_SCRIPT = """
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
+import jax
+if {processes} > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize("localhost:{port}", num_processes={processes}, process_id={pid})
+import numpy as np
+from flax import nnx
+import gemma4_nnx
+from gemma4_nnx.train import data, loop
+from tests.test_train_loop import adapters, lora_micro, make_rows
+config = loop.TrainConfig(steps=3, lr=1e-2, batch_size=8)
+trainer = loop.Trainer(lora_micro(), data.Loader(make_rows(), 8, seed=1), config, mesh=gemma4_nnx.make_mesh(fsdp=8))
+losses = trainer.run()
+flat = [np.asarray(v).ravel().tolist() for _, v in sorted(adapters(trainer.model).items())]
+print("REPORT " + json.dumps(dict(losses=losses, adapters=flat, devices=jax.device_count())))
+"""
+
+
+def test_two_processes_train_like_one():
+    import socket
+
+    from tests.helpers import ScriptRun
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    runs = [ScriptRun(DP_SCRIPT.format(devices=8, processes=1, port=0, pid=0), "dp1")]
+    runs += [ScriptRun(DP_SCRIPT.format(devices=4, processes=2, port=port, pid=i), f"dp2_{i}") for i in range(2)]
+    one, *two = [r.report(timeout=400) for r in runs]
+    assert one["devices"] == two[0]["devices"] == 8
+    for other in two:
+        # the same per-device sums; only the cross-device reduction (gloo vs in-process) may add them in
+        # another order. Losses: float32 rounding. Adapters: Adam moves each weight by about lr per step
+        # whatever the gradient's size, so an element whose gradient nearly cancels across devices can
+        # carry a relative error far above float32's into its update: 1e-3 * lr (measured 1.1e-6 after 3
+        # steps at lr 1e-2), while a wrong gradient (rows lost, not summed) moves updates by O(lr).
+        np.testing.assert_allclose(other["losses"], one["losses"], rtol=1e-6)
+        for a, b in zip(other["adapters"], one["adapters"]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert one["losses"][0] != one["losses"][-1], "no training happened"

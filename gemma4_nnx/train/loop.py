@@ -8,6 +8,12 @@ moments and the same schedule position, so its losses and final adapters are tho
 never interrupted (tested bit for bit on CPU). No op of the step draws random numbers today (LoRA
 without dropout); the key is carried anyway so that one that does stays resumable.
 
+Data parallel (`Trainer(mesh=...)`, one process or several under `jax.distributed`): every variable
+is replicated over the mesh and each batch is split by rows over its first axis (every process runs the
+same loader and puts in its own slice); XLA sums the gradients across devices. Tested: 2 processes x 4
+CPU devices give the losses and adapters of 1 process x 8 devices. Replicated means each device holds
+the whole base model: FSDP of the base weights (`gemma4_nnx.sharding`) is not wired into the loop yet.
+
 Gradient accumulation is exact: `accumulate_step` takes a batch of `accumulate * batch_size` rows,
 runs it `batch_size` rows at a time (a `lax.scan`, one compiled micro-step) and weighs each
 micro-batch's gradient by its number of trained tokens, so the update is that of the whole batch in one
@@ -31,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gemma4_nnx.train import data
 from gemma4_nnx.train import finetune as ft
@@ -136,6 +143,7 @@ class Trainer:
         out: str | os.PathLike | None = None,
         eval_rows: dict[str, np.ndarray] | None = None,
         wrt=nnx.LoRAParam,
+        mesh: Mesh | None = None,
     ):
         if loader.batch_size != config.batch_size * config.accumulate:
             raise ValueError(
@@ -144,7 +152,13 @@ class Trainer:
             )
         self.model, self.loader, self.config, self.eval_rows = model, loader, config, eval_rows
         self.optimizer = ft.make_optimizer(model, make_tx(config), wrt=wrt)
-        self.wrt = wrt
+        self.wrt, self.mesh = wrt, mesh
+        if mesh is not None:
+            ways = mesh.shape[mesh.axis_names[0]]
+            if config.batch_size % ways:
+                raise ValueError(f"batch_size {config.batch_size} must divide by the mesh's {ways} data-parallel ways")
+            _replicate(model, mesh)
+            _replicate(self.optimizer, mesh)
         self.step = 0
         self._resumed = False  # run() restores the newest checkpoint once, not on every call
         self.rng = jax.random.key(config.seed)
@@ -162,7 +176,7 @@ class Trainer:
         return {
             "params": nnx.to_pure_dict(nnx.state(self.model, self.wrt)),
             "optimizer": nnx.to_pure_dict(nnx.state(self.optimizer)),
-            "rng": jax.random.key_data(self.rng),
+            "rng": np.asarray(jax.random.key_data(self.rng)),
         }
 
     def save(self, *, force: bool = False) -> None:
@@ -209,7 +223,8 @@ class Trainer:
         while self.step < until:
             batch = next(self.loader)
             self.rng, _ = jax.random.split(self.rng)
-            loss = float(accumulate_step(self.model, self.optimizer, batch, accumulate=self.config.accumulate))
+            inputs = batch if self.mesh is None else global_batch(batch, self.mesh)
+            loss = float(accumulate_step(self.model, self.optimizer, inputs, accumulate=self.config.accumulate))
             self.step += 1
             losses.append(loss)
             tokens += int(batch["attention_mask"].sum())
@@ -236,9 +251,33 @@ class Trainer:
             record["tokens_per_s"],
             record["eta_s"],
         )
-        if self.out is not None:
+        if self.out is not None and jax.process_index() == 0:
             with open(os.path.join(self.out, "metrics.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+# ---------------------------------------------------------------------------- data parallel
+def _replicate(node: nnx.Module | nnx.Optimizer, mesh: Mesh) -> None:
+    """Every variable of `node` (equal on every process: built from the same seed) as a global array
+    replicated over `mesh`. In place."""
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    for _, var in nnx.iter_graph(node):
+        if isinstance(var, nnx.Variable) and hasattr(var.get_value(), "shape"):
+            value = np.asarray(var.get_value())
+            var.set_value(jax.make_array_from_callback(value.shape, everywhere, lambda i, v=value: v[i]))
+
+
+def global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """The loader's (global) batch as arrays split by rows over the mesh's first axis; each process
+    contributes its own slice of rows (every process runs the same loader, so they agree on the batch)."""
+    split = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+    p, n = jax.process_index(), jax.process_count()
+
+    def put(x):
+        rows = len(x) // n
+        return jax.make_array_from_process_local_data(split, x[p * rows : (p + 1) * rows], x.shape)
+
+    return {k: put(np.asarray(v)) for k, v in batch.items()}
 
 
 def _like(restored, current):
