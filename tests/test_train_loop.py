@@ -136,6 +136,7 @@ print("REPORT " + json.dumps(dict(losses=losses, adapters=flat, devices=jax.devi
 """
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one():
     import socket
 

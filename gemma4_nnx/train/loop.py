@@ -311,7 +311,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue the run in --out (else --out must be new)")
+    p.add_argument("--data-parallel", action="store_true", help="split each batch over every device (all processes')")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() first (one process per host: TPU slices, SLURM, ...)",
+    )
     args = p.parse_args(argv)
+    if args.distributed:
+        jax.distributed.initialize()
     logging.basicConfig(format="%(message)s")
     logging.getLogger("gemma4_nnx").setLevel(logging.INFO)
 
@@ -345,7 +353,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = load_any(args.model, kind="model")
     ft.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, rngs=nnx.Rngs(args.seed))
     loader = data.Loader(rows, args.batch_size * args.accumulate, seed=args.seed)
-    trainer = Trainer(model, loader, config, out=args.out, eval_rows=eval_rows)
+    mesh = None
+    if args.data_parallel or args.distributed:
+        from gemma4_nnx.sharding import make_mesh
+
+        mesh = make_mesh(fsdp=jax.device_count())
+    trainer = Trainer(model, loader, config, out=args.out, eval_rows=eval_rows, mesh=mesh)
     trainer.run()
     if trainer._manager.latest_step() != trainer.step:
         trainer.save(force=True)
