@@ -296,3 +296,63 @@ def test_lora_step_matches_peft(tmp_path):
             step_t = theirs[key].detach().numpy().T - before_t[key]
             step = np.asarray(getattr(mod, ours_name)[...]) - before_t[key]
             np.testing.assert_allclose(step, step_t, rtol=0, atol=1e-2 * lr, err_msg=key)
+
+
+@pytest.mark.reference
+def test_peft_adapter_export_runs_in_peft_and_reads_back(tmp_path):
+    """Our adapters written in PEFT's format (`save_peft_adapter`; on some layers only, B nonzero): `peft`
+    loads them onto transformers' Gemma 4 and gives our LoRA model's logits; read back into a fresh base
+    model (`load_peft_adapter`) they give the same logits bit for bit; adapters peft writes itself (its
+    `save_pretrained`) read back into our logits too."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from gemma4_nnx.train.peft_io import load_peft_adapter, save_peft_adapter
+
+    fx.save_hf_checkpoint(fx.build_hf_model("e2b", seed=3), str(tmp_path / "hf"))
+    model = gemma4_nnx.from_hf(str(tmp_path / "hf"))
+    wrapped = ft.apply_lora(
+        model, rank=4, alpha=8, targets=r"^\.layers\.[0-2]\.(self_attn\.(q|v)_proj|mlp\.down_proj)$"
+    )
+    rng = np.random.default_rng(1)
+    for path in wrapped:
+        mod = model
+        for key in path.split("."):
+            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+        mod.lora_b[...] = jnp.asarray(0.05 * rng.standard_normal(mod.lora_b.shape), jnp.float32)
+    ids = fx.sample_ids(2, 11, seed=4)
+    ours = np.asarray(model(jnp.asarray(ids)))
+    out = save_peft_adapter(model, tmp_path / "peft")
+
+    hf = fx.build_hf_model("e2b", seed=3)
+    pm = peft.PeftModel.from_pretrained(hf, out).eval()
+    assert sum("lora_A" in n for n, _ in pm.named_parameters()) == len(wrapped)  # exactly these modules
+    with torch.no_grad():
+        theirs = pm(input_ids=torch.from_numpy(ids)).logits.float().numpy()
+    assert np.max(np.abs(ours - theirs)) <= 1e-4 * max(1.0, np.abs(theirs).max())  # float32 parity bound
+
+    again = load_peft_adapter(gemma4_nnx.from_hf(str(tmp_path / "hf")), out)
+    np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids))), ours)
+    pm.save_pretrained(str(tmp_path / "peft-own"))  # peft's own writer: its key names and config
+    own = load_peft_adapter(gemma4_nnx.from_hf(str(tmp_path / "hf")), tmp_path / "peft-own")
+    np.testing.assert_array_equal(np.asarray(own(jnp.asarray(ids))), ours)
+
+
+def test_peft_adapter_bad_input_names_the_problem(tmp_path):
+    import json
+
+    from gemma4_nnx.train.peft_io import load_peft_adapter, save_peft_adapter
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        save_peft_adapter(model, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"adapter_config\.json is missing"):
+        load_peft_adapter(model, tmp_path)
+    ft.apply_lora(model, rank=2, targets=r"\.layers\.0\.self_attn\.q_proj$")
+    out = save_peft_adapter(model, tmp_path / "a")
+    config = json.load(open(f"{out}/adapter_config.json"))
+    json.dump({**config, "use_dora": True}, open(f"{out}/adapter_config.json", "w"))
+    with pytest.raises(ValueError, match="use_dora not supported"):
+        load_peft_adapter(tiny_model(), out)
+    json.dump({**config, "r": 3}, open(f"{out}/adapter_config.json", "w"))
+    with pytest.raises(ValueError, match="has rank 2, config r=3"):
+        load_peft_adapter(tiny_model(), out)

@@ -106,11 +106,27 @@ def test_finetune_command_trains_resumes_and_writes_adapters(tmp_path):
     with pytest.raises(SystemExit):  # the run exists: continuing it needs --resume
         loop.main([*args, "--steps", "3"])
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "3")  # as if killed before step 3's checkpoint
-    loop.main([*args, "--steps", "3", "--resume"])
+    loop.main([*args, "--steps", "3", "--resume", "--export", "peft", "hf"])
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 3] and "eval_loss" in lines[1]
     assert lines[3]["loss"] == lines[2]["loss"], "the resumed step 3 differs from the first one"
     assert (tmp_path / "run" / "adapters" / "lora.json").is_file()
+
+    # the exports: the PEFT adapter gives the trained adapters' logits exactly, the merged HF model
+    # within float32 rounding (W + A @ B * scale summed once instead of the two products)
+    import jax.numpy as jnp
+
+    from gemma4_nnx.io.hf import from_hf
+    from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.train.peft_io import load_peft_adapter
+
+    ids = jnp.asarray(fx.sample_ids(1, 9, seed=2) % 6)
+    trained = np.asarray(ft.load_adapters(load_any(ckpt), tmp_path / "run" / "adapters")(ids))
+    peft = np.asarray(load_peft_adapter(load_any(ckpt), tmp_path / "run" / "peft")(ids))
+    np.testing.assert_array_equal(peft, trained)
+    merged = np.asarray(from_hf(str(tmp_path / "run" / "merged-hf"))(ids))
+    np.testing.assert_allclose(merged, trained, atol=1e-4 * max(1.0, np.abs(trained).max()))
+    assert (tmp_path / "run" / "merged-hf" / "tokenizer.json").is_file()
 
 
 # Data parallel: the same 3 steps (8 rows a batch, one per device) in 1 process x 8 CPU devices and in

@@ -317,6 +317,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="call jax.distributed.initialize() first (one process per host: TPU slices, SLURM, ...)",
     )
+    p.add_argument(
+        "--export",
+        nargs="*",
+        choices=sorted(EXPORTS),
+        default=[],
+        help="after training also write: peft (HF PEFT adapter), hf (merged HF model), gguf (merged Q8_0 GGUF)",
+    )
     args = p.parse_args(argv)
     if args.distributed:
         jax.distributed.initialize()
@@ -365,6 +372,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         trainer._manager.wait_until_finished()
     ft.save_adapters(model, os.path.join(args.out, "adapters"))
     log.info("adapters written to %s", os.path.join(args.out, "adapters"))
+    export(model, args.model, args.out, args.export)
+
+
+#: `gemma4-finetune --export` choices: where each goes under --out
+EXPORTS = {"peft": "peft", "hf": "merged-hf", "gguf": "merged.gguf"}
+
+
+def export(model, base: str, out: str, kinds) -> dict[str, str]:
+    """Write the trained run for use elsewhere: "peft" (the adapter in HF PEFT's format: `peft`, vLLM's
+    --lora-modules), "hf" (the merged model as an HF directory, with the base's tokenizer files), "gguf"
+    (the merged model as a Q8_0 GGUF for llama.cpp / Ollama: `gguf_export`). `to_hf` / `to_gguf` merge
+    the adapters on the fly; `model` is unchanged."""
+    from gemma4_nnx.io.export import to_hf
+    from gemma4_nnx.io.gguf_export import to_gguf
+    from gemma4_nnx.train.peft_io import save_peft_adapter
+
+    written = {}
+    for kind in kinds or ():
+        path = os.path.join(out, EXPORTS[kind])
+        if kind == "peft":
+            save_peft_adapter(model, path, base_model=os.path.abspath(base))
+        elif kind == "hf":
+            to_hf(model, path, copy_from=base)
+        else:
+            to_gguf(model, path, tokenizer_dir=base, quantize="q8_0")
+        log.info("%s export written to %s", kind, path)
+        written[kind] = path
+    return written
 
 
 if __name__ == "__main__":
