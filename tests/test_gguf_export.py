@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import GEMMA4_VARIANTS as VARIANTS
 from tests.helpers import build_hf_json, make_tiny_hf
 
 gguf = pytest.importorskip("gguf")
@@ -25,28 +26,6 @@ gguf = pytest.importorskip("gguf")
 from gemma4_nnx.io.gguf_export import gguf_tensor_names, to_gguf  # noqa: E402
 from gemma4_nnx.io.gguf_import import dequantized, gguf_to_hf_dir  # noqa: E402
 from gemma4_nnx.io.hf import from_hf  # noqa: E402
-
-#: the variants llama.cpp's gemma4 graph must get right (over tests.helpers.TINY: sliding + full layers,
-#: PLE, KV sharing, double-wide MLP)
-VARIANTS = {
-    "e2b": {},
-    "k_eq_v": dict(
-        attention_k_eq_v=True,
-        num_global_key_value_heads=1,
-        num_kv_shared_layers=0,
-        use_double_wide_mlp=False,
-        hidden_size_per_layer_input=0,
-    ),
-    "moe": dict(
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-        num_kv_shared_layers=0,
-        use_double_wide_mlp=False,
-        hidden_size_per_layer_input=0,
-    ),
-}
 
 
 @pytest.fixture(scope="module")
