@@ -55,25 +55,11 @@ sys.exit(llama_cpp.llama_model_quantize(fin.encode(), fout.encode(), ctypes.byre
 """
 FTYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_k_m": 15}  # llama_ftype
 
-#: tiny Gemma 4 variants (over tests.helpers.TINY: 6 layers, sliding + full, PLE, KV sharing, double-wide MLP)
-VARIANTS = {
-    "E2B-like (PLE, KV sharing, double-wide MLP)": {},
-    "31B-like (k_eq_v, global KV heads)": dict(
-        attention_k_eq_v=True,
-        num_global_key_value_heads=1,
-        num_kv_shared_layers=0,
-        use_double_wide_mlp=False,
-        hidden_size_per_layer_input=0,
-    ),
-    "26B-A4B-like (MoE)": dict(
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-        num_kv_shared_layers=0,
-        use_double_wide_mlp=False,
-        hidden_size_per_layer_input=0,
-    ),
+#: display names of the tiny Gemma 4 variants (tests.helpers.GEMMA4_VARIANTS, over tests.helpers.TINY)
+NAMES = {
+    "e2b": "E2B-like (PLE, KV sharing, double-wide MLP)",
+    "k_eq_v": "31B-like (k_eq_v, global KV heads)",
+    "moe": "26B-A4B-like (MoE)",
 }
 
 
@@ -130,9 +116,10 @@ def tiny_models(work: str):
     from tokenizers import Tokenizer
 
     from gemma4_nnx.io.hf import from_hf
-    from tests.helpers import build_hf_json, make_tiny_hf
+    from tests.helpers import GEMMA4_VARIANTS, build_hf_json, make_tiny_hf
 
-    for name, over in VARIANTS.items():
+    for key, over in GEMMA4_VARIANTS.items():
+        name = NAMES[key]
         d = os.path.join(work, f"hf-{len(os.listdir(work))}")
         os.makedirs(d)
         build_hf_json(os.path.join(d, "tokenizer.json"))

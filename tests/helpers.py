@@ -384,3 +384,26 @@ class ServerThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+#: Gemma 4 variants a GGUF export / llama.cpp's gemma4 graph must get right, as overrides of TINY
+#: (sliding + full layers, PLE, KV sharing, double-wide MLP): tests/test_gguf_export.py, bench/gguf_export.py
+GEMMA4_VARIANTS = {
+    "e2b": {},
+    "k_eq_v": dict(
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+        hidden_size_per_layer_input=0,
+    ),
+    "moe": dict(
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+        hidden_size_per_layer_input=0,
+    ),
+}

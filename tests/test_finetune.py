@@ -225,3 +225,134 @@ def test_masked_loss_ignores_prompt_and_padding():
     b = ft.make_batch([[2, 5], [2]], [[7, 8], [9]])
     assert b["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+# ---------------------------------------------------------------------------- against transformers + peft
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.reference
+def test_lora_step_matches_peft(tmp_path):
+    """One AdamW step of LoRA (rank 4, alpha 8, every attention and MLP projection) on the tiny e2b
+    checkpoint, ours vs transformers + peft from the same weights, adapters (B random, not zero, so
+    both factors get gradients), data and optimizer: loss, adapter gradients and adapter updates."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+
+    hf = fx.build_hf_model("e2b", seed=3)  # our own copy: peft edits the model it wraps
+    fx.save_hf_checkpoint(hf, str(tmp_path))
+    model = gemma4_nnx.from_hf(str(tmp_path))
+    wrapped = ft.apply_lora(model, rank=4, alpha=8)
+    rng = np.random.default_rng(0)
+    for path in wrapped:  # B nonzero, in our model and in peft's
+        mod = model
+        for key in path.split("."):
+            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+        mod.lora_b[...] = jnp.asarray(0.05 * rng.standard_normal(mod.lora_b.shape), jnp.float32)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PEFT_TARGETS))
+    theirs = {n: p for n, p in pm.named_parameters() if "lora_" in n}
+    ours = {}
+    for path in wrapped:
+        mod = model
+        for key in path.split("."):
+            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+        name = f"base_model.model.model.{path}"
+        ours[name] = mod
+        with torch.no_grad():
+            theirs[f"{name}.lora_A.default.weight"].copy_(torch.from_numpy(np.asarray(mod.lora_a[...]).T.copy()))
+            theirs[f"{name}.lora_B.default.weight"].copy_(torch.from_numpy(np.asarray(mod.lora_b[...]).T.copy()))
+    assert len(theirs) == 2 * len(ours), f"peft wrapped {len(theirs) // 2} projections, we {len(ours)}"
+
+    ids = fx.sample_ids(2, 11, seed=9)
+    mask = _loss_mask(ids)
+    lr = 1e-3
+    opt_t = torch.optim.AdamW(list(theirs.values()), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    pm.train()
+    with torch.enable_grad():
+        out = pm(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(np.where(mask == 1, ids, -100)))
+        out.loss.backward()
+    grads_t = {n: p.grad.numpy().T.copy() for n, p in theirs.items()}
+    before_t = {n: p.detach().numpy().T.copy() for n, p in theirs.items()}
+    opt_t.step()
+
+    batch = {"input_ids": jnp.asarray(ids), "loss_mask": jnp.asarray(mask)}
+    grads = nnx.jit(nnx.grad(ft.loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam)))(model, batch)
+    flat = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(grads)}
+    opt = ft.make_optimizer(model, optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0))
+    loss = float(ft.train_step(model, opt, batch))
+    ref_loss = float(out.loss.detach())
+    assert loss == pytest.approx(ref_loss, rel=1e-5), f"loss {loss} vs peft {ref_loss}"
+    report = []
+    for name, mod in ours.items():
+        path = name.removeprefix("base_model.model.model.")
+        for ours_name, theirs_name in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+            key = f"{name}.{theirs_name}.default.weight"
+            ref, g = grads_t[key], np.asarray(flat[f"{path}.{ours_name}"])
+            scale, err = float(np.max(np.abs(ref))), float(np.max(np.abs(g - ref)))
+            report.append(f"{key}: max|g|={scale:.3g} err={err:.3g}")
+            assert scale > 0 and err <= GRAD_RTOL * scale, "gradient mismatch:\n" + "\n".join(report)
+            # Adam's first step moves each weight by lr * g / (|g| + eps) (bias-corrected moments): it
+            # checks the optimizers agree (bias correction, eps placement) and the gradients' signs
+            step_t = theirs[key].detach().numpy().T - before_t[key]
+            step = np.asarray(getattr(mod, ours_name)[...]) - before_t[key]
+            np.testing.assert_allclose(step, step_t, rtol=0, atol=1e-2 * lr, err_msg=key)
+
+
+@pytest.mark.reference
+def test_peft_adapter_export_runs_in_peft_and_reads_back(tmp_path):
+    """Our adapters written in PEFT's format (`save_peft_adapter`; on some layers only, B nonzero): `peft`
+    loads them onto transformers' Gemma 4 and gives our LoRA model's logits; read back into a fresh base
+    model (`load_peft_adapter`) they give the same logits bit for bit; adapters peft writes itself (its
+    `save_pretrained`) read back into our logits too."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from gemma4_nnx.train.peft_io import load_peft_adapter, save_peft_adapter
+
+    fx.save_hf_checkpoint(fx.build_hf_model("e2b", seed=3), str(tmp_path / "hf"))
+    model = gemma4_nnx.from_hf(str(tmp_path / "hf"))
+    wrapped = ft.apply_lora(
+        model, rank=4, alpha=8, targets=r"^\.layers\.[0-2]\.(self_attn\.(q|v)_proj|mlp\.down_proj)$"
+    )
+    rng = np.random.default_rng(1)
+    for path in wrapped:
+        mod = model
+        for key in path.split("."):
+            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+        mod.lora_b[...] = jnp.asarray(0.05 * rng.standard_normal(mod.lora_b.shape), jnp.float32)
+    ids = fx.sample_ids(2, 11, seed=4)
+    ours = np.asarray(model(jnp.asarray(ids)))
+    out = save_peft_adapter(model, tmp_path / "peft")
+
+    hf = fx.build_hf_model("e2b", seed=3)
+    pm = peft.PeftModel.from_pretrained(hf, out).eval()
+    assert sum("lora_A" in n for n, _ in pm.named_parameters()) == len(wrapped)  # exactly these modules
+    with torch.no_grad():
+        theirs = pm(input_ids=torch.from_numpy(ids)).logits.float().numpy()
+    assert np.max(np.abs(ours - theirs)) <= 1e-4 * max(1.0, np.abs(theirs).max())  # float32 parity bound
+
+    again = load_peft_adapter(gemma4_nnx.from_hf(str(tmp_path / "hf")), out)
+    np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids))), ours)
+    pm.save_pretrained(str(tmp_path / "peft-own"))  # peft's own writer: its key names and config
+    own = load_peft_adapter(gemma4_nnx.from_hf(str(tmp_path / "hf")), tmp_path / "peft-own")
+    np.testing.assert_array_equal(np.asarray(own(jnp.asarray(ids))), ours)
+
+
+def test_peft_adapter_bad_input_names_the_problem(tmp_path):
+    import json
+
+    from gemma4_nnx.train.peft_io import load_peft_adapter, save_peft_adapter
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        save_peft_adapter(model, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"adapter_config\.json is missing"):
+        load_peft_adapter(model, tmp_path)
+    ft.apply_lora(model, rank=2, targets=r"\.layers\.0\.self_attn\.q_proj$")
+    out = save_peft_adapter(model, tmp_path / "a")
+    config = json.load(open(f"{out}/adapter_config.json"))
+    json.dump({**config, "use_dora": True}, open(f"{out}/adapter_config.json", "w"))
+    with pytest.raises(ValueError, match="use_dora not supported"):
+        load_peft_adapter(tiny_model(), out)
+    json.dump({**config, "r": 3}, open(f"{out}/adapter_config.json", "w"))
+    with pytest.raises(ValueError, match="has rank 2, config r=3"):
+        load_peft_adapter(tiny_model(), out)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import GEMMA4_VARIANTS as VARIANTS
 from tests.helpers import build_hf_json, make_tiny_hf
 
 gguf = pytest.importorskip("gguf")
@@ -25,28 +26,6 @@ gguf = pytest.importorskip("gguf")
 from gemma4_nnx.io.gguf_export import gguf_tensor_names, to_gguf  # noqa: E402
 from gemma4_nnx.io.gguf_import import dequantized, gguf_to_hf_dir  # noqa: E402
 from gemma4_nnx.io.hf import from_hf  # noqa: E402
-
-#: the variants llama.cpp's gemma4 graph must get right (over tests.helpers.TINY: sliding + full layers,
-#: PLE, KV sharing, double-wide MLP)
-VARIANTS = {
-    "e2b": {},
-    "k_eq_v": dict(
-        attention_k_eq_v=True,
-        num_global_key_value_heads=1,
-        num_kv_shared_layers=0,
-        use_double_wide_mlp=False,
-        hidden_size_per_layer_input=0,
-    ),
-    "moe": dict(
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-        num_kv_shared_layers=0,
-        use_double_wide_mlp=False,
-        hidden_size_per_layer_input=0,
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +270,23 @@ def test_keep_export_gives_back_the_imported_file(tmp_path, tokenizer_dir):
     for name, t in a.items():
         assert b[name].tensor_type == t.tensor_type, name
         np.testing.assert_array_equal(np.asarray(b[name].data), np.asarray(t.data), err_msg=name)
+
+
+def test_export_merges_lora(tmp_path, tokenizer_dir):
+    """A fine-tuned model (LoRA, B nonzero) exports merged: the imported GGUF gives the LoRA model's
+    logits within float32 rounding (W + A @ B * scale formed once instead of two products)."""
+    from gemma4_nnx.train.finetune import apply_lora
+
+    src, model = _tiny(tmp_path, tokenizer_dir)
+    for path in apply_lora(model, rank=2, alpha=4):
+        mod = model
+        for key in path.split("."):
+            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+        mod.lora_b[...] = jnp.full(mod.lora_b.shape, 0.05, jnp.float32)
+    ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
+    want = np.asarray(model(ids))
+    back = from_hf(gguf_to_hf_dir(to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src), tmp_path / "b"))
+    got = np.asarray(back(ids))
+    np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()))
+    base = np.asarray(from_hf(src, dtype=jnp.float32)(ids))
+    assert np.abs(base - want).max() > 1e-2  # the adapters do move the logits: the test can fail

@@ -32,9 +32,18 @@ Array = jax.Array
 
 
 def visibility(
-    q_pos: Array, k_pos: Array, window: int | None, reach: Array | None = None, floor: Array | None = None
+    q_pos: Array,
+    k_pos: Array,
+    window: int | None,
+    reach: Array | None = None,
+    floor: Array | None = None,
+    q_seg: Array | None = None,
+    k_seg: Array | None = None,
 ) -> Array:
     """Bool [B, S, T]: key j visible to query i iff it holds a token, j <= i, and (sliding) j > i - W.
+
+    Packed training rows (`q_seg` [B, S], `k_seg` [B, T]: the example each token belongs to): a key is
+    visible only to queries of its own example as well, on causal and sliding layers alike.
 
     Bidirectional vision attention (`multimodal.VisionSpan`), per query [B, S]: `reach` is the furthest
     key position the query sees instead of its own; `floor` (sliding layers) the lowest position it
@@ -47,6 +56,8 @@ def visibility(
     if window is not None:
         lower = q - window if floor is None else jnp.minimum(q - window, floor[:, :, None] - 1)
         mask = mask & (k > lower)
+    if q_seg is not None:
+        mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
     return mask
 
 
@@ -71,8 +82,12 @@ def attend(
     reach: Array | None = None,
     floor: Array | None = None,
     kernel: bool = False,
+    segments: Array | None = None,
 ) -> Array:
     """q [B, S, N, H] over kv -> [B, S, N, H]. GQA: query head n reads KV head n // (N / K).
+
+    segments [B, S] (packed training rows, no cache: queries and keys are the same S tokens): the
+    example of each token; attention stays inside each example (`visibility`). XLA's path only.
 
     kernel (`Matmul.cpu_attention`): float32 queries, up to `cpu_kernels.ATTEND_QUERIES` per row and
     no vision span go through `cpu_kernels.attend` (reads only the visible slots, no copies of the
@@ -87,11 +102,12 @@ def attend(
         kernel
         and reach is None
         and floor is None
+        and segments is None
         and q.dtype == jnp.float32
         and q.shape[1] <= cpu_kernels.ATTEND_QUERIES
     ):
         return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, kv.table, (kv.k_scale, kv.v_scale), window, scale)
-    return _xla_attend(q, kv_rows(kv, q.shape[0]), q_pos, window, scale, reach, floor)
+    return _xla_attend(q, kv_rows(kv, q.shape[0]), q_pos, window, scale, reach, floor, segments, segments)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -130,9 +146,10 @@ KEY_BLOCK = 1024
 QUERY_BLOCK = 1024
 
 
-def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Array:
+def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, q_seg=None, k_seg=None) -> Array:
     """Softmax attention in XLA: the whole [S, T] score matrix for up to `KEY_BLOCK` keys, else
-    blockwise (`_blockwise_attend`); both are the same sums up to float32 rounding."""
+    blockwise (`_blockwise_attend`); both are the same sums up to float32 rounding. q_seg [B, S] /
+    k_seg [B, T]: segment ids of a packed row (`visibility`)."""
     b, s, n, h = q.shape
     if kv.slots > KEY_BLOCK:
         if s > QUERY_BLOCK and s % QUERY_BLOCK == 0:
@@ -141,11 +158,11 @@ def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Arra
                 return None if x is None else jnp.moveaxis(x.reshape(b, -1, QUERY_BLOCK, *x.shape[2:]), 1, 0)
 
             out = jax.lax.map(
-                lambda a: _blockwise_attend(a[0], kv, a[1], window, scale, a[2], a[3]),
-                tuple(split(x) for x in (q, q_pos, reach, floor)),
+                lambda a: _blockwise_attend(a[0], kv, a[1], window, scale, a[2], a[3], a[4], k_seg),
+                tuple(split(x) for x in (q, q_pos, reach, floor, q_seg)),
             )
             return jnp.moveaxis(out, 0, 1).reshape(b, s, n, h)
-        return _blockwise_attend(q, kv, q_pos, window, scale, reach, floor)
+        return _blockwise_attend(q, kv, q_pos, window, scale, reach, floor, q_seg, k_seg)
     if kv.table is not None:
         kv = paged_view(kv)
     k_heads = kv.k.shape[2]
@@ -154,14 +171,16 @@ def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None) -> Arra
     scores = jnp.einsum("bskgh,btkh->bkgst", qg, keys)
     if scale != 1.0:
         scores = scores * jnp.asarray(scale, scores.dtype)
-    mask = visibility(q_pos, kv.pos, window, reach, floor)[:, None, None, :, :]
+    mask = visibility(q_pos, kv.pos, window, reach, floor, q_seg, k_seg)[:, None, None, :, :]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgst,btkh->bskgh", probs, values)
     return out.reshape(b, s, n, h)
 
 
-def _blockwise_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, block: int = KEY_BLOCK) -> Array:
+def _blockwise_attend(
+    q, kv: KV, q_pos, window, scale, reach=None, floor=None, q_seg=None, k_seg=None, block: int = KEY_BLOCK
+) -> Array:
     """`_xla_attend` over the keys `block` at a time with an online softmax (flash attention's
     algorithm): per query a running maximum, a running sum of exp(score - maximum) and the weighted
     values, rescaled by exp(m_old - m_new) when a block raises the maximum. Masked scores are the
@@ -176,6 +195,8 @@ def _blockwise_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, b
     b, s, n, h = q.shape
     t, k_heads = kv.slots, kv.k.shape[2]
     paged = kv.table is not None
+    if paged and k_seg is not None:
+        raise ValueError("segments: packed rows are a training (no cache) input; a paged cache has none")
     if paged:
         block = max(block, kv.pos.shape[1])  # whole pages (both powers of two)
     block = min(block, t)
@@ -193,7 +214,9 @@ def _blockwise_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, b
             start = jnp.minimum(nominal, t - block)
             view = KV(*(None if x is None else jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in (
                 kv.k, kv.v, kv.pos, None, kv.k_scale, kv.v_scale)))  # fmt: skip
-            mask = visibility(q_pos, view.pos, window, reach, floor) & (start + jnp.arange(block) >= nominal)
+            seg = None if k_seg is None else jax.lax.dynamic_slice_in_dim(k_seg, start, block, axis=1)
+            mask = visibility(q_pos, view.pos, window, reach, floor, q_seg, seg)
+            mask = mask & (start + jnp.arange(block) >= nominal)
         mask = mask[:, None, None, :, :]  # [B, 1, 1, S, block]
 
         def update(carry):
@@ -258,10 +281,12 @@ class Attention(nnx.Module):
         shared: KV | None = None,
         cache: LayerCache | PagedCache | None = None,
         span: VisionSpan | None = None,
+        segments: Array | None = None,
     ) -> tuple[Array, KV, LayerCache | PagedCache | None]:
         """x [B, S, D]; q_pos [B, S] query positions; k_pos [B, S] positions of the new tokens as keys
         (-1 for padding); `cache`: this layer's cache (donor layers, when decoding); span: each query's
-        image (bidirectional vision attention), used as this layer's `vision_block` says (`span_bounds`).
+        image (bidirectional vision attention), used as this layer's `vision_block` says (`span_bounds`);
+        segments [B, S]: the example of each token of a packed training row (no cache; `visibility`).
         Returns the output [B, S, D], the K/V attended over (for consumers) and the updated cache."""
         b, s, _ = x.shape
         cos, sin = rope
@@ -281,7 +306,15 @@ class Attention(nnx.Module):
                 kv, cache = cache.update(kv, window=self.window, in_place=self.cpu_attention)
         reach, floor = span_bounds(self.vision_block, span)
         out = attend(
-            q, kv, q_pos, window=self.window, scale=self.scale, reach=reach, floor=floor, kernel=self.cpu_attention
+            q,
+            kv,
+            q_pos,
+            window=self.window,
+            scale=self.scale,
+            reach=reach,
+            floor=floor,
+            kernel=self.cpu_attention,
+            segments=segments,
         )
         # a padding token's query gives zeros: its row stays zero through the network (`Gemma4.__call__`)
         out = jnp.where((k_pos >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))

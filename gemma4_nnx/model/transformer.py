@@ -78,8 +78,9 @@ class DecoderLayer(nnx.Module):
         shared: KV | None,
         cache: LayerCache | None,
         span: VisionSpan | None = None,
+        segments: Array | None = None,
     ) -> tuple[Array, KV, LayerCache | None]:
-        a, kv, cache = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared, cache, span)
+        a, kv, cache = self.self_attn(self.input_layernorm(h), rope, q_pos, k_pos, shared, cache, span, segments)
         h1 = h + self.post_attention_layernorm(a)
         f = self.mlp(self.pre_feedforward_layernorm(h1))
         if self.moe is not None:
@@ -198,6 +199,7 @@ class Gemma4(nnx.Module):
         input_features: Array | None = None,
         input_features_mask: Array | None = None,
         soft_tokens: Array | None = None,
+        segment_ids: Array | None = None,
     ) -> Array | tuple[Array, KVCache]:
         """input_ids [B, S] -> logits [B, S, V] (softcapped), in the compute dtype; with a `cache`,
         (logits, updated cache).
@@ -214,6 +216,12 @@ class Gemma4(nnx.Module):
         taken before the first KV-consumer layer, because consumers write no cache and their rows are
         independent; donors still see (and cache) every token.
 
+        segment_ids [B, S] (training on packed rows; no cache, no select): int ids of the example
+        each token belongs to, 0 for padding. Every layer (causal, sliding, KV consumers over their
+        donor's K/V) attends only within a token's own example; `attention_mask` defaults to
+        segment_ids > 0 and `positions` to the index within the example (`segment_positions`), so
+        each example computes what it computes alone. PLE and MoE are per token and need nothing.
+
         Images and audio (a multimodal checkpoint; the arrays of transformers'
         `Gemma4ForConditionalGeneration.forward`): pixel_values [N, P, 3*p*p] and image_position_ids
         [N, P, 2] for every image of the batch in order of appearance; input_features [C, T, F] and
@@ -229,6 +237,10 @@ class Gemma4(nnx.Module):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         b, s = input_ids.shape
+        if segment_ids is not None:
+            segment_ids = _check_segments(segment_ids, (b, s), cache, select)
+            attention_mask = segment_ids > 0 if attention_mask is None else attention_mask
+            positions = segment_positions(segment_ids) if positions is None else positions
         valid = jnp.ones((b, s), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
         if positions is None:
             if cache is not None:
@@ -291,6 +303,7 @@ class Gemma4(nnx.Module):
                 shared,
                 layer_cache,
                 span,
+                segment_ids,
             )
             if layer_cache is not None:
                 updated[spec.index] = layer_cache
@@ -372,6 +385,24 @@ class Gemma4(nnx.Module):
             z32 = z.astype(jnp.float32)
             z = (jnp.tanh((z32 / cap).astype(z.dtype)).astype(jnp.float32) * cap).astype(z.dtype)
         return z
+
+
+def segment_positions(segment_ids: Array) -> Array:
+    """[B, S] int32: each token's index within its run of equal segment ids (0 at each example's first
+    token), so packed examples get the positions (and RoPE) they have alone."""
+    seg = jnp.asarray(segment_ids)
+    col = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
+    starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return col - jax.lax.cummax(jnp.where(starts, col, 0), axis=1)
+
+
+def _check_segments(segment_ids, shape, cache, select) -> Array:
+    if cache is not None or select is not None:
+        raise ValueError("segment_ids: packed rows are for the no-cache training forward; pass no cache or select")
+    seg = jnp.asarray(segment_ids)
+    if seg.shape != shape or not jnp.issubdtype(seg.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be integers of shape {shape} like input_ids, got {seg.dtype}{seg.shape}")
+    return seg.astype(jnp.int32)
 
 
 def _take_rows(tree, select: Array):

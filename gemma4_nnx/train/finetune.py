@@ -240,8 +240,14 @@ def perplexity(model: nnx.Module, ids: Sequence[int], chunk: int = 64) -> float:
 
 def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
     """The training-path (no cache) forward + `masked_lm_loss`. batch: input_ids, loss_mask and
-    optionally attention_mask (1 = real token)."""
-    logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    optionally attention_mask (1 = real token), and for packed rows (`data.pack`) segment_ids and
+    positions (attention inside each example, positions restarting at 0)."""
+    logits = model(
+        batch["input_ids"],
+        batch.get("positions"),
+        attention_mask=batch.get("attention_mask"),
+        segment_ids=batch.get("segment_ids"),
+    )
     return masked_lm_loss(logits, batch["input_ids"], batch["loss_mask"])
 
 

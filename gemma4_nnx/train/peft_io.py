@@ -1,0 +1,143 @@
+"""LoRA adapters in Hugging Face PEFT's format: `save_peft_adapter` / `load_peft_adapter`.
+
+PEFT's directory is `adapter_config.json` + `adapter_model.safetensors`; what transformers + `peft`
+(`PeftModel.from_pretrained`), vLLM's `--lora-modules` and llama.cpp's `convert_lora_to_gguf.py` read. A
+`LoRALinear` at ``layers.3.self_attn.q_proj`` is the module ``model.layers.3.self_attn.q_proj`` of
+`Gemma4ForCausalLM` (our paths are HF's names without the `model.` prefix: `io/hf.py`'s name map), so
+
+    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight  [r, in]  = lora_a.T
+    base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight  [out, r] = lora_b.T
+
+with `r` and `lora_alpha` as ours (PEFT scales by lora_alpha / r, as we do: no rsLoRA, no DoRA).
+`target_modules` is a regular expression naming exactly the adapted modules, so PEFT adapts those and
+nothing else. Reading takes PEFT adapters of that kind, from us or from any other trainer; anything
+PEFT can express that a `LoRALinear` cannot (bias, DoRA, rsLoRA, per-module ranks, modules we do not
+wrap) is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+from flax import nnx
+
+PREFIX = "base_model.model.model."
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def _module(model, path: str):
+    mod = model
+    for key in path.split("."):
+        mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+    return mod
+
+
+def save_peft_adapter(model: nnx.Module, directory: str | os.PathLike, *, base_model: str | None = None) -> str:
+    """Write the model's LoRA adapters as a PEFT adapter directory; returns it (absolute)."""
+    from gemma4_nnx.io.tensors import write_safetensors
+    from gemma4_nnx.train.finetune import lora_paths
+
+    paths = lora_paths(model)
+    if not paths:
+        raise ValueError("model has no LoRA adapters to save (call apply_lora first)")
+    mods = {p: _module(model, p) for p in paths}
+    ranks = {m.rank for m in mods.values()}
+    alphas = {m.alpha for m in mods.values()}
+    if len(ranks) > 1 or len(alphas) > 1:
+        raise ValueError(f"PEFT's format holds one rank and alpha; the adapters have ranks {ranks}, alphas {alphas}")
+    tensors = {}
+    for p, m in mods.items():
+        tensors[f"{PREFIX}{p}.lora_A.weight"] = np.ascontiguousarray(np.asarray(m.lora_a[...], np.float32).T)
+        tensors[f"{PREFIX}{p}.lora_B.weight"] = np.ascontiguousarray(np.asarray(m.lora_b[...], np.float32).T)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": ranks.pop(),
+        "lora_alpha": alphas.pop(),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "target_modules": "^model\\.(" + "|".join(re.escape(p) for p in paths) + ")$",
+    }
+    directory = os.path.abspath(os.fspath(directory))
+    os.makedirs(directory, exist_ok=True)
+    write_safetensors(os.path.join(directory, WEIGHTS), tensors)
+    with open(os.path.join(directory, CONFIG), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return directory
+
+
+def read_peft_adapter(directory: str | os.PathLike) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """(adapter_config, {our module path: (lora_a [in, r], lora_b [r, out])}) of a PEFT LoRA directory,
+    checked to be what a `LoRALinear` holds; ValueError naming the problem otherwise."""
+    from safetensors.numpy import load_file
+
+    directory = os.fspath(directory)
+    for f in (CONFIG, WEIGHTS):
+        if not os.path.isfile(os.path.join(directory, f)):
+            raise ValueError(f"{directory} is not a PEFT adapter: {f} is missing")
+    with open(os.path.join(directory, CONFIG), encoding="utf-8") as f:
+        config = json.load(f)
+    unsupported = {
+        "peft_type": config.get("peft_type", "LORA") != "LORA",
+        "bias": config.get("bias", "none") != "none",
+        "use_dora": bool(config.get("use_dora")),
+        "use_rslora": bool(config.get("use_rslora")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(f"PEFT adapter {directory}: {', '.join(bad)} not supported (plain LoRA only)")
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for name, x in load_file(os.path.join(directory, WEIGHTS)).items():
+        pattern = r"base_model\.model\.(?:model\.(?:language_model\.)?)?(.+)\.lora_([AB])(?:\.default)?\.weight"
+        m = re.fullmatch(pattern, name)
+        if m is None:
+            raise ValueError(f"PEFT adapter {directory}: tensor {name} is not a LoRA A/B of a language-model module")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = np.asarray(x, np.float32)
+    out = {}
+    for path, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"PEFT adapter {directory}: {path} lacks lora_{'B' if 'A' in ab else 'A'}")
+        if ab["A"].shape[0] != int(config["r"]) or ab["B"].shape[1] != int(config["r"]):
+            raise ValueError(f"PEFT adapter {directory}: {path} has rank {ab['A'].shape[0]}, config r={config['r']}")
+        out[path] = (ab["A"].T, ab["B"].T)
+    return config, out
+
+
+def load_peft_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
+    """Wrap `model`'s adapted projections (as named by the adapter) in `LoRALinear` and fill them from a
+    PEFT LoRA directory. In place; returns `model`. Shapes and targets are checked against the model."""
+    import jax.numpy as jnp
+
+    from gemma4_nnx.train.finetune import apply_lora, lora_paths
+
+    config, weights = read_peft_adapter(directory)
+    if lora_paths(model):
+        raise ValueError("model already carries LoRA adapters; load a PEFT adapter into a base model")
+    exact = r"^\.(?:" + "|".join(re.escape(p) for p in weights) + r")$"
+    try:
+        wrapped = apply_lora(model, rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=exact)
+    except ValueError:
+        wrapped = []
+    missing = sorted(set(weights) - set(wrapped))
+    if missing:
+        raise ValueError(f"PEFT adapter {directory} adapts modules this model has no projection at: {missing[:6]}")
+    for path, (a, b) in weights.items():
+        mod = _module(model, path)
+        if a.shape != mod.lora_a.shape or b.shape != mod.lora_b.shape:
+            raise ValueError(
+                f"PEFT adapter {directory}: {path} is {a.shape[0]}x{b.shape[1]}, the model's projection "
+                f"{mod.in_features}x{mod.out_features}"
+            )
+        mod.lora_a[...] = jnp.asarray(a, mod.lora_a.dtype)
+        mod.lora_b[...] = jnp.asarray(b, mod.lora_b.dtype)
+    return model

@@ -1,0 +1,177 @@
+"""The training loop (`gemma4_nnx.train.loop`): exact gradient accumulation, exact resume after an
+interruption, and the `gemma4-finetune` command end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gemma4_nnx.train import data, loop
+from gemma4_nnx.train import finetune as ft
+from tests import hf_fixtures as fx
+from tests.helpers import make_tiny_hf, micro_model
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return make_rows()
+
+
+def make_rows():
+    lengths = np.random.default_rng(0).integers(5, 15, 24)
+    exs = []
+    for n in lengths:
+        mask = np.ones(n, np.int32)
+        mask[:3] = 0  # a 3-token prompt
+        exs.append(data.Example(fx.sample_ids(1, int(n), seed=int(n))[0].astype(np.int32), mask))
+    return data.pack(exs, 16)
+
+
+# shared by the tests, so that they share `accumulate_step`'s compiled programs (`loop.make_tx` is cached)
+CONFIG = loop.TrainConfig(steps=6, lr=1e-2, warmup_steps=2, batch_size=2, accumulate=2, save_every=3)
+
+
+def lora_micro():
+    model = micro_model()
+    ft.apply_lora(model, rank=2)
+    return model
+
+
+def adapters(model) -> dict:
+    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(ft.adapter_state(model))}
+
+
+SGD = optax.sgd(1.0)  # the update is the gradient itself: compared element by element
+
+
+def test_accumulated_step_equals_one_big_batch(rows):
+    """2 micro-batches of 2 rows, gradients weighted by their trained tokens = one batch of 4 rows."""
+    batch = data.Loader(rows, 4, shuffle=False).batch(data.LoaderState())
+    counts = batch["loss_mask"][:, 1:].reshape(2, 2, -1).sum((1, 2))
+    assert counts[0] != counts[1], "equal token counts: plain averaging would pass too"
+    start = adapters(lora_micro())
+    results = []
+    for accumulate in (1, 2):
+        model = lora_micro()
+        opt = ft.make_optimizer(model, SGD)
+        results.append((float(loop.accumulate_step(model, opt, batch, accumulate=accumulate)), adapters(model)))
+    (l1, a1), (l2, a2) = results
+    assert l1 == pytest.approx(l2, rel=1e-6)
+    grads = {p: a1[p] - start[p] for p in a1}
+    scale = max(float(np.max(np.abs(g))) for g in grads.values())
+    assert scale > 1e-3, f"gradients of {scale:.3g}: the comparison would be vacuous"
+    for p in a1:  # float32 sums in another order: relative 1e-5 of the largest gradient
+        np.testing.assert_allclose(a2[p] - start[p], grads[p], rtol=0, atol=1e-5 * scale, err_msg=str(p))
+
+
+def test_interrupted_run_resumes_exactly(rows, tmp_path):
+    """Killed after step 5 with checkpoints every 3 steps (mid-way through an epoch of 5 batches), then
+    restarted: steps 4-6 and the final adapters are bit-identical to an uninterrupted run's."""
+    config = CONFIG
+    whole = loop.Trainer(lora_micro(), data.Loader(rows, 4, seed=1), config)
+    want = whole.run()
+    first = loop.Trainer(lora_micro(), data.Loader(rows, 4, seed=1), config, out=tmp_path)
+    assert first.run(until=5) == want[:5]
+    again = loop.Trainer(lora_micro(), data.Loader(rows, 4, seed=1), config, out=tmp_path)
+    got = again.run()
+    assert got == want[3:], f"resumed losses {got} vs uninterrupted {want[3:]}"
+    a, b = adapters(whole.model), adapters(again.model)
+    assert all(np.array_equal(a[p], b[p]) for p in a), "final adapters differ after resume"
+    assert not all(np.array_equal(a[p], adapters(lora_micro())[p]) for p in a), "training changed nothing"
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 4, 5, 6]  # steps 4-5 are redone after the crash
+
+
+def test_config_errors_name_the_parameter():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        loop.TrainConfig(steps=4, warmup_steps=4)
+    with pytest.raises(ValueError, match="accumulate"):
+        loop.TrainConfig(steps=4, accumulate=0)
+
+
+def test_finetune_command_trains_resumes_and_writes_adapters(tmp_path):
+    ckpt = make_tiny_hf(
+        tmp_path / "ckpt", tokenizer=True, num_hidden_layers=2, layer_types=(fx.S, fx.F), num_kv_shared_layers=0
+    )
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 1)}) + "\n" for i in range(12)))
+    args = ["--model", ckpt, "--data", str(train), "--eval", str(train), "--out", str(tmp_path / "run")]
+    args += ["--batch-size", "2", "--max-len", "16", "--lora-rank", "2", "--save-every", "1", "--eval-every", "2"]
+    loop.main([*args, "--steps", "3"])
+    with pytest.raises(SystemExit):  # the run exists: continuing it needs --resume
+        loop.main([*args, "--steps", "3"])
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "3")  # as if killed before step 3's checkpoint
+    loop.main([*args, "--steps", "3", "--resume", "--export", "peft", "hf"])
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 3] and "eval_loss" in lines[1]
+    assert lines[3]["loss"] == lines[2]["loss"], "the resumed step 3 differs from the first one"
+    assert (tmp_path / "run" / "adapters" / "lora.json").is_file()
+
+    # the exports: the PEFT adapter gives the trained adapters' logits exactly, the merged HF model
+    # within float32 rounding (W + A @ B * scale summed once instead of the two products)
+    import jax.numpy as jnp
+
+    from gemma4_nnx.io.hf import from_hf
+    from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.train.peft_io import load_peft_adapter
+
+    ids = jnp.asarray(fx.sample_ids(1, 9, seed=2) % 6)
+    trained = np.asarray(ft.load_adapters(load_any(ckpt), tmp_path / "run" / "adapters")(ids))
+    peft = np.asarray(load_peft_adapter(load_any(ckpt), tmp_path / "run" / "peft")(ids))
+    np.testing.assert_array_equal(peft, trained)
+    merged = np.asarray(from_hf(str(tmp_path / "run" / "merged-hf"))(ids))
+    np.testing.assert_allclose(merged, trained, atol=1e-4 * max(1.0, np.abs(trained).max()))
+    assert (tmp_path / "run" / "merged-hf" / "tokenizer.json").is_file()
+
+
+# Data parallel: the same 3 steps (8 rows a batch, one per device) in 1 process x 8 CPU devices and in
+# 2 processes x 4 (jax.distributed over gloo), each a fresh interpreter (the device count is fixed when
+# jax starts).
+DP_SCRIPT = """
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
+import jax
+if {processes} > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize("localhost:{port}", num_processes={processes}, process_id={pid})
+import numpy as np
+from flax import nnx
+import gemma4_nnx
+from gemma4_nnx.train import data, loop
+from tests.test_train_loop import adapters, lora_micro, make_rows
+config = loop.TrainConfig(steps=3, lr=1e-2, batch_size=8)
+trainer = loop.Trainer(lora_micro(), data.Loader(make_rows(), 8, seed=1), config, mesh=gemma4_nnx.make_mesh(fsdp=8))
+losses = trainer.run()
+flat = [np.asarray(v).ravel().tolist() for _, v in sorted(adapters(trainer.model).items())]
+print("REPORT " + json.dumps(dict(losses=losses, adapters=flat, devices=jax.device_count())))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one():
+    import socket
+
+    from tests.helpers import ScriptRun
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    runs = [ScriptRun(DP_SCRIPT.format(devices=8, processes=1, port=0, pid=0), "dp1")]
+    runs += [ScriptRun(DP_SCRIPT.format(devices=4, processes=2, port=port, pid=i), f"dp2_{i}") for i in range(2)]
+    one, *two = [r.report(timeout=400) for r in runs]
+    assert one["devices"] == two[0]["devices"] == 8
+    for other in two:
+        # the same per-device sums; only the cross-device reduction (gloo vs in-process) may add them in
+        # another order. Losses: float32 rounding. Adapters: Adam moves each weight by about lr per step
+        # whatever the gradient's size, so an element whose gradient nearly cancels across devices can
+        # carry a relative error far above float32's into its update: 1e-3 * lr (measured 1.1e-6 after 3
+        # steps at lr 1e-2), while a wrong gradient (rows lost, not summed) moves updates by O(lr).
+        np.testing.assert_allclose(other["losses"], one["losses"], rtol=1e-6)
+        for a, b in zip(other["adapters"], one["adapters"]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert one["losses"][0] != one["losses"][-1], "no training happened"
