@@ -250,7 +250,7 @@ def _function_call(call: ToolCall) -> OutputFunctionCall:
     )
 
 
-class _Stripped:
+class StrippedStream:
     """Streamed text without its leading and trailing whitespace (what the chat answer's `.strip()`
     gives once a thinking block was seen): leading whitespace dropped, trailing held until more text."""
 
@@ -365,7 +365,7 @@ class _Open:
     """The item being streamed: its kind ("message" / "reasoning"), id once shown, texts sent."""
 
     kind: str
-    trim: _Stripped | None
+    trim: StrippedStream | None
     id: str | None = None
     texts: list[str] = dataclasses.field(default_factory=list)
 
@@ -412,7 +412,7 @@ class _Events:
         """A text delta of a message or reasoning item (opened at its first visible text)."""
         out = self.close(None) if self.open is not None and self.open.kind != kind else []
         if self.open is None:
-            self.open = _Open(kind, _Stripped() if kind == "reasoning" or self.thought else None)
+            self.open = _Open(kind, StrippedStream() if kind == "reasoning" or self.thought else None)
         if self.open.trim is not None:
             piece = self.open.trim.feed(piece)
             if not piece:
@@ -466,7 +466,7 @@ class _Events:
 
 
 # ------------------------------------------------------------------------------------------- serving
-async def _chat_chunks(sse):
+async def chat_chunks(sse):
     """The chat stream's chunks (`ChatCompletionChunk`; an error body as a dict) from its SSE text;
     closing this closes the chat stream (which frees the request's row)."""
     try:
@@ -517,7 +517,7 @@ class Responses:
         if isinstance(response, dict):  # the chat's answer
             return render.response(ChatCompletionResponse.model_validate(response))
         if isinstance(response, StreamingResponse):  # the chat's SSE, re-read as chunks
-            response.body_iterator = render.stream(_chat_chunks(response.body_iterator))
+            response.body_iterator = render.stream(chat_chunks(response.body_iterator))
         return response  # (an error the chat path answered: client gone, generation failed)
 
     def get(self, response_id: str) -> dict:

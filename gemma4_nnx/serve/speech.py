@@ -36,7 +36,7 @@ import pydantic
 from gemma4_nnx.serve.errors import ApiError
 from gemma4_nnx.serve.media import decode_audio_file
 from gemma4_nnx.serve.protocol import ChatCompletionRequest, ChatCompletionResponse
-from gemma4_nnx.serve.responses import _chat_chunks, _Stripped
+from gemma4_nnx.serve.responses import StrippedStream, chat_chunks
 from gemma4_nnx.serve.serving import Serving, validation_error
 from gemma4_nnx.serve.speech_protocol import (
     SpeechRequest,
@@ -329,7 +329,7 @@ class Speech:
             http, requests, chats[0], chat=True, prompts=prompts, submitted=engine_reqs.extend
         )
         if isinstance(response, StreamingResponse):
-            response.body_iterator = _stream(_chat_chunks(response.body_iterator), len(windows))
+            response.body_iterator = _stream(chat_chunks(response.body_iterator), len(windows))
             return response
         if not isinstance(response, dict):
             return response  # an error the chat path answered (client gone, generation failed)
@@ -397,7 +397,7 @@ async def _stream(chunks, n: int):
     each stripped), then `transcript.text.done` with the whole text and the token usage."""
     held: list[list[str]] = [[] for _ in range(n)]
     ended = [False] * n
-    trims = [_Stripped() for _ in range(n)]
+    trims = [StrippedStream() for _ in range(n)]
     shown = [False] * n  # the window's first text was sent (it opens with the separating space)
     sent: list[str] = []
     current, usage = 0, None
