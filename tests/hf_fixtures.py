@@ -460,3 +460,22 @@ def unified_audio_inputs(lengths: list[int], frames: int, seed: int = 0):
     feats = (0.3 * rng.standard_normal((len(lengths), frames, width))).astype(np.float32)
     mask = np.arange(frames)[None, :] < np.asarray(lengths)[:, None]
     return feats * mask[..., None], mask
+
+
+def multimodal_checkpoint(root, processor_config: dict, *, max_position_embeddings: int | None = None):
+    """(converted float32 checkpoint path, tokenizer) of a tiny random multimodal e2b (vision and audio
+    towers) with the `tests.helpers.build_hf_json` tokenizer and `processor_config` beside it: what the
+    server tests serve."""
+    import gemma4_nnx
+    from tests.helpers import build_hf_json
+
+    build_hf_json(root / "tokenizer.json")
+    tok = gemma4_nnx.load_tokenizer(root)
+    hf = build_hf_multimodal("e2b", seed=2, vocab_size=tok.vocab_size, tokens=TOKENIZER_MM_TOKENS)
+    if max_position_embeddings is not None:
+        hf.config.text_config.max_position_embeddings = max_position_embeddings
+    hf_dir = root / "hf"
+    save_hf_checkpoint(hf, str(hf_dir))
+    (hf_dir / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+    (hf_dir / "processor_config.json").write_text(json.dumps(processor_config))
+    return gemma4_nnx.convert(str(hf_dir), str(root / "ckpt"), dtype="float32", progress=False), tok

@@ -30,7 +30,7 @@ from gemma4_nnx.processor import batch_audio  # noqa: E402
 from gemma4_nnx.serve.speech import instruction, translation_text, window_bounds  # noqa: E402
 from gemma4_nnx.tokenizer import format_chat  # noqa: E402
 from tests import hf_fixtures as fx  # noqa: E402
-from tests.helpers import ServerThread, build_hf_json  # noqa: E402
+from tests.helpers import ServerThread  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -46,16 +46,10 @@ KEY = "sk-speech"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_speech")
-    build_hf_json(root / "tokenizer.json")
-    tok = gemma4_nnx.load_tokenizer(root)
-    hf = fx.build_hf_multimodal("e2b", seed=2, vocab_size=tok.vocab_size, tokens=fx.TOKENIZER_MM_TOKENS)
-    hf.config.text_config.max_position_embeddings = 1024  # the model card's instruction is ~200 tokens here
-    hf_dir = root / "hf"
-    fx.save_hf_checkpoint(hf, str(hf_dir))
-    (hf_dir / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
-    (hf_dir / "processor_config.json").write_text(json.dumps(PROCESSOR))
-    ckpt = gemma4_nnx.convert(str(hf_dir), str(root / "ckpt"), dtype="float32", progress=False)
+    # the model card's instruction is ~200 tokens with this tokenizer: a longer context than the default
+    ckpt, tok = fx.multimodal_checkpoint(
+        tmp_path_factory.mktemp("serve_speech"), PROCESSOR, max_position_embeddings=1024
+    )
     from gemma4_nnx.processor import load_processor
 
     model = gemma4_nnx.load(ckpt)

@@ -24,7 +24,7 @@ from gemma4_nnx.decode.engine import Engine  # noqa: E402
 from gemma4_nnx.processor import batch_audio, batch_images  # noqa: E402
 from gemma4_nnx.tokenizer import format_chat  # noqa: E402
 from tests import hf_fixtures as fx  # noqa: E402
-from tests.helpers import ServerThread, build_hf_json  # noqa: E402
+from tests.helpers import ServerThread  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -39,15 +39,7 @@ PROCESSOR = {
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_mm")
-    build_hf_json(root / "tokenizer.json")
-    tok = gemma4_nnx.load_tokenizer(root)
-    hf = fx.build_hf_multimodal("e2b", seed=2, vocab_size=tok.vocab_size, tokens=fx.TOKENIZER_MM_TOKENS)
-    hf_dir = root / "hf"
-    fx.save_hf_checkpoint(hf, str(hf_dir))
-    (hf_dir / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
-    (hf_dir / "processor_config.json").write_text(json.dumps(PROCESSOR))
-    ckpt = gemma4_nnx.convert(str(hf_dir), str(root / "ckpt"), dtype="float32", progress=False)
+    ckpt, tok = fx.multimodal_checkpoint(tmp_path_factory.mktemp("serve_mm"), PROCESSOR)
     from gemma4_nnx.processor import load_processor
 
     model = gemma4_nnx.load(ckpt)
