@@ -12,7 +12,6 @@ import json
 import os
 
 import jax.numpy as jnp
-import numpy as np
 
 import gemma4_nnx
 from gemma4_nnx.train import data
