@@ -87,7 +87,7 @@ def to_gguf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike,
     arch = "gemma3" if config.model_family == "gemma3" else "gemma4"
     tensors, dtypes = _gguf_tensors(model, arch)
     kept = _kept_blocks(model) if quantize == "keep" else {}
-    types = _block_types(config, tensors, quantize, dtypes, kept)
+    types = _block_types(config, tensors, quantize, dtypes)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
@@ -171,7 +171,7 @@ def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
     return out
 
 
-def _block_types(config, tensors: dict[str, np.ndarray], quantize: str, dtypes=None, kept=None) -> dict[str, str]:
+def _block_types(config, tensors: dict[str, np.ndarray], quantize: str, dtypes=None) -> dict[str, str]:
     """{GGUF name: GGML type name} under `quantize`. Vectors, the RoPE factors, the MoE router and the PLE
     model projection stay F32 (as llama.cpp's `llama_model_quantize` leaves them); matrices and expert
     stacks take the mode's type where their rows are whole blocks, else F16. "q4_k_m" is the converter's
@@ -194,9 +194,8 @@ def _block_types(config, tensors: dict[str, np.ndarray], quantize: str, dtypes=N
             mix["per_layer_token_embd.weight"] = q4_k_m_type("embed", cols=ple.shape[-1])
     out = {}
     for name, x in tensors.items():
-        if quantize == "keep":  # kept blocks as they are; floats at their own precision (vectors F32)
-            bf16 = x.ndim >= 2 and np.dtype(dtypes[name]).name == "bfloat16"
-            out[name] = kept[name][0] if name in kept else "BF16" if bf16 else "F32"
+        if quantize == "keep":  # what is not written as kept blocks: at its own precision (vectors F32)
+            out[name] = "BF16" if x.ndim >= 2 and np.dtype(dtypes[name]).name == "bfloat16" else "F32"
             continue
         if x.ndim < 2 or quantize == "f32" or ".ffn_gate_inp." in name or name == "per_layer_model_proj.weight":
             kind = "F32"
@@ -276,7 +275,9 @@ def _gemma3_metadata(w, config) -> None:
     w.add_value_length(head_dim)
     w.add_rope_freq_base(config.rope_full.theta)
     if config.rope_full.factor != 1.0:
-        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(config.rope_full.factor)
     w.add_sliding_window(config.sliding_window)
     w.add_sliding_window_pattern([s.type == "sliding_attention" for s in config.layers])
