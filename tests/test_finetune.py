@@ -244,18 +244,15 @@ def test_lora_step_matches_peft(tmp_path):
     model = gemma4_nnx.from_hf(str(tmp_path))
     wrapped = ft.apply_lora(model, rank=4, alpha=8)
     rng = np.random.default_rng(0)
+    mods = ft.lora_modules(model)
     for path in wrapped:  # B nonzero, in our model and in peft's
-        mod = model
-        for key in path.split("."):
-            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+        mod = mods[path]
         mod.lora_b[...] = jnp.asarray(0.05 * rng.standard_normal(mod.lora_b.shape), jnp.float32)
     pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PEFT_TARGETS))
     theirs = {n: p for n, p in pm.named_parameters() if "lora_" in n}
     ours = {}
     for path in wrapped:
-        mod = model
-        for key in path.split("."):
-            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+        mod = mods[path]
         name = f"base_model.model.model.{path}"
         ours[name] = mod
         with torch.no_grad():
@@ -314,10 +311,9 @@ def test_peft_adapter_export_runs_in_peft_and_reads_back(tmp_path):
         model, rank=4, alpha=8, targets=r"^\.layers\.[0-2]\.(self_attn\.(q|v)_proj|mlp\.down_proj)$"
     )
     rng = np.random.default_rng(1)
+    mods = ft.lora_modules(model)
     for path in wrapped:
-        mod = model
-        for key in path.split("."):
-            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+        mod = mods[path]
         mod.lora_b[...] = jnp.asarray(0.05 * rng.standard_normal(mod.lora_b.shape), jnp.float32)
     ids = fx.sample_ids(2, 11, seed=4)
     ours = np.asarray(model(jnp.asarray(ids)))

@@ -277,13 +277,11 @@ def test_keep_export_gives_back_the_imported_file(tmp_path, tokenizer_dir):
 def test_export_merges_lora(tmp_path, tokenizer_dir):
     """A fine-tuned model (LoRA, B nonzero) exports merged: the imported GGUF gives the LoRA model's
     logits within float32 rounding (W + A @ B * scale formed once instead of two products)."""
-    from gemma4_nnx.train.finetune import apply_lora
+    from gemma4_nnx.train.finetune import apply_lora, lora_modules
 
     src, model = _tiny(tmp_path, tokenizer_dir)
-    for path in apply_lora(model, rank=2, alpha=4):
-        mod = model
-        for key in path.split("."):
-            mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
+    apply_lora(model, rank=2, alpha=4)
+    for mod in lora_modules(model).values():
         mod.lora_b[...] = jnp.full(mod.lora_b.shape, 0.05, jnp.float32)
     ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
     want = np.asarray(model(ids))

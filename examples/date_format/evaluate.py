@@ -11,10 +11,8 @@ import argparse
 import json
 import os
 
-import jax.numpy as jnp
-
 import gemma4_nnx
-from gemma4_nnx.train import data
+from gemma4_nnx.train import data, loop
 from gemma4_nnx.train import finetune as ft
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,9 +28,7 @@ def main() -> None:
         ft.load_adapters(model, args.adapters)
     path = os.path.join(HERE, "eval.jsonl")
     examples, _ = data.read_jsonl([path], tok, max_len=64)
-    rows = data.pack(examples, 64, pad_id=tok.pad_id or 0, packed=False)
-    logits = model(jnp.asarray(rows["input_ids"]))
-    loss = float(ft.masked_lm_loss(logits, jnp.asarray(rows["input_ids"]), jnp.asarray(rows["loss_mask"])))
+    loss = loop.evaluate(model, data.pack(examples, 64, pad_id=tok.pad_id or 0, packed=False), 8)
     print(f"held-out loss: {loss:.4f} over {len(examples)} examples")
     records = [json.loads(line) for line in open(path, encoding="utf-8")][:3]
     prompts = [tok.encode(gemma4_nnx.format_chat([{"role": "user", "content": r["prompt"]}])) for r in records]

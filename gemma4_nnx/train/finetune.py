@@ -167,7 +167,17 @@ def apply_lora(
 
 
 def lora_paths(model: nnx.Module) -> list[str]:
-    return [_dotted(p) for p, _ in _modules(model, LoRALinear)]
+    return list(lora_modules(model))
+
+
+def lora_modules(model: nnx.Module) -> dict[str, LoRALinear]:
+    """{dotted path: wrapper} of every `LoRALinear` in `model`."""
+    return {_dotted(p): m for p, m in _modules(model, LoRALinear)}
+
+
+def exact_targets(paths: Iterable[str]) -> str:
+    """The `apply_lora` targets regex that matches exactly these dotted paths."""
+    return r"^\.(?:" + "|".join(re.escape(p) for p in paths) + r")$"
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
@@ -352,8 +362,7 @@ def load_adapters(model: nnx.Module, directory: str | os.PathLike, *, sharding=N
     with open(meta_path, encoding="utf-8") as f:
         meta = json.load(f)
     if not lora_paths(model):  # wrap exactly the saved paths
-        exact = r"^\.(?:" + "|".join(re.escape(p) for p in meta["paths"]) + r")$"
-        apply_lora(model, rank=meta["rank"], alpha=meta["alpha"], targets=exact)
+        apply_lora(model, rank=meta["rank"], alpha=meta["alpha"], targets=exact_targets(meta["paths"]))
     if sorted(lora_paths(model)) != sorted(meta["paths"]):
         raise ValueError(
             "the model's LoRA wrappers do not match the saved adapters' paths: "

@@ -28,22 +28,15 @@ PREFIX = "base_model.model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def _module(model, path: str):
-    mod = model
-    for key in path.split("."):
-        mod = mod[int(key)] if key.isdigit() else getattr(mod, key)
-    return mod
-
-
 def save_peft_adapter(model: nnx.Module, directory: str | os.PathLike, *, base_model: str | None = None) -> str:
     """Write the model's LoRA adapters as a PEFT adapter directory; returns it (absolute)."""
     from gemma4_nnx.io.tensors import write_safetensors
-    from gemma4_nnx.train.finetune import lora_paths
+    from gemma4_nnx.train.finetune import lora_modules
 
-    paths = lora_paths(model)
+    mods = lora_modules(model)
+    paths = list(mods)
     if not paths:
         raise ValueError("model has no LoRA adapters to save (call apply_lora first)")
-    mods = {p: _module(model, p) for p in paths}
     ranks = {m.rank for m in mods.values()}
     alphas = {m.alpha for m in mods.values()}
     if len(ranks) > 1 or len(alphas) > 1:
@@ -118,21 +111,23 @@ def load_peft_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Mo
     PEFT LoRA directory. In place; returns `model`. Shapes and targets are checked against the model."""
     import jax.numpy as jnp
 
-    from gemma4_nnx.train.finetune import apply_lora, lora_paths
+    from gemma4_nnx.train.finetune import apply_lora, exact_targets, lora_modules, lora_paths
 
     config, weights = read_peft_adapter(directory)
     if lora_paths(model):
         raise ValueError("model already carries LoRA adapters; load a PEFT adapter into a base model")
-    exact = r"^\.(?:" + "|".join(re.escape(p) for p in weights) + r")$"
     try:
-        wrapped = apply_lora(model, rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=exact)
+        wrapped = apply_lora(
+            model, rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=exact_targets(weights)
+        )
     except ValueError:
         wrapped = []
     missing = sorted(set(weights) - set(wrapped))
     if missing:
         raise ValueError(f"PEFT adapter {directory} adapts modules this model has no projection at: {missing[:6]}")
+    mods = lora_modules(model)
     for path, (a, b) in weights.items():
-        mod = _module(model, path)
+        mod = mods[path]
         if a.shape != mod.lora_a.shape or b.shape != mod.lora_b.shape:
             raise ValueError(
                 f"PEFT adapter {directory}: {path} is {a.shape[0]}x{b.shape[1]}, the model's projection "
