@@ -281,6 +281,13 @@ def test_bad_input_is_a_4xx_naming_the_field(served):
     finally:
         speech.max_audio_seconds = limit
     assert param == "file" and "--max-audio-seconds" in message
+    # a compressed file longer than the bound is refused while decoding (FLAC holds hours in a few KB)
+    speech.max_audio_seconds = 0.2
+    try:
+        param, message = _refused(create(file=("a.flac", _encoded(_pcm(1.0, 5), "flac", "flac"))))
+    finally:
+        speech.max_audio_seconds = limit
+    assert param == "file" and "lasts more than 0.2 s" in message
     # no file part, and a JSON body: both name `file` / the content type
     url = f"http://127.0.0.1:{server.port}/v1/audio/transcriptions"
     form = f'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\n{NAME}\r\n--b--\r\n'.encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import itertools
 
 import numpy as np
 
@@ -86,12 +87,14 @@ def decode_audio(data: str, where: str, sampling_rate: int) -> np.ndarray:
     return x
 
 
-def decode_audio_file(raw: bytes, filename: str, sampling_rate: int) -> np.ndarray:
+def decode_audio_file(raw: bytes, filename: str, sampling_rate: int, max_seconds: float | None = None) -> np.ndarray:
     """A mono float32 waveform at `sampling_rate` Hz from an uploaded audio file (the speech endpoints'
     `file`): PCM WAV at that rate with the standard library (`read_wav`, as chat's `input_audio`);
     anything else (WAV at another rate, FLAC, MP3, Ogg/Opus/Vorbis, M4A/AAC, WebM, MP4 audio) through
     PyAV (FFmpeg's decoders and its resampler, bundled in PyAV's wheels: no system ffmpeg; the `audio`
-    extra), channels mixed down to mono. A file neither can read is a 400 naming `file`."""
+    extra), channels mixed down to mono. A file neither can read is a 400 naming `file`; so is one longer
+    than `max_seconds`, found while decoding (a few KB of FLAC can hold hours of audio: the decoder stops
+    at the bound, so memory stays that of `max_seconds`)."""
     from gemma4_nnx.processor import read_wav
 
     if not raw:
@@ -116,10 +119,19 @@ def decode_audio_file(raw: bytes, filename: str, sampling_rate: int) -> np.ndarr
             if not container.streams.audio:
                 raise ApiError(f"'file' ({filename}): the file has no audio stream", "file")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=sampling_rate)
-            chunks = []
-            for frame in container.decode(audio=0):
-                chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
-            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+            chunks, held = [], 0
+            bound = None if max_seconds is None else int(max_seconds * sampling_rate)
+            for frame in itertools.chain(container.decode(audio=0), [None]):  # None: the resampler's tail
+                new = [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+                chunks += new
+                held += sum(len(c) for c in new)
+                if bound is not None and held > bound:
+                    raise ApiError(
+                        f"'file' ({filename}) lasts more than {max_seconds:g} s; this server transcribes at "
+                        "most that per request (--max-audio-seconds): split the file",
+                        "file",
+                        code="audio_too_long",
+                    )
     except ApiError:
         raise
     except Exception as e:  # FFmpeg's errors (InvalidDataError, ...) and anything it cannot open
@@ -128,4 +140,4 @@ def decode_audio_file(raw: bytes, filename: str, sampling_rate: int) -> np.ndarr
             "Ogg, M4A or WebM audio",
             "file",
         ) from None
-    return np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
+    return np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)

@@ -246,7 +246,7 @@ class Speech:
     def _windows(self, raw: bytes, filename: str) -> tuple[list[np.ndarray], list[tuple[int, int]], int]:
         processor = self.serving.processor
         rate = processor.config.audio.sampling_rate
-        wave = decode_audio_file(raw, filename, rate)
+        wave = decode_audio_file(raw, filename, rate, self.max_audio_seconds)
         seconds = len(wave) / rate
         if seconds > self.max_audio_seconds:
             raise ApiError(
@@ -281,7 +281,10 @@ class Speech:
         audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
         messages.append({"role": "user", "content": [audio, {"type": "text", "text": text}]})
         stream = bool(getattr(body, "stream", False))
-        fields = dict(model=body.model, messages=messages, temperature=body.temperature, logprobs=True, stream=stream)
+        verbose = body.response_format == "verbose_json"  # the only format that reports logprobs (avg_logprob)
+        fields = dict(
+            model=body.model, messages=messages, temperature=body.temperature, logprobs=verbose, stream=stream
+        )
         if stream:
             fields["stream_options"] = {"include_usage": True}
         chats = []
