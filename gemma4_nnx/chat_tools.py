@@ -152,8 +152,19 @@ class _Reader:
     the text is complete (its end is an end, not a pause); otherwise reaching it raises `_NeedMore`,
     so a decision taken on a prefix holds for every continuation."""
 
+    MAX_DEPTH = 64  # nested objects / arrays: deeper is not a call (and would exhaust Python's stack)
+
     def __init__(self, s: str, i: int, final: bool):
-        self.s, self.i, self.final = s, i, final
+        self.s, self.i, self.final, self.depth = s, i, final, 0
+
+    def nested(self, close: str, item, out):
+        self.depth += 1
+        if self.depth > self.MAX_DEPTH:
+            raise ToolCallError(f"arguments nested deeper than {self.MAX_DEPTH} at character {self.i} of a tool call")
+        try:
+            return self.items(close, item, out)
+        finally:
+            self.depth -= 1
 
     def more(self, until: str | None = None):
         if self.final:
@@ -257,9 +268,9 @@ class _Reader:
         if s[i] in "'\"":
             return self.quoted(s[i])
         if self.at("{"):
-            return self.items("}", self.member, {})
+            return self.nested("}", self.member, {})
         if self.at("["):
-            return self.items("]", lambda out: out.append(self.value()), [])
+            return self.nested("]", lambda out: out.append(self.value()), [])
         return self.bare()
 
     def quoted(self, q: str):

@@ -287,3 +287,23 @@ def test_sloppy_calls_are_recovered_or_left_as_content(text, content, calls):
         found += more
     piece, more = parser.flush()
     assert ("".join(pieces) + piece, found + more) == want
+
+
+def test_deeply_nested_arguments_stay_content():
+    """Brackets nested past `_Reader.MAX_DEPTH` are not a call: the text comes back as content (before,
+    400 levels raised RecursionError, a 500 in the server); 60 levels still parse."""
+    deep = "<|tool_call>call:f{a:" + "[" * 400 + "1" + "]" * 400 + "}<tool_call|>"
+    assert T.parse_tool_calls(deep) == (deep, [])
+    parser, pieces = T.ToolCallParser(), []
+    for i in range(0, len(deep), 7):  # streamed: the same content, no call
+        piece, more = parser.feed(deep[i : i + 7])
+        pieces.append(piece)
+        assert not more
+    piece, more = parser.flush()
+    assert "".join(pieces) + piece == deep and not more
+    ok = "<|tool_call>call:f{a:" + "[" * 60 + "1" + "]" * 60 + "}<tool_call|>"
+    content, calls = T.parse_tool_calls(ok)
+    want = 1
+    for _ in range(60):
+        want = [want]
+    assert content == "" and calls == [("f", {"a": want})]
