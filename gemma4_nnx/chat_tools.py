@@ -337,6 +337,9 @@ def _envelope(s: str, start: int, final: bool) -> tuple[list[tuple[str, dict, st
         begin = end
 
 
+_SETTLING = frozenset("{}()[]<>\"'")
+
+
 class ToolCallParser:
     """Splits a model's output into content and calls, incrementally (`feed` pieces, then `flush`):
     what a stream shows equals what `parse_tool_calls` returns for the whole text.
@@ -355,10 +358,16 @@ class ToolCallParser:
         self.buf = ""
         self.after_call = False  # right after a call: stray closers are dropped
         self.until = None  # inside an open string of a call: nothing changes before this character
+        self.held = 0  # length of a held, undecided call at the last scan (0: none held)
 
     def feed(self, piece: str) -> tuple[str, list[tuple[str, dict]]]:
         self.buf += piece
         if self.until is not None and self.until not in piece:  # a long argument streams in linear time
+            return "", []
+        # A held call is decided by the whole text, so rescanning it later gives what rescanning it now
+        # would: rescan when a piece may close something (brackets, quotes, a marker's `<` / `>`) or the
+        # held text has doubled, which keeps long arguments (a 3,000-number array) linear, not quadratic.
+        if self.held and len(self.buf) < 2 * self.held and not any(c in piece for c in _SETTLING):
             return "", []
         return self._scan(final=False)
 
@@ -367,7 +376,7 @@ class ToolCallParser:
 
     def _scan(self, final: bool) -> tuple[str, list[tuple[str, dict]]]:
         s, i, content, calls = self.buf, 0, [], []
-        self.until = None
+        self.until, self.held = None, 0
         while i < len(s):
             if self.after_call:
                 if s.startswith(END_TOOL_CALL, i):
@@ -387,6 +396,7 @@ class ToolCallParser:
                 found, end, failed = _envelope(s, j, final)
             except _NeedMore as e:
                 i, self.until = j, e.until
+                self.held = len(s) - j
                 break
             for name, args, raw in found:
                 if self.names is None or name in self.names:

@@ -307,3 +307,21 @@ def test_deeply_nested_arguments_stay_content():
     for _ in range(60):
         want = [want]
     assert content == "" and calls == [("f", {"a": want})]
+
+
+def test_a_long_streamed_argument_is_not_rescanned_per_piece(monkeypatch):
+    """A 3,000-number array streamed in 4-character pieces: the held call is rescanned when the held text
+    doubles or a piece may close something, not on every piece (which was quadratic: 21 s on the event
+    loop for this 14 KB call), and the result is the whole text's."""
+    text = "<|tool_call>call:f{a:[" + ",".join(str(i) for i in range(3000)) + "]}<tool_call|>"
+    scans = []
+    real = T.ToolCallParser._scan
+    monkeypatch.setattr(T.ToolCallParser, "_scan", lambda self, final: scans.append(1) or real(self, final))
+    parser, pieces, found = T.ToolCallParser(), [], []
+    for i in range(0, len(text), 4):
+        piece, more = parser.feed(text[i : i + 4])
+        pieces.append(piece)
+        found += more
+    piece, more = parser.flush()
+    assert ("".join(pieces) + piece, found + more) == T.parse_tool_calls(text)
+    assert len(found + more) == 1 and len(text) // 4 > 3000 and len(scans) < 40, len(scans)
