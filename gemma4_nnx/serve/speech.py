@@ -178,20 +178,19 @@ def _timestamp(seconds: float, comma: bool) -> str:
     return f"{h:02d}:{m:02d}:{s:02d}{',' if comma else '.'}{ms:03d}"
 
 
+def _cues(segments: list[TranscriptionSegment], comma: bool) -> list[str]:
+    """One `start --> end` cue per segment that has text."""
+    return [f"{_timestamp(s.start, comma)} --> {_timestamp(s.end, comma)}\n{s.text}\n" for s in segments if s.text]
+
+
 def srt(segments: list[TranscriptionSegment]) -> str:
-    """SubRip subtitles: one numbered cue per segment (`HH:MM:SS,mmm --> HH:MM:SS,mmm`)."""
-    cues = [
-        f"{i}\n{_timestamp(s.start, True)} --> {_timestamp(s.end, True)}\n{s.text}\n"
-        for i, s in enumerate(segments, 1)
-        if s.text
-    ]
-    return "\n".join(cues)
+    """SubRip subtitles: numbered cues (`HH:MM:SS,mmm --> HH:MM:SS,mmm`)."""
+    return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(_cues(segments, comma=True), 1))
 
 
 def vtt(segments: list[TranscriptionSegment]) -> str:
-    """WebVTT subtitles: the header, then one cue per segment (`HH:MM:SS.mmm --> HH:MM:SS.mmm`)."""
-    cues = [f"{_timestamp(s.start, False)} --> {_timestamp(s.end, False)}\n{s.text}\n" for s in segments if s.text]
-    return "WEBVTT\n\n" + "\n".join(cues)
+    """WebVTT subtitles: the header, then the cues (`HH:MM:SS.mmm --> HH:MM:SS.mmm`)."""
+    return "WEBVTT\n\n" + "\n".join(_cues(segments, comma=False))
 
 
 def _compression_ratio(text: str) -> float:
@@ -264,10 +263,11 @@ class Speech:
             )
         if not np.isfinite(wave).all():
             raise ApiError(f"'file' ({filename}): the decoded audio contains NaN or infinity", "file")
-        bounds = window_bounds(wave, window_samples(processor), rate)
+        window = window_samples(processor)
+        bounds = window_bounds(wave, window, rate)
         if len(bounds) > self.serving.max_prompts:
             raise ApiError(
-                f"'file' ({filename}) needs {len(bounds)} windows of at most {window_samples(processor) / rate:g} s; "
+                f"'file' ({filename}) needs {len(bounds)} windows of at most {window / rate:g} s; "
                 f"this server runs at most {self.serving.max_prompts} per request (--max-prompts)",
                 "file",
                 code="audio_too_long",
