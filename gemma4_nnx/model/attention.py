@@ -195,8 +195,6 @@ def _blockwise_attend(
     b, s, n, h = q.shape
     t, k_heads = kv.slots, kv.k.shape[2]
     paged = kv.table is not None
-    if paged and k_seg is not None:
-        raise ValueError("segments: packed rows are a training (no cache) input; a paged cache has none")
     if paged:
         block = max(block, kv.pos.shape[1])  # whole pages (both powers of two)
     block = min(block, t)
