@@ -577,17 +577,16 @@ def format_chat(
                 raise ValueError("a tool result must follow the assistant message whose tool_calls it answers")
             parts.append(chat_tools.tool_response_text(extra, _tool_result(content)))
             continue
-        if open_model:
-            parts.append(f"{END_OF_TURN}\n")
-            open_model = False
         name = _ROLE_NAMES[role]
+        # An assistant message after calls / results continues that model turn (no header); anything
+        # else closes it (`chat_tools`: where the rule comes from).
+        header = "" if open_model and name == "model" else f"{START_OF_TURN}{name}\n"
+        if open_model and header:
+            parts.append(f"{END_OF_TURN}\n")
         text = strip_thinking(content) if name == "model" else content.strip()
-        if extra:  # an assistant's calls: its turn stays open for their results
-            calls = "".join(chat_tools.tool_call_text(n, a) for n, a in extra)
-            parts.append(f"{START_OF_TURN}{name}\n{text}{calls}")
-            open_model = True
-            continue
-        parts.append(f"{START_OF_TURN}{name}\n{text}{END_OF_TURN}\n")
+        calls = "".join(chat_tools.tool_call_text(n, a) for n, a in extra or ())
+        open_model = bool(extra)  # an assistant's calls: its turn stays open for their results
+        parts.append(f"{header}{text}{calls}" + ("" if open_model else f"{END_OF_TURN}\n"))
     if open_model:  # the model answers the results in the same turn
         return "".join(parts)
     if add_generation_prompt:

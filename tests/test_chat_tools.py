@@ -106,6 +106,11 @@ def test_a_tool_round_trip_renders_as_dialog_lays_it_out():
     # and a later user turn closes it
     more = format_chat([*messages, {"role": "user", "content": "Thanks"}], tools=[WEATHER])
     assert more == want + "<turn|>\n<|turn>user\nThanks<turn|>\n<|turn>model\n"
+    # the answer to the results continues the same model turn, as the model wrote it when served (Google's
+    # chat template: `continue_same_model_turn`; its `dialog` library merges consecutive model turns)
+    answered = format_chat([*messages, {"role": "assistant", "content": "Clear, 21.5."}], tools=[WEATHER])
+    assert answered == want + "Clear, 21.5.<turn|>\n<|turn>model\n"
+    assert answered.count("<|turn>model\n") == 2
     with pytest.raises(ValueError, match="must follow"):
         format_chat([{"role": "user", "content": "x"}, {"role": "tool", "name": "f", "content": "1"}])
 

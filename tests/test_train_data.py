@@ -54,9 +54,10 @@ def write_jsonl(path, records) -> str:
 
 # ---------------------------------------------------------------------------- loss masks
 def test_chat_trains_every_assistant_turn_with_its_end_token(tok):
+    q = '<|"|>'
     ex = data.encode_record({"messages": CHAT, "tools": [WEATHER]}, tok)
     assert tok.decode(ex.ids) == gemma4_nnx.format_chat(CHAT, tools=[WEATHER], add_generation_prompt=False)
-    q = '<|"|>'
+    assert f"sunny{q}}}<tool_response|>It is sunny.<turn|>" in tok.decode(ex.ids)  # the answer continues the turn
     assert trained_spans(tok, ex) == [
         "Hi there.<turn|>",
         f"Checking.<|tool_call>call:get_weather{{city:{q}Paris{q}}}<tool_call|><|tool_response>",

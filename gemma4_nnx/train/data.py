@@ -17,7 +17,8 @@ What is trained on (the loss mask; everything else is context only):
   ``<turn|>`` (formatting of the next turn), not system / user / tool turns. An assistant message that
   makes tool calls leaves its turn open, and the model hands over by generating ``<|tool_response>``
   (a stop token), so that first token of the following tool result is trained as well; the rest of
-  the result is context. `format_chat` drops thoughts (``<|channel>...<channel|>``) from assistant
+  the result is context; the assistant message that answers the results continues that turn (no
+  header). `format_chat` drops thoughts (``<|channel>...<channel|>``) from assistant
   messages as the server drops them from the history, so they are not trained on either.
 * text: every token after ``<bos>``, the ``<eos>`` included.
 
@@ -108,28 +109,29 @@ def chat_pieces(
     kw = dict(add_generation_prompt=False, thinking=thinking, tools=tools)
     pieces: list[tuple[str, bool]] = []
     done = ""
-    train_next_response = False
+    train_next_response = open_turn = False  # open_turn: the last message left a model turn open
     for i, m in enumerate(messages):
         full = format_chat(messages[: i + 1], **kw)
         if not full.startswith(done):
             raise AssertionError("format_chat no longer renders a conversation by appending to it")
-        piece, done = full[len(done) :], full
+        piece = full[len(done) :]
         if train_next_response and piece.startswith(TOOL_RESPONSE_TOKEN):
             pieces += [(TOOL_RESPONSE_TOKEN, True), (piece[len(TOOL_RESPONSE_TOKEN) :], False)]
         elif i >= train_from and m.get("role") in ("assistant", "model"):
-            pieces += _assistant_pieces(piece)
+            pieces += _assistant_pieces(piece, continues=open_turn)
         else:
             pieces.append((piece, False))
         train_next_response = i >= train_from and m.get("role") in ("assistant", "model") and not piece.endswith(_CLOSE)
+        open_turn, done = m.get("role") in ("assistant", "model", "tool") and not full.endswith(_CLOSE), full
     return [(t, trained) for t, trained in pieces if t]
 
 
-def _assistant_pieces(piece: str) -> list[tuple[str, bool]]:
-    """An assistant message's rendering: [closing of an open turn] header | body [<turn|>] | [\\n]."""
-    start = piece.find(_HEADER)
-    if start not in (0, len(_CLOSE)):
+def _assistant_pieces(piece: str, continues: bool) -> list[tuple[str, bool]]:
+    """An assistant message's rendering: header (none when it `continues` the model turn that its calls
+    and their results left open) | body [<turn|>] | [\\n]."""
+    start = 0 if continues else len(_HEADER)
+    if piece[:start] != _HEADER[:start]:
         raise AssertionError(f"an assistant message rendered without its turn header: {piece[:40]!r}")
-    start += len(_HEADER)
     end = len(piece) - 1 if piece.endswith(_CLOSE) else len(piece)
     return [(piece[:start], False), (piece[start:end], True), (piece[end:], False)]
 
