@@ -170,3 +170,43 @@ def test_tool_format_is_what_googles_dialog_library_writes():
     assert T.tool_response_text("get_weather", response) == tool_helper._json_to_text_root(
         name="get_weather", content=response, tag="tool_response", kind="response"
     )
+
+
+def test_tool_results_and_the_answer_share_the_model_turn_as_dialog_writes(monkeypatch):
+    """The layout after a call: its results and then the model's answer continue the model turn that
+    made the call (dialog merges consecutive model turns), a user turn closes it. (The installed mcp's
+    `CallToolResult` takes no extra fields and names its fields in snake case, so dialog's `ToolResponse`
+    is given a subclass that accepts the `name` dialog requires.)"""
+    import dialog
+    import mcp.types
+    import pydantic
+    from dialog._src import tool_helper
+
+    from gemma4_nnx.tokenizer import format_chat
+
+    class Result(mcp.types.CallToolResult):
+        model_config = pydantic.ConfigDict(**mcp.types.CallToolResult.model_config, extra="allow")
+        structuredContent = property(lambda self: self.structured_content)
+        isError = property(lambda self: self.is_error)
+
+    monkeypatch.setattr(tool_helper._MCPToolResponse, "MCP_CLS", staticmethod(lambda: Result))
+    call = {"name": "ping", "arguments": {"host": "a.b"}}
+    result = {"up": True, "ms": 3}
+
+    def theirs(*after, training=False):
+        head = [dialog.User("Is it up?"), dialog.Model("Checking.", dialog.ToolCall(call))]
+        response = dialog.Model(dialog.ToolResponse({"name": "ping", "structuredContent": result}))
+        return "<bos>" + dialog.Conversation(*head, response, *after).as_text(training=training)
+
+    messages = [
+        {"role": "user", "content": "Is it up?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+        {"role": "tool", "name": "ping", "content": json.dumps(result)},
+    ]
+    assert format_chat(messages) == theirs()
+    answer = {"role": "assistant", "content": "Yes, it is up."}
+    # (a conversation that ends with the model's answer: dialog's training form ends at its `<turn|>`)
+    ended = format_chat([*messages, answer], add_generation_prompt=False)
+    assert ended == theirs(dialog.Model("Yes, it is up."), training=True) + "\n"
+    thanks = {"role": "user", "content": "Thanks"}
+    assert format_chat([*messages, answer, thanks]) == theirs(dialog.Model("Yes, it is up."), dialog.User("Thanks"))
