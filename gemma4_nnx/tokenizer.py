@@ -520,13 +520,14 @@ def _validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str,
 
 
 def _tool_result(content: str) -> dict:
-    """A tool message's content as the object Gemma reads: a JSON object as is, anything else
-    (other JSON, plain text) as {"result": value}."""
+    """A tool message's content as the object Gemma reads: a JSON object as is (the structured
+    response Google's `dialog` library writes), anything else as ``{"value": content}``, the text as
+    sent (how Google's chat template writes a result that is a string)."""
     try:
         value = json.loads(content)
     except ValueError:
-        value = content
-    return value if isinstance(value, dict) else {"result": value}
+        value = None
+    return value if isinstance(value, dict) else {"value": content}
 
 
 def format_chat(

@@ -100,7 +100,7 @@ def test_a_tool_round_trip_renders_as_dialog_lays_it_out():
         + "<turn|>\n<|turn>user\nWeather in Paris?<turn|>\n<|turn>model\nChecking."
         + f"<|tool_call>call:get_weather{{city:{q}Paris{q}}}<tool_call|>"
         + f"<|tool_response>response:get_weather{{temp:21.5,sky:{q}clear{q}}}<tool_response|>"
-        + f"<|tool_response>response:get_weather{{result:{q}plain text{q}}}<tool_response|>"
+        + f"<|tool_response>response:get_weather{{value:{q}plain text{q}}}<tool_response|>"
     )
     assert format_chat(messages, tools=[WEATHER]) == want  # the model turn stays open: the answer follows
     # and a later user turn closes it
