@@ -5,13 +5,12 @@ by model name; load / unload endpoints; bad adapters are 4xx naming the adapter 
 
 from __future__ import annotations
 
-import json
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import gemma4_nnx
 from gemma4_nnx.decode.engine import Engine
 from gemma4_nnx.decode.generate import generate
 from gemma4_nnx.train import finetune as ft
@@ -150,3 +149,155 @@ def test_engine_adapter_errors_name_the_adapter(adapters, tmp_path):
             plain.load_adapter("a1", dirs["a1"])
     finally:
         plain.close()
+
+
+# ---------------------------------------------------------------------------- against transformers + peft
+@pytest.mark.reference
+def test_peft_adapter_served_gives_transformers_peft_tokens_and_logprobs(tmp_path):
+    """An adapter built and saved by `peft` (rank 4 on q/v/down projections, B random) on transformers'
+    tiny Gemma 4, loaded into an engine whose bank is rank 8 (zero-padded): the request naming it
+    gets transformers + peft's greedy tokens, and each token's logprob and top-5 alternatives equal
+    the log-softmax of peft's logits (float32 bound). The base rows of the same engine do not."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+
+    hf = fx.build_hf_model("e2b", seed=3)
+    with torch.no_grad():  # as `_base`: the layers, not the tied embedding, decide the tokens
+        hf.get_input_embeddings().weight.mul_(0.1)
+    fx.save_hf_checkpoint(hf, str(tmp_path / "hf"))
+    pm = peft.get_peft_model(
+        hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    pm.eval().save_pretrained(str(tmp_path / "peft"))
+
+    def reference(model, ids):
+        seq, logps = list(ids), []
+        with torch.no_grad():
+            for _ in range(N):
+                lp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, -1].float(), -1).numpy()
+                seq.append(int(lp.argmax()))
+                logps.append(lp)
+        return seq[len(ids) :], logps
+
+    ids = PROMPTS[0]
+    want, logps = reference(pm, ids)
+    with pm.disable_adapter():
+        base_tokens, _ = reference(pm, ids)
+    assert want != base_tokens, "the adapter must change the tokens"
+
+    engine = Engine(gemma4_nnx.from_hf(str(tmp_path / "hf")), max_batch=2, max_length=64, max_loras=1, max_lora_rank=8)
+    try:
+        ref = engine.load_adapter("peft-adapter", tmp_path / "peft")
+        served = engine.submit(ids, N, stop_tokens=[], adapter=ref, top_logprobs=5)
+        plain = engine.submit(ids, N, stop_tokens=[])
+        events = [ev for ev in served if ev.token is not None]
+        assert plain.result()[0] == base_tokens
+    finally:
+        engine.close()
+    assert [ev.token for ev in events] == want
+    for step, (ev, lp) in enumerate(zip(events, logps, strict=True)):
+        top = np.argsort(-lp)[:5]
+        report = f"step {step}: ours {ev.logprob} / {ev.top}, peft {lp[ev.token]} / {list(zip(top, lp[top]))}"
+        assert abs(ev.logprob - lp[ev.token]) <= 1e-4, report
+        assert [t for t, _ in ev.top] == top.tolist(), report
+        np.testing.assert_allclose([v for _, v in ev.top], lp[top], atol=1e-4, err_msg=report)
+
+
+# ---------------------------------------------------------------------------- the server
+def test_openai_client_selects_adapters_and_loads_unloads(tmp_path):
+    """Through the official `openai` client: `models.list()` lists the adapters with the base model as
+    parent; `chat.completions.create(model=<adapter>)` (plain and streamed) equals `generate` on that
+    adapter's merged model; an adapter loaded at run time in PEFT's format through
+    POST /v1/load_lora_adapter serves at once and is gone after /v1/unload_lora_adapter (404 naming
+    "model"); the endpoints need the API key; bad adapters are 400 / 404 naming the adapter and field."""
+    openai = pytest.importorskip("openai")
+    from fastapi.testclient import TestClient
+
+    from gemma4_nnx.serve.app import create_app
+    from gemma4_nnx.tokenizer import encode_chat
+    from gemma4_nnx.train.peft_io import save_peft_adapter
+    from tests.helpers import random_model, tokenizer_and_model
+
+    tok, _ = tokenizer_and_model(tmp_path)
+
+    def base():
+        return _base(random_model("e2b", seed=3, vocab_size=tok.vocab_size))
+
+    a1 = _adapted(base, 1, 2, ft.DEFAULT_TARGETS)
+    a2 = _adapted(base, 2, 4, ft.ATTENTION_TARGETS)
+    d1, d2 = ft.save_adapters(a1, tmp_path / "a1"), save_peft_adapter(a2, tmp_path / "a2")
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = encode_chat(tok, messages)
+    want = {n: tok.decode(_greedy(ft.merge_lora(m), [ids])[0]) for n, m in (("a1", a1), ("a2", a2))}
+    want["tiny"] = tok.decode(_greedy(base(), [ids])[0])
+    assert len(set(want.values())) == 3, want
+
+    engine = Engine(base(), tok, max_batch=2, max_length=64, max_loras=2, max_lora_rank=4)
+    auth = {"Authorization": "Bearer k"}
+    try:
+        engine.load_adapter("a1", d1)  # as --lora-modules a1=PATH does at start-up
+        with TestClient(create_app(engine, "tiny", warmup=False, api_key="k")) as c:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="k", max_retries=0, http_client=c)
+            cards = {m.id: m for m in client.models.list().data}
+            assert set(cards) == {"tiny", "a1"} and cards["a1"].parent == "tiny" and cards["tiny"].parent is None
+
+            def chat(model, stream=False):
+                kw = dict(model=model, messages=messages, max_tokens=N, temperature=0, extra_body={"ignore_eos": True})
+                if stream:
+                    chunks = list(client.chat.completions.create(stream=True, **kw))
+                    return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                out = client.chat.completions.create(**kw)
+                assert out.model == model
+                return out.choices[0].message.content
+
+            assert chat("a1") == want["a1"] and chat("a1", stream=True) == want["a1"]
+            assert chat("tiny") == want["tiny"]
+
+            body = {"lora_name": "a2", "lora_path": d2}
+            assert c.post("/v1/load_lora_adapter", json=body).status_code == 401  # behind the API key
+            r = c.post("/v1/load_lora_adapter", json=body, headers=auth)
+            assert r.status_code == 200 and "a2" in r.text
+            assert {m.id for m in client.models.list().data} == {"tiny", "a1", "a2"}
+            assert chat("a2") == want["a2"]
+
+            errors = {
+                "duplicate": (c.post("/v1/load_lora_adapter", json=body, headers=auth), 400, "lora_name", "'a2'"),
+                "full": (
+                    c.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": d1}, headers=auth),
+                    400,
+                    "max_loras",
+                    "'a3'",
+                ),
+            }
+            assert c.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth).status_code == 200
+            errors["not an adapter"] = (
+                c.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(tmp_path)}, headers=auth),
+                400,
+                "lora_path",
+                "'big'",
+            )
+            errors["base name"] = (
+                c.post("/v1/load_lora_adapter", json={"lora_name": "tiny", "lora_path": d1}, headers=auth),
+                400,
+                "lora_name",
+                "'tiny'",
+            )
+            errors["unload unknown"] = (
+                c.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth),
+                404,
+                "lora_name",
+                "'a2'",
+            )
+            for case, (r, status, param, named) in errors.items():
+                err = r.json()["error"]
+                assert (r.status_code, err["param"]) == (status, param) and named in err["message"], (case, err)
+            with pytest.raises(openai.NotFoundError) as e:
+                chat("a2")
+            assert e.value.body["param"] == "model" and "'a2'" in e.value.body["message"]
+    finally:
+        engine.close()
