@@ -15,25 +15,27 @@ from gemma4_nnx.decode.engine import Engine
 from gemma4_nnx.decode.generate import generate
 from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx
-from tests.helpers import model_from_config, tiny_config, tiny_model
+from tests.helpers import model_from_config, tiny_config
 
-N = 8  # new tokens per request
+N = 6  # new tokens per request
 #: prompts long enough (>= the prefix cache's 8 tokens) that a base row's snapshot could serve them
-PROMPTS = [fx.sample_ids(1, n, seed=40 + n)[0].tolist() for n in (12, 20)]
+PROMPTS = [fx.sample_ids(1, n, seed=40 + n)[0].tolist() for n in (9, 14)]  # one prompt bucket (16)
+MESSAGES = [{"role": "user", "content": "hello there"}]
+#: one engine geometry for every test here, so they share compiled programs
+ENGINE = dict(max_batch=4, max_length=64, max_loras=2, max_lora_rank=4)
 
 
-def _base(model=None):
-    """A model whose layers (not the tied embedding) decide its greedy tokens: the embedding scaled
-    down, so an adapter's change to the layers shows in the tokens (and a missed adapter fails)."""
-    model = tiny_model() if model is None else model
+def _scaled(model):
+    """The embedding scaled down, so the layers (not the tied embedding) decide the greedy tokens: an
+    adapter's change shows in the tokens, and a missed adapter fails."""
     model.embed_tokens.embedding[...] = model.embed_tokens.embedding[...] * 0.1
     return model
 
 
-def _adapted(base_fn, seed: int, rank: int, targets: str, alpha=None):
-    """`base_fn()` with LoRA of `rank` on `targets`, B random (not zero), seeded."""
+def _adapted(base_fn, seed: int, rank: int, targets: str):
+    """`base_fn()` with LoRA of `rank` (alpha 2 * rank) on `targets`, B random (not zero), seeded."""
     model = base_fn()
-    ft.apply_lora(model, rank=rank, alpha=alpha or 2 * rank, targets=targets, rngs=nnx.Rngs(seed))
+    ft.apply_lora(model, rank=rank, alpha=2 * rank, targets=targets, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     for mod in ft.lora_modules(model).values():
         mod.lora_b[...] = jnp.asarray(0.3 * rng.standard_normal(mod.lora_b.shape), jnp.float32)
@@ -45,40 +47,56 @@ def _greedy(model, prompts, n=N) -> list[list[int]]:
     return [list(t) for t in generate(model, prompts, n, stop_tokens=[]).tokens]
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    """Two adapters in our format (rank 2 on every projection; rank 4 on attention only) and the merged
-    models' greedy tokens for PROMPTS (the independent reference: one merged copy per adapter)."""
-    root = tmp_path_factory.mktemp("lora")
-    a1 = _adapted(_base, 1, 2, ft.DEFAULT_TARGETS)
-    a2 = _adapted(_base, 2, 4, ft.ATTENTION_TARGETS)
-    dirs = {"a1": ft.save_adapters(a1, root / "a1"), "a2": ft.save_adapters(a2, root / "a2")}
-    ref = {"base": _greedy(_base(), PROMPTS)}
-    for name, m in (("a1", a1), ("a2", a2)):
-        ref[name] = _greedy(ft.merge_lora(m), PROMPTS + ([_continued(ref["base"])] if name == "a1" else []))
-    return dirs, ref
-
-
 def _continued(base_tokens) -> list[int]:
     """A next turn of PROMPTS[0]'s base conversation: what a base row's finished snapshot can serve."""
     return PROMPTS[0] + base_tokens[0][:-1] + [5, 6]
 
 
-def test_mixed_adapter_batch_equals_each_merged_model(adapters):
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tokenizer and a tiny model over its vocabulary (`base()` builds a fresh copy); two adapters,
+    a1 (rank 2, every projection, our format) and a2 (rank 4, attention only, ours and PEFT's); and
+    the independent reference, one merged model per adapter: greedy tokens of PROMPTS and of a chat."""
+    from gemma4_nnx.tokenizer import encode_chat
+    from gemma4_nnx.train.peft_io import save_peft_adapter
+    from tests.helpers import build_hf_json
+
+    root = tmp_path_factory.mktemp("lora")
+    build_hf_json(root / "tokenizer.json")
+    tok = gemma4_nnx.load_tokenizer(root)
+    config = tiny_config(vocab_size=tok.vocab_size, vocab_size_per_layer_input=tok.vocab_size)
+
+    def base():
+        return _scaled(model_from_config(config))
+
+    a1 = _adapted(base, 1, 2, ft.DEFAULT_TARGETS)
+    a2 = _adapted(base, 2, 4, ft.ATTENTION_TARGETS)
+    dirs = {"a1": ft.save_adapters(a1, root / "a1"), "a2": ft.save_adapters(a2, root / "a2")}
+    dirs["a2-peft"] = save_peft_adapter(a2, root / "a2-peft")
+    chat = encode_chat(tok, MESSAGES)
+    ref = {"base": _greedy(base(), PROMPTS + [chat])}
+    for name, m in (("a1", a1), ("a2", a2)):
+        ref[name] = _greedy(ft.merge_lora(m), PROMPTS + [chat] + ([_continued(ref["base"])] if name == "a1" else []))
+    for name in ref:  # the chat's reply as text
+        ref[name][len(PROMPTS)] = tok.decode(ref[name][len(PROMPTS)])
+    assert len({ref[n][len(PROMPTS)] for n in ref}) == 3, "the adapters must change the chat's reply"
+    return tok, base, dirs, ref
+
+
+def test_mixed_adapter_batch_equals_each_merged_model(world):
     """Two adapters (ranks 2 and 4, zero-padded into a rank-4 bank) and base rows submitted together:
     they share decode steps, and each request's greedy tokens equal its merged model's. The prefix
     cache holds base rows' snapshots first: an adapter row continuing a base conversation must not
     reuse them (a base row then does). Loading a third adapter compiles nothing; unloading one with a
     live request lets that request finish with it, and frees its slot afterwards."""
-    dirs, ref = adapters
-    assert ref["a1"] != ref["base"] and ref["a2"] != ref["base"], "the adapters must change the tokens"
-    engine = Engine(_base(), max_batch=4, max_length=64, max_loras=2, max_lora_rank=4, prefix_cache_bytes=1 << 24)
+    _, base, dirs, ref = world
+    engine = Engine(base(), prefix_cache_bytes=1 << 24, **ENGINE)
     try:
         base_first = [engine.submit(p, N, stop_tokens=[]).result()[0] for p in PROMPTS]
-        assert base_first == ref["base"]
+        assert base_first == ref["base"][: len(PROMPTS)]
         r1, r2 = engine.load_adapter("a1", dirs["a1"]), engine.load_adapter("a2", dirs["a2"])
         follow = _continued(ref["base"])
-        assert engine.submit(follow, N, stop_tokens=[], adapter=r1).result()[0] == ref["a1"][len(PROMPTS)]
+        assert engine.submit(follow, N, stop_tokens=[], adapter=r1).result()[0] == ref["a1"][-1]
         assert engine.prefix.stats.hits == 0, "an adapter row reused a base row's prefix"
         engine.submit(follow, 1, stop_tokens=[]).result()
         assert engine.prefix.stats.hits == 1  # the same prompt without the adapter does reuse it
@@ -107,17 +125,17 @@ def test_mixed_adapter_batch_equals_each_merged_model(adapters):
         engine.close()
 
 
-def test_engine_adapter_errors_name_the_adapter(adapters, tmp_path):
+def test_engine_adapter_errors_name_the_adapter(world, tmp_path):
     """Rank above the bank's, a module the banks do not hold, another model's shapes, a duplicate name,
     full slots, an unknown name: ValueErrors (RequestError) naming the adapter and the parameter."""
-    dirs, _ = adapters
-    engine = Engine(_base(), max_batch=2, max_length=32, max_loras=1, max_lora_rank=2)
+    _, base, dirs, _ = world
+    engine = Engine(base(), max_batch=2, max_length=32, max_loras=1, max_lora_rank=2)
     try:
         cases = []
         with pytest.raises(ValueError, match=r"'big' has rank 4, above the server's --max-lora-rank 2") as e:
             engine.load_adapter("big", dirs["a2"])
         cases.append(e.value)
-        ple = _adapted(_base, 3, 2, r"^\.per_layer_model_projection$")
+        ple = _adapted(base, 3, 2, r"^\.per_layer_model_projection$")
         with pytest.raises(ValueError, match=r"'ple' adapts \['per_layer_model_projection'\]") as e:
             engine.load_adapter("ple", ft.save_adapters(ple, tmp_path / "ple"))
         cases.append(e.value)
@@ -143,7 +161,7 @@ def test_engine_adapter_errors_name_the_adapter(adapters, tmp_path):
         assert (e.value.param, e.value.code) == ("lora_name", "model_not_found")
     finally:
         engine.close()
-    plain = Engine(_base(), max_batch=1, max_length=16)
+    plain = Engine(base(), max_batch=1, max_length=16)
     try:
         with pytest.raises(ValueError, match="serves no LoRA adapters"):
             plain.load_adapter("a1", dirs["a1"])
@@ -153,20 +171,21 @@ def test_engine_adapter_errors_name_the_adapter(adapters, tmp_path):
 
 # ---------------------------------------------------------------------------- against transformers + peft
 @pytest.mark.reference
-def test_peft_adapter_served_gives_transformers_peft_tokens_and_logprobs(tmp_path):
-    """An adapter built and saved by `peft` (rank 4 on q/v/down projections, B random) on transformers'
-    tiny Gemma 4, loaded into an engine whose bank is rank 8 (zero-padded): the request naming it
-    gets transformers + peft's greedy tokens, and each token's logprob and top-5 alternatives equal
-    the log-softmax of peft's logits (float32 bound). The base rows of the same engine do not."""
+def test_peft_adapter_served_gives_transformers_peft_tokens_and_logprobs(world, tmp_path):
+    """An adapter built and saved by `peft` (rank 2 on q/v/down projections, B random) on transformers'
+    Gemma 4 with the tiny model's weights (`to_hf`), served by an engine whose bank is rank 4
+    (zero-padded): the request naming it gets transformers + peft's greedy tokens, and each token's
+    logprob and top-5 alternatives equal the log-softmax of peft's logits (float32 bound). A base
+    row of the same engine gets transformers' tokens without the adapter."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
 
-    hf = fx.build_hf_model("e2b", seed=3)
-    with torch.no_grad():  # as `_base`: the layers, not the tied embedding, decide the tokens
-        hf.get_input_embeddings().weight.mul_(0.1)
-    fx.save_hf_checkpoint(hf, str(tmp_path / "hf"))
+    _, base, _, _ = world
+    gemma4_nnx.to_hf(base(), str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager")
     pm = peft.get_peft_model(
-        hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+        hf, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
     )
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -184,13 +203,13 @@ def test_peft_adapter_served_gives_transformers_peft_tokens_and_logprobs(tmp_pat
                 logps.append(lp)
         return seq[len(ids) :], logps
 
-    ids = PROMPTS[0]
+    ids = PROMPTS[1]
     want, logps = reference(pm, ids)
     with pm.disable_adapter():
         base_tokens, _ = reference(pm, ids)
     assert want != base_tokens, "the adapter must change the tokens"
 
-    engine = Engine(gemma4_nnx.from_hf(str(tmp_path / "hf")), max_batch=2, max_length=64, max_loras=1, max_lora_rank=8)
+    engine = Engine(base(), **ENGINE)
     try:
         ref = engine.load_adapter("peft-adapter", tmp_path / "peft")
         served = engine.submit(ids, N, stop_tokens=[], adapter=ref, top_logprobs=5)
@@ -209,7 +228,7 @@ def test_peft_adapter_served_gives_transformers_peft_tokens_and_logprobs(tmp_pat
 
 
 # ---------------------------------------------------------------------------- the server
-def test_openai_client_selects_adapters_and_loads_unloads(tmp_path):
+def test_openai_client_selects_adapters_and_loads_unloads(world, tmp_path):
     """Through the official `openai` client: `models.list()` lists the adapters with the base model as
     parent; `chat.completions.create(model=<adapter>)` (plain and streamed) equals `generate` on that
     adapter's merged model; an adapter loaded at run time in PEFT's format through
@@ -219,25 +238,12 @@ def test_openai_client_selects_adapters_and_loads_unloads(tmp_path):
     from fastapi.testclient import TestClient
 
     from gemma4_nnx.serve.app import create_app
-    from gemma4_nnx.tokenizer import encode_chat
-    from gemma4_nnx.train.peft_io import save_peft_adapter
-    from tests.helpers import random_model, tokenizer_and_model
 
-    tok, _ = tokenizer_and_model(tmp_path)
-
-    def base():
-        return _base(random_model("e2b", seed=3, vocab_size=tok.vocab_size))
-
-    a1 = _adapted(base, 1, 2, ft.DEFAULT_TARGETS)
-    a2 = _adapted(base, 2, 4, ft.ATTENTION_TARGETS)
-    d1, d2 = ft.save_adapters(a1, tmp_path / "a1"), save_peft_adapter(a2, tmp_path / "a2")
-    messages = [{"role": "user", "content": "hello there"}]
-    ids = encode_chat(tok, messages)
-    want = {n: tok.decode(_greedy(ft.merge_lora(m), [ids])[0]) for n, m in (("a1", a1), ("a2", a2))}
-    want["tiny"] = tok.decode(_greedy(base(), [ids])[0])
-    assert len(set(want.values())) == 3, want
-
-    engine = Engine(base(), tok, max_batch=2, max_length=64, max_loras=2, max_lora_rank=4)
+    tok, base, dirs, ref = world
+    d1, d2 = dirs["a1"], dirs["a2-peft"]
+    want = {"tiny": ref["base"][len(PROMPTS)], "a1": ref["a1"][len(PROMPTS)], "a2": ref["a2"][len(PROMPTS)]}
+    messages = MESSAGES
+    engine = Engine(base(), tok, **ENGINE)
     auth = {"Authorization": "Bearer k"}
     try:
         engine.load_adapter("a1", d1)  # as --lora-modules a1=PATH does at start-up
