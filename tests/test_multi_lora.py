@@ -307,3 +307,20 @@ def test_openai_client_selects_adapters_and_loads_unloads(world, tmp_path):
             assert e.value.body["param"] == "model" and "'a2'" in e.value.body["message"]
     finally:
         engine.close()
+
+
+def test_lora_modules_flag_takes_both_of_vllms_spellings(capsys):
+    """`--lora-modules` as vLLM spells it: name=path and a JSON object; anything else is refused naming
+    the flag and the entry."""
+    pytest.importorskip("fastapi")
+    from gemma4_nnx.serve.app import build_parser
+
+    args = build_parser().parse_args(
+        ["ckpt", "--max-lora-rank", "8", "--lora-modules", "a=/x/a", '{"name": "b", "path": "/y=b"}']
+    )
+    assert args.lora_modules == [("a", "/x/a"), ("b", "/y=b")] and args.max_lora_rank == 8
+    assert args.max_loras is None  # default: as many slots as --lora-modules
+    for bad in ("just-a-path", '{"name": "c"}', "=/x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["ckpt", "--lora-modules", bad])
+        assert "--lora-modules" in capsys.readouterr().err
