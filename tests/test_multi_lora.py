@@ -5,6 +5,7 @@ by model name; load / unload endpoints; bad adapters are 4xx naming the adapter 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -127,7 +128,8 @@ def test_mixed_adapter_batch_equals_each_merged_model(world):
 
 def test_engine_adapter_errors_name_the_adapter(world, tmp_path):
     """Rank above the bank's, a module the banks do not hold, another model's shapes, a duplicate name,
-    full slots, an unknown name: ValueErrors (RequestError) naming the adapter and the parameter."""
+    full slots, an unknown name: ValueErrors (RequestError) naming the adapter and the parameter; an
+    engine without adapter slots, or with a tensor-parallel mesh, says so."""
     _, base, dirs, _ = world
     engine = Engine(base(), max_batch=2, max_length=32, max_loras=1, max_lora_rank=2)
     try:
@@ -161,6 +163,9 @@ def test_engine_adapter_errors_name_the_adapter(world, tmp_path):
         assert (e.value.param, e.value.code) == ("lora_name", "model_not_found")
     finally:
         engine.close()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))  # tensor parallel: refused, named
+    with pytest.raises(ValueError, match="max_loras: LoRA adapters are not served with tensor parallelism"):
+        Engine(base(), max_batch=1, max_length=16, max_loras=1, mesh=mesh)
     plain = Engine(base(), max_batch=1, max_length=16)
     try:
         with pytest.raises(ValueError, match="serves no LoRA adapters"):
