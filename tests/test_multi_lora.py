@@ -77,10 +77,14 @@ def world(tmp_path_factory):
     chat = encode_chat(tok, MESSAGES)
     ref = {"base": _greedy(base(), PROMPTS + [chat])}
     for name, m in (("a1", a1), ("a2", a2)):
-        ref[name] = _greedy(ft.merge_lora(m), PROMPTS + [chat] + ([_continued(ref["base"])] if name == "a1" else []))
-    for name in ref:  # the chat's reply as text
+        merged = ft.merge_lora(m)
+        ref[name] = _greedy(merged, PROMPTS + [chat] + ([_continued(ref["base"])] if name == "a1" else []))
+        if name == "a1":  # the chat prompt's own logprobs (what `echo` scores), teacher-forced
+            logp = np.asarray(jax.nn.log_softmax(merged(jnp.asarray([chat]))[0].astype(jnp.float32), axis=-1))
+            ref["a1-echo"] = [float(logp[i, t]) for i, t in enumerate(chat[1:])]
+    for name in ("base", "a1", "a2"):  # the chat's reply as text
         ref[name][len(PROMPTS)] = tok.decode(ref[name][len(PROMPTS)])
-    assert len({ref[n][len(PROMPTS)] for n in ref}) == 3, "the adapters must change the chat's reply"
+    assert len({ref[n][len(PROMPTS)] for n in ("base", "a1", "a2")}) == 3, "the adapters must change the reply"
     return tok, base, dirs, ref
 
 
@@ -236,13 +240,15 @@ def test_peft_adapter_served_gives_transformers_peft_tokens_and_logprobs(world, 
 def test_openai_client_selects_adapters_and_loads_unloads(world, tmp_path):
     """Through the official `openai` client: `models.list()` lists the adapters with the base model as
     parent; `chat.completions.create(model=<adapter>)` (plain and streamed) equals `generate` on that
-    adapter's merged model; an adapter loaded at run time in PEFT's format through
-    POST /v1/load_lora_adapter serves at once and is gone after /v1/unload_lora_adapter (404 naming
-    "model"); the endpoints need the API key; bad adapters are 400 / 404 naming the adapter and field."""
+    adapter's merged model, and `echo` scores the prompt with the adapter (the merged model's
+    logprobs); an adapter loaded at run time in PEFT's format through POST /v1/load_lora_adapter
+    serves at once and is gone after /v1/unload_lora_adapter (404 naming "model"); the endpoints need
+    the API key; bad adapters are 400 / 404 naming the adapter and field."""
     openai = pytest.importorskip("openai")
     from fastapi.testclient import TestClient
 
     from gemma4_nnx.serve.app import create_app
+    from gemma4_nnx.tokenizer import encode_chat
 
     tok, base, dirs, ref = world
     d1, d2 = dirs["a1"], dirs["a2-peft"]
@@ -268,6 +274,9 @@ def test_openai_client_selects_adapters_and_loads_unloads(world, tmp_path):
 
             assert chat("a1") == want["a1"] and chat("a1", stream=True) == want["a1"]
             assert chat("tiny") == want["tiny"]
+            chat_ids = encode_chat(tok, messages)  # `echo` scores the prompt with the adapter too
+            echo = client.completions.create(model="a1", prompt=chat_ids, max_tokens=0, echo=True, logprobs=0)
+            np.testing.assert_allclose(echo.choices[0].logprobs.token_logprobs[1:], ref["a1-echo"], atol=1e-4)
 
             body = {"lora_name": "a2", "lora_path": d2}
             assert c.post("/v1/load_lora_adapter", json=body).status_code == 401  # behind the API key
