@@ -34,7 +34,7 @@ from gemma4_nnx.decode.batching import PromptBatch, pow2
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, BlockPool
 from gemma4_nnx.decode.compiles import Compiles, compiled_programs, verify_width
 from gemma4_nnx.decode.errors import RequestError
-from gemma4_nnx.decode.lora_bank import bank_modules
+from gemma4_nnx.decode.lora_bank import has_banks
 from gemma4_nnx.decode.programs import (
     _copy_blocks_jit,
     _decode_jit,
@@ -126,7 +126,7 @@ class Decoder(Compiles):
         self.config = model.config
         self.graphdef, self.weights = split_model(model)
         # the model carries adapter banks (`decode.lora_bank`): programs get the rows' slots
-        self.banked = bool(bank_modules(model))
+        self.banked = has_banks(model)
         self.assistant = None
         if assistant is not None:
             assistant.config.check_target(model.config)

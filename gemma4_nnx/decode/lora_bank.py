@@ -31,7 +31,7 @@ from gemma4_nnx.train.finetune import DEFAULT_TARGETS, _dotted, _modules, _set_c
 
 Array = jax.Array
 
-__all__ = ["BANK_TARGETS", "LoRABankLinear", "apply_lora_bank", "bank_modules", "set_adapter_rows"]
+__all__ = ["BANK_TARGETS", "LoRABankLinear", "apply_lora_bank", "bank_modules", "has_banks", "set_adapter_rows"]
 
 #: The projections a bank is put on: attention q/k/v/o and MLP gate/up/down of the decoder layers
 #: (`train.finetune.DEFAULT_TARGETS` there; not the vision / audio towers).
@@ -83,7 +83,14 @@ def apply_lora_bank(model: nnx.Module, *, slots: int, rank: int, targets: str = 
         raise ValueError(f"targets {targets!r} matched no projection of the model")
     for path, lin in chosen:
         _set_child(model, path, LoRABankLinear(lin, slots=slots, rank=rank))
+    model.adapter_bank = (slots, rank)  # static: what `has_banks` reads without walking the graph
     return [_dotted(p) for p, _ in chosen]
+
+
+def has_banks(model: nnx.Module) -> bool:
+    """Whether `apply_lora_bank` wrapped `model`'s projections (an attribute read: a `Decoder` asks
+    at every `generate` call)."""
+    return getattr(model, "adapter_bank", None) is not None
 
 
 def bank_modules(model: nnx.Module) -> dict[str, LoRABankLinear]:

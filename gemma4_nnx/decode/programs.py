@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gemma4_nnx.decode.lora_bank import set_adapter_rows
+from gemma4_nnx.decode.lora_bank import has_banks, set_adapter_rows
 from gemma4_nnx.decode.sampling import (
     RowFeatures,
     adjust_rows,
@@ -56,7 +56,7 @@ def _model(graphdef, weights, adapter=None):
     """The model of `weights`; adapter [B]: each batch row's slot in the adapter banks
     (`decode.lora_bank`; None: no adapters, a plain model)."""
     model = graphdef.merge(weights)
-    if adapter is not None:
+    if adapter is not None and has_banks(model):
         set_adapter_rows(model, adapter)
     return model
 
