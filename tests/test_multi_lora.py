@@ -93,7 +93,8 @@ def test_mixed_adapter_batch_equals_each_merged_model(world):
     they share decode steps, and each request's greedy tokens equal its merged model's. The prefix
     cache holds base rows' snapshots first: an adapter row continuing a base conversation must not
     reuse them (a base row then does). Loading a third adapter compiles nothing; unloading one with a
-    live request lets that request finish with it, and frees its slot afterwards."""
+    live request lets that request finish with it, and frees its slot afterwards; loading into that slot
+    while another adapter's row decodes leaves that row's tokens alone."""
     _, base, dirs, ref = world
     engine = Engine(base(), prefix_cache_bytes=1 << 24, **ENGINE)
     try:
@@ -123,7 +124,9 @@ def test_mixed_adapter_batch_equals_each_merged_model(world):
         assert r1.slot in engine.adapters._free
         with pytest.raises(ValueError, match="'a1' is not loaded"):
             engine.submit(PROMPTS[0], N, adapter=r1)
-        r3 = engine.load_adapter("a1-again", dirs["a1"])  # into the freed slot
+        running = engine.submit(PROMPTS[1], N, stop_tokens=[], adapter=r2)
+        r3 = engine.load_adapter("a1-again", dirs["a1"])  # into the freed slot, while an a2 row decodes
+        assert r3.slot == r1.slot and running.result()[0] == ref["a2"][1]
         assert engine.submit(PROMPTS[1], N, stop_tokens=[], adapter=r3).result()[0] == ref["a1"][1]
         assert engine.compiled_programs() == compiled, "loading adapters must not compile programs"
     finally:
