@@ -34,6 +34,7 @@ from gemma4_nnx.decode.batching import PromptBatch, pow2
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, BlockPool
 from gemma4_nnx.decode.compiles import Compiles, compiled_programs, verify_width
 from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.lora_bank import has_banks
 from gemma4_nnx.decode.programs import (
     _copy_blocks_jit,
     _decode_jit,
@@ -124,6 +125,8 @@ class Decoder(Compiles):
         self._init_compiles()
         self.config = model.config
         self.graphdef, self.weights = split_model(model)
+        # the model carries adapter banks (`decode.lora_bank`): programs get the rows' slots
+        self.banked = has_banks(model)
         self.assistant = None
         if assistant is not None:
             assistant.config.check_target(model.config)
@@ -265,17 +268,20 @@ class Decoder(Compiles):
                 raise RequestError(f"media: {e}", "media") from None
         return out
 
-    def prefill(self, batch: PromptBatch, idx: np.ndarray | None = None) -> Next:
+    def prefill(self, batch: PromptBatch, idx: np.ndarray | None = None, adapter: np.ndarray | None = None) -> Next:
         """Run the prompts of `batch` into rows `idx` (None: every row, in order; else [R] row indices,
-        an index >= rows pads). Returns their `Next` (next-token logits [R, V], on device)."""
-        chunks = self.prefill_chunks(batch, idx)
+        an index >= rows pads). Returns their `Next` (next-token logits [R, V], on device). adapter
+        [R]: each prompt's adapter slot (`decode.lora_bank`; None: slot 0, no adapter)."""
+        chunks = self.prefill_chunks(batch, idx, adapter)
         while True:
             try:
                 next(chunks)
             except StopIteration as done:
                 return done.value
 
-    def prefill_chunks(self, batch: PromptBatch, idx: np.ndarray | None = None) -> Generator[int, None, Next]:
+    def prefill_chunks(
+        self, batch: PromptBatch, idx: np.ndarray | None = None, adapter: np.ndarray | None = None
+    ) -> Generator[int, None, Next]:
         """`prefill` one chunk at a time: a generator that runs the next chunk of `batch.chunk`
         columns at each `next()` and yields the columns prefilled so far; it returns (StopIteration's
         value) the `Next` after the last chunk. Between chunks the cache is this decoder's, so other
@@ -285,11 +291,16 @@ class Decoder(Compiles):
         # committed like the `Next` each chunk returns (a mix of committed and uncommitted arguments
         # would compile the chunk program twice)
         # host arrays go over in one batched transfer per chunk (not a `jnp.asarray` each)
-        logits, last, idx = self._place(
+        if self.banked:
+            adapter = np.zeros(r, np.int32) if adapter is None else np.asarray(adapter, np.int32)
+        elif adapter is not None and np.any(adapter):
+            raise ValueError("adapter: this decoder's model has no adapter banks (decode.lora_bank)")
+        logits, last, idx, adapter = self._place(
             (
                 Next(np.zeros((r, self.vocab_size), np.float32), np.zeros((r, self.config.hidden_size), np.float32)),
                 np.asarray(batch.last, np.int32),
                 None if idx is None else np.asarray(idx, np.int32),
+                adapter if self.banked else None,
             )
         )
         fresh = np.ones(r, bool) if batch.starts is None else batch.starts == 0
@@ -319,6 +330,7 @@ class Decoder(Compiles):
                 c0,
                 first,
                 None if soft is None else jnp.asarray(soft, self.dtype),
+                adapter,
             )
             self.state = dataclasses.replace(self.state, cache=cache)
             if int(c0) + batch.chunk < batch.width:
@@ -367,7 +379,16 @@ class Decoder(Compiles):
         self._sync_table()
         rows = self.state.rows
         cache, logits = self._run(
-            "decode", _decode_jit, m, self.graphdef, self.weights, self.state.cache, rows.token, rows.pos, rows.done
+            "decode",
+            _decode_jit,
+            m,
+            self.graphdef,
+            self.weights,
+            self.state.cache,
+            rows.token,
+            rows.pos,
+            rows.done,
+            rows.adapter if self.banked else None,
         )
         self.state = dataclasses.replace(self.state, cache=cache)
         return self.draw(cfg, logits, None if m == self.rows else np.arange(m), mask=mask)
@@ -490,7 +511,12 @@ class Decoder(Compiles):
         self.state = dataclasses.replace(self.state, rows=rows)
 
     def score(
-        self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0, *, positions: int = SCORE_POSITIONS
+        self,
+        prompts: Sequence[Sequence[int]],
+        top_logprobs: int = 0,
+        *,
+        positions: int = SCORE_POSITIONS,
+        adapter: int = 0,
     ) -> list[Scored]:
         """Teacher-forced logprobs of each prompt's tokens after the first (forward passes over the
         prompts; the cache is not touched, so this may run beside the decoding thread), with the
@@ -501,7 +527,8 @@ class Decoder(Compiles):
         to a power of two (at least 16) and batched to a power of two: one program per such shape,
         whatever the request (alternatives are computed at `MAX_TOP_LOGPROBS` whatever the count, so
         a new count compiles nothing), and one forward at a time per decoder (concurrent callers take
-        turns), so scoring holds at most one group's activations and one `_SCORE_ROWS` slice of logits."""
+        turns), so scoring holds at most one group's activations and one `_SCORE_ROWS` slice of logits.
+        adapter: the adapter slot every prompt is scored with (`decode.lora_bank`; 0: none)."""
         scored: list[Scored | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         while order:
@@ -510,20 +537,22 @@ class Decoder(Compiles):
             while n < len(order) and pow2(n + 1) * t <= positions:
                 n += 1
             group, order = order[:n], order[n:]
-            for i, sc in zip(group, self._score_group([prompts[i] for i in group], top_logprobs, t), strict=True):
+            scores = self._score_group([prompts[i] for i in group], top_logprobs, t, adapter)
+            for i, sc in zip(group, scores, strict=True):
                 scored[i] = sc
         return scored
 
-    def _score_group(self, prompts: Sequence[Sequence[int]], top_logprobs: int, t: int) -> list[Scored]:
+    def _score_group(self, prompts: Sequence[Sequence[int]], top_logprobs: int, t: int, adapter: int) -> list[Scored]:
         b = pow2(len(prompts))
         ids, valid = np.zeros((b, t), np.int32), np.zeros((b, t), bool)
         for i, p in enumerate(prompts):
             ids[i, : len(p)], valid[i, : len(p)] = p, True
         chunk = min(t, pow2(max(1, _SCORE_ROWS // b)))  # logits of about _SCORE_ROWS positions at once
         width = MAX_TOP_LOGPROBS if top_logprobs else 0  # one program for every count: the first n of 20
+        slots = self._place(np.full(b, adapter, np.int32)) if self.banked else None
         with self._score_lock:
             lp, top_lp, top_tok = jax.device_get(
-                self._run("score", _score_jit, width, chunk, self.graphdef, self.weights, ids, valid)
+                self._run("score", _score_jit, width, chunk, self.graphdef, self.weights, ids, valid, slots)
             )
         top_lp, top_tok = top_lp[..., :top_logprobs], top_tok[..., :top_logprobs]
         out = []

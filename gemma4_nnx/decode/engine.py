@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import os
 import queue
@@ -50,7 +51,14 @@ from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.prefix import PrefixCache
-from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request, check_int, check_top_logprobs, make_request
+from gemma4_nnx.decode.requests import (
+    MAX_TOP_LOGPROBS,
+    AdapterRef,
+    Request,
+    check_int,
+    check_top_logprobs,
+    make_request,
+)
 from gemma4_nnx.decode.sampling import TOP_K_WIDTHS, RowFeatures, RowParams, top_k_width
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
 from gemma4_nnx.decode.text import FinishReason, TextStream
@@ -75,6 +83,15 @@ DEFAULT_MAX_SCORE_TOKENS = 16384
 
 #: Compiled grammars an engine keeps (structured-output schemas and tool sets repeat across requests).
 _GRAMMARS = 32
+
+
+def _uid(request: Request) -> int:
+    """What the prefix cache keys a request's adapter by: its load's uid (0: no adapter)."""
+    return 0 if request.adapter is None else request.adapter.uid
+
+
+def _slot(request: Request) -> int:
+    return 0 if request.adapter is None else request.adapter.slot
 
 
 class EngineError(RuntimeError):
@@ -129,8 +146,16 @@ class EngineRequest:
 
     _ids = itertools.count()
 
-    def __init__(self, request: Request, stream: TextStream, sink: Callable[[Event], None] | None, constraint=None):
+    def __init__(
+        self,
+        request: Request,
+        stream: TextStream,
+        sink: Callable[[Event], None] | None,
+        constraint=None,
+        on_end: Callable[[], None] | None = None,
+    ):
         self.id = next(self._ids)
+        self._on_end = on_end  # called once when the request ends (it lets go of its adapter)
         self.request = request
         self.constraint = constraint  # a `constraints.Constraint` when the request has a grammar
         self.stream = stream
@@ -168,6 +193,9 @@ class EngineRequest:
             warnings.warn(
                 f"gemma4_nnx engine: request {self.id}'s sink raised {self.sink_error}; request ended", stacklevel=2
             )
+        if (event.finish_reason is not None or self.sink_error is not None) and self._on_end is not None:
+            on_end, self._on_end = self._on_end, None  # once (the engine frees a failed sink's row at once)
+            on_end()
 
     def __iter__(self) -> Iterator[Event]:
         if self._queue is None:
@@ -247,6 +275,12 @@ class Engine:
         (`decode.speculative.SpeculativeConfig` or its dict, e.g. `{"method": "ngram",
         "num_speculative_tokens": 4}`); each row accepts its own number of tokens per step. Greedy
         output is unchanged; sampled output keeps its distribution (not its exact draws).
+      max_loras: LoRA adapters served at once (0: none). The decoder's copy of the model gets adapter
+        banks (`decode.lora_bank`: attention and MLP projections of the decoder layers, `max_loras` + 1
+        slots of rank `max_lora_rank`; the caller's model is not changed); `load_adapter` /
+        `unload_adapter` fill and free slots, and a request names its adapter (`adapter=`, an
+        `AdapterRef` from `adapter(name)`). Rows with different adapters and rows with none decode in
+        the same step; adapters of rank below `max_lora_rank` are zero-padded (exact). Not with `mesh`.
     """
 
     def __init__(
@@ -265,8 +299,18 @@ class Engine:
         speculative: SpeculativeConfig | dict | None = None,
         prefix_cache_bytes: int = 0,
         kv_cache_bytes: int | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
         check_int(max_batch, "max_batch", lo=1)
+        check_int(max_loras, "max_loras", lo=0)
+        check_int(max_lora_rank, "max_lora_rank", lo=1)
+        if max_loras and mesh is not None:
+            raise RequestError(
+                "max_loras: LoRA adapters are not served with tensor parallelism (mesh / --tensor-parallel-size): "
+                "serve adapters on one device, or merge the adapter into the weights (train.finetune.merge_lora)",
+                "max_loras",
+            )
         check_int(kv_cache_bytes, "kv_cache_bytes", lo=1, optional=True)
         check_int(prefix_cache_bytes, "prefix_cache_bytes", lo=0)
         self.speculative = speculative_config(speculative)
@@ -302,8 +346,17 @@ class Engine:
                     f"({self.block_bytes} bytes); give at least that",
                     "kv_cache_bytes",
                 )
+        banked, banks = model, {}
+        if max_loras:  # the decoder's own copy of the model (same weight arrays) gets the adapter banks
+            from flax import nnx
+
+            from gemma4_nnx.decode.lora_bank import apply_lora_bank, bank_modules
+
+            banked = nnx.merge(*nnx.split(model))
+            apply_lora_bank(banked, slots=max_loras + 1, rank=max_lora_rank)
+            banks = bank_modules(banked)
         self.decoder = Decoder(
-            model,
+            banked,
             rows=max_batch,
             max_length=max_length,
             cache_dtype=cache_dtype,
@@ -314,6 +367,11 @@ class Engine:
             assistant=self.speculative.assistant if self.speculative else None,
             blocks=blocks,
         )
+        self.adapters = None
+        if max_loras:
+            from gemma4_nnx.decode.adapters import Adapters
+
+            self.adapters = Adapters(self.decoder, banks, max_loras)
         self.pool = self.decoder.pool  # None: the model has no global layer to page
         self.drafting = Drafting(self.speculative, max_batch) if self.speculative else None
         self.prefix: PrefixCache | None = None
@@ -392,6 +450,8 @@ class Engine:
                 "give it more (Engine(kv_cache_bytes=...), gemma4-serve --kv-cache-mb) or send a shorter prompt",
                 "prompt",
             )
+        if request.adapter is not None:
+            self._check_adapter(request.adapter)
         if request.grammar is not None:
             self._constraint(request)  # compiles, or says why not
         if request.media is not None or self.decoder.config.multimodal:  # placeholders vs soft tokens, now
@@ -402,6 +462,38 @@ class Engine:
             except ValueError as e:
                 raise RequestError(f"media: {e}", "media") from None
         return request
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapter(self, name: str) -> AdapterRef | None:
+        """The loaded adapter called `name` (what `validate` / `submit` take as `adapter=`), or None."""
+        return None if self.adapters is None else self.adapters.get(name)
+
+    def adapter_names(self) -> list[str]:
+        """The adapters loaded, in load order."""
+        return [] if self.adapters is None else self.adapters.names()
+
+    def load_adapter(self, name: str, path: str | os.PathLike) -> AdapterRef:
+        """Load the LoRA adapter at `path` (ours, `save_adapters`; or PEFT's) as `name` into a free
+        slot (`decode.adapters.Adapters.load`; RequestError naming "lora_name", "lora_path" or
+        "max_loras"). Safe while requests run: it writes a slot no row uses."""
+        return self._need_adapters("lora_name").load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Remove the adapter `name`: later requests cannot name it; requests already using it
+        finish with it, and its slot is freed after the last of them (RequestError naming
+        "lora_name" when it is not loaded)."""
+        self._need_adapters("lora_name").unload(name)
+
+    def _need_adapters(self, param: str):
+        if self.adapters is None:
+            raise RequestError(
+                "this engine serves no LoRA adapters: start it with max_loras >= 1 (gemma4-serve --max-loras)", param
+            )
+        return self.adapters
+
+    def _check_adapter(self, ref: AdapterRef) -> None:
+        if not isinstance(ref, AdapterRef) or self._need_adapters("adapter").get(ref.name) != ref:
+            raise RequestError(f"adapter {getattr(ref, 'name', ref)!r} is not loaded", "adapter", "model_not_found")
 
     def _constraint(self, request: Request):
         """A fresh grammar state for a request (`decode.constraints`); RequestError naming "grammar".
@@ -447,20 +539,28 @@ class Engine:
             raise EngineError(f"the engine is not running{': ' + self.error if self.error else ''}")
         request = prompt if isinstance(prompt, Request) else self.validate(prompt, max_tokens, **options)
         constraint = self._constraint(request) if request.grammar is not None else None
+        on_end = None
+        if request.adapter is not None:  # held until the request ends: its slot is not reused under it
+            self._check_adapter(request.adapter)
+            self.adapters.acquire(request.adapter)
+            on_end = functools.partial(self.adapters.release, request.adapter)
         req = EngineRequest(
-            request, TextStream(self.tokenizer, request.stop_strings, show_stop_token=False), sink, constraint
+            request, TextStream(self.tokenizer, request.stop_strings, show_stop_token=False), sink, constraint, on_end
         )
         with self._cv:
             self._pending.append(req)
             self._cv.notify()
         return req
 
-    def score(self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0) -> list[Scored]:
+    def score(
+        self, prompts: Sequence[Sequence[int]], top_logprobs: int = 0, adapter: AdapterRef | None = None
+    ) -> list[Scored]:
         """Logprobs of each prompt's own tokens (teacher-forced, `Decoder.score`) with the
         `top_logprobs` most likely alternatives at each position: what `echo` reports for a prompt.
         Runs on the calling thread, beside the engine's (it reads the weights, not the cache), in
         forward passes of bounded size (`Decoder.score`). Raises `RequestError` naming "prompt" (also
-        when the prompts hold more than `max_score_tokens` tokens together) or "top_logprobs"."""
+        when the prompts hold more than `max_score_tokens` tokens together) or "top_logprobs". `adapter`:
+        the LoRA adapter to score with (None: the base model)."""
         name = f"max_length={self.max_length}"
         prompts = [
             make_request(p, 1, vocab_size=self.vocab_size, context=self.max_length + 1, context_name=name).prompt
@@ -476,7 +576,14 @@ class Engine:
                 "prompt",
                 "score_tokens_exceeded",
             )
-        return self.decoder.score(prompts, top_logprobs)
+        if adapter is None:
+            return self.decoder.score(prompts, top_logprobs)
+        self._check_adapter(adapter)
+        self.adapters.acquire(adapter)  # its slot stays its own while the forward passes read it
+        try:
+            return self.decoder.score(prompts, top_logprobs, adapter=adapter.slot)
+        finally:
+            self.adapters.release(adapter)
 
     def cancel(self, req: EngineRequest) -> None:
         """The client went away: free the request's row at the next step (or drop it from the queue)."""
@@ -634,7 +741,7 @@ class Engine:
             # nothing about the images behind them: no prefix reuse with media
             hit = None
             if self.prefix is not None and req.request.media is None:
-                hit = self.prefix.match(req.fed)
+                hit = self.prefix.match(req.fed, _uid(req.request))
             if hit is not None and self.decoder.restore(slot, hit[0], hit[1]):
                 starts[j] = hit[1]
             if not self.decoder.reserve(slot, len(req.fed) + 1):  # `_take_joining` counted these blocks
@@ -652,7 +759,10 @@ class Engine:
             starts,
             soft,
         )
-        self._joining = _Admission(pairs, idx, self.decoder.prefill_chunks(batch, idx))
+        adapter = None
+        if self.adapters is not None:  # each prompt's bank slot (padding rows: 0)
+            adapter = np.array([_slot(r) for r in requests] + [0] * (kb - k), np.int32)
+        self._joining = _Admission(pairs, idx, self.decoder.prefill_chunks(batch, idx, adapter))
 
     def _prefill_chunk(self) -> None:
         """Run the joining requests' next prefill chunk; after the last one, draw their first tokens.
@@ -688,7 +798,7 @@ class Engine:
             return
         for slot, req in pairs:
             if req.request.media is None:
-                self._keep_prefix(slot, req.prompt)
+                self._keep_prefix(slot, req.prompt, _uid(req.request))
         init = self.decoder.build_rows(requests + [None] * (kb - k))
         cfg = self._config(requests)
         mask = self._masks([req for _, req in pairs], kb) if cfg.constrained else None
@@ -700,11 +810,12 @@ class Engine:
             req.first_token_s = now - req.submitted
         self._deliver([(slot, j) for j, (slot, _) in enumerate(pairs)], drawn)
 
-    def _keep_prefix(self, slot: int, tokens: Sequence[int]) -> None:
-        """Snapshot `slot`'s cache, which holds exactly `tokens`, for later prompts that begin with them."""
-        if self.prefix is not None and self.prefix.wants(tokens):
+    def _keep_prefix(self, slot: int, tokens: Sequence[int], adapter: int) -> None:
+        """Snapshot `slot`'s cache, which holds exactly `tokens` computed under `adapter` (a load's
+        uid, 0: none), for later prompts with the same adapter that begin with them."""
+        if self.prefix is not None and self.prefix.wants(tokens, adapter):
             snapshot = self.decoder.snapshot(slot, len(tokens))
-            self.prefix.add(tokens, snapshot, self._row_bytes + len(snapshot.blocks) * self.block_bytes)
+            self.prefix.add(tokens, snapshot, self._row_bytes + len(snapshot.blocks) * self.block_bytes, adapter)
 
     def _config(self, requests: Sequence[Request]) -> DrawConfig:
         """The draw program for these rows: their sampling features; alternatives at the one width
@@ -833,7 +944,7 @@ class Engine:
                     if reason in (FinishReason.STOP, FinishReason.LENGTH) and done and req.request.media is None:
                         # the row holds the prompt and every token but the last (never fed); a row the
                         # host ended (a stop string) may hold more, so it is not kept
-                        self._keep_prefix(slot, req.prompt + tuple(req.tokens[:-1]))
+                        self._keep_prefix(slot, req.prompt + tuple(req.tokens[:-1]), _uid(req.request))
                     if reason == FinishReason.CANCELLED:
                         self.stats.cancelled += 1
                     else:

@@ -18,6 +18,11 @@ What a snapshot can serve, per kind of cache (the design question of Gemma's mix
   exactly that in a chat whose history is the model's own output);
 * KV-consumer layers keep nothing.
 
+LoRA adapters (`decode.lora_bank`): a row's keys and values depend on its adapter, so entries are
+keyed by (adapter, tokens), the adapter being its load's unique id (`requests.AdapterRef.uid`; 0:
+the base model): a prefix computed under one adapter never serves another, nor an adapter loaded
+later into the same bank slot.
+
 Bounded memory: snapshots are evicted least recently used first beyond `max_bytes`. Exact: the
 reused keys and values are the ones the model computed for those positions, so the output is the
 one a full prefill gives (up to float32 rounding of a different program shape, as everywhere in the
@@ -46,6 +51,7 @@ class PrefixStats:
 
 @dataclasses.dataclass
 class _Entry:
+    key: tuple[int, tuple[int, ...]]  # (adapter uid, tokens)
     tokens: tuple[int, ...]
     snapshot: object  # a `core.Snapshot`: a one-row copy of the rings, and held pool blocks
     nbytes: int
@@ -71,7 +77,7 @@ class PrefixCache:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes, self.ring, self.min_tokens = max_bytes, ring, min_tokens
         self.release = release  # called with each snapshot dropped (it may hold pool blocks)
-        self._entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[tuple[int, tuple[int, ...]], _Entry] = collections.OrderedDict()
         self.nbytes = 0
         self.stats = PrefixStats()
 
@@ -87,37 +93,40 @@ class PrefixCache:
         size, window = self.ring
         return stored <= size or length >= stored - (size - window)
 
-    def match(self, prompt: Sequence[int]) -> tuple[object, int] | None:
-        """The snapshot serving the longest beginning of `prompt` and that length (at most
-        len(prompt) - 1: the last prompt token is always fed, its logits start the output), or None."""
+    def match(self, prompt: Sequence[int], adapter: int = 0) -> tuple[object, int] | None:
+        """The snapshot computed under `adapter` (a load's uid; 0: none) serving the longest beginning
+        of `prompt` and that length (at most len(prompt) - 1: the last prompt token is always fed, its
+        logits start the output), or None."""
         self.stats.lookups += 1
         best, best_len = None, 0
-        for key, entry in self._entries.items():
-            n = min(common_prefix(key, prompt), len(prompt) - 1)
-            if n > best_len and self.reusable(len(key), n):
+        for entry in self._entries.values():
+            if entry.key[0] != adapter:
+                continue
+            n = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+            if n > best_len and self.reusable(len(entry.tokens), n):
                 best, best_len = entry, n
         if best is None:
             return None
-        self._entries.move_to_end(best.tokens)
+        self._entries.move_to_end(best.key)
         self.stats.hits += 1
         self.stats.reused_tokens += best_len
         return best.snapshot, best_len
 
-    def wants(self, tokens: Sequence[int]) -> bool:
+    def wants(self, tokens: Sequence[int], adapter: int = 0) -> bool:
         """Whether a snapshot of these tokens would add anything (long enough, not held already)."""
-        return self.max_bytes > 0 and len(tokens) >= self.min_tokens and tuple(tokens) not in self._entries
+        return self.max_bytes > 0 and len(tokens) >= self.min_tokens and (adapter, tuple(tokens)) not in self._entries
 
-    def add(self, tokens: Sequence[int], snapshot, nbytes: int) -> None:
-        """Keep a snapshot of a row holding `tokens`; evict the least recently used beyond the bound
-        (a snapshot larger than the whole bound is not kept)."""
-        key = tuple(tokens)
+    def add(self, tokens: Sequence[int], snapshot, nbytes: int, adapter: int = 0) -> None:
+        """Keep a snapshot of a row holding `tokens` (computed under `adapter`, a load's uid); evict the
+        least recently used beyond the bound (a snapshot larger than the whole bound is not kept)."""
+        key = (adapter, tuple(tokens))
         if nbytes > self.max_bytes or key in self._entries:
             if self.release is not None:
                 self.release(snapshot)
             return
         while self._entries and self.nbytes + nbytes > self.max_bytes:
             self.evict()
-        self._entries[key] = _Entry(key, snapshot, nbytes)
+        self._entries[key] = _Entry(key, key[1], snapshot, nbytes)
         self.nbytes += nbytes
         self.stats.stored += 1
 

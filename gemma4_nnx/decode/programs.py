@@ -32,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gemma4_nnx.decode.lora_bank import has_banks, set_adapter_rows
 from gemma4_nnx.decode.sampling import (
     RowFeatures,
     adjust_rows,
@@ -51,10 +52,19 @@ Array = jax.Array
 __all__ = ["PROGRAMS"]
 
 
-def _forward(graphdef, weights, cache, ids, positions, valid, select, soft=None) -> tuple[Next, KVCache]:
-    """The `Next` at the columns `select` [B, 1], and the updated cache. soft [B, S, D]: soft tokens
-    at the placeholder columns (images, audio), or None."""
+def _model(graphdef, weights, adapter=None):
+    """The model of `weights`; adapter [B]: each batch row's slot in the adapter banks
+    (`decode.lora_bank`; None: no adapters, a plain model)."""
     model = graphdef.merge(weights)
+    if adapter is not None and has_banks(model):
+        set_adapter_rows(model, adapter)
+    return model
+
+
+def _forward(graphdef, weights, cache, ids, positions, valid, select, soft=None, adapter=None) -> tuple[Next, KVCache]:
+    """The `Next` at the columns `select` [B, 1], and the updated cache. soft [B, S, D]: soft tokens
+    at the placeholder columns (images, audio), or None. adapter [B]: the rows' adapter slots."""
+    model = _model(graphdef, weights, adapter)
     h, cache = model(ids, positions, valid, cache=cache, return_hidden=True, select=select, soft_tokens=soft)
     return Next(model.logits(h[:, 0]).astype(jnp.float32), h[:, 0].astype(jnp.float32)), cache
 
@@ -65,23 +75,27 @@ def _encode(graphdef, weights, ids, pixel_values, image_position_ids, input_feat
     return model.soft_tokens(ids, pixel_values, image_position_ids, input_features, input_features_mask)
 
 
-def _prefill(graphdef, weights, cache: KVCache, idx, ids, positions, valid, last, nxt: Next, c0, fresh, soft):
+def _prefill(
+    graphdef, weights, cache: KVCache, idx, ids, positions, valid, last, nxt: Next, c0, fresh, soft, adapter=None
+):
     """Prompt chunk [c0, c0 + C) of rows `idx` [k] (None: every row). last [k]: column of each row's
     last prompt token in the full padded prompt; rows whose last token is in this chunk take their
     `Next` from it, the others keep `nxt`. fresh [k]: clear those rows first (first chunk; not a row
-    that continues a restored prefix). soft [k, C, D] or None: the chunk's soft tokens."""
+    that continues a restored prefix). soft [k, C, D] or None: the chunk's soft tokens. adapter [k]:
+    the rows' adapter slots (None: no adapters)."""
     part = cache if idx is None else cache.take(idx)
     part = part.reset(fresh)
     c = ids.shape[1]
     local = jnp.clip(last - c0, 0, c - 1)
-    new, part = _forward(graphdef, weights, part, ids, positions, valid, local[:, None], soft)
+    new, part = _forward(graphdef, weights, part, ids, positions, valid, local[:, None], soft, adapter)
     here = (last >= c0) & (last < c0 + c)
     cache = part if idx is None else cache.put(idx, part)
     return cache, jax.tree_util.tree_map(lambda a, b: jnp.where(here[:, None], a, b), new, nxt)
 
 
-def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done):
+def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done, adapter=None):
     """Feed each of the first m rows its last token at its position -> (cache, `Next` of m rows).
+    adapter [rows]: every row's adapter slot (`RowState.adapter`; None: no adapters).
     The model gets the whole cache: m rows of queries write and read its first m rows (`LayerCache.update`,
     `attention.attend`), with no copy of those rows out of the cache and back."""
     active = ~done[:m]
@@ -93,6 +107,7 @@ def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done):
         jnp.where(active, pos[:m], -1)[:, None],
         active[:, None],
         jnp.zeros((m, 1), jnp.int32),
+        adapter=None if adapter is None else adapter[:m],
     )
     return cache, nxt
 
@@ -191,7 +206,7 @@ def _loop(cfg: DrawConfig, graphdef, weights, state: DecodeState, first: Drawn, 
 
     def body(c: _LoopCarry):
         rows = c.state.rows
-        cache, nxt = _decode(b, graphdef, weights, c.state.cache, rows.token, rows.pos, rows.done)
+        cache, nxt = _decode(b, graphdef, weights, c.state.cache, rows.token, rows.pos, rows.done, rows.adapter)
         rows, d = _draw(cfg, rows, None, nxt)
         return _LoopCarry(
             DecodeState(cache, rows),
@@ -220,7 +235,7 @@ def _verify(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: Ro
     ids = jnp.concatenate([sub.token[:, None], drafts], axis=1)  # [m, S]
     valid = active[:, None] & (cols[None, :] <= ndraft[:, None])
     positions = jnp.where(valid, sub.pos[:, None] + cols[None, :], -1)
-    model = graphdef.merge(weights)
+    model = _model(graphdef, weights, sub.adapter)
     h, cache = model(ids, positions, valid, cache=cache, return_hidden=True)  # writes rows 0..m-1 (`_decode`)
     raw = model.logits(h).astype(jnp.float32)  # [m, S, V]: column j predicts the token at position pos + j + 1
     v = raw.shape[-1]
@@ -322,12 +337,13 @@ def _draft(k: int, m: int, a_graphdef, a_weights, graphdef, weights, cache: KVCa
     return drafts.T
 
 
-def _score(n_top: int, chunk: int, graphdef, weights, ids, valid):
+def _score(n_top: int, chunk: int, graphdef, weights, ids, valid, adapter=None):
     """Teacher-forced scores of right-padded rows ids [B, T] (valid [B, T]): column t's logprob of
     token t + 1 (raw distribution, as `token_logprobs`) and the n_top most likely tokens there (their
     logprobs are the same numbers: one `log_softmax`). Logits `chunk` columns at a time, never the
-    whole [B, T, V]. Returns (logprob [B, T], top_logprob [B, T, n_top], top_token [B, T, n_top])."""
-    model = graphdef.merge(weights)
+    whole [B, T, V]. adapter [B]: the rows' adapter slots (None: no adapters). Returns (logprob [B, T],
+    top_logprob [B, T, n_top], top_token [B, T, n_top])."""
+    model = _model(graphdef, weights, adapter)
     h = model(ids, None, valid, return_hidden=True)
     b, t = ids.shape
     target = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), ids.dtype)], axis=1)

@@ -20,6 +20,7 @@ from gemma4_nnx.decode.sampling import SamplingParams
 __all__ = [
     "MAX_TOP_LOGPROBS",
     "SEED_MODULUS",
+    "AdapterRef",
     "Request",
     "check_int",
     "check_top_logprobs",
@@ -36,6 +37,17 @@ MAX_TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
+class AdapterRef:
+    """A loaded LoRA adapter a request decodes with (`decode.adapters.Adapters`): its name, its slot
+    in the engine's adapter bank (`decode.lora_bank`), and `uid`, unique per load: prefix-cache
+    entries are keyed by it, so a slot reused by another adapter never serves a stale prefix."""
+
+    name: str
+    slot: int
+    uid: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
     """A validated request for one batch row.
 
@@ -46,6 +58,7 @@ class Request:
     media: the prompt's images / audio; its placeholders were counted by `core.Decoder.encode`.
     top_logprobs: the most likely alternatives reported with each new token (0: none).
     grammar: an llguidance grammar the output must follow (`decode.constraints`; None: free).
+    adapter: the LoRA adapter its row decodes with (None: the base model).
     """
 
     prompt: tuple[int, ...]
@@ -59,6 +72,7 @@ class Request:
     grammar: str | None = None
     # the prompt's images / audio (`gemma4_nnx.model.multimodal.Media`), or None
     media: object | None = dataclasses.field(default=None, compare=False, repr=False)
+    adapter: AdapterRef | None = None
 
 
 def check_int(value, name: str, *, lo: int, optional: bool = False) -> int | None:
@@ -128,6 +142,7 @@ def make_request(
     top_logprobs: int = 0,
     grammar: str | None = None,
     media=None,
+    adapter: AdapterRef | None = None,
     **sampling,
 ) -> Request:
     """Validate one request; `max_tokens=None` means: as many as the context leaves.
@@ -192,5 +207,9 @@ def make_request(
                 f"got {type(media).__name__}",
                 "media",
             )
+    if adapter is not None and not isinstance(adapter, AdapterRef):
+        raise RequestError(
+            f"adapter must be an AdapterRef (Engine.adapter(name)) or None, got {type(adapter).__name__}", "adapter"
+        )
     stops = tuple(sorted(set(stops)))
-    return Request(ids, n, params, normalize_seed(seed), row, stops, strings, top, grammar, media)
+    return Request(ids, n, params, normalize_seed(seed), row, stops, strings, top, grammar, media, adapter)

@@ -41,6 +41,7 @@ class RowState:
     sampling: per-row sampling parameters.
     hidden [B, D]: the target's final-norm hidden state at pos - 1, the one `token` was drawn from
     (what an MTP assistant drafts from; [B, 0] when the decoder has no assistant).
+    adapter [B] int32: the row's slot in the adapter bank (`decode.lora_bank`; 0: no adapter).
     """
 
     token: Array
@@ -55,6 +56,7 @@ class RowState:
     bias: Array
     sampling: RowParams
     hidden: Array
+    adapter: Array
 
     @classmethod
     def build(
@@ -86,6 +88,7 @@ class RowState:
             bias=np.zeros((n, vocab_width), np.float32),
             sampling=sampling,
             hidden=np.zeros((n, hidden_width), np.float32),
+            adapter=np.zeros(n, np.int32),
         )
         j = 0
         for i, r in enumerate(requests):
@@ -98,6 +101,7 @@ class RowState:
             state.pos[i] = len(r.prompt) - 1  # the last prompt token's; the first draw advances it
             state.limit[i] = r.max_tokens
             state.done[i] = False
+            state.adapter[i] = 0 if r.adapter is None else r.adapter.slot
             state.stops[i, : len(r.stop_tokens)] = r.stop_tokens
             if r.params.uses_vocab_state and vocab_width != vocab_size:
                 raise ValueError("a row uses a penalty or logit_bias but the decoder keeps no vocabulary state")

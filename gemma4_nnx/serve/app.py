@@ -27,6 +27,10 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   tokens, token_strs}`; ids -> `{prompt}`), the ids the routes above would run; `GET
   /tokenizer_info` (special tokens, vocabulary size, --max-length: clients that tokenize through
   the server read it first).
+* LoRA adapters (`--lora-modules name=PATH`, `--max-loras`, `--max-lora-rank`, vLLM's flags): a
+  request's `model` names an adapter or the base model, rows of different adapters decode in one
+  batch (`decode.lora_bank`); `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (vLLM's
+  bodies); `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
 * `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
   503 while the last request the engine ran failed, or during the drain after SIGTERM); `GET
   /metrics` (Prometheus text format: latency histograms, tokens, responses by status, engine
@@ -79,11 +83,13 @@ from gemma4_nnx.serve.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
+    UnloadLoRAAdapterRequest,
 )
 from gemma4_nnx.serve.responses import DEFAULT_MAX_STORED_RESPONSES, Responses
 from gemma4_nnx.serve.responses_protocol import ResponseObject, ResponsesRequest
@@ -100,7 +106,7 @@ try:
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # pragma: no cover - the `serve` extra
     raise ImportError(
@@ -243,7 +249,22 @@ def create_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=model_name, created=state["created"], max_model_len=engine.max_length)])
+        card = dict(created=state["created"], max_model_len=engine.max_length)
+        adapters = [  # as vLLM lists them: root = the adapter's path, parent = the base model
+            ModelCard(id=name, root=engine.adapters.path(name), parent=model_name, **card)
+            for name in engine.adapter_names()
+        ]
+        return ModelList(data=[ModelCard(id=model_name, root=model_name, **card), *adapters])
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request):
+        report_unknown_fields(request.scope, body, strict_requests)
+        return await asyncio.to_thread(serving.load_adapter, body)  # reads the files off the event loop
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request):
+        report_unknown_fields(request.scope, body, strict_requests)
+        return serving.unload_adapter(body)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request):
@@ -329,6 +350,22 @@ def _length_or_all(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a prompt length or 'all', got {value!r}") from None
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """One --lora-modules entry, vLLM's two spellings: name=path, or {"name": ..., "path": ...}."""
+    if value.lstrip().startswith("{"):
+        try:
+            spec = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not valid JSON ({e})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise argparse.ArgumentTypeError(f'--lora-modules: {value!r} needs string fields "name" and "path"')
+        return spec["name"], spec["path"]
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not name=path (or a JSON object)")
+    return name, path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,6 +533,28 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1000); /health and /metrics are still answered, so a connection flood does not make the "
         "server look dead to its orchestrator (the limit is applied after the request line, not by uvicorn)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help='LoRA adapters to serve, as vLLM: name=path or a JSON object {"name": ..., "path": ...}; a '
+        "directory of save_adapters or of PEFT (adapter_config.json + adapter_model.safetensors). A request whose "
+        "model is the name decodes with that adapter, in the same batch as other adapters and the base model",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        help="adapter slots on the device (adapters served at once, also those loaded later through "
+        "POST /v1/load_lora_adapter; default: the number of --lora-modules)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the highest adapter rank served (default 16); lower ranks are zero-padded to it (exact)",
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
@@ -535,9 +594,19 @@ def make_engine(args: argparse.Namespace) -> Engine:
             speculative = json.loads(args.speculative_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
+    max_loras = len(args.lora_modules) if args.max_loras is None else args.max_loras
+    if max_loras < len(args.lora_modules):
+        raise ValueError(f"--max-loras {max_loras} is fewer than the {len(args.lora_modules)} --lora-modules")
+    if max_loras and mesh is not None:
+        raise ValueError(
+            "--lora-modules / --max-loras: LoRA adapters are not served with --tensor-parallel-size > 1; serve "
+            "them on one device, or merge an adapter into the weights (gemma4_nnx.train.finetune.merge_lora)"
+        )
+    if args.max_lora_rank < 1:
+        raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     model = load_any(args.checkpoint, args.dtype, mesh=mesh)
-    return Engine(
+    engine = Engine(
         model,
         tokenizer,
         max_batch=args.max_batch,
@@ -551,7 +620,16 @@ def make_engine(args: argparse.Namespace) -> Engine:
         prefix_cache_bytes=args.prefix_cache_mb << 20,
         kv_cache_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
         cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        max_loras=max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
+    try:
+        for name, path in args.lora_modules:  # a bad adapter stops the start-up, named
+            engine.load_adapter(name, path)
+    except ValueError as e:
+        engine.close()
+        raise ValueError(f"--lora-modules: {e}") from None
+    return engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -575,6 +653,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    if name in engine.adapter_names():
+        print(f"gemma4-serve: error: --lora-modules name {name!r} is the base model's name", file=sys.stderr)
+        engine.close()
+        return 2
     print(
         f"gemma4-serve: {name} on http://{args.host}:{args.port}/v1 (max_batch={engine.max_batch}, "
         f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /health turns 200 "

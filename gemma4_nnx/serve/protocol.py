@@ -60,6 +60,7 @@ __all__ = [
     "ErrorDetail",
     "ErrorResponse",
     "JsonSchemaFormat",
+    "LoadLoRAAdapterRequest",
     "MediaOptions",
     "MmProcessorKwargs",
     "ModelCard",
@@ -74,6 +75,7 @@ __all__ = [
     "ToolCallDelta",
     "ToolSpec",
     "TopLogprob",
+    "UnloadLoRAAdapterRequest",
     "Usage",
     "unknown_fields",
 ]
@@ -592,6 +594,8 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "gemma4_nnx"
+    root: str | None = Field(None, description="The base model's id, or a LoRA adapter's path (vLLM's field).")
+    parent: str | None = Field(None, description="A LoRA adapter's base model id (vLLM's field); null for the base.")
     max_model_len: int = Field(description="The server's --max-length (prompt + new tokens per request), as vLLM.")
 
 
@@ -654,6 +658,21 @@ class TokenizerInfo(_Response):
     vocab_size: int
     model_max_length: int = Field(description="The server's --max-length.")
     chat_template: str | None = None
+
+
+class LoadLoRAAdapterRequest(_Api):
+    """POST /v1/load_lora_adapter (vLLM's shape): load the adapter at `lora_path` (a directory of
+    `save_adapters` or PEFT's `save_pretrained`, on the server's file system) as model `lora_name`."""
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoRAAdapterRequest(_Api):
+    """POST /v1/unload_lora_adapter (vLLM's shape; vLLM's `lora_int_id` is accepted and ignored)."""
+
+    lora_name: StrictStr
+    lora_int_id: StrictInt | None = None
 
 
 class DetokenizeRequest(_Api):

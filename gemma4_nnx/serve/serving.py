@@ -20,7 +20,7 @@ from collections.abc import Callable
 from gemma4_nnx.chat_tools import ToolCallParser, parse_tool_calls
 from gemma4_nnx.decode.engine import Engine, EngineError, Event
 from gemma4_nnx.decode.errors import RequestError
-from gemma4_nnx.decode.requests import Request, normalize_seed
+from gemma4_nnx.decode.requests import AdapterRef, Request, normalize_seed
 from gemma4_nnx.decode.text import FinishReason
 from gemma4_nnx.serve.errors import ApiError
 from gemma4_nnx.serve.media import decode_audio, decode_image
@@ -42,12 +42,14 @@ from gemma4_nnx.serve.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     FunctionCall,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
+    UnloadLoRAAdapterRequest,
     Usage,
 )
 from gemma4_nnx.tokenizer import ThinkingSplitter, format_chat
@@ -65,6 +67,7 @@ ENGINE_PARAMS: dict[str, tuple[str | None, str | None]] = {
     "stop_tokens": ("ignore_eos", "ignore_eos"),
     "grammar": ("response_format", "response_format"),
     "media": ("messages", "prompt"),
+    "adapter": ("model", "model"),
 }
 
 
@@ -113,6 +116,13 @@ def _tool_names(body) -> list[str] | None:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _refused(e: RequestError, param: str | None) -> ApiError:
+    """The engine's refusal as the client's error: 404 for a model (LoRA adapter) it does not serve."""
+    if e.code == "model_not_found":
+        return ApiError(str(e), param, status=404, code=e.code, type_="not_found_error")
+    return ApiError(str(e), param, code=e.code)
 
 
 def shutting_down() -> ApiError:
@@ -416,15 +426,40 @@ class Serving:
         self.in_flight -= n
 
     # ------------------------------------------------------------------ requests
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> AdapterRef | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 naming "model" for
+        a name the server does not serve."""
+        if name == self.model_name:
+            return None
+        ref = self.engine.adapter(name) if isinstance(name, str) else None
+        if ref is None:
+            served = ", ".join(repr(n) for n in [self.model_name, *self.engine.adapter_names()])
             raise ApiError(
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {served}",
                 "model",
                 status=404,
                 code="model_not_found",
                 type_="not_found_error",
             )
+        return ref
+
+    def load_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+        """POST /v1/load_lora_adapter: vLLM's plain-text answer, or 400 / 404 naming the field."""
+        if body.lora_name == self.model_name:
+            raise ApiError(f"lora_name {body.lora_name!r} is the base model's name: choose another", "lora_name")
+        try:
+            self.engine.load_adapter(body.lora_name, body.lora_path)
+        except RequestError as e:
+            raise ApiError(str(e), e.param, code=e.code) from None
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    def unload_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
+        """POST /v1/unload_lora_adapter: requests using the adapter finish with it; 404 when not loaded."""
+        try:
+            self.engine.unload_adapter(body.lora_name)
+        except RequestError as e:
+            raise _refused(e, e.param) from None
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         return completion_prompts(self.tokenizer, body, self.max_prompts)
@@ -529,6 +564,7 @@ class Serving:
                 "n",
             )
         seed = normalize_seed(body.seed % (1 << 31)) if body.seed is not None else random.getrandbits(31)
+        adapter = self.check_model(getattr(body, "model", self.model_name))  # every route that generates
         if max_tokens == 0:  # echo only: nothing to generate (the prompts are checked when scored)
             return []
 
@@ -540,14 +576,13 @@ class Serving:
         try:
             media = media or [None] * len(prompts)
             return [
-                self.engine.validate(ids, limit(ids), seed=seed, row=j, media=m, **options)
+                self.engine.validate(ids, limit(ids), seed=seed, row=j, media=m, adapter=adapter, **options)
                 for ids, m in zip(prompts, media, strict=True)
                 for j in range(n)
             ]
         except RequestError as e:
             chat_field, text_field = ENGINE_PARAMS.get(e.param, (e.param, e.param))
-            param = (chat_field if chat else text_field) or field
-            raise ApiError(str(e), param, code=e.code) from None
+            raise _refused(e, (chat_field if chat else text_field) or field) from None
 
     # ------------------------------------------------------------------ responses
     def _piece(self, token: int) -> str:
@@ -594,7 +629,7 @@ class Serving:
         scored = None
         if body.logprobs is not None:
             try:
-                scored = self.engine.score(prompts, body.logprobs)
+                scored = self.engine.score(prompts, body.logprobs, self.check_model(body.model))
             except RequestError as e:
                 raise ApiError(str(e), "prompt" if e.param == "prompt" else "logprobs", code=e.code) from None
         out = []
@@ -686,10 +721,12 @@ class Serving:
                     continue
                 reqs.append(self.engine.submit(request, sink=sink_for(i)))
                 self.live.add(reqs[-1])
-        except EngineError as e:
+        except (EngineError, RequestError) as e:  # RequestError: its adapter was unloaded since validation
             self.live.difference_update(reqs)
             for r in reqs:
                 self.engine.cancel(r)
+            if isinstance(e, RequestError):
+                raise _refused(e, "model") from None
             raise ApiError(str(e), status=503, type_="server_error") from None
         if submitted is not None:
             submitted(reqs)
@@ -713,7 +750,7 @@ class Serving:
         ctx = dict(
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
             created=int(time.time()),
-            model=self.model_name,
+            model=body.model if self.engine.adapter(body.model) is not None else self.model_name,  # as vLLM
         )
         n_prompt = sum(len(p) for p in prompts) if prompts is not None else len(requests[0].prompt)  # once each
 

@@ -382,5 +382,32 @@ def load_adapters(model: nnx.Module, directory: str | os.PathLike, *, sharding=N
     return model
 
 
+def read_adapters(directory: str | os.PathLike) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """(lora.json's rank / alpha / paths, {module path: (lora_a [in, r], lora_b [r, out])}) of a
+    `save_adapters` directory, read without a model (float32, host); ValueError naming the problem.
+    The twin of `peft_io.read_peft_adapter` (serving loads adapters into a bank, `decode.lora_bank`)."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(os.fspath(directory))
+    meta_path = os.path.join(directory, _ADAPTER_META)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"{directory} holds no {_ADAPTER_META}: not written by save_adapters")
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(os.path.join(directory, "adapters"))
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for key, x in traverse_util.flatten_dict(restored).items():
+        pairs.setdefault(".".join(map(str, key[:-1])), {})[str(key[-1])] = np.asarray(x, np.float32)
+    out = {}
+    for path, ab in pairs.items():
+        if set(ab) != {"lora_a", "lora_b"}:
+            raise ValueError(f"adapters in {directory}: {path} holds {sorted(ab)}, not lora_a and lora_b")
+        out[path] = (ab["lora_a"], ab["lora_b"])
+    if sorted(out) != sorted(meta.get("paths", ())):
+        raise ValueError(f"adapters in {directory}: the arrays' modules differ from {_ADAPTER_META}'s paths")
+    return meta, out
+
+
 def adapter_paths(model: nnx.Module) -> Iterable[tuple]:
     return [tuple(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.LoRAParam)]
