@@ -277,6 +277,10 @@ def test_openai_client_selects_adapters_and_loads_unloads(world, tmp_path):
 
             assert chat("a1") == want["a1"] and chat("a1", stream=True) == want["a1"]
             assert chat("tiny") == want["tiny"]
+            answer = client.responses.create(  # the Responses API runs the adapter and names it
+                model="a1", input=messages, max_output_tokens=N, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert answer.model == "a1" and answer.output_text == want["a1"]
             chat_ids = encode_chat(tok, messages)  # `echo` scores the prompt with the adapter too
             echo = client.completions.create(model="a1", prompt=chat_ids, max_tokens=0, echo=True, logprobs=0)
             np.testing.assert_allclose(echo.choices[0].logprobs.token_logprobs[1:], ref["a1-echo"], atol=1e-4)

@@ -292,7 +292,7 @@ class Render:
             instructions=b.instructions,
             max_output_tokens=b.max_output_tokens,
             metadata=b.metadata or {},
-            model=self.responses.serving.model_name,
+            model=self.responses.serving.served_name(b.model),
             output=output,
             parallel_tool_calls=b.parallel_tool_calls,
             previous_response_id=b.previous_response_id,

@@ -443,6 +443,11 @@ class Serving:
             )
         return ref
 
+    def served_name(self, name: str | None) -> str:
+        """The `model` a response reports: the adapter's name when `name` is a loaded adapter, else the
+        base model's (as vLLM answers)."""
+        return name if isinstance(name, str) and self.engine.adapter(name) is not None else self.model_name
+
     def load_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         """POST /v1/load_lora_adapter: vLLM's plain-text answer, or 400 / 404 naming the field."""
         if body.lora_name == self.model_name:
@@ -750,7 +755,7 @@ class Serving:
         ctx = dict(
             id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
             created=int(time.time()),
-            model=body.model if self.engine.adapter(body.model) is not None else self.model_name,  # as vLLM
+            model=self.served_name(body.model),
         )
         n_prompt = sum(len(p) for p in prompts) if prompts is not None else len(requests[0].prompt)  # once each
 
