@@ -861,12 +861,14 @@ def read_video(
     config: VideoProcessorConfig = VideoProcessorConfig(),
     max_frames: int | None = None,
     max_seconds: float | None = None,
+    max_pixels: int | None = None,
 ) -> tuple[np.ndarray, float | None, np.ndarray]:
     """(sampled frames [T, H, W, 3] uint8, fps or None, their indices) of a video file (bytes or a path),
     decoded by PyAV (FFmpeg's decoders in its wheels; the `audio` extra): the frames are counted in a first
     pass, sampled as `config` says (`sample_frame_indices`) and only those converted to RGB in a second.
     fps is the stream's average rate. Raises ValueError for an unreadable file, one without a video
-    stream, or one with more than `max_frames` frames or `max_seconds` seconds (decoding stops there)."""
+    stream, one with more than `max_frames` frames or `max_seconds` seconds (decoding stops there), or
+    frames of more than `max_pixels` pixels."""
     try:
         import av
     except ImportError:
@@ -877,6 +879,10 @@ def read_video(
             if not container.streams.video:
                 _fail("video", "the file has no video stream", "send a video file (MP4, WebM, ...)")
             stream = container.streams.video[0]
+            if max_pixels is not None and stream.width * stream.height > max_pixels:
+                _fail(
+                    "video", f"{stream.width}x{stream.height} frames exceed {max_pixels} pixels", "send a smaller video"
+                )
             fps = float(stream.average_rate) if stream.average_rate else None
             total = 0
             for _ in container.decode(video=0):
@@ -1300,14 +1306,11 @@ class Processor:
         self._check_video()
         return preprocess_video(frames, fps, frame_indices=frame_indices, config=self.config.video)
 
-    def read_video(
-        self, source: bytes | str | os.PathLike, *, max_frames: int | None = None, max_seconds: float | None = None
-    ) -> VideoInputs:
-        """A video file (bytes or path) decoded by PyAV (`read_video`), sampled and preprocessed."""
+    def read_video(self, source: bytes | str | os.PathLike, **limits: Any) -> VideoInputs:
+        """A video file (bytes or path) decoded by PyAV (`read_video`; `limits`: its max_frames,
+        max_seconds, max_pixels), sampled and preprocessed."""
         self._check_video()
-        frames, fps, indices = read_video(
-            source, config=self.config.video, max_frames=max_frames, max_seconds=max_seconds
-        )
+        frames, fps, indices = read_video(source, config=self.config.video, **limits)
         return preprocess_video(frames, fps, frame_indices=indices, config=self.config.video)
 
     def _check_video(self) -> None:
