@@ -8,11 +8,10 @@ References:
   a uint8 tensor with bicubic interpolation is torch's own `interpolate(..., antialias=True)` on the uint8
   tensor (`resize_image`: uint8 is a native dtype for bicubic on CPU, no float cast), `normalize` is
   `sub(mean).div_(std)`, `grayscale_to_rgb` leaves RGB alone. Everything else is transformers' code.
-- transformers' `Gemma4ForConditionalGeneration` for the logits of a prompt with an image and a video
-  (its `pixel_values_videos` path, bidirectional attention within each frame).
-- `generate` for the server: the official `openai` client sends an MP4 (encoded here with PyAV) as a
-  `video_url` data URL; the frames the test decodes itself with PyAV, through `generate`, give the same
-  tokens and log-probabilities, streamed or not.
+
+The model's video path (logits against transformers' `pixel_values_videos`) is tested in
+tests/test_multimodal.py and the server's `video_url` (the official client against `generate`, bad
+videos) in tests/test_server_multimodal.py, on those files' tiny models (no second model to build).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import numpy as np
 import pytest
 
 from gemma4_nnx import processor as P
-from tests import hf_fixtures as fx
 
 reference = pytest.mark.reference
 
@@ -225,42 +223,25 @@ def _pad(x: np.ndarray, rows: int, fill=0) -> np.ndarray:
 # ----------------------------------------------------------------------------- the model
 
 
-@reference
-def test_image_and_video_logits_match_transformers(tmp_path):
-    """A prompt with an image, then a two-frame video, on a tiny model with bidirectional vision
-    attention: transformers gets `pixel_values` and `pixel_values_videos` (+ `num_frames_per_video`,
-    `mm_token_type_ids`), we get one pixel stream (the image's rows, then the frames') and the same ids."""
-    import torch
+# ----------------------------------------------------------------------------- torch-free
 
-    from gemma4_nnx import from_hf
-    from tests.test_multimodal import MM_TOL
 
-    hf = fx.build_hf_multimodal("plain", audio=False, bidirectional="vision", seed=5)
-    cfg = dict(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)  # the tiny tower's geometry
-    image = P.preprocess_image(_frames(1, 18, 14, 30)[0], **cfg)
-    video = P.preprocess_video(_frames(2, 12, 20, 31), 2.0, config=P.VideoProcessorConfig(num_frames=None, **cfg))
-    t = fx.MM_TOKENS
-    ids = [2, 5, 6, t["boi_token_id"], *[t["image_token_id"]] * image.num_soft_tokens, t["eoi_token_id"], 7]
-    for _ in video.timestamps:  # a frame: "mm:ss" text (arbitrary ids here), then its delimited placeholders
-        ids += [8, 9, t["boi_token_id"], *[t["video_token_id"]] * video.num_soft_tokens, t["eoi_token_id"]]
-    ids = np.asarray([[*ids, 10, 11]])
-    types_ = np.where(ids == t["image_token_id"], 1, np.where(ids == t["video_token_id"], 2, 0))
-    with torch.no_grad():
-        ref = hf(
-            input_ids=torch.tensor(ids),
-            pixel_values=torch.tensor(image.pixel_values[None]),
-            image_position_ids=torch.tensor(image.position_ids[None]),
-            pixel_values_videos=torch.tensor(video.pixel_values),
-            video_position_ids=torch.tensor(video.position_ids),
-            num_frames_per_video=torch.tensor([2]),
-            mm_token_type_ids=torch.tensor(types_),
-        ).logits.numpy()
-    fx.save_hf_checkpoint(hf, str(tmp_path))
-    model = from_hf(str(tmp_path))
-    pix, pos = P.batch_images([image, video])
-    ours = np.asarray(model(ids, pixel_values=pix, image_position_ids=pos))
-    err = float(np.abs(ours - ref).max())
-    assert err < MM_TOL, f"max |logit error| {err:.2e}"
-    # the frames matter, and in their order: swapped frames give other logits
-    swapped = np.asarray(model(ids, pixel_values=pix[[0, 2, 1]], image_position_ids=pos[[0, 2, 1]]))
-    assert float(np.abs(swapped - ref).max()) > 1e-3
+def test_sampling_and_errors_name_the_argument():
+    assert P.sample_frame_indices(40).tolist() == [i * 40 // 32 for i in range(32)]
+    assert P.sample_frame_indices(5).tolist() == [0, 1, 2, 3, 4]  # fewer than num_frames: all (transformers raises)
+    assert P.sample_frame_indices(30, num_frames=None, fps=2, video_fps=15.0).tolist() == [0, 7, 15, 22]
+    assert P.video_timestamp(0.0) == "00:00" and P.video_timestamp(61.9) == "01:01"
+    for bad, needle in (
+        (np.zeros((2, 8, 8, 3), np.float32), "uint8 RGB frames"),
+        (np.zeros((8, 8, 3), np.uint8), "uint8 RGB frames"),
+        ([], "no frames"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            P.preprocess_video(bad, 10.0)
+    with pytest.raises(ValueError, match="frame_indices"):
+        P.preprocess_video(np.zeros((2, 8, 8, 3), np.uint8), 10.0, frame_indices=[0])
+    with pytest.raises(ValueError, match=r"VideoProcessorConfig\.max_soft_tokens"):
+        P.VideoProcessorConfig(max_soft_tokens=100)
+    unified = P.Processor(P.ProcessorConfig(kind="unified"))
+    with pytest.raises(ValueError, match="not supported yet"):
+        unified.preprocess_video(np.zeros((2, 8, 8, 3), np.uint8))
