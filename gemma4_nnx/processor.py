@@ -371,7 +371,8 @@ class ProcessorConfig:
         audio = processor.get("feature_extractor")
         if audio is None and ("feature_size" in legacy or "feature_extractor_type" in legacy):
             audio = legacy
-        video = processor.get("video_processor") or {}
+        # a saved video processor writes its unset fields as null: those take our defaults (sampling's are meant)
+        video = {k: v for k, v in (processor.get("video_processor") or {}).items() if v is not None or k in _SAMPLING}
         kwargs: dict[str, Any] = {k: processor[k] for k in _PROCESSOR_KEYS if k in processor}
         model = files["config.json"] or {}
         type_names = [processor.get("processor_class")] + [
@@ -404,6 +405,7 @@ class ProcessorConfig:
 
 _HF_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json", "config.json")
 _PROCESSOR_KEYS = ("image_seq_length", "audio_seq_length", "audio_ms_per_token")
+_SAMPLING = ("num_frames", "fps")
 
 
 def _read_json(path: str) -> dict | None:

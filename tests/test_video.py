@@ -214,6 +214,23 @@ def test_video_prompt_equals_gemma4_processor(hf_video):
     assert np.array_equal(media.image_position_ids, positions)
 
 
+@reference
+def test_from_hf_reads_the_video_processor(hf_video, tmp_path):
+    """A processor saved by transformers with a Gemma 4 video processor of its own settings: `from_hf`
+    reads them, and the frames are preprocessed as that processor does."""
+    from tests.test_processor import _hf_processor
+
+    proc, _ = _hf_processor()
+    proc.video_processor = hf_video.Gemma4VideoProcessor(num_frames=4, max_soft_tokens=140)
+    proc.save_pretrained(str(tmp_path))
+    ours = P.Processor.from_hf(tmp_path)
+    assert ours.config.video == P.VideoProcessorConfig(num_frames=4, max_soft_tokens=140)
+    frames = _frames(9, 30, 50, 40)
+    out, timestamps = _hf_frames(hf_video, frames, 3.0, {"num_frames": 4, "max_soft_tokens": 140})
+    got = ours.preprocess_video(frames, 3.0)
+    assert np.array_equal(got.pixel_values, out["pixel_values_videos"]) and list(got.timestamps) == timestamps
+
+
 def _pad(x: np.ndarray, rows: int, fill=0) -> np.ndarray:
     out = np.full((x.shape[0], rows, *x.shape[2:]), fill, x.dtype)
     out[:, : x.shape[1]] = x
