@@ -1,4 +1,5 @@
-"""Gemma 4 preprocessing without torch: images -> patches, audio -> log-mel frames, prompts -> placeholders.
+"""Gemma 4 preprocessing without torch: images -> patches, audio -> log-mel frames, videos -> timestamped
+frames, prompts -> placeholders.
 
 A numpy + Pillow port of transformers 5.24's `Gemma4ImageProcessorPil` (the PIL backend),
 `Gemma4AudioFeatureExtractor` and the placeholder expansion of `Gemma4Processor`. Outputs equal
@@ -46,7 +47,17 @@ finite, at the feature extractor's sampling rate (transformers does not resample
 a clip too short for one feature frame is refused rather than expanded to zero soft tokens;
 `dither` must be 0 (transformers' dither draws from numpy's global RNG). Waveforms are cast to
 float32 first (transformers casts float64 to float32 too; a float16 input differs only if
-`input_scale_factor` or `preemphasis` is set). Videos are not handled.
+`input_scale_factor` or `preemphasis` is set).
+
+Videos (`preprocess_video`, `read_video`), after transformers 5.24's `Gemma4VideoProcessor` and
+`Gemma4Processor.replace_video_token`: `num_frames` (32) frames sampled uniformly (`i * total //
+num_frames`; or `fps` frames per second of video) -> each frame resized like an image to at most
+`max_soft_tokens` (70) soft tokens, with torch's uint8 antialiased bicubic (what torchvision's resize
+runs on CPU; ported in `resize_frames`) -> `x / 255` in float32 (transformers' fused rescale and
+normalize) -> patches as an image. Each `<|video|>` becomes, per frame, "mm:ss" (the frame's index /
+fps, truncated; fps unknown: 24) + " " + `<|image>` + `<|video|>` * n + `<image|>`, frames joined by a
+space. Differences: frames must be uint8 RGB [T, H, W, 3]; a video with fewer frames than `num_frames`
+gives all its frames (transformers raises). Gemma 4 unified's video path is not ported.
 
 Gemma 4 unified (the 12B, `gemma4_unified`; `ProcessorConfig(kind="unified")`, which `from_hf` picks for a
 checkpoint saved by `Gemma4UnifiedProcessor`), after transformers 5.24's `Gemma4UnifiedImageProcessor`,
