@@ -162,6 +162,22 @@ def test_bidirectional_vision_attention_matches_transformers(tmp_path, inputs):
     err = _max_err(ours, ref, x["mask"])
     assert err < MM_TOL, f"max |logit error| {err:.2e}"
     assert _max_err(causal, ref, x["mask"]) > 1e-3, "the test prompt must exercise the bidirectional mask"
+    # video frames are vision blocks too (mm_token_type_ids 2): the same rows with their image placeholders
+    # made video placeholders, given to transformers as two videos (two frames, then one); same shapes as above
+    vid = np.where(x["ids"] == fx.MM_TOKENS["image_token_id"], fx.MM_TOKENS["video_token_id"], x["ids"])
+    with torch.no_grad():
+        ref = hf(
+            input_ids=torch.tensor(vid),
+            attention_mask=torch.tensor(x["mask"]),
+            pixel_values_videos=torch.tensor(x["pix"]),
+            video_position_ids=torch.tensor(x["pos"]),
+            num_frames_per_video=torch.tensor([2, 1]),
+            mm_token_type_ids=torch.tensor(np.where(np.isin(vid, list(vision_ids)), 2, 0)),
+        ).logits.numpy()
+    ours = np.asarray(model(vid, attention_mask=x["mask"], pixel_values=x["pix"], image_position_ids=x["pos"]))
+    err = _max_err(ours, ref, x["mask"])
+    assert err < MM_TOL, f"video frames: max |logit error| {err:.2e}"
+    assert _max_err(causal, ref, x["mask"]) > 1e-3, "the frames must attend both ways too"
 
 
 def test_video_frames_logits_match_transformers(checkpoint, loaded, inputs):
