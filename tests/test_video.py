@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import io
 import sys
 import types
 import warnings
@@ -262,3 +263,37 @@ def test_sampling_and_errors_name_the_argument():
     unified = P.Processor(P.ProcessorConfig(kind="unified"))
     with pytest.raises(ValueError, match="not supported yet"):
         unified.preprocess_video(np.zeros((2, 8, 8, 3), np.uint8))
+
+
+def test_read_video_decodes_only_the_sampled_frames_of_a_file(tmp_path):
+    """`read_video` (count, then convert the sampled frames) equals sampling every decoded frame in
+    memory; `Processor.prepare` takes the file's path or bytes; bounds and garbage are ValueErrors."""
+    av = pytest.importorskip("av")
+    frames = _frames(10, 16, 24, 50)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=5)
+        stream.width, stream.height, stream.pix_fmt = 24, 16, "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    mp4 = buf.getvalue()
+    with av.open(io.BytesIO(mp4)) as container:
+        decoded = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    proc = P.Processor(P.ProcessorConfig(video=P.VideoProcessorConfig(num_frames=4)))
+    want = proc.preprocess_video(decoded, 5.0)  # frames 0, 2, 5, 7 of 10 at 5 fps
+    assert want.timestamps == (0.0, 0.4, 1.0, 1.4)
+    (tmp_path / "a.mp4").write_bytes(mp4)
+    for source in (mp4, tmp_path / "a.mp4"):
+        got = proc.read_video(source)
+        assert np.array_equal(got.pixel_values, want.pixel_values) and got.timestamps == want.timestamps
+    text, media = proc.prepare("what<|video|>", videos=[tmp_path / "a.mp4"])
+    assert text == proc.expand_prompt("what<|video|>", videos=[want]) and text.count("<|image>") == 4
+    assert np.array_equal(media.pixel_values, want.pixel_values)
+    for kwargs, needle in (({"max_frames": 9}, "more than 9 frames"), ({"max_seconds": 1.5}, "more than 1.5 s")):
+        with pytest.raises(ValueError, match=needle):
+            proc.read_video(mp4, **kwargs)
+    with pytest.raises(ValueError, match="not a readable video"):
+        proc.read_video(b"garbage" * 20)
