@@ -894,16 +894,20 @@ def read_video(
             stream = container.streams.video[0]
             if max_pixels is not None and stream.width * stream.height > max_pixels:
                 _fail(
-                    "video", f"{stream.width}x{stream.height} frames exceed {max_pixels} pixels", "send a smaller video"
+                    "video",
+                    f"{stream.width}x{stream.height} frames exceed {max_pixels} pixels (max_pixels)",
+                    "send a smaller video",
                 )
             fps = float(stream.average_rate) if stream.average_rate else None
             total = 0
             for _ in container.decode(video=0):
                 total += 1
                 if max_frames is not None and total > max_frames:
-                    _fail("video", f"holds more than {max_frames} frames", "send a shorter or sparser video")
+                    _fail(
+                        "video", f"holds more than {max_frames} frames (max_frames)", "send a shorter or sparser video"
+                    )
                 if max_seconds is not None and total / (fps or 24) > max_seconds:
-                    _fail("video", f"lasts more than {max_seconds:g} s", "send a shorter video")
+                    _fail("video", f"lasts more than {max_seconds:g} s (max_seconds)", "send a shorter video")
         if total == 0:
             _fail("video", "has no decodable frames", "send a video file with frames")
         indices = np.arange(total)

@@ -372,8 +372,14 @@ BAD_VIDEOS = {
     "not a video": (lambda: _video_part(b"not a video at all" * 10), "not a readable video"),
     "audio only": (lambda: _video_part(_wav_bytes()), "no video stream"),
     "too many bytes": (lambda: _video_part(b"\0" * 100_001), "--max-video-bytes"),
-    "too many frames": (lambda: _video_part(_mp4(_smooth(13, 16, 16, 2), fps=25)), "more than 12 frames"),
-    "too long": (lambda: _video_part(_mp4(_smooth(7, 16, 16, 3), fps=2)), "lasts more than 3 s"),
+    "too many frames": (
+        lambda: _video_part(_mp4(_smooth(13, 16, 16, 2), fps=25)),
+        "more than 12 frames (max_frames). Fix: send a shorter or sparser video. (--max-video-frames 12",
+    ),
+    "too long": (
+        lambda: _video_part(_mp4(_smooth(7, 16, 16, 3), fps=2)),
+        "lasts more than 3 s (max_seconds). Fix: send a shorter video. (--max-video-frames 12, --max-video-seconds 3)",
+    ),
 }
 
 

@@ -203,8 +203,7 @@ def decode_video(url: str, where: str, processor, limits: VideoLimits = DEFAULT_
             "messages",
         ) from None
     except ValueError as e:
-        raise ApiError(
-            f"'{where}': {e} (this server's limits: --max-video-frames {limits.max_frames}, "
-            f"--max-video-seconds {limits.max_seconds:g})",
-            "messages",
-        ) from None
+        hint = ""
+        if "(max_frames)" in str(e) or "(max_seconds)" in str(e):
+            hint = f" (--max-video-frames {limits.max_frames}, --max-video-seconds {limits.max_seconds:g})"
+        raise ApiError(f"'{where}': {e}{hint}", "messages") from None
