@@ -395,3 +395,21 @@ def test_bad_video_is_a_400_naming_messages(served, case):
     body = e.value.body
     assert body["param"] == "messages" and "messages.0.content.0" in body["message"], body
     assert needle in body["message"], body
+
+
+def test_video_frames_take_the_request_budget(served):
+    """`mm_processor_kwargs.max_soft_tokens` applies to video frames too (transformers hands the flat kwarg
+    to its video processor): /tokenize gives the ids of the frames preprocessed at that budget."""
+    _, tok, processor, port, _ = served
+    mp4 = _mp4(_smooth(8, 32, 48, seed=2), fps=4)
+    frames, fps = _decoded(mp4)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "describe"}, _video_part(mp4)]}]
+    for budget in (None, 140):
+        proc = processor if budget is None else processor.with_max_soft_tokens(budget)
+        video = proc.preprocess_video(frames, fps)
+        text = proc.expand_prompt(format_chat([{"role": "user", "content": "describe<|video|>"}]), videos=[video])
+        extra = {} if budget is None else {"mm_processor_kwargs": {"max_soft_tokens": budget}}
+        assert _tokenize(port, {"model": NAME, "messages": messages, **extra})["tokens"] == tok.encode(
+            text, add_bos=True
+        )
+        assert video.num_soft_tokens == (60 if budget is None else 126)  # 48x80 px frames at 70; 72x112 px at 140
