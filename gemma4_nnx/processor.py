@@ -1,4 +1,5 @@
-"""Gemma 4 preprocessing without torch: images -> patches, audio -> log-mel frames, prompts -> placeholders.
+"""Gemma 4 preprocessing without torch: images -> patches, audio -> log-mel frames, videos -> timestamped
+frames, prompts -> placeholders.
 
 A numpy + Pillow port of transformers 5.24's `Gemma4ImageProcessorPil` (the PIL backend),
 `Gemma4AudioFeatureExtractor` and the placeholder expansion of `Gemma4Processor`. Outputs equal
@@ -46,7 +47,17 @@ finite, at the feature extractor's sampling rate (transformers does not resample
 a clip too short for one feature frame is refused rather than expanded to zero soft tokens;
 `dither` must be 0 (transformers' dither draws from numpy's global RNG). Waveforms are cast to
 float32 first (transformers casts float64 to float32 too; a float16 input differs only if
-`input_scale_factor` or `preemphasis` is set). Videos are not handled.
+`input_scale_factor` or `preemphasis` is set).
+
+Videos (`preprocess_video`, `read_video`), after transformers 5.24's `Gemma4VideoProcessor` and
+`Gemma4Processor.replace_video_token`: `num_frames` (32) frames sampled uniformly (`i * total //
+num_frames`; or `fps` frames per second of video) -> each frame resized like an image to at most
+`max_soft_tokens` (70) soft tokens, with torch's uint8 antialiased bicubic (what torchvision's resize
+runs on CPU; ported in `resize_frames`) -> `x / 255` in float32 (transformers' fused rescale and
+normalize) -> patches as an image. Each `<|video|>` becomes, per frame, "mm:ss" (the frame's index /
+fps, truncated; fps unknown: 24) + " " + `<|image>` + `<|video|>` * n + `<image|>`, frames joined by a
+space. Differences: frames must be uint8 RGB [T, H, W, 3]; a video with fewer frames than `num_frames`
+gives all its frames (transformers raises). Gemma 4 unified's video path is not ported.
 
 Gemma 4 unified (the 12B, `gemma4_unified`; `ProcessorConfig(kind="unified")`, which `from_hf` picks for a
 checkpoint saved by `Gemma4UnifiedProcessor`), after transformers 5.24's `Gemma4UnifiedImageProcessor`,
@@ -243,6 +254,55 @@ class UnifiedAudioFeatureConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VideoProcessorConfig:
+    """`Gemma4VideoProcessor` settings (names and defaults as in transformers 5.24): frames sampled
+    uniformly (`num_frames`, or `fps` frames per second of video), each resized like an image to at most
+    `max_soft_tokens` soft tokens (70 by default, a quarter of an image's 280)."""
+
+    patch_size: int = 16
+    max_soft_tokens: int = 70
+    pooling_kernel_size: int = 3
+    num_frames: int | None = 32
+    fps: float | None = None
+    do_sample_frames: bool = True
+    do_resize: bool = True
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    image_std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+
+    def __post_init__(self):
+        w = "VideoProcessorConfig"
+        _positive_int(f"{w}.patch_size", self.patch_size)
+        _positive_int(f"{w}.pooling_kernel_size", self.pooling_kernel_size)
+        if self.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
+            _fail(
+                f"{w}.max_soft_tokens",
+                f"must be one of {SUPPORTED_SOFT_TOKENS}, got {self.max_soft_tokens!r}",
+                "pick one of the supported soft-token budgets (70 is the video default)",
+            )
+        if self.num_frames is not None:
+            _positive_int(f"{w}.num_frames", self.num_frames)
+        if self.fps is not None and (isinstance(self.fps, bool) or not self.fps > 0):
+            _fail(f"{w}.fps", f"must be a positive number, got {self.fps!r}", "pass e.g. fps=1.0, or None")
+        if self.fps is not None and self.num_frames is not None:
+            _fail(f"{w}.fps", "num_frames and fps are mutually exclusive (transformers)", "set num_frames=None")
+        for name in ("image_mean", "image_std"):
+            value = tuple(float(v) for v in np.atleast_1d(np.asarray(getattr(self, name), dtype=np.float64)))
+            value = value * 3 if len(value) == 1 else value
+            if len(value) != 3:
+                _fail(f"{w}.{name}", f"needs 3 values (R, G, B), got {len(value)}", f"pass {name}=(r, g, b)")
+            object.__setattr__(self, name, value)
+        if self.do_normalize and 0.0 in self.image_std:
+            _fail(f"{w}.image_std", f"contains 0 ({self.image_std})", "pass non-zero standard deviations")
+
+    @property
+    def max_patches(self) -> int:
+        return self.max_soft_tokens * self.pooling_kernel_size**2
+
+
+@dataclasses.dataclass(frozen=True)
 class MultimodalTokens:
     """Placeholder strings (the Gemma 4 tokenizer's `image_token`, `boi_token`, ...) and the ids that
     `mm_token_type_ids` marks (`Gemma4Config.image_token_id`, `video_token_id`, `audio_token_id`)."""
@@ -253,6 +313,7 @@ class MultimodalTokens:
     audio_token: str = "<|audio|>"
     boa_token: str = "<|audio>"
     eoa_token: str = "<audio|>"
+    video_token: str = "<|video|>"
     image_token_id: int = 258_880
     video_token_id: int = 258_884
     audio_token_id: int = 258_881
@@ -272,6 +333,7 @@ class ProcessorConfig:
     image: ImageProcessorConfig = ImageProcessorConfig()
     audio: AudioFeatureConfig | UnifiedAudioFeatureConfig | None = None
     tokens: MultimodalTokens = MultimodalTokens()
+    video: VideoProcessorConfig = VideoProcessorConfig()
     image_seq_length: int = 280
     audio_seq_length: int = 750
     audio_ms_per_token: int = 40
@@ -292,8 +354,8 @@ class ProcessorConfig:
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> ProcessorConfig:
-        """Read an HF checkpoint directory: `processor_config.json` (sections `image_processor` and
-        `feature_extractor`, plus the processor's own keys), falling back to a flat
+        """Read an HF checkpoint directory: `processor_config.json` (sections `image_processor`,
+        `feature_extractor` and `video_processor`, plus the processor's own keys), falling back to a flat
         `preprocessor_config.json` for a missing section; placeholder strings from
         `tokenizer_config.json` and placeholder ids from `config.json` when present. Unknown keys are
         ignored; missing ones take transformers' defaults.
@@ -320,6 +382,8 @@ class ProcessorConfig:
         audio = processor.get("feature_extractor")
         if audio is None and ("feature_size" in legacy or "feature_extractor_type" in legacy):
             audio = legacy
+        # a saved video processor writes its unset fields as null: those take our defaults (sampling's are meant)
+        video = {k: v for k, v in (processor.get("video_processor") or {}).items() if v is not None or k in _SAMPLING}
         kwargs: dict[str, Any] = {k: processor[k] for k in _PROCESSOR_KEYS if k in processor}
         model = files["config.json"] or {}
         type_names = [processor.get("processor_class")] + [
@@ -342,6 +406,7 @@ class ProcessorConfig:
                 image=_from_dict(ImageProcessorConfig, image or {}),
                 audio=_from_dict(audio_type, audio or {}),
                 tokens=MultimodalTokens(**token_kwargs),
+                video=_from_dict(VideoProcessorConfig, video),
                 kind="unified" if unified else "gemma4",
                 **kwargs,
             )
@@ -351,6 +416,7 @@ class ProcessorConfig:
 
 _HF_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json", "config.json")
 _PROCESSOR_KEYS = ("image_seq_length", "audio_seq_length", "audio_ms_per_token")
+_SAMPLING = ("num_frames", "fps")
 
 
 def _read_json(path: str) -> dict | None:
@@ -548,16 +614,24 @@ def _preprocess_image(image, cfg: ImageProcessorConfig) -> ImageInputs:
         mean = np.array(cfg.image_mean, dtype=pixels.dtype)
         std = np.array(cfg.image_std, dtype=pixels.dtype)
         pixels = ((pixels.T - mean) / std).T
-    c, h, w = pixels.shape
+    pixel_values, position_ids, n = _patchify(pixels[None], p, cfg.max_patches)
+    return ImageInputs(pixel_values[0], position_ids[0], n // k**2)
+
+
+def _patchify(pixels: np.ndarray, p: int, max_patches: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Frames [T, C, H, W] -> (patches [T, max_patches, C*p*p] float32 in (row, column, channel) order,
+    raster order over the grid, zero rows after; positions [T, max_patches, 2] int32 (column, row),
+    (-1, -1) after; n real patches per frame)."""
+    t, c, h, w = pixels.shape
     ph, pw = h // p, w // p
-    patches = pixels.reshape(c, ph, p, pw, p).transpose(1, 3, 2, 4, 0).reshape(ph * pw, -1)
-    n = patches.shape[0]
-    pixel_values = np.zeros((cfg.max_patches, patches.shape[1]), np.float32)
-    pixel_values[:n] = patches
-    position_ids = np.full((cfg.max_patches, 2), -1, np.int32)
+    patches = pixels.reshape(t, c, ph, p, pw, p).transpose(0, 2, 4, 3, 5, 1).reshape(t, ph * pw, -1)
+    n = patches.shape[1]
+    pixel_values = np.zeros((t, max_patches, patches.shape[2]), np.float32)
+    pixel_values[:, :n] = patches
+    position_ids = np.full((t, max_patches, 2), -1, np.int32)
     grid_x, grid_y = np.meshgrid(np.arange(pw), np.arange(ph), indexing="xy")
-    position_ids[:n] = np.stack([grid_x, grid_y], axis=-1).reshape(n, 2)
-    return ImageInputs(pixel_values, position_ids, n // k**2)
+    position_ids[:, :n] = np.stack([grid_x, grid_y], axis=-1).reshape(n, 2)
+    return pixel_values, position_ids, n
 
 
 def preprocess_image_unified(image: PIL.Image.Image | np.ndarray, **settings: Any) -> ImageInputs:
@@ -579,20 +653,32 @@ def _preprocess_image_unified(image, cfg: ImageProcessorConfig) -> ImageInputs:
     return _preprocess_image(image, dataclasses.replace(cfg, patch_size=cfg.patch_size * k, pooling_kernel_size=1))
 
 
-def batch_images(images: Sequence[ImageInputs]) -> tuple[np.ndarray, np.ndarray]:
+def batch_images(images: Sequence[ImageInputs | VideoInputs]) -> tuple[np.ndarray, np.ndarray]:
     """(pixel_values [N, P, 3pp] float32, position_ids [N, P, 2] int32), as the processor stacks them.
 
-    Images preprocessed with different budgets are padded to the largest P (zero rows, (-1, -1)).
+    A video (`VideoInputs`) contributes its frames, one row each, where it stands: pass images and
+    videos in the order of their placeholders in the prompt (the model fills image and video
+    placeholders from one stream, in order). Items preprocessed with different budgets (a video
+    frame's 70 soft tokens, an image's 280) are padded to the largest P (zero rows, (-1, -1)).
     """
     images = list(images)
-    if not images or not all(isinstance(im, ImageInputs) for im in images):
-        _fail("batch_images: images", "must be a non-empty list of ImageInputs", "pass preprocess_image outputs")
-    dims = {im.pixel_values.shape[1] for im in images}
+    if not images or not all(isinstance(im, ImageInputs | VideoInputs) for im in images):
+        _fail(
+            "batch_images: images",
+            "must be a non-empty list of ImageInputs / VideoInputs",
+            "pass preprocess_image / preprocess_video outputs",
+        )
+    dims = {im.pixel_values.shape[-1] for im in images}
     if len(dims) > 1:
         _fail("batch_images: images", f"patch widths differ ({sorted(dims)})", "use one patch_size for the batch")
-    return _pad_stack([im.pixel_values for im in images], 0, np.float32), _pad_stack(
-        [im.position_ids for im in images], -1, np.int32
-    )
+    rows = []
+    for im in images:
+        rows += (
+            [(im.pixel_values, im.position_ids)]
+            if isinstance(im, ImageInputs)
+            else zip(im.pixel_values, im.position_ids)
+        )
+    return _pad_stack([r[0] for r in rows], 0, np.float32), _pad_stack([r[1] for r in rows], -1, np.int32)
 
 
 def _pad_stack(arrays: Sequence[np.ndarray], fill, dtype) -> np.ndarray:
@@ -601,6 +687,248 @@ def _pad_stack(arrays: Sequence[np.ndarray], fill, dtype) -> np.ndarray:
     for i, a in enumerate(arrays):
         out[i, : len(a)] = a
     return out
+
+
+# ----------------------------------------------------------------------------- videos
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VideoInputs:
+    """One preprocessed video: its sampled frames, each preprocessed like an image.
+
+    pixel_values [T, max_patches, 3*p*p] float32 and position_ids [T, max_patches, 2] int32: one row
+    per frame, as `ImageInputs`; num_soft_tokens: soft tokens *per frame*; timestamps: each frame's
+    time in seconds (its index in the source video / fps), written as "mm:ss" before the frame.
+    """
+
+    pixel_values: np.ndarray
+    position_ids: np.ndarray
+    num_soft_tokens: int
+    timestamps: tuple[float, ...]
+
+
+def sample_frame_indices(
+    total_frames: int, *, num_frames: int | None = 32, fps: float | None = None, video_fps: float | None = None
+) -> np.ndarray:
+    """Indices of the frames a video of `total_frames` frames is sampled to (transformers'
+    `default_sample_indices_fn`): `num_frames` uniformly (`i * total // num_frames`), or with
+    `num_frames=None` and `fps`, `max(1, int(total / video_fps * fps))` frames. One difference: a video
+    with fewer frames than asked gives all its frames (transformers raises)."""
+    _positive_int("sample_frame_indices: total_frames", total_frames)
+    if num_frames is None and fps is not None:
+        if not video_fps:
+            _fail("sample_frame_indices: video_fps", "is unknown, so fps sampling is impossible", "pass num_frames")
+        num_frames = max(1, int(total_frames / video_fps * fps))
+    if num_frames is None or num_frames >= total_frames:
+        return np.arange(total_frames)
+    return np.arange(num_frames) * total_frames // num_frames
+
+
+def video_timestamp(seconds: float) -> str:
+    """ "mm:ss" as `Gemma4Processor.replace_video_token` writes a frame's time (seconds truncated)."""
+    return f"{int(seconds // 60):02d}:{int(seconds % 60):02d}"
+
+
+def _keys_cubic(x: float) -> float:
+    """The bicubic kernel with a = -0.5 (Keys; PIL's and torch's antialiased one), torch's operation order."""
+    a, x = -0.5, abs(x)
+    if x < 1.0:
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+    if x < 2.0:
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return 0.0
+
+
+@functools.lru_cache(maxsize=32)
+def _aa_bicubic_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(first source index [out], integer weights [out, K], precision bits) of torch's uint8 antialiased
+    bicubic resize along one axis (ATen `_compute_index_ranges_int16_weights`): PIL's support and
+    bounds, float64 weights normalised to sum 1, then scaled by 2**precision (the most bits that keep
+    the largest weight below 2**15) and rounded half away from zero."""
+    scale = in_size / out_size
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    k = math.ceil(support) * 2 + 1
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    first = np.zeros(out_size, np.int64)
+    weights = np.zeros((out_size, k))
+    wt_max = 0.0
+    for i in range(out_size):
+        center = scale * (i + 0.5)
+        xmin = max(int(center - support + 0.5), 0)
+        xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), k)
+        w = [_keys_cubic((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
+        total = 0.0
+        for v in w:  # summed in order, as ATen does (numpy's pairwise sum may round differently)
+            total += v
+        if total != 0.0:
+            w = [v / total for v in w]
+            wt_max = max(wt_max, *w)
+        first[i], weights[i, :xsize] = xmin, w
+    precision = 0
+    while precision < 22 and int(0.5 + wt_max * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = weights * (1 << precision)
+    return first, np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5)).astype(np.int64), precision
+
+
+def _resample_axis(x: np.ndarray, axis: int, out_size: int) -> np.ndarray:
+    """uint8 x resized along `axis` with integer arithmetic: (sum + 2**(precision-1)) >> precision, clipped."""
+    in_size = x.shape[axis]
+    first, weights, precision = _aa_bicubic_weights(in_size, out_size)
+    x = np.moveaxis(x, axis, -1).astype(np.int64)
+    idx = np.minimum(first[:, None] + np.arange(weights.shape[1]), in_size - 1)
+    acc = np.full(x.shape[:-1] + (out_size,), 1 << (precision - 1), np.int64)
+    for j in range(weights.shape[1]):  # weights past a row's support are 0
+        acc += x[..., idx[:, j]] * weights[:, j]
+    return np.moveaxis(np.clip(acc >> precision, 0, 255).astype(np.uint8), -1, axis)
+
+
+def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 frames [T, H, W, C] -> [T, height, width, C], equal to torch's
+    `interpolate(mode="bicubic", antialias=True)` on uint8, which torchvision's resize runs on CPU (so
+    transformers' Gemma 4 video processor): width first, then height, each pass rounded to uint8.
+    PIL's bicubic (the image path) keeps more weight bits and can differ by one level."""
+    out = []
+    for frame in frames:  # one frame at a time: int64 intermediates of a single frame
+        if frame.shape[1] != width:
+            frame = _resample_axis(frame, 1, width)
+        if frame.shape[0] != height:
+            frame = _resample_axis(frame, 0, height)
+        out.append(frame)
+    return np.stack(out)
+
+
+def _video_frames(frames) -> np.ndarray:
+    """[T, H, W, 3] uint8 from an array or a list of HxWx3 uint8 arrays / PIL images."""
+    if isinstance(frames, list | tuple):
+        if not frames:
+            _fail("video", "has no frames", "pass at least one frame")
+        frames = [np.asarray(f.convert("RGB")) if isinstance(f, PIL.Image.Image) else f for f in frames]
+        shapes = {getattr(f, "shape", None) for f in frames}
+        if len(shapes) != 1:
+            _fail("video", f"frames differ in shape ({sorted(map(str, shapes))})", "pass frames of one size")
+        frames = np.stack(frames)
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        got = f"{frames.dtype}{frames.shape}" if isinstance(frames, np.ndarray) else type(frames).__name__
+        _fail("video", f"got {got}", "pass uint8 RGB frames [T, H, W, 3] (or a list of HxWx3 uint8 arrays)")
+    if 0 in frames.shape:
+        _fail("video", f"is empty (shape {frames.shape})", "pass at least one frame of at least one pixel")
+    return frames
+
+
+def preprocess_video(
+    frames: np.ndarray | Sequence,
+    fps: float | None = None,
+    *,
+    frame_indices: Sequence[int] | None = None,
+    config: VideoProcessorConfig = VideoProcessorConfig(),
+) -> VideoInputs:
+    """A video -> `VideoInputs`, exactly as transformers' `Gemma4VideoProcessor` with
+    `video_metadata={"fps": fps}` (fps None: 24, as `Gemma4Processor` assumes).
+
+    frames: uint8 RGB [T, H, W, 3] (or a list of HxWx3 frames). Without `frame_indices` they are the
+    whole video and are sampled (`config.num_frames` / `config.fps`, `sample_frame_indices`); with
+    them, `frames` are already the sampled frames and `frame_indices` their indices in the source
+    video (what `read_video` returns), which give the timestamps. Then each frame is resized as an image
+    (to at most `config.max_soft_tokens` soft tokens; torch's uint8 resize, `resize_frames`),
+    rescaled by 1/255 in float32 (transformers fuses rescale and normalize: (x - 0) / 255) and cut into
+    patches as an image is."""
+    frames = _video_frames(frames)
+    cfg = config
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0):
+        _fail("video fps", f"must be a positive number, got {fps!r}", "pass the video's frame rate, or None (24)")
+    if frame_indices is None:
+        indices = np.arange(len(frames))
+        if cfg.do_sample_frames:
+            indices = sample_frame_indices(len(frames), num_frames=cfg.num_frames, fps=cfg.fps, video_fps=fps)
+        frames = frames[indices]
+    else:
+        indices = np.asarray(frame_indices)
+        if indices.shape != (len(frames),) or not np.issubdtype(indices.dtype, np.integer) or (indices < 0).any():
+            _fail("frame_indices", f"needs one index >= 0 per frame ({len(frames)})", "pass read_video's indices")
+    p, k = cfg.patch_size, cfg.pooling_kernel_size
+    _, height, width, _ = frames.shape
+    if cfg.do_resize:
+        th, tw = target_size(height, width, patch_size=p, max_patches=cfg.max_patches, pooling_kernel_size=k)
+        if (th, tw) != (height, width):
+            frames = resize_frames(frames, th, tw)
+    elif height % p or width % p or (height // p) * (width // p) > cfg.max_patches:
+        _fail("video", f"{height}x{width} frames with do_resize=False do not fit", "pass do_resize=True")
+    pixels = frames.transpose(0, 3, 1, 2).astype(np.float32)
+    mean, std = np.array(cfg.image_mean, np.float32), np.array(cfg.image_std, np.float32)
+    if cfg.do_rescale and cfg.do_normalize:  # transformers' fused rescale + normalize, all float32
+        scale = np.float32(1.0 / cfg.rescale_factor)
+        pixels = (pixels - (mean * scale)[:, None, None]) / (std * scale)[:, None, None]
+    elif cfg.do_rescale:
+        pixels = pixels * np.float32(cfg.rescale_factor)
+    elif cfg.do_normalize:
+        pixels = (pixels - mean[:, None, None]) / std[:, None, None]
+    pixel_values, position_ids, n = _patchify(pixels, p, cfg.max_patches)
+    seconds = 24 if fps is None else fps
+    return VideoInputs(pixel_values, position_ids, n // k**2, tuple(int(i) / seconds for i in indices))
+
+
+def read_video(
+    source: bytes | str | os.PathLike,
+    *,
+    config: VideoProcessorConfig = VideoProcessorConfig(),
+    max_frames: int | None = None,
+    max_seconds: float | None = None,
+    max_pixels: int | None = None,
+) -> tuple[np.ndarray, float | None, np.ndarray]:
+    """(sampled frames [T, H, W, 3] uint8, fps or None, their indices) of a video file (bytes or a path),
+    decoded by PyAV (FFmpeg's decoders in its wheels; the `audio` extra): the frames are counted in a first
+    pass, sampled as `config` says (`sample_frame_indices`) and only those converted to RGB in a second.
+    fps is the stream's average rate. Raises ValueError for an unreadable file, one without a video
+    stream, one with more than `max_frames` frames or `max_seconds` seconds (decoding stops there), or
+    frames of more than `max_pixels` pixels."""
+    try:
+        import av
+    except ImportError:
+        _fail("video", "reading video files needs PyAV", "pip install 'gemma4_nnx[audio]', or pass frames", ImportError)
+    opened = source if isinstance(source, str | os.PathLike) else io.BytesIO(source)
+    try:
+        with av.open(opened, mode="r") as container:
+            if not container.streams.video:
+                _fail("video", "the file has no video stream", "send a video file (MP4, WebM, ...)")
+            stream = container.streams.video[0]
+            if max_pixels is not None and stream.width * stream.height > max_pixels:
+                _fail(
+                    "video",
+                    f"{stream.width}x{stream.height} frames exceed {max_pixels} pixels (max_pixels)",
+                    "send a smaller video",
+                )
+            fps = float(stream.average_rate) if stream.average_rate else None
+            total = 0
+            for _ in container.decode(video=0):
+                total += 1
+                if max_frames is not None and total > max_frames:
+                    _fail(
+                        "video", f"holds more than {max_frames} frames (max_frames)", "send a shorter or sparser video"
+                    )
+                if max_seconds is not None and total / (fps or 24) > max_seconds:
+                    _fail("video", f"lasts more than {max_seconds:g} s (max_seconds)", "send a shorter video")
+        if total == 0:
+            _fail("video", "has no decodable frames", "send a video file with frames")
+        indices = np.arange(total)
+        if config.do_sample_frames:
+            indices = sample_frame_indices(total, num_frames=config.num_frames, fps=config.fps, video_fps=fps)
+        wanted, frames = set(indices.tolist()), []
+        if not isinstance(opened, str | os.PathLike):
+            opened.seek(0)
+        with av.open(opened, mode="r") as container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i in wanted:
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                if i >= indices[-1]:
+                    break
+    except av.FFmpegError as e:  # InvalidDataError, ... (some of them are ValueErrors too)
+        raise ValueError(f"video: not a readable video file ({type(e).__name__}: {e})") from None
+    except ValueError:
+        raise
+    except Exception as e:  # anything else FFmpeg cannot open
+        raise ValueError(f"video: not a readable video file ({type(e).__name__}: {e})") from None
+    return np.stack(frames), fps, indices
 
 
 # ----------------------------------------------------------------------------- audio
@@ -894,21 +1222,28 @@ def expand_prompt(
     images: Sequence[ImageInputs | int] = (),
     audios: Sequence[AudioInputs | int] = (),
     *,
+    videos: Sequence[VideoInputs] = (),
     tokens: MultimodalTokens = MultimodalTokens(),
 ) -> str:
     """Replace the i-th `<|image|>` of `text` by `<|image>` + `<|image|>` * n_i + `<image|>` (n_i the
-    i-th image's soft tokens) and likewise each `<|audio|>` with `<|audio>` / `<audio|>`, as
-    `Gemma4Processor` does before tokenizing. The placeholder counts must match the inputs."""
+    i-th image's soft tokens), likewise each `<|audio|>` with `<|audio>` / `<audio|>`, and each `<|video|>`
+    by its frames, "mm:ss <|image>" + `<|video|>` * n + "<image|>" each, joined by spaces (the frame's
+    timestamp, then the image delimiters around the video placeholders), as `Gemma4Processor` does
+    before tokenizing. The placeholder counts must match the inputs."""
     if not isinstance(text, str):
         _fail("expand_prompt: text", f"got {type(text).__name__}", "pass one prompt string", TypeError)
+    for v in videos:
+        if not isinstance(v, VideoInputs):
+            _fail("expand_prompt: videos", f"got {type(v).__name__}", "pass preprocess_video outputs", TypeError)
     counts = {
         "image": [_soft_count("expand_prompt: images", im) for im in images],
+        "video": list(videos),
         "audio": [_soft_count("expand_prompt: audios", a) for a in audios],
     }
-    placeholders = {"image": tokens.image_token, "audio": tokens.audio_token}
+    placeholders = {"image": tokens.image_token, "video": tokens.video_token, "audio": tokens.audio_token}
     delimiters = {"image": (tokens.boi_token, tokens.eoi_token), "audio": (tokens.boa_token, tokens.eoa_token)}
     unmarked = {m: f"(?<!{_CONTROL_TOKEN_START}){re.escape(s)}" for m, s in placeholders.items()}
-    for m, arg in (("image", "images"), ("audio", "audios")):
+    for m, arg in (("image", "images"), ("video", "videos"), ("audio", "audios")):
         found = len(re.findall(unmarked[m], text))
         if found != len(counts[m]):
             _fail(
@@ -917,13 +1252,17 @@ def expand_prompt(
                 f"put one {placeholders[m]} in the text per item of {arg}, in order",
             )
     # transformers builds its pattern only from the modalities that have inputs
-    groups = [f"(?P<{m}>{unmarked[m]})" for m in ("image", "audio") if counts[m]]
+    groups = [f"(?P<{m}>{unmarked[m]})" for m in ("image", "video", "audio") if counts[m]]
     if not groups:
         return text
     remaining = {m: iter(c) for m, c in counts.items()}
 
     def replace(match: re.Match) -> str:
         m = match.lastgroup
+        if m == "video":
+            v = next(remaining[m])
+            frame = tokens.boi_token + tokens.video_token * v.num_soft_tokens + tokens.eoi_token
+            return " ".join(f"{video_timestamp(t)} {frame}" for t in v.timestamps)
         begin, end = delimiters[m]
         return begin + placeholders[m] * next(remaining[m]) + end
 
@@ -959,9 +1298,12 @@ class Processor:
     def with_max_soft_tokens(self, max_soft_tokens: int) -> Processor:
         """This processor with another image budget (one of 70, 140, 280, 560, 1120): the same rule
         for both kinds, where an image holds at most max_soft_tokens x pooling_kernel_size**2 patches
-        (Gemma 4) or max_soft_tokens merged patches (unified), one soft token per pooled / merged patch."""
+        (Gemma 4) or max_soft_tokens merged patches (unified), one soft token per pooled / merged patch.
+        Video frames get the same budget: transformers hands a flat `max_soft_tokens` (vLLM's
+        `mm_processor_kwargs`) to the image and the video processor alike."""
         image = dataclasses.replace(self.config.image, max_soft_tokens=max_soft_tokens)
-        return dataclasses.replace(self, config=dataclasses.replace(self.config, image=image))
+        video = dataclasses.replace(self.config.video, max_soft_tokens=max_soft_tokens)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, image=image, video=video))
 
     def preprocess_image(self, image: PIL.Image.Image | np.ndarray) -> ImageInputs:
         if self.config.kind == "unified":
@@ -973,6 +1315,29 @@ class Processor:
             return _preprocess_audio_unified(waveform, sampling_rate, self.config.audio)
         return _preprocess_audio(waveform, sampling_rate, self.config.audio)
 
+    def preprocess_video(
+        self, frames: np.ndarray | Sequence, fps: float | None = None, *, frame_indices: Sequence[int] | None = None
+    ) -> VideoInputs:
+        """`preprocess_video` with this checkpoint's video settings (Gemma 4; the unified 12B's video
+        path is not ported)."""
+        self._check_video()
+        return preprocess_video(frames, fps, frame_indices=frame_indices, config=self.config.video)
+
+    def read_video(self, source: bytes | str | os.PathLike, **limits: Any) -> VideoInputs:
+        """A video file (bytes or path) decoded by PyAV (`read_video`; `limits`: its max_frames,
+        max_seconds, max_pixels), sampled and preprocessed."""
+        self._check_video()
+        frames, fps, indices = read_video(source, config=self.config.video, **limits)
+        return preprocess_video(frames, fps, frame_indices=indices, config=self.config.video)
+
+    def _check_video(self) -> None:
+        if self.config.kind == "unified":
+            _fail(
+                "video",
+                "Gemma 4 unified (12B) video input is not supported yet",
+                "send the frames as images, or use a Gemma 4 checkpoint with a vision tower",
+            )
+
     def soft_tokens_for_image(self, height: int, width: int) -> int:
         return _image_soft_tokens(height, width, self.config.image)
 
@@ -982,26 +1347,33 @@ class Processor:
         return _audio_soft_tokens(num_samples, sampling_rate, self.config.audio, self.config.audio_seq_length)
 
     def expand_prompt(
-        self, text: str, images: Sequence[ImageInputs | int] = (), audios: Sequence[AudioInputs | int] = ()
+        self,
+        text: str,
+        images: Sequence[ImageInputs | int] = (),
+        audios: Sequence[AudioInputs | int] = (),
+        videos: Sequence[VideoInputs] = (),
     ) -> str:
-        return expand_prompt(text, images, audios, tokens=self.config.tokens)
+        return expand_prompt(text, images, audios, videos=videos, tokens=self.config.tokens)
 
     def mm_token_type_ids(self, input_ids: Any) -> np.ndarray:
         return mm_token_type_ids(input_ids, tokens=self.config.tokens)
 
-    def prepare(self, text: str, images: Sequence = (), audio: Sequence = ()):
-        """(expanded text, `Media` or None) for a prompt and its images / clips, ready for
+    def prepare(self, text: str, images: Sequence = (), audio: Sequence = (), videos: Sequence = ()):
+        """(expanded text, `Media` or None) for a prompt and its images / clips / videos, ready for
         `tokenizer.encode(text)` and `generate(..., media=[media])`.
 
         images: PIL images, HxWx3 uint8 arrays or image file paths; audio: (waveform, sampling_rate)
-        pairs or WAV file paths. `text` holds one `<|image|>` / `<|audio|>` per item where it goes;
-        when it holds none of a kind, that kind's placeholders are put at the start of the text
-        (images first), as a user message with attachments would read.
+        pairs or WAV file paths; videos: video files (paths or bytes, decoded by PyAV), (frames, fps)
+        pairs with frames uint8 [T, H, W, 3] (the whole video: sampled here), or `VideoInputs`. `text`
+        holds one `<|image|>` / `<|audio|>` / `<|video|>` per item where it goes; when it holds none of a
+        kind, that kind's placeholders are put at the start of the text (images, videos, then clips), as a
+        user message with attachments would read.
         """
         from gemma4_nnx.model.multimodal import Media
 
         tokens = self.config.tokens
         ims = [self.preprocess_image(PIL.Image.open(x) if isinstance(x, str | os.PathLike) else x) for x in images]
+        vids = [self._video(v) for v in videos]
         clips = []
         for a in audio:
             if isinstance(a, str | os.PathLike):
@@ -1011,16 +1383,38 @@ class Processor:
                 _fail("prepare: audio", f"got {type(a).__name__}", "pass (waveform, sampling_rate) pairs or WAV paths")
             clips.append(self.preprocess_audio(*a))
         head = ""
-        if ims and tokens.image_token not in text:
-            head += tokens.image_token * len(ims)
-        if clips and tokens.audio_token not in text:
-            head += tokens.audio_token * len(clips)
-        text = self.expand_prompt(head + text, ims, clips)
-        if not ims and not clips:
+        for items, placeholder in ((ims, tokens.image_token), (vids, tokens.video_token), (clips, tokens.audio_token)):
+            if items and placeholder not in text:
+                head += placeholder * len(items)
+        raw = head + text
+        text = self.expand_prompt(raw, ims, clips, vids)
+        if not ims and not clips and not vids:
             return text, None
-        pix, pos = batch_images(ims) if ims else (None, None)
+        pix, pos = batch_images(vision_in_order(raw, ims, vids, tokens)) if ims or vids else (None, None)
         feats, mask = batch_audio(clips) if clips else (None, None)
         return text, Media(pix, pos, feats, mask)
+
+    def _video(self, v) -> VideoInputs:
+        if isinstance(v, VideoInputs):
+            return v
+        if isinstance(v, bytes | str | os.PathLike):
+            return self.read_video(v)
+        if not (isinstance(v, tuple) and len(v) == 2):
+            _fail("prepare: videos", f"got {type(v).__name__}", "pass video files, (frames, fps) pairs or VideoInputs")
+        return self.preprocess_video(*v)
+
+
+def vision_in_order(
+    text: str, images: Sequence[ImageInputs], videos: Sequence[VideoInputs], tokens: MultimodalTokens
+) -> list[ImageInputs | VideoInputs]:
+    """`images` and `videos` merged in the order of their (unexpanded, unmarked) placeholders in `text`:
+    the order `batch_images` needs, since the model fills image and video placeholders from one stream."""
+    pattern = "|".join(
+        f"(?P<{m}>(?<!{_CONTROL_TOKEN_START}){re.escape(t)})"
+        for m, t in (("image", tokens.image_token), ("video", tokens.video_token))
+    )
+    remaining = {"image": iter(images), "video": iter(videos)}
+    return [next(remaining[m.lastgroup]) for m in re.finditer(pattern, text)]
 
 
 def load_processor(checkpoint: str | os.PathLike) -> Processor:

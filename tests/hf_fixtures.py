@@ -462,16 +462,21 @@ def unified_audio_inputs(lengths: list[int], frames: int, seed: int = 0):
     return feats * mask[..., None], mask
 
 
-def multimodal_checkpoint(root, processor_config: dict, *, max_position_embeddings: int | None = None):
+def multimodal_checkpoint(
+    root, processor_config: dict, *, max_position_embeddings: int | None = None, bidirectional: str | None = None
+):
     """(converted float32 checkpoint path, tokenizer) of a tiny random multimodal e2b (vision and audio
-    towers) with the `tests.helpers.build_hf_json` tokenizer and `processor_config` beside it: what the
-    server tests serve."""
+    towers; `bidirectional`: its use_bidirectional_attention) with the `tests.helpers.build_hf_json`
+    tokenizer and `processor_config` beside it, the HF checkpoint in `root / "hf"`: what the server tests
+    serve."""
     import gemma4_nnx
     from tests.helpers import build_hf_json
 
     build_hf_json(root / "tokenizer.json")
     tok = gemma4_nnx.load_tokenizer(root)
-    hf = build_hf_multimodal("e2b", seed=2, vocab_size=tok.vocab_size, tokens=TOKENIZER_MM_TOKENS)
+    hf = build_hf_multimodal(
+        "e2b", seed=2, vocab_size=tok.vocab_size, tokens=TOKENIZER_MM_TOKENS, bidirectional=bidirectional
+    )
     if max_position_embeddings is not None:
         hf.config.text_config.max_position_embeddings = max_position_embeddings
     hf_dir = root / "hf"

@@ -162,6 +162,60 @@ def test_bidirectional_vision_attention_matches_transformers(tmp_path, inputs):
     err = _max_err(ours, ref, x["mask"])
     assert err < MM_TOL, f"max |logit error| {err:.2e}"
     assert _max_err(causal, ref, x["mask"]) > 1e-3, "the test prompt must exercise the bidirectional mask"
+    # video frames are vision blocks too (mm_token_type_ids 2): the same rows with their image placeholders
+    # made video placeholders, given to transformers as two videos (two frames, then one); same shapes as above
+    vid = np.where(x["ids"] == fx.MM_TOKENS["image_token_id"], fx.MM_TOKENS["video_token_id"], x["ids"])
+    with torch.no_grad():
+        ref = hf(
+            input_ids=torch.tensor(vid),
+            attention_mask=torch.tensor(x["mask"]),
+            pixel_values_videos=torch.tensor(x["pix"]),
+            video_position_ids=torch.tensor(x["pos"]),
+            num_frames_per_video=torch.tensor([2, 1]),
+            mm_token_type_ids=torch.tensor(np.where(np.isin(vid, list(vision_ids)), 2, 0)),
+        ).logits.numpy()
+    ours = np.asarray(model(vid, attention_mask=x["mask"], pixel_values=x["pix"], image_position_ids=x["pos"]))
+    err = _max_err(ours, ref, x["mask"])
+    assert err < MM_TOL, f"video frames: max |logit error| {err:.2e}"
+    assert _max_err(causal, ref, x["mask"]) > 1e-3, "the frames must attend both ways too"
+
+
+def test_video_frames_logits_match_transformers(checkpoint, loaded, inputs):
+    """An image, then a video of two frames (its "mm:ss" text before each frame: arbitrary ids here):
+    transformers takes the frames as `pixel_values_videos` (+ `num_frames_per_video`); we take one pixel
+    stream, the image's row then the frames' (`processor.batch_images` order), and fill image and video
+    placeholders from it in order. Our video placeholders are image placeholders to the model: the same
+    frames as images give bit-equal logits."""
+    import torch
+
+    hf, _ = checkpoint
+    pix, pos = inputs["pix"], inputs["pos"]  # GRIDS: the image, then two frames of 2 soft tokens each
+    t = fx.MM_TOKENS
+
+    def ids_with(frame_token):
+        ids = [2, 5, t["boi_token_id"], *[t["image_token_id"]] * fx.image_soft_tokens(GRIDS[0]), t["eoi_token_id"]]
+        for grid in GRIDS[1:]:
+            ids += [7, 8, t["boi_token_id"], *[frame_token] * fx.image_soft_tokens(grid), t["eoi_token_id"]]
+        return np.asarray([[*ids, 9, 10]])
+
+    ids = ids_with(t["video_token_id"])
+    with torch.no_grad():
+        ref = hf(
+            input_ids=torch.tensor(ids),
+            pixel_values=torch.tensor(pix[:1]),
+            image_position_ids=torch.tensor(pos[:1]),
+            pixel_values_videos=torch.tensor(pix[1:]),
+            video_position_ids=torch.tensor(pos[1:]),
+            num_frames_per_video=torch.tensor([2]),
+        ).logits.numpy()
+    ours = np.asarray(loaded(ids, pixel_values=pix, image_position_ids=pos))
+    err = float(np.abs(ours - ref).max())
+    assert err < MM_TOL, f"max |logit error| {err:.2e}"
+    as_images = np.asarray(loaded(ids_with(t["image_token_id"]), pixel_values=pix, image_position_ids=pos))
+    assert np.array_equal(ours, as_images)
+    # the frames are placed in order: swapped frames (same soft-token counts) give other logits
+    swapped = np.asarray(loaded(ids, pixel_values=pix[[0, 2, 1]], image_position_ids=pos[[0, 2, 1]]))
+    assert float(np.abs(swapped - ref).max()) > 1e-2
 
 
 def test_cached_decode_after_multimodal_prefill_equals_full_forward(loaded, inputs):

@@ -1,6 +1,6 @@
-"""Images and audio through `gemma4-serve`: OpenAI content parts (`image_url` data URLs, base64 WAV
-`input_audio`) from the official client give what `generate` gives for the same image, clip and
-chat; malformed or refused media get a 400 naming `messages`.
+"""Images, audio and video through `gemma4-serve`: OpenAI content parts (`image_url` data URLs, base64 WAV
+`input_audio`, vLLM's `video_url` data URLs) from the official client give what `generate` gives for the
+same image, clip, frames and chat; malformed or refused media get a 400 naming `messages`.
 
 The tiny multimodal model (vision and audio towers, PLE, KV sharing) is built with transformers,
 converted and loaded as a user would; its tokenizer carries Gemma 4's placeholder strings.
@@ -22,6 +22,7 @@ openai = pytest.importorskip("openai")
 import gemma4_nnx  # noqa: E402
 from gemma4_nnx.decode.engine import Engine  # noqa: E402
 from gemma4_nnx.processor import batch_audio, batch_images  # noqa: E402
+from gemma4_nnx.serve.media import VideoLimits  # noqa: E402
 from gemma4_nnx.tokenizer import format_chat  # noqa: E402
 from tests import hf_fixtures as fx  # noqa: E402
 from tests.helpers import ServerThread  # noqa: E402
@@ -34,7 +35,10 @@ RATE = 16_000
 PROCESSOR = {
     "image_processor": {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 2},
     "feature_extractor": {"feature_size": 16},
+    "video_processor": {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 2, "num_frames": 2},
 }
+# Small video limits, so that the tests can pass them (--max-video-bytes / frames / seconds).
+VIDEO_LIMITS = dict(max_bytes=100_000, max_frames=12, max_seconds=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def served(tmp_path_factory):
     processor = load_processor(ckpt)
     engine = Engine(model, tok, max_batch=2, max_length=256)
     try:
-        with ServerThread(engine, NAME, processor=processor) as server:
+        with ServerThread(engine, NAME, processor=processor, video_limits=VideoLimits(**VIDEO_LIMITS)) as server:
             yield model, tok, processor, server.port, ckpt
     finally:
         engine.close()
@@ -270,3 +274,142 @@ def test_cli_generate_with_image_and_audio_equals_generate(served, tmp_path, cap
     # a text checkpoint refuses them with a clear error
     assert cli_generate.main([ckpt, "--prompt", "x", "--image", str(tmp_path / "missing.png")]) == 2
     assert "missing.png" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- video
+
+
+def _mp4(frames: np.ndarray, fps: int) -> bytes:
+    """An MPEG-4 Part 2 video in an MP4 container (FFmpeg's own encoder, in PyAV's wheels)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def _decoded(mp4: bytes) -> tuple[np.ndarray, float]:
+    """Every frame of `mp4` and its frame rate, decoded here with PyAV (not through the package)."""
+    import av
+
+    with av.open(io.BytesIO(mp4)) as container:
+        fps = float(container.streams.video[0].average_rate)
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]), fps
+
+
+def _smooth(t: int, h: int, w: int, seed: int) -> np.ndarray:
+    """Frames a lossy codec keeps recognisable: a moving colour gradient plus a little noise."""
+    y, x = np.mgrid[0:h, 0:w]
+    rng = np.random.default_rng(seed)
+    out = [np.stack([(x * 5 + 20 * i) % 256, (y * 7 + 30 * i) % 256, (x + y + 40 * i) % 256], -1) for i in range(t)]
+    return np.clip(np.stack(out) + rng.integers(-8, 9, (t, h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def _video_part(data: bytes, kind: str = "video/mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": f"data:{kind};base64," + base64.b64encode(data).decode()}}
+
+
+def test_video_chat_equals_generate_streamed_and_not(served):
+    """The official client sends an MP4 (encoded here by PyAV) as a `video_url`; `generate` on the frames
+    this test decodes itself with PyAV (sampled to 2 by the processor: frames 0 and 4 of 8 at 4 fps,
+    "00:00" and "00:01") gives the same tokens and log-probabilities, and the streamed answer is the same."""
+    model, tok, processor, port, _ = served
+    mp4 = _mp4(_smooth(8, 32, 48, seed=1), fps=4)
+    frames, fps = _decoded(mp4)
+    assert frames.shape == (8, 32, 48, 3) and fps == 4.0
+    video = processor.preprocess_video(frames, fps)
+    assert video.timestamps == (0.0, 1.0)
+    text = processor.expand_prompt(format_chat([{"role": "user", "content": "describe<|video|>"}]), videos=[video])
+    assert "describe00:00 <|image><|video|>" in text and "<image|> 00:01 <|image><|video|>" in text
+    ids = tok.encode(text, add_bos=True)
+    assert ids.count(fx.TOKENIZER_MM_TOKENS["video_token_id"]) == 2 * video.num_soft_tokens > 0
+    media = gemma4_nnx.Media(*batch_images([video]))
+    ref = gemma4_nnx.generate(model, [ids], 6, tokenizer=tok, media=[media], return_logprobs=True, max_length=256)
+
+    client = _client(port)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "describe"}, _video_part(mp4)]}]
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True)
+    lps = out.choices[0].logprobs.content
+    assert [t.token for t in lps] == [tok.decode([t]) for t in ref.tokens[0]]
+    assert [t.logprob for t in lps] == pytest.approx(ref.logprobs[0], abs=1e-5)
+    assert out.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    streamed = [t for c in chunks if c.logprobs is not None for t in c.logprobs.content]
+    assert [t.logprob for t in streamed] == pytest.approx(ref.logprobs[0], abs=1e-5)
+    assert "".join(c.delta.content or "" for c in chunks) == out.choices[0].message.content
+    # the pixels matter: the frames in reverse order give other log-probabilities
+    messages[0]["content"][1] = _video_part(_mp4(_smooth(8, 32, 48, seed=1)[::-1].copy(), fps=4))
+    other = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True)
+    assert [t.logprob for t in other.choices[0].logprobs.content] != pytest.approx(ref.logprobs[0], abs=1e-5)
+
+
+def _wav_bytes() -> bytes:
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(16_000)
+        f.writeframes(np.zeros(1600, np.int16).tobytes())
+    return buf.getvalue()
+
+
+BAD_VIDEOS = {
+    "http URL": (lambda: {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}, "fetches nothing"),
+    "not base64": (lambda: {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,@@"}}, "base64"),
+    "image data URL": (lambda: _video_part(b"x", kind="image/png"), "data:video/<type>;base64"),
+    "not a video": (lambda: _video_part(b"not a video at all" * 10), "not a readable video"),
+    "audio only": (lambda: _video_part(_wav_bytes()), "no video stream"),
+    "too many bytes": (lambda: _video_part(b"\0" * 100_001), "--max-video-bytes"),
+    "too many frames": (
+        lambda: _video_part(_mp4(_smooth(13, 16, 16, 2), fps=25)),
+        "more than 12 frames (max_frames). Fix: send a shorter or sparser video. (--max-video-frames 12",
+    ),
+    "too long": (
+        lambda: _video_part(_mp4(_smooth(7, 16, 16, 3), fps=2)),
+        "lasts more than 3 s (max_seconds). Fix: send a shorter video. (--max-video-frames 12, --max-video-seconds 3)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VIDEOS))
+def test_bad_video_is_a_400_naming_messages(served, case):
+    """Refused or undecodable videos (and ones past the server's --max-video-* limits) are 400s naming
+    `messages` and the part."""
+    part, needle = BAD_VIDEOS[case]
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(served[3]).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": [part()]}], max_tokens=2
+        )
+    body = e.value.body
+    assert body["param"] == "messages" and "messages.0.content.0" in body["message"], body
+    assert needle in body["message"], body
+
+
+def test_video_frames_take_the_request_budget(served):
+    """`mm_processor_kwargs.max_soft_tokens` applies to video frames too (transformers hands the flat kwarg
+    to its video processor): /tokenize gives the ids of the frames preprocessed at that budget."""
+    _, tok, processor, port, _ = served
+    mp4 = _mp4(_smooth(8, 32, 48, seed=2), fps=4)
+    frames, fps = _decoded(mp4)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "describe"}, _video_part(mp4)]}]
+    for budget in (None, 140):
+        proc = processor if budget is None else processor.with_max_soft_tokens(budget)
+        video = proc.preprocess_video(frames, fps)
+        text = proc.expand_prompt(format_chat([{"role": "user", "content": "describe<|video|>"}]), videos=[video])
+        extra = {} if budget is None else {"mm_processor_kwargs": {"max_soft_tokens": budget}}
+        assert _tokenize(port, {"model": NAME, "messages": messages, **extra})["tokens"] == tok.encode(
+            text, add_bos=True
+        )
+        assert video.num_soft_tokens == (60 if budget is None else 126)  # 48x80 px frames at 70; 72x112 px at 140

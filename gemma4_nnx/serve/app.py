@@ -73,6 +73,7 @@ from gemma4_nnx.serve.guard import (
     Guard,
     report_unknown_fields,
 )
+from gemma4_nnx.serve.media import DEFAULT_VIDEO_LIMITS, VideoLimits
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
 from gemma4_nnx.serve.protocol import (
@@ -139,6 +140,7 @@ def create_app(
     strict_requests: bool = False,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
+    video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
@@ -152,7 +154,8 @@ def create_app(
     `strict_requests`: request fields the protocol models do not define get 400 (default: ignored and
     named in the `X-Gemma4-Unknown-Fields` response header). `max_stored_responses`: responses kept
     for `previous_response_id` and GET /v1/responses/{id}, least recently used evicted beyond.
-    `max_audio_seconds`: the longest audio file the speech endpoints take (400 naming `file` beyond)."""
+    `max_audio_seconds`: the longest audio file the speech endpoints take (400 naming `file` beyond).
+    `video_limits`: the bytes, frames and seconds one chat `video_url` may hold (400 naming `messages` beyond)."""
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -163,6 +166,7 @@ def create_app(
         max_tokens=max_tokens,
         metrics=metrics,
         processor=processor,
+        video_limits=video_limits,
     )
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
@@ -490,6 +494,27 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_AUDIO_SECONDS:g}); longer than the audio tower's 30 s is transcribed in windows, "
         "one batch row each (at most --max-prompts of them)",
     )
+    video = VideoLimits()
+    p.add_argument(
+        "--max-video-bytes",
+        type=int,
+        default=video.max_bytes,
+        help=f"the largest video file a chat video_url may carry, 400 beyond (default {video.max_bytes}; the "
+        "request body limit --max-body-bytes applies first)",
+    )
+    p.add_argument(
+        "--max-video-frames",
+        type=int,
+        default=video.max_frames,
+        help="the most frames a video may decode to (all are decoded to count and sample them; 32 are kept), 400 "
+        f"beyond (default {video.max_frames})",
+    )
+    p.add_argument(
+        "--max-video-seconds",
+        type=float,
+        default=video.max_seconds,
+        help=f"the longest video (frames / fps) a chat video_url may carry, 400 beyond (default {video.max_seconds:g})",
+    )
     p.add_argument(
         "--body-timeout",
         type=float,
@@ -676,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         strict_requests=args.strict_requests,
         max_stored_responses=args.max_stored_responses,
         max_audio_seconds=args.max_audio_seconds,
+        video_limits=VideoLimits(args.max_video_bytes, args.max_video_frames, args.max_video_seconds),
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     config = uvicorn.Config(

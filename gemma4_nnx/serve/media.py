@@ -1,6 +1,6 @@
-"""Images and audio of requests: data URLs, base64 WAV and uploaded audio files in, the model's arrays out.
+"""Images, audio and video of requests: data URLs, base64 WAV and uploaded audio files in, the model's arrays out.
 
-The server fetches nothing: an `image_url` must be a `data:` URL, an `input_audio` a base64 WAV
+The server fetches nothing: an `image_url` or `video_url` must be a `data:` URL, an `input_audio` a base64 WAV
 file. Every problem is the client's and gets a 400 naming the message and part (`ApiError`), or the
 `file` of an audio upload (`decode_audio_file`, the speech endpoints).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 import itertools
 
@@ -16,7 +17,16 @@ import numpy as np
 
 from gemma4_nnx.serve.errors import ApiError
 
-__all__ = ["MAX_AUDIO_SECONDS", "MAX_IMAGE_PIXELS", "decode_audio", "decode_audio_file", "decode_image"]
+__all__ = [
+    "DEFAULT_VIDEO_LIMITS",
+    "MAX_AUDIO_SECONDS",
+    "MAX_IMAGE_PIXELS",
+    "VideoLimits",
+    "decode_audio",
+    "decode_audio_file",
+    "decode_image",
+    "decode_video",
+]
 
 #: Larger images are refused before decoding (PIL's own bomb guard warns at 89 M pixels): the model
 #: downsizes every image to its soft-token budget anyway.
@@ -141,3 +151,59 @@ def decode_audio_file(raw: bytes, filename: str, sampling_rate: int, max_seconds
             "file",
         ) from None
     return np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoLimits:
+    """What one `video_url` may hold (`gemma4-serve --max-video-bytes / --max-video-frames /
+    --max-video-seconds`): the file's size, the frames it decodes to (all are decoded to count and sample
+    them) and its duration (frames / fps). Frames larger than `MAX_IMAGE_PIXELS` are refused too."""
+
+    max_bytes: int = 8 * 2**20
+    max_frames: int = 3600
+    max_seconds: float = 600.0
+
+    def __post_init__(self):
+        for name, flag in (("max_bytes", "bytes"), ("max_frames", "frames"), ("max_seconds", "seconds")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"--max-video-{flag} ({name}) must be > 0, got {value!r}. Fix: pass a positive limit")
+
+
+#: The limits `gemma4-serve` applies without --max-video-* options.
+DEFAULT_VIDEO_LIMITS = VideoLimits()
+
+
+def decode_video(url: str, where: str, processor, limits: VideoLimits = DEFAULT_VIDEO_LIMITS):
+    """The `VideoInputs` (sampled, preprocessed frames) of a `data:video/...;base64,` URL, decoded by PyAV
+    (`Processor.read_video`); every problem is a 400 naming `messages`."""
+    if url.startswith(("http://", "https://")):
+        raise ApiError(
+            f"'{where}': this server fetches nothing; send the video inline as a data URL (data:video/mp4;base64,...)",
+            "messages",
+        )
+    head, sep, payload = url.partition(",")
+    if not (sep and head.startswith("data:video/") and head.endswith(";base64")):
+        raise ApiError(f"'{where}': expected a data URL of the form data:video/<type>;base64,<data>", "messages")
+    raw = _b64(payload, where)
+    if len(raw) > limits.max_bytes:
+        raise ApiError(
+            f"'{where}': the video is {len(raw)} bytes, more than this server takes ({limits.max_bytes}, "
+            "--max-video-bytes); send a shorter or smaller video",
+            "messages",
+            code="video_too_large",
+        )
+    try:
+        return processor.read_video(
+            raw, max_frames=limits.max_frames, max_seconds=limits.max_seconds, max_pixels=MAX_IMAGE_PIXELS
+        )
+    except ImportError:
+        raise ApiError(
+            f"'{where}': this server cannot decode video files (install the `audio` extra, PyAV, on the server)",
+            "messages",
+        ) from None
+    except ValueError as e:
+        hint = ""
+        if "(max_frames)" in str(e) or "(max_seconds)" in str(e):
+            hint = f" (--max-video-frames {limits.max_frames}, --max-video-seconds {limits.max_seconds:g})"
+        raise ApiError(f"'{where}': {e}{hint}", "messages") from None

@@ -327,7 +327,22 @@ class AudioPart(_Api):
     input_audio: InputAudio
 
 
-ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+class VideoUrl(_Api):
+    url: StrictStr = Field(
+        description="A data URL (`data:video/mp4;base64,...`; MP4, WebM, MKV, MOV, AVI, ...: what PyAV's FFmpeg "
+        "decodes); the server fetches nothing, so http(s) URLs are refused."
+    )
+
+
+class VideoPart(_Api):
+    """vLLM's video content part: the video is sampled into frames (`num_frames`, 32 by default), each one
+    image of at most the request's budget (`mm_processor_kwargs.max_soft_tokens`) or the video default (70)."""
+
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
 
 
 class MmProcessorKwargs(_Api):
@@ -337,7 +352,8 @@ class MmProcessorKwargs(_Api):
         None,
         description=f"Soft tokens per image at most, one of {', '.join(map(str, SUPPORTED_SOFT_TOKENS))} (default: "
         "the checkpoint's processor_config.json, 280 for Google's): more tokens keep finer detail (OCR, small "
-        "print) and make the prompt longer.",
+        "print) and make the prompt longer. Applies to each video frame too (whose default is 70), as in "
+        "transformers.",
     )
 
     @field_validator("max_soft_tokens")
@@ -379,28 +395,31 @@ class ChatMessage(_Api):
         description="'developer' is treated as 'system'; 'tool': the result of an assistant's tool call."
     )
     content: StrictStr | list[ContentPart] | None = Field(
-        description="Text, or a list of parts: text (joined), images (`image_url`) and audio clips "
-        "(`input_audio`) in a user message, in order; None for an assistant message with tool_calls."
+        description="Text, or a list of parts: text (joined), images (`image_url`), audio clips "
+        "(`input_audio`) and videos (`video_url`) in a user message, in order; None for an assistant message "
+        "with tool_calls."
     )
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls.")
     tool_call_id: StrictStr | None = Field(None, description="A tool result: the id of the call it answers.")
 
     @property
     def text(self) -> str:
-        """The text, with `image_token` / `audio_token` where the images and clips are."""
+        """The text, with `image_token` / `audio_token` / `video_token` where the images, clips and videos are."""
         return self.text_with()
 
-    def text_with(self, image_token: str = "<|image|>", audio_token: str = "<|audio|>") -> str:
+    def text_with(
+        self, image_token: str = "<|image|>", audio_token: str = "<|audio|>", video_token: str = "<|video|>"
+    ) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        marks = {"image_url": image_token, "input_audio": audio_token}
+        marks = {"image_url": image_token, "input_audio": audio_token, "video_url": video_token}
         return "".join(p.text if p.type == "text" else marks[p.type] for p in self.content)
 
     @property
     def media_parts(self) -> list:
-        """The image and audio parts, in order."""
+        """The image, audio and video parts, in order."""
         return (
             []
             if isinstance(self.content, str) or self.content is None

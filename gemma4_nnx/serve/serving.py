@@ -23,7 +23,7 @@ from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import AdapterRef, Request, normalize_seed
 from gemma4_nnx.decode.text import FinishReason
 from gemma4_nnx.serve.errors import ApiError
-from gemma4_nnx.serve.media import decode_audio, decode_image
+from gemma4_nnx.serve.media import DEFAULT_VIDEO_LIMITS, VideoLimits, decode_audio, decode_image, decode_video
 from gemma4_nnx.serve.metrics import ServerMetrics
 from gemma4_nnx.serve.protocol import (
     ChatChoice,
@@ -229,15 +229,18 @@ def completion_prompts(tokenizer, body: CompletionRequest, max_prompts: int) -> 
     return [tokenizer.encode(t, add_bos=True) for t in texts]
 
 
-def chat_prompt(tokenizer, body: ChatCompletionRequest, processor=None) -> tuple[list[int], object | None]:
-    """The token ids of a chat request, rendered in Gemma 4's chat format, and its images / audio
-    (`Media`, None without any). Each image or clip of a user message becomes one `<|image|>` /
-    `<|audio|>` at its place in the text, expanded into its soft-token placeholders by `processor`
+def chat_prompt(
+    tokenizer, body: ChatCompletionRequest, processor=None, video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS
+) -> tuple[list[int], object | None]:
+    """The token ids of a chat request, rendered in Gemma 4's chat format, and its images / audio /
+    videos (`Media`, None without any). Each image, clip or video of a user message becomes one
+    `<|image|>` / `<|audio|>` / `<|video|>` at its place in the text, expanded into its soft-token
+    placeholders (a video: its frames with their timestamps) by `processor`
     (`gemma4_nnx.processor.Processor`); without a processor (the precheck's length estimate) they
-    stay one token each."""
+    stay one token each. `video_limits`: what one video may hold (400 beyond)."""
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer; this server has none")
-    return _encode_chat(tokenizer, body, processor=processor)
+    return _encode_chat(tokenizer, body, processor=processor, video_limits=video_limits)
 
 
 def _chat_messages(body) -> list[dict]:
@@ -247,7 +250,7 @@ def _chat_messages(body) -> list[dict]:
     out = []
     for i, m in enumerate(body.messages):
         if m.media_parts and m.role != "user":
-            raise ApiError(f"'messages.{i}': images and audio are accepted in user messages only", "messages")
+            raise ApiError(f"'messages.{i}': images, audio and video are accepted in user messages only", "messages")
         msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
         if m.tool_calls:
             calls = []
@@ -278,7 +281,9 @@ def _uses_tools(body) -> bool:
     return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
 
 
-def _encode_chat(tokenizer, body, processor=None, **options) -> tuple[list[int], object | None]:
+def _encode_chat(
+    tokenizer, body, processor=None, video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS, **options
+) -> tuple[list[int], object | None]:
     messages = _chat_messages(body)
     thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
     tools = None
@@ -292,28 +297,31 @@ def _encode_chat(tokenizer, body, processor=None, **options) -> tuple[list[int],
     budget = getattr(body, "max_soft_tokens", None)  # `MediaOptions`: the request's image budget
     if processor is not None and budget is not None:
         processor = processor.with_max_soft_tokens(budget)
-    media = _chat_media(body, processor) if processor is not None else None
+    media = _chat_media(body, processor, video_limits) if processor is not None else None
     if media is not None:
-        images, audios, media = media
+        images, audios, videos, media = media
         try:
-            text = processor.expand_prompt(text, images, audios)
+            text = processor.expand_prompt(text, images, audios, videos)
         except ValueError as e:  # e.g. a literal <|image|> typed into the text
             raise ApiError(f"'messages': {e}", "messages") from None
     return tokenizer.encode(text, add_bos=True), media
 
 
-def _chat_media(body, processor):
-    """(image inputs, audio inputs, `Media`) of the request's image / audio parts in order, or None."""
+def _chat_media(body, processor, video_limits: VideoLimits):
+    """(image inputs, audio inputs, video inputs, `Media`) of the request's media parts, or None. The
+    pixel rows hold images and videos' frames in the order of their parts (= of their placeholders)."""
     from gemma4_nnx.model.multimodal import Media
-    from gemma4_nnx.processor import batch_audio, batch_images
+    from gemma4_nnx.processor import ImageInputs, batch_audio, batch_images
 
-    images, audios = [], []
+    vision, audios = [], []
     for i, m in enumerate(body.messages):
         for j, part in enumerate(m.media_parts):
             where = f"messages.{i}.content.{j}"
             try:
                 if part.type == "image_url":
-                    images.append(processor.preprocess_image(decode_image(part.image_url.url, where)))
+                    vision.append(processor.preprocess_image(decode_image(part.image_url.url, where)))
+                elif part.type == "video_url":
+                    vision.append(decode_video(part.video_url.url, where, processor, video_limits))
                 else:
                     rate = processor.config.audio.sampling_rate
                     wave = part.input_audio._waveform  # (decoded already: a speech endpoint's window)
@@ -322,11 +330,13 @@ def _chat_media(body, processor):
                     audios.append(processor.preprocess_audio(wave, rate))
             except (ValueError, TypeError) as e:
                 raise ApiError(f"'{where}': {e}", "messages") from None
-    if not images and not audios:
+    if not vision and not audios:
         return None
-    pix, pos = batch_images(images) if images else (None, None)
+    images = [v for v in vision if isinstance(v, ImageInputs)]
+    videos = [v for v in vision if not isinstance(v, ImageInputs)]
+    pix, pos = batch_images(vision) if vision else (None, None)
     feats, mask = batch_audio(audios) if audios else (None, None)
-    return images, audios, Media(pix, pos, feats, mask)
+    return images, audios, videos, Media(pix, pos, feats, mask)
 
 
 def _need_tool_tokens(tokenizer) -> None:
@@ -377,9 +387,11 @@ class Serving:
         max_tokens: int | None = None,
         metrics: ServerMetrics | None = None,
         processor=None,
+        video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
     ):
         self.engine, self.model_name = engine, model_name
         self.processor = processor  # gemma4_nnx.processor.Processor of a multimodal model, else None
+        self.video_limits = video_limits
         self.metrics = metrics
         self.max_tokens = max_tokens
         self.queue_timeout = queue_timeout
@@ -472,13 +484,15 @@ class Serving:
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], object | None]:
         if self.processor is None and any(m.media_parts for m in body.messages):
             raise ApiError("this model takes text only (no vision / audio tower loaded): send text content", "messages")
-        return chat_prompt(self.tokenizer, body, self.processor)
+        return chat_prompt(self.tokenizer, body, self.processor, self.video_limits)
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         """POST /tokenize: the ids the completion / chat routes would run for this text or chat."""
         tok = self._need_tokenizer()
         if body.messages is not None:
-            ids = _encode_chat(tok, body, self.processor, add_generation_prompt=body.add_generation_prompt)[0]
+            ids = _encode_chat(
+                tok, body, self.processor, self.video_limits, add_generation_prompt=body.add_generation_prompt
+            )[0]
         else:
             ids = tok.encode(body.prompt, add_bos=body.add_special_tokens)
         strs = [tok.decode([t]) for t in ids] if body.return_token_strs else None
