@@ -264,7 +264,7 @@ def test_stream_events_of_thinking_and_calls_match_the_response(served):
     from gemma4_nnx.serve.responses_protocol import ResponsesRequest
 
     tok = served[1]
-    serving = SimpleNamespace(model_name=NAME, tokenizer=tok)
+    serving = SimpleNamespace(model_name=NAME, tokenizer=tok, served_name=lambda name: NAME)
     body = ResponsesRequest(model=NAME, input="hi", stream=True)
     fn = p.FunctionCall(name="pick", arguments='{"c": "a"}')
     deltas = [
