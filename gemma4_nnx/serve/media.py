@@ -43,19 +43,25 @@ def _b64(data: str, where: str) -> bytes:
         raise ApiError(f"'{where}': not valid base64", "messages") from None
 
 
+def _data_url(url: str, where: str, kind: str, example: str) -> bytes:
+    """The bytes of a `data:<kind>/...;base64,` URL; a 400 naming `messages` for anything else."""
+    if url.startswith(("http://", "https://")):
+        raise ApiError(
+            f"'{where}': this server fetches nothing; send the {kind} inline as a data URL "
+            f"(data:{kind}/{example};base64,...)",
+            "messages",
+        )
+    head, sep, payload = url.partition(",")
+    if not (sep and head.startswith(f"data:{kind}/") and head.endswith(";base64")):
+        raise ApiError(f"'{where}': expected a data URL of the form data:{kind}/<type>;base64,<data>", "messages")
+    return _b64(payload, where)
+
+
 def decode_image(url: str, where: str):
     """A PIL image (RGB conversion is the processor's) from a `data:image/...;base64,` URL."""
     from PIL import Image
 
-    if url.startswith(("http://", "https://")):
-        raise ApiError(
-            f"'{where}': this server fetches nothing; send the image inline as a data URL (data:image/png;base64,...)",
-            "messages",
-        )
-    head, sep, payload = url.partition(",")
-    if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
-        raise ApiError(f"'{where}': expected a data URL of the form data:image/<type>;base64,<data>", "messages")
-    raw = _b64(payload, where)
+    raw = _data_url(url, where, "image", "png")
     try:
         img = Image.open(io.BytesIO(raw))
         w, h = img.size
@@ -177,15 +183,7 @@ DEFAULT_VIDEO_LIMITS = VideoLimits()
 def decode_video(url: str, where: str, processor, limits: VideoLimits = DEFAULT_VIDEO_LIMITS):
     """The `VideoInputs` (sampled, preprocessed frames) of a `data:video/...;base64,` URL, decoded by PyAV
     (`Processor.read_video`); every problem is a 400 naming `messages`."""
-    if url.startswith(("http://", "https://")):
-        raise ApiError(
-            f"'{where}': this server fetches nothing; send the video inline as a data URL (data:video/mp4;base64,...)",
-            "messages",
-        )
-    head, sep, payload = url.partition(",")
-    if not (sep and head.startswith("data:video/") and head.endswith(";base64")):
-        raise ApiError(f"'{where}': expected a data URL of the form data:video/<type>;base64,<data>", "messages")
-    raw = _b64(payload, where)
+    raw = _data_url(url, where, "video", "mp4")
     if len(raw) > limits.max_bytes:
         raise ApiError(
             f"'{where}': the video is {len(raw)} bytes, more than this server takes ({limits.max_bytes}, "
