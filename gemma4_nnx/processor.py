@@ -1381,9 +1381,10 @@ class Processor:
         """(expanded text, `Media` or None) for a prompt and its images / clips / videos, ready for
         `tokenizer.encode(text)` and `generate(..., media=[media])`.
 
-        images: PIL images, HxWx3 uint8 arrays or image file paths; audio: (waveform, sampling_rate)
-        pairs or WAV file paths; videos: video files (paths or bytes, decoded by PyAV), (frames, fps)
-        pairs with frames uint8 [T, H, W, 3] (the whole video: sampled here), or `VideoInputs`. `text`
+        images: PIL images, HxWx3 uint8 arrays, image file paths or `ImageInputs`; audio: (waveform,
+        sampling_rate) pairs, WAV file paths or `AudioInputs`; videos: video files (paths or bytes,
+        decoded by PyAV), (frames, fps) pairs with frames uint8 [T, H, W, 3] (the whole video: sampled
+        here), or `VideoInputs`. `text`
         holds one `<|image|>` / `<|audio|>` / `<|video|>` per item where it goes; when it holds none of a
         kind, that kind's placeholders are put at the start of the text (images, videos, then clips), as a
         user message with attachments would read.
@@ -1391,11 +1392,17 @@ class Processor:
         from gemma4_nnx.model.multimodal import Media
 
         tokens = self.config.tokens
-        ims = [self.preprocess_image(PIL.Image.open(x) if isinstance(x, str | os.PathLike) else x) for x in images]
+        ims = [
+            x if isinstance(x, ImageInputs) else self.preprocess_image(PIL.Image.open(x) if _is_path(x) else x)
+            for x in images
+        ]
         vids = [self._video(v) for v in videos]
         clips = []
         for a in audio:
-            if isinstance(a, str | os.PathLike):
+            if isinstance(a, AudioInputs):
+                clips.append(a)
+                continue
+            if _is_path(a):
                 with open(a, "rb") as f:
                     a = read_wav(f.read())
             if not (isinstance(a, tuple) and len(a) == 2):
@@ -1421,6 +1428,10 @@ class Processor:
         if not (isinstance(v, tuple) and len(v) == 2):
             _fail("prepare: videos", f"got {type(v).__name__}", "pass video files, (frames, fps) pairs or VideoInputs")
         return self.preprocess_video(*v)
+
+
+def _is_path(x) -> bool:
+    return isinstance(x, str | os.PathLike)
 
 
 def vision_in_order(
