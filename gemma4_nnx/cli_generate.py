@@ -10,10 +10,12 @@ chat format (`<bos><|turn>user\\n...<turn|>\\n<|turn>model\\n`, optional `--syst
 which also starts with one <bos>. Generation stops at <eos>, <turn|> or <|tool_response>, at a
 `--stop` string, or after `--max-new-tokens`. Stop tokens are not printed.
 
-Images and audio (a multimodal checkpoint): `--image PATH` and `--audio PATH` (a PCM WAV file at the
-model's 16 kHz), repeatable. The text may say where each goes with `<|image|>` / `<|audio|>`; without
-them the images, then the clips, come first in the message. Preprocessing follows the checkpoint's
-`processor_config.json` (`gemma4_nnx.processor`).
+Images, audio and video (a multimodal checkpoint): `--image PATH`, `--audio PATH` (a PCM WAV file at
+the model's 16 kHz) and `--video PATH` (any container PyAV decodes: the `audio` extra), repeatable. The
+text may say where each goes with `<|image|>` / `<|audio|>` / `<|video|>`; without them the images, the
+videos, then the clips come first in the message. Preprocessing follows the checkpoint's
+`processor_config.json` (`gemma4_nnx.processor`); a file that is missing or does not decode is an
+error naming its flag.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", help="a user message, formatted as a Gemma 4 chat turn")
     p.add_argument("--image", action="append", default=[], help="an image file for the prompt (repeatable)")
     p.add_argument("--audio", action="append", default=[], help="a 16 kHz PCM WAV file for the prompt (repeatable)")
+    p.add_argument("--video", action="append", default=[], help="a video file for the prompt (repeatable)")
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--thinking", action="store_true", help="turn thinking on (with --chat)")
     p.add_argument("--show-thinking", action="store_true", help="print the thought block too")
@@ -58,20 +61,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prompt_ids(tokenizer, args, processor=None) -> tuple[list[int], object | None]:
+def prompt_ids(tokenizer, args, processor=None, items=None) -> tuple[list[int], object | None]:
     """The prompt's token ids (always exactly one leading <bos>, see the module docstring) and its
-    `Media` (None without --image / --audio)."""
+    `Media` (None without --image / --audio / --video); `items`: `read_media`'s, read here if None."""
     from gemma4_nnx.tokenizer import format_chat
 
     text, media = args.chat if args.chat is not None else args.prompt, None
-    if args.image or args.audio:
-        text, media = processor.prepare(text, args.image, args.audio)
+    if args.image or args.audio or args.video:
+        text, media = processor.prepare(text, *(items or read_media(args, processor)))
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": text}
         ]
         text = format_chat(messages, thinking=args.thinking)
     return tokenizer.encode(text, add_bos=True), media
+
+
+def read_media(args, processor) -> tuple[list, list, list]:
+    """(images, audio clips, videos) of --image / --audio / --video, preprocessed; a file that is missing
+    or does not decode (or that the processor refuses) raises ValueError naming its flag and path."""
+    import PIL.Image
+
+    from gemma4_nnx.processor import read_wav
+
+    def image(path):
+        with PIL.Image.open(path) as im:
+            return processor.preprocess_image(im)
+
+    def audio(path):
+        with open(path, "rb") as f:
+            return processor.preprocess_audio(*read_wav(f.read()))
+
+    out = []
+    for flag, paths, read, fix in (
+        ("--image", args.image, image, "pass an image file (PNG, JPEG, ...)"),
+        ("--audio", args.audio, audio, "pass a 16 kHz PCM WAV file"),
+        ("--video", args.video, processor.read_video, "pass a video file (MP4, WebM, ...)"),
+    ):
+        items = []
+        for path in paths:
+            try:
+                items.append(read(path))
+            except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
+                raise ValueError(f"{flag} {path}: {e}. Fix: {fix}") from None
+        out.append(items)
+    return out[0], out[1], out[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,16 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-        model = load_any(args.checkpoint, args.dtype)
-        t_load = time.perf_counter() - t0
-        processor = None
-        if args.image or args.audio:
-            if not model.config.multimodal:
-                raise ValueError("--image / --audio: this checkpoint has no vision or audio tower (a text model)")
+        processor = items = None
+        if args.image or args.audio or args.video:  # the files first: a bad one fails before the weights load
             from gemma4_nnx.processor import load_processor
 
             processor = load_processor(args.checkpoint)
-        ids, media = prompt_ids(tokenizer, args, processor)
+            items = read_media(args, processor)
+        model = load_any(args.checkpoint, args.dtype)
+        t_load = time.perf_counter() - t0
+        if processor is not None and not model.config.multimodal:
+            raise ValueError("--image / --audio / --video: this checkpoint has no vision or audio tower (a text model)")
+        ids, media = prompt_ids(tokenizer, args, processor, items)
         stops = set(tokenizer.stop_ids)
         t1 = time.perf_counter()
         t_first, n = None, 0

@@ -57,7 +57,7 @@ runs on CPU; ported in `resize_frames`) -> `x / 255` in float32 (transformers' f
 normalize) -> patches as an image. Each `<|video|>` becomes, per frame, "mm:ss" (the frame's index /
 fps, truncated; fps unknown: 24) + " " + `<|image>` + `<|video|>` * n + `<image|>`, frames joined by a
 space. Differences: frames must be uint8 RGB [T, H, W, 3]; a video with fewer frames than `num_frames`
-gives all its frames (transformers raises). Gemma 4 unified's video path is not ported.
+gives all its frames (transformers raises).
 
 Gemma 4 unified (the 12B, `gemma4_unified`; `ProcessorConfig(kind="unified")`, which `from_hf` picks for a
 checkpoint saved by `Gemma4UnifiedProcessor`), after transformers 5.24's `Gemma4UnifiedImageProcessor`,
@@ -76,8 +76,13 @@ checkpoint saved by `Gemma4UnifiedProcessor`), after transformers 5.24's `Gemma4
   valid and is one soft token (`ceil(samples / 640)`). transformers caps nothing here (no 30 s
   truncation, no `audio_seq_length` cap: 750 tokens = 30 s is the training length, not a limit of the
   code), and neither do we.
+- Videos (`preprocess_video_unified`), after `Gemma4UnifiedVideoProcessor`: Gemma 4's video steps
+  (sampling, torch's uint8 resize, fused rescale) with `patches_merge` after the patchify, as its
+  images: `pixel_values` [T, max_soft_tokens, 3 * 48 * 48] per frame, one soft token per merged patch.
+  Bit-equal to transformers (the resize is torch's own kernel, ported).
 - Prompts: the same strings as Gemma 4 (`<|image>` + `<|image|>` * n + `<image|>`, `<|audio>` +
-  `<|audio|>` * n + `<audio|>`), with the unified counts.
+  `<|audio|>` * n + `<audio|>`, per video frame "mm:ss <|image>" + `<|video|>` * n + `<image|>`), with
+  the unified counts.
 """
 
 from __future__ import annotations
@@ -868,6 +873,27 @@ def preprocess_video(
     return VideoInputs(pixel_values, position_ids, n // k**2, tuple(int(i) / seconds for i in indices))
 
 
+def preprocess_video_unified(
+    frames: np.ndarray | Sequence,
+    fps: float | None = None,
+    *,
+    frame_indices: Sequence[int] | None = None,
+    config: VideoProcessorConfig = VideoProcessorConfig(),
+) -> VideoInputs:
+    """A video -> `VideoInputs` for Gemma 4 unified, exactly as transformers' `Gemma4UnifiedVideoProcessor`
+    (arguments as `preprocess_video`): Gemma 4's video steps, then `patches_merge` of each
+    `pooling_kernel_size`**2 block of patches. pixel_values [T, max_soft_tokens, 3 * (patch_size *
+    pooling_kernel_size)**2]; position_ids on the merged grid; num_soft_tokens: merged patches per frame."""
+    return preprocess_video(frames, fps, frame_indices=frame_indices, config=_merged(config))
+
+
+def _merged(cfg: VideoProcessorConfig) -> VideoProcessorConfig:
+    # as `_preprocess_image_unified`: merging k x k patches of p px in raster order of the merged grid is
+    # patchifying with k * p px; the resize rule and the padded length (max_soft_tokens) are pooling 1's.
+    k = cfg.pooling_kernel_size
+    return dataclasses.replace(cfg, patch_size=cfg.patch_size * k, pooling_kernel_size=1)
+
+
 def read_video(
     source: bytes | str | os.PathLike,
     *,
@@ -1318,25 +1344,18 @@ class Processor:
     def preprocess_video(
         self, frames: np.ndarray | Sequence, fps: float | None = None, *, frame_indices: Sequence[int] | None = None
     ) -> VideoInputs:
-        """`preprocess_video` with this checkpoint's video settings (Gemma 4; the unified 12B's video
-        path is not ported)."""
-        self._check_video()
-        return preprocess_video(frames, fps, frame_indices=frame_indices, config=self.config.video)
+        """`preprocess_video` (Gemma 4) or `preprocess_video_unified` (kind "unified") with this
+        checkpoint's video settings."""
+        return preprocess_video(frames, fps, frame_indices=frame_indices, config=self._video_config())
 
     def read_video(self, source: bytes | str | os.PathLike, **limits: Any) -> VideoInputs:
         """A video file (bytes or path) decoded by PyAV (`read_video`; `limits`: its max_frames,
         max_seconds, max_pixels), sampled and preprocessed."""
-        self._check_video()
         frames, fps, indices = read_video(source, config=self.config.video, **limits)
-        return preprocess_video(frames, fps, frame_indices=indices, config=self.config.video)
+        return preprocess_video(frames, fps, frame_indices=indices, config=self._video_config())
 
-    def _check_video(self) -> None:
-        if self.config.kind == "unified":
-            _fail(
-                "video",
-                "Gemma 4 unified (12B) video input is not supported yet",
-                "send the frames as images, or use a Gemma 4 checkpoint with a vision tower",
-            )
+    def _video_config(self) -> VideoProcessorConfig:
+        return _merged(self.config.video) if self.config.kind == "unified" else self.config.video
 
     def soft_tokens_for_image(self, height: int, width: int) -> int:
         return _image_soft_tokens(height, width, self.config.image)
@@ -1362,9 +1381,10 @@ class Processor:
         """(expanded text, `Media` or None) for a prompt and its images / clips / videos, ready for
         `tokenizer.encode(text)` and `generate(..., media=[media])`.
 
-        images: PIL images, HxWx3 uint8 arrays or image file paths; audio: (waveform, sampling_rate)
-        pairs or WAV file paths; videos: video files (paths or bytes, decoded by PyAV), (frames, fps)
-        pairs with frames uint8 [T, H, W, 3] (the whole video: sampled here), or `VideoInputs`. `text`
+        images: PIL images, HxWx3 uint8 arrays, image file paths or `ImageInputs`; audio: (waveform,
+        sampling_rate) pairs, WAV file paths or `AudioInputs`; videos: video files (paths or bytes,
+        decoded by PyAV), (frames, fps) pairs with frames uint8 [T, H, W, 3] (the whole video: sampled
+        here), or `VideoInputs`. `text`
         holds one `<|image|>` / `<|audio|>` / `<|video|>` per item where it goes; when it holds none of a
         kind, that kind's placeholders are put at the start of the text (images, videos, then clips), as a
         user message with attachments would read.
@@ -1372,11 +1392,17 @@ class Processor:
         from gemma4_nnx.model.multimodal import Media
 
         tokens = self.config.tokens
-        ims = [self.preprocess_image(PIL.Image.open(x) if isinstance(x, str | os.PathLike) else x) for x in images]
+        ims = [
+            x if isinstance(x, ImageInputs) else self.preprocess_image(PIL.Image.open(x) if _is_path(x) else x)
+            for x in images
+        ]
         vids = [self._video(v) for v in videos]
         clips = []
         for a in audio:
-            if isinstance(a, str | os.PathLike):
+            if isinstance(a, AudioInputs):
+                clips.append(a)
+                continue
+            if _is_path(a):
                 with open(a, "rb") as f:
                     a = read_wav(f.read())
             if not (isinstance(a, tuple) and len(a) == 2):
@@ -1402,6 +1428,10 @@ class Processor:
         if not (isinstance(v, tuple) and len(v) == 2):
             _fail("prepare: videos", f"got {type(v).__name__}", "pass video files, (frames, fps) pairs or VideoInputs")
         return self.preprocess_video(*v)
+
+
+def _is_path(x) -> bool:
+    return isinstance(x, str | os.PathLike)
 
 
 def vision_in_order(

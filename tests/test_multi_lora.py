@@ -345,3 +345,45 @@ def test_lora_modules_flag_takes_both_of_vllms_spellings(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["ckpt", "--lora-modules", bad])
         assert "--lora-modules" in capsys.readouterr().err
+
+
+def test_speculative_rows_with_adapters_equal_each_merged_model(world):
+    """Prompt-lookup (n-gram) speculation on an engine serving two adapters: adapter rows and base rows
+    verify in the same steps (a verify step holds rows of several adapters), each row with its own
+    adapter, and each request's greedy tokens equal its merged model's. A draft verified with another
+    row's weights would be accepted or rejected against the wrong logits and the tokens would leave the
+    merged model's; adapter rows here accept some drafts and reject others (both paths of the verify)."""
+    _, base, dirs, ref = world
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "adaptive": False}
+    engine = Engine(base(), speculative=spec, **ENGINE)
+    verified = []  # (verify step, the row's adapter, drafts verified, accepted) per running row
+    record = engine.drafting.record
+
+    def spy(row, proposed, accepted):
+        adapter = engine._slots[row].request.adapter
+        verified.append((engine.stats.verify_steps, adapter and adapter.name, proposed, accepted))
+        record(row, proposed, accepted)
+
+    engine.drafting.record = spy
+    try:
+        adapters = {"base": None, "a1": engine.load_adapter("a1", dirs["a1"])}
+        adapters["a2"] = engine.load_adapter("a2", dirs["a2"])
+        reqs = [  # more requests than rows: they join as rows free up
+            (name, i, engine.submit(p, N, stop_tokens=[], adapter=adapters[name]))
+            for i, p in enumerate(PROMPTS)
+            for name in ("a1", "base", "a2")
+        ]
+        follow = engine.submit(_continued(ref["base"]), N, stop_tokens=[], adapter=adapters["a1"])
+        for name, i, r in reqs:
+            got = r.result()[0]
+            assert got == ref[name][i], f"{name} prompt {i}: {got} vs merged {ref[name][i]}"
+        assert follow.result()[0] == ref["a1"][-1]
+    finally:
+        engine.close()
+    by_step = {}
+    for step, name, _, _ in verified:
+        by_step.setdefault(step, set()).add(name)
+    assert engine.stats.verify_steps > 0 and max(map(len, by_step.values())) >= 2, (engine.stats, verified)
+    drafted = sum(p for _, name, p, _ in verified if name is not None)
+    accepted = sum(a for _, name, _, a in verified if name is not None)
+    assert drafted > accepted > 0, f"adapter rows: {accepted} of {drafted} drafts accepted; {verified}"

@@ -271,9 +271,12 @@ def test_cli_generate_with_image_and_audio_equals_generate(served, tmp_path, cap
     ref = gemma4_nnx.generate(model, [ids], 5, tokenizer=tok, media=[media])
     want = tok.decode([t for t in ref.tokens[0] if t not in set(tok.stop_ids)])
     assert printed == want + "\n"
-    # a text checkpoint refuses them with a clear error
-    assert cli_generate.main([ckpt, "--prompt", "x", "--image", str(tmp_path / "missing.png")]) == 2
-    assert "missing.png" in capsys.readouterr().err
+    # a missing or undecodable file is an error naming its flag and path
+    (tmp_path / "bad.wav").write_bytes(png)
+    for flag, path in (("--image", "missing.png"), ("--image", "a.wav"), ("--audio", "bad.wav")):
+        assert cli_generate.main([ckpt, "--prompt", "x", flag, str(tmp_path / path)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} {tmp_path / path}: " in err and "Fix: " in err, err
 
 
 # ----------------------------------------------------------------------------- video
@@ -351,6 +354,32 @@ def test_video_chat_equals_generate_streamed_and_not(served):
     messages[0]["content"][1] = _video_part(_mp4(_smooth(8, 32, 48, seed=1)[::-1].copy(), fps=4))
     other = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True)
     assert [t.logprob for t in other.choices[0].logprobs.content] != pytest.approx(ref.logprobs[0], abs=1e-5)
+
+
+def test_cli_generate_with_video_equals_generate(served, tmp_path, capsys):
+    """`gemma4-generate CKPT --chat TEXT --video MP4 --image PNG`: the printed text is `generate`'s on
+    the frames this test decodes itself (the image, then the video, lead the message); a missing file or
+    one that is not a video is an error naming --video and the path."""
+    from gemma4_nnx import cli_generate
+
+    model, tok, processor, _, ckpt = served
+    mp4 = _mp4(_smooth(8, 32, 48, seed=4), fps=4)
+    png, img = _png(7, size=(12, 10))
+    (tmp_path / "a.mp4").write_bytes(mp4)
+    (tmp_path / "a.png").write_bytes(png)
+    argv = [ckpt, "--chat", "what happens", "--video", str(tmp_path / "a.mp4"), "--image", str(tmp_path / "a.png")]
+    assert cli_generate.main([*argv, "--max-new-tokens", "5"]) == 0
+    printed = capsys.readouterr().out
+    image, video = processor.preprocess_image(img), processor.preprocess_video(*_decoded(mp4))
+    text = format_chat([{"role": "user", "content": "<|image|><|video|>what happens"}])
+    ids = tok.encode(processor.expand_prompt(text, [image], videos=[video]), add_bos=True)
+    ref = gemma4_nnx.generate(model, [ids], 5, tokenizer=tok, media=[gemma4_nnx.Media(*batch_images([image, video]))])
+    assert printed == tok.decode([t for t in ref.tokens[0] if t not in set(tok.stop_ids)]) + "\n"
+    (tmp_path / "not.mp4").write_bytes(b"not a video at all" * 10)
+    for path, needle in (("missing.mp4", "not a readable video"), ("not.mp4", "not a readable video")):
+        assert cli_generate.main([ckpt, "--prompt", "x", "--video", str(tmp_path / path)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: --video {tmp_path / path}: video: {needle}" in err and "Fix: " in err, err
 
 
 def _wav_bytes() -> bytes:

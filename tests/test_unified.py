@@ -364,3 +364,50 @@ def test_text_only_load_and_count_errors(mm):
         model.soft_tokens(x["ids"], input_features=x["feats"][..., :8], input_features_mask=x["fmask"])
     with pytest.raises(ValueError, match="pixel_values: patches of 12 values"):
         model.soft_tokens(x["ids"], x["pix"][..., :12], x["pos"])
+
+
+@pytest.mark.reference
+def test_video_prompt_matches_transformers(mm):
+    """An image, then a video of two frames preprocessed by `preprocess_video_unified` (bit-equal to
+    transformers' unified video processor: tests/test_video.py) at this toy model's patch sizes: transformers
+    takes the frames as `pixel_values_videos` (+ `video_position_ids`, `num_frames_per_video`), we take one
+    pixel stream (`batch_images`: the image's row, then the frames') and fill image and video placeholders
+    from it in order. Each frame is its own bidirectional vision run ("mm:ss" text between frames)."""
+    import torch
+
+    from gemma4_nnx import from_hf
+    from gemma4_nnx import processor as P
+
+    hf, path, x = mm
+    model = from_hf(path)
+    frames = np.random.default_rng(7).integers(0, 256, (5, 6, 8, 3), dtype=np.uint8)
+    sizes = dict(
+        patch_size=fx.UNIFIED_VISION["patch_size"], pooling_kernel_size=fx.UNIFIED_VISION["pooling_kernel_size"]
+    )
+    video = P.preprocess_video_unified(frames, 2.0, config=P.VideoProcessorConfig(num_frames=2, **sizes))
+    image = P.ImageInputs(x["pix"][0], x["pos"][0].astype(np.int32), GRIDS[0][0] * GRIDS[0][1])
+    assert video.timestamps == (0.0, 1.0) and video.num_soft_tokens > MAX_PATCHES  # frames longer than the window
+    frame = [T["boi_token_id"]] + [T["video_token_id"]] * video.num_soft_tokens + [T["eoi_token_id"]]
+    ids = np.asarray([_row([[5], ("image", GRIDS[0]), [7, 8], frame, [9], frame, [10, 11]])])
+    types = np.isin(ids, [T["image_token_id"], T["video_token_id"]]) * np.where(ids == T["video_token_id"], 2, 1)
+
+    def reference(bidirectional: bool) -> np.ndarray:
+        with torch.no_grad():
+            return hf(
+                input_ids=torch.tensor(ids),
+                pixel_values=torch.tensor(image.pixel_values[None]),
+                image_position_ids=torch.tensor(image.position_ids[None].astype(np.int64)),
+                pixel_values_videos=torch.tensor(video.pixel_values),
+                video_position_ids=torch.tensor(video.position_ids.astype(np.int64)),
+                num_frames_per_video=torch.tensor([2]),
+                mm_token_type_ids=torch.tensor(types) if bidirectional else None,  # as the HF processor returns
+            ).logits.numpy()
+
+    ref = reference(bidirectional=True)
+    assert _max_err(reference(bidirectional=False), ref) > 1e-2, "the prompt must test the frames' mask"
+    pix, pos = P.batch_images([image, video])
+    ours = np.asarray(_forward(model, ids, np.ones_like(ids), pix, pos))
+    err = _max_err(ours, ref)
+    assert err < MM_TOL, f"max |logit error| {err:.2e}"
+    swapped = np.asarray(_forward(model, ids, np.ones_like(ids), pix[[0, 2, 1]], pos[[0, 2, 1]]))
+    assert _max_err(swapped, ref) > 1e-2, "the frames must be placed in order"

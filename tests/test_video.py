@@ -72,14 +72,12 @@ def _torchvision_functional() -> types.SimpleNamespace:
     )
 
 
-@pytest.fixture(scope="module")
-def hf_video():
-    """transformers' `video_processing_gemma4` module, its torchvision calls stood in (undone after)."""
+def _video_module(name: str):
+    """transformers' video processor module `name`, its torchvision calls stood in (undone after)."""
     import transformers.image_processing_backends as backends
     import transformers.video_processing_utils as video_utils
 
     tvf = _torchvision_functional()
-    name = "transformers.models.gemma4.video_processing_gemma4"
     spec = importlib.util.find_spec(name)
     module = importlib.util.module_from_spec(spec)
     module.tvF = tvf  # the class body names tvF: it must exist before the module runs
@@ -88,8 +86,16 @@ def hf_video():
     patched = [m for m in (video_utils, backends) if not hasattr(m, "tvF")]
     for m in patched:
         m.tvF = tvf
+    # the unified module imports torchvision's functional itself: stand-in modules while it runs
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2")
+    fake = {n: types.ModuleType(n) for n in (*names, "torchvision.transforms.v2.functional")}
+    fake["torchvision.transforms.v2"].functional = fake["torchvision.transforms.v2.functional"]
+    vars(fake["torchvision.transforms.v2.functional"]).update(vars(tvf))
     try:
-        spec.loader.exec_module(module)
+        with pytest.MonkeyPatch.context() as mp:
+            for n, m in fake.items():
+                mp.setitem(sys.modules, n, m)
+            spec.loader.exec_module(module)
         yield module
     finally:
         for m in patched:
@@ -100,8 +106,20 @@ def hf_video():
             sys.modules[name] = saved
 
 
-def _hf_frames(hf_video, frames, video_fps, init):
-    vp = hf_video.Gemma4VideoProcessor(**init)
+@pytest.fixture(scope="module")
+def hf_video():
+    """transformers' `video_processing_gemma4` module (torchvision stood in)."""
+    yield from _video_module("transformers.models.gemma4.video_processing_gemma4")
+
+
+@pytest.fixture(scope="module")
+def hf_video_unified():
+    """transformers' `video_processing_gemma4_unified` module (torchvision stood in)."""
+    yield from _video_module("transformers.models.gemma4_unified.video_processing_gemma4_unified")
+
+
+def _hf_frames(hf_video, frames, video_fps, init, cls="Gemma4VideoProcessor"):
+    vp = getattr(hf_video, cls)(**init)
     metadata = None if video_fps is None else {"fps": video_fps, "total_num_frames": len(frames)}
     if metadata is not None and init.get("do_sample_frames") is False:  # the frames' indices, as sampling sets
         metadata["frames_indices"] = list(range(len(frames)))
@@ -232,6 +250,67 @@ def test_from_hf_reads_the_video_processor(hf_video, tmp_path):
     assert np.array_equal(got.pixel_values, out["pixel_values_videos"]) and list(got.timestamps) == timestamps
 
 
+# ----------------------------------------------------------------------------- Gemma 4 unified (12B)
+
+UNIFIED_CASES = [VIDEO_CASES[i] for i in (0, 1, 3)]  # upscaled, downscaled, budget 140 without fps
+
+
+@reference
+@pytest.mark.parametrize("what,frames,fps,theirs,ours", UNIFIED_CASES, ids=[c[0] for c in UNIFIED_CASES])
+def test_unified_video_frames_equal_transformers_bit_for_bit(hf_video_unified, what, frames, fps, theirs, ours):
+    """`preprocess_video_unified` against `Gemma4UnifiedVideoProcessor` (its `patches_merge` into 48 px
+    model patches, padding to max_soft_tokens): pixels, merged-grid positions, soft tokens, timestamps."""
+    out, timestamps = _hf_frames(hf_video_unified, frames, fps, theirs, "Gemma4UnifiedVideoProcessor")
+    config = P.VideoProcessorConfig(**ours)
+    got = P.preprocess_video_unified(frames, fps, config=config)
+    bound = P.Processor(P.ProcessorConfig(kind="unified", video=config)).preprocess_video(frames, fps)
+    want = out["pixel_values_videos"]
+    assert got.pixel_values.shape == want.shape == (len(timestamps), config.max_soft_tokens, 3 * 48 * 48), what
+    err = float(np.abs(got.pixel_values - want).max())
+    assert np.array_equal(got.pixel_values, want), f"{what}: max |ours - transformers| = {err}"
+    assert np.array_equal(bound.pixel_values, want), what
+    assert np.array_equal(got.position_ids, out["video_position_ids"]), what
+    assert got.num_soft_tokens == out["num_soft_tokens_per_video"][0] == (got.position_ids[0, :, 0] >= 0).sum() > 0
+    assert list(got.timestamps) == timestamps and len(timestamps) == out["num_frames_per_video"][0], what
+
+
+@reference
+def test_unified_video_prompt_equals_gemma4_unified_processor(hf_video_unified):
+    """An image and a video through `Gemma4UnifiedProcessor` (its real video processor) and through a
+    unified `Processor.prepare`: expanded text with the frames' timestamps, ids, `mm_token_type_ids`, and
+    the pixel rows (the image's merged patches, then the frames')."""
+    from tests.test_processor_unified import _hf_processor
+
+    proc, tok = _hf_processor(dict(max_soft_tokens=70))
+    proc.video_processor = hf_video_unified.Gemma4UnifiedVideoProcessor(num_frames=3)
+    image, frames, fps = _frames(1, 60, 80, 22)[0], _frames(100, 40, 64, 23), 30.0  # frames 0, 33, 66
+    text = "a<|image|>b <|video|> c"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = proc(
+            text=[text],
+            images=[[image]],
+            videos=[frames],
+            video_metadata=[{"fps": fps, "total_num_frames": len(frames)}],
+            return_tensors="np",
+        )
+    ours = P.Processor(
+        P.ProcessorConfig(
+            kind="unified", image=P.ImageProcessorConfig(max_soft_tokens=70), video=P.VideoProcessorConfig(num_frames=3)
+        )
+    )
+    expanded, media = ours.prepare(text, images=[image], videos=[(frames, fps)])
+    assert "b 00:00 <|image><|video|>" in expanded and "<image|> 00:02 <|image>" in expanded
+    ids = np.asarray(tok([expanded])["input_ids"])
+    np.testing.assert_array_equal(ids, out["input_ids"])
+    np.testing.assert_array_equal(ours.mm_token_type_ids(ids), out["mm_token_type_ids"])
+    assert (ids == 258_884).sum() == 3 * ours.preprocess_video(frames, fps).num_soft_tokens > 0
+    rows = np.concatenate([out["pixel_values"][:1], out["pixel_values_videos"]])
+    assert np.array_equal(media.pixel_values, rows)
+    positions = np.concatenate([out["image_position_ids"][:1], out["video_position_ids"]])
+    assert np.array_equal(media.image_position_ids, positions)
+
+
 def _pad(x: np.ndarray, rows: int, fill=0) -> np.ndarray:
     out = np.full((x.shape[0], rows, *x.shape[2:]), fill, x.dtype)
     out[:, : x.shape[1]] = x
@@ -260,9 +339,6 @@ def test_sampling_and_errors_name_the_argument():
         P.preprocess_video(np.zeros((2, 8, 8, 3), np.uint8), 10.0, frame_indices=[0])
     with pytest.raises(ValueError, match=r"VideoProcessorConfig\.max_soft_tokens"):
         P.VideoProcessorConfig(max_soft_tokens=100)
-    unified = P.Processor(P.ProcessorConfig(kind="unified"))
-    with pytest.raises(ValueError, match="not supported yet"):
-        unified.preprocess_video(np.zeros((2, 8, 8, 3), np.uint8))
 
 
 def test_read_video_decodes_only_the_sampled_frames_of_a_file(tmp_path):
