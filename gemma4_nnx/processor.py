@@ -118,6 +118,18 @@ def _positive_int(where: str, value: Any) -> None:
         _fail(where, f"must be a positive integer, got {value!r}", "pass an integer >= 1")
 
 
+def _check_patches(config: Any, where: str, default_budget: str) -> None:
+    """The patch grid and soft-token budget of an image or video processor config."""
+    _positive_int(f"{where}.patch_size", config.patch_size)
+    _positive_int(f"{where}.pooling_kernel_size", config.pooling_kernel_size)
+    if config.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
+        _fail(
+            f"{where}.max_soft_tokens",
+            f"must be one of {SUPPORTED_SOFT_TOKENS}, got {config.max_soft_tokens!r}",
+            f"pick one of the supported soft-token budgets ({default_budget})",
+        )
+
+
 # ----------------------------------------------------------------------------- configs
 
 
@@ -139,14 +151,7 @@ class ImageProcessorConfig:
 
     def __post_init__(self):
         w = "ImageProcessorConfig"
-        _positive_int(f"{w}.patch_size", self.patch_size)
-        _positive_int(f"{w}.pooling_kernel_size", self.pooling_kernel_size)
-        if self.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
-            _fail(
-                f"{w}.max_soft_tokens",
-                f"must be one of {SUPPORTED_SOFT_TOKENS}, got {self.max_soft_tokens!r}",
-                "pick one of the supported soft-token budgets (280 is the default)",
-            )
+        _check_patches(self, w, default_budget="280 is the default")
         try:
             resample = int(PIL.Image.Resampling(self.resample))
         except (ValueError, TypeError):
@@ -279,14 +284,7 @@ class VideoProcessorConfig:
 
     def __post_init__(self):
         w = "VideoProcessorConfig"
-        _positive_int(f"{w}.patch_size", self.patch_size)
-        _positive_int(f"{w}.pooling_kernel_size", self.pooling_kernel_size)
-        if self.max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
-            _fail(
-                f"{w}.max_soft_tokens",
-                f"must be one of {SUPPORTED_SOFT_TOKENS}, got {self.max_soft_tokens!r}",
-                "pick one of the supported soft-token budgets (70 is the video default)",
-            )
+        _check_patches(self, w, default_budget="70 is the video default")
         if self.num_frames is not None:
             _positive_int(f"{w}.num_frames", self.num_frames)
         if self.fps is not None and (isinstance(self.fps, bool) or not self.fps > 0):
