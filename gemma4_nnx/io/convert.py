@@ -144,8 +144,9 @@ def _tensor_leaf(entry: Entry, info: TensorInfo, dtype: np.dtype, progress: Prog
 
 
 class _QuantizedMatrix:
-    """A matrix written as quantized leaves (`codes`, `scales`, and `mins` for the asymmetric form) that
-    share one pass over the source: `decode(a, b)` turns source rows [a, b) into (codes, scales, mins).
+    """A matrix written as quantized leaves (`codes`, `scales`, and `mins` for the asymmetric form; only
+    `codes`, the blocks, for a GGUF block format) that share one pass over the source: `decode(a, b)`
+    turns source rows [a, b) into (codes, scales, mins).
 
     Codes are written as they are produced; the float32 scales (and mins) are kept until their own leaf
     is written (36.7 MB for the E2B PLE table). Decoding is row-local (`quantize_rows`, GGUF blocks,
@@ -158,13 +159,14 @@ class _QuantizedMatrix:
         self.row_bytes = row_bytes
         self.block = _rows_per_block(row_bytes, QUANT_BLOCK_BYTES)
         g = cols // fmt.group
-        self.scales = np.zeros((rows, *self.inner, g), np.float32)
-        self.mins = np.zeros((rows, *self.inner, g), np.float32) if fmt.asym else None
+        self.scales = None if fmt.block else np.zeros((rows, *self.inner, g), np.float32)
+        self.mins = np.zeros((rows, *self.inner, g), np.float32) if fmt.asym and not fmt.block else None
         self.filled = np.zeros(-(-rows // self.block), bool)
 
     def _decode(self, a: int, b: int) -> np.ndarray:
         codes, scales, mins = self.decode(a, b)
-        self.scales[a:b] = scales
+        if self.scales is not None:
+            self.scales[a:b] = scales
         if self.mins is not None:
             self.mins[a:b] = mins
         self.filled[a // self.block] = True
@@ -191,10 +193,9 @@ class _QuantizedMatrix:
             if n == total:
                 self.progress.add(tensors=1)
 
-        out = {
-            "codes": ck.LazyTensor(shape, np.dtype(self.fmt.code_dtype), read_codes, self.block, done),
-            "scales": ck.LazyTensor(self.scales.shape, np.float32, reader(self.scales), self.block),
-        }
+        out = {"codes": ck.LazyTensor(shape, np.dtype(self.fmt.code_dtype), read_codes, self.block, done)}
+        if self.scales is not None:
+            out["scales"] = ck.LazyTensor(self.scales.shape, np.float32, reader(self.scales), self.block)
         if self.mins is not None:
             out["mins"] = ck.LazyTensor(self.mins.shape, np.float32, reader(self.mins), self.block)
         return out
@@ -215,33 +216,31 @@ def _quantizing(info: TensorInfo, fmt, progress: Progress) -> _QuantizedMatrix:
 
 
 def _gguf_kept(tensor, progress: Progress) -> _QuantizedMatrix:
-    """A GGUF tensor's own blocks as our codes and scales (`gemma4_nnx.io.gguf_blocks`: exact)."""
-    from gemma4_nnx.io.gguf_blocks import decode_rows, format_of
+    """A GGUF tensor's own blocks, stored as the file holds them (`QuantFormat.of_block`: exact)."""
+    from gemma4_nnx.io.gguf_blocks import format_of
 
     kind = tensor.tensor_type.name
     cols, *inner = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
     rows, *inner = inner[::-1]  # a matrix [rows, cols], or an expert stack [E, out, in]: rows = E
-    raw = np.asarray(tensor.data).reshape(rows, -1)
+    raw = np.asarray(tensor.data).reshape(rows, *inner, -1)
 
     def decode(a: int, b: int):
-        parts = decode_rows(raw[a:b].reshape((b - a) * int(np.prod(inner, dtype=int)), -1), kind, cols)[:3]
-        return tuple(None if t is None else t.reshape(b - a, *inner, -1) for t in parts)
+        return np.ascontiguousarray(raw[a:b]), None, None
 
-    return _QuantizedMatrix(rows, cols, format_of(kind), decode, raw.shape[1], progress, inner)
+    return _QuantizedMatrix(rows, cols, format_of(kind), decode, raw[0].size, progress, inner)
 
 
 def _k_quantizing(info: TensorInfo, kind: str, progress: Progress) -> _QuantizedMatrix:
     """An HF tensor [rows, cols] (or an expert stack [E, out, in]) quantized into GGUF blocks of `kind`
-    (`gemma4_nnx.io.gguf_quantize`) and read back as our codes and scales, as a `keep` import reads them."""
-    from gemma4_nnx.io.gguf_blocks import decode_rows, format_of
+    (`gemma4_nnx.io.gguf_quantize`) and stored as those blocks, as a `keep` import stores a file's."""
+    from gemma4_nnx.io.gguf_blocks import format_of
     from gemma4_nnx.io.gguf_quantize import encode_rows
 
     rows, *inner, cols = info.shape
 
     def decode(a: int, b: int):
         x = read_tensor(info, rows=(a, b)).reshape(-1, cols)
-        parts = decode_rows(encode_rows(x, kind), kind, cols)[:3]
-        return tuple(None if t is None else t.reshape(b - a, *inner, -1) for t in parts)
+        return encode_rows(x, kind).reshape(b - a, *inner, -1), None, None
 
     return _QuantizedMatrix(rows, cols, format_of(kind), decode, info.nbytes // rows, progress, inner)
 

@@ -144,8 +144,9 @@ def _gguf_tensors(model, arch: str) -> tuple[dict[str, np.ndarray], dict[str, np
 
 
 def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
-    """{GGUF name: (block type, uint8 rows)} of the quantized matrices whose codes, scales and mins a GGUF
-    block type holds exactly (`gguf_blocks.encode_rows`: a `keep` import's blocks come back byte for byte).
+    """{GGUF name: (block type, uint8 rows)} of the quantized matrices held as GGUF blocks (a `keep` import,
+    `--quantize q4_k_m`: their bytes as they are) or whose codes, scales and mins a GGUF block type holds
+    exactly (`gguf_blocks.encode_rows`: checkpoints with float32 scales, written before blocks were kept).
     LoRA-wrapped matrices and the PLE table (our own int4 / int8 format) are not among them."""
     from flax import nnx
 
@@ -161,7 +162,11 @@ def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
         mod = modules.get(entry.path) or modules.get(entry.path[:-1])
         if mod is None or entry.path[0] == "embed_tokens_per_layer":
             continue
-        codes, scales = np.asarray(mod.codes[...]), np.asarray(mod.scales[...])
+        codes = np.asarray(mod.codes[...])
+        if mod.fmt.block is not None:  # held as the blocks themselves
+            out[names["model." + entry.hf_name]] = (mod.fmt.block, codes.reshape(-1, codes.shape[-1]))
+            continue
+        scales = np.asarray(mod.scales[...])
         mins = None if getattr(mod, "mins", None) is None else np.asarray(mod.mins[...])
         cols = codes.shape[-1] * (2 if mod.fmt.bits == 4 else 1)
         flat = [None if a is None else a.reshape(-1, a.shape[-1]) for a in (codes, scales, mins)]

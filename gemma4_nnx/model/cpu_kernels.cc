@@ -8,7 +8,8 @@
 //   gemma4_bf16_cols: out[M, N] = x[M, K] @ w[K, N]    w stored [in, out] (nnx.Linear kernels)
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
 //   gemma4_bf16_take: out[i] = float32(table[ids[i]])  (the token lookup)
-//   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py);
+//   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py),
+//                      or GGUF blocks as a file stores them (`block`: decoded a few rows at a time);
 //                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
 //                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
@@ -662,6 +663,9 @@ inline void dot_rows(const float* __restrict__ x, const float* __restrict__ w, f
   }
 }
 
+// `block` != 0: codes are GGUF blocks as a file stores them (uint8 [N, row_bytes], GGML type number
+// `block`; bits / group / asym are those of the decoded codes) and the products decode them a chunk of
+// rows at a time (`over_rows`) into the codes + scales layout, a view whose first row is `row0`.
 struct QWeight {
   const uint8_t* codes;
   const float* scales;
@@ -669,13 +673,179 @@ struct QWeight {
   int64_t N, K, group, code_cols;
   int bits;
   bool asym;
+  int block = 0;
+  int64_t row0 = 0;
+  const uint8_t* row_codes(int64_t n) const { return codes + (n - row0) * code_cols; }
+  const float* row_scales(int64_t n) const { return scales + (n - row0) * (K / group); }
+  const float* row_mins(int64_t n) const { return asym ? mins + (n - row0) * (K / group) : nullptr; }
 };
 
+// ---------------------------------------------------------------------------- GGUF blocks
+// Decoded exactly as gemma4_nnx.model.blocks.decode (the float32 scales are the same float32
+// products), so a product of blocks is bit for bit the product of their decoded codes and scales.
+struct BlockType {
+  int id, elements, bytes;
+};
+constexpr BlockType kBlockTypes[] = {{2, 32, 18}, {3, 32, 20}, {6, 32, 22}, {8, 32, 34},
+                                     {12, 256, 144}, {13, 256, 176}, {14, 256, 210}};
+const BlockType* block_type(int64_t id) {
+  for (const auto& t : kBlockTypes)
+    if (t.id == id) return &t;
+  return nullptr;
+}
+
+inline float half_to_float(const uint8_t* p) {
+  const uint32_t h = p[0] | (static_cast<uint32_t>(p[1]) << 8);
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t u;
+  if (exp == 0x1F) {
+    u = sign | 0x7F800000u | (man << 13);
+  } else if (exp) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (!man) {
+    u = sign;
+  } else {  // subnormal: shift the mantissa up to its leading one
+    uint32_t m = man, e = 0;
+    while (!(m & 0x400)) m <<= 1, ++e;
+    u = sign | ((113 - e) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// q[0 : 2n] (values in a nibble, signed or not) -> n bytes, element 2j in the low nibble (quant.py's int4)
+inline void pack_nibbles(const int* q, int64_t n, uint8_t* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint8_t>((q[2 * j] & 0x0F) | ((q[2 * j + 1] & 0x0F) << 4));
+}
+
+// `count` blocks of type `t` at src -> codes (quant.py's layout, from the first block's first element),
+// float32 scales and (asymmetric) mins, one per group.
+void decode_blocks(const BlockType& t, const uint8_t* src, int64_t count, uint8_t* codes, float* sc, float* mn) {
+  int q[256];
+  for (int64_t b = 0; b < count; ++b, src += t.bytes) {
+    const float d = half_to_float(src);
+    if (t.elements == 32) {
+      const uint8_t* qs = src + (t.id == 3 ? 4 : t.id == 6 ? 6 : 2);
+      sc[b] = d;
+      if (t.id == 8) {
+        std::memcpy(codes + 32 * b, src + 2, 32);
+        continue;
+      }
+      uint32_t qh = 0;
+      if (t.id == 6) std::memcpy(&qh, src + 2, 4);  // little-endian: bit j is element j's fifth bit
+      for (int j = 0; j < 16; ++j) {
+        q[j] = qs[j] & 0x0F, q[j + 16] = qs[j] >> 4;
+        if (t.id == 6) q[j] |= ((qh >> j) & 1) << 4, q[j + 16] |= ((qh >> (j + 16)) & 1) << 4;
+      }
+      if (t.id == 3) {
+        mn[b] = -half_to_float(src + 2);
+        pack_nibbles(q, 16, codes + 16 * b);
+      } else if (t.id == 2) {
+        for (int j = 0; j < 32; ++j) q[j] -= 8;
+        pack_nibbles(q, 16, codes + 16 * b);
+      } else {
+        for (int j = 0; j < 32; ++j) codes[32 * b + j] = static_cast<uint8_t>(static_cast<int8_t>(q[j] - 16));
+      }
+    } else if (t.id == 14) {  // Q6_K: ql[128], qh[64], int8 sc[16], d
+      const uint8_t *ql = src, *qh = src + 128;
+      const float dd = half_to_float(src + 208);
+      for (int g = 0; g < 16; ++g) sc[16 * b + g] = dd * static_cast<float>(static_cast<int8_t>(src[192 + g]));
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, r = e % 128;
+        const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0F, hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+        codes[256 * b + e] = static_cast<uint8_t>(static_cast<int8_t>((lo | (hi << 4)) - 32));
+      }
+    } else {  // Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: qh[32]), qs[128]
+      const float dmin = half_to_float(src + 2);
+      const uint8_t* s = src + 4;
+      for (int j = 0; j < 8; ++j) {
+        const int a = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        sc[8 * b + j] = d * static_cast<float>(a), mn[8 * b + j] = dmin * static_cast<float>(m);
+      }
+      const uint8_t *qh = src + 16, *qs = src + (t.id == 13 ? 48 : 16);
+      for (int e = 0; e < 256; ++e) {  // sub-block j = e / 32: run j / 2 of 32 bytes, low nibble if j even
+        const int j = e / 32, i = e % 32;
+        q[e] = (qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F;
+        if (t.id == 13) q[e] |= ((qh[i] >> j) & 1) << 4;
+      }
+      if (t.id == 12)
+        pack_nibbles(q, 128, codes + 128 * b);
+      else
+        for (int e = 0; e < 256; ++e) codes[256 * b + e] = static_cast<uint8_t>(q[e]);
+    }
+  }
+}
+
+struct Decoded {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, mins;
+};
+
+// Rows [n0, n1) of a weight of GGUF blocks decoded into `d`: a view of those rows (row0 = n0).
+QWeight decode_block_rows(const QWeight& q, int64_t n0, int64_t n1, Decoded& d) {
+  const BlockType& t = *block_type(q.block);
+  const int64_t rows = n1 - n0, G = q.K / q.group, cols = q.K * q.bits / 8, per_row = q.K / t.elements;
+  d.codes.resize(static_cast<size_t>(rows * cols));
+  d.scales.resize(static_cast<size_t>(rows * G));
+  d.mins.resize(q.asym ? static_cast<size_t>(rows * G) : 0);
+  for (int64_t r = 0; r < rows; ++r)
+    decode_blocks(t, q.codes + (n0 + r) * q.code_cols, per_row, d.codes.data() + r * cols, d.scales.data() + r * G,
+                  q.asym ? d.mins.data() + r * G : nullptr);
+  QWeight v = q;
+  v.codes = d.codes.data(), v.scales = d.scales.data(), v.mins = d.mins.data();
+  v.code_cols = cols, v.block = 0, v.row0 = n0;
+  return v;
+}
+
+// fn(view, a, b) over rows [n0, n1) of q: q itself, or its blocks decoded some 16 KB of codes at a time.
+template <typename Fn>
+void over_rows(const QWeight& q, int64_t n0, int64_t n1, Fn&& fn) {
+  if (!q.block) {
+    fn(q, n0, n1);
+    return;
+  }
+  Decoded d;
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, q.K * q.bits / 8));
+  for (int64_t a = n0; a < n1; a += chunk) {
+    const int64_t b = std::min(n1, a + chunk);
+    fn(decode_block_rows(q, a, b, d), a, b);
+  }
+}
+
+// deq(w)[n, k0:k1] of one row into buf (k0 a multiple of the blocks, k1 - k0 at most 256 for blocks).
+void dequant_span(const uint8_t* c, const float* sc, const float* mn, int64_t k0, int64_t k1, int64_t group, int bits,
+                  bool asym, float* buf);
+void dequant_row_span(const QWeight& q, int64_t n, int64_t k0, int64_t k1, float* buf) {
+  if (!q.block) {
+    dequant_span(q.row_codes(n), q.row_scales(n), q.row_mins(n), k0, k1, q.group, q.bits, q.asym, buf);
+    return;
+  }
+  const BlockType& t = *block_type(q.block);
+  uint8_t codes[256];
+  float sc[16], mn[16];
+  for (int64_t k = k0; k < k1; k += t.elements) {  // one block at a time
+    const int64_t e = std::min(k1, k + t.elements);
+    decode_blocks(t, q.codes + n * q.code_cols + k / t.elements * t.bytes, 1, codes, sc, mn);
+    dequant_span(codes, sc, mn, 0, e - k, q.group, q.bits, q.asym, buf + (k - k0));
+  }
+}
+
 ffi::Error check_q(const ffi::AnyBuffer& codes, const Matrix& scales, const Matrix& mins, int64_t bits, bool asym,
-                   int64_t K, QWeight* q) {
+                   int64_t K, QWeight* q, int64_t block = 0) {
   auto cd = codes.dimensions();
   if (cd.size() != 2) return ffi::Error::InvalidArgument("gemma4_q: codes must be 2-D");
   const auto t = codes.element_type();
+  if (block) {
+    const BlockType* bt = block_type(block);
+    if (!bt || t != ffi::DataType::U8 || K % bt->elements || cd[1] != K / bt->elements * bt->bytes)
+      return ffi::Error::InvalidArgument("gemma4_q: blocks must be uint8 [N, K / elements * bytes] of a kept type");
+    const int64_t group = block == 14 ? 16 : 32;
+    *q = QWeight{static_cast<const uint8_t*>(codes.untyped_data()), nullptr, nullptr, cd[0], K, group, cd[1],
+                 static_cast<int>(bits), asym, static_cast<int>(block)};
+    return ffi::Error::Success();
+  }
   if (!((bits == 8 && !asym && t == ffi::DataType::S8) || ((bits == 4 || asym) && t == ffi::DataType::U8)))
     return ffi::Error::InvalidArgument("gemma4_q: codes dtype does not match bits/asym");
   const int64_t N = cd[0], code_cols = cd[1];
@@ -774,8 +944,8 @@ inline void interleave(f32x16 lo, f32x16 hi, float* dst) {
 #endif
 
 // deq(w)[n, k0:k1] of one row into buf[0 : k1 - k0]; for int4, k0, k1 and the group are even.
-inline void dequant_span(const uint8_t* __restrict__ c, const float* __restrict__ sc, const float* __restrict__ mn,
-                         int64_t k0, int64_t k1, int64_t group, int bits, bool asym, float* __restrict__ buf) {
+void dequant_span(const uint8_t* __restrict__ c, const float* __restrict__ sc, const float* __restrict__ mn, int64_t k0,
+                  int64_t k1, int64_t group, int bits, bool asym, float* __restrict__ buf) {
   for (int64_t k = k0, g = k0 / group; k < k1; ++g) {
     const int64_t e = std::min(k1, (g + 1) * group);
     const float s = sc[g], m = asym ? mn[g] : 0.f;  // asym: code * s - m
@@ -831,9 +1001,9 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
                 float* __restrict__ out, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
   const int64_t K = q.K, G = K / q.group;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = q.codes + n * q.code_cols;
-    const float* sc = q.scales + n * G;
-    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    const uint8_t* c = q.row_codes(n);
+    const float* sc = q.row_scales(n);
+    const float* mn = q.row_mins(n);
     f32x16 acc[MB];
     float corr[MB];
     for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
@@ -960,9 +1130,9 @@ void act8_block(const QWeight& q, const ActChunk* act, float* __restrict__ out, 
   const __mmask16 groups = static_cast<__mmask16>((1u << (q.group >= kAct8Span ? 1 : kAct8Span / q.group)) - 1);
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = q.codes + n * q.code_cols;
-    const float* sc = q.scales + n * G;
-    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    const uint8_t* c = q.row_codes(n);
+    const float* sc = q.row_scales(n);
+    const float* mn = q.row_mins(n);
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t ch = 0; ch < C; ++ch) {
@@ -1019,9 +1189,9 @@ void act8_block(const QWeight& q, const ActChunk* act, float* __restrict__ out, 
   const LaneGroups lanes(q.group, 8);
   const __m256i nib = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = q.codes + n * q.code_cols;
-    const float* sc = q.scales + n * G;
-    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    const uint8_t* c = q.row_codes(n);
+    const float* sc = q.row_scales(n);
+    const float* mn = q.row_mins(n);
     __m256 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t ch = 0; ch < C; ++ch) {
@@ -1058,8 +1228,8 @@ void act8_block8(const QWeight& q, const ActBlock* act, float* __restrict__ out,
   const int64_t C = q.K / 32, G = q.K / q.group;
   const LaneGroups lanes(q.group, 4);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = q.codes + n * q.code_cols;
-    const float* sc = q.scales + n * G;
+    const uint8_t* c = q.row_codes(n);
+    const float* sc = q.row_scales(n);
     __m256 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t ch = 0; ch < C; ++ch) {
@@ -1093,16 +1263,17 @@ void act8_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, const
   auto run = [&](auto asym_c) {
     constexpr bool A = decltype(asym_c)::value;
     parallel_for(pool, nt, [&](int64_t t) {
-      const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-      for_row_blocks(M, [&](auto mb, int64_t m) {
-        constexpr int MB = decltype(mb)::value;
-        if (q.bits == 4) {
-          act8_block<MB, A>(q, act4.data(), Y, N, n0, n1, m);
-        } else {
+      over_rows(q, t * per_task, std::min(N, (t + 1) * per_task), [&](const QWeight& v, int64_t n0, int64_t n1) {
+        for_row_blocks(M, [&](auto mb, int64_t m) {
+          constexpr int MB = decltype(mb)::value;
+          if (v.bits == 4) {
+            act8_block<MB, A>(v, act4.data(), Y, N, n0, n1, m);
+          } else {
 #if !defined(__AVX512VNNI__)
-          act8_block8<MB>(q, act8.data(), Y, N, n0, n1, m);
+            act8_block8<MB>(v, act8.data(), Y, N, n0, n1, m);
 #endif
-        }
+          }
+        });
       });
     });
   };
@@ -1120,10 +1291,8 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
   const bool asym = q.asym;
   const bool int8_product = act8 && act8_layout(q);
   if (rows_for_choice >= (int8_product ? kGemmRowsT : kGemmRowsTFloatCodes)) {
-    gemm_t(pool, X, Y, M, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
-      dequant_span(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, k0, k0 + kc, q.group,
-                   q.bits, q.asym, dst);
-    });
+    gemm_t(pool, X, Y, M, K, N,
+           [&](int64_t n, int64_t k0, int64_t kc, float* dst) { dequant_row_span(q, n, k0, k0 + kc, dst); });
     return;
   }
   const int64_t per_task = rows_per_task(pool, N, q.code_cols);
@@ -1150,9 +1319,10 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
       constexpr int B = decltype(bits_c)::value;
       constexpr bool A = decltype(asym_c)::value;
       parallel_for(pool, nt, [&](int64_t t) {
-        const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-        for_row_blocks(M, [&](auto mb, int64_t m) {
-          qdot_block<decltype(mb)::value, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+        over_rows(q, t * per_task, std::min(N, (t + 1) * per_task), [&](const QWeight& v, int64_t n0, int64_t n1) {
+          for_row_blocks(M, [&](auto mb, int64_t m) {
+            qdot_block<decltype(mb)::value, B, A>(v, xp.data(), xsum.data(), Y, N, n0, n1, m);
+          });
         });
       });
     };
@@ -1166,22 +1336,22 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
   }
   // other group sizes: each weight row dequantized once into an L1 buffer, then multiplied
   parallel_for(pool, nt, [&](int64_t t) {
-    const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
     std::vector<float> buf(static_cast<size_t>(K));
-    for (int64_t n = n0; n < n1; ++n) {
-      __builtin_prefetch(q.codes + (n + 2) * q.code_cols);
-      dequant_row(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, K, q.group, q.bits,
-                  q.asym, buf.data());
-      for_row_blocks(M, [&](auto mb, int64_t m) { dot_rows<decltype(mb)::value>(X, buf.data(), Y, K, N, n, m); });
-    }
+    over_rows(q, t * per_task, std::min(N, (t + 1) * per_task), [&](const QWeight& v, int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        __builtin_prefetch(v.row_codes(n) + 2 * v.code_cols);
+        dequant_row(v.row_codes(n), v.row_scales(n), v.row_mins(n), K, v.group, v.bits, v.asym, buf.data());
+        for_row_blocks(M, [&](auto mb, int64_t m) { dot_rows<decltype(mb)::value>(X, buf.data(), Y, K, N, n, m); });
+      }
+    });
   });
 }
 
 ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
-                 int64_t bits, bool asym, bool act8) {
+                 int64_t bits, bool asym, bool act8, int64_t block) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   QWeight q;
-  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
+  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q, block); e.failure()) return e;
   if (M * q.N == 0) return ffi::Error::Success();
   on_live_rows(x.typed_data(), out->typed_data(), M, K, q.N,
                [&](const float* X, float* Y, int64_t rows) { q_product(pool, q, X, Y, rows, M, act8); });
@@ -1190,18 +1360,18 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
 
 // deq(w) as a float32 [N, K] matrix (many rows: the product is then XLA's float32 dot).
 ffi::Error QDequant(ffi::ThreadPool pool, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
-                    int64_t bits, bool asym) {
+                    int64_t bits, bool asym, int64_t block) {
   const int64_t K = out->dimensions()[1];
   QWeight q;
-  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
-  const int64_t N = q.N, G = K / q.group;
+  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q, block); e.failure()) return e;
+  const int64_t N = q.N;
   float* Y = out->typed_data();
   const int64_t per_task = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(K, 1));
   parallel_for(pool, (N + per_task - 1) / per_task, [&](int64_t t) {
-    const int64_t n1 = std::min(N, (t + 1) * per_task);
-    for (int64_t n = t * per_task; n < n1; ++n)
-      dequant_row(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, K, q.group, q.bits,
-                  q.asym, Y + n * K);
+    over_rows(q, t * per_task, std::min(N, (t + 1) * per_task), [&](const QWeight& v, int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        dequant_row(v.row_codes(n), v.row_scales(n), v.row_mins(n), K, v.group, v.bits, v.asym, Y + n * K);
+    });
   });
   return ffi::Error::Success();
 }
@@ -1556,7 +1726,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QRows, QRows,
                                   .Ret<Matrix>()
                                   .Attr<int64_t>("bits")
                                   .Attr<bool>("asym")
-                                  .Attr<bool>("act8"));
+                                  .Attr<bool>("act8")
+                                  .Attr<int64_t>("block"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QDequant, QDequant,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1565,7 +1736,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QDequant, QDequant,
                                   .Arg<Matrix>()
                                   .Ret<Matrix>()
                                   .Attr<int64_t>("bits")
-                                  .Attr<bool>("asym"));
+                                  .Attr<bool>("asym")
+                                  .Attr<int64_t>("block"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Attend, Attend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
