@@ -694,87 +694,146 @@ const BlockType* block_type(int64_t id) {
   return nullptr;
 }
 
+// float16 (two little-endian bytes) -> float32, exactly: F16C's instruction where the kernels are built for
+// it, else the bit manipulation of the FP16 library (normals rescaled by 2^-112, subnormals by a magic bias).
 inline float half_to_float(const uint8_t* p) {
-  const uint32_t h = p[0] | (static_cast<uint32_t>(p[1]) << 8);
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  uint32_t u;
-  if (exp == 0x1F) {
-    u = sign | 0x7F800000u | (man << 13);
-  } else if (exp) {
-    u = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (!man) {
-    u = sign;
-  } else {  // subnormal: shift the mantissa up to its leading one
-    uint32_t m = man, e = 0;
-    while (!(m & 0x400)) m <<= 1, ++e;
-    u = sign | ((113 - e) << 23) | ((m & 0x3FF) << 13);
-  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t w = static_cast<uint32_t>(h) << 16, two_w = w + w;
+  uint32_t norm_bits = (two_w >> 4) + (0xE0u << 23), denorm_bits = (two_w >> 17) | (126u << 23), out;
+  float norm, denorm;
+  std::memcpy(&norm, &norm_bits, 4);
+  std::memcpy(&denorm, &denorm_bits, 4);
+  norm *= 0x1.0p-112f;
+  denorm -= 0.5f;
+  std::memcpy(&out, two_w < (1u << 27) ? static_cast<const void*>(&denorm) : static_cast<const void*>(&norm), 4);
+  out |= w & 0x80000000u;
   float f;
-  std::memcpy(&f, &u, sizeof(f));
+  std::memcpy(&f, &out, 4);
   return f;
+#endif
 }
 
-// q[0 : 2n] (values in a nibble, signed or not) -> n bytes, element 2j in the low nibble (quant.py's int4)
-inline void pack_nibbles(const int* q, int64_t n, uint8_t* out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint8_t>((q[2 * j] & 0x0F) | ((q[2 * j + 1] & 0x0F) << 4));
+// bytes i of kBit4[b]: 0x10 where bit i of b is set (the fifth bits of 8 Q5_0 codes)
+struct Bit4Table {
+  uint64_t v[256];
+  Bit4Table() {
+    for (int b = 0; b < 256; ++b) {
+      v[b] = 0;
+      for (int i = 0; i < 8; ++i)
+        if (b >> i & 1) v[b] |= uint64_t{0x10} << (8 * i);
+    }
+  }
+};
+const Bit4Table kBit4;
+
+typedef uint8_t u8x16v __attribute__((vector_size(16)));
+inline u8x16v load16(const uint8_t* p) {
+  u8x16v v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+inline void store16(uint8_t* p, u8x16v v) { std::memcpy(p, &v, 16); }
+
+// The even and the odd bytes of p[0:32].
+inline void even_odd(const uint8_t* p, u8x16v& e, u8x16v& o) {
+  const u8x16v a = load16(p), b = load16(p + 16);
+#if defined(__clang__)
+  e = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  o = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  e = __builtin_shuffle(a, b, u8x16v{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
+  o = __builtin_shuffle(a, b, u8x16v{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+#endif
+}
+
+// Our int4 order (byte j: element 2j low, 2j + 1 high) from GGUF's, where byte i of a run of 16 holds
+// element i low and element i + 16 high: out[0:16] for 32 elements, `flip` 0x88 for Q4_0's offset of 8.
+inline void reorder_nibbles(const uint8_t* qs, uint8_t* out, uint8_t flip) {
+  for (int j = 0; j < 8; ++j) {
+    out[j] = static_cast<uint8_t>(((qs[2 * j] & 0x0F) | (qs[2 * j + 1] << 4)) ^ flip);
+    out[8 + j] = static_cast<uint8_t>(((qs[2 * j] >> 4) | (qs[2 * j + 1] & 0xF0)) ^ flip);
+  }
+}
+
+// Q4_K / Q5_K: scale j and min j (6 bits each) of a block's 12 packed bytes, times d and dmin.
+inline void k_scales(const uint8_t* src, float* sc, float* mn) {
+  const float d = half_to_float(src), dmin = half_to_float(src + 2);
+  const uint8_t* s = src + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int a = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    sc[j] = d * static_cast<float>(a), mn[j] = dmin * static_cast<float>(m);
+  }
 }
 
 // `count` blocks of type `t` at src -> codes (quant.py's layout, from the first block's first element),
-// float32 scales and (asymmetric) mins, one per group.
+// float32 scales and (asymmetric) mins, one per group. Written with 16-byte vectors (SSE / NEON on every
+// ISA path): the decode must cost little beside reading the blocks from memory.
 void decode_blocks(const BlockType& t, const uint8_t* src, int64_t count, uint8_t* codes, float* sc, float* mn) {
-  int q[256];
-  for (int64_t b = 0; b < count; ++b, src += t.bytes) {
-    const float d = half_to_float(src);
-    if (t.elements == 32) {
-      const uint8_t* qs = src + (t.id == 3 ? 4 : t.id == 6 ? 6 : 2);
-      sc[b] = d;
-      if (t.id == 8) {
-        std::memcpy(codes + 32 * b, src + 2, 32);
-        continue;
+  switch (t.id) {
+    case 8:  // Q8_0: d, 32 int8 codes
+      for (int64_t b = 0; b < count; ++b, src += 34) sc[b] = half_to_float(src), std::memcpy(codes + 32 * b, src + 2, 32);
+      return;
+    case 6:  // Q5_0: d, 32 fifth bits, 16 bytes of nibbles (element i low, i + 16 high); codes q - 16
+      for (int64_t b = 0; b < count; ++b, src += 22) {
+        sc[b] = half_to_float(src);
+        const uint64_t h[4] = {kBit4.v[src[2]], kBit4.v[src[3]], kBit4.v[src[4]], kBit4.v[src[5]]};
+        u8x16v hl, hh;
+        std::memcpy(&hl, h, 16);
+        std::memcpy(&hh, h + 2, 16);
+        const u8x16v q = load16(src + 6);
+        store16(codes + 32 * b, ((q & 0x0F) | hl) - 16);
+        store16(codes + 32 * b + 16, ((q >> 4) | hh) - 16);
       }
-      uint32_t qh = 0;
-      if (t.id == 6) std::memcpy(&qh, src + 2, 4);  // little-endian: bit j is element j's fifth bit
-      for (int j = 0; j < 16; ++j) {
-        q[j] = qs[j] & 0x0F, q[j + 16] = qs[j] >> 4;
-        if (t.id == 6) q[j] |= ((qh >> j) & 1) << 4, q[j + 16] |= ((qh >> (j + 16)) & 1) << 4;
+      return;
+    case 2:  // Q4_0: d, 16 bytes of nibbles; codes q - 8 (the nibble's top bit flipped)
+    case 3:  // Q4_1: d, m, 16 bytes of nibbles; min -m
+      for (int64_t b = 0; b < count; ++b, src += t.bytes) {
+        sc[b] = half_to_float(src);
+        if (t.id == 3) mn[b] = -half_to_float(src + 2);
+        reorder_nibbles(src + (t.id == 3 ? 4 : 2), codes + 16 * b, t.id == 2 ? 0x88 : 0);
       }
-      if (t.id == 3) {
-        mn[b] = -half_to_float(src + 2);
-        pack_nibbles(q, 16, codes + 16 * b);
-      } else if (t.id == 2) {
-        for (int j = 0; j < 32; ++j) q[j] -= 8;
-        pack_nibbles(q, 16, codes + 16 * b);
-      } else {
-        for (int j = 0; j < 32; ++j) codes[32 * b + j] = static_cast<uint8_t>(static_cast<int8_t>(q[j] - 16));
+      return;
+    case 12:  // Q4_K: d, dmin, scales, 4 runs of 32 bytes (low nibbles sub-block 2r, high 2r + 1)
+      for (int64_t b = 0; b < count; ++b, src += 144) {
+        k_scales(src, sc + 8 * b, mn + 8 * b);
+        for (int r = 0; r < 4; ++r) {
+          u8x16v e, o;
+          even_odd(src + 16 + 32 * r, e, o);
+          store16(codes + 128 * b + 32 * r, (e & 0x0F) | (o << 4));
+          store16(codes + 128 * b + 32 * r + 16, (e >> 4) | (o & 0xF0));
+        }
       }
-    } else if (t.id == 14) {  // Q6_K: ql[128], qh[64], int8 sc[16], d
-      const uint8_t *ql = src, *qh = src + 128;
-      const float dd = half_to_float(src + 208);
-      for (int g = 0; g < 16; ++g) sc[16 * b + g] = dd * static_cast<float>(static_cast<int8_t>(src[192 + g]));
-      for (int e = 0; e < 256; ++e) {
-        const int h = e / 128, r = e % 128;
-        const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0F, hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
-        codes[256 * b + e] = static_cast<uint8_t>(static_cast<int8_t>((lo | (hi << 4)) - 32));
+      return;
+    case 13:  // Q5_K: d, dmin, scales, qh[32] (bit j: sub-block j), 4 runs of 32 bytes of nibbles
+      for (int64_t b = 0; b < count; ++b, src += 176) {
+        k_scales(src, sc + 8 * b, mn + 8 * b);
+        for (int r = 0; r < 4; ++r)
+          for (int i = 0; i < 32; i += 16) {
+            const u8x16v q = load16(src + 48 + 32 * r + i), h = load16(src + 16 + i);
+            uint8_t* out = codes + 256 * b + 64 * r + i;
+            store16(out, (q & 0x0F) | (((h >> (2 * r)) & 1) << 4));
+            store16(out + 32, (q >> 4) | (((h >> (2 * r + 1)) & 1) << 4));
+          }
       }
-    } else {  // Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: qh[32]), qs[128]
-      const float dmin = half_to_float(src + 2);
-      const uint8_t* s = src + 4;
-      for (int j = 0; j < 8; ++j) {
-        const int a = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-        sc[8 * b + j] = d * static_cast<float>(a), mn[8 * b + j] = dmin * static_cast<float>(m);
+      return;
+    case 14:  // Q6_K: ql[128], qh[64], int8 sc[16], d; codes q - 32
+      for (int64_t b = 0; b < count; ++b, src += 210) {
+        const float d = half_to_float(src + 208);
+        for (int g = 0; g < 16; ++g) sc[16 * b + g] = d * static_cast<float>(static_cast<int8_t>(src[192 + g]));
+        for (int h = 0; h < 2; ++h)
+          for (int t4 = 0; t4 < 4; ++t4)  // elements 128h + 32 t4 + i
+            for (int i = 0; i < 32; i += 16) {
+              const u8x16v ql = load16(src + 64 * h + 32 * (t4 % 2) + i), qh = load16(src + 128 + 32 * h + i);
+              const u8x16v lo = (ql >> (4 * (t4 / 2))) & 0x0F, hi = (qh >> (2 * t4)) & 3;
+              store16(codes + 256 * b + 128 * h + 32 * t4 + i, (lo | (hi << 4)) - 32);
+            }
       }
-      const uint8_t *qh = src + 16, *qs = src + (t.id == 13 ? 48 : 16);
-      for (int e = 0; e < 256; ++e) {  // sub-block j = e / 32: run j / 2 of 32 bytes, low nibble if j even
-        const int j = e / 32, i = e % 32;
-        q[e] = (qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F;
-        if (t.id == 13) q[e] |= ((qh[i] >> j) & 1) << 4;
-      }
-      if (t.id == 12)
-        pack_nibbles(q, 128, codes + 128 * b);
-      else
-        for (int e = 0; e < 256; ++e) codes[256 * b + e] = static_cast<uint8_t>(q[e]);
-    }
+      return;
   }
 }
 
@@ -996,13 +1055,14 @@ inline void dequant_row(const uint8_t* c, const float* sc, const float* mn, int6
 // with x; each group's partial sums take its scale once (and, asymmetric, subtract min * sum(x over the
 // group), precomputed per row of x). For int4 the 16 low nibbles of 16 bytes are elements 0, 2, .., 30
 // of a 32-wide chunk and the high nibbles 1, 3, .., 31, so x is permuted once per call to match.
-template <int MB, int BITS, bool ASYM>
+// Q8_0: GGUF's Q8_0 blocks read in place (group g: float16 scale at 34 g, its 32 codes after it).
+template <int MB, int BITS, bool ASYM, bool Q8_0 = false>
 void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum,
                 float* __restrict__ out, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
   const int64_t K = q.K, G = K / q.group;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = q.row_codes(n);
-    const float* sc = q.row_scales(n);
+    const float* sc = Q8_0 ? nullptr : q.row_scales(n);
     const float* mn = q.row_mins(n);
     f32x16 acc[MB];
     float corr[MB];
@@ -1012,9 +1072,10 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
       for (int m = 0; m < MB; ++m) ga[m] = f32x16{};
       const int64_t k0 = g * q.group;
       if constexpr (BITS == 8) {
+        const uint8_t* cg = Q8_0 ? c + 34 * g + 2 - k0 : c;  // codes of column k at cg + k
         for (int64_t k = k0; k < k0 + q.group; k += 16) {
-          __builtin_prefetch(c + 2 * q.code_cols + k);  // the same bytes two rows ahead (see cols_task)
-          const f32x16 wv = widen_codes8(c + k, ASYM);
+          __builtin_prefetch(cg + 2 * q.code_cols + k);  // the same bytes two rows ahead (see cols_task)
+          const f32x16 wv = widen_codes8(cg + k, ASYM);
           for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k);
         }
       } else {
@@ -1028,7 +1089,7 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
           }
         }
       }
-      const float s = sc[g];
+      const float s = Q8_0 ? half_to_float(c + 34 * g) : sc[g];
       for (int m = 0; m < MB; ++m) {
         acc[m] += ga[m] * s;
         if constexpr (ASYM) corr[m] += mn[g] * xsum[(m0 + m) * G + g];
@@ -1315,6 +1376,15 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
     if (asym)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) xsum[m * G + k / q.group] += X[m * K + k];
+    if (q.block == 8) {  // Q8_0 blocks: read in place
+      parallel_for(pool, nt, [&](int64_t t) {
+        const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
+        for_row_blocks(M, [&](auto mb, int64_t m) {
+          qdot_block<decltype(mb)::value, 8, false, true>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+        });
+      });
+      return;
+    }
     auto run = [&](auto bits_c, auto asym_c) {
       constexpr int B = decltype(bits_c)::value;
       constexpr bool A = decltype(asym_c)::value;
