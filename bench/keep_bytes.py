@@ -73,8 +73,16 @@ def main(argv=None) -> int:
     tok = gemma4_nnx.load_tokenizer(after)
     text = open(os.path.join(ROOT, "tests", "data", "public_domain.txt"), encoding="utf-8").read()
     ids = tok.encode(text, add_bos=True)
-    logits = [np.asarray(gemma4_nnx.load(c)(jnp.asarray([ids[:64]]))) for c in (before, after)]
+    from flax import nnx
+
+    logits, held = [], {}
+    for name, c in (("before", before), ("after", after)):
+        model = gemma4_nnx.load(c)
+        held[name] = sum(v.get_value().nbytes for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
+        logits.append(np.asarray(model(jnp.asarray([ids[:64]]))))
     same = bool(np.array_equal(logits[0], logits[1]))
+    reader = __import__("gguf").GGUFReader(gguf)
+    held["file"] = sum(int(t.n_bytes) for t in reader.tensors)
 
     prompts = [[ids[0]] + ids[1 + 97 * i : 1 + 97 * i + 12] for i in range(8)]  # 13 tokens
     pin = ["taskset", "-c", a.cores]
@@ -91,16 +99,16 @@ def main(argv=None) -> int:
     for w in workers.values():
         w.close()
     figs = {k: _figures(v, 1, a.new) for k, v in pairs.items()}
-    print(json.dumps({"bytes": sizes, "logits_equal": same, "figures": figs}))
+    print(json.dumps({"bytes": sizes, "weights_in_memory": held, "logits_equal": same, "figures": figs}))
     print(f"\nGemma 3 270M Q4_K_M, --quantize keep; {a.cores}: 2 threads, {a.new} new tokens, medians of {a.repeats}")
-    print("| | checkpoint bytes | / file | time to first token, 13 tokens (ms) | decode tok/s, batch 1 |")
-    print("|---|---|---|---|---|")
-    print(f"| GGUF file | {sizes['file'] / 1e6:.1f} MB | 1.000 | | |")
+    print("| | weights in memory | / file's tensors | checkpoint on disk | first token, 13 tokens | decode, batch 1 |")
+    print("|---|---|---|---|---|---|")
+    print(f"| GGUF file | {held['file'] / 1e6:.1f} MB | 1.000 | {sizes['file'] / 1e6:.1f} MB (file) | | |")
     for k in workers:
         f = figs[k]
         print(
-            f"| {k} | {sizes[k] / 1e6:.1f} MB | {sizes[k] / sizes['file']:.3f} | {f['ttft_ms']:.1f} | "
-            f"{f['decode_tok_s']:.1f} |"
+            f"| {k} | {held[k] / 1e6:.1f} MB | {held[k] / held['file']:.3f} | {sizes[k] / 1e6:.1f} MB | "
+            f"{f['ttft_ms']:.1f} ms | {f['decode_tok_s']:.1f} tok/s |"
         )
     print(f"logits of a 64-token prompt, before vs after: {'bit for bit equal' if same else 'DIFFERENT'}")
     return 0 if same else 1
