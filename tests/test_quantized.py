@@ -587,3 +587,38 @@ def test_block_format_metadata_round_trips_and_old_formats_still_read():
     assert quant.QuantFormat.from_json({"bits": 4, "group": 32, "asym": True}).block is None
     with pytest.raises(ValueError, match="block Q4_K decodes to"):
         quant.QuantFormat(8, 32, True, "Q4_K")
+
+
+@pytest.mark.parametrize("matmul", ["xla", pytest.param("cpu_kernels", marks=needs_kernels)])
+def test_model_with_blocks_held_as_stored_gives_the_same_logits(matmul):
+    """A model whose projections and token table are GGUF blocks held as stored gives bit for bit the
+    logits of the same model holding their decoded codes and float32 scales (what checkpoints stored
+    before)."""
+    from gemma4_nnx.io.gguf_quantize import encode_rows
+    from gemma4_nnx.model.blocks import decode
+
+    models = [random_model("e2b", matmul=matmul) for _ in range(2)]
+    product = layers.resolve_matmul(matmul, dtype=jnp.float32, param_dtype=None, quantized=True)
+    kinds = iter(["Q8_0", "Q5_0"] * 100)
+    done = 0
+    for path, mod in list(nnx.iter_graph(models[0])):
+        path = tuple(path)
+        if not isinstance(mod, (nnx.Linear, layers.Embedding)) or not quant.quantizable(path):
+            continue
+        w = quant.float_matrix(mod)
+        if w.shape[1] % 32:
+            continue
+        kind = next(kinds)
+        raw = encode_rows(w, kind)
+        fmt = quant.QuantFormat.of_block(kind)
+        held = quant.quantized_like(mod, fmt, product)
+        quant._set_params(held, jnp.asarray(raw), None, None)
+        quant.set_submodule(models[0], path, held)
+        flat = quant.quantized_like(quant.get_submodule(models[1], path), dataclasses.replace(fmt, block=None), product)
+        quant._set_params(flat, *decode(jnp.asarray(raw), kind))
+        quant.set_submodule(models[1], path, flat)
+        done += 1
+    assert done >= 10
+    ids = jnp.asarray(PROMPTS[1:2])
+    a, b = (np.asarray(nnx.jit(lambda m, x: m(x))(m, ids)) for m in models)
+    np.testing.assert_array_equal(a, b)
