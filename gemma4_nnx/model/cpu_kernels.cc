@@ -770,6 +770,18 @@ inline void k_scales(const uint8_t* src, float* sc, float* mn) {
   }
 }
 
+// Q5_0: d, 32 fifth bits, 16 bytes of nibbles (element i low, i + 16 high) -> 32 int8 codes q - 16; d.
+inline float decode_q5_0(const uint8_t* src, uint8_t* codes) {
+  const uint64_t h[4] = {kBit4.v[src[2]], kBit4.v[src[3]], kBit4.v[src[4]], kBit4.v[src[5]]};
+  u8x16v hl, hh;
+  std::memcpy(&hl, h, 16);
+  std::memcpy(&hh, h + 2, 16);
+  const u8x16v q = load16(src + 6);
+  store16(codes, ((q & 0x0F) | hl) - 16);
+  store16(codes + 16, ((q >> 4) | hh) - 16);
+  return half_to_float(src);
+}
+
 // `count` blocks of type `t` at src -> codes (quant.py's layout, from the first block's first element),
 // float32 scales and (asymmetric) mins, one per group. Written with 16-byte vectors (SSE / NEON on every
 // ISA path): the decode must cost little beside reading the blocks from memory.
@@ -778,17 +790,8 @@ void decode_blocks(const BlockType& t, const uint8_t* src, int64_t count, uint8_
     case 8:  // Q8_0: d, 32 int8 codes
       for (int64_t b = 0; b < count; ++b, src += 34) sc[b] = half_to_float(src), std::memcpy(codes + 32 * b, src + 2, 32);
       return;
-    case 6:  // Q5_0: d, 32 fifth bits, 16 bytes of nibbles (element i low, i + 16 high); codes q - 16
-      for (int64_t b = 0; b < count; ++b, src += 22) {
-        sc[b] = half_to_float(src);
-        const uint64_t h[4] = {kBit4.v[src[2]], kBit4.v[src[3]], kBit4.v[src[4]], kBit4.v[src[5]]};
-        u8x16v hl, hh;
-        std::memcpy(&hl, h, 16);
-        std::memcpy(&hh, h + 2, 16);
-        const u8x16v q = load16(src + 6);
-        store16(codes + 32 * b, ((q & 0x0F) | hl) - 16);
-        store16(codes + 32 * b + 16, ((q >> 4) | hh) - 16);
-      }
+    case 6:
+      for (int64_t b = 0; b < count; ++b, src += 22) sc[b] = decode_q5_0(src, codes + 32 * b);
       return;
     case 2:  // Q4_0: d, 16 bytes of nibbles; codes q - 8 (the nibble's top bit flipped)
     case 3:  // Q4_1: d, m, 16 bytes of nibbles; min -m
@@ -1055,24 +1058,27 @@ inline void dequant_row(const uint8_t* c, const float* sc, const float* mn, int6
 // with x; each group's partial sums take its scale once (and, asymmetric, subtract min * sum(x over the
 // group), precomputed per row of x). For int4 the 16 low nibbles of 16 bytes are elements 0, 2, .., 30
 // of a 32-wide chunk and the high nibbles 1, 3, .., 31, so x is permuted once per call to match.
-// Q8_0: GGUF's Q8_0 blocks read in place (group g: float16 scale at 34 g, its 32 codes after it).
-template <int MB, int BITS, bool ASYM, bool Q8_0 = false>
+// RAW: GGUF blocks read in place, 8 = Q8_0 (group g: float16 scale at 34 g, its 32 codes after it),
+// 6 = Q5_0 (group g: the block at 22 g, its 32 codes decoded on the stack first).
+template <int MB, int BITS, bool ASYM, int RAW = 0>
 void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum,
                 float* __restrict__ out, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
   const int64_t K = q.K, G = K / q.group;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = q.row_codes(n);
-    const float* sc = Q8_0 ? nullptr : q.row_scales(n);
+    const float* sc = RAW ? nullptr : q.row_scales(n);
     const float* mn = q.row_mins(n);
     f32x16 acc[MB];
-    float corr[MB];
+    float corr[MB], scale_tmp = 0.f;
     for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
     for (int64_t g = 0; g < G; ++g) {
       f32x16 ga[MB];
       for (int m = 0; m < MB; ++m) ga[m] = f32x16{};
       const int64_t k0 = g * q.group;
       if constexpr (BITS == 8) {
-        const uint8_t* cg = Q8_0 ? c + 34 * g + 2 - k0 : c;  // codes of column k at cg + k
+        alignas(16) uint8_t tmp[32];
+        if constexpr (RAW == 6) scale_tmp = decode_q5_0(c + 22 * g, tmp);
+        const uint8_t* cg = RAW == 8 ? c + 34 * g + 2 - k0 : RAW == 6 ? tmp - k0 : c;  // column k's code at cg + k
         for (int64_t k = k0; k < k0 + q.group; k += 16) {
           __builtin_prefetch(cg + 2 * q.code_cols + k);  // the same bytes two rows ahead (see cols_task)
           const f32x16 wv = widen_codes8(cg + k, ASYM);
@@ -1089,7 +1095,7 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
           }
         }
       }
-      const float s = Q8_0 ? half_to_float(c + 34 * g) : sc[g];
+      const float s = RAW == 8 ? half_to_float(c + 34 * g) : RAW == 6 ? scale_tmp : sc[g];
       for (int m = 0; m < MB; ++m) {
         acc[m] += ga[m] * s;
         if constexpr (ASYM) corr[m] += mn[g] * xsum[(m0 + m) * G + g];
@@ -1376,11 +1382,15 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
     if (asym)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) xsum[m * G + k / q.group] += X[m * K + k];
-    if (q.block == 8) {  // Q8_0 blocks: read in place
+    if (q.block == 8 || q.block == 6) {  // Q8_0 / Q5_0 blocks: read in place
       parallel_for(pool, nt, [&](int64_t t) {
         const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
         for_row_blocks(M, [&](auto mb, int64_t m) {
-          qdot_block<decltype(mb)::value, 8, false, true>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+          constexpr int MB = decltype(mb)::value;
+          if (q.block == 8)
+            qdot_block<MB, 8, false, 8>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+          else
+            qdot_block<MB, 8, false, 6>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
         });
       });
       return;
