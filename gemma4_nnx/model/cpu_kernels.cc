@@ -1058,47 +1058,64 @@ inline void dequant_row(const uint8_t* c, const float* sc, const float* mn, int6
 // with x; each group's partial sums take its scale once (and, asymmetric, subtract min * sum(x over the
 // group), precomputed per row of x). For int4 the 16 low nibbles of 16 bytes are elements 0, 2, .., 30
 // of a 32-wide chunk and the high nibbles 1, 3, .., 31, so x is permuted once per call to match.
-// RAW: GGUF blocks read in place, 8 = Q8_0 (group g: float16 scale at 34 g, its 32 codes after it),
-// 6 = Q5_0 (group g: the block at 22 g, its 32 codes decoded on the stack first).
+// RAW (a GGML type number): GGUF blocks read in place. Q8_0: group g's float16 scale at 34 g, its 32 codes
+// after it; other types: each block decoded on the stack when the loop reaches it (`decode_blocks`:
+// codes, scales and mins of its groups), so no row passes through a buffer in memory.
 template <int MB, int BITS, bool ASYM, int RAW = 0>
 void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum,
                 float* __restrict__ out, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
   const int64_t K = q.K, G = K / q.group;
+  constexpr int EL = RAW == 12 || RAW == 13 || RAW == 14 ? 256 : 32;  // elements of a block
+  constexpr int BY = RAW == 8 ? 34 : RAW == 6 ? 22 : RAW == 2 ? 18 : RAW == 3 ? 20 : RAW == 12 ? 144 : RAW == 13 ? 176 : 210;
+  const BlockType* bt = RAW ? block_type(RAW) : nullptr;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = q.row_codes(n);
     const float* sc = RAW ? nullptr : q.row_scales(n);
-    const float* mn = q.row_mins(n);
+    const float* mn = RAW ? nullptr : q.row_mins(n);
+    alignas(16) uint8_t tmp[EL];  // a decoded block: codes, scales and mins of its groups
+    float stmp[EL / 16], mtmp[EL / 16];
+    const uint8_t* cw = c;  // column k's code at cw + (k - off) (int4: byte (k - off) / 2)
+    const float *sw = sc, *mw = mn;  // group g's scale at sw[g - goff]
+    int64_t off = 0, goff = 0;
     f32x16 acc[MB];
-    float corr[MB], scale_tmp = 0.f;
+    float corr[MB];
     for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
     for (int64_t g = 0; g < G; ++g) {
       f32x16 ga[MB];
       for (int m = 0; m < MB; ++m) ga[m] = f32x16{};
       const int64_t k0 = g * q.group;
+      if constexpr (RAW == 8) {
+        cw = c + 34 * g + 2, off = k0;
+      } else if constexpr (RAW != 0) {
+        if (k0 % EL == 0) {
+          if constexpr (RAW == 6)
+            stmp[0] = decode_q5_0(c + k0 / EL * BY, tmp);
+          else
+            decode_blocks(*bt, c + k0 / EL * BY, 1, tmp, stmp, mtmp);
+          cw = tmp, sw = stmp, mw = mtmp, off = k0, goff = g;
+        }
+      }
       if constexpr (BITS == 8) {
-        alignas(16) uint8_t tmp[32];
-        if constexpr (RAW == 6) scale_tmp = decode_q5_0(c + 22 * g, tmp);
-        const uint8_t* cg = RAW == 8 ? c + 34 * g + 2 - k0 : RAW == 6 ? tmp - k0 : c;  // column k's code at cg + k
         for (int64_t k = k0; k < k0 + q.group; k += 16) {
-          __builtin_prefetch(cg + 2 * q.code_cols + k);  // the same bytes two rows ahead (see cols_task)
-          const f32x16 wv = widen_codes8(cg + k, ASYM);
+          __builtin_prefetch(c + 2 * q.code_cols + (RAW ? k / EL * BY : k));  // two rows ahead (see cols_task)
+          const f32x16 wv = widen_codes8(cw + (k - off), ASYM);
           for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k);
         }
       } else {
         for (int64_t k = k0; k < k0 + q.group; k += 32) {
-          __builtin_prefetch(c + 2 * q.code_cols + k / 2);
+          __builtin_prefetch(c + 2 * q.code_cols + (RAW ? k / EL * BY : k / 2));
           f32x16 lo, hi;
-          widen_codes4(c + k / 2, ASYM, lo, hi);
+          widen_codes4(cw + (k - off) / 2, ASYM, lo, hi);
           for (int m = 0; m < MB; ++m) {
             const float* xm = xp + (m0 + m) * K + k;
             ga[m] += lo * load_f32(xm) + hi * load_f32(xm + 16);
           }
         }
       }
-      const float s = RAW == 8 ? half_to_float(c + 34 * g) : RAW == 6 ? scale_tmp : sc[g];
+      const float s = RAW == 8 ? half_to_float(c + 34 * g) : sw[g - goff];
       for (int m = 0; m < MB; ++m) {
         acc[m] += ga[m] * s;
-        if constexpr (ASYM) corr[m] += mn[g] * xsum[(m0 + m) * G + g];
+        if constexpr (ASYM) corr[m] += mw[g - goff] * xsum[(m0 + m) * G + g];
       }
     }
     for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum_q(acc[m]) - corr[m];
@@ -1382,15 +1399,21 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
     if (asym)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) xsum[m * G + k / q.group] += X[m * K + k];
-    if (q.block == 8 || q.block == 6) {  // Q8_0 / Q5_0 blocks: read in place
+    if (q.block) {  // GGUF blocks: read in place
       parallel_for(pool, nt, [&](int64_t t) {
         const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
         for_row_blocks(M, [&](auto mb, int64_t m) {
           constexpr int MB = decltype(mb)::value;
-          if (q.block == 8)
-            qdot_block<MB, 8, false, 8>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
-          else
-            qdot_block<MB, 8, false, 6>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+          const float *x = xp.data(), *xs = xsum.data();
+          switch (q.block) {
+            case 8: return qdot_block<MB, 8, false, 8>(q, x, xs, Y, N, n0, n1, m);
+            case 6: return qdot_block<MB, 8, false, 6>(q, x, xs, Y, N, n0, n1, m);
+            case 2: return qdot_block<MB, 4, false, 2>(q, x, xs, Y, N, n0, n1, m);
+            case 3: return qdot_block<MB, 4, true, 3>(q, x, xs, Y, N, n0, n1, m);
+            case 12: return qdot_block<MB, 4, true, 12>(q, x, xs, Y, N, n0, n1, m);
+            case 13: return qdot_block<MB, 8, true, 13>(q, x, xs, Y, N, n0, n1, m);
+            case 14: return qdot_block<MB, 8, false, 14>(q, x, xs, Y, N, n0, n1, m);
+          }
         });
       });
       return;
