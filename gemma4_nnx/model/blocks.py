@@ -4,8 +4,8 @@ A matrix kept from a GGUF file (`gemma4-convert --quantize keep`, or `--quantize
 the file's own bytes: uint8 [rows, cols / elements * bytes], each row a run of blocks along `in`, so a
 checkpoint takes what the file takes. `decode` turns them into the layout of
 `gemma4_nnx.model.quant` (codes, float32 scales, mins), whose `code * scale - min` in float32 are the
-values `gguf.quants.dequantize` gives, bit for bit; the CPU kernels decode the same way, a few rows at a
-time into a buffer (cpu_kernels.cc, `decode_block_rows`):
+values `gguf.quants.dequantize` gives, bit for bit; the CPU kernels decode the same way (cpu_kernels.cc,
+`decode_blocks`: block by block inside the decode product, a few rows at a time for the others):
 
     type   elements/bytes  values                  decoded as
     Q8_0   32 / 34         d * q, q int8           int8 codes, scale d            (group 32)

@@ -664,8 +664,9 @@ inline void dot_rows(const float* __restrict__ x, const float* __restrict__ w, f
 }
 
 // `block` != 0: codes are GGUF blocks as a file stores them (uint8 [N, row_bytes], GGML type number
-// `block`; bits / group / asym are those of the decoded codes) and the products decode them a chunk of
-// rows at a time (`over_rows`) into the codes + scales layout, a view whose first row is `row0`.
+// `block`; bits / group / asym are those of the decoded codes). The fused decode kernel reads them in
+// place (`qdot_block`'s RAW); the other products decode a chunk of rows at a time (`over_rows`) into the
+// codes + scales layout, a view whose first row is `row0`.
 struct QWeight {
   const uint8_t* codes;
   const float* scales;
