@@ -382,8 +382,9 @@ def qmatmul_t(
     or None; or, with `block` (a GGUF type name, `gemma4_nnx.model.blocks`), codes the file's blocks
     uint8 [N, K / elements * bytes] and no scales, decoded inside the product (block by block below
     `GEMM_ROWS_T` rows, a few rows at a time otherwise): bit for bit the product of the decoded codes
-    and scales; `bits` is the decoded codes'. Any number of rows (see `GEMM_ROWS_T`; with AVX2 and no AVX-512 the float product takes the
-    blocked form from 12 rows); the codes are never dequantized whole.
+    and scales; `bits` is the decoded codes'. Any number of rows (see `GEMM_ROWS_T`; with AVX2 and no
+    AVX-512 the float product takes the blocked form from 12 rows); the codes are never dequantized
+    whole.
 
     act8=True (needs `has_int8_dot()`): products of fewer than `GEMM_ROWS_T` rows (decode) first
     round each row of x to int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127,
