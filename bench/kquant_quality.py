@@ -9,6 +9,11 @@ matrix) to Q8_0, Q4_0 and Q4_K_M. Every file is imported with `--quantize keep` 
 and all modes are scored by the same forward (`gemma4_nnx.perplexity`, float32) on
 tests/data/public_domain.txt. Also reported: bytes of the quantized weights, and how many of
 llama.cpp's Q4_K_M blocks our `q4_k_m` reproduces byte for byte from the same float32 values.
+
+"ours q4_k_m + calibration": `--quantize q4_k_m --calibration README.md` (the package's README, ~3K
+tokens of English and code: a shipped text that is not the scored one; `--calibration FILE` for
+another), llama.cpp's importance-matrix quantizers. `--ours-only` skips llama.cpp's rows (no
+`.venv-llamacpp` needed).
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", default=None, help="the 270M Q4_K_M file (default: the PyPI package's)")
     p.add_argument("--llama-python", default=os.path.join(ROOT, ".venv-llamacpp", "bin", "python"))
     p.add_argument("--work", default=None, help="folder for the files (default: a temporary one)")
+    p.add_argument("--calibration", default=os.path.join(ROOT, "README.md"), help="calibration text (not scored)")
+    p.add_argument("--ours-only", action="store_true", help="skip llama.cpp's requantizations")
     a = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     from flax import nnx
@@ -124,8 +131,13 @@ def main(argv=None) -> int:
         rows[f"ours {mode}"] = score(
             convert(src, os.path.join(work, mode), dtype="float32", quantize=mode, progress=False, overwrite=True)
         )
+    cal = os.path.join(work, "q4_k_m-calibrated")
+    cal = convert(
+        src, cal, dtype="float32", quantize="q4_k_m", calibration=a.calibration, progress=False, overwrite=True
+    )
+    rows[f"ours q4_k_m + calibration ({os.path.basename(a.calibration)})"] = score(cal)
     agreement = {}
-    for name, ftype in FTYPES.items():
+    for name, ftype in {} if a.ours_only else FTYPES.items():
         out = os.path.join(work, f"llama-{name}.gguf")
         if not os.path.exists(out):
             subprocess.run([a.llama_python, "-c", LLAMA_QUANTIZE, f32, out, str(ftype)], check=True)

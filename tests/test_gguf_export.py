@@ -290,3 +290,33 @@ def test_export_merges_lora(tmp_path, tokenizer_dir):
     np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()))
     base = np.asarray(from_hf(src, dtype=jnp.float32)(ids))
     assert np.abs(base - want).max() > 1e-2  # the adapters do move the logits: the test can fail
+
+
+def test_q4_k_m_export_with_calibration_writes_weighted_blocks(tmp_path, tokenizer_dir):
+    """`to_gguf(..., quantize="q4_k_m", calibration=FILE)`: each decoder projection's tensor is
+    `encode_rows(x, type, importance)` with the importance the model measures on the file's tokens
+    (`calibration.importance`), the token table the unweighted blocks; another mode refuses the file."""
+    from gemma4_nnx.io.gguf_quantize import encode_rows
+    from gemma4_nnx.io.tensors import hf_tensors
+    from gemma4_nnx.model.calibration import importance
+    from gemma4_nnx.tokenizer import load_tokenizer
+
+    src, model = _tiny(tmp_path, tokenizer_dir, intermediate_size=256)
+    text = tmp_path / "calib.txt"
+    text.write_text("gemma text chat: large small fast slow, café Zürich 2024! " * 8, encoding="utf-8")
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m", calibration=text)
+    imp = importance(model, load_tokenizer(src).encode(text.read_text(encoding="utf-8"), add_bos=True))
+    source = hf_tensors(model, np.float32)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    checked = 0
+    for hf, g in gguf_tensor_names(model.config.num_hidden_layers).items():
+        t = tensors.get(g)
+        if t is None or t.tensor_type.name not in ("Q4_K", "Q6_K", "Q5_0", "Q8_0"):
+            continue
+        module = hf.removeprefix("model.").removesuffix(".weight")
+        want = encode_rows(source[hf], t.tensor_type.name, imp.get(module))
+        np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want, err_msg=g)
+        checked += module in imp
+    assert checked >= 6
+    with pytest.raises(ValueError, match="calibration: only used with quantize='q4_k_m'"):
+        to_gguf(model, tmp_path / "x.gguf", tokenizer_dir=src, quantize="q8_0", calibration=text)

@@ -218,3 +218,233 @@ def test_convert_q4_k_m_quantizes_moe_expert_stacks(tmp_path):
             rows = x.reshape(-1, x.shape[-1])
             want = dequantize(encode_rows(rows, kind), gguf.GGMLQuantizationType[kind]).reshape(x.shape)
             np.testing.assert_array_equal(np.asarray(quant.dequantize_matrix(stack)), want, err_msg=f"{layer} {name}")
+
+
+# ---------------------------------------------------------------------------- with an importance matrix
+def _nearest(v) -> int:
+    return int(np.rint(np.float32(v)))
+
+
+def _ref_qx(x, nmax, w):
+    """llama.cpp's make_qx_quants (rmse_type 1, weights w), one block, scalar float32 as written in C."""
+    f = np.float32
+    amax, mx = f(0), f(0)
+    for v in x:
+        if abs(v) > amax:
+            amax, mx = abs(v), v
+    if amax < f(1e-15):
+        return [0] * len(x), f(0)
+
+    def fit(iscale):
+        sumlx = suml2 = f(0)
+        ls = []
+        for v, wi in zip(x, w):
+            lv = max(-nmax, min(nmax - 1, _nearest(iscale * v)))
+            ls.append(lv + nmax)
+            sumlx, suml2 = f(sumlx + f(wi * v) * f(lv)), f(suml2 + f(wi * f(lv)) * f(lv))
+        return ls, sumlx, suml2
+
+    L, sumlx, suml2 = fit(f(-nmax) / mx)
+    scale = f(sumlx / suml2) if suml2 else f(0)
+    best = f(scale * sumlx)
+    for step in range(-9, 10):
+        if step:
+            ls, sumlx, suml2 = fit(f(-(f(nmax) + f(0.1) * f(step))) / mx)
+            if suml2 > 0 and f(sumlx * sumlx) > f(best * suml2):
+                L, scale = ls, f(sumlx / suml2)
+                best = f(scale * sumlx)
+    return L, scale
+
+
+def _ref_qkx3(x, w, nmax=15):
+    """make_qkx3_quants(n, nmax, x, w, rmin -0.9, rdelta 0.05, nstep 36): (codes, scale, -min)."""
+    f = np.float32
+    lo, hi = min(f(0), min(x)), max(x)
+    sum_w = sum_x = f(0)
+    for v, wi in zip(x, w):
+        sum_w, sum_x = f(sum_w + wi), f(sum_x + f(wi * v))
+    if hi <= lo:
+        return [0] * len(x), f(0), f(-lo)
+
+    def err(scale, mn, ls):
+        e = f(0)
+        for v, wi, lv in zip(x, w, ls):
+            d = f(f(f(scale * f(lv)) + mn) - v)
+            e = f(e + f(wi * f(d * d)))
+        return e
+
+    iscale = f(f(nmax) / f(hi - lo))
+    scale = f(f(1) / iscale)
+    L = [max(0, min(nmax, _nearest(iscale * f(v - lo)))) for v in x]
+    best = err(scale, lo, L)
+    for step in range(37):
+        iscale = f(f(f(f(-0.9) + f(f(0.05) * f(step))) + f(nmax)) / f(hi - lo))
+        ls = [max(0, min(nmax, _nearest(iscale * f(v - lo)))) for v in x]
+        sl = sl2 = sxl = f(0)
+        for v, wi, lv in zip(x, w, ls):
+            sl, sl2, sxl = f(sl + f(wi * lv)), f(sl2 + f(f(wi * lv) * lv)), f(sxl + f(f(wi * lv) * v))
+        det = f(f(sum_w * sl2) - f(sl * sl))
+        if det > 0:
+            s = f(f(f(sum_w * sxl) - f(sum_x * sl)) / det)
+            mn = f(f(f(sl2 * sum_x) - f(sl * sxl)) / det)
+            if mn > 0:
+                mn, s = f(0), f(sxl / sl2)
+            e = err(s, mn, ls)
+            if e < best:
+                L, best, scale, lo = ls, e, s, mn
+    return L, scale, f(-lo)
+
+
+def _ref_qp(x, w, nmax=63):
+    """make_qp_quants(n, nmax, x, L, w): (scale, codes)."""
+    f = np.float32
+    mx = max([f(0)] + list(x))
+    if not mx:
+        return f(0), [0] * len(x)
+
+    def mse(iscale, clip):
+        e = f(0)
+        for v, wi in zip(x, w):
+            lv = _nearest(iscale * v)
+            lv = min(nmax, lv) if clip else lv & 0xFF
+            d = f(v - f(f(f(1) / iscale) * f(lv)))
+            e = f(e + f(f(wi * d) * d))
+        return e
+
+    iscale = f(f(nmax) / mx)
+    best = mse(iscale, False)
+    for step in (-4, -3, -2, -1, 1, 2, 3, 4):
+        cand = f(f(f(f(0.1) * f(step)) + f(nmax)) / mx)
+        e = mse(cand, True)
+        if e < best:
+            best, iscale = e, cand
+    L = [min(nmax, _nearest(iscale * v)) for v in x]
+    sumlx = suml2 = f(0)
+    for v, wi, lv in zip(x, w, L):
+        sumlx, suml2 = f(sumlx + f(f(wi * v) * lv)), f(suml2 + f(f(wi * lv) * lv))
+    for _ in range(5):
+        for i, (v, wi) in enumerate(zip(x, w)):
+            slx, sl2 = f(sumlx - f(f(wi * v) * L[i])), f(suml2 - f(f(wi * L[i]) * L[i]))
+            if slx > 0 and sl2 > 0:
+                new = min(nmax, _nearest(f(f(v * sl2) / slx)))
+                if new != L[i]:
+                    slx, sl2 = f(slx + f(f(wi * v) * new)), f(sl2 + f(f(wi * new) * new))
+                    if f(f(slx * slx) * suml2) > f(f(sumlx * sumlx) * sl2):
+                        L[i], sumlx, suml2 = new & 0xFF, slx, sl2
+    return f(sumlx / suml2), L
+
+
+def _ref_blocks(x: np.ndarray, kind: str, qw: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_{q5_0,q4_K,q6_K}_impl of one row x with importances qw, transcribed
+    block by block from ggml-quants.c in scalar float32, dequantized (what the bytes mean)."""
+    f = np.float32
+    out = np.zeros(len(x), np.float32)
+    if kind == "Q5_0":
+        sx2 = f(0)
+        for v in x:
+            sx2 = f(sx2 + f(v * v))
+        sigma2 = f(sx2 / f(len(x)))
+        for b in range(0, len(x), 32):
+            xb = x[b : b + 32]
+            w = [f(qw[b + j] * np.sqrt(f(sigma2 + f(v * v)))) for j, v in enumerate(xb)]
+            L, d = _ref_qx(xb, 16, w)
+            d = f(np.float16(d))
+            out[b : b + 32] = [f(d * f(lv - 16)) for lv in L]
+    elif kind == "Q6_K":
+        for b in range(0, len(x), 256):
+            scales = []
+            for s in range(16):
+                xs = x[b + 16 * s : b + 16 * s + 16]
+                scales.append(_ref_qx(xs, 32, qw[b + 16 * s : b + 16 * s + 16])[1])
+            big = max(scales, key=abs)
+            if abs(big) < f(1e-15):  # all zero: the block is zero bytes
+                continue
+            iscale = f(f(-128) / big)
+            d = f(np.float16(f(f(1) / iscale)))
+            for s in range(16):
+                sc = min(127, _nearest(iscale * scales[s]))
+                dd = f(d * f(sc))
+                xs = x[b + 16 * s : b + 16 * s + 16]
+                out[b + 16 * s : b + 16 * s + 16] = [
+                    f(dd * max(-32, min(31, _nearest(v / dd)))) if dd else 0 for v in xs
+                ]
+    else:  # Q4_K
+        for b in range(0, len(x), 256):
+            xb = x[b : b + 256]
+            sx2 = f(0)
+            for v in xb:
+                sx2 = f(sx2 + f(v * v))
+            sigma2 = f(f(f(2) * sx2) / f(256))
+            codes, scales, mins, sw = [], [], [], []
+            for s in range(8):
+                xs = xb[32 * s : 32 * s + 32]
+                w = [f(qw[b + 32 * s + j] * np.sqrt(f(sigma2 + f(v * v)))) for j, v in enumerate(xs)]
+                tot = f(0)
+                for wi in w:
+                    tot = f(tot + wi)
+                L, sc, mn = _ref_qkx3(xs, w)
+                codes.append(L), scales.append(sc), mins.append(mn), sw.append(tot)
+            d, ls = _ref_qp(scales, sw)
+            dmin, lm = _ref_qp(mins, sw)
+            d, dmin = f(np.float16(d)), f(np.float16(dmin))
+            for s in range(8):
+                dd, dm = f(d * f(ls[s])), f(dmin * f(lm[s]))
+                xs = xb[32 * s : 32 * s + 32]
+                q = [max(0, min(15, _nearest(f(v + dm) / dd))) for v in xs] if dd else codes[s]
+                out[b + 32 * s : b + 32 * s + 32] = [f(f(dd * f(c)) - dm) for c in q]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
+def test_weighted_blocks_equal_llama_cpp_impl_transcribed(kind):
+    """With an importance vector, our blocks are llama.cpp's `quantize_row_*_impl` (what `llama-quantize
+    --imatrix` writes): against a scalar float32 transcription of ggml-quants.c, block by block (values
+    bit for bit; bench/imatrix_reference.py compares the bytes with ggml-quants.c itself). The importance
+    changes the blocks and lowers the importance-weighted error, and Q8_0 ignores it, as llama.cpp."""
+    rng = np.random.default_rng(5)
+    x = _rows(9, rows=8, cols=512)  # the branches of _rows (an all-zero super-block, a constant run, ...)
+    qw = (rng.random(512) ** 4 * 8).astype(np.float32)
+    qw[:24] = 0  # columns no activation reaches
+    raw = encode_rows(x, kind, qw)
+    got = dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(x.shape)
+    for r in range(x.shape[0]):
+        np.testing.assert_array_equal(got[r], _ref_blocks(x[r], kind, qw), err_msg=f"{kind} row {r}")
+    plain = dequantize(encode_rows(x, kind), gguf.GGMLQuantizationType[kind]).reshape(x.shape)
+    assert not np.array_equal(got, plain)
+    assert np.sum(qw * (got - x) ** 2) < np.sum(qw * (plain - x) ** 2)
+    np.testing.assert_array_equal(encode_rows(x, "Q8_0", qw), encode_rows(x, "Q8_0"))
+
+
+def test_convert_q4_k_m_with_calibration_weights_each_projection(tmp_path):
+    """`--calibration FILE`: each decoder projection holds `encode_rows(x, kind, importance)` with the
+    importance the float model's activations give on the file's tokens (`calibration.importance`), the
+    token table the unweighted blocks (llama.cpp's imatrix leaves it out). A calibration file with
+    another mode is refused by name."""
+    from safetensors.numpy import load_file
+
+    from gemma4_nnx.io.hf import from_hf
+    from gemma4_nnx.model.calibration import importance
+    from gemma4_nnx.tokenizer import load_tokenizer
+
+    over = dict(hidden_size=256, intermediate_size=256, head_dim=64, global_head_dim=128, num_attention_heads=4)
+    hf = make_tiny_hf(tmp_path / "hf", tokenizer=True, **over)  # a word-level "hello world" tokenizer
+    q = convert(hf, tmp_path / "q", dtype="float32", quantize="q4_k_m", progress=False)
+    text = tmp_path / "calib.txt"
+    text.write_text("hello world world hello hello world " * 30, encoding="utf-8")
+    c = convert(hf, tmp_path / "cal", dtype="float32", quantize="q4_k_m", progress=False, calibration=text)
+    assert json.load(open(f"{c}/metadata.json"))["calibration"] == "calib.txt"
+    ids = load_tokenizer(hf).encode(text.read_text(encoding="utf-8"), add_bos=True)
+    imp = importance(from_hf(hf, dtype=jnp.float32, param_dtype=jnp.float32, text_only=True), ids)
+    tensors = load_file(f"{hf}/model.safetensors")
+    model, plain = load(c), load(q)
+    changed = 0
+    for path in ("layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "embed_tokens"):
+        mod = quant.get_submodule(model, tuple(int(p) if p.isdigit() else p for p in path.split(".")))
+        name = "model.embed_tokens.weight" if path == "embed_tokens" else f"model.{path}.weight"
+        want = encode_rows(tensors[name], mod.fmt.block, imp.get(path))
+        np.testing.assert_array_equal(np.asarray(mod.codes[...]), want, err_msg=path)
+        other = quant.get_submodule(plain, tuple(int(p) if p.isdigit() else p for p in path.split(".")))
+        changed += not np.array_equal(np.asarray(other.codes[...]), want)
+    assert "embed_tokens" not in imp and changed == 2
+    with pytest.raises(ValueError, match="calibration: only used with quantize='q4_k_m'"):
+        convert(hf, tmp_path / "bad", quantize="int4", progress=False, calibration=text)

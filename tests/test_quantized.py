@@ -9,6 +9,7 @@ rounding bound of the quantizer (error of a quantized projection), and the model
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -514,3 +515,111 @@ def test_int8_activations_option_reaches_the_quantized_projections(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "has_int8_dot", lambda: False)
     with pytest.raises(ValueError, match=r"cpu_kernels_int8.*avx512_vnni / avx2"):
         layers.resolve_matmul("cpu_kernels_int8", dtype=jnp.float32, param_dtype=None, quantized=True)
+
+
+# ------------------------------------------------------------------ GGUF blocks held as the file's bytes
+def _random_blocks(rng, kind: str, rows: int, cols: int) -> np.ndarray:
+    """Random GGUF blocks of `kind` (every code and 6-bit scale pattern) whose float16 fields are finite,
+    some of them subnormal or zero."""
+    from gemma4_nnx.model.blocks import BLOCKS
+
+    elements, nbytes = BLOCKS[kind][:2]
+    raw = rng.integers(0, 256, (rows, cols // elements * nbytes), dtype=np.uint8)
+    b = raw.reshape(rows, cols // elements, nbytes)
+    for off in {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,)):
+        d = (rng.standard_normal(b.shape[:2]) * 0.02).astype(np.float16)
+        d.flat[::7] = np.float16(3e-6) * rng.integers(-3, 4, d.flat[::7].shape)  # subnormal float16, and 0
+        b[..., off : off + 2] = d.view(np.uint8).reshape(*b.shape[:2], 2)
+    return raw
+
+
+@pytest.mark.parametrize("kind", sorted(["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]))
+@pytest.mark.parametrize("matmul", ["xla", pytest.param("cpu_kernels", marks=needs_kernels)])
+def test_blocks_held_as_stored_compute_what_their_decoded_codes_do(kind, matmul):
+    """A matrix held as its GGUF blocks (`QuantFormat.of_block`: codes = the file's bytes, no scales)
+    gives bit for bit the products and gradients of the same matrix held decoded (codes + float32
+    scales, as checkpoints stored them before), on every path: decode rows (fused and int8
+    activations), the blocked product from GEMM_ROWS_T rows, the dequantizing backward; and those equal
+    float64 products of `gguf`'s dequantization within float32 rounding. Blocks are ~0.56-0.85 of the
+    decoded form's bytes."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+
+    from gemma4_nnx.model.blocks import decode
+
+    rng = np.random.default_rng(len(kind) * 31 + ord(kind[1]))
+    n, k = 40, 512 if kind.endswith("_K") else 384  # 384: three int8-activation chunks, 1.5 panels
+    raw = _random_blocks(rng, kind, n, k)
+    ref = np.asarray(dequantize(raw, gguf.GGMLQuantizationType[kind]), np.float64).reshape(n, k)
+    codes, scales, mins = decode(jnp.asarray(raw), kind)
+    fmt = quant.QuantFormat.of_block(kind)
+    flat = dataclasses.replace(fmt, block=None)
+    assert fmt.nbytes(n, k) == raw.nbytes < flat.nbytes(n, k)
+    for act8 in (False, True) if matmul == "cpu_kernels" else (False,):
+        product = layers.resolve_matmul(
+            "cpu_kernels_int8" if act8 and cpu_kernels.has_int8_dot() else matmul,
+            dtype=jnp.float32,
+            param_dtype=None,
+            quantized=True,
+        )
+        held = quant.QuantizedLinear.from_quantized(
+            raw, None, None, fmt, in_features=k, dtype=jnp.float32, matmul=product
+        )
+        old = quant.QuantizedLinear.from_quantized(
+            codes, scales, mins, flat, in_features=k, dtype=jnp.float32, matmul=product
+        )
+        np.testing.assert_array_equal(np.asarray(quant.dequantize_matrix(held)), ref.astype(np.float32))
+        for rows in (1, 3, cpu_kernels.GEMM_ROWS_T, 45):
+            x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+            got, want = (np.asarray(jax.jit(lambda x, m=m: m(x))(x)) for m in (held, old))
+            np.testing.assert_array_equal(got, want, err_msg=f"{kind} rows={rows} act8={act8}")
+            if not act8:
+                y = np.asarray(x, np.float64) @ ref.T
+                assert np.max(np.abs(got - y)) <= 1e-5 * np.max(np.abs(y)), (kind, rows)
+        gx = [np.asarray(jax.grad(lambda x, m=m: m(x).sum())(x)) for m in (held, old)]
+        np.testing.assert_array_equal(gx[0], gx[1])
+
+
+def test_block_format_metadata_round_trips_and_old_formats_still_read():
+    """`to_json` names the block type; a format written before (no "block") reads as float32 scales."""
+    fmt = quant.QuantFormat.of_block("Q6_K")
+    assert quant.QuantFormat.from_json(json.loads(json.dumps(fmt.to_json()))) == fmt
+    assert quant.QuantFormat.from_json({"bits": 4, "group": 32, "asym": True}).block is None
+    with pytest.raises(ValueError, match="block Q4_K decodes to"):
+        quant.QuantFormat(8, 32, True, "Q4_K")
+
+
+@needs_kernels
+def test_model_with_blocks_held_as_stored_gives_the_same_logits():
+    """A model whose projections and token table are GGUF blocks held as stored gives bit for bit the
+    logits of the same model holding their decoded codes and float32 scales (what checkpoints stored
+    before), on the CPU kernels (the XLA path: module by module above)."""
+    matmul = "cpu_kernels"
+    from gemma4_nnx.io.gguf_quantize import encode_rows
+    from gemma4_nnx.model.blocks import decode
+
+    models = [random_model("e2b", matmul=matmul) for _ in range(2)]
+    product = layers.resolve_matmul(matmul, dtype=jnp.float32, param_dtype=None, quantized=True)
+    kinds = iter(["Q8_0", "Q5_0"] * 100)
+    done = 0
+    for path, mod in list(nnx.iter_graph(models[0])):
+        path = tuple(path)
+        if not isinstance(mod, (nnx.Linear, layers.Embedding)) or not quant.quantizable(path):
+            continue
+        w = quant.float_matrix(mod)
+        if w.shape[1] % 32:
+            continue
+        kind = next(kinds)
+        raw = encode_rows(w, kind)
+        fmt = quant.QuantFormat.of_block(kind)
+        held = quant.quantized_like(mod, fmt, product)
+        quant._set_params(held, jnp.asarray(raw), None, None)
+        quant.set_submodule(models[0], path, held)
+        flat = quant.quantized_like(quant.get_submodule(models[1], path), dataclasses.replace(fmt, block=None), product)
+        quant._set_params(flat, *decode(jnp.asarray(raw), kind))
+        quant.set_submodule(models[1], path, flat)
+        done += 1
+    assert done >= 10
+    ids = jnp.asarray(PROMPTS[1:2])
+    a, b = (np.asarray(nnx.jit(lambda m, x: m(x))(m, ids)) for m in models)
+    np.testing.assert_array_equal(a, b)

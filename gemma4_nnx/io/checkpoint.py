@@ -323,7 +323,7 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
                 f"{ckpt_dir}: metadata.json quantizes {'.'.join(map(str, module))}, which "
                 f"this model cannot hold ({e}); convert the checkpoint again"
             ) from None
-        names = ("codes", "scales", "mins") if fmt.asym else ("codes", "scales")
+        names = ("codes",) if fmt.block else ("codes", "scales", "mins") if fmt.asym else ("codes", "scales")
         paths = [p for p in paths if p[:-1] != module and p != module] + [module + (n,) for n in names]
     return _restore(ckpt_dir, model, paths, where)
 

@@ -144,8 +144,9 @@ def _tensor_leaf(entry: Entry, info: TensorInfo, dtype: np.dtype, progress: Prog
 
 
 class _QuantizedMatrix:
-    """A matrix written as quantized leaves (`codes`, `scales`, and `mins` for the asymmetric form) that
-    share one pass over the source: `decode(a, b)` turns source rows [a, b) into (codes, scales, mins).
+    """A matrix written as quantized leaves (`codes`, `scales`, and `mins` for the asymmetric form; only
+    `codes`, the blocks, for a GGUF block format) that share one pass over the source: `decode(a, b)`
+    turns source rows [a, b) into (codes, scales, mins).
 
     Codes are written as they are produced; the float32 scales (and mins) are kept until their own leaf
     is written (36.7 MB for the E2B PLE table). Decoding is row-local (`quantize_rows`, GGUF blocks,
@@ -158,13 +159,14 @@ class _QuantizedMatrix:
         self.row_bytes = row_bytes
         self.block = _rows_per_block(row_bytes, QUANT_BLOCK_BYTES)
         g = cols // fmt.group
-        self.scales = np.zeros((rows, *self.inner, g), np.float32)
-        self.mins = np.zeros((rows, *self.inner, g), np.float32) if fmt.asym else None
+        self.scales = None if fmt.block else np.zeros((rows, *self.inner, g), np.float32)
+        self.mins = np.zeros((rows, *self.inner, g), np.float32) if fmt.asym and not fmt.block else None
         self.filled = np.zeros(-(-rows // self.block), bool)
 
     def _decode(self, a: int, b: int) -> np.ndarray:
         codes, scales, mins = self.decode(a, b)
-        self.scales[a:b] = scales
+        if self.scales is not None:
+            self.scales[a:b] = scales
         if self.mins is not None:
             self.mins[a:b] = mins
         self.filled[a // self.block] = True
@@ -191,10 +193,9 @@ class _QuantizedMatrix:
             if n == total:
                 self.progress.add(tensors=1)
 
-        out = {
-            "codes": ck.LazyTensor(shape, np.dtype(self.fmt.code_dtype), read_codes, self.block, done),
-            "scales": ck.LazyTensor(self.scales.shape, np.float32, reader(self.scales), self.block),
-        }
+        out = {"codes": ck.LazyTensor(shape, np.dtype(self.fmt.code_dtype), read_codes, self.block, done)}
+        if self.scales is not None:
+            out["scales"] = ck.LazyTensor(self.scales.shape, np.float32, reader(self.scales), self.block)
         if self.mins is not None:
             out["mins"] = ck.LazyTensor(self.mins.shape, np.float32, reader(self.mins), self.block)
         return out
@@ -215,33 +216,32 @@ def _quantizing(info: TensorInfo, fmt, progress: Progress) -> _QuantizedMatrix:
 
 
 def _gguf_kept(tensor, progress: Progress) -> _QuantizedMatrix:
-    """A GGUF tensor's own blocks as our codes and scales (`gemma4_nnx.io.gguf_blocks`: exact)."""
-    from gemma4_nnx.io.gguf_blocks import decode_rows, format_of
+    """A GGUF tensor's own blocks, stored as the file holds them (`QuantFormat.of_block`: exact)."""
+    from gemma4_nnx.io.gguf_blocks import format_of
 
     kind = tensor.tensor_type.name
     cols, *inner = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
     rows, *inner = inner[::-1]  # a matrix [rows, cols], or an expert stack [E, out, in]: rows = E
-    raw = np.asarray(tensor.data).reshape(rows, -1)
+    raw = np.asarray(tensor.data).reshape(rows, *inner, -1)
 
     def decode(a: int, b: int):
-        parts = decode_rows(raw[a:b].reshape((b - a) * int(np.prod(inner, dtype=int)), -1), kind, cols)[:3]
-        return tuple(None if t is None else t.reshape(b - a, *inner, -1) for t in parts)
+        return np.ascontiguousarray(raw[a:b]), None, None
 
-    return _QuantizedMatrix(rows, cols, format_of(kind), decode, raw.shape[1], progress, inner)
+    return _QuantizedMatrix(rows, cols, format_of(kind), decode, raw[0].size, progress, inner)
 
 
-def _k_quantizing(info: TensorInfo, kind: str, progress: Progress) -> _QuantizedMatrix:
+def _k_quantizing(info: TensorInfo, kind: str, progress: Progress, importance=None) -> _QuantizedMatrix:
     """An HF tensor [rows, cols] (or an expert stack [E, out, in]) quantized into GGUF blocks of `kind`
-    (`gemma4_nnx.io.gguf_quantize`) and read back as our codes and scales, as a `keep` import reads them."""
-    from gemma4_nnx.io.gguf_blocks import decode_rows, format_of
+    (`gemma4_nnx.io.gguf_quantize`, weighted by `importance` [cols] when given) and stored as those
+    blocks, as a `keep` import stores a file's."""
+    from gemma4_nnx.io.gguf_blocks import format_of
     from gemma4_nnx.io.gguf_quantize import encode_rows
 
     rows, *inner, cols = info.shape
 
     def decode(a: int, b: int):
         x = read_tensor(info, rows=(a, b)).reshape(-1, cols)
-        parts = decode_rows(encode_rows(x, kind), kind, cols)[:3]
-        return tuple(None if t is None else t.reshape(b - a, *inner, -1) for t in parts)
+        return encode_rows(x, kind, importance).reshape(b - a, *inner, -1), None, None
 
     return _QuantizedMatrix(rows, cols, format_of(kind), decode, info.nbytes // rows, progress, inner)
 
@@ -417,6 +417,7 @@ def convert(
     quantize: str = "keep",
     group: int | None = None,
     text_only: bool = False,
+    calibration: str | os.PathLike | None = None,
 ) -> str:
     """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
 
@@ -449,6 +450,9 @@ def convert(
       group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
       text_only: drop the vision / audio towers of a multimodal checkpoint (kept by default, in float
         at `dtype`: they run once per prompt, so quantizing them would save little).
+      calibration: a UTF-8 text file for quantize="q4_k_m": the float model reads it once and the mean
+        squared input of each decoder projection's columns weights that projection's rounding, as
+        `llama-quantize --imatrix` (`gemma4_nnx.model.calibration`, `gguf_quantize.encode_rows`).
 
     Returns:
       `dst` as an absolute path.
@@ -459,6 +463,12 @@ def convert(
     """
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     _check_options(dtype, ple, quantize, group)
+    if calibration is not None:
+        calibration = os.path.abspath(os.fspath(calibration))
+        if quantize != "q4_k_m":
+            raise ValueError(f"calibration: only used with quantize='q4_k_m', not {quantize!r}")
+        if not os.path.isfile(calibration):
+            raise FileNotFoundError(f"calibration: {calibration} is not a file (a UTF-8 calibration text)")
     gguf_reader = None
     if os.path.isfile(src):  # a Gemma 3 / 4 GGUF: dequantized once into a cached HF-style dir (io.gguf_import)
         from gemma4_nnx.io.gguf_import import _reader, cached_hf_dir
@@ -512,13 +522,14 @@ def convert(
     if gguf_reader is not None:
         kept = _gguf_tensors_by_hf_name(gguf_reader)
     mix = _q4_k_m_mix(plan.items) if quantize == "q4_k_m" else None
+    weights = _importance(src, calibration, text_only) if calibration is not None else {}
     for entry, info in plan.items:
         if bits and entry.path[:1] == ck.PLE_PATH:
             fmt = QuantFormat(bits, group)
             for name, leaf in _quantizing(info, fmt, bar).leaves().items():
                 leaves[ck.PLE_PATH + (name,)] = leaf
             continue
-        matrix = None if assistant else _quantized_matrix(entry, info, quantize, group_size, kept, bar, mix)
+        matrix = None if assistant else _quantized_matrix(entry, info, quantize, group_size, kept, bar, mix, weights)
         if matrix is not None:
             module = entry.path if matrix.inner else entry.path[:-1]
             quantized[".".join(map(str, module))] = matrix.fmt.to_json()
@@ -547,6 +558,8 @@ def convert(
         meta = _metadata(src, files, config, dtype, bits, group, copied, plan.total_bytes, leaves)
         meta["kind"] = "assistant" if assistant else "model"
         meta["quantize"] = quantize
+        if calibration is not None:
+            meta["calibration"] = os.path.basename(calibration)
         meta["quant"] = quantized
         _write_json(os.path.join(tmp, ck.METADATA_FILE), meta)  # last: its presence marks completeness
         _fsync_dir(tmp)
@@ -580,9 +593,27 @@ def _quantizable_matrix(entry: Entry, info: TensorInfo):
     return (module, stack) if (matrix or stack) and quantizable(module) else None
 
 
-def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept, progress, mix=None):
-    """The quantized leaves of one mapped tensor under `quantize` (`mix`: the q4_k_m block types), or
-    None to store it float."""
+def _importance(src: str, calibration: str, text_only: bool) -> dict[str, np.ndarray]:
+    """{dotted projection path: importance [in]} of the HF model at `src` over the text `calibration`."""
+    import jax.numpy as jnp
+
+    from gemma4_nnx.io.hf import from_hf
+    from gemma4_nnx.model.calibration import importance
+    from gemma4_nnx.tokenizer import load_tokenizer
+
+    with open(calibration, encoding="utf-8") as f:
+        ids = load_tokenizer(src).encode(f.read(), add_bos=True)
+    if len(ids) < 2:
+        raise ValueError(f"calibration: {calibration} holds no text to calibrate with")
+    model = from_hf(src, dtype=jnp.float32, param_dtype=jnp.float32, text_only=True)
+    if max(ids) >= model.config.vocab_size:
+        raise ValueError(f"calibration: the tokenizer at {src} gives ids beyond the model's {model.config.vocab_size}")
+    return importance(model, ids)
+
+
+def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept, progress, mix=None, weights=None):
+    """The quantized leaves of one mapped tensor under `quantize` (`mix`: the q4_k_m block types;
+    `weights`: {module path: importance} from a calibration text), or None to store it float."""
     from gemma4_nnx.model.quant import format_for
 
     found = _quantizable_matrix(entry, info)
@@ -601,7 +632,8 @@ def _quantized_matrix(entry: Entry, info: TensorInfo, quantize: str, group, kept
         return _qat_leaves(info, progress)
     if quantize == "q4_k_m":
         kind = mix[entry.hf_name]
-        return None if kind is None else _k_quantizing(info, kind, progress)
+        imp = None if stack else (weights or {}).get(".".join(map(str, module)))
+        return None if kind is None else _k_quantizing(info, kind, progress, imp)
     fmt = format_for(module, 8 if quantize == "int8" else 4, group, info.shape[-1])
     return _quantizing(info, fmt, progress) if info.shape[1] % fmt.group == 0 else None
 
@@ -725,6 +757,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--group", type=int, default=None, help="columns per scale for --quantize int8/int4 (default 128 / 32)"
     )
     p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="with --quantize q4_k_m: a UTF-8 text the float model reads once; each projection's rounding "
+        "is weighted by the mean squared activation of its inputs (llama.cpp's importance matrix)",
+    )
+    p.add_argument(
         "--text-only",
         action="store_true",
         help="drop the vision / audio towers of a multimodal checkpoint (text prompts only, less memory)",
@@ -768,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
             quantize=args.quantize,
             group=args.group,
             text_only=args.text_only,
+            calibration=args.calibration,
         )
     except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         _fail(str(e))

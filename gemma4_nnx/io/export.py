@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(GGUF_TYPES),
         help="--format gguf only: f32 (default), f16, bf16, q8_0 or q4_k_m (llama.cpp's mix)",
     )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="--quantize q4_k_m only: a UTF-8 text the model reads once; each projection's rounding is "
+        "weighted by the mean squared activation of its inputs (llama.cpp's importance matrix)",
+    )
     return p
 
 
@@ -161,12 +168,15 @@ def main(argv: list[str] | None = None) -> int:
             from gemma4_nnx.train.finetune import load_adapters, merge_lora
 
             merge_lora(load_adapters(model, args.adapters))
+        if args.calibration and args.quantize != "q4_k_m":
+            raise ValueError("--calibration applies to --format gguf --quantize q4_k_m only")
         if args.quantize and args.format != "gguf":
             raise ValueError("--quantize applies to --format gguf only")
         if args.format == "gguf":
             if args.dtype:
                 raise ValueError("--dtype does not apply to --format gguf; use --quantize f32|f16|bf16|q8_0|q4_k_m")
-            out = to_gguf(model, args.out, tokenizer_dir=args.ckpt, quantize=args.quantize or "f32")
+            quantize = args.quantize or "f32"
+            out = to_gguf(model, args.out, tokenizer_dir=args.ckpt, quantize=quantize, calibration=args.calibration)
         elif args.format == "gm":
             out = to_gm(model, args.out, dtype=args.dtype)
         else:

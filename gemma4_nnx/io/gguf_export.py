@@ -63,8 +63,19 @@ def gguf_tensor_names(num_layers: int) -> dict[str, str]:
     return out
 
 
-def to_gguf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike, quantize: str = "f32") -> str:
+def to_gguf(
+    model,
+    path: str | os.PathLike,
+    *,
+    tokenizer_dir: str | os.PathLike,
+    quantize: str = "f32",
+    calibration: str | os.PathLike | None = None,
+) -> str:
     """Write `model` (a text `Gemma4`, Gemma 4 or Gemma 3) as the GGUF file `path`; returns its absolute path.
+
+    calibration: for quantize="q4_k_m", a UTF-8 text `model` reads once (tokenized with the tokenizer in
+    `tokenizer_dir`); each decoder projection's blocks are then rounded weighted by the mean squared
+    activation of its inputs (`gemma4_nnx.model.calibration`, llama.cpp's `--imatrix` quantizers).
 
     tokenizer_dir: the directory holding the checkpoint's `tokenizer.json` (Gemma 4) or `tokenizer.model`
     (Gemma 3), and optionally `chat_template.jinja`. The file is written beside `path` and renamed into
@@ -85,6 +96,9 @@ def to_gguf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike,
     if path.is_dir():
         raise ValueError(f"path: {path} is a directory; pass the .gguf file to write")
     arch = "gemma3" if config.model_family == "gemma3" else "gemma4"
+    if calibration is not None and quantize != "q4_k_m":
+        raise ValueError(f"calibration: only used with quantize='q4_k_m', not {quantize!r}")
+    weights = _importance(model, calibration, tokenizer_dir) if calibration is not None else {}
     tensors, dtypes = _gguf_tensors(model, arch)
     kept = _kept_blocks(model) if quantize == "keep" else {}
     types = _block_types(config, tensors, quantize, dtypes)
@@ -100,7 +114,7 @@ def to_gguf(model, path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike,
                 kind, rows = kept[name]
                 data, raw = rows.reshape(*x.shape[:-1], -1), gguf.GGMLQuantizationType[kind]
             else:
-                data, raw = _encoded(x, types[name])
+                data, raw = _encoded(x, types[name], weights.get(name))
             writer.add_tensor(name, data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -144,8 +158,9 @@ def _gguf_tensors(model, arch: str) -> tuple[dict[str, np.ndarray], dict[str, np
 
 
 def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
-    """{GGUF name: (block type, uint8 rows)} of the quantized matrices whose codes, scales and mins a GGUF
-    block type holds exactly (`gguf_blocks.encode_rows`: a `keep` import's blocks come back byte for byte).
+    """{GGUF name: (block type, uint8 rows)} of the quantized matrices held as GGUF blocks (a `keep` import,
+    `--quantize q4_k_m`: their bytes as they are) or whose codes, scales and mins a GGUF block type holds
+    exactly (`gguf_blocks.encode_rows`: checkpoints with float32 scales, written before blocks were kept).
     LoRA-wrapped matrices and the PLE table (our own int4 / int8 format) are not among them."""
     from flax import nnx
 
@@ -161,7 +176,11 @@ def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
         mod = modules.get(entry.path) or modules.get(entry.path[:-1])
         if mod is None or entry.path[0] == "embed_tokens_per_layer":
             continue
-        codes, scales = np.asarray(mod.codes[...]), np.asarray(mod.scales[...])
+        codes = np.asarray(mod.codes[...])
+        if mod.fmt.block is not None:  # held as the blocks themselves
+            out[names["model." + entry.hf_name]] = (mod.fmt.block, codes.reshape(-1, codes.shape[-1]))
+            continue
+        scales = np.asarray(mod.scales[...])
         mins = None if getattr(mod, "mins", None) is None else np.asarray(mod.mins[...])
         cols = codes.shape[-1] * (2 if mod.fmt.bits == 4 else 1)
         flat = [None if a is None else a.reshape(-1, a.shape[-1]) for a in (codes, scales, mins)]
@@ -209,8 +228,29 @@ def _block_types(config, tensors: dict[str, np.ndarray], quantize: str, dtypes=N
     return out
 
 
-def _encoded(x: np.ndarray, kind: str):
-    """(array for `GGUFWriter.add_tensor`, raw GGML type or None) of float32 `x` stored as `kind`."""
+def _importance(model, calibration, tokenizer_dir) -> dict[str, np.ndarray]:
+    """{GGUF name: importance [in]} of the decoder projections of `model` over the text `calibration`."""
+    from gemma4_nnx.io.hf import name_map
+    from gemma4_nnx.model.calibration import importance
+    from gemma4_nnx.tokenizer import load_tokenizer
+
+    if not os.path.isfile(calibration):
+        raise ValueError(f"calibration: {calibration} is not a file (a UTF-8 calibration text)")
+    with open(calibration, encoding="utf-8") as f:
+        ids = load_tokenizer(tokenizer_dir).encode(f.read(), add_bos=True)
+    by_path = importance(model, ids)
+    names = gguf_tensor_names(model.config.num_hidden_layers)
+    out = {}
+    for entry in name_map(model.config.text_only()):
+        found = by_path.get(".".join(map(str, entry.path[:-1])))
+        if found is not None and "model." + entry.hf_name in names:
+            out[names["model." + entry.hf_name]] = found
+    return out
+
+
+def _encoded(x: np.ndarray, kind: str, importance: np.ndarray | None = None):
+    """(array for `GGUFWriter.add_tensor`, raw GGML type or None) of float32 `x` stored as `kind` (GGUF
+    blocks weighted by `importance` [in] when given)."""
     import gguf
 
     from gemma4_nnx.io.gguf_quantize import encode_rows
@@ -221,7 +261,7 @@ def _encoded(x: np.ndarray, kind: str):
         return x.astype(np.float16), None
     if kind == "BF16":
         return gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
-    rows = encode_rows(x.reshape(-1, x.shape[-1]), kind)
+    rows = encode_rows(x.reshape(-1, x.shape[-1]), kind, importance)
     return rows.reshape(*x.shape[:-1], rows.shape[-1]), gguf.GGMLQuantizationType[kind]
 
 

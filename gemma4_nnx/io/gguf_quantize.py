@@ -24,6 +24,15 @@ tests/test_gguf_quantize.py checks the bytes against `gguf`'s quantizers (Q8_0, 
 dequantizer (every type), bench/kquant_quality.py against llama.cpp's own Q4_K_M file of the same
 float weights.
 
+With an importance matrix (`encode_rows(..., importance=...)`, `gemma4-convert --quantize q4_k_m
+--calibration FILE`: per input column, the mean of the squared activations that multiply it,
+`gemma4_nnx.io.calibration`), the quantizers are llama.cpp's `quantize_row_*_impl`, what `llama-quantize
+--imatrix` runs: every error is weighted by importance * sqrt(sigma^2 + x^2) (sigma^2 the mean square of
+the row for Q5_0, twice that of the super-block for Q4_K), Q4_K searches 37 candidates
+(`make_qkx3_quants`: iscale = (nmax - 0.9 + 0.05 k) / (max - min)) and fits the super-block's 6-bit scales
+and minimums by weighted least squares (`make_qp_quants`) instead of rounding them against the largest;
+Q6_K weights its search by the importance alone; Q8_0 ignores it.
+
 The mix (`q4_k_m_type`, llama.cpp's `llama_tensor_get_type` for Q4_K_M without an importance matrix):
 Q4_K everywhere, except Q6_K for the tied token table / output head and for `v_proj` and `down_proj`
 in the first eighth, the last eighth and every third layer between (`use_more_bits`).
@@ -72,8 +81,12 @@ def q4_k_m_type(role: str, index: int = 0, count: int = 1, cols: int | None = No
     return kind
 
 
-def encode_rows(x: np.ndarray, kind: str) -> np.ndarray:
-    """float rows [rows, cols] -> uint8 [rows, cols / block * bytes]: each row's GGUF blocks of `kind`."""
+def encode_rows(x: np.ndarray, kind: str, importance: np.ndarray | None = None) -> np.ndarray:
+    """float rows [rows, cols] -> uint8 [rows, cols / block * bytes]: each row's GGUF blocks of `kind`.
+
+    importance: None (llama.cpp's reference quantizers), or float32 [cols], one non-negative weight per
+    column (an importance matrix: the mean squared activation of that input), for llama.cpp's weighted
+    quantizers (Q8_0 has none: the same bytes either way)."""
     x = np.ascontiguousarray(x, np.float32)
     rows, cols = x.shape
     block, nbytes = BLOCK_BYTES[kind]
@@ -81,7 +94,14 @@ def encode_rows(x: np.ndarray, kind: str) -> np.ndarray:
         raise ValueError(f"{kind}: rows of {cols} values are not whole blocks of {block}")
     blocks = x.reshape(-1, block)
     with _quiet():
-        out = {"Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}[kind](blocks)
+        if importance is None or kind == "Q8_0":
+            out = {"Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}[kind](blocks)
+        else:
+            qw = np.asarray(importance, np.float32)
+            if qw.shape != (cols,) or not np.all(np.isfinite(qw)) or np.any(qw < 0):
+                raise ValueError(f"importance must be {cols} finite non-negative float32 values, got {qw.shape}")
+            qw = np.broadcast_to(qw, x.shape).reshape(-1, block)
+            out = {"Q5_0": _q5_0_weighted, "Q4_K": _q4_k, "Q6_K": _q6_k}[kind](blocks, qw, cols)
     assert out.shape == (blocks.shape[0], nbytes), out.shape
     return out.reshape(rows, -1)
 
@@ -145,9 +165,32 @@ def _q5_0(x: np.ndarray) -> np.ndarray:
     d = signed / np.float32(-16)
     inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     q = np.minimum(31, np.trunc(x * inv[:, None] + np.float32(16.5)).astype(np.int32)).astype(np.uint8)
+    return _q5_0_bytes(d, q)
+
+
+def _q5_0_bytes(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks of float32 scales d [B] and codes q [B, 32] in 0..31: float16 d, a 32-bit word of fifth
+    bits (bit j of the little-endian word = element j), 16 bytes of low nibbles (element j low, j + 16
+    high)."""
+    q = q.astype(np.uint8)
     qs = (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
-    qh = np.packbits((q >> 4) & 1, axis=-1, bitorder="little")  # bit j of the little-endian word = element j
+    qh = np.packbits((q >> 4) & 1, axis=-1, bitorder="little")
     return np.concatenate([_f16_bytes(d), qh, qs], axis=-1)
+
+
+def _weights(x: np.ndarray, qw: np.ndarray, sigma2: np.ndarray) -> np.ndarray:
+    """llama.cpp's weights of a weighted quantizer: importance * sqrt(sigma^2 + x^2), float32."""
+    return (qw * np.sqrt(sigma2[:, None] + x * x)).astype(np.float32)
+
+
+def _q5_0_weighted(x: np.ndarray, qw: np.ndarray, cols: int) -> np.ndarray:
+    """llama.cpp's `quantize_row_q5_0_impl`: per block, `make_qx_quants` (nmax 16, the codes of the best
+    of 19 scales) weighted by importance * sqrt(sigma^2 + x^2), sigma^2 the row's mean square; the
+    scale is stored as it comes out (no requantization against its float16 value)."""
+    rows = x.reshape(-1, cols)
+    sigma2 = np.repeat(_acc(rows * rows) / np.float32(cols), cols // 32)
+    codes, scale = _qx(x, 16, _weights(x, qw, sigma2))
+    return _q5_0_bytes(scale, codes)
 
 
 # ---------------------------------------------------------------------------- Q4_K
@@ -201,22 +244,33 @@ def _qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, n
     return codes.astype(np.uint8), scale.astype(f32), (-lo).astype(f32)
 
 
-def _q4_k(x: np.ndarray) -> np.ndarray:
+def _q4_k(x: np.ndarray, qw: np.ndarray | None = None, cols: int | None = None) -> np.ndarray:
+    """Q4_K blocks of x [B, 256]: llama.cpp's `quantize_row_q4_K_ref`, or with importances qw [B, 256]
+    its `quantize_row_q4_K_impl` (see the module docstring)."""
     f32 = np.float32
     nb = x.shape[0]
     sub = x.reshape(nb * 8, 32)
-    av = np.sqrt(_acc(sub * sub) / f32(32))
-    w = av[:, None] + np.abs(sub)
-    codes, scales, mins = _qkx2(sub, w, 15, -1.0, 0.1, 20)
+    if qw is None:
+        av = np.sqrt(_acc(sub * sub) / f32(32))
+        codes, scales, mins = _qkx2(sub, av[:, None] + np.abs(sub), 15, -1.0, 0.1, 20)
+    else:
+        sigma2 = np.repeat(f32(2) * _acc(x * x) / f32(QK_K), 8)
+        w = _weights(sub, qw.reshape(nb * 8, 32), sigma2)
+        codes, scales, mins = _qkx2(sub, w, 15, -0.9, 0.05, 36)  # make_qkx3_quants: the same search
     codes, scales, mins = codes.reshape(nb, 8, 32), scales.reshape(nb, 8), mins.reshape(nb, 8)
-    max_scale = np.maximum(scales.max(-1), f32(0))
-    max_min = np.maximum(mins.max(-1), f32(0))
-    inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0)).astype(f32)
-    inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0)).astype(f32)
-    ls = np.minimum(63, _nearest(inv_scale[:, None] * scales) & 0xFF).astype(np.uint8)  # C: uint8_t, then MIN
-    lm = np.minimum(63, _nearest(inv_min[:, None] * mins) & 0xFF).astype(np.uint8)
-    d = (max_scale / f32(63)).astype(f32)
-    dmin = (max_min / f32(63)).astype(f32)
+    if qw is None:
+        max_scale = np.maximum(scales.max(-1), f32(0))
+        max_min = np.maximum(mins.max(-1), f32(0))
+        inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0)).astype(f32)
+        inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0)).astype(f32)
+        ls = np.minimum(63, _nearest(inv_scale[:, None] * scales) & 0xFF).astype(np.uint8)  # C: uint8_t, then MIN
+        lm = np.minimum(63, _nearest(inv_min[:, None] * mins) & 0xFF).astype(np.uint8)
+        d = (max_scale / f32(63)).astype(f32)
+        dmin = (max_min / f32(63)).astype(f32)
+    else:
+        sw = _acc(w).reshape(nb, 8)
+        d, ls = _qp(scales, sw, 63)
+        dmin, lm = _qp(mins, sw, 63)
     sd = _f16(d)[:, None] * ls.astype(f32)
     sm = _f16(dmin)[:, None] * lm.astype(f32)
     requant = np.clip(_nearest((x.reshape(nb, 8, 32) + sm[..., None]) / sd[..., None]), 0, 15)
@@ -230,19 +284,61 @@ def _q4_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=-1)
 
 
+@_quiet()
+def _qp(x: np.ndarray, w: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's `make_qp_quants` for rows of x [B, n] (a super-block's sub-block scales or minimums)
+    with weights w: (scale [B], codes uint8 [B, n] in [0, nmax]): the best of 9 scales around max / nmax
+    by weighted squared error, then up to 5 passes moving single codes while that raises
+    sum(w x l)^2 / sum(w l^2) (element by element, each move seen by the next)."""
+    f32 = np.float32
+    mx = np.maximum(x.max(-1), f32(0))
+    zero = mx == 0
+    mx = np.where(zero, f32(1), mx)
+
+    def mse(iscale, clip):
+        lv = _nearest(iscale[:, None] * x)
+        lv = np.minimum(nmax, lv) if clip else lv & 0xFF  # the first pass stores into uint8 unclipped
+        diff = x - (f32(1) / iscale)[:, None] * lv.astype(f32)
+        return _acc((w * diff) * diff)
+
+    iscale = (f32(nmax) / mx).astype(f32)
+    best = mse(iscale, False)
+    for step in (-4, -3, -2, -1, 1, 2, 3, 4):
+        cand = ((f32(0.1) * f32(step) + f32(nmax)) / mx).astype(f32)
+        err = mse(cand, True)
+        take = err < best
+        best, iscale = np.where(take, err, best), np.where(take, cand, iscale)
+    lv = np.minimum(nmax, _nearest(iscale[:, None] * x))
+    lf = lv.astype(f32)
+    sumlx, suml2 = _acc((w * x) * lf), _acc((w * lf) * lf)
+    L = (lv & 0xFF).astype(f32)  # uint8 in C
+    for _ in range(5):  # a pass that moves nothing leaves the state as it was: no need to stop early
+        for i in range(x.shape[1]):
+            wi, xi, li = w[:, i], x[:, i], L[:, i]
+            slx, sl2 = sumlx - (wi * xi) * li, suml2 - (wi * li) * li
+            ok = (slx > 0) & (sl2 > 0)
+            new = np.minimum(nmax, _nearest(np.where(ok, (xi * sl2) / np.where(ok, slx, 1), 0))).astype(f32)
+            slx2, sl22 = slx + (wi * xi) * new, sl2 + (wi * new) * new
+            take = ok & (new != li) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22)
+            L[:, i] = np.where(take, new.astype(np.int64) & 0xFF, li)  # uint8 in C
+            sumlx, suml2 = np.where(take, slx2, sumlx), np.where(take, sl22, suml2)
+    scale = np.where(zero, f32(0), sumlx / suml2).astype(f32)
+    return scale, np.where(zero[:, None], 0, L).astype(np.uint8)
+
+
 # ---------------------------------------------------------------------------- Q6_K
 
 
 @_quiet()
-def _qx(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's `make_qx_quants` with rmse_type 1 (weights x^2) for rows of x [B, n]: (codes int32
-    [B, n] in [0, 2 nmax), scale [B]), the best of 19 scales around -(value of largest magnitude) /
-    nmax."""
+def _qx(x: np.ndarray, nmax: int, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's `make_qx_quants` with rmse_type 1 for rows of x [B, n] (weights `w`, default x^2):
+    (codes int32 [B, n] in [0, 2 nmax), scale [B]), the best of 19 scales around -(value of largest
+    magnitude) / nmax."""
     f32 = np.float32
     amax, signed = _first_absmax(x)
     zero = amax < GROUP_MAX_EPS
     signed = np.where(zero, f32(1), signed)
-    w = x * x
+    w = x * x if w is None else w
 
     def fit(iscale):
         lv = np.clip(_nearest(iscale[:, None] * x), -nmax, nmax - 1)
@@ -267,10 +363,12 @@ def _qx(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     return codes, scale
 
 
-def _q6_k(x: np.ndarray) -> np.ndarray:
+def _q6_k(x: np.ndarray, qw: np.ndarray | None = None, cols: int | None = None) -> np.ndarray:
+    """Q6_K blocks of x [B, 256]: llama.cpp's `quantize_row_q6_K_ref`, or with importances qw [B, 256] its
+    `_impl` (the sub-block search weighted by the importances alone)."""
     f32 = np.float32
     nb = x.shape[0]
-    codes, scales = _qx(x.reshape(nb * 16, 16), 32)
+    codes, scales = _qx(x.reshape(nb * 16, 16), 32, None if qw is None else qw.reshape(nb * 16, 16))
     codes, scales = codes.reshape(nb, 16, 16), scales.reshape(nb, 16)
     max_abs, max_scale = _first_absmax(scales)
     zero = max_abs < GROUP_MAX_EPS

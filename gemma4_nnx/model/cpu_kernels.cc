@@ -8,7 +8,8 @@
 //   gemma4_bf16_cols: out[M, N] = x[M, K] @ w[K, N]    w stored [in, out] (nnx.Linear kernels)
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
 //   gemma4_bf16_take: out[i] = float32(table[ids[i]])  (the token lookup)
-//   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py);
+//   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py),
+//                      or GGUF blocks as a file stores them (`block`: decoded a few rows at a time);
 //                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
 //                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
@@ -662,6 +663,10 @@ inline void dot_rows(const float* __restrict__ x, const float* __restrict__ w, f
   }
 }
 
+// `block` != 0: codes are GGUF blocks as a file stores them (uint8 [N, row_bytes], GGML type number
+// `block`; bits / group / asym are those of the decoded codes). The fused decode kernel reads them in
+// place (`qdot_block`'s RAW); the other products decode a chunk of rows at a time (`over_rows`) into the
+// codes + scales layout, a view whose first row is `row0`.
 struct QWeight {
   const uint8_t* codes;
   const float* scales;
@@ -669,13 +674,241 @@ struct QWeight {
   int64_t N, K, group, code_cols;
   int bits;
   bool asym;
+  int block = 0;
+  int64_t row0 = 0;
+  const uint8_t* row_codes(int64_t n) const { return codes + (n - row0) * code_cols; }
+  const float* row_scales(int64_t n) const { return scales + (n - row0) * (K / group); }
+  const float* row_mins(int64_t n) const { return asym ? mins + (n - row0) * (K / group) : nullptr; }
 };
 
+// ---------------------------------------------------------------------------- GGUF blocks
+// Decoded exactly as gemma4_nnx.model.blocks.decode (the float32 scales are the same float32
+// products), so a product of blocks is bit for bit the product of their decoded codes and scales.
+struct BlockType {
+  int id, elements, bytes;
+};
+constexpr BlockType kBlockTypes[] = {{2, 32, 18}, {3, 32, 20}, {6, 32, 22}, {8, 32, 34},
+                                     {12, 256, 144}, {13, 256, 176}, {14, 256, 210}};
+const BlockType* block_type(int64_t id) {
+  for (const auto& t : kBlockTypes)
+    if (t.id == id) return &t;
+  return nullptr;
+}
+
+// float16 (two little-endian bytes) -> float32, exactly: F16C's instruction where the kernels are built for
+// it, else the bit manipulation of the FP16 library (normals rescaled by 2^-112, subnormals by a magic bias).
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t w = static_cast<uint32_t>(h) << 16, two_w = w + w;
+  uint32_t norm_bits = (two_w >> 4) + (0xE0u << 23), denorm_bits = (two_w >> 17) | (126u << 23), out;
+  float norm, denorm;
+  std::memcpy(&norm, &norm_bits, 4);
+  std::memcpy(&denorm, &denorm_bits, 4);
+  norm *= 0x1.0p-112f;
+  denorm -= 0.5f;
+  std::memcpy(&out, two_w < (1u << 27) ? static_cast<const void*>(&denorm) : static_cast<const void*>(&norm), 4);
+  out |= w & 0x80000000u;
+  float f;
+  std::memcpy(&f, &out, 4);
+  return f;
+#endif
+}
+
+// bytes i of kBit4[b]: 0x10 where bit i of b is set (the fifth bits of 8 Q5_0 codes)
+struct Bit4Table {
+  uint64_t v[256];
+  Bit4Table() {
+    for (int b = 0; b < 256; ++b) {
+      v[b] = 0;
+      for (int i = 0; i < 8; ++i)
+        if (b >> i & 1) v[b] |= uint64_t{0x10} << (8 * i);
+    }
+  }
+};
+const Bit4Table kBit4;
+
+typedef uint8_t u8x16v __attribute__((vector_size(16)));
+inline u8x16v load16(const uint8_t* p) {
+  u8x16v v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+inline void store16(uint8_t* p, u8x16v v) { std::memcpy(p, &v, 16); }
+
+// The even and the odd bytes of p[0:32].
+inline void even_odd(const uint8_t* p, u8x16v& e, u8x16v& o) {
+  const u8x16v a = load16(p), b = load16(p + 16);
+#if defined(__clang__)
+  e = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  o = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  e = __builtin_shuffle(a, b, u8x16v{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30});
+  o = __builtin_shuffle(a, b, u8x16v{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+#endif
+}
+
+// Our int4 order (byte j: element 2j low, 2j + 1 high) from GGUF's, where byte i of a run of 16 holds
+// element i low and element i + 16 high: out[0:16] for 32 elements, `flip` 0x88 for Q4_0's offset of 8.
+inline void reorder_nibbles(const uint8_t* qs, uint8_t* out, uint8_t flip) {
+  for (int j = 0; j < 8; ++j) {
+    out[j] = static_cast<uint8_t>(((qs[2 * j] & 0x0F) | (qs[2 * j + 1] << 4)) ^ flip);
+    out[8 + j] = static_cast<uint8_t>(((qs[2 * j] >> 4) | (qs[2 * j + 1] & 0xF0)) ^ flip);
+  }
+}
+
+// Q4_K / Q5_K: scale j and min j (6 bits each) of a block's 12 packed bytes, times d and dmin.
+inline void k_scales(const uint8_t* src, float* sc, float* mn) {
+  const float d = half_to_float(src), dmin = half_to_float(src + 2);
+  const uint8_t* s = src + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int a = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    sc[j] = d * static_cast<float>(a), mn[j] = dmin * static_cast<float>(m);
+  }
+}
+
+// Q5_0: d, 32 fifth bits, 16 bytes of nibbles (element i low, i + 16 high) -> 32 int8 codes q - 16; d.
+inline float decode_q5_0(const uint8_t* src, uint8_t* codes) {
+  const uint64_t h[4] = {kBit4.v[src[2]], kBit4.v[src[3]], kBit4.v[src[4]], kBit4.v[src[5]]};
+  u8x16v hl, hh;
+  std::memcpy(&hl, h, 16);
+  std::memcpy(&hh, h + 2, 16);
+  const u8x16v q = load16(src + 6);
+  store16(codes, ((q & 0x0F) | hl) - 16);
+  store16(codes + 16, ((q >> 4) | hh) - 16);
+  return half_to_float(src);
+}
+
+// `count` blocks of type `t` at src -> codes (quant.py's layout, from the first block's first element),
+// float32 scales and (asymmetric) mins, one per group. Written with 16-byte vectors (SSE / NEON on every
+// ISA path): the decode must cost little beside reading the blocks from memory.
+void decode_blocks(const BlockType& t, const uint8_t* src, int64_t count, uint8_t* codes, float* sc, float* mn) {
+  switch (t.id) {
+    case 8:  // Q8_0: d, 32 int8 codes
+      for (int64_t b = 0; b < count; ++b, src += 34) sc[b] = half_to_float(src), std::memcpy(codes + 32 * b, src + 2, 32);
+      return;
+    case 6:
+      for (int64_t b = 0; b < count; ++b, src += 22) sc[b] = decode_q5_0(src, codes + 32 * b);
+      return;
+    case 2:  // Q4_0: d, 16 bytes of nibbles; codes q - 8 (the nibble's top bit flipped)
+    case 3:  // Q4_1: d, m, 16 bytes of nibbles; min -m
+      for (int64_t b = 0; b < count; ++b, src += t.bytes) {
+        sc[b] = half_to_float(src);
+        if (t.id == 3) mn[b] = -half_to_float(src + 2);
+        reorder_nibbles(src + (t.id == 3 ? 4 : 2), codes + 16 * b, t.id == 2 ? 0x88 : 0);
+      }
+      return;
+    case 12:  // Q4_K: d, dmin, scales, 4 runs of 32 bytes (low nibbles sub-block 2r, high 2r + 1)
+      for (int64_t b = 0; b < count; ++b, src += 144) {
+        k_scales(src, sc + 8 * b, mn + 8 * b);
+        for (int r = 0; r < 4; ++r) {
+          u8x16v e, o;
+          even_odd(src + 16 + 32 * r, e, o);
+          store16(codes + 128 * b + 32 * r, (e & 0x0F) | (o << 4));
+          store16(codes + 128 * b + 32 * r + 16, (e >> 4) | (o & 0xF0));
+        }
+      }
+      return;
+    case 13:  // Q5_K: d, dmin, scales, qh[32] (bit j: sub-block j), 4 runs of 32 bytes of nibbles
+      for (int64_t b = 0; b < count; ++b, src += 176) {
+        k_scales(src, sc + 8 * b, mn + 8 * b);
+        for (int r = 0; r < 4; ++r)
+          for (int i = 0; i < 32; i += 16) {
+            const u8x16v q = load16(src + 48 + 32 * r + i), h = load16(src + 16 + i);
+            uint8_t* out = codes + 256 * b + 64 * r + i;
+            store16(out, (q & 0x0F) | (((h >> (2 * r)) & 1) << 4));
+            store16(out + 32, (q >> 4) | (((h >> (2 * r + 1)) & 1) << 4));
+          }
+      }
+      return;
+    case 14:  // Q6_K: ql[128], qh[64], int8 sc[16], d; codes q - 32
+      for (int64_t b = 0; b < count; ++b, src += 210) {
+        const float d = half_to_float(src + 208);
+        for (int g = 0; g < 16; ++g) sc[16 * b + g] = d * static_cast<float>(static_cast<int8_t>(src[192 + g]));
+        for (int h = 0; h < 2; ++h)
+          for (int t4 = 0; t4 < 4; ++t4)  // elements 128h + 32 t4 + i
+            for (int i = 0; i < 32; i += 16) {
+              const u8x16v ql = load16(src + 64 * h + 32 * (t4 % 2) + i), qh = load16(src + 128 + 32 * h + i);
+              const u8x16v lo = (ql >> (4 * (t4 / 2))) & 0x0F, hi = (qh >> (2 * t4)) & 3;
+              store16(codes + 256 * b + 128 * h + 32 * t4 + i, (lo | (hi << 4)) - 32);
+            }
+      }
+      return;
+  }
+}
+
+struct Decoded {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, mins;
+};
+
+// Rows [n0, n1) of a weight of GGUF blocks decoded into `d`: a view of those rows (row0 = n0).
+QWeight decode_block_rows(const QWeight& q, int64_t n0, int64_t n1, Decoded& d) {
+  const BlockType& t = *block_type(q.block);
+  const int64_t rows = n1 - n0, G = q.K / q.group, cols = q.K * q.bits / 8, per_row = q.K / t.elements;
+  d.codes.resize(static_cast<size_t>(rows * cols));
+  d.scales.resize(static_cast<size_t>(rows * G));
+  d.mins.resize(q.asym ? static_cast<size_t>(rows * G) : 0);
+  for (int64_t r = 0; r < rows; ++r)
+    decode_blocks(t, q.codes + (n0 + r) * q.code_cols, per_row, d.codes.data() + r * cols, d.scales.data() + r * G,
+                  q.asym ? d.mins.data() + r * G : nullptr);
+  QWeight v = q;
+  v.codes = d.codes.data(), v.scales = d.scales.data(), v.mins = d.mins.data();
+  v.code_cols = cols, v.block = 0, v.row0 = n0;
+  return v;
+}
+
+// fn(view, a, b) over rows [n0, n1) of q: q itself, or its blocks decoded some 16 KB of codes at a time.
+template <typename Fn>
+void over_rows(const QWeight& q, int64_t n0, int64_t n1, Fn&& fn) {
+  if (!q.block) {
+    fn(q, n0, n1);
+    return;
+  }
+  Decoded d;
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, q.K * q.bits / 8));
+  for (int64_t a = n0; a < n1; a += chunk) {
+    const int64_t b = std::min(n1, a + chunk);
+    fn(decode_block_rows(q, a, b, d), a, b);
+  }
+}
+
+// deq(w)[n, k0:k1] of one row into buf (k0 a multiple of the blocks, k1 - k0 at most 256 for blocks).
+void dequant_span(const uint8_t* c, const float* sc, const float* mn, int64_t k0, int64_t k1, int64_t group, int bits,
+                  bool asym, float* buf);
+void dequant_row_span(const QWeight& q, int64_t n, int64_t k0, int64_t k1, float* buf) {
+  if (!q.block) {
+    dequant_span(q.row_codes(n), q.row_scales(n), q.row_mins(n), k0, k1, q.group, q.bits, q.asym, buf);
+    return;
+  }
+  const BlockType& t = *block_type(q.block);
+  uint8_t codes[256];
+  float sc[16], mn[16];
+  for (int64_t k = k0; k < k1; k += t.elements) {  // one block at a time
+    const int64_t e = std::min(k1, k + t.elements);
+    decode_blocks(t, q.codes + n * q.code_cols + k / t.elements * t.bytes, 1, codes, sc, mn);
+    dequant_span(codes, sc, mn, 0, e - k, q.group, q.bits, q.asym, buf + (k - k0));
+  }
+}
+
 ffi::Error check_q(const ffi::AnyBuffer& codes, const Matrix& scales, const Matrix& mins, int64_t bits, bool asym,
-                   int64_t K, QWeight* q) {
+                   int64_t K, QWeight* q, int64_t block = 0) {
   auto cd = codes.dimensions();
   if (cd.size() != 2) return ffi::Error::InvalidArgument("gemma4_q: codes must be 2-D");
   const auto t = codes.element_type();
+  if (block) {
+    const BlockType* bt = block_type(block);
+    if (!bt || t != ffi::DataType::U8 || K % bt->elements || cd[1] != K / bt->elements * bt->bytes)
+      return ffi::Error::InvalidArgument("gemma4_q: blocks must be uint8 [N, K / elements * bytes] of a kept type");
+    const int64_t group = block == 14 ? 16 : 32;
+    *q = QWeight{static_cast<const uint8_t*>(codes.untyped_data()), nullptr, nullptr, cd[0], K, group, cd[1],
+                 static_cast<int>(bits), asym, static_cast<int>(block)};
+    return ffi::Error::Success();
+  }
   if (!((bits == 8 && !asym && t == ffi::DataType::S8) || ((bits == 4 || asym) && t == ffi::DataType::U8)))
     return ffi::Error::InvalidArgument("gemma4_q: codes dtype does not match bits/asym");
   const int64_t N = cd[0], code_cols = cd[1];
@@ -774,8 +1007,8 @@ inline void interleave(f32x16 lo, f32x16 hi, float* dst) {
 #endif
 
 // deq(w)[n, k0:k1] of one row into buf[0 : k1 - k0]; for int4, k0, k1 and the group are even.
-inline void dequant_span(const uint8_t* __restrict__ c, const float* __restrict__ sc, const float* __restrict__ mn,
-                         int64_t k0, int64_t k1, int64_t group, int bits, bool asym, float* __restrict__ buf) {
+void dequant_span(const uint8_t* __restrict__ c, const float* __restrict__ sc, const float* __restrict__ mn, int64_t k0,
+                  int64_t k1, int64_t group, int bits, bool asym, float* __restrict__ buf) {
   for (int64_t k = k0, g = k0 / group; k < k1; ++g) {
     const int64_t e = std::min(k1, (g + 1) * group);
     const float s = sc[g], m = asym ? mn[g] : 0.f;  // asym: code * s - m
@@ -826,14 +1059,25 @@ inline void dequant_row(const uint8_t* c, const float* sc, const float* mn, int6
 // with x; each group's partial sums take its scale once (and, asymmetric, subtract min * sum(x over the
 // group), precomputed per row of x). For int4 the 16 low nibbles of 16 bytes are elements 0, 2, .., 30
 // of a 32-wide chunk and the high nibbles 1, 3, .., 31, so x is permuted once per call to match.
-template <int MB, int BITS, bool ASYM>
+// RAW (a GGML type number): GGUF blocks read in place. Q8_0: group g's float16 scale at 34 g, its 32 codes
+// after it; other types: each block decoded on the stack when the loop reaches it (`decode_blocks`:
+// codes, scales and mins of its groups), so no row passes through a buffer in memory.
+template <int MB, int BITS, bool ASYM, int RAW = 0>
 void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum,
                 float* __restrict__ out, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
   const int64_t K = q.K, G = K / q.group;
+  constexpr int EL = RAW == 12 || RAW == 13 || RAW == 14 ? 256 : 32;  // elements of a block
+  constexpr int BY = RAW == 8 ? 34 : RAW == 6 ? 22 : RAW == 2 ? 18 : RAW == 3 ? 20 : RAW == 12 ? 144 : RAW == 13 ? 176 : 210;
+  const BlockType* bt = RAW ? block_type(RAW) : nullptr;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = q.codes + n * q.code_cols;
-    const float* sc = q.scales + n * G;
-    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    const uint8_t* c = q.row_codes(n);
+    const float* sc = RAW ? nullptr : q.row_scales(n);
+    const float* mn = RAW ? nullptr : q.row_mins(n);
+    alignas(16) uint8_t tmp[EL];  // a decoded block: codes, scales and mins of its groups
+    float stmp[EL / 16], mtmp[EL / 16];
+    const uint8_t* cw = c;  // column k's code at cw + (k - off) (int4: byte (k - off) / 2)
+    const float *sw = sc, *mw = mn;  // group g's scale at sw[g - goff]
+    int64_t off = 0, goff = 0;
     f32x16 acc[MB];
     float corr[MB];
     for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
@@ -841,27 +1085,38 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
       f32x16 ga[MB];
       for (int m = 0; m < MB; ++m) ga[m] = f32x16{};
       const int64_t k0 = g * q.group;
+      if constexpr (RAW == 8) {
+        cw = c + 34 * g + 2, off = k0;
+      } else if constexpr (RAW != 0) {
+        if (k0 % EL == 0) {
+          if constexpr (RAW == 6)
+            stmp[0] = decode_q5_0(c + k0 / EL * BY, tmp);
+          else
+            decode_blocks(*bt, c + k0 / EL * BY, 1, tmp, stmp, mtmp);
+          cw = tmp, sw = stmp, mw = mtmp, off = k0, goff = g;
+        }
+      }
       if constexpr (BITS == 8) {
         for (int64_t k = k0; k < k0 + q.group; k += 16) {
-          __builtin_prefetch(c + 2 * q.code_cols + k);  // the same bytes two rows ahead (see cols_task)
-          const f32x16 wv = widen_codes8(c + k, ASYM);
+          __builtin_prefetch(c + 2 * q.code_cols + (RAW ? k / EL * BY : k));  // two rows ahead (see cols_task)
+          const f32x16 wv = widen_codes8(cw + (k - off), ASYM);
           for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k);
         }
       } else {
         for (int64_t k = k0; k < k0 + q.group; k += 32) {
-          __builtin_prefetch(c + 2 * q.code_cols + k / 2);
+          __builtin_prefetch(c + 2 * q.code_cols + (RAW ? k / EL * BY : k / 2));
           f32x16 lo, hi;
-          widen_codes4(c + k / 2, ASYM, lo, hi);
+          widen_codes4(cw + (k - off) / 2, ASYM, lo, hi);
           for (int m = 0; m < MB; ++m) {
             const float* xm = xp + (m0 + m) * K + k;
             ga[m] += lo * load_f32(xm) + hi * load_f32(xm + 16);
           }
         }
       }
-      const float s = sc[g];
+      const float s = RAW == 8 ? half_to_float(c + 34 * g) : sw[g - goff];
       for (int m = 0; m < MB; ++m) {
         acc[m] += ga[m] * s;
-        if constexpr (ASYM) corr[m] += mn[g] * xsum[(m0 + m) * G + g];
+        if constexpr (ASYM) corr[m] += mw[g - goff] * xsum[(m0 + m) * G + g];
       }
     }
     for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum_q(acc[m]) - corr[m];
@@ -960,9 +1215,9 @@ void act8_block(const QWeight& q, const ActChunk* act, float* __restrict__ out, 
   const __mmask16 groups = static_cast<__mmask16>((1u << (q.group >= kAct8Span ? 1 : kAct8Span / q.group)) - 1);
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = q.codes + n * q.code_cols;
-    const float* sc = q.scales + n * G;
-    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    const uint8_t* c = q.row_codes(n);
+    const float* sc = q.row_scales(n);
+    const float* mn = q.row_mins(n);
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t ch = 0; ch < C; ++ch) {
@@ -1019,9 +1274,9 @@ void act8_block(const QWeight& q, const ActChunk* act, float* __restrict__ out, 
   const LaneGroups lanes(q.group, 8);
   const __m256i nib = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = q.codes + n * q.code_cols;
-    const float* sc = q.scales + n * G;
-    const float* mn = ASYM ? q.mins + n * G : nullptr;
+    const uint8_t* c = q.row_codes(n);
+    const float* sc = q.row_scales(n);
+    const float* mn = q.row_mins(n);
     __m256 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t ch = 0; ch < C; ++ch) {
@@ -1058,8 +1313,8 @@ void act8_block8(const QWeight& q, const ActBlock* act, float* __restrict__ out,
   const int64_t C = q.K / 32, G = q.K / q.group;
   const LaneGroups lanes(q.group, 4);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = q.codes + n * q.code_cols;
-    const float* sc = q.scales + n * G;
+    const uint8_t* c = q.row_codes(n);
+    const float* sc = q.row_scales(n);
     __m256 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t ch = 0; ch < C; ++ch) {
@@ -1093,16 +1348,17 @@ void act8_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, const
   auto run = [&](auto asym_c) {
     constexpr bool A = decltype(asym_c)::value;
     parallel_for(pool, nt, [&](int64_t t) {
-      const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-      for_row_blocks(M, [&](auto mb, int64_t m) {
-        constexpr int MB = decltype(mb)::value;
-        if (q.bits == 4) {
-          act8_block<MB, A>(q, act4.data(), Y, N, n0, n1, m);
-        } else {
+      over_rows(q, t * per_task, std::min(N, (t + 1) * per_task), [&](const QWeight& v, int64_t n0, int64_t n1) {
+        for_row_blocks(M, [&](auto mb, int64_t m) {
+          constexpr int MB = decltype(mb)::value;
+          if (v.bits == 4) {
+            act8_block<MB, A>(v, act4.data(), Y, N, n0, n1, m);
+          } else {
 #if !defined(__AVX512VNNI__)
-          act8_block8<MB>(q, act8.data(), Y, N, n0, n1, m);
+            act8_block8<MB>(v, act8.data(), Y, N, n0, n1, m);
 #endif
-        }
+          }
+        });
       });
     });
   };
@@ -1120,10 +1376,8 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
   const bool asym = q.asym;
   const bool int8_product = act8 && act8_layout(q);
   if (rows_for_choice >= (int8_product ? kGemmRowsT : kGemmRowsTFloatCodes)) {
-    gemm_t(pool, X, Y, M, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
-      dequant_span(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, k0, k0 + kc, q.group,
-                   q.bits, q.asym, dst);
-    });
+    gemm_t(pool, X, Y, M, K, N,
+           [&](int64_t n, int64_t k0, int64_t kc, float* dst) { dequant_row_span(q, n, k0, k0 + kc, dst); });
     return;
   }
   const int64_t per_task = rows_per_task(pool, N, q.code_cols);
@@ -1146,13 +1400,33 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
     if (asym)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) xsum[m * G + k / q.group] += X[m * K + k];
+    if (q.block) {  // GGUF blocks: read in place
+      parallel_for(pool, nt, [&](int64_t t) {
+        const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
+        for_row_blocks(M, [&](auto mb, int64_t m) {
+          constexpr int MB = decltype(mb)::value;
+          const float *x = xp.data(), *xs = xsum.data();
+          switch (q.block) {
+            case 8: return qdot_block<MB, 8, false, 8>(q, x, xs, Y, N, n0, n1, m);
+            case 6: return qdot_block<MB, 8, false, 6>(q, x, xs, Y, N, n0, n1, m);
+            case 2: return qdot_block<MB, 4, false, 2>(q, x, xs, Y, N, n0, n1, m);
+            case 3: return qdot_block<MB, 4, true, 3>(q, x, xs, Y, N, n0, n1, m);
+            case 12: return qdot_block<MB, 4, true, 12>(q, x, xs, Y, N, n0, n1, m);
+            case 13: return qdot_block<MB, 8, true, 13>(q, x, xs, Y, N, n0, n1, m);
+            case 14: return qdot_block<MB, 8, false, 14>(q, x, xs, Y, N, n0, n1, m);
+          }
+        });
+      });
+      return;
+    }
     auto run = [&](auto bits_c, auto asym_c) {
       constexpr int B = decltype(bits_c)::value;
       constexpr bool A = decltype(asym_c)::value;
       parallel_for(pool, nt, [&](int64_t t) {
-        const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-        for_row_blocks(M, [&](auto mb, int64_t m) {
-          qdot_block<decltype(mb)::value, B, A>(q, xp.data(), xsum.data(), Y, N, n0, n1, m);
+        over_rows(q, t * per_task, std::min(N, (t + 1) * per_task), [&](const QWeight& v, int64_t n0, int64_t n1) {
+          for_row_blocks(M, [&](auto mb, int64_t m) {
+            qdot_block<decltype(mb)::value, B, A>(v, xp.data(), xsum.data(), Y, N, n0, n1, m);
+          });
         });
       });
     };
@@ -1166,22 +1440,22 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
   }
   // other group sizes: each weight row dequantized once into an L1 buffer, then multiplied
   parallel_for(pool, nt, [&](int64_t t) {
-    const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
     std::vector<float> buf(static_cast<size_t>(K));
-    for (int64_t n = n0; n < n1; ++n) {
-      __builtin_prefetch(q.codes + (n + 2) * q.code_cols);
-      dequant_row(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, K, q.group, q.bits,
-                  q.asym, buf.data());
-      for_row_blocks(M, [&](auto mb, int64_t m) { dot_rows<decltype(mb)::value>(X, buf.data(), Y, K, N, n, m); });
-    }
+    over_rows(q, t * per_task, std::min(N, (t + 1) * per_task), [&](const QWeight& v, int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        __builtin_prefetch(v.row_codes(n) + 2 * v.code_cols);
+        dequant_row(v.row_codes(n), v.row_scales(n), v.row_mins(n), K, v.group, v.bits, v.asym, buf.data());
+        for_row_blocks(M, [&](auto mb, int64_t m) { dot_rows<decltype(mb)::value>(X, buf.data(), Y, K, N, n, m); });
+      }
+    });
   });
 }
 
 ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
-                 int64_t bits, bool asym, bool act8) {
+                 int64_t bits, bool asym, bool act8, int64_t block) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   QWeight q;
-  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
+  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q, block); e.failure()) return e;
   if (M * q.N == 0) return ffi::Error::Success();
   on_live_rows(x.typed_data(), out->typed_data(), M, K, q.N,
                [&](const float* X, float* Y, int64_t rows) { q_product(pool, q, X, Y, rows, M, act8); });
@@ -1190,18 +1464,18 @@ ffi::Error QRows(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer codes, Matrix sc
 
 // deq(w) as a float32 [N, K] matrix (many rows: the product is then XLA's float32 dot).
 ffi::Error QDequant(ffi::ThreadPool pool, ffi::AnyBuffer codes, Matrix scales, Matrix mins, MatrixOut out,
-                    int64_t bits, bool asym) {
+                    int64_t bits, bool asym, int64_t block) {
   const int64_t K = out->dimensions()[1];
   QWeight q;
-  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q); e.failure()) return e;
-  const int64_t N = q.N, G = K / q.group;
+  if (auto e = check_q(codes, scales, mins, bits, asym, K, &q, block); e.failure()) return e;
+  const int64_t N = q.N;
   float* Y = out->typed_data();
   const int64_t per_task = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(K, 1));
   parallel_for(pool, (N + per_task - 1) / per_task, [&](int64_t t) {
-    const int64_t n1 = std::min(N, (t + 1) * per_task);
-    for (int64_t n = t * per_task; n < n1; ++n)
-      dequant_row(q.codes + n * q.code_cols, q.scales + n * G, q.asym ? q.mins + n * G : nullptr, K, q.group, q.bits,
-                  q.asym, Y + n * K);
+    over_rows(q, t * per_task, std::min(N, (t + 1) * per_task), [&](const QWeight& v, int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        dequant_row(v.row_codes(n), v.row_scales(n), v.row_mins(n), K, v.group, v.bits, v.asym, Y + n * K);
+    });
   });
   return ffi::Error::Success();
 }
@@ -1556,7 +1830,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QRows, QRows,
                                   .Ret<Matrix>()
                                   .Attr<int64_t>("bits")
                                   .Attr<bool>("asym")
-                                  .Attr<bool>("act8"));
+                                  .Attr<bool>("act8")
+                                  .Attr<int64_t>("block"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QDequant, QDequant,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1565,7 +1840,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4QDequant, QDequant,
                                   .Arg<Matrix>()
                                   .Ret<Matrix>()
                                   .Attr<int64_t>("bits")
-                                  .Attr<bool>("asym"));
+                                  .Attr<bool>("asym")
+                                  .Attr<int64_t>("block"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Attend, Attend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -331,25 +331,36 @@ def _no_mins(scales: Array) -> Array:
     return jnp.zeros((0, 0), jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _qrows(x: Array, codes: Array, scales: Array, mins: Array, bits: int, act8: bool = False) -> Array:
-    asym = mins.size > 0
-    n = codes.shape[0]
-    return _call("gemma4_q_rows", (x.shape[0], n), x, codes, scales, mins, bits=bits, asym=asym, act8=act8)
+def _block_attrs(block: str | None, bits: int, mins: Array) -> dict:
+    """The kernels' attributes of a weight: `block` (GGML type number of GGUF blocks, 0 for codes +
+    scales) and `asym` (of the decoded codes for blocks)."""
+    if block is None:
+        return {"block": 0, "asym": mins.size > 0}
+    from gemma4_nnx.model.blocks import BLOCKS
+
+    *_, asym, number = BLOCKS[block]
+    return {"block": number, "asym": asym}
 
 
-def _qdequant(codes: Array, scales: Array, mins: Array, bits: int, k: int) -> Array:
-    asym = mins.size > 0
-    return _call("gemma4_q_dequant", (codes.shape[0], k), codes, scales, mins, bits=bits, asym=asym)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _qrows(x: Array, codes: Array, scales: Array, mins: Array, bits: int, act8: bool, block: str | None, k: int):
+    attrs = _block_attrs(block, bits, mins)
+    return _call("gemma4_q_rows", (x.shape[0], codes.shape[0]), x, codes, scales, mins, bits=bits, act8=act8, **attrs)
 
 
-def _qrows_fwd(x, codes, scales, mins, bits, act8):
-    return _qrows(x, codes, scales, mins, bits, act8), (codes, scales, mins)
+def _qdequant(codes: Array, scales: Array, mins: Array, bits: int, k: int, block: str | None) -> Array:
+    return _call(
+        "gemma4_q_dequant", (codes.shape[0], k), codes, scales, mins, bits=bits, **_block_attrs(block, bits, mins)
+    )
 
 
-def _qrows_bwd(bits, act8, res, g):
+def _qrows_fwd(x, codes, scales, mins, bits, act8, block, k):
+    return _qrows(x, codes, scales, mins, bits, act8, block, k), (codes, scales, mins)
+
+
+def _qrows_bwd(bits, act8, block, k, res, g):
     codes, scales, mins = res
-    w = _qdequant(codes, scales, mins, bits, codes.shape[1] * (2 if bits == 4 else 1))
+    w = _qdequant(codes, scales, mins, bits, k, block)
     # Only x is differentiated: integer codes take no gradient and the scales are frozen with them.
     return g @ w, None, jnp.zeros_like(scales), jnp.zeros_like(mins)
 
@@ -357,11 +368,23 @@ def _qrows_bwd(bits, act8, res, g):
 _qrows.defvjp(_qrows_fwd, _qrows_bwd)
 
 
-def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: int, act8: bool = False) -> Array:
+def qmatmul_t(
+    x: Array,
+    codes: Array,
+    scales: Array | None,
+    mins: Array | None,
+    bits: int,
+    act8: bool = False,
+    block: str | None = None,
+) -> Array:
     """x [..., K] float32 @ deq(w)[N, K]^T for a quantized weight (`gemma4_nnx.model.quant`): codes int8
     [N, K] / uint8 [N, K] (asymmetric) / uint8 [N, K/2] (int4), float32 scales [N, G] and mins [N, G]
-    or None. Any number of rows (see `GEMM_ROWS_T`; with AVX2 and no AVX-512 the float product takes the
-    blocked form from 12 rows); the codes are never dequantized whole.
+    or None; or, with `block` (a GGUF type name, `gemma4_nnx.model.blocks`), codes the file's blocks
+    uint8 [N, K / elements * bytes] and no scales, decoded inside the product (block by block below
+    `GEMM_ROWS_T` rows, a few rows at a time otherwise): bit for bit the product of the decoded codes
+    and scales; `bits` is the decoded codes'. Any number of rows (see `GEMM_ROWS_T`; with AVX2 and no
+    AVX-512 the float product takes the blocked form from 12 rows); the codes are never dequantized
+    whole.
 
     act8=True (needs `has_int8_dot()`): products of fewer than `GEMM_ROWS_T` rows (decode) first
     round each row of x to int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127,
@@ -374,8 +397,10 @@ def qmatmul_t(x: Array, codes: Array, scales: Array, mins: Array | None, bits: i
     lead, k, rows = _rows_of(x)
     if rows == 0:
         return jnp.zeros((*lead, codes.shape[0]), jnp.float32)
+    scales = _no_mins(None) if scales is None else scales
     mins = _no_mins(scales) if mins is None else mins
-    return _qrows(x.reshape(rows, k), codes, scales, mins, bits, bool(act8)).reshape(*lead, codes.shape[0])
+    out = _qrows(x.reshape(rows, k), codes, scales, mins, bits, bool(act8), block, k)
+    return out.reshape(*lead, codes.shape[0])
 
 
 def int8_dot_bits() -> tuple[int, ...]:

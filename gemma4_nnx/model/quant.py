@@ -57,6 +57,14 @@ weight-only quantization wants). Imported formats add two things, described by
   dequantizer does, so imported values are bit-for-bit its values.
 * any even **group** (GGUF blocks are 32 wide, Q6_K sub-blocks 16).
 
+A matrix kept from a GGUF file (or quantized into GGUF blocks, ``--quantize q4_k_m``) is stored as the
+file stores it: ``QuantFormat.block`` names the block type, ``codes`` holds the blocks (uint8 ``[N,
+M / elements * bytes]``) and there are no ``scales`` / ``mins`` arrays; they are decoded where they are
+used (``gemma4_nnx.model.blocks``: the same codes and float32 scales as above, bit for bit), so a
+checkpoint takes the file's bytes (the scales of a Q4_K block: 12 bytes of 6-bit integers and two
+float16, not 64 bytes of float32). Checkpoints written before (float32 scales, no ``block``) load and
+compute as they did.
+
 Our own quantizer (``gemma4-convert --quantize int8|int4``) is the symmetric one
 above, with ``DEFAULT_GROUP`` columns per scale.
 """
@@ -71,6 +79,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from gemma4_nnx.model.blocks import BLOCKS, row_bytes
+from gemma4_nnx.model.blocks import decode as decode_blocks
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -99,35 +110,56 @@ DEFAULT_GROUP: dict[int, int] = {4: 32, 8: 128}
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     """How one matrix is stored: `bits` (4 or 8), `group` (columns per scale), `asym` (unsigned codes
-    and a `mins` array: value = code * scale - min). Frozen and hashable: part of a module's static
-    configuration, and what the checkpoint's metadata records per tensor (`to_json` / `from_json`)."""
+    and a `mins` array: value = code * scale - min), `block` (a GGUF block type name: the matrix is
+    held as those blocks, which decode to codes and scales of the other three fields; `of_block`).
+    Frozen and hashable: part of a module's static configuration, and what the checkpoint's metadata
+    records per tensor (`to_json` / `from_json`)."""
 
     bits: int
     group: int
     asym: bool = False
+    block: str | None = None
 
     def __post_init__(self):
         _check_bits_group(self.bits, self.group)
+        if self.block is not None:
+            if self.block not in BLOCKS:
+                raise ValueError(f"block must be one of {sorted(BLOCKS)}, got {self.block!r}")
+            if (self.bits, self.group, self.asym) != BLOCKS[self.block][2:5]:
+                raise ValueError(f"block {self.block} decodes to {BLOCKS[self.block][2:5]} (bits, group, asym)")
+
+    @classmethod
+    def of_block(cls, name: str) -> QuantFormat:
+        """The format of a matrix held as GGUF blocks `name` (`gemma4_nnx.model.blocks.BLOCKS`)."""
+        if name not in BLOCKS:
+            raise ValueError(f"block must be one of {sorted(BLOCKS)}, got {name!r}")
+        bits, group, asym = BLOCKS[name][2:5]
+        return cls(bits, group, asym, name)
 
     def code_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        if self.block is not None:
+            return (rows, row_bytes(self.block, cols))
         return (rows, cols // 2) if self.bits == 4 else (rows, cols)
 
     @property
     def code_dtype(self):
-        return jnp.uint8 if self.bits == 4 or self.asym else jnp.int8
+        return jnp.uint8 if self.bits == 4 or self.asym or self.block else jnp.int8
 
     def nbytes(self, rows: int, cols: int) -> int:
-        """Bytes of codes + scales (+ mins) of a [rows, cols] matrix."""
+        """Bytes of codes + scales (+ mins) of a [rows, cols] matrix (of its blocks, for `block`)."""
         _check_width(cols, self.group, "cols")
+        if self.block is not None:
+            return rows * row_bytes(self.block, cols)
         per = 2 if self.asym else 1
         return rows * cols * self.bits // 8 + per * rows * (cols // self.group) * 4
 
     def to_json(self) -> dict[str, Any]:
-        return {"bits": self.bits, "group": self.group, "asym": self.asym}
+        out = {"bits": self.bits, "group": self.group, "asym": self.asym}
+        return out if self.block is None else {**out, "block": self.block}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> QuantFormat:
-        return cls(int(d["bits"]), int(d["group"]), bool(d.get("asym", False)))
+        return cls(int(d["bits"]), int(d["group"]), bool(d.get("asym", False)), d.get("block"))
 
 
 def _check_bits_group(bits: int, group: int) -> None:
@@ -330,6 +362,8 @@ def _params(fmt: QuantFormat, rows: int, cols: int):
     _check_width(cols, fmt.group, "cols")
     g = cols // fmt.group
     codes = nnx.Param(jnp.zeros(fmt.code_shape(rows, cols), fmt.code_dtype))
+    if fmt.block is not None:  # the blocks hold their scales
+        return codes, None, None
     scales = nnx.Param(jnp.zeros((rows, g), jnp.float32))
     mins = nnx.Param(jnp.zeros((rows, g), jnp.float32)) if fmt.asym else None
     return codes, scales, mins
@@ -355,11 +389,21 @@ def _mins(mod):
     return None if mod.mins is None else mod.mins[...]
 
 
+def _scales(mod):
+    return None if mod.scales is None else mod.scales[...]
+
+
+def dequantize_stored(codes: jax.Array, scales, mins, fmt: QuantFormat, dtype: Any = jnp.float32) -> jax.Array:
+    """Stored arrays of `fmt` (rows of codes / blocks, any leading shape) -> float [..., cols] in `dtype`."""
+    if fmt.block is not None:
+        codes, scales, mins = decode_blocks(codes, fmt.block)
+    return dequantize_rows(codes, scales, fmt.bits, fmt.group, dtype, mins)
+
+
 def dequantize_matrix(mod, dtype: Any = jnp.float32) -> jax.Array:
     """The whole float matrix [rows, cols] ([E, out, in] for a stack) of a quantized module (export,
     merging LoRA, tests)."""
-    f = mod.fmt
-    return dequantize_rows(mod.codes[...], mod.scales[...], f.bits, f.group, dtype, _mins(mod))
+    return dequantize_stored(mod.codes[...], _scales(mod), _mins(mod), mod.fmt, dtype)
 
 
 def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
@@ -376,9 +420,15 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
         from gemma4_nnx.model import cpu_kernels
 
         return cpu_kernels.qmatmul_t(
-            x.astype(dtype), mod.codes[...], mod.scales[...], _mins(mod), f.bits, act8=mod.matmul.int8_activations
+            x.astype(dtype),
+            mod.codes[...],
+            _scales(mod),
+            _mins(mod),
+            f.bits,
+            act8=mod.matmul.int8_activations,
+            block=f.block,
         )
-    w = dequantize_rows(mod.codes[...], mod.scales[...], f.bits, f.group, dtype, _mins(mod))
+    w = dequantize_matrix(mod, dtype)
     return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
 
 
@@ -446,8 +496,9 @@ class QuantizedEmbedding(nnx.Module):
         asym: bool = False,
         lookup_scale: float = 1.0,
         matmul=None,
+        block: str | None = None,
     ):
-        """Creates a zero-filled table with the checkpoint's shapes.
+        """Creates a zero-filled table with the checkpoint's shapes (`block`: held as GGUF blocks).
 
         Zeros (not random values) because the real contents always come from a
         checkpoint; build it under ``nnx.eval_shape`` to restore without
@@ -456,7 +507,7 @@ class QuantizedEmbedding(nnx.Module):
         from gemma4_nnx.model.layers import XLA
 
         del rngs
-        self.fmt = QuantFormat(int(bits), int(group), bool(asym))
+        self.fmt = QuantFormat(int(bits), int(group), bool(asym), block)
         _check_width(features, group, "features")
         self.bits = int(bits)
         self.group = int(group)
@@ -540,10 +591,10 @@ class QuantizedEmbedding(nnx.Module):
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"ids must have an integer dtype, got {ids.dtype}")
-        codes = jnp.take(self.codes[...], ids, axis=0)  # [..., F or F/2]
-        scales = jnp.take(self.scales[...], ids, axis=0)  # [..., F/group]
+        codes = jnp.take(self.codes[...], ids, axis=0)  # [..., F or F/2, or the row's blocks]
+        scales = None if self.scales is None else jnp.take(self.scales[...], ids, axis=0)  # [..., F/group]
         mins = None if self.mins is None else jnp.take(self.mins[...], ids, axis=0)
-        rows = dequantize_rows(codes, scales, self.bits, self.group, self.dtype, mins)
+        rows = dequantize_stored(codes, scales, mins, self.fmt, self.dtype)
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
     def attend(self, x: jax.Array) -> jax.Array:
@@ -566,7 +617,7 @@ class QuantizedStack(nnx.Module):
         codes, scales, mins = _params(fmt, self.experts * self.out_features, self.in_features)
         e, o = self.experts, self.out_features
         self.codes = nnx.Param(codes.get_value().reshape(e, o, -1))
-        self.scales = nnx.Param(scales.get_value().reshape(e, o, -1))
+        self.scales = None if scales is None else nnx.Param(scales.get_value().reshape(e, o, -1))
         self.mins = None if mins is None else nnx.Param(mins.get_value().reshape(e, o, -1))
 
     @property
@@ -575,9 +626,7 @@ class QuantizedStack(nnx.Module):
         return (self.experts, self.in_features, self.out_features)
 
     def dense(self, dtype) -> jax.Array:
-        f = self.fmt
-        w = dequantize_rows(self.codes[...], self.scales[...], f.bits, f.group, dtype, _mins(self))
-        return jnp.swapaxes(w, 1, 2)
+        return jnp.swapaxes(dequantize_matrix(self, dtype), 1, 2)
 
 
 # ---------------------------------------------------------------------------- whole models
@@ -638,6 +687,7 @@ def quantized_like(mod, fmt: QuantFormat, matmul=None):
                 bits=fmt.bits,
                 group=fmt.group,
                 asym=fmt.asym,
+                block=fmt.block,
                 dtype=mod.dtype,
                 lookup_scale=getattr(mod, "lookup_scale", 1.0),
                 matmul=mod.matmul if matmul is None else matmul,
