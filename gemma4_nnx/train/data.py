@@ -26,10 +26,11 @@ piece only) and concatenated, as the server encodes a prompt and the model then 
 token by token; the ids decode to exactly the rendered text.
 
 Packing (`pack`): best fit of whole examples into rows of `max_len`, each with its `segment_ids`
-(1, 2, ... per example, 0 padding), which the model's forward takes (``model(ids, segment_ids=...)``)
-and derives the rest from: attention inside each example, padding masked (segment 0), positions
-restarting at 0 per example, so a packed row computes what its examples compute alone. `Loader` shuffles the rows per epoch from a seed and
-resumes exactly from its state (epoch, index).
+(1, 2, ... per example, 0 padding), which the model's forward takes (``model(ids,
+segment_ids=...)``) and derives the rest from: attention inside each example, padding masked
+(segment 0), positions restarting at 0 per example, so a packed row computes what its examples
+compute alone. `Loader` shuffles the rows per epoch from a seed and resumes exactly from its state
+(epoch, index).
 """
 
 from __future__ import annotations
