@@ -375,3 +375,43 @@ def test_fsdp_full_finetune_equals_one_device():
     assert r["whole"] == ["embed_tokens_per_layer.embedding"] and r["mu_split"] > 0, f"left whole: {r['whole']}"
     assert r["bytes_fsdp"] < r["bytes_one"] / 4, f"per-device bytes {r['bytes_fsdp']} vs {r['bytes_one']}"
     assert r["resumed"] == r["got"][2:] and r["resumed_equal"], "resuming a sharded checkpoint diverged"
+
+
+def read_events(path) -> list:
+    """Every `Event` protobuf of a TensorBoard event file (TFRecord framing: u64 length, u32 crc,
+    payload, u32 crc), parsed with tensorboardX's own message definitions."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    events, blob, at = [], path.read_bytes(), 0
+    while at < len(blob):
+        (n,) = struct.unpack("<Q", blob[at : at + 8])
+        events.append(Event.FromString(blob[at + 12 : at + 12 + n]))
+        at += 12 + n + 4
+    return events
+
+
+def test_tensorboard_holds_the_metrics_and_the_bar_shows_progress(rows, tmp_path, capsys):
+    pytest.importorskip("tensorboardX")
+    config = loop.TrainConfig(steps=3, lr=1e-2, warmup_steps=1, batch_size=2, accumulate=2, eval_every=2)
+    trainer = loop.Trainer(
+        lora_micro(),
+        data.Loader(rows, 4, seed=1),
+        config,
+        out=tmp_path,
+        eval_rows=rows,
+        progress=True,
+        tensorboard=True,
+    )
+    trainer.run()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    want = {(f"train/{k}", r["step"]): r[k] for r in records for k in loop.TENSORBOARD_SCALARS if k in r}
+    assert ("train/eval_loss", 2) in want and ("train/lr", 1) in want
+    (path,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    got = {(v.tag, e.step): v.simple_value for e in read_events(path) for v in e.summary.value}
+    assert got.keys() == want.keys(), f"TensorBoard holds {sorted(got)}, metrics.jsonl {sorted(want)}"
+    for key, value in want.items():  # TensorBoard stores float32
+        assert got[key] == np.float32(value), f"{key}: {got[key]} vs {value}"
+    assert records[0]["lr"] == 0.0 and records[1]["lr"] == pytest.approx(1e-2)  # warm-up from 0 to the peak
+    assert "3/3" in capsys.readouterr().err, "no progress bar reached 3/3 steps"
