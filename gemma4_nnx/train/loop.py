@@ -111,16 +111,18 @@ def accumulate_step(
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
     micro = jax.tree.map(lambda x: jnp.asarray(x).reshape(accumulate, -1, *x.shape[1:]), batch)
 
-    def summed(params, b):
-        return token_sums(nnx.merge(graphdef, params, rest), b)
+    grad_fn = nnx.value_and_grad(token_sums, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
 
+    # the variables go through the carry, unchanged: the model merged in the body is then built from
+    # this trace's values (nnx's transforms, nnx.remat's included, refuse variables of an outer trace)
     def body(carry, b):
-        total, count, grads = carry
-        (loss, n), g = jax.value_and_grad(summed, has_aux=True)(params, b)
-        return (total + loss, count + n, jax.tree.map(jnp.add, grads, g)), None
+        total, count, grads, params, rest = carry
+        (loss, n), g = grad_fn(nnx.merge(graphdef, params, rest), b)
+        return (total + loss, count + n, jax.tree.map(jnp.add, grads, g), params, rest), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (total, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), zeros), micro)
+    carry = (jnp.float32(0), jnp.float32(0), zeros, params, rest)
+    (total, count, grads, _, _), _ = jax.lax.scan(body, carry, micro)
     count = jnp.maximum(count, 1.0)
     optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
     if shard is not None:
