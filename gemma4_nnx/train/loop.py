@@ -1,23 +1,26 @@
-"""The training loop: AdamW with warm-up and cosine decay, gradient clipping and accumulation, Orbax
-checkpoints that resume exactly, held-out loss, metrics as JSONL; and the `gemma4-finetune` command.
+"""The training loop: LoRA, QLoRA or full fine-tuning (`prepare`), AdamW with warm-up and cosine decay,
+gradient clipping and accumulation, Orbax checkpoints that resume exactly, held-out loss, metrics as
+JSONL (and TensorBoard), a progress bar; and the `gemma4-finetune` command.
 
 A run's state is (trainable parameters, optimizer state, loader state, RNG key, step), all in one
 Orbax `CheckpointManager` step directory (`out/checkpoints/<step>/`): a run killed at any point and
 started again restores the newest checkpoint and continues with the same batches, the same optimizer
-moments and the same schedule position, so its losses and final adapters are those of a run that was
+moments and the same schedule position, so its losses and final weights are those of a run that was
 never interrupted (tested bit for bit on CPU). No op of the step draws random numbers today (LoRA
-without dropout); the key is carried anyway so that one that does stays resumable.
+without dropout), so the key is never split; it is carried so that one that does stays resumable.
 
-Data parallel (`Trainer(mesh=...)`, one process or several under `jax.distributed`): every variable
-is replicated over the mesh and each batch is split by rows over its first axis (every process runs the
-same loader and puts in its own slice); XLA sums the gradients across devices. Tested: 2 processes x 4
-CPU devices give the losses and adapters of 1 process x 8 devices. Replicated means each device holds
-the whole base model: FSDP of the base weights (`gemma4_nnx.sharding`) is not wired into the loop yet.
+Data parallel (`Trainer(mesh=...)`, one process or several under `jax.distributed`): each batch is
+split by rows over the mesh's first axis (every process runs the same loader and puts in its own
+slice of rows); XLA sums the gradients across devices. The variables are replicated (tested: 2
+processes x 4 CPU devices give the losses and adapters of 1 process x 8 devices), or with `fsdp=True`
+placed as `gemma4_nnx.sharding` declares (the weights split along the model width, the Adam moments
+like their weights, the layout kept by the step; tested: 8 devices give one device's full
+fine-tuning).
 
 Gradient accumulation is exact: `accumulate_step` takes a batch of `accumulate * batch_size` rows,
 runs it `batch_size` rows at a time (a `lax.scan`, one compiled micro-step) and weighs each
-micro-batch's gradient by its number of trained tokens, so the update is that of the whole batch in one
-step (masked_lm_loss's mean over all its targets), within float rounding.
+micro-batch's gradient by its number of trained tokens (`token_sums`), so the update is that of the
+whole batch in one step (masked_lm_loss's mean over all its targets), within float rounding.
 """
 
 from __future__ import annotations
