@@ -148,15 +148,23 @@ import gemma4_nnx
 from gemma4_nnx.train import data, loop
 from tests.test_train_loop import adapters, lora_micro, make_rows
 config = loop.TrainConfig(steps=3, lr=1e-2, batch_size=8)
-trainer = loop.Trainer(lora_micro(), data.Loader(make_rows(), 8, seed=1), config, mesh=gemma4_nnx.make_mesh(fsdp=8))
-losses = trainer.run()
-flat = [np.asarray(v).ravel().tolist() for _, v in sorted(adapters(trainer.model).items())]
-print("REPORT " + json.dumps(dict(losses=losses, adapters=flat, devices=jax.device_count())))
+from jax.experimental.multihost_utils import process_allgather
+report = dict(devices=jax.device_count())
+for fsdp in (False, True) if {processes} > 1 else (False,):  # FSDP: the base and adapters split too
+    mesh = gemma4_nnx.make_mesh(fsdp=8)
+    trainer = loop.Trainer(lora_micro(), data.Loader(make_rows(), 8, seed=1), config, mesh=mesh, fsdp=fsdp)
+    losses = trainer.run()
+    state = sorted(nnx.to_flat_state(nnx.state(trainer.model, nnx.LoRAParam)))
+    flat = [np.asarray(process_allgather(v[...], tiled=True)).ravel().tolist() for _, v in state]
+    report["fsdp" if fsdp else "dp"] = dict(losses=losses, adapters=flat)
+print("REPORT " + json.dumps(report))
 """
 
 
 @pytest.mark.slow
 def test_two_processes_train_like_one():
+    """2 processes x 4 devices, replicated and FSDP (base and adapters split over the 8 devices, across
+    the processes) = 1 process x 8 devices replicated."""
     import socket
 
     with socket.socket() as sock:
@@ -166,16 +174,16 @@ def test_two_processes_train_like_one():
     runs += [ScriptRun(DP_SCRIPT.format(devices=4, processes=2, port=port, pid=i), f"dp2_{i}") for i in range(2)]
     one, *two = [r.report(timeout=400) for r in runs]
     assert one["devices"] == two[0]["devices"] == 8
-    for other in two:
+    for other in [r[kind] for r in two for kind in ("dp", "fsdp")]:
         # the same per-device sums; only the cross-device reduction (gloo vs in-process) may add them in
         # another order. Losses: float32 rounding. Adapters: Adam moves each weight by about lr per step
         # whatever the gradient's size, so an element whose gradient nearly cancels across devices can
         # carry a relative error far above float32's into its update: 1e-3 * lr (measured 1.1e-6 after 3
         # steps at lr 1e-2), while a wrong gradient (rows lost, not summed) moves updates by O(lr).
-        np.testing.assert_allclose(other["losses"], one["losses"], rtol=1e-6)
-        for a, b in zip(other["adapters"], one["adapters"]):
+        np.testing.assert_allclose(other["losses"], one["dp"]["losses"], rtol=1e-6)
+        for a, b in zip(other["adapters"], one["dp"]["adapters"]):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-    assert one["losses"][0] != one["losses"][-1], "no training happened"
+    assert one["dp"]["losses"][0] != one["dp"]["losses"][-1], "no training happened"
 
 
 # ---------------------------------------------------------------------------- QLoRA and full fine-tuning
@@ -309,7 +317,7 @@ def test_full_finetune_steps_match_torch_adamw(tmp_path):
 # FSDP: full fine-tuning of the micro model in 1 process x 8 CPU devices with every weight and Adam
 # moment split as gemma4_nnx.sharding declares, against the same run on one device, in one fresh
 # interpreter (the device count is fixed when jax starts); then killed after step 2 and resumed from
-# its sharded checkpoint. Started when this module is collected, so it overlaps with the other tests.
+# its sharded checkpoint.
 FSDP_SCRIPT = """
 import json, os, shutil, tempfile
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -358,11 +366,8 @@ shutil.rmtree(out)
 """
 
 
-_FSDP_RUN = ScriptRun(FSDP_SCRIPT, "fsdp")
-
-
 def test_fsdp_full_finetune_equals_one_device():
-    r = _FSDP_RUN.report(timeout=600)
+    r = ScriptRun(FSDP_SCRIPT, "fsdp").report(timeout=600)
     assert r["devices"] == 8
     # the same sums split over 8 devices: float32 reassociation only (as in test_sharding's STEP_TOL)
     np.testing.assert_allclose(r["got"], r["want"], rtol=1e-5)
