@@ -200,7 +200,7 @@ class Trainer:
         self.rng = jax.random.key(config.seed)
         self.out = None if out is None else os.path.abspath(os.fspath(out))
         self.progress = progress
-        self._manager = self._writer = None
+        self._manager = self._writer = self._tensorboard = None
         if self.out is not None:
             import orbax.checkpoint as ocp
 
@@ -208,7 +208,8 @@ class Trainer:
             options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, save_interval_steps=config.save_every)
             self._manager = ocp.CheckpointManager(os.path.join(self.out, "checkpoints"), options=options)
             if tensorboard and jax.process_index() == 0:
-                self._writer = _tensorboard_writer(os.path.join(self.out, "tensorboard"))
+                _tensorboard_writer(None)  # fail early, naming the extra, when tensorboardX is missing
+                self._tensorboard = os.path.join(self.out, "tensorboard")
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict[str, Any]:
@@ -261,6 +262,8 @@ class Trainer:
         start, tokens, first = time.perf_counter(), 0, self.step
         bar = _progress_bar(self.step, self.config.steps) if self.progress and jax.process_index() == 0 else None
         schedule = make_schedule(self.config)
+        # one event file per run() call, closed at its end (tensorboardX writes from a queue; close drains it)
+        self._writer = None if self._tensorboard is None else _tensorboard_writer(self._tensorboard)
         try:
             while self.step < until:
                 batch = next(self.loader)
@@ -286,7 +289,8 @@ class Trainer:
             if bar is not None:
                 bar.close()
             if self._writer is not None:
-                self._writer.flush()
+                self._writer.close()
+                self._writer = None
         if self._manager is not None:
             self._manager.wait_until_finished()
         return losses
@@ -321,14 +325,15 @@ class Trainer:
 TENSORBOARD_SCALARS = ("loss", "eval_loss", "lr", "tokens_per_s")
 
 
-def _tensorboard_writer(logdir: str):
+def _tensorboard_writer(logdir: str | None):
+    """A tensorboardX SummaryWriter on `logdir` (None: only check that tensorboardX imports)."""
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
         raise ImportError(
             "tensorboard=True needs tensorboardX: pip install 'gemma4_nnx[train]' (or tensorboardX)"
         ) from None
-    return SummaryWriter(logdir)
+    return None if logdir is None else SummaryWriter(logdir)
 
 
 def _progress_bar(done: int, total: int):
