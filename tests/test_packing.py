@@ -31,8 +31,8 @@ def token_nll(logits, ids) -> np.ndarray:
 
 
 @nnx.jit
-def packed_forward(model, rows):
-    return model(rows["input_ids"], rows["positions"], segment_ids=rows["segment_ids"])
+def packed_forward(model, rows, positions=None):
+    return model(rows["input_ids"], positions, segment_ids=rows["segment_ids"])
 
 
 @nnx.jit
@@ -48,9 +48,12 @@ def test_packed_row_losses_equal_each_example_alone():
     exs = [data.Example(fx.sample_ids(1, n, seed=40 + n)[0].astype(np.int32), np.ones(n, np.int32)) for n in LENGTHS]
     rows = {k: jnp.asarray(v) for k, v in data.pack(exs, 20).items()}
     assert int(jnp.max(rows["segment_ids"])) >= 2, "no row holds two examples: the test would be vacuous"
-    packed = token_nll(packed_forward(model, rows), rows["input_ids"])
-    # the negative control: one segment per row (the same program), positions still restarting
-    leaky = token_nll(packed_forward(model, {**rows, "segment_ids": rows["attention_mask"]}), rows["input_ids"])
+    packed = token_nll(packed_forward(model, rows), rows["input_ids"])  # mask and positions from segment_ids
+    # the negative control: one segment per row, positions still restarting per example
+    one = (rows["segment_ids"] > 0).astype(jnp.int32)
+    leaky = token_nll(
+        packed_forward(model, {**rows, "segment_ids": one}, segment_positions(rows["segment_ids"])), rows["input_ids"]
+    )
     worst, leak = 0.0, 0.0
     for r, seg in enumerate(np.asarray(rows["segment_ids"])):
         for s in range(1, seg.max() + 1):

@@ -14,7 +14,7 @@ from flax import nnx
 from gemma4_nnx.train import data, loop
 from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx
-from tests.helpers import make_tiny_hf, micro_model
+from tests.helpers import ScriptRun, make_tiny_hf, micro_model
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +50,20 @@ SGD = optax.sgd(1.0)  # the update is the gradient itself: compared element by e
 
 
 def test_accumulated_step_equals_one_big_batch(rows):
-    """2 micro-batches of 2 rows, gradients weighted by their trained tokens = one batch of 4 rows."""
+    """2 micro-batches of 2 rows, gradients weighted by their trained tokens = one batch of 4 rows; and
+    the same with `model.remat` (layers recomputed in the backward pass)."""
     batch = data.Loader(rows, 4, shuffle=False).batch(data.LoaderState())
     counts = batch["loss_mask"][:, 1:].reshape(2, 2, -1).sum((1, 2))
     assert counts[0] != counts[1], "equal token counts: plain averaging would pass too"
     start = adapters(lora_micro())
     results = []
-    for accumulate in (1, 2):
+    for accumulate, remat in ((1, False), (2, False), (2, True)):  # remat: the layers recomputed, same step
         model = lora_micro()
+        model.remat = remat
         opt = ft.make_optimizer(model, SGD)
         results.append((float(loop.accumulate_step(model, opt, batch, accumulate=accumulate)), adapters(model)))
-    (l1, a1), (l2, a2) = results
+    (l1, a1), (l2, a2), (l3, a3) = results
+    assert l3 == pytest.approx(l2, rel=1e-6) and all(np.allclose(a3[p], a2[p], rtol=0, atol=1e-6) for p in a2)
     assert l1 == pytest.approx(l2, rel=1e-6)
     grads = {p: a1[p] - start[p] for p in a1}
     scale = max(float(np.max(np.abs(g))) for g in grads.values())
@@ -145,18 +148,24 @@ import gemma4_nnx
 from gemma4_nnx.train import data, loop
 from tests.test_train_loop import adapters, lora_micro, make_rows
 config = loop.TrainConfig(steps=3, lr=1e-2, batch_size=8)
-trainer = loop.Trainer(lora_micro(), data.Loader(make_rows(), 8, seed=1), config, mesh=gemma4_nnx.make_mesh(fsdp=8))
-losses = trainer.run()
-flat = [np.asarray(v).ravel().tolist() for _, v in sorted(adapters(trainer.model).items())]
-print("REPORT " + json.dumps(dict(losses=losses, adapters=flat, devices=jax.device_count())))
+from jax.experimental.multihost_utils import process_allgather
+report = dict(devices=jax.device_count())
+for fsdp in (False, True) if {processes} > 1 else (False,):  # FSDP: the base and adapters split too
+    mesh = gemma4_nnx.make_mesh(fsdp=8)
+    trainer = loop.Trainer(lora_micro(), data.Loader(make_rows(), 8, seed=1), config, mesh=mesh, fsdp=fsdp)
+    losses = trainer.run()
+    state = sorted(nnx.to_flat_state(nnx.state(trainer.model, nnx.LoRAParam)))
+    flat = [np.asarray(process_allgather(v[...], tiled=True)).ravel().tolist() for _, v in state]
+    report["fsdp" if fsdp else "dp"] = dict(losses=losses, adapters=flat)
+print("REPORT " + json.dumps(report))
 """
 
 
 @pytest.mark.slow
 def test_two_processes_train_like_one():
+    """2 processes x 4 devices, replicated and FSDP (base and adapters split over the 8 devices, across
+    the processes) = 1 process x 8 devices replicated."""
     import socket
-
-    from tests.helpers import ScriptRun
 
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
@@ -165,13 +174,252 @@ def test_two_processes_train_like_one():
     runs += [ScriptRun(DP_SCRIPT.format(devices=4, processes=2, port=port, pid=i), f"dp2_{i}") for i in range(2)]
     one, *two = [r.report(timeout=400) for r in runs]
     assert one["devices"] == two[0]["devices"] == 8
-    for other in two:
+    for other in [r[kind] for r in two for kind in ("dp", "fsdp")]:
         # the same per-device sums; only the cross-device reduction (gloo vs in-process) may add them in
         # another order. Losses: float32 rounding. Adapters: Adam moves each weight by about lr per step
         # whatever the gradient's size, so an element whose gradient nearly cancels across devices can
         # carry a relative error far above float32's into its update: 1e-3 * lr (measured 1.1e-6 after 3
         # steps at lr 1e-2), while a wrong gradient (rows lost, not summed) moves updates by O(lr).
-        np.testing.assert_allclose(other["losses"], one["losses"], rtol=1e-6)
-        for a, b in zip(other["adapters"], one["adapters"]):
+        np.testing.assert_allclose(other["losses"], one["dp"]["losses"], rtol=1e-6)
+        for a, b in zip(other["adapters"], one["dp"]["adapters"]):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
-    assert one["losses"][0] != one["losses"][-1], "no training happened"
+    assert one["dp"]["losses"][0] != one["dp"]["losses"][-1], "no training happened"
+
+
+# ---------------------------------------------------------------------------- QLoRA and full fine-tuning
+def qlora_pair(bits: int):
+    """A micro model prepared for QLoRA on an int`bits` base, and its float twin whose weights are the
+    dequantized codes, prepared for LoRA (the same adapters: same seed, same wrapping order)."""
+    from gemma4_nnx.model import quant
+
+    qmodel = micro_model()
+    loop.prepare(qmodel, "qlora", rank=2, base_quant=f"int{bits}")
+    twin = micro_model()
+    for path, mod in nnx.iter_graph(qmodel):
+        mod = getattr(mod, "codes", None) is not None and mod
+        if mod:
+            w = quant.dequantize_matrix(mod)
+            target = quant.get_submodule(twin, tuple(path))
+            if hasattr(target, "kernel"):
+                target.kernel[...] = w.T
+            else:
+                target.embedding[...] = w
+    loop.prepare(twin, "lora", rank=2)
+    return qmodel, twin
+
+
+def codes(model) -> dict:
+    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model)) if p[-1] in ("codes", "scales")}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_qlora_steps_keep_codes_and_train_like_lora_on_the_dequantized_base(rows, bits):
+    """QLoRA = LoRA on a float base holding the dequantized weights: the same losses (float rounding:
+    the codes multiply in another order) and adapters, the codes and scales bit-identical, loss falling."""
+    qmodel, twin = qlora_pair(bits)
+    before = codes(qmodel)
+    assert any(p[-1] == "codes" and "q_proj" in p for p in before), "no projection was quantized"
+    config = loop.TrainConfig(steps=4, lr=1e-2, batch_size=4, save_every=100)
+    batch = {k: v[:4] for k, v in rows.items()}  # the same batch every step: its loss must fall
+    got = loop.Trainer(qmodel, data.Loader(batch, 4, shuffle=False), config).run()
+    want = loop.Trainer(twin, data.Loader(batch, 4, shuffle=False), config).run()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert got[-1] < got[0] - 0.1, f"QLoRA loss did not fall: {got}"
+    after = codes(qmodel)
+    assert all(np.array_equal(after[p], before[p]) for p in before), "QLoRA changed the frozen codes"
+    a, b = adapters(qmodel), adapters(twin)
+    for p in a:  # Adam moves each element by ~lr per step whatever its gradient's size: atol in lr units
+        np.testing.assert_allclose(a[p], b[p], rtol=0, atol=1e-3 * config.lr, err_msg=str(p))
+
+
+def test_prepare_errors_name_the_parameter():
+    with pytest.raises(ValueError, match="method must be one of"):
+        loop.prepare(micro_model(), "dora")
+    with pytest.raises(ValueError, match="base_quant='keep' needs a checkpoint with quantized projections"):
+        loop.prepare(micro_model(), "qlora", base_quant="keep")
+    quantized, _ = qlora_pair(8)
+    with pytest.raises(ValueError, match="method='full' trains float weights"):
+        loop.prepare(quantized, "full")
+    kept = micro_model()
+    from gemma4_nnx.model import quant
+
+    quant.quantize(kept, 8)
+    assert loop.prepare(kept, "qlora", base_quant="keep") is nnx.LoRAParam  # a quantized checkpoint as it is
+
+
+# weights whose full fine-tuning updates are compared (HF name -> ours): a sliding and a full KV donor's
+# K/V (gradients through their consumers), a consumer's q_proj, a double-wide MLP, a norm, PLE, the tied
+# embedding (input, PLE projection input and LM head)
+FULL_FT_WEIGHTS = {
+    "model.layers.3.self_attn.k_proj.weight": ("layers", 3, "self_attn", "k_proj", "kernel"),
+    "model.layers.4.self_attn.v_proj.weight": ("layers", 4, "self_attn", "v_proj", "kernel"),
+    "model.layers.6.self_attn.q_proj.weight": ("layers", 6, "self_attn", "q_proj", "kernel"),
+    "model.layers.7.mlp.down_proj.weight": ("layers", 7, "mlp", "down_proj", "kernel"),
+    "model.layers.8.post_attention_layernorm.weight": ("layers", 8, "post_attention_layernorm", "scale"),
+    "model.per_layer_model_projection.weight": ("per_layer_model_projection", "kernel"),
+    "model.embed_tokens.weight": ("embed_tokens", "embedding"),
+}
+
+
+@pytest.mark.reference
+def test_full_finetune_steps_match_torch_adamw(tmp_path):
+    """Two full fine-tuning updates (`prepare(..., "full")` + `accumulate_step`: every float weight,
+    AdamW with weight decay, global-norm clipping, the cosine schedule) on the tiny e2b checkpoint
+    equal transformers + torch.optim.AdamW + clip_grad_norm_ from the same weights and data: losses
+    within float32 rounding, the weights' total updates per tensor within 1e-3 of their norm."""
+    torch = pytest.importorskip("torch")
+    import gemma4_nnx
+
+    hf = fx.build_hf_model("e2b", seed=3)
+    fx.save_hf_checkpoint(hf, str(tmp_path))
+    model = gemma4_nnx.from_hf(str(tmp_path))
+    wrt = loop.prepare(model, "full")
+    config = loop.TrainConfig(steps=2, lr=1e-3, weight_decay=0.1, clip_norm=1.0, batch_size=2)
+    opt = ft.make_optimizer(model, loop.make_tx(config), wrt=wrt)
+    schedule = loop.make_schedule(config)
+    params = dict(hf.named_parameters())
+    opt_t = torch.optim.AdamW(list(params.values()), lr=config.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    before = {n: params[n].detach().numpy().copy() for n in FULL_FT_WEIGHTS}
+    hf.train()
+    losses, losses_t, norms_t = [], [], []
+    for step in range(config.steps):
+        ids = fx.sample_ids(2, 11, seed=20 + step)
+        mask = np.ones_like(ids, dtype=np.int32)
+        mask[:, :3] = 0
+        losses.append(float(loop.accumulate_step(model, opt, {"input_ids": ids, "loss_mask": mask})))
+        opt_t.zero_grad()
+        with torch.enable_grad():
+            out = hf(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(np.where(mask == 1, ids, -100)))
+            out.loss.backward()
+        norms_t.append(float(torch.nn.utils.clip_grad_norm_(list(params.values()), config.clip_norm)))
+        for group in opt_t.param_groups:
+            group["lr"] = float(schedule(step))
+        opt_t.step()
+        losses_t.append(float(out.loss.detach()))
+    np.testing.assert_allclose(losses, losses_t, rtol=1e-5)
+    assert min(norms_t) > config.clip_norm, f"gradient norms {norms_t}: the clip would be untested"
+    flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, wrt))}
+    report = []
+    for name, path in FULL_FT_WEIGHTS.items():
+        ours = flat[path].T if path[-1] == "kernel" else flat[path]
+        theirs = params[name].detach().numpy()
+        step_t = theirs - before[name]
+        err = float(np.linalg.norm(ours - theirs) / np.linalg.norm(step_t))
+        worst = float(np.max(np.abs(ours - theirs)))
+        report.append(f"{name}: |update| {np.linalg.norm(step_t):.3g}, relative error {err:.3g}, max {worst:.3g}")
+        assert np.linalg.norm(step_t) > config.lr, name  # it moved
+        # measured: relative 1e-5..5e-5, max 2.5e-6 (float32 gradients summed in other orders); a
+        # missing weight decay (0.1 * lr * |w| a step) or clip shows at ~1e-2 relative
+        assert err <= 1e-3 and worst <= 0.05 * config.lr, "full fine-tuning update mismatch:\n" + "\n".join(report)
+    print("\n".join(report))
+
+
+# FSDP: full fine-tuning of the micro model in 1 process x 8 CPU devices with every weight and Adam
+# moment split as gemma4_nnx.sharding declares, against the same run on one device, in one fresh
+# interpreter (the device count is fixed when jax starts); then killed after step 2 and resumed from
+# its sharded checkpoint.
+FSDP_SCRIPT = """
+import json, os, shutil, tempfile
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+import numpy as np
+from flax import nnx
+import gemma4_nnx
+from gemma4_nnx.sharding import param_bytes_per_device
+from gemma4_nnx.train import data, loop
+from tests.helpers import micro_model
+from tests.test_train_loop import make_rows
+config = loop.TrainConfig(steps=3, lr=1e-3, batch_size=8, save_every=2)
+
+def run(mesh, out=None, until=None):
+    model = micro_model()
+    wrt = loop.prepare(model, "full")
+    loader = data.Loader(make_rows(), 8, seed=1)
+    t = loop.Trainer(model, loader, config, wrt=wrt, mesh=mesh, fsdp=mesh is not None, out=out)
+    return t, t.run(until)
+
+def weights(t):
+    state = nnx.state(t.model, t.optimizer.wrt)
+    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}
+
+one, want = run(None)
+mesh = gemma4_nnx.make_mesh(fsdp=8)
+sharded, got = run(mesh)
+a, b = weights(one), weights(sharded)
+start = weights(run(None, until=0)[0])
+rel = {k: float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(a[k] - start[k]), 1e-30)) for k in a}
+whole = [".".join(map(str, k)) for k, v in nnx.to_flat_state(nnx.state(sharded.model))
+         if k[-1] in ("kernel", "embedding") and v.get_value().sharding.is_fully_replicated]
+mu_split = [p for p, v in nnx.to_flat_state(nnx.state(sharded.optimizer)) if hasattr(v.get_value(), "sharding")
+            and not v.get_value().sharding.is_fully_replicated]
+out = tempfile.mkdtemp(prefix="gemma4_fsdp_run_")
+first, _ = run(mesh, out=out, until=2)
+again, resumed = run(mesh, out=out)
+print("REPORT " + json.dumps(dict(
+    want=want, got=got, resumed=resumed, devices=jax.device_count(),
+    rel=rel, worst=max(float(np.max(np.abs(a[k] - b[k]))) for k in a),
+    moved=min(float(np.max(np.abs(a[k] - start[k]))) for k in a),
+    whole=whole, mu_split=len(mu_split),
+    bytes_one=param_bytes_per_device(one.model), bytes_fsdp=param_bytes_per_device(sharded.model),
+    resumed_equal=all(np.array_equal(weights(again)[k], b[k]) for k in b))))
+shutil.rmtree(out)
+"""
+
+
+def test_fsdp_full_finetune_equals_one_device():
+    r = ScriptRun(FSDP_SCRIPT, "fsdp").report(timeout=600)
+    assert r["devices"] == 8
+    # the same sums split over 8 devices: float32 reassociation only (as in test_sharding's STEP_TOL)
+    np.testing.assert_allclose(r["got"], r["want"], rtol=1e-5)
+    assert r["want"][-1] < r["want"][0], "no training happened"
+    # weights: per tensor, |FSDP - one device| relative to the update |one device - start|. Adam moves
+    # an element by ~lr whatever its gradient's size, so a gradient that nearly cancels can carry float
+    # noise into its update (max element measured ~3e-5 = 0.03 lr; per tensor <= 1e-4, the sparse rows of
+    # the PLE table 1.2e-3); a wrong gradient (rows lost, not summed) moves a tensor's update by O(1).
+    worst = max(r["rel"].values())
+    assert worst <= 1e-2, f"FSDP weights differ from one device's by {worst:.3g} of their update: {r['rel']}"
+    assert r["worst"] <= 0.1 * 1e-3 and r["moved"] > 0, f"max element difference {r['worst']:.3g}"
+    # every matrix is split but the PLE table, which the declared table puts over "tp" only (vocab, ple)
+    assert r["whole"] == ["embed_tokens_per_layer.embedding"] and r["mu_split"] > 0, f"left whole: {r['whole']}"
+    assert r["bytes_fsdp"] < r["bytes_one"] / 4, f"per-device bytes {r['bytes_fsdp']} vs {r['bytes_one']}"
+    assert r["resumed"] == r["got"][2:] and r["resumed_equal"], "resuming a sharded checkpoint diverged"
+
+
+def read_events(path) -> list:
+    """Every `Event` protobuf of a TensorBoard event file (TFRecord framing: u64 length, u32 crc,
+    payload, u32 crc), parsed with tensorboardX's own message definitions."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    events, blob, at = [], path.read_bytes(), 0
+    while at < len(blob):
+        (n,) = struct.unpack("<Q", blob[at : at + 8])
+        events.append(Event.FromString(blob[at + 12 : at + 12 + n]))
+        at += 12 + n + 4
+    return events
+
+
+def test_tensorboard_holds_the_metrics_and_the_bar_shows_progress(rows, tmp_path, capsys):
+    pytest.importorskip("tensorboardX")
+    config = loop.TrainConfig(steps=3, lr=1e-2, warmup_steps=1, batch_size=2, accumulate=2, eval_every=2)
+    trainer = loop.Trainer(
+        lora_micro(),
+        data.Loader(rows, 4, seed=1),
+        config,
+        out=tmp_path,
+        eval_rows=rows,
+        progress=True,
+        tensorboard=True,
+    )
+    trainer.run()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    want = {(f"train/{k}", r["step"]): r[k] for r in records for k in loop.TENSORBOARD_SCALARS if k in r}
+    assert ("train/eval_loss", 2) in want and ("train/lr", 1) in want
+    (path,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    got = {(v.tag, e.step): v.simple_value for e in read_events(path) for v in e.summary.value}
+    assert got.keys() == want.keys(), f"TensorBoard holds {sorted(got)}, metrics.jsonl {sorted(want)}"
+    for key, value in want.items():  # TensorBoard stores float32
+        assert got[key] == np.float32(value), f"{key}: {got[key]} vs {value}"
+    assert records[0]["lr"] == 0.0 and records[1]["lr"] == pytest.approx(1e-2)  # warm-up from 0 to the peak
+    assert "3/3" in capsys.readouterr().err, "no progress bar reached 3/3 steps"

@@ -27,10 +27,11 @@ piece only) and concatenated, as the server encodes a prompt and the model then 
 token by token; the ids decode to exactly the rendered text.
 
 Packing (`pack`): best fit of whole examples into rows of `max_len`, each with its `segment_ids`
-(1, 2, ... per example, 0 padding) and `positions` restarting at 0, which the model's forward takes
-(``model(ids, positions, segment_ids=...)``): attention stays inside each example, so a packed row
-computes what its examples compute alone. `Loader` shuffles the rows per epoch from a seed and
-resumes exactly from its state (epoch, index).
+(1, 2, ... per example, 0 padding), which the model's forward takes (``model(ids,
+segment_ids=...)``) and derives the rest from: attention inside each example, padding masked
+(segment 0), positions restarting at 0 per example, so a packed row computes what its examples
+compute alone. `Loader` shuffles the rows per epoch from a seed and resumes exactly from its state
+(epoch, index).
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ def _fit(ex: Example, max_len: int, overflow: str, where: str, stats: DataStats)
 # ---------------------------------------------------------------------------- packing
 def pack(examples: Sequence[Example], max_len: int, *, pad_id: int = 0, packed: bool = True) -> dict[str, np.ndarray]:
     """Rows [N, max_len] of whole examples: input_ids, loss_mask, segment_ids (1, 2, ... per example in
-    the row, 0 = padding), positions (0 at each example's start), attention_mask (segment_ids > 0).
+    the row, 0 = padding). The attention mask (segment_ids > 0) and positions (0 at each example's
+    start: `gemma4_nnx.model.transformer.segment_positions`) are derived from segment_ids by the model.
 
     packed=True: best fit (each example, in order, goes to the row with the least room that holds it;
     a new row when none does), O(n log n). packed=False: one example per row. An example's first token
@@ -269,7 +271,7 @@ def pack(examples: Sequence[Example], max_len: int, *, pad_id: int = 0, packed: 
     if longest > max_len:
         raise ValueError(f"max_len={max_len} is shorter than the longest example ({longest} tokens)")
     rows = _best_fit([len(e) for e in examples], max_len) if packed else [[i] for i in range(len(examples))]
-    out = {k: np.zeros((len(rows), max_len), np.int32) for k in ("input_ids", "loss_mask", "segment_ids", "positions")}
+    out = {k: np.zeros((len(rows), max_len), np.int32) for k in ("input_ids", "loss_mask", "segment_ids")}
     out["input_ids"][:] = pad_id
     for r, members in enumerate(rows):
         at = 0
@@ -279,9 +281,7 @@ def pack(examples: Sequence[Example], max_len: int, *, pad_id: int = 0, packed: 
             out["loss_mask"][r, at : at + n] = ex.loss_mask
             out["loss_mask"][r, at] = 0
             out["segment_ids"][r, at : at + n] = s
-            out["positions"][r, at : at + n] = np.arange(n)
             at += n
-    out["attention_mask"] = (out["segment_ids"] > 0).astype(np.int32)
     return out
 
 

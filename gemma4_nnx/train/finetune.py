@@ -250,8 +250,9 @@ def perplexity(model: nnx.Module, ids: Sequence[int], chunk: int = 64) -> float:
 
 def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
     """The training-path (no cache) forward + `masked_lm_loss`. batch: input_ids, loss_mask and
-    optionally attention_mask (1 = real token), and for packed rows (`data.pack`) segment_ids and
-    positions (attention inside each example, positions restarting at 0)."""
+    optionally attention_mask (1 = real token), positions, and for packed rows (`data.pack`)
+    segment_ids (attention inside each example; the model derives the mask and the positions,
+    restarting at 0, from them)."""
     logits = model(
         batch["input_ids"],
         batch.get("positions"),

@@ -1,23 +1,26 @@
-"""The training loop: AdamW with warm-up and cosine decay, gradient clipping and accumulation, Orbax
-checkpoints that resume exactly, held-out loss, metrics as JSONL; and the `gemma4-finetune` command.
+"""The training loop: LoRA, QLoRA or full fine-tuning (`prepare`), AdamW with warm-up and cosine decay,
+gradient clipping and accumulation, Orbax checkpoints that resume exactly, held-out loss, metrics as
+JSONL (and TensorBoard), a progress bar; and the `gemma4-finetune` command.
 
 A run's state is (trainable parameters, optimizer state, loader state, RNG key, step), all in one
 Orbax `CheckpointManager` step directory (`out/checkpoints/<step>/`): a run killed at any point and
 started again restores the newest checkpoint and continues with the same batches, the same optimizer
-moments and the same schedule position, so its losses and final adapters are those of a run that was
+moments and the same schedule position, so its losses and final weights are those of a run that was
 never interrupted (tested bit for bit on CPU). No op of the step draws random numbers today (LoRA
-without dropout); the key is carried anyway so that one that does stays resumable.
+without dropout), so the key is never split; it is carried so that one that does stays resumable.
 
-Data parallel (`Trainer(mesh=...)`, one process or several under `jax.distributed`): every variable
-is replicated over the mesh and each batch is split by rows over its first axis (every process runs the
-same loader and puts in its own slice); XLA sums the gradients across devices. Tested: 2 processes x 4
-CPU devices give the losses and adapters of 1 process x 8 devices. Replicated means each device holds
-the whole base model: FSDP of the base weights (`gemma4_nnx.sharding`) is not wired into the loop yet.
+Data parallel (`Trainer(mesh=...)`, one process or several under `jax.distributed`): each batch is
+split by rows over the mesh's first axis (every process runs the same loader and puts in its own
+slice of rows); XLA sums the gradients across devices. The variables are replicated (tested: 2
+processes x 4 CPU devices give the losses and adapters of 1 process x 8 devices), or with `fsdp=True`
+placed as `gemma4_nnx.sharding` declares (the weights split along the model width, the Adam moments
+like their weights, the layout kept by the step; tested: 8 devices give one device's full
+fine-tuning).
 
 Gradient accumulation is exact: `accumulate_step` takes a batch of `accumulate * batch_size` rows,
 runs it `batch_size` rows at a time (a `lax.scan`, one compiled micro-step) and weighs each
-micro-batch's gradient by its number of trained tokens, so the update is that of the whole batch in one
-step (masked_lm_loss's mean over all its targets), within float rounding.
+micro-batch's gradient by its number of trained tokens (`token_sums`), so the update is that of the
+whole batch in one step (masked_lm_loss's mean over all its targets), within float rounding.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gemma4_nnx.model import quant
+from gemma4_nnx.sharding import DEFAULT_RULES, _spec_by_suffix
 from gemma4_nnx.train import data
 from gemma4_nnx.train import finetune as ft
 
@@ -77,44 +82,61 @@ class TrainConfig:
             raise ValueError(f"clip_norm must be positive or None, got {self.clip_norm}")
 
 
+def make_schedule(config: TrainConfig) -> optax.Schedule:
+    """The learning rate per update (counted from 0): linear warm-up from 0, then cosine decay."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, config.warmup_steps, config.steps, end_value=config.lr * config.final_lr_fraction
+    )
+
+
 @functools.lru_cache(maxsize=16)
 def make_tx(config: TrainConfig) -> optax.GradientTransformation:
     """clip_by_global_norm -> AdamW on the warm-up + cosine schedule (`TrainConfig`). Cached: one object
     per config keeps the optimizer's graph definition equal across runs, so `accumulate_step` compiles once."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.lr, config.warmup_steps, config.steps, end_value=config.lr * config.final_lr_fraction
-    )
-    adamw = optax.adamw(schedule, weight_decay=config.weight_decay)
+    adamw = optax.adamw(make_schedule(config), weight_decay=config.weight_decay)
     return adamw if config.clip_norm is None else optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
 
 
-@functools.partial(nnx.jit, static_argnames=("accumulate",))
-def accumulate_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict, accumulate: int = 1) -> jax.Array:
+def token_sums(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(sum of the trained tokens' next-token nll, their count): `ft.loss_fn` weighted back by its token
+    count, so batches add up exactly (the training step's accumulation and `evaluate`)."""
+    n = jnp.sum(jnp.asarray(batch["loss_mask"])[:, 1:]).astype(jnp.float32)
+    return ft.loss_fn(model, batch) * n, n
+
+
+@functools.partial(nnx.jit, static_argnames=("accumulate", "shard"))
+def accumulate_step(
+    model: nnx.Module, optimizer: nnx.Optimizer, batch: dict, accumulate: int = 1, shard: Mesh | None = None
+) -> jax.Array:
     """One optimizer update from batch rows [accumulate * B, S], B rows at a time; gradients and loss
-    weighted by trained tokens (the whole batch's `masked_lm_loss`). Returns the loss before the update."""
+    weighted by trained tokens (the whole batch's `masked_lm_loss`). Returns the loss before the update.
+    `shard` (FSDP): the mesh whose declared layout (`gemma4_nnx.sharding`) the updated variables keep."""
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
     micro = jax.tree.map(lambda x: jnp.asarray(x).reshape(accumulate, -1, *x.shape[1:]), batch)
 
-    def summed(params, b):  # sum of the trained tokens' nll, and their count
-        n = jnp.sum(jnp.asarray(b["loss_mask"])[:, 1:]).astype(jnp.float32)
-        return ft.loss_fn(nnx.merge(graphdef, params, rest), b) * n, n
+    grad_fn = nnx.value_and_grad(token_sums, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
 
+    # the variables go through the carry, unchanged: the model merged in the body is then built from
+    # this trace's values (nnx's transforms, nnx.remat's included, refuse variables of an outer trace)
     def body(carry, b):
-        total, count, grads = carry
-        (loss, n), g = jax.value_and_grad(summed, has_aux=True)(params, b)
-        return (total + loss, count + n, jax.tree.map(jnp.add, grads, g)), None
+        total, count, grads, params, rest = carry
+        (loss, n), g = grad_fn(nnx.merge(graphdef, params, rest), b)
+        return (total + loss, count + n, jax.tree.map(jnp.add, grads, g), params, rest), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (total, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), zeros), micro)
+    carry = (jnp.float32(0), jnp.float32(0), zeros, params, rest)
+    (total, count, grads, _, _), _ = jax.lax.scan(body, carry, micro)
     count = jnp.maximum(count, 1.0)
     optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
+    if shard is not None:
+        from gemma4_nnx.sharding import constrain
+
+        constrain(model, shard)
+        constrain(optimizer, shard)
     return total / count
 
 
-@nnx.jit
-def _eval_sums(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array]:
-    n = jnp.sum(jnp.asarray(batch["loss_mask"])[:, 1:]).astype(jnp.float32)
-    return ft.loss_fn(model, batch) * n, n
+_eval_sums = nnx.jit(token_sums)
 
 
 def evaluate(model: nnx.Module, rows: dict[str, np.ndarray], batch_size: int) -> float:
@@ -128,11 +150,17 @@ def evaluate(model: nnx.Module, rows: dict[str, np.ndarray], batch_size: int) ->
 
 
 class Trainer:
-    """A training run over `loader` with `config`; `out` (optional) holds checkpoints/ and metrics.jsonl.
+    """A training run over `loader` with `config`; `out` (optional) holds checkpoints/, metrics.jsonl and
+    (`tensorboard=True`) tensorboard/.
 
     The first `run()` restores the newest checkpoint in `out` (if any), so a new Trainer over the same
     `out` resumes a crashed run; later calls continue from where the last one stopped. Trains the
-    variables `wrt` selects (default the LoRA adapters; `ft.trainable_params` for the full model)."""
+    variables `wrt` selects (default the LoRA adapters; `prepare` gives it per method).
+
+    `mesh` (data parallel): each batch split by rows over its first axis; every variable replicated,
+    or with `fsdp=True` placed by `gemma4_nnx.sharding`'s declared table (weights, adapters and the
+    optimizer's moments split along the model width over the "fsdp" axis, gathered per layer by XLA).
+    `progress`: a tqdm bar (loss, tokens/s, ETA; plain log lines without tqdm)."""
 
     def __init__(
         self,
@@ -144,37 +172,49 @@ class Trainer:
         eval_rows: dict[str, np.ndarray] | None = None,
         wrt=nnx.LoRAParam,
         mesh: Mesh | None = None,
+        fsdp: bool = False,
+        progress: bool = False,
+        tensorboard: bool = False,
     ):
         if loader.batch_size != config.batch_size * config.accumulate:
             raise ValueError(
                 f"loader: batch_size must be config.batch_size * config.accumulate = "
                 f"{config.batch_size * config.accumulate}, got {loader.batch_size}"
             )
+        if fsdp and mesh is None:
+            raise ValueError("fsdp=True needs a mesh (mesh=gemma4_nnx.make_mesh(fsdp=jax.device_count()))")
+        if tensorboard and out is None:
+            raise ValueError("tensorboard=True needs an out directory to write tensorboard/ into")
         self.model, self.loader, self.config, self.eval_rows = model, loader, config, eval_rows
         self.optimizer = ft.make_optimizer(model, make_tx(config), wrt=wrt)
-        self.wrt, self.mesh = wrt, mesh
+        self.mesh, self._shard = mesh, mesh if fsdp else None
         if mesh is not None:
             ways = mesh.shape[mesh.axis_names[0]]
             if config.batch_size % ways:
                 raise ValueError(f"batch_size {config.batch_size} must divide by the mesh's {ways} data-parallel ways")
-            _replicate(model, mesh)
-            _replicate(self.optimizer, mesh)
+            _place(model, mesh, fsdp)
+            _place(self.optimizer, mesh, fsdp)
         self.step = 0
         self._resumed = False  # run() restores the newest checkpoint once, not on every call
+        # checkpointed and restored, never split: no op of the step draws random numbers (module docstring)
         self.rng = jax.random.key(config.seed)
         self.out = None if out is None else os.path.abspath(os.fspath(out))
-        self._manager = None
+        self.progress = progress
+        self._manager = self._writer = self._tensorboard = None
         if self.out is not None:
             import orbax.checkpoint as ocp
 
             os.makedirs(self.out, exist_ok=True)
             options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, save_interval_steps=config.save_every)
             self._manager = ocp.CheckpointManager(os.path.join(self.out, "checkpoints"), options=options)
+            if tensorboard and jax.process_index() == 0:
+                _tensorboard_writer(None)  # fail early, naming the extra, when tensorboardX is missing
+                self._tensorboard = os.path.join(self.out, "tensorboard")
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict[str, Any]:
         return {
-            "params": nnx.to_pure_dict(nnx.state(self.model, self.wrt)),
+            "params": nnx.to_pure_dict(nnx.state(self.model, self.optimizer.wrt)),
             "optimizer": nnx.to_pure_dict(nnx.state(self.optimizer)),
             "rng": np.asarray(jax.random.key_data(self.rng)),
         }
@@ -202,7 +242,7 @@ class Trainer:
         if got["meta"]["seed"] != self.loader.seed:
             raise ValueError(f"loader: seed {self.loader.seed} differs from the checkpoint's {got['meta']['seed']}")
         for obj, key in ((self.model, "params"), (self.optimizer, "optimizer")):
-            target = nnx.state(obj, self.wrt) if key == "params" else nnx.state(obj)
+            target = nnx.state(obj, self.optimizer.wrt) if key == "params" else nnx.state(obj)
             nnx.replace_by_pure_dict(target, _like(got["state"][key], nnx.to_pure_dict(target)))
             nnx.update(obj, target)
         self.rng = jax.random.wrap_key_data(jnp.asarray(got["state"]["rng"]))
@@ -220,51 +260,155 @@ class Trainer:
             self.restore()
         losses = []
         start, tokens, first = time.perf_counter(), 0, self.step
-        while self.step < until:
-            batch = next(self.loader)
-            self.rng, _ = jax.random.split(self.rng)
-            inputs = batch if self.mesh is None else global_batch(batch, self.mesh)
-            loss = float(accumulate_step(self.model, self.optimizer, inputs, accumulate=self.config.accumulate))
-            self.step += 1
-            losses.append(loss)
-            tokens += int(batch["attention_mask"].sum())
-            elapsed = time.perf_counter() - start
-            eta = elapsed / (self.step - first) * (until - self.step)
-            record = {"step": self.step, "loss": loss, "tokens_per_s": tokens / elapsed, "eta_s": eta}
-            if self.eval_rows is not None and self.config.eval_every and self.step % self.config.eval_every == 0:
-                record["eval_loss"] = evaluate(self.model, self.eval_rows, self.config.batch_size)
-            self._log(record)
-            if self._manager is not None:
-                self.save()
+        bar = _progress_bar(self.step, self.config.steps) if self.progress and jax.process_index() == 0 else None
+        schedule = make_schedule(self.config)
+        # one event file per run() call, closed at its end (tensorboardX writes from a queue; close drains it)
+        self._writer = None if self._tensorboard is None else _tensorboard_writer(self._tensorboard)
+        try:
+            while self.step < until:
+                batch = next(self.loader)
+                inputs = batch if self.mesh is None else global_batch(batch, self.mesh)
+                loss = float(
+                    accumulate_step(
+                        self.model, self.optimizer, inputs, accumulate=self.config.accumulate, shard=self._shard
+                    )
+                )
+                self.step += 1
+                losses.append(loss)
+                tokens += int(np.count_nonzero(batch["segment_ids"]))
+                elapsed = time.perf_counter() - start
+                eta = elapsed / (self.step - first) * (until - self.step)
+                lr = float(schedule(self.step - 1))  # the rate this update used (optax counts from 0)
+                record = {"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tokens / elapsed, "eta_s": eta}
+                if self.eval_rows is not None and self.config.eval_every and self.step % self.config.eval_every == 0:
+                    record["eval_loss"] = evaluate(self.model, self.eval_rows, self.config.batch_size)
+                self._log(record, bar)
+                if self._manager is not None:
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
         if self._manager is not None:
             self._manager.wait_until_finished()
         return losses
 
-    def _log(self, record: dict) -> None:
+    def _log(self, record: dict, bar=None) -> None:
         extra = f", eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
-        log.info(
-            "step %d/%d loss %.4f%s (%.0f tok/s, ETA %.0f s)",
-            record["step"],
-            self.config.steps,
-            record["loss"],
-            extra,
-            record["tokens_per_s"],
-            record["eta_s"],
-        )
+        if bar is not None:
+            bar.set_postfix_str(f"loss {record['loss']:.4f}{extra}, {record['tokens_per_s']:.0f} tok/s", refresh=False)
+            bar.update(1)
+            if extra:
+                log.info("step %d: loss %.4f%s", record["step"], record["loss"], extra)
+        else:
+            log.info(
+                "step %d/%d loss %.4f%s (%.0f tok/s, ETA %.0f s)",
+                record["step"],
+                self.config.steps,
+                record["loss"],
+                extra,
+                record["tokens_per_s"],
+                record["eta_s"],
+            )
         if self.out is not None and jax.process_index() == 0:
             with open(os.path.join(self.out, "metrics.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key in TENSORBOARD_SCALARS:
+                if key in record:
+                    self._writer.add_scalar(f"train/{key}", record[key], record["step"])
 
 
-# ---------------------------------------------------------------------------- data parallel
-def _replicate(node: nnx.Module | nnx.Optimizer, mesh: Mesh) -> None:
-    """Every variable of `node` (equal on every process: built from the same seed) as a global array
-    replicated over `mesh`. In place."""
-    everywhere = NamedSharding(mesh, PartitionSpec())
-    for _, var in nnx.iter_graph(node):
+#: the metrics.jsonl fields also written to TensorBoard, as "train/<name>" at global step `step`
+TENSORBOARD_SCALARS = ("loss", "eval_loss", "lr", "tokens_per_s")
+
+
+def _tensorboard_writer(logdir: str | None):
+    """A tensorboardX SummaryWriter on `logdir` (None: only check that tensorboardX imports)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "tensorboard=True needs tensorboardX: pip install 'gemma4_nnx[train]' (or tensorboardX)"
+        ) from None
+    return None if logdir is None else SummaryWriter(logdir)
+
+
+def _progress_bar(done: int, total: int):
+    """A tqdm bar over the steps (None without tqdm: the log lines carry loss, tokens/s and ETA)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=done, unit="step", dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------- methods
+#: what `prepare` (and `gemma4-finetune --method`) trains: LoRA adapters on the base as it is, LoRA
+#: adapters on a quantized base (QLoRA: the codes stay frozen), or every float weight
+METHODS = ("lora", "qlora", "full")
+#: QLoRA's base: the checkpoint's own quantized projections ("keep"), or its float ones quantized in
+#: memory (`quant.quantize`, as `gemma4-convert --quantize int8|int4` would store them)
+BASE_QUANT = ("keep", "int8", "int4")
+
+
+def prepare(
+    model: nnx.Module,
+    method: str = "lora",
+    *,
+    rank: int = 8,
+    alpha: float | None = None,
+    targets: str = ft.DEFAULT_TARGETS,
+    base_quant: str = "keep",
+    seed: int = 0,
+) -> Any:
+    """Make `model` ready to train by `method` (in place); returns the Trainer's `wrt` filter.
+
+    "lora" / "qlora": wrap the `targets` projections in `ft.LoRALinear` (`rank`, `alpha`); "qlora" first
+    quantizes the float projections to `base_quant` ("int8" / "int4"), or with "keep" requires a
+    quantized checkpoint (e.g. `gemma4-convert --quantize keep` of a GGUF). "full": every float
+    parameter trains, as float32 master weights (cast in place; the compute dtype stays the model's)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    quantized = quant.quantization_of(model)
+    if method == "full":
+        if quantized:
+            raise ValueError(
+                f"method='full' trains float weights, but {len(quantized)} modules are quantized "
+                f"(e.g. {next(iter(quantized))}): load a float checkpoint (gemma4-convert --quantize none) "
+                "or use method='qlora'"
+            )
+        for _, var in nnx.iter_graph(model):
+            if isinstance(var, nnx.Variable) and ft.trainable_params(None, var):
+                var.set_value(var.get_value().astype(jnp.float32))
+        return ft.trainable_params
+    if method == "qlora":
+        if base_quant not in BASE_QUANT:
+            raise ValueError(f"base_quant must be one of {BASE_QUANT}, got {base_quant!r}")
+        if base_quant != "keep":
+            quant.quantize(model, int(base_quant[3:]))
+        elif not any(isinstance(m, quant.QuantizedLinear) for _, m in nnx.iter_graph(model)):
+            raise ValueError(
+                "base_quant='keep' needs a checkpoint with quantized projections (gemma4-convert --quantize "
+                "int8|int4|keep); pass base_quant='int8' or 'int4' to quantize this float one in memory"
+            )
+    ft.apply_lora(model, rank=rank, alpha=alpha, targets=targets, rngs=nnx.Rngs(seed))
+    return nnx.LoRAParam
+
+
+# ---------------------------------------------------------------------------- placement
+def _place(node: nnx.Module | nnx.Optimizer, mesh: Mesh, fsdp: bool) -> None:
+    """Every variable of `node` (equal on every process: built from the same seed) as a global array on
+    `mesh`: replicated, or (fsdp) as `gemma4_nnx.sharding` declares (optimizer moments like the
+    variables whose paths they end in). In place."""
+    for path, var in nnx.iter_graph(node):
         if isinstance(var, nnx.Variable) and hasattr(var.get_value(), "shape"):
             value = np.asarray(var.get_value())
-            var.set_value(jax.make_array_from_callback(value.shape, everywhere, lambda i, v=value: v[i]))
+            spec = _spec_by_suffix(tuple(path), value.shape, mesh, DEFAULT_RULES) if fsdp and value.ndim else None
+            where = NamedSharding(mesh, spec or PartitionSpec())
+            var.set_value(jax.make_array_from_callback(value.shape, where, lambda i, v=value: v[i]))
 
 
 def global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -292,31 +436,47 @@ def _like(restored, current):
 
 
 # ---------------------------------------------------------------------------- command line
-def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="gemma4-finetune", description="LoRA fine-tuning of a Gemma 4 checkpoint.")
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gemma4-finetune", description="Fine-tuning (LoRA, QLoRA, full) of a Gemma 4 checkpoint."
+    )
     p.add_argument("--model", required=True, help="checkpoint directory (converted, HF or gm; with its tokenizer)")
     p.add_argument("--data", required=True, nargs="+", help="training JSONL file(s)")
     p.add_argument("--eval", nargs="*", default=None, help="held-out JSONL file(s)")
-    p.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, adapters/")
+    p.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, adapters/ or model/")
+    p.add_argument("--method", choices=METHODS, default="lora", help="what trains (default lora)")
+    p.add_argument("--base-quant", choices=BASE_QUANT, default="int4", help="qlora: the base's quantization")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup-steps", type=int, default=None, help="default: steps // 10")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--overflow", choices=data._OVERFLOW, default="truncate")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=None)
+    p.add_argument(
+        "--compute-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="activations' dtype; auto: bfloat16 on GPU / TPU, float32 on CPU (weights stay as loaded, "
+        "float32 masters for --method full)",
+    )
+    p.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue the run in --out (else --out must be new)")
     p.add_argument("--data-parallel", action="store_true", help="split each batch over every device (all processes')")
+    p.add_argument("--fsdp", action="store_true", help="data parallel with the weights sharded over the devices")
     p.add_argument(
         "--distributed",
         action="store_true",
         help="call jax.distributed.initialize() first (one process per host: TPU slices, SLURM, ...)",
     )
+    p.add_argument("--tensorboard", action="store_true", help="also write the metrics to --out/tensorboard/")
+    p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument(
         "--export",
         nargs="*",
@@ -324,7 +484,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=[],
         help="after training also write: peft (HF PEFT adapter), hf (merged HF model), gguf (merged Q8_0 GGUF)",
     )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = _parser()
     args = p.parse_args(argv)
+    if args.method == "full" and "peft" in args.export:
+        p.error("--export peft writes an adapter; --method full trains no adapter (use --export hf or gguf)")
     if args.distributed:
         jax.distributed.initialize()
     logging.basicConfig(format="%(message)s")
@@ -337,42 +504,67 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not args.resume:
         p.error(f"--out {args.out} holds a run already; pass --resume to continue it")
     tok = load_tokenizer(args.model)
-    examples, stats = data.read_jsonl(args.data, tok, max_len=args.max_len, overflow=args.overflow)
-    log.info("training data: %s", stats.summary())
-    pad = tok.pad_id or 0
-    rows = data.pack(examples, args.max_len, pad_id=pad)
-    eval_rows = None
-    if args.eval:
-        held, held_stats = data.read_jsonl(args.eval, tok, max_len=args.max_len, overflow=args.overflow)
-        log.info("eval data: %s", held_stats.summary())
-        eval_rows = data.pack(held, args.max_len, pad_id=pad)
+    rows = _read_rows(args.data, tok, args, "training data")
+    eval_rows = _read_rows(args.eval, tok, args, "eval data") if args.eval else None
     warmup = args.steps // 10 if args.warmup_steps is None else args.warmup_steps
     config = TrainConfig(
         steps=args.steps,
         lr=args.lr,
         warmup_steps=warmup,
+        weight_decay=args.weight_decay,
         batch_size=args.batch_size,
         accumulate=args.accumulate,
         seed=args.seed,
         save_every=args.save_every,
         eval_every=args.eval_every if eval_rows is not None else 0,
     )
-    model = load_any(args.model, kind="model")
-    ft.apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, rngs=nnx.Rngs(args.seed))
+    compute = args.compute_dtype
+    if compute == "auto":
+        compute = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    model = load_any(
+        args.model, dtype="float32" if args.method == "full" else None, compute_dtype=compute, kind="model"
+    )
+    wrt = prepare(
+        model, args.method, rank=args.lora_rank, alpha=args.lora_alpha, base_quant=args.base_quant, seed=args.seed
+    )
+    model.remat = args.remat
     loader = data.Loader(rows, args.batch_size * args.accumulate, seed=args.seed)
     mesh = None
-    if args.data_parallel or args.distributed:
+    if args.data_parallel or args.fsdp or args.distributed:
         from gemma4_nnx.sharding import make_mesh
 
         mesh = make_mesh(fsdp=jax.device_count())
-    trainer = Trainer(model, loader, config, out=args.out, eval_rows=eval_rows, mesh=mesh)
+    trainer = Trainer(
+        model,
+        loader,
+        config,
+        out=args.out,
+        eval_rows=eval_rows,
+        wrt=wrt,
+        mesh=mesh,
+        fsdp=args.fsdp,
+        progress=not args.no_progress,
+        tensorboard=args.tensorboard,
+    )
     trainer.run()
     if trainer._manager.latest_step() != trainer.step:
         trainer.save(force=True)
         trainer._manager.wait_until_finished()
-    ft.save_adapters(model, os.path.join(args.out, "adapters"))
-    log.info("adapters written to %s", os.path.join(args.out, "adapters"))
+    if args.method == "full":
+        from gemma4_nnx.io.export import to_hf
+
+        to_hf(model, os.path.join(args.out, "model"), copy_from=args.model)
+        log.info("model written to %s (an HF directory)", os.path.join(args.out, "model"))
+    else:
+        ft.save_adapters(model, os.path.join(args.out, "adapters"))
+        log.info("adapters written to %s", os.path.join(args.out, "adapters"))
     export(model, args.model, args.out, args.export)
+
+
+def _read_rows(paths, tok, args, what: str) -> dict[str, np.ndarray]:
+    examples, stats = data.read_jsonl(paths, tok, max_len=args.max_len, overflow=args.overflow)
+    log.info("%s: %s", what, stats.summary())
+    return data.pack(examples, args.max_len, pad_id=tok.pad_id or 0)
 
 
 #: `gemma4-finetune --export` choices: where each goes under --out
