@@ -117,18 +117,6 @@ def run(side: str, method: str, a: argparse.Namespace) -> dict:
     return json.loads(lines[-1][7:])
 
 
-def integral_scalar(path: str) -> None:
-    """`to_hf` writes Gemma 3's query_pre_attn_scalar as a float (256.0), which transformers 5.24's
-    strict config refuses ("expected int"): written back as the integer it is."""
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    value = config.get("query_pre_attn_scalar")
-    if isinstance(value, float) and value.is_integer():
-        config["query_pre_attn_scalar"] = int(value)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", help="float32 converted 270M (default: converted from the PyPI package)")
@@ -152,7 +140,6 @@ def main() -> None:
         from gemma4_nnx.io.export import to_hf
 
         a.hf_dir = to_hf(gemma4_nnx.load_any(a.ckpt), tempfile.mkdtemp(prefix="finetune-hf-"), copy_from=a.ckpt)
-    integral_scalar(os.path.join(a.hf_dir, "config.json"))
     results: dict = {}
     for _ in range(a.repeats):
         for method in a.methods:

@@ -131,6 +131,10 @@ def test_gemma3_config_maps_to_degenerate_gemma4():
     # lossless through our checkpoint JSON and back to an HF Gemma 3 config
     assert Gemma4Config.from_json_dict(json.loads(json.dumps(c.to_json_dict()))) == c
     assert Gemma4Config.from_hf(c.to_hf_dict()) == c
+    # transformers' own config class takes what we write (its strict fields refuse 256.0 for an int)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Gemma3TextConfig(**{k: v for k, v in c.to_hf_dict().items() if k != "model_type"})
+    assert hf.query_pre_attn_scalar == 256 and isinstance(c.to_hf_dict()["query_pre_attn_scalar"], int)
     # Gemma 4 configs are unchanged
     assert Gemma4Config.e2b().model_family == "gemma4" and Gemma4Config.e2b().use_v_norm
 

@@ -283,7 +283,7 @@ def _gemma3_config_to_hf(config: Gemma4Config) -> dict[str, Any]:
         "layer_types": list(config.layer_types),
         "sliding_window": config.sliding_window,
         "rope_parameters": {SLIDING: rope(config.rope_sliding), FULL: rope(config.rope_full)},
-        "query_pre_attn_scalar": round(config.attention_scale**-2, 6),
+        "query_pre_attn_scalar": _integral(config.attention_scale**-2),
         "rms_norm_eps": config.rms_norm_eps,
         "final_logit_softcapping": config.final_logit_softcapping,
         "attn_logit_softcapping": None,
@@ -586,3 +586,9 @@ def _read_config_json(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> di
 def model_type(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> str | None:
     """The `model_type` of an HF config.json (what a loader dispatches on)."""
     return _read_config_json(path_or_dict).get("model_type")
+
+
+def _integral(x: float) -> int | float:
+    """`x` as the int it rounds to (HF configs type `query_pre_attn_scalar` as an int, and transformers'
+    strict config refuses 256.0), else rounded to 6 decimals."""
+    return round(x) if abs(x - round(x)) < 1e-6 else round(x, 6)
