@@ -31,6 +31,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gemma4_nnx.model.tree import dotted
+
 MESH_AXES = ("fsdp", "tp")
 
 #: logical axis -> mesh axis (None: replicated). FSDP over the model width and batch, TP over
@@ -78,23 +80,19 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 _COMPILED = [(re.compile(p), axes) for p, axes in PARAM_AXES]
 
 
-def _dotted(path: Sequence[Any]) -> str:
-    return ".".join(str(p) for p in path)
-
-
 def logical_axes(path: Sequence[Any] | str) -> tuple[str | None, ...]:
     """The logical axes declared for a variable path (tuple or dotted string). LoRA adapters take
     their kernel's input axis (`lora_a` [in, r]) or output axis (`lora_b` [r, out]). Raises
     ValueError for a path no rule covers (so a new parameter cannot silently go unplaced)."""
-    dotted = path if isinstance(path, str) else _dotted(path)
+    where = path if isinstance(path, str) else dotted(path)
     for suffix, pick in (("lora_a", 0), ("lora_b", 1)):
-        if dotted.endswith("." + suffix):
-            kernel = logical_axes(dotted[: -len(suffix)] + "kernel")
+        if where.endswith("." + suffix):
+            kernel = logical_axes(where[: -len(suffix)] + "kernel")
             return (kernel[0], "lora_rank") if pick == 0 else ("lora_rank", kernel[1])
     for pattern, axes in _COMPILED:
-        if pattern.search(dotted):
+        if pattern.search(where):
             return axes
-    module, _, leaf = dotted.rpartition(".")
+    module, _, leaf = where.rpartition(".")
     if leaf in ("codes", "scales", "mins"):  # a quantized matrix, stored [out, in] (gemma4_nnx.model.quant)
         for name, order in ((".kernel", (1, 0)), ("", (0, 2, 1)), (".embedding", (0, 1))):
             try:  # a projection's kernel [in, out], an expert stack [E, in, out], a token table [V, D]
@@ -103,7 +101,7 @@ def logical_axes(path: Sequence[Any] | str) -> tuple[str | None, ...]:
                 continue
             if len(axes) == len(order):
                 return tuple(axes[i] for i in order)
-    raise ValueError(f"path {dotted!r}: no logical-axis rule in gemma4_nnx.sharding.PARAM_AXES covers it")
+    raise ValueError(f"path {where!r}: no logical-axis rule in gemma4_nnx.sharding.PARAM_AXES covers it")
 
 
 def make_mesh(fsdp: int | None = None, tp: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -139,7 +137,7 @@ def partition_spec(
             axes = (None,) * len(shape)
         else:
             raise ValueError(
-                f"path {_dotted(path) if not isinstance(path, str) else path}: declared axes {axes} "
+                f"path {dotted(path) if not isinstance(path, str) else path}: declared axes {axes} "
                 f"do not fit an array of shape {tuple(shape)}"
             )
     spec, used = [], set()
@@ -168,14 +166,14 @@ def sharding_for(mesh: Mesh, config=None, rules=DEFAULT_RULES) -> Callable[..., 
         from gemma4_nnx.model.build import abstract_model, variables_by_path
 
         abstract = abstract_model(config, jnp.float32)
-        shapes = {_dotted(p): tuple(v.shape) for p, v in variables_by_path(abstract).items()}
+        shapes = {dotted(p): tuple(v.shape) for p, v in variables_by_path(abstract).items()}
         if config.use_ple:  # quantized PLE table: codes [V, F or F/2], scales [V, F/group]
             v = config.vocab_size_per_layer_input
             shapes.setdefault("embed_tokens_per_layer.codes", (v, 1))
             shapes.setdefault("embed_tokens_per_layer.scales", (v, 1))
 
     def fn(path, shape=None) -> NamedSharding:
-        key = path if isinstance(path, str) else _dotted(path)
+        key = path if isinstance(path, str) else dotted(path)
         return NamedSharding(mesh, partition_spec(key, shape if shape is not None else shapes.get(key), mesh, rules))
 
     return fn
@@ -265,7 +263,7 @@ def describe(model: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> str:
     for path, sh in model_shardings(model, mesh, rules).items():
         var = variables[path]
         lines.append(
-            f"{_dotted(path):60s} {tuple(np.shape(var.get_value()))!s:18s} {logical_axes(path)!s:32s} {sh.spec}"
+            f"{dotted(path):60s} {tuple(np.shape(var.get_value()))!s:18s} {logical_axes(path)!s:32s} {sh.spec}"
         )
     return "\n".join(lines)
 

@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx.model import quant
-from gemma4_nnx.train.finetune import DEFAULT_TARGETS, _dotted, _modules, _set_child
+from gemma4_nnx.model.tree import dotted, set_submodule, submodules
+from gemma4_nnx.train.finetune import DEFAULT_TARGETS
 
 Array = jax.Array
 
@@ -77,14 +78,14 @@ def apply_lora_bank(model: nnx.Module, *, slots: int, rank: int, targets: str = 
         raise ValueError(f"rank must be a positive int, got {rank!r}")
     pattern = re.compile(targets)
     chosen = [
-        (p, m) for p, m in _modules(model, (nnx.Linear, quant.QuantizedLinear)) if pattern.search("." + _dotted(p))
+        (p, m) for p, m in submodules(model, (nnx.Linear, quant.QuantizedLinear)) if pattern.search("." + dotted(p))
     ]
     if not chosen:
         raise ValueError(f"targets {targets!r} matched no projection of the model")
     for path, lin in chosen:
-        _set_child(model, path, LoRABankLinear(lin, slots=slots, rank=rank))
+        set_submodule(model, path, LoRABankLinear(lin, slots=slots, rank=rank))
     model.adapter_bank = (slots, rank)  # static: what `has_banks` reads without walking the graph
-    return [_dotted(p) for p, _ in chosen]
+    return [dotted(p) for p, _ in chosen]
 
 
 def has_banks(model: nnx.Module) -> bool:
@@ -95,11 +96,11 @@ def has_banks(model: nnx.Module) -> bool:
 
 def bank_modules(model: nnx.Module) -> dict[str, LoRABankLinear]:
     """{dotted path: bank} of every `LoRABankLinear` in `model`."""
-    return {_dotted(p): m for p, m in _modules(model, LoRABankLinear)}
+    return {dotted(p): m for p, m in submodules(model, LoRABankLinear)}
 
 
 def set_adapter_rows(model: nnx.Module, rows: Array | np.ndarray | None) -> None:
     """Give every bank of `model` the batch rows' slots ([B] int32) for the next forward pass. Used
     inside the programs, on the model rebuilt from the weights (never on a caller's model)."""
-    for _, m in _modules(model, LoRABankLinear):
+    for _, m in submodules(model, LoRABankLinear):
         m.rows = rows

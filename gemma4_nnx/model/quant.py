@@ -82,6 +82,7 @@ from flax import nnx
 
 from gemma4_nnx.model.blocks import BLOCKS, row_bytes
 from gemma4_nnx.model.blocks import decode as decode_blocks
+from gemma4_nnx.model.tree import get_submodule, set_submodule  # noqa: F401  (re-exported)
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -708,22 +709,6 @@ def float_matrix(mod) -> np.ndarray:
         w = np.asarray(jax.device_get(mod[...]))
         return np.swapaxes(w, 1, 2).reshape(-1, w.shape[1])
     raise ValueError(f"no float matrix in a {type(mod).__name__}")
-
-
-def get_submodule(model: nnx.Module, path: tuple):
-    node = model
-    for key in path:
-        node = node[int(key)] if isinstance(node, (list, nnx.List)) else getattr(node, str(key))
-    return node
-
-
-def set_submodule(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
-    """Put `new` at `path` (attribute names and list indices) inside `model`."""
-    parent = get_submodule(model, path[:-1])
-    if isinstance(parent, (list, nnx.List)):
-        parent[int(path[-1])] = new
-    else:
-        setattr(parent, str(path[-1]), new)
 
 
 def quantize(

@@ -30,7 +30,6 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +38,7 @@ import optax
 from flax import nnx, traverse_util
 
 from gemma4_nnx.model import layers, quant
+from gemma4_nnx.model.tree import dotted, set_submodule, submodules
 
 Array = jax.Array
 
@@ -106,25 +106,6 @@ class LoRALinear(nnx.Module):
         return y + z * jnp.asarray(self.scale, dtype)
 
 
-# ---------------------------------------------------------------------------- module surgery
-def _dotted(path: Sequence[Any]) -> str:
-    return ".".join(str(p) for p in path)
-
-
-def _modules(model: nnx.Module, kind: type) -> list[tuple[tuple, nnx.Module]]:
-    return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, kind)]
-
-
-def _set_child(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
-    parent = model
-    for key in path[:-1]:
-        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-    if isinstance(path[-1], int):
-        parent[path[-1]] = new
-    else:
-        setattr(parent, path[-1], new)
-
-
 def apply_lora(
     model: nnx.Module,
     *,
@@ -152,14 +133,14 @@ def apply_lora(
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     chosen = [
         (p, m)
-        for p, m in _modules(model, (nnx.Linear, quant.QuantizedLinear))
-        if pattern.search("." + _dotted(p)) and not isinstance(m, LoRALinear)
+        for p, m in submodules(model, (nnx.Linear, quant.QuantizedLinear))
+        if pattern.search("." + dotted(p)) and not isinstance(m, LoRALinear)
     ]
     if not chosen:
         raise ValueError(f"targets {targets!r} matched no nnx.Linear projection of the model")
     for path, lin in chosen:
-        _set_child(model, path, LoRALinear(lin, rank=rank, alpha=alpha, rngs=rngs, adapter_dtype=adapter_dtype))
-    paths = [_dotted(p) for p, _ in chosen]
+        set_submodule(model, path, LoRALinear(lin, rank=rank, alpha=alpha, rngs=rngs, adapter_dtype=adapter_dtype))
+    paths = [dotted(p) for p, _ in chosen]
     # static, hashable (part of the graph definition): what save_adapters records (all wrapped paths,
     # also those of earlier apply_lora calls)
     model._lora_meta = json.dumps({"rank": rank, "alpha": alpha, "targets": targets, "paths": lora_paths(model)})
@@ -172,7 +153,7 @@ def lora_paths(model: nnx.Module) -> list[str]:
 
 def lora_modules(model: nnx.Module) -> dict[str, LoRALinear]:
     """{dotted path: wrapper} of every `LoRALinear` in `model`."""
-    return {_dotted(p): m for p, m in _modules(model, LoRALinear)}
+    return {dotted(p): m for p, m in submodules(model, LoRALinear)}
 
 
 def exact_targets(paths: Iterable[str]) -> str:
@@ -184,7 +165,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     """Fold every adapter into its kernel (`kernel + a @ b * alpha/r`, rounded once to the kernel
     dtype) and put plain `nnx.Linear` modules back. In place (clone first to keep the adapted model);
     returns `model`."""
-    for path, mod in _modules(model, LoRALinear):
+    for path, mod in submodules(model, LoRALinear):
         base = mod.base_kernel()  # a quantized base merges into a float32 kernel
         merged = (base.astype(jnp.float32) + mod.delta()).astype(base.dtype)
         lin = nnx.eval_shape(
@@ -199,7 +180,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
             )
         )
         lin.kernel = nnx.Param(merged)
-        _set_child(model, path, lin)
+        set_submodule(model, path, lin)
     if hasattr(model, "_lora_meta"):
         del model._lora_meta
     return model
