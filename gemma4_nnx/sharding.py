@@ -221,7 +221,7 @@ def shard_cache(cache, mesh: Mesh, rules=DEFAULT_RULES):
     return jax.device_put(cache, cache_shardings(cache, mesh, rules))
 
 
-def _spec_by_suffix(path: tuple, shape: tuple[int, ...], mesh: Mesh, rules) -> PartitionSpec:
+def state_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, rules) -> PartitionSpec:
     """Declared spec of a model variable, or of an optimizer-state variable whose path ends in one."""
     for k in range(len(path)):
         try:
@@ -240,7 +240,7 @@ def constrain(node: nnx.Module | Any, mesh: Mesh, rules=DEFAULT_RULES) -> None:
             value = var.get_value()
             if not hasattr(value, "shape"):
                 continue
-            spec = _spec_by_suffix(tuple(path), tuple(value.shape), mesh, rules) if value.ndim else PartitionSpec()
+            spec = state_spec(tuple(path), tuple(value.shape), mesh, rules) if value.ndim else PartitionSpec()
             var.set_value(jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec)))
 
 

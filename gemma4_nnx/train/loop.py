@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gemma4_nnx.model import quant
-from gemma4_nnx.sharding import DEFAULT_RULES, _spec_by_suffix
+from gemma4_nnx.sharding import DEFAULT_RULES, state_spec
 from gemma4_nnx.train import data
 from gemma4_nnx.train import finetune as ft
 
@@ -406,7 +406,7 @@ def _place(node: nnx.Module | nnx.Optimizer, mesh: Mesh, fsdp: bool) -> None:
     for path, var in nnx.iter_graph(node):
         if isinstance(var, nnx.Variable) and hasattr(var.get_value(), "shape"):
             value = np.asarray(var.get_value())
-            spec = _spec_by_suffix(tuple(path), value.shape, mesh, DEFAULT_RULES) if fsdp and value.ndim else None
+            spec = state_spec(tuple(path), value.shape, mesh, DEFAULT_RULES) if fsdp and value.ndim else None
             where = NamedSharding(mesh, spec or PartitionSpec())
             var.set_value(jax.make_array_from_callback(value.shape, where, lambda i, v=value: v[i]))
 
