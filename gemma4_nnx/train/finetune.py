@@ -331,18 +331,23 @@ def save_adapters(model: nnx.Module, directory: str | os.PathLike) -> str:
     return directory
 
 
+def _saved_meta(directory: str | os.PathLike) -> tuple[str, dict]:
+    """(the absolute directory, its lora.json) of a `save_adapters` directory; ValueError without one."""
+    directory = os.path.abspath(os.fspath(directory))
+    meta_path = os.path.join(directory, _ADAPTER_META)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"directory {directory} holds no {_ADAPTER_META}: not written by save_adapters")
+    with open(meta_path, encoding="utf-8") as f:
+        return directory, json.load(f)
+
+
 def load_adapters(model: nnx.Module, directory: str | os.PathLike, *, sharding=None) -> nnx.Module:
     """Restore adapters saved by `save_adapters` into `model` (a base model: the wrappers are applied
     first from `lora.json`; or a model that already carries identically placed adapters). In place.
     `sharding`: optional callable path -> Sharding for the restored adapter arrays."""
     import orbax.checkpoint as ocp
 
-    directory = os.path.abspath(os.fspath(directory))
-    meta_path = os.path.join(directory, _ADAPTER_META)
-    if not os.path.isfile(meta_path):
-        raise ValueError(f"directory {directory} holds no {_ADAPTER_META}: not written by save_adapters")
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
+    directory, meta = _saved_meta(directory)
     if not lora_paths(model):  # wrap exactly the saved paths
         apply_lora(model, rank=meta["rank"], alpha=meta["alpha"], targets=exact_targets(meta["paths"]))
     if sorted(lora_paths(model)) != sorted(meta["paths"]):
@@ -370,12 +375,7 @@ def read_adapters(directory: str | os.PathLike) -> tuple[dict, dict[str, tuple[n
     The twin of `peft_io.read_peft_adapter` (serving loads adapters into a bank, `decode.lora_bank`)."""
     import orbax.checkpoint as ocp
 
-    directory = os.path.abspath(os.fspath(directory))
-    meta_path = os.path.join(directory, _ADAPTER_META)
-    if not os.path.isfile(meta_path):
-        raise ValueError(f"{directory} holds no {_ADAPTER_META}: not written by save_adapters")
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
+    directory, meta = _saved_meta(directory)
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(os.path.join(directory, "adapters"))
     pairs: dict[str, dict[str, np.ndarray]] = {}
