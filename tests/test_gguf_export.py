@@ -320,3 +320,55 @@ def test_q4_k_m_export_with_calibration_writes_weighted_blocks(tmp_path, tokeniz
     assert checked >= 6
     with pytest.raises(ValueError, match="calibration: only used with quantize='q4_k_m'"):
         to_gguf(model, tmp_path / "x.gguf", tokenizer_dir=src, quantize="q8_0", calibration=text)
+
+
+def test_kept_blocks_load_decoded_by_default_as_the_old_keep_stored_them(tmp_path, tokenizer_dir):
+    """A `keep` checkpoint holds the file's blocks; `load(kept_blocks="decoded")` (the default, also of
+    `load_any` and both CLIs) turns every module held as blocks (projections, expert stacks, token table)
+    into exactly the codes, float32 scales and mins `keep` stored before blocks were held as such
+    (`gguf_blocks.decode_rows` and its format), and gives bit for bit the logits of `kept_blocks="stored"`;
+    any other value is a ValueError naming `kept_blocks` and both choices."""
+    import dataclasses
+
+    from flax import nnx
+
+    from gemma4_nnx import cli_generate
+    from gemma4_nnx.io.checkpoint import load
+    from gemma4_nnx.io.convert import convert
+    from gemma4_nnx.io.gguf_blocks import decode_rows
+    from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.model import quant
+    from gemma4_nnx.serve import app
+
+    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
+    ckpt = convert(path, tmp_path / "keep", quantize="keep", progress=False)
+    stored, decoded = load(ckpt, kept_blocks="stored"), load_any(ckpt)
+    held, flat = quant.quantization_of(stored), quant.quantization_of(decoded)
+    assert sorted(held) == sorted(flat) and {f.block for f in held.values()} >= {"Q4_K", "Q6_K"}
+    kinds = (quant.QuantizedLinear, quant.QuantizedEmbedding, quant.QuantizedStack)
+    for path_, mod in nnx.iter_graph(stored):
+        if not isinstance(mod, kinds) or mod.fmt.block is None:
+            continue
+        new = quant.get_submodule(decoded, tuple(path_))
+        raw = np.asarray(mod.codes[...])
+        cols = mod.features if isinstance(mod, quant.QuantizedEmbedding) else mod.in_features
+        codes, scales, mins, fmt = decode_rows(raw.reshape(-1, raw.shape[-1]), mod.fmt.block, cols)
+        assert new.fmt == fmt == dataclasses.replace(mod.fmt, block=None), path_
+        lead = raw.shape[:-1]
+        for got, want in ((new.codes, codes), (new.scales, scales), (new.mins, mins)):
+            assert (got is None) == (want is None), path_
+            if want is not None:
+                got = np.asarray(got[...])
+                assert got.dtype == want.dtype, path_
+                np.testing.assert_array_equal(got, want.reshape(*lead, -1), err_msg=str(path_))
+    ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
+    np.testing.assert_array_equal(np.asarray(stored(ids)), np.asarray(decoded(ids)))
+
+    for bad in ("decode", None):
+        for f in (load, load_any):
+            with pytest.raises(ValueError, match=r"kept_blocks: expected 'decoded' .* or 'stored'"):
+                f(ckpt, kept_blocks=bad)
+    argv = [str(ckpt), "--prompt", "x"]
+    assert cli_generate.build_parser().parse_args(argv).kept_blocks == "decoded"
+    assert app.build_parser().parse_args(argv[:1] + ["--kept-blocks", "stored"]).kept_blocks == "stored"
