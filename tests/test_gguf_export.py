@@ -346,24 +346,31 @@ def test_kept_blocks_load_decoded_by_default_as_the_old_keep_stored_them(tmp_pat
     stored, decoded = load(ckpt, kept_blocks="stored"), load_any(ckpt)
     held, flat = quant.quantization_of(stored), quant.quantization_of(decoded)
     assert sorted(held) == sorted(flat) and {f.block for f in held.values()} >= {"Q4_K", "Q6_K"}
+    assert all(f.block is None for f in flat.values())
     kinds = (quant.QuantizedLinear, quant.QuantizedEmbedding, quant.QuantizedStack)
+    groups = {}  # (block type, cols) -> [(path, held, decoded module)]: one decode_rows call per group
     for path_, mod in nnx.iter_graph(stored):
-        if not isinstance(mod, kinds) or mod.fmt.block is None:
-            continue
-        new = quant.get_submodule(decoded, tuple(path_))
-        raw = np.asarray(mod.codes[...])
-        cols = mod.features if isinstance(mod, quant.QuantizedEmbedding) else mod.in_features
-        codes, scales, mins, fmt = decode_rows(raw.reshape(-1, raw.shape[-1]), mod.fmt.block, cols)
-        assert new.fmt == fmt == dataclasses.replace(mod.fmt, block=None), path_
-        lead = raw.shape[:-1]
-        for got, want in ((new.codes, codes), (new.scales, scales), (new.mins, mins)):
-            assert (got is None) == (want is None), path_
-            if want is not None:
-                got = np.asarray(got[...])
-                assert got.dtype == want.dtype, path_
-                np.testing.assert_array_equal(got, want.reshape(*lead, -1), err_msg=str(path_))
+        if isinstance(mod, kinds) and mod.fmt.block is not None:
+            cols = mod.features if isinstance(mod, quant.QuantizedEmbedding) else mod.in_features
+            groups.setdefault((mod.fmt.block, cols), []).append((path_, mod, quant.get_submodule(decoded, path_)))
+    for (kind, cols), mods in groups.items():
+        raws = [np.asarray(m.codes[...]) for _, m, _ in mods]
+        old = decode_rows(np.concatenate([r.reshape(-1, r.shape[-1]) for r in raws]), kind, cols)
+        for name, want in zip(("codes", "scales", "mins"), old[:3], strict=True):
+            got = [getattr(new, name) for _, _, new in mods]
+            if want is None:
+                assert all(g is None for g in got), (kind, name)
+                continue
+            got = [np.asarray(g[...]) for g in got]
+            assert {g.dtype for g in got} == {want.dtype} and all(
+                g.shape[:-1] == r.shape[:-1] for g, r in zip(got, raws)
+            )
+            np.testing.assert_array_equal(np.concatenate([g.reshape(-1, g.shape[-1]) for g in got]), want)
+        for path_, held_mod, new in mods:
+            assert new.fmt == old[3] == dataclasses.replace(held_mod.fmt, block=None), path_
     ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
-    np.testing.assert_array_equal(np.asarray(stored(ids)), np.asarray(decoded(ids)))
+    a, b = (np.asarray(nnx.jit(lambda m, x: m(x))(m, ids)) for m in (stored, decoded))
+    np.testing.assert_array_equal(a, b)
 
     for bad in ("decode", None):
         for f in (load, load_any):
