@@ -59,6 +59,7 @@ def main(argv=None) -> int:
 
     gguf = real270m.gguf_file(a.gguf)
     work = a.work or tempfile.mkdtemp(prefix="bench-keep-")
+    os.makedirs(work, exist_ok=True)
     ckpt = _convert(gguf, os.path.join(work, "keep"))
     sizes = {"file": os.path.getsize(gguf), "checkpoint": _bytes(ckpt)}
 

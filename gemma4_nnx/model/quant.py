@@ -785,6 +785,19 @@ def check_kept_blocks(kept_blocks: str) -> str:
     return kept_blocks
 
 
+def _placed_like(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+    """`sharding` (a matrix's blocks') for a decoded array of `shape` (same axes): a dimension its mesh
+    axes do not divide is replicated, as `gemma4_nnx.sharding.partition_spec` places it."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    fit = []
+    for dim, axes in zip(shape, spec, strict=True):
+        ways = int(np.prod([sharding.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())]))
+        fit.append(axes if dim % ways == 0 else None)
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*fit))
+
+
 def decode_kept_blocks(model: nnx.Module) -> list[str]:
     """Hold every matrix of `model` kept as GGUF blocks (`QuantFormat.block`) in the decoded layout:
     the codes, float32 scales and mins `gemma4_nnx.model.blocks.decode` gives (what `--quantize keep`
@@ -796,9 +809,11 @@ def decode_kept_blocks(model: nnx.Module) -> list[str]:
     for path in paths:
         mod = get_submodule(model, path)
         raw = mod.codes[...]
-        decode = jax.jit(decode_blocks, static_argnums=1, out_shardings=raw.sharding)
+        name = mod.fmt.block
+        shapes = jax.eval_shape(lambda r, n=name: decode_blocks(r, n), raw)
+        placed = jax.tree.map(lambda s, r=raw: _placed_like(r.sharding, s.shape), shapes)
         new = quantized_like(mod, dataclasses.replace(mod.fmt, block=None))
-        _set_params(new, *decode(raw, mod.fmt.block))
+        _set_params(new, *jax.jit(decode_blocks, static_argnames="name", out_shardings=placed)(raw, name=name))
         set_submodule(model, path, new)
         del mod, raw
     return [".".join(map(str, p)) for p in paths]
