@@ -349,7 +349,7 @@ def load(
         names = ("codes",) if fmt.block else ("codes", "scales", "mins") if fmt.asym else ("codes", "scales")
         paths = [p for p in paths if p[:-1] != module and p != module] + [module + (n,) for n in names]
     model = _restore(ckpt_dir, model, paths, where)
-    if kept_blocks == "decoded" and decode_kept_blocks(model):
+    if kept_blocks == "decoded" and decode_kept_blocks(model, where):
         _release_freed_memory()
     return model
 

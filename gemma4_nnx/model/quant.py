@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -798,20 +799,27 @@ def _placed_like(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*fit))
 
 
-def decode_kept_blocks(model: nnx.Module) -> list[str]:
+def decode_kept_blocks(
+    model: nnx.Module, placement: Callable[[tuple], jax.sharding.Sharding] | None = None
+) -> list[str]:
     """Hold every matrix of `model` kept as GGUF blocks (`QuantFormat.block`) in the decoded layout:
     the codes, float32 scales and mins `gemma4_nnx.model.blocks.decode` gives (what `--quantize keep`
-    stored before blocks were held as such), placed like the blocks. In place, one module at a time
-    (the blocks of a module are freed as its decoded arrays take its place: never two copies of the
-    model); returns the dotted paths decoded."""
+    stored before blocks were held as such). In place, one module at a time (the blocks of a module
+    are freed as its decoded arrays take its place: never two copies of the model); returns the dotted
+    paths decoded. Each array is placed by `placement(module path + ("codes" / "scales" / "mins",))`
+    (`checkpoint.load`'s placement of a decoded checkpoint's arrays), default the blocks' own; a mesh
+    axis that does not divide a dimension leaves it replicated (`gemma4_nnx.sharding.partition_spec`)."""
     kinds = (QuantizedLinear, QuantizedEmbedding, QuantizedStack)
     paths = [tuple(p) for p, m in nnx.iter_graph(model) if isinstance(m, kinds) and m.fmt.block is not None]
     for path in paths:
         mod = get_submodule(model, path)
         raw = mod.codes[...]
         name = mod.fmt.block
-        shapes = jax.eval_shape(lambda r, n=name: decode_blocks(r, n), raw)
-        placed = jax.tree.map(lambda s, r=raw: _placed_like(r.sharding, s.shape), shapes)
+        shapes = dict(zip(("codes", "scales", "mins"), jax.eval_shape(lambda r, n=name: decode_blocks(r, n), raw)))
+        placed = tuple(
+            None if s is None else _placed_like(raw.sharding if placement is None else placement(path + (k,)), s.shape)
+            for k, s in shapes.items()
+        )
         new = quantized_like(mod, dataclasses.replace(mod.fmt, block=None))
         _set_params(new, *jax.jit(decode_blocks, static_argnames="name", out_shardings=placed)(raw, name=name))
         set_submodule(model, path, new)
