@@ -42,7 +42,8 @@ OURS = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, sys.argv[1])
 from gemma4_nnx import generate, load
-model = load(args["ckpt"], matmul=args.get("matmul") or "auto")
+kept = {"kept_blocks": args["kept_blocks"]} if args.get("kept_blocks") else {}
+model = load(args["ckpt"], matmul=args.get("matmul") or "auto", **kept)
 res = {}
 def timed(b, n):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]

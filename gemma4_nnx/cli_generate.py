@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
     p.add_argument(
+        "--kept-blocks",
+        choices=("decoded", "stored"),
+        default="decoded",
+        help="GGUF blocks kept by --quantize keep: decoded as they load (default: faster decode, more memory) "
+        "or held as the file stores them (the file's bytes in memory, slower decode)",
+    )
+    p.add_argument(
         "--compile-cache",
         default=os.environ.get("GEMMA4_COMPILE_CACHE"),
         help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)",
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
             processor = load_processor(args.checkpoint)
             items = read_media(args, processor)
-        model = load_any(args.checkpoint, args.dtype)
+        model = load_any(args.checkpoint, args.dtype, kept_blocks=args.kept_blocks)
         t_load = time.perf_counter() - t0
         if processor is not None and not model.config.multimodal:
             raise ValueError("--image / --audio / --video: this checkpoint has no vision or audio tower (a text model)")

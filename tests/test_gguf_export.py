@@ -320,3 +320,62 @@ def test_q4_k_m_export_with_calibration_writes_weighted_blocks(tmp_path, tokeniz
     assert checked >= 6
     with pytest.raises(ValueError, match="calibration: only used with quantize='q4_k_m'"):
         to_gguf(model, tmp_path / "x.gguf", tokenizer_dir=src, quantize="q8_0", calibration=text)
+
+
+def test_kept_blocks_load_decoded_by_default_as_the_old_keep_stored_them(tmp_path, tokenizer_dir):
+    """A `keep` checkpoint holds the file's blocks; `load(kept_blocks="decoded")` (the default, also of
+    `load_any` and both CLIs) turns every module held as blocks (projections, expert stacks, token table)
+    into exactly the codes, float32 scales and mins `keep` stored before blocks were held as such
+    (`gguf_blocks.decode_rows` and its format), and gives bit for bit the logits of `kept_blocks="stored"`;
+    any other value is a ValueError naming `kept_blocks` and both choices."""
+    import dataclasses
+
+    from flax import nnx
+
+    from gemma4_nnx import cli_generate
+    from gemma4_nnx.io.checkpoint import load
+    from gemma4_nnx.io.convert import convert
+    from gemma4_nnx.io.gguf_blocks import decode_rows
+    from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.model import quant
+    from gemma4_nnx.serve import app
+
+    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
+    ckpt = convert(path, tmp_path / "keep", quantize="keep", progress=False)
+    stored, decoded = load(ckpt, kept_blocks="stored"), load_any(ckpt)
+    held, flat = quant.quantization_of(stored), quant.quantization_of(decoded)
+    assert sorted(held) == sorted(flat) and {f.block for f in held.values()} >= {"Q4_K", "Q6_K"}
+    assert all(f.block is None for f in flat.values())
+    kinds = (quant.QuantizedLinear, quant.QuantizedEmbedding, quant.QuantizedStack)
+    groups = {}  # (block type, cols) -> [(path, held, decoded module)]: one decode_rows call per group
+    for path_, mod in nnx.iter_graph(stored):
+        if isinstance(mod, kinds) and mod.fmt.block is not None:
+            cols = mod.features if isinstance(mod, quant.QuantizedEmbedding) else mod.in_features
+            groups.setdefault((mod.fmt.block, cols), []).append((path_, mod, quant.get_submodule(decoded, path_)))
+    for (kind, cols), mods in groups.items():
+        raws = [np.asarray(m.codes[...]) for _, m, _ in mods]
+        old = decode_rows(np.concatenate([r.reshape(-1, r.shape[-1]) for r in raws]), kind, cols)
+        for name, want in zip(("codes", "scales", "mins"), old[:3], strict=True):
+            got = [getattr(new, name) for _, _, new in mods]
+            if want is None:
+                assert all(g is None for g in got), (kind, name)
+                continue
+            got = [np.asarray(g[...]) for g in got]
+            assert {g.dtype for g in got} == {want.dtype} and all(
+                g.shape[:-1] == r.shape[:-1] for g, r in zip(got, raws)
+            )
+            np.testing.assert_array_equal(np.concatenate([g.reshape(-1, g.shape[-1]) for g in got]), want)
+        for path_, held_mod, new in mods:
+            assert new.fmt == old[3] == dataclasses.replace(held_mod.fmt, block=None), path_
+    ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
+    a, b = (np.asarray(nnx.jit(lambda m, x: m(x))(m, ids)) for m in (stored, decoded))
+    np.testing.assert_array_equal(a, b)
+
+    for bad in ("decode", None):
+        for f in (load, load_any):
+            with pytest.raises(ValueError, match=r"kept_blocks: expected 'decoded' .* or 'stored'"):
+                f(ckpt, kept_blocks=bad)
+    argv = [str(ckpt), "--prompt", "x"]
+    assert cli_generate.build_parser().parse_args(argv).kept_blocks == "decoded"
+    assert app.build_parser().parse_args(argv[:1] + ["--kept-blocks", "stored"]).kept_blocks == "stored"

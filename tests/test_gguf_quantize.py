@@ -436,7 +436,7 @@ def test_convert_q4_k_m_with_calibration_weights_each_projection(tmp_path):
     ids = load_tokenizer(hf).encode(text.read_text(encoding="utf-8"), add_bos=True)
     imp = importance(from_hf(hf, dtype=jnp.float32, param_dtype=jnp.float32, text_only=True), ids)
     tensors = load_file(f"{hf}/model.safetensors")
-    model, plain = load(c), load(q)
+    model, plain = load(c, kept_blocks="stored"), load(q, kept_blocks="stored")
     changed = 0
     for path in ("layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "embed_tokens"):
         mod = quant.get_submodule(model, tuple(int(p) if p.isdigit() else p for p in path.split(".")))

@@ -258,7 +258,16 @@ def _sharding_fn(sharding) -> Callable[[Path], jax.sharding.Sharding]:
     )
 
 
-def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtype=None, matmul="auto", text_only=False):
+def load(
+    ckpt_dir: str | os.PathLike,
+    dtype=None,
+    sharding=None,
+    *,
+    compute_dtype=None,
+    matmul="auto",
+    text_only=False,
+    kept_blocks: str = "decoded",
+):
     """Restore a converted checkpoint (`gemma4-convert`) into a `Gemma4` model (a converted MTP
     assistant into a `Gemma4Assistant`).
 
@@ -282,11 +291,25 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
         activations on AVX512-BF16: a faster prefill) or "cpu_kernels_int8" (decode products of
         codes with int8-rounded activations on AVX512-VNNI or AVX2, as llama.cpp;
         `gemma4_nnx.model.layers.resolve_matmul`).
+      kept_blocks: how matrices kept as GGUF blocks (`--quantize keep` of a GGUF file, `q4_k_m`) are
+        held in memory: "decoded" (default: each module's blocks decoded as it loads into codes and
+        float32 scales, the layout the CPU kernels run fastest, ~1.2x the file's bytes for Q4_K_M) or
+        "stored" (the file's blocks as they are: the file's bytes, decoded where used, slower). The
+        checkpoint on disk holds the blocks either way; logits are bit for bit the same.
     """
 
     from gemma4_nnx.model import layers
-    from gemma4_nnx.model.quant import QuantFormat, QuantizedEmbedding, get_submodule, quantized_like, set_submodule
+    from gemma4_nnx.model.quant import (
+        QuantFormat,
+        QuantizedEmbedding,
+        check_kept_blocks,
+        decode_kept_blocks,
+        get_submodule,
+        quantized_like,
+        set_submodule,
+    )
 
+    check_kept_blocks(kept_blocks)
     ckpt_dir = os.fspath(ckpt_dir)
     meta = read_metadata(ckpt_dir)
     param_dtype = _dtype(dtype, "dtype") or jnp.dtype(meta["dtype"])
@@ -325,7 +348,10 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, sharding=None, *, compute_dtyp
             ) from None
         names = ("codes",) if fmt.block else ("codes", "scales", "mins") if fmt.asym else ("codes", "scales")
         paths = [p for p in paths if p[:-1] != module and p != module] + [module + (n,) for n in names]
-    return _restore(ckpt_dir, model, paths, where)
+    model = _restore(ckpt_dir, model, paths, where)
+    if kept_blocks == "decoded" and decode_kept_blocks(model, where):
+        _release_freed_memory()
+    return model
 
 
 #: Bytes of parameters read per Orbax restore call (an array larger than that alone).

@@ -85,6 +85,7 @@ def load_any(
     text_only: bool = False,
     kind: str | None = None,
     gm_config: str | None = None,
+    kept_blocks: str = "decoded",
 ):
     """Load checkpoint directory `path`, whatever its format, into a `Gemma4` (a `Gemma4Assistant` for
     an MTP assistant checkpoint). The model is built abstractly and filled in place: no random
@@ -107,13 +108,20 @@ def load_any(
         CheckpointError naming what the directory holds); None accepts either.
       gm_config: for a gm checkpoint, the model it holds: a preset name (e2b, e4b, 31b, 26b-a4b) or an
         HF config.json; default the `hf_config.json` beside it.
+      kept_blocks: for a converted checkpoint holding GGUF blocks (`--quantize keep` of a GGUF file):
+        "decoded" (default: decoded into codes and float32 scales as they load, the fast kernels) or
+        "stored" (held as the file stores them: its bytes in memory, slower decode;
+        `gemma4_nnx.io.checkpoint.load`). Other formats hold no blocks.
 
     Raises:
       FileNotFoundError: `path` does not exist.
       ValueError (CheckpointError): `path` is of no known format (the message names what was looked
         for), holds another `kind`, or does not match its config; a bad argument (named).
     """
+    from gemma4_nnx.model.quant import check_kept_blocks
+
     path = os.fspath(path)
+    check_kept_blocks(kept_blocks)
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS} or None, got {kind!r}")
     if mesh is not None and sharding is not None:
@@ -141,7 +149,13 @@ def load_any(
         sharding = sharding_for(mesh, config)
     if fmt == "orbax":
         return ck.load(
-            path, dtype=param_dtype, sharding=sharding, compute_dtype=compute, matmul=matmul, text_only=text_only
+            path,
+            dtype=param_dtype,
+            sharding=sharding,
+            compute_dtype=compute,
+            matmul=matmul,
+            text_only=text_only,
+            kept_blocks=kept_blocks,
         )
     if sharding is not None:  # from_hf and from_gm take a callable
         sharding = ck._sharding_fn(sharding)

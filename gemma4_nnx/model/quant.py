@@ -63,7 +63,9 @@ M / elements * bytes]``) and there are no ``scales`` / ``mins`` arrays; they are
 used (``gemma4_nnx.model.blocks``: the same codes and float32 scales as above, bit for bit), so a
 checkpoint takes the file's bytes (the scales of a Q4_K block: 12 bytes of 6-bit integers and two
 float16, not 64 bytes of float32). Checkpoints written before (float32 scales, no ``block``) load and
-compute as they did.
+compute as they did. In memory, `load` holds such matrices as chosen by ``kept_blocks``
+(`KEPT_BLOCKS`): "decoded" (the default) turns each one into those codes and float32 scales as it
+loads (`decode_kept_blocks`; the CPU kernels' fast path), "stored" keeps the file's bytes.
 
 Our own quantizer (``gemma4-convert --quantize int8|int4``) is the symmetric one
 above, with ``DEFAULT_GROUP`` columns per scale.
@@ -73,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -86,10 +89,12 @@ from gemma4_nnx.model.tree import get_submodule, set_submodule  # noqa: F401  (r
 
 __all__ = [
     "DEFAULT_GROUP",
+    "KEPT_BLOCKS",
     "QMAX",
     "QuantFormat",
     "QuantizedEmbedding",
     "QuantizedLinear",
+    "decode_kept_blocks",
     "dequantize_rows",
     "pack_int4",
     "quantize",
@@ -749,6 +754,62 @@ def quantize(
         set_submodule(model, path, new)
         done.append(".".join(map(str, path)))
     return done
+
+
+#: How `gemma4_nnx.load` holds matrices kept as GGUF blocks: "decoded" (codes and float32 scales, the
+#: layout the CPU kernels run fastest; more memory) or "stored" (the file's blocks; the file's bytes).
+KEPT_BLOCKS = ("decoded", "stored")
+
+
+def check_kept_blocks(kept_blocks: str) -> str:
+    """`kept_blocks` if it is one of `KEPT_BLOCKS`; else a ValueError naming the choices."""
+    if kept_blocks not in KEPT_BLOCKS:
+        raise ValueError(
+            f"kept_blocks: expected 'decoded' (GGUF blocks decoded at load: faster, more memory) or "
+            f"'stored' (held as the file stores them: the file's bytes, slower decode), got {kept_blocks!r}"
+        )
+    return kept_blocks
+
+
+def _placed_like(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+    """`sharding` (a matrix's blocks') for a decoded array of `shape` (same axes): a dimension its mesh
+    axes do not divide is replicated, as `gemma4_nnx.sharding.partition_spec` places it."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    fit = []
+    for dim, axes in zip(shape, spec, strict=True):
+        ways = int(np.prod([sharding.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())]))
+        fit.append(axes if dim % ways == 0 else None)
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*fit))
+
+
+def decode_kept_blocks(
+    model: nnx.Module, placement: Callable[[tuple], jax.sharding.Sharding] | None = None
+) -> list[str]:
+    """Hold every matrix of `model` kept as GGUF blocks (`QuantFormat.block`) in the decoded layout:
+    the codes, float32 scales and mins `gemma4_nnx.model.blocks.decode` gives (what `--quantize keep`
+    stored before blocks were held as such). In place, one module at a time (the blocks of a module
+    are freed as its decoded arrays take its place: never two copies of the model); returns the dotted
+    paths decoded. Each array is placed by `placement(module path + ("codes" / "scales" / "mins",))`
+    (`checkpoint.load`'s placement of a decoded checkpoint's arrays), default the blocks' own; a mesh
+    axis that does not divide a dimension leaves it replicated (`gemma4_nnx.sharding.partition_spec`)."""
+    kinds = (QuantizedLinear, QuantizedEmbedding, QuantizedStack)
+    paths = [tuple(p) for p, m in nnx.iter_graph(model) if isinstance(m, kinds) and m.fmt.block is not None]
+    for path in paths:
+        mod = get_submodule(model, path)
+        raw = mod.codes[...]
+        name = mod.fmt.block
+        shapes = dict(zip(("codes", "scales", "mins"), jax.eval_shape(lambda r, n=name: decode_blocks(r, n), raw)))
+        placed = tuple(
+            None if s is None else _placed_like(raw.sharding if placement is None else placement(path + (k,)), s.shape)
+            for k, s in shapes.items()
+        )
+        new = quantized_like(mod, dataclasses.replace(mod.fmt, block=None))
+        _set_params(new, *jax.jit(decode_blocks, static_argnames="name", out_shardings=placed)(raw, name=name))
+        set_submodule(model, path, new)
+        del mod, raw
+    return [".".join(map(str, p)) for p in paths]
 
 
 def quantization_of(model: nnx.Module) -> dict[str, QuantFormat]:

@@ -584,6 +584,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
     p.add_argument(
+        "--kept-blocks",
+        choices=("decoded", "stored"),
+        default="decoded",
+        help="GGUF blocks kept by --quantize keep: decoded as they load (default: faster decode, more memory) "
+        "or held as the file stores them (the file's bytes in memory, slower decode)",
+    )
+    p.add_argument(
         "--compile-cache",
         default=os.environ.get("GEMMA4_COMPILE_CACHE"),
         help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)",
@@ -630,7 +637,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
     if args.max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-    model = load_any(args.checkpoint, args.dtype, mesh=mesh)
+    model = load_any(args.checkpoint, args.dtype, mesh=mesh, kept_blocks=args.kept_blocks)
     engine = Engine(
         model,
         tokenizer,
