@@ -85,7 +85,7 @@ from flax import nnx
 
 from gemma4_nnx.model.blocks import BLOCKS, row_bytes
 from gemma4_nnx.model.blocks import decode as decode_blocks
-from gemma4_nnx.model.tree import get_submodule, set_submodule  # noqa: F401  (re-exported)
+from gemma4_nnx.model.tree import get_submodule, set_submodule
 
 __all__ = [
     "DEFAULT_GROUP",
