@@ -51,14 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-chunk", type=int, help="prefill the prompt in chunks of N tokens (default: 512 for longer prompts)"
     )
-    p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
-    p.add_argument(
-        "--kept-blocks",
-        choices=("decoded", "stored"),
-        default="decoded",
-        help="GGUF blocks kept by --quantize keep: decoded as they load (default: faster decode, more memory) "
-        "or held as the file stores them (the file's bytes in memory, slower decode)",
-    )
+    from gemma4_nnx.io.checkpoint import add_load_flags
+
+    add_load_flags(p)
     p.add_argument(
         "--compile-cache",
         default=os.environ.get("GEMMA4_COMPILE_CACHE"),

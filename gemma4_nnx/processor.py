@@ -130,6 +130,19 @@ def _check_patches(config: Any, where: str, default_budget: str) -> None:
         )
 
 
+def _check_colors(config: Any, where: str) -> None:
+    """Normalize `image_mean` / `image_std` of a frozen config to 3 floats (one value: all three
+    channels); ValueError for another count, or a zero deviation when `do_normalize`."""
+    for name in ("image_mean", "image_std"):
+        value = tuple(float(v) for v in np.atleast_1d(np.asarray(getattr(config, name), dtype=np.float64)))
+        value = value * 3 if len(value) == 1 else value
+        if len(value) != 3:
+            _fail(f"{where}.{name}", f"needs 3 values (R, G, B), got {len(value)}", f"pass {name}=(r, g, b)")
+        object.__setattr__(config, name, value)
+    if config.do_normalize and 0.0 in config.image_std:
+        _fail(f"{where}.image_std", f"contains 0 ({config.image_std})", "pass non-zero standard deviations")
+
+
 # ----------------------------------------------------------------------------- configs
 
 
@@ -157,15 +170,7 @@ class ImageProcessorConfig:
         except (ValueError, TypeError):
             _fail(f"{w}.resample", f"{self.resample!r} is not a PIL resampling filter", "pass e.g. 3 (BICUBIC)")
         object.__setattr__(self, "resample", resample)
-        for name in ("image_mean", "image_std"):
-            value = tuple(float(v) for v in np.atleast_1d(np.asarray(getattr(self, name), dtype=np.float64)))
-            if len(value) == 1:
-                value = value * 3
-            if len(value) != 3:
-                _fail(f"{w}.{name}", f"needs 3 values (R, G, B), got {len(value)}", f"pass {name}=(r, g, b)")
-            object.__setattr__(self, name, value)
-        if self.do_normalize and 0.0 in self.image_std:
-            _fail(f"{w}.image_std", f"contains 0 ({self.image_std})", "pass non-zero standard deviations")
+        _check_colors(self, w)
 
     @property
     def max_patches(self) -> int:
@@ -291,14 +296,7 @@ class VideoProcessorConfig:
             _fail(f"{w}.fps", f"must be a positive number, got {self.fps!r}", "pass e.g. fps=1.0, or None")
         if self.fps is not None and self.num_frames is not None:
             _fail(f"{w}.fps", "num_frames and fps are mutually exclusive (transformers)", "set num_frames=None")
-        for name in ("image_mean", "image_std"):
-            value = tuple(float(v) for v in np.atleast_1d(np.asarray(getattr(self, name), dtype=np.float64)))
-            value = value * 3 if len(value) == 1 else value
-            if len(value) != 3:
-                _fail(f"{w}.{name}", f"needs 3 values (R, G, B), got {len(value)}", f"pass {name}=(r, g, b)")
-            object.__setattr__(self, name, value)
-        if self.do_normalize and 0.0 in self.image_std:
-            _fail(f"{w}.image_std", f"contains 0 ({self.image_std})", "pass non-zero standard deviations")
+        _check_colors(self, w)
 
     @property
     def max_patches(self) -> int:

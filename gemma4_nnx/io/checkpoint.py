@@ -441,3 +441,15 @@ def load_tokenizer(ckpt_dir: str | os.PathLike):
     from gemma4_nnx.tokenizer import load_tokenizer as _load
 
     return _load(ckpt_dir)
+
+
+def add_load_flags(parser) -> None:
+    """`--dtype` and `--kept-blocks`: the `load` options of every command that loads a checkpoint."""
+    parser.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
+    parser.add_argument(
+        "--kept-blocks",
+        choices=("decoded", "stored"),
+        default="decoded",
+        help="GGUF blocks kept by --quantize keep: decoded as they load (default: faster decode, more memory) "
+        "or held as the file stores them (the file's bytes in memory, slower decode)",
+    )

@@ -582,14 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
-    p.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
-    p.add_argument(
-        "--kept-blocks",
-        choices=("decoded", "stored"),
-        default="decoded",
-        help="GGUF blocks kept by --quantize keep: decoded as they load (default: faster decode, more memory) "
-        "or held as the file stores them (the file's bytes in memory, slower decode)",
-    )
+    from gemma4_nnx.io.checkpoint import add_load_flags
+
+    add_load_flags(p)
     p.add_argument(
         "--compile-cache",
         default=os.environ.get("GEMMA4_COMPILE_CACHE"),
