@@ -52,9 +52,12 @@ class PrefixStats:
 @dataclasses.dataclass
 class _Entry:
     key: tuple[int, tuple[int, ...]]  # (adapter uid, tokens)
-    tokens: tuple[int, ...]
     snapshot: object  # a `core.Snapshot`: a one-row copy of the rings, and held pool blocks
     nbytes: int
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.key[1]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -126,7 +129,7 @@ class PrefixCache:
             return
         while self._entries and self.nbytes + nbytes > self.max_bytes:
             self.evict()
-        self._entries[key] = _Entry(key, key[1], snapshot, nbytes)
+        self._entries[key] = _Entry(key, snapshot, nbytes)
         self.nbytes += nbytes
         self.stats.stored += 1
 
