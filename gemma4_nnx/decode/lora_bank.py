@@ -19,16 +19,13 @@ state's `RowState.adapter` (or the prefill's per-row argument), right before the
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gemma4_nnx.model import quant
 from gemma4_nnx.model.tree import dotted, set_submodule, submodules
-from gemma4_nnx.train.finetune import DEFAULT_TARGETS
+from gemma4_nnx.train.finetune import DEFAULT_TARGETS, projections
 
 Array = jax.Array
 
@@ -76,12 +73,7 @@ def apply_lora_bank(model: nnx.Module, *, slots: int, rank: int, targets: str = 
         raise ValueError(f"slots must be an int >= 2 (slot 0 is 'no adapter'), got {slots!r}")
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}")
-    pattern = re.compile(targets)
-    chosen = [
-        (p, m) for p, m in submodules(model, (nnx.Linear, quant.QuantizedLinear)) if pattern.search("." + dotted(p))
-    ]
-    if not chosen:
-        raise ValueError(f"targets {targets!r} matched no projection of the model")
+    chosen = projections(model, targets)
     for path, lin in chosen:
         set_submodule(model, path, LoRABankLinear(lin, slots=slots, rank=rank))
     model.adapter_bank = (slots, rank)  # static: what `has_banks` reads without walking the graph

@@ -106,6 +106,23 @@ class LoRALinear(nnx.Module):
         return y + z * jnp.asarray(self.scale, dtype)
 
 
+def projections(model: nnx.Module, targets: str) -> list[tuple[tuple, nnx.Module]]:
+    """[(path, projection)] of every float or quantized projection of `model` (not already wrapped)
+    whose dotted path (with a leading ".") matches the regex `targets`; ValueError when none does."""
+    try:
+        pattern = re.compile(targets)
+    except (re.error, TypeError) as e:
+        raise ValueError(f"targets must be a regular expression string, got {targets!r} ({e})") from None
+    chosen = [
+        (p, m)
+        for p, m in submodules(model, (nnx.Linear, quant.QuantizedLinear))
+        if pattern.search("." + dotted(p)) and not isinstance(m, LoRALinear)
+    ]
+    if not chosen:
+        raise ValueError(f"targets {targets!r} matched no nnx.Linear projection of the model")
+    return chosen
+
+
 def apply_lora(
     model: nnx.Module,
     *,
@@ -126,18 +143,8 @@ def apply_lora(
     alpha = float(rank if alpha is None else alpha)
     if alpha <= 0:
         raise ValueError(f"alpha must be positive, got {alpha}")
-    try:
-        pattern = re.compile(targets)
-    except (re.error, TypeError) as e:
-        raise ValueError(f"targets must be a regular expression string, got {targets!r} ({e})") from None
     rngs = rngs if rngs is not None else nnx.Rngs(0)
-    chosen = [
-        (p, m)
-        for p, m in submodules(model, (nnx.Linear, quant.QuantizedLinear))
-        if pattern.search("." + dotted(p)) and not isinstance(m, LoRALinear)
-    ]
-    if not chosen:
-        raise ValueError(f"targets {targets!r} matched no nnx.Linear projection of the model")
+    chosen = projections(model, targets)
     for path, lin in chosen:
         set_submodule(model, path, LoRALinear(lin, rank=rank, alpha=alpha, rngs=rngs, adapter_dtype=adapter_dtype))
     paths = [dotted(p) for p, _ in chosen]
