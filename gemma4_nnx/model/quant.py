@@ -85,7 +85,7 @@ from flax import nnx
 
 from gemma4_nnx.model.blocks import BLOCKS, row_bytes
 from gemma4_nnx.model.blocks import decode as decode_blocks
-from gemma4_nnx.model.tree import get_submodule, set_submodule
+from gemma4_nnx.model.tree import dotted, get_submodule, set_submodule, submodules
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -646,10 +646,10 @@ QUANTIZABLE = re.compile(r"(_proj|per_layer_input_gate|per_layer_projection|^emb
 
 def quantizable(module_path) -> bool:
     """Whether the module at `module_path` (tuple or dotted string) is one `quantize` quantizes."""
-    dotted = module_path if isinstance(module_path, str) else ".".join(map(str, module_path))
-    if dotted.split(".")[0] in TOWERS:
+    name = module_path if isinstance(module_path, str) else dotted(module_path)
+    if name.split(".")[0] in TOWERS:
         return False
-    return bool(QUANTIZABLE.search(dotted)) and ".router." not in "." + dotted + "."
+    return bool(QUANTIZABLE.search(name)) and ".router." not in "." + name + "."
 
 
 def format_for(module_path, bits: int, group: int | None = None, cols: int | None = None) -> QuantFormat:
@@ -752,7 +752,7 @@ def quantize(
             codes, scales = codes.reshape(e, -1, codes.shape[1]), scales.reshape(e, -1, scales.shape[1])
         _set_params(new, codes, scales, None)
         set_submodule(model, path, new)
-        done.append(".".join(map(str, path)))
+        done.append(dotted(path))
     return done
 
 
@@ -795,7 +795,7 @@ def decode_kept_blocks(
     (`checkpoint.load`'s placement of a decoded checkpoint's arrays), default the blocks' own; a mesh
     axis that does not divide a dimension leaves it replicated (`gemma4_nnx.sharding.partition_spec`)."""
     kinds = (QuantizedLinear, QuantizedEmbedding, QuantizedStack)
-    paths = [tuple(p) for p, m in nnx.iter_graph(model) if isinstance(m, kinds) and m.fmt.block is not None]
+    paths = [p for p, m in submodules(model, kinds) if m.fmt.block is not None]
     for path in paths:
         mod = get_submodule(model, path)
         raw = mod.codes[...]
@@ -809,13 +809,9 @@ def decode_kept_blocks(
         _set_params(new, *jax.jit(decode_blocks, static_argnames="name", out_shardings=placed)(raw, name=name))
         set_submodule(model, path, new)
         del mod, raw
-    return [".".join(map(str, p)) for p in paths]
+    return [dotted(p) for p in paths]
 
 
 def quantization_of(model: nnx.Module) -> dict[str, QuantFormat]:
     """{dotted module path: format} of every quantized module of `model`."""
-    return {
-        ".".join(map(str, p)): m.fmt
-        for p, m in nnx.iter_graph(model)
-        if isinstance(m, (QuantizedLinear, QuantizedEmbedding, QuantizedStack))
-    }
+    return {dotted(p): m.fmt for p, m in submodules(model, (QuantizedLinear, QuantizedEmbedding, QuantizedStack))}
