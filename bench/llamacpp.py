@@ -3,12 +3,15 @@
     python3 -m venv .venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON" \\
         .venv-llamacpp/bin/pip install --no-binary llama-cpp-python llama-cpp-python   # once, ~15 min
     .venv/bin/python bench/llamacpp.py                       # ~6 min on 2 cores
+    .venv/bin/python bench/llamacpp.py --ours auto cpu_kernels_int8 cpu_kernels_int8:stored   # three of ours
 
 llama.cpp runs through llama-cpp-python (built from source, CPU, native; a benchmark-only virtualenv,
 never a dependency of the package). Ours runs the checkpoint `gemma4-convert` writes from the same
 file with the default `--quantize keep`: the GGUF's own Q8_0 / Q5_0 / Q4_K / Q6_K blocks as int8 /
 int4 codes (`--quantize none` for the float32 import, `--ours-ckpt` for any other checkpoint).
 
+`--ours` lists our variants (`load(matmul=..., kept_blocks=...)`), each its own worker: every one of
+them alternates with llama.cpp in the same loop, so their ratios are measured side by side.
 Both sides are worker subprocesses (bench/decode.py's `Worker`) pinned with `taskset` to the same
 cores with 2 threads each; timed runs alternate between them, each after an untimed warm-up; medians.
 Same token ids on both sides (our tokenizer is the GGUF's vocabulary), greedy, end-of-sequence
@@ -42,7 +45,7 @@ OURS = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, sys.argv[1])
 from gemma4_nnx import generate, load
-kept = {"kept_blocks": args["kept_blocks"]} if args.get("kept_blocks") else {}
+kept = {"kept_blocks": args["kept_blocks"]} if args.get("kept_blocks") else {}  # default "decoded"
 model = load(args["ckpt"], matmul=args.get("matmul") or "auto", **kept)
 res = {}
 def timed(b, n):
@@ -98,7 +101,14 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, nargs="+", default=[13, 128], help="prompt lengths (tokens)")
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--matmul", default=None, help="ours: load(matmul=...), e.g. cpu_kernels_bf16")
+    p.add_argument(
+        "--ours",
+        nargs="+",
+        default=["auto"],
+        metavar="MATMUL[:KEPT]",
+        help="our variants, each its own worker in the same alternation: load(matmul=MATMUL, kept_blocks=KEPT), "
+        "e.g. auto cpu_kernels_int8 cpu_kernels_int8:stored",
+    )
     a = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     import gemma4_nnx
@@ -109,39 +119,53 @@ def main(argv=None) -> int:
     text = open(os.path.join(ROOT, "tests", "data", "public_domain.txt"), encoding="utf-8").read()
     ids = tok.encode(text, add_bos=True)
     pin = ["taskset", "-c", a.cores]
+    variants = [(v.split(":") + [None])[:2] for v in a.ours]
     rows = []
     for length in a.prompts:
         prompts = [[ids[0]] + ids[1 + 97 * i : 1 + 97 * i + length - 1] for i in range(8)]
         common = {"prompts": prompts, "threads": a.threads}
-        ours = Worker(OURS, dict(common, ckpt=ckpt, matmul=a.matmul), executable=[*pin, sys.executable])
+        ours = [
+            Worker(OURS, dict(common, ckpt=ckpt, matmul=m, kept_blocks=k), executable=[*pin, sys.executable])
+            for m, k in variants
+        ]
         llama = Worker(LLAMA, dict(common, gguf=gguf), executable=[*pin, a.llama_python])
-        for w, b in ((ours, 1), (ours, 8), (llama, 1)):  # compile / warm up
-            w.time(b, a.new)
-        po, p8, pl = [], [], []
+        for w in ours:  # compile / warm up
+            w.time(1, a.new), w.time(8, a.new)
+        llama.time(1, a.new)
+        po, p8, pl = [[] for _ in ours], [[] for _ in ours], []
         for _ in range(a.repeats):  # alternate
-            po.append(_pair(ours, 1, a.new))
-            pl.append(_pair(llama, 1, a.new))
-            p8.append(_pair(ours, 8, a.new))
-        ours.close(), llama.close()
-        rows.append((length, _figures(po, 1, a.new), _figures(pl, 1, a.new), _figures(p8, 8, a.new)))
-        print(json.dumps({"prompt": length, "ours": rows[-1][1], "llama.cpp": rows[-1][2], "ours_b8": rows[-1][3]}))
+            for i, w in enumerate(ours):
+                po[i].append(_pair(w, 1, a.new))
+                pl.append(_pair(llama, 1, a.new))
+                p8[i].append(_pair(w, 8, a.new))
+        for w in [*ours, llama]:
+            w.close()
+        ll = _figures(pl, 1, a.new)
+        for (m, k), o1, o8 in zip(variants, po, p8):
+            rows.append((length, f"{m}" + (f", {k}" if k else ""), _figures(o1, 1, a.new), ll, _figures(o8, 8, a.new)))
+            print(
+                json.dumps(
+                    {"prompt": length, "ours": rows[-1][1], "b1": rows[-1][2], "llama.cpp": ll, "b8": rows[-1][4]}
+                )
+            )
     print(
         f"\nGemma 3 270M Q4_K_M GGUF, ours: --quantize {a.quantize if not a.ours_ckpt else a.ours_ckpt}; "
         f"{a.threads} threads on cores {a.cores}, greedy, {a.new} new tokens, medians of {a.repeats}"
+        f" (llama.cpp: of {a.repeats * len(variants)}, one run beside each of ours)"
     )
-    print("| prompt tokens | metric | gemma4_nnx | llama.cpp | ratio |")
-    print("|---|---|---|---|---|")
-    for length, o, ll, o8 in rows:
+    print("| prompt tokens | ours | metric | gemma4_nnx | llama.cpp | ratio |")
+    print("|---|---|---|---|---|---|")
+    for length, name, o, ll, o8 in rows:
         print(
-            f"| {length} | time to first token (ms) | {o['ttft_ms']:.0f} | {ll['ttft_ms']:.0f} | "
+            f"| {length} | {name} | time to first token (ms) | {o['ttft_ms']:.0f} | {ll['ttft_ms']:.0f} | "
             f"{ll['ttft_ms'] / o['ttft_ms']:.2f}x |"
         )
         print(
-            f"| {length} | decode tok/s, batch 1 | {o['decode_tok_s']:.1f} | {ll['decode_tok_s']:.1f} | "
+            f"| {length} | {name} | decode tok/s, batch 1 | {o['decode_tok_s']:.1f} | {ll['decode_tok_s']:.1f} | "
             f"{o['decode_tok_s'] / ll['decode_tok_s']:.2f}x |"
         )
         print(
-            f"| {length} | decode tok/s, batch 8 | {o8['decode_tok_s']:.1f} | {ll['decode_tok_s']:.1f} (one "
+            f"| {length} | {name} | decode tok/s, batch 8 | {o8['decode_tok_s']:.1f} | {ll['decode_tok_s']:.1f} (one "
             f"sequence at a time) | {o8['decode_tok_s'] / ll['decode_tok_s']:.2f}x |"
         )
     return 0
