@@ -538,10 +538,11 @@ def _random_blocks(rng, kind: str, rows: int, cols: int) -> np.ndarray:
 def test_blocks_held_as_stored_compute_what_their_decoded_codes_do(kind, matmul):
     """A matrix held as its GGUF blocks (`QuantFormat.of_block`: codes = the file's bytes, no scales)
     gives bit for bit the products and gradients of the same matrix held decoded (codes + float32
-    scales, as checkpoints stored them before), on every path: decode rows (fused and int8
-    activations), the blocked product from GEMM_ROWS_T rows, the dequantizing backward; and those equal
-    float64 products of `gguf`'s dequantization within float32 rounding. Blocks are ~0.56-0.85 of the
-    decoded form's bytes."""
+    scales, as checkpoints stored them before), on every path: decode rows (fused), the blocked product
+    from GEMM_ROWS_T rows, the dequantizing backward; and those equal float64 products of `gguf`'s
+    dequantization within float32 rounding. With int8 activations below GEMM_ROWS_T rows the held blocks
+    compute llama.cpp's arithmetic instead (its reference below), the decoded codes ours. Blocks are
+    ~0.56-0.85 of the decoded form's bytes."""
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize
 
@@ -572,6 +573,13 @@ def test_blocks_held_as_stored_compute_what_their_decoded_codes_do(kind, matmul)
         for rows in (1, 3, cpu_kernels.GEMM_ROWS_T, 45):
             x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
             got, want = (np.asarray(jax.jit(lambda x, m=m: m(x))(x)) for m in (held, old))
+            if act8 and product.int8_activations and rows < cpu_kernels.GEMM_ROWS_T:
+                # held blocks: llama.cpp's arithmetic (test_int8_activations_on_stored_blocks_compute_...)
+                w = _llama_weights(raw, kind, k)
+                for m in range(rows):
+                    y, size = _llama_dot(w, _llama_q8(np.asarray(x[m]), kind), kind)
+                    assert np.all(np.abs(got[m] - y) <= (k // 32 + 8) * 2.0**-24 * size), (kind, rows, m)
+                continue
             np.testing.assert_array_equal(got, want, err_msg=f"{kind} rows={rows} act8={act8}")
             if not act8:
                 y = np.asarray(x, np.float64) @ ref.T

@@ -11,7 +11,8 @@
 //   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py),
 //                      or GGUF blocks as a file stores them (`block`: decoded a few rows at a time);
 //                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
-//                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2)
+//                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2); with blocks,
+//                      llama.cpp's arithmetic on them in place (Q8_K / Q8_0 / Q8_1 activations, `llama_rows`)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
 //   gemma4_attend:     attention of few queries over a [B, T, K, H] KV cache or a paged pool, visible slots only
 //   gemma4_kv_write:   new K / V / positions into their cache slots, in place
@@ -664,9 +665,9 @@ inline void dot_rows(const float* __restrict__ x, const float* __restrict__ w, f
 }
 
 // `block` != 0: codes are GGUF blocks as a file stores them (uint8 [N, row_bytes], GGML type number
-// `block`; bits / group / asym are those of the decoded codes). The fused decode kernel reads them in
-// place (`qdot_block`'s RAW); the other products decode a chunk of rows at a time (`over_rows`) into the
-// codes + scales layout, a view whose first row is `row0`.
+// `block`; bits / group / asym are those of the decoded codes). The decode kernels read them in place
+// (`qdot_block`'s RAW; with act8 `llama_rows`); the other products decode a chunk of rows at a time
+// (`over_rows`) into the codes + scales layout, a view whose first row is `row0`.
 struct QWeight {
   const uint8_t* codes;
   const float* scales;
