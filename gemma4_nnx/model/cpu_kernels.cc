@@ -1451,11 +1451,17 @@ void quantize_q8_K(const float* x, Q8KBlock& a) {
   a.d = !finite ? std::numeric_limits<float>::quiet_NaN() : amax > 0.f ? 1.f / iscale : 0.f;
 }
 
+// A block's 32 codes (W32) are assembled in registers from 16-byte halves: stored to the stack as two
+// 16-byte halves and read back as one 32-byte load, every block stalled on the failed store forwarding.
 #if defined(__AVX2__)
+typedef __m256i W32;
 typedef __m256i I32x8;
 typedef __m256 F32x8;
-inline I32x8 sdot32(const int8_t* w, const int8_t* x) {
-  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+inline W32 w32_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline W32 w32_join(u8x16v lo, u8x16v hi) {
+  return _mm256_set_m128i(reinterpret_cast<__m128i>(hi), reinterpret_cast<__m128i>(lo));
+}
+inline I32x8 sdot32(W32 a, const int8_t* x) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(a), _mm256_sign_epi8(b, a));
@@ -1471,9 +1477,21 @@ inline F32x8 f32_zero() { return _mm256_setzero_ps(); }
 inline F32x8 f32_fma(I32x8 v, float s, F32x8 acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
 inline float f32_sum(F32x8 v) { return hsum8(v); }
 #else
+typedef int8_t W32 __attribute__((vector_size(32)));
 typedef int32_t I32x8 __attribute__((vector_size(32)));
 typedef float F32x8 __attribute__((vector_size(32)));
-inline I32x8 sdot32(const int8_t* w, const int8_t* x) {
+inline W32 w32_load(const uint8_t* p) {
+  W32 v;
+  std::memcpy(&v, p, 32);
+  return v;
+}
+inline W32 w32_join(u8x16v lo, u8x16v hi) {
+  uint8_t b[32];
+  std::memcpy(b, &lo, 16);
+  std::memcpy(b + 16, &hi, 16);
+  return w32_load(b);
+}
+inline I32x8 sdot32(W32 w, const int8_t* x) {
   I32x8 r;
   for (int l = 0; l < 8; ++l) {
     int32_t s = 0;
@@ -1517,7 +1535,7 @@ void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256
     for (int64_t b = 0; b < B; ++b) {
       const uint8_t* src = c + b * BY;
       __builtin_prefetch(src + 2 * q.code_cols);  // two rows ahead (see cols_task)
-      alignas(32) int8_t w[EL];                   // the block's codes as llama.cpp's integers, in column order
+      W32 w[EL / 32];  // the block's codes as llama.cpp's integers, in column order
       if constexpr (KQ) {
         int sc[16], mn[8];
         float dw, dmw = 0.f;
@@ -1525,36 +1543,37 @@ void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256
           dw = half_to_float(src + 208);
           for (int g = 0; g < 16; ++g) sc[g] = static_cast<int8_t>(src[192 + g]);
           for (int h = 0; h < 2; ++h)
-            for (int t4 = 0; t4 < 4; ++t4)
-              for (int i = 0; i < 32; i += 16) {
-                const u8x16v ql = load16(src + 64 * h + 32 * (t4 % 2) + i), qh = load16(src + 128 + 32 * h + i);
-                const u8x16v lo = (ql >> (4 * (t4 / 2))) & 0x0F, hi = (qh >> (2 * t4)) & 3;
-                store16(reinterpret_cast<uint8_t*>(w) + 128 * h + 32 * t4 + i, (lo | (hi << 4)) - 32);
+            for (int t4 = 0; t4 < 4; ++t4) {  // columns 128h + 32 t4 + [0, 32)
+              u8x16v half[2];
+              for (int i = 0; i < 2; ++i) {
+                const u8x16v ql = load16(src + 64 * h + 32 * (t4 % 2) + 16 * i), qh = load16(src + 128 + 32 * h + 16 * i);
+                half[i] = (((ql >> (4 * (t4 / 2))) & 0x0F) | (((qh >> (2 * t4)) & 3) << 4)) - 32;
               }
+              w[4 * h + t4] = w32_join(half[0], half[1]);
+            }
         } else {  // d, dmin, scales[12], (Q5_K: qh[32]), 4 runs of 32 bytes of nibbles
           dw = half_to_float(src), dmw = half_to_float(src + 2);
           k_scale_ints(src + 4, sc, mn);
           constexpr int QS = T == 13 ? 48 : 16;
-          for (int r = 0; r < 4; ++r)
-            for (int i = 0; i < 32; i += 16) {
-              const u8x16v v = load16(src + QS + 32 * r + i);
-              u8x16v lo = v & 0x0F, hi = v >> 4;
-              if constexpr (T == 13) {
-                const u8x16v h = load16(src + 16 + i);
-                lo |= ((h >> (2 * r)) & 1) << 4, hi |= ((h >> (2 * r + 1)) & 1) << 4;
-              }
-              store16(reinterpret_cast<uint8_t*>(w) + 64 * r + i, lo);
-              store16(reinterpret_cast<uint8_t*>(w) + 64 * r + 32 + i, hi);
+          const u8x16v h0 = load16(src + 16), h1 = load16(src + 32);  // Q5_K's fifth bits
+          for (int r = 0; r < 4; ++r) {
+            const u8x16v v0 = load16(src + QS + 32 * r), v1 = load16(src + QS + 32 * r + 16);
+            u8x16v lo0 = v0 & 0x0F, lo1 = v1 & 0x0F, hi0 = v0 >> 4, hi1 = v1 >> 4;
+            if constexpr (T == 13) {
+              lo0 |= ((h0 >> (2 * r)) & 1) << 4, lo1 |= ((h1 >> (2 * r)) & 1) << 4;
+              hi0 |= ((h0 >> (2 * r + 1)) & 1) << 4, hi1 |= ((h1 >> (2 * r + 1)) & 1) << 4;
             }
+            w[2 * r] = w32_join(lo0, lo1), w[2 * r + 1] = w32_join(hi0, hi1);
+          }
         }
         for (int m = 0; m < MB; ++m) {
           const Q8KBlock& a = x256[(m0 + m) * B + b];
           I32x8 s = i32_zero();
           for (int j = 0; j < 8; ++j) {  // 32 columns: Q6_K's sub-blocks 2j and 2j + 1, the others' sub-block j
             if constexpr (T == 14)
-              s = i32_madd(s, sdot32(w + 32 * j, a.q + 32 * j), sc[2 * j], sc[2 * j + 1]);
+              s = i32_madd(s, sdot32(w[j], a.q + 32 * j), sc[2 * j], sc[2 * j + 1]);
             else
-              s = i32_madd(s, sdot32(w + 32 * j, a.q + 32 * j), sc[j], sc[j]);
+              s = i32_madd(s, sdot32(w[j], a.q + 32 * j), sc[j], sc[j]);
           }
           acc[m] = f32_fma(s, dw * a.d, acc[m]);
           if constexpr (T != 14) {
@@ -1564,23 +1583,25 @@ void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256
           }
         }
       } else {
-        const int8_t* wp = w;
         float mw = 0.f;
         if constexpr (T == 8) {
-          wp = reinterpret_cast<const int8_t*>(src + 2);
-        } else if constexpr (T == 6) {
-          decode_q5_0(src, reinterpret_cast<uint8_t*>(w));  // (q | fifth bit) - 16, column order
-        } else {
+          w[0] = w32_load(src + 2);
+        } else if constexpr (T == 6) {  // (q | fifth bit) - 16; the fifth bits of 8 columns a table entry
+          typedef uint64_t u64x2v __attribute__((vector_size(16)));
+          const u8x16v hl = reinterpret_cast<u8x16v>(u64x2v{kBit4.v[src[2]], kBit4.v[src[3]]});
+          const u8x16v hh = reinterpret_cast<u8x16v>(u64x2v{kBit4.v[src[4]], kBit4.v[src[5]]});
+          const u8x16v v = load16(src + 6);
+          w[0] = w32_join(((v & 0x0F) | hl) - 16, ((v >> 4) | hh) - 16);
+        } else {  // Q4_0: q - 8; Q4_1: q
           const u8x16v v = load16(src + (T == 3 ? 4 : 2));
           const u8x16v off = T == 2 ? u8x16v{} + 8 : u8x16v{};
-          store16(reinterpret_cast<uint8_t*>(w), (v & 0x0F) - off);
-          store16(reinterpret_cast<uint8_t*>(w) + 16, (v >> 4) - off);
+          w[0] = w32_join((v & 0x0F) - off, (v >> 4) - off);
           if constexpr (T == 3) mw = half_to_float(src + 2);
         }
         const float dw = half_to_float(src);
         for (int m = 0; m < MB; ++m) {
           const Q8Block& a = x32[(m0 + m) * B + b];
-          acc[m] = f32_fma(sdot32(wp, a.q), dw * a.d, acc[m]);
+          acc[m] = f32_fma(sdot32(w[0], a.q), dw * a.d, acc[m]);
           if constexpr (T == 3) corr[m] -= mw * a.s;
         }
       }
