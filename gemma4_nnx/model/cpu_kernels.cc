@@ -1385,10 +1385,13 @@ void act8_rows(ffi::ThreadPool&, const float*, float*, int64_t, const QWeight&, 
 //   Q4_K / Q5_K: (d_w * d_x) * sum_j sc_j sumi_j - (dmin_w * d_x) * sum_j m_j bsum_j;  Q6_K: (d_w * d_x) * sum_j sc_j sumi_j
 // (ggml_vec_dot_q8_0_q8_0, q5_0_q8_0, q4_0_q8_0, q4_1_q8_1, q4_K_q8_K, q5_K_q8_K, q6_K_q8_K): the same
 // rounding of the activations and the same integer sums; only the float32 summation order differs.
-// Products of 32 signed codes w with 32 activations: |w| . (x * sign(w)) (`vpsignb`, each pair of byte
-// products within the int16 `vpmaddubsw` saturates at: 2 * 128 * 127), summed in fours into 8 int32 lanes
-// (AVX512-VNNI `vpdpbusd` on 32 bytes; AVX2 `vpmaddubsw` + `vpmaddwd`; plain integer code otherwise). A
-// NaN or an infinity in a block of x makes its d NaN, so the row's products are NaN (as the float product).
+// Products of 32 signed codes w with 32 activations: |w| (once per weight block) . (x * sign(w)) per row
+// (`vpsignb`; each pair of byte products within the int16 `vpmaddubsw` saturates at: 2 * 128 * 127),
+// unsigned codes (Q4_1, Q4_K, Q5_K) as they are, summed in fours into 8 int32 lanes: AVX512-VNNI
+// `vpdpbusd` on 32 bytes, AVX2 `vpmaddubsw` + `vpmaddwd` with ones; the K-quants' sub-block scales enter
+// as `vpmaddwd`'s int16 factor instead of the ones (on both: as llama.cpp's AVX2 / AVX-512 q4_K does);
+// plain integer code on the generic path. A NaN or an infinity in a block of x makes its d NaN, so the
+// row's products are NaN (as the float product).
 struct Q8Block {  // 32 columns of a row of x, as Q8_0 / Q8_1
   alignas(32) int8_t q[32];
   float d, s;
@@ -1456,31 +1459,38 @@ void quantize_q8_K(const float* x, Q8KBlock& a) {
 #if defined(__AVX2__)
 typedef __m256i W32;
 typedef __m256i I32x8;
+typedef __m256i S16;  // int16 scales, one per pair of bytes
 typedef __m256 F32x8;
-inline W32 w32_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline W32 w32_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline W32 w32_join(u8x16v lo, u8x16v hi) {
   return _mm256_set_m128i(reinterpret_cast<__m128i>(hi), reinterpret_cast<__m128i>(lo));
 }
-inline I32x8 sdot32(W32 a, const int8_t* x) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+inline W32 w32_abs(W32 w) { return _mm256_abs_epi8(w); }
+inline W32 w32_sign(W32 x, W32 w) { return _mm256_sign_epi8(x, w); }  // x * sign(w)
+// u (unsigned) . s (signed) summed in fours into 8 int32 lanes (each pair of products within int16)
+inline I32x8 dot4(W32 u, W32 s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(a), _mm256_sign_epi8(b, a));
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(a), _mm256_sign_epi8(b, a)), _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
-inline I32x8 i32_zero() { return _mm256_setzero_si256(); }
-inline I32x8 i32_madd(I32x8 acc, I32x8 v, int lo, int hi) {  // acc + v * (lanes 0-3: lo, 4-7: hi)
-  return _mm256_add_epi32(acc, _mm256_mullo_epi32(v, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)));
+// the same times a scale per 16 columns (lanes 0-3: lo, 4-7: hi): the pair sums times int16 scales
+inline S16 scale16(int lo, int hi) {
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
 }
+inline I32x8 dot4_scaled(W32 u, W32 s, S16 sc) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc); }
+inline I32x8 i32_zero() { return _mm256_setzero_si256(); }
+inline I32x8 i32_add(I32x8 a, I32x8 b) { return _mm256_add_epi32(a, b); }
 inline F32x8 f32_zero() { return _mm256_setzero_ps(); }
 inline F32x8 f32_fma(I32x8 v, float s, F32x8 acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
 inline float f32_sum(F32x8 v) { return hsum8(v); }
 #else
 typedef int8_t W32 __attribute__((vector_size(32)));
 typedef int32_t I32x8 __attribute__((vector_size(32)));
+typedef int32_t S16 __attribute__((vector_size(32)));  // (plain code: the scale of each int32 lane)
 typedef float F32x8 __attribute__((vector_size(32)));
-inline W32 w32_load(const uint8_t* p) {
+inline W32 w32_load(const void* p) {
   W32 v;
   std::memcpy(&v, p, 32);
   return v;
@@ -1491,17 +1501,21 @@ inline W32 w32_join(u8x16v lo, u8x16v hi) {
   std::memcpy(b + 16, &hi, 16);
   return w32_load(b);
 }
-inline I32x8 sdot32(W32 w, const int8_t* x) {
+inline W32 w32_abs(W32 w) { return w < 0 ? -w : w; }  // -128 stays 0x80: the unsigned 128 in dot4
+inline W32 w32_sign(W32 x, W32 w) { return w < 0 ? -x : w == 0 ? W32{} : x; }
+inline I32x8 dot4(W32 u, W32 s) {
   I32x8 r;
   for (int l = 0; l < 8; ++l) {
-    int32_t s = 0;
-    for (int i = 4 * l; i < 4 * l + 4; ++i) s += int32_t{w[i]} * int32_t{x[i]};
-    r[l] = s;
+    int32_t t = 0;
+    for (int i = 4 * l; i < 4 * l + 4; ++i) t += int32_t{static_cast<uint8_t>(u[i])} * int32_t{s[i]};
+    r[l] = t;
   }
   return r;
 }
+inline S16 scale16(int lo, int hi) { return S16{lo, lo, lo, lo, hi, hi, hi, hi}; }
+inline I32x8 dot4_scaled(W32 u, W32 s, S16 sc) { return dot4(u, s) * sc; }
 inline I32x8 i32_zero() { return I32x8{}; }
-inline I32x8 i32_madd(I32x8 acc, I32x8 v, int lo, int hi) { return acc + v * I32x8{lo, lo, lo, lo, hi, hi, hi, hi}; }
+inline I32x8 i32_add(I32x8 a, I32x8 b) { return a + b; }
 inline F32x8 f32_zero() { return F32x8{}; }
 inline F32x8 f32_fma(I32x8 v, float s, F32x8 acc) { return __builtin_convertvector(v, F32x8) * s + acc; }
 inline float f32_sum(F32x8 v) {
@@ -1535,7 +1549,8 @@ void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256
     for (int64_t b = 0; b < B; ++b) {
       const uint8_t* src = c + b * BY;
       __builtin_prefetch(src + 2 * q.code_cols);  // two rows ahead (see cols_task)
-      W32 w[EL / 32];  // the block's codes as llama.cpp's integers, in column order
+      W32 w[EL / 32];      // the block's codes as llama.cpp's integers, in column order
+      W32 signs[EL / 32];  // the same, for their signs where |w| replaces them
       if constexpr (KQ) {
         int sc[16], mn[8];
         float dw, dmw = 0.f;
@@ -1566,14 +1581,19 @@ void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256
             w[2 * r] = w32_join(lo0, lo1), w[2 * r + 1] = w32_join(hi0, hi1);
           }
         }
+        // 32 columns: Q6_K's sub-blocks 2j and 2j + 1, the others' sub-block j; Q6_K's signed codes as |w|
+        // and the sign moved to x (Q4_K / Q5_K's codes are unsigned already)
+        S16 scv[8];
+        for (int j = 0; j < 8; ++j) {
+          scv[j] = T == 14 ? scale16(sc[2 * j], sc[2 * j + 1]) : scale16(sc[j], sc[j]);
+          if constexpr (T == 14) signs[j] = w[j], w[j] = w32_abs(w[j]);
+        }
         for (int m = 0; m < MB; ++m) {
           const Q8KBlock& a = x256[(m0 + m) * B + b];
           I32x8 s = i32_zero();
-          for (int j = 0; j < 8; ++j) {  // 32 columns: Q6_K's sub-blocks 2j and 2j + 1, the others' sub-block j
-            if constexpr (T == 14)
-              s = i32_madd(s, sdot32(w[j], a.q + 32 * j), sc[2 * j], sc[2 * j + 1]);
-            else
-              s = i32_madd(s, sdot32(w[j], a.q + 32 * j), sc[j], sc[j]);
+          for (int j = 0; j < 8; ++j) {
+            const W32 x = w32_load(a.q + 32 * j);
+            s = i32_add(s, dot4_scaled(w[j], T == 14 ? w32_sign(x, signs[j]) : x, scv[j]));
           }
           acc[m] = f32_fma(s, dw * a.d, acc[m]);
           if constexpr (T != 14) {
@@ -1598,10 +1618,13 @@ void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256
           w[0] = w32_join((v & 0x0F) - off, (v >> 4) - off);
           if constexpr (T == 3) mw = half_to_float(src + 2);
         }
+        constexpr bool SIGNED = T != 3;  // Q4_1's codes are unsigned: no sign to move
+        if constexpr (SIGNED) signs[0] = w[0], w[0] = w32_abs(w[0]);
         const float dw = half_to_float(src);
         for (int m = 0; m < MB; ++m) {
           const Q8Block& a = x32[(m0 + m) * B + b];
-          acc[m] = f32_fma(sdot32(w[0], a.q), dw * a.d, acc[m]);
+          const W32 x = w32_load(a.q);
+          acc[m] = f32_fma(dot4(w[0], SIGNED ? w32_sign(x, signs[0]) : x), dw * a.d, acc[m]);
           if constexpr (T == 3) corr[m] -= mw * a.s;
         }
       }
