@@ -538,10 +538,11 @@ def _random_blocks(rng, kind: str, rows: int, cols: int) -> np.ndarray:
 def test_blocks_held_as_stored_compute_what_their_decoded_codes_do(kind, matmul):
     """A matrix held as its GGUF blocks (`QuantFormat.of_block`: codes = the file's bytes, no scales)
     gives bit for bit the products and gradients of the same matrix held decoded (codes + float32
-    scales, as checkpoints stored them before), on every path: decode rows (fused and int8
-    activations), the blocked product from GEMM_ROWS_T rows, the dequantizing backward; and those equal
-    float64 products of `gguf`'s dequantization within float32 rounding. Blocks are ~0.56-0.85 of the
-    decoded form's bytes."""
+    scales, as checkpoints stored them before), on every path: decode rows (fused), the blocked product
+    from GEMM_ROWS_T rows, the dequantizing backward; and those equal float64 products of `gguf`'s
+    dequantization within float32 rounding. With int8 activations below GEMM_ROWS_T rows the held blocks
+    compute llama.cpp's arithmetic instead (its reference below), the decoded codes ours. Blocks are
+    ~0.56-0.85 of the decoded form's bytes."""
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize
 
@@ -572,12 +573,177 @@ def test_blocks_held_as_stored_compute_what_their_decoded_codes_do(kind, matmul)
         for rows in (1, 3, cpu_kernels.GEMM_ROWS_T, 45):
             x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
             got, want = (np.asarray(jax.jit(lambda x, m=m: m(x))(x)) for m in (held, old))
+            if act8 and product.int8_activations and rows < cpu_kernels.GEMM_ROWS_T:
+                # held blocks: llama.cpp's arithmetic (test_int8_activations_on_stored_blocks_compute_...)
+                w = _llama_weights(raw, kind, k)
+                for m in range(rows):
+                    y, size = _llama_dot(w, _llama_q8(np.asarray(x[m]), kind), kind)
+                    assert np.all(np.abs(got[m] - y) <= (k // 32 + 8) * 2.0**-24 * size), (kind, rows, m)
+                continue
             np.testing.assert_array_equal(got, want, err_msg=f"{kind} rows={rows} act8={act8}")
             if not act8:
                 y = np.asarray(x, np.float64) @ ref.T
                 assert np.max(np.abs(got - y)) <= 1e-5 * np.max(np.abs(y)), (kind, rows)
         gx = [np.asarray(jax.grad(lambda x, m=m: m(x).sum())(x)) for m in (held, old)]
         np.testing.assert_array_equal(gx[0], gx[1])
+
+
+# ------------------------------------------------------------------ llama.cpp's integer dots on stored blocks
+def _f16_at(b: np.ndarray, off: int) -> np.ndarray:
+    """The float16 at byte `off` of each block [..., bytes] -> float64 (exact)."""
+    return b[..., off : off + 2].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def _llama_weights(raw: np.ndarray, kind: str, k: int) -> dict:
+    """GGUF blocks [N, bytes] -> llama.cpp's integers per column (codes [N, K]; `ggml_vec_dot_*`'s x[ib].qs
+    unpacked as its generic code does: Q4_0 q - 8, Q5_0 q - 16, Q6_K q - 32), block d [N, B] (float16 as
+    float64), and for the K-quants the integer scales / mins per sub-block [N, B, 8 or 16] and dmin,
+    for Q4_1 m [N, B]."""
+    from gemma4_nnx.model.blocks import BLOCKS
+
+    elements, nbytes = BLOCKS[kind][:2]
+    b = raw.reshape(raw.shape[0], k // elements, nbytes).astype(np.int64)
+    u8 = raw.reshape(b.shape)
+    lohi = lambda qs: np.concatenate([qs & 15, qs >> 4], axis=-1)  # noqa: E731
+    out = {}
+    if kind == "Q8_0":
+        out["d"], codes = _f16_at(u8, 0), u8[..., 2:34].view(np.int8).astype(np.int64)
+    elif kind == "Q4_0":
+        out["d"], codes = _f16_at(u8, 0), lohi(b[..., 2:18]) - 8
+    elif kind == "Q4_1":
+        out["d"], out["m"], codes = _f16_at(u8, 0), _f16_at(u8, 2), lohi(b[..., 4:20])
+    elif kind == "Q5_0":
+        qh = b[..., 2] | b[..., 3] << 8 | b[..., 4] << 16 | b[..., 5] << 24
+        bits = (qh[..., None] >> np.arange(32)) & 1
+        out["d"], codes = _f16_at(u8, 0), (lohi(b[..., 6:22]) | bits << 4) - 16
+    elif kind in ("Q4_K", "Q5_K"):
+        out["d"], out["dmin"] = _f16_at(u8, 0), _f16_at(u8, 2)
+        s = b[..., 4:16]
+        j = np.arange(4)
+        out["sc"] = np.concatenate([s[..., j] & 63, (s[..., j + 8] & 15) | (s[..., j] >> 6) << 4], axis=-1)
+        out["mn"] = np.concatenate([s[..., j + 4] & 63, (s[..., j + 8] >> 4) | (s[..., j + 4] >> 6) << 4], axis=-1)
+        qs = b[..., 48:176] if kind == "Q5_K" else b[..., 16:144]
+        runs = []
+        for r in range(4):
+            lo, hi = qs[..., 32 * r : 32 * r + 32] & 15, qs[..., 32 * r : 32 * r + 32] >> 4
+            if kind == "Q5_K":
+                qh = b[..., 16:48]
+                lo, hi = lo + 16 * ((qh >> 2 * r) & 1), hi + 16 * ((qh >> 2 * r + 1) & 1)
+            runs += [lo, hi]
+        codes = np.concatenate(runs, axis=-1)
+    elif kind == "Q6_K":
+        out["d"], out["sc"] = _f16_at(u8, 208), u8[..., 192:208].view(np.int8).astype(np.int64)
+        parts = []
+        for h in range(2):
+            ql, qh = b[..., 64 * h : 64 * h + 64], b[..., 128 + 32 * h : 160 + 32 * h]
+            parts += [
+                (ql[..., :32] & 15) | ((qh >> 0) & 3) << 4,
+                (ql[..., 32:] & 15) | ((qh >> 2) & 3) << 4,
+                (ql[..., :32] >> 4) | ((qh >> 4) & 3) << 4,
+                (ql[..., 32:] >> 4) | ((qh >> 6) & 3) << 4,
+            ]
+        codes = np.concatenate(parts, axis=-1) - 32
+    out["codes"] = codes.reshape(raw.shape[0], k)
+    return out
+
+
+def _llama_q8(x: np.ndarray, kind: str) -> dict:
+    """A row of x [K] rounded as llama.cpp rounds it for `kind`'s vec_dot_type, in float32 arithmetic:
+    Q8_K per 256 (quantize_row_q8_K_ref: max = the first value of largest |x|, iscale = -127 / max,
+    q = min(127, nearest_int(iscale * x)), d = 1 / iscale, bsums), Q8_0 / Q8_1 per 32 (x86's
+    quantize_row_q8_0 / _q8_1: q = round-half-even(x * (127 / amax)), d = float16(amax / 127),
+    s = float16(amax / 127 * sum(q)))."""
+    x = x.astype(np.float32)
+    if kind.endswith("_K"):
+        blocks = x.reshape(-1, 256)
+        q = np.zeros(blocks.shape, np.int64)
+        d = np.zeros(len(blocks), np.float64)
+        for i, v in enumerate(blocks):
+            at = int(np.argmax(np.abs(v)))
+            if v[at] == 0:
+                continue
+            iscale = np.float32(-127) / v[at]
+            q[i] = np.minimum(127, np.rint(iscale * v))
+            d[i] = np.float32(1) / iscale
+        return {"q": q.reshape(-1), "d": d, "bsum": q.reshape(len(blocks), 8, 32).sum(-1)}
+    blocks = x.reshape(-1, 32)
+    amax = np.max(np.abs(blocks), axis=-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv[:, None]), -127, 127).astype(np.int64)
+    s = (amax / np.float32(127)).astype(np.float32)
+    d = s.astype(np.float16).astype(np.float64)
+    return {"q": q.reshape(-1), "d": d, "s": (s * q.sum(-1).astype(np.float32)).astype(np.float16).astype(np.float64)}
+
+
+def _llama_dot(w: dict, a: dict, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's products of every weight row with one rounded row of x (ggml_vec_dot_<kind>_q8_*):
+    exact integer sums per block (per sub-block times its integer scale), then the float terms in float64.
+    Returns (result [N], sum of |terms| at the finest split the kernel may round [N]: per column)."""
+    codes, q = w["codes"], a["q"]
+    n, k = codes.shape
+    el = 256 if kind.endswith("_K") else 32
+    prod = (codes * q).reshape(n, k // el, el)  # exact integers
+    if kind.endswith("_K"):
+        sub = 16 if kind == "Q6_K" else 32
+        scale = np.repeat(w["sc"], sub, axis=-1)  # [N, B, 256]
+        sumi = (prod * scale).sum(-1)  # [N, B], exact
+        dd = w["d"] * a["d"]
+        terms = dd * sumi
+        size = np.abs(w["d"] * a["d"])[..., None] * np.abs(codes * q).reshape(prod.shape) * np.abs(scale)
+        size = size.sum((-1, -2))
+        if kind != "Q6_K":
+            summ = (w["mn"] * a["bsum"]).sum(-1)  # [N, B]
+            mins = w["dmin"] * a["d"] * summ
+            terms = terms - mins
+            size = size + np.abs(mins).sum(-1)
+        return terms.sum(-1), size
+    dd = w["d"] * a["d"]
+    terms = dd * prod.sum(-1)
+    size = (np.abs(dd)[..., None] * np.abs(prod)).sum((-1, -2))
+    if kind == "Q4_1":
+        terms = terms + w["m"] * a["s"]
+        size = size + np.abs(w["m"] * a["s"]).sum(-1)
+    return terms.sum(-1), size
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]))
+def test_int8_activations_on_stored_blocks_compute_llama_cpp_arithmetic(kind):
+    """act8 with GGUF blocks held as stored, below GEMM_ROWS_T rows, on every ISA path: llama.cpp's
+    arithmetic on the same blocks (x rounded as its vec_dot_type: Q8_K for the K-quants, Q8_0 / Q8_1
+    otherwise; the integer dots of ggml_vec_dot_*), against a float64 / exact-integer transcription of
+    its reference code. The kernel's only freedom is float32 rounding: each column's product passes
+    through at most 3 roundings before the sums (d_w * d_x, the int32 -> float32 conversion, the fma)
+    and the float32 sums over B blocks add at most B + 5 more, so |got - ref| <= (B + 8) * 2^-24 *
+    sum |terms| at the finest split (per column). NaN in x gives a NaN row, an all-zero row zeros."""
+    pytest.importorskip("gguf")
+    from gemma4_nnx.model.blocks import BLOCKS
+
+    rng = np.random.default_rng(len(kind) * 7 + ord(kind[1]))
+    n, k = 24, 512 if kind.endswith("_K") else 384
+    blocks = k // BLOCKS[kind][0]
+    raw = _random_blocks(rng, kind, n, k)
+    w = _llama_weights(raw, kind, k)
+    fmt = quant.QuantFormat.of_block(kind)
+    f = jax.jit(lambda x: cpu_kernels.qmatmul_t(x, jnp.asarray(raw), None, None, fmt.bits, True, kind))
+    for rows in (1, 3, 13):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        x[:, 5] *= 40.0  # an outlier column
+        x[0, 64:96] = 0.0  # an all-zero block of 32
+        if rows == 13:
+            x[4] = 0.0
+            x[7, 300] = np.nan
+        got = np.asarray(f(jnp.asarray(x)), np.float64)
+        for m in range(rows):
+            if np.isnan(x[m]).any():
+                assert np.isnan(got[m]).all(), (kind, m)
+                continue
+            ref, size = _llama_dot(w, _llama_q8(x[m], kind), kind)
+            err = np.abs(got[m] - ref)
+            bound = (blocks + 8) * 2.0**-24 * size
+            assert np.all(err <= bound), (kind, rows, m, float(np.max(err / np.maximum(bound, 1e-30))))
+        if rows == 13:
+            assert not got[4].any()
 
 
 def test_block_format_metadata_round_trips_and_old_formats_still_read():

@@ -11,7 +11,8 @@
 //   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py),
 //                      or GGUF blocks as a file stores them (`block`: decoded a few rows at a time);
 //                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
-//                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2)
+//                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2); with blocks,
+//                      llama.cpp's arithmetic on them in place (Q8_K / Q8_0 / Q8_1 activations, `llama_rows`)
 //   gemma4_q_dequant:  deq(w) as float32 [N, K]  (the backward pass of a quantized product)
 //   gemma4_attend:     attention of few queries over a [B, T, K, H] KV cache or a paged pool, visible slots only
 //   gemma4_kv_write:   new K / V / positions into their cache slots, in place
@@ -664,9 +665,9 @@ inline void dot_rows(const float* __restrict__ x, const float* __restrict__ w, f
 }
 
 // `block` != 0: codes are GGUF blocks as a file stores them (uint8 [N, row_bytes], GGML type number
-// `block`; bits / group / asym are those of the decoded codes). The fused decode kernel reads them in
-// place (`qdot_block`'s RAW); the other products decode a chunk of rows at a time (`over_rows`) into the
-// codes + scales layout, a view whose first row is `row0`.
+// `block`; bits / group / asym are those of the decoded codes). The decode kernels read them in place
+// (`qdot_block`'s RAW; with act8 `llama_rows`); the other products decode a chunk of rows at a time
+// (`over_rows`) into the codes + scales layout, a view whose first row is `row0`.
 struct QWeight {
   const uint8_t* codes;
   const float* scales;
@@ -1368,6 +1369,295 @@ void act8_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, const
 void act8_rows(ffi::ThreadPool&, const float*, float*, int64_t, const QWeight&, int64_t) {}
 #endif
 
+// ---------------------------------------------------------------------------- llama.cpp's integer dots
+// act8 with GGUF blocks held as stored (`block`), below kGemmRowsT rows: llama.cpp's CPU arithmetic on the
+// same blocks, read in place (each weight block unpacked on the stack once for the rows of x it meets).
+// Activations are rounded as llama.cpp rounds them for that weight type (its `vec_dot_type`):
+//  - Q4_K, Q5_K, Q6_K: Q8_K, per 256 columns (quantize_row_q8_K_ref, which x86 also runs): max = the value
+//    with the largest |x| (the first of equals), iscale = -127 / max, q = min(127, round-half-even(iscale *
+//    x)), d = 1 / iscale (float32), and the sums of q over each 32 columns (its bsums, in pairs).
+//  - Q8_0, Q5_0, Q4_0: Q8_0 per 32 columns as its AVX2 quantize_row_q8_0 (`round_q8_block`'s codes), d =
+//    float16(max|x| / 127); Q4_1: Q8_1, the same codes and d, and s = float16(max|x| / 127 * sum(q)).
+// The weight codes are llama.cpp's integers (Q4_0 q - 8, Q5_0 q - 16, Q6_K q - 32, Q4_1 / Q4_K / Q5_K q;
+// Q8_0's bytes as they are), multiplied with q as integers per block (K-quants: per sub-block times its
+// integer 6-bit scale, or Q6_K's int8 one), then in float32:
+//   Q8_0 / Q5_0 / Q4_0: d_w * d_x * sumi;  Q4_1: d_w * d_x * sumi + m_w * s_x;
+//   Q4_K / Q5_K: (d_w * d_x) * sum_j sc_j sumi_j - (dmin_w * d_x) * sum_j m_j bsum_j;  Q6_K: (d_w * d_x) * sum_j sc_j sumi_j
+// (ggml_vec_dot_q8_0_q8_0, q5_0_q8_0, q4_0_q8_0, q4_1_q8_1, q4_K_q8_K, q5_K_q8_K, q6_K_q8_K): the same
+// rounding of the activations and the same integer sums; only the float32 summation order differs.
+// Products of 32 signed codes w with 32 activations: |w| (once per weight block) . (x * sign(w)) per row
+// (`vpsignb`; each pair of byte products within the int16 `vpmaddubsw` saturates at: 2 * 128 * 127),
+// unsigned codes (Q4_1, Q4_K, Q5_K) as they are, summed in fours into 8 int32 lanes: AVX512-VNNI
+// `vpdpbusd` on 32 bytes, AVX2 `vpmaddubsw` + `vpmaddwd` with ones; the K-quants' sub-block scales enter
+// as `vpmaddwd`'s int16 factor instead of the ones (on both: as llama.cpp's AVX2 / AVX-512 q4_K does);
+// plain integer code on the generic path. A NaN or an infinity in a block of x makes its d NaN, so the
+// row's products are NaN (as the float product).
+struct Q8Block {  // 32 columns of a row of x, as Q8_0 / Q8_1
+  alignas(32) int8_t q[32];
+  float d, s;
+};
+struct Q8KBlock {  // 256 columns of a row of x, as Q8_K
+  alignas(32) int8_t q[256];
+  float d;
+  int32_t bsum[8];  // sums of q over each 32 columns
+};
+
+// float32 -> float16 (round to nearest even) -> float32: F16C's instruction where built for it, else the
+// FP16 library's bit manipulation (what ggml's generic GGML_FP32_TO_FP16 does).
+inline float round_half(float f) {
+#if defined(__F16C__)
+  return _cvtsh_ss(_cvtss_sh(f, 0));
+#else
+  uint32_t w, t;
+  std::memcpy(&w, &f, 4);
+  const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  uint32_t bias = shl1 & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  t = (bias >> 1) + 0x07800000u;
+  float b;
+  std::memcpy(&b, &t, 4);
+  base = b + base;
+  uint32_t bits;
+  std::memcpy(&bits, &base, 4);
+  const uint16_t h = static_cast<uint16_t>(
+      (sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu)));
+  uint8_t p[2];
+  std::memcpy(p, &h, 2);
+  return half_to_float(p);
+#endif
+}
+
+void quantize_q8_0(const float* x, Q8Block& a) {
+  const float s = round_q8_block(x, a.q);  // max|x| / 127, or NaN
+  int32_t sum = 0;
+  for (int j = 0; j < 32; ++j) sum += a.q[j];
+  a.d = round_half(s), a.s = round_half(s * static_cast<float>(sum));
+}
+
+void quantize_q8_K(const float* x, Q8KBlock& a) {
+  float amax = 0.f, max = 0.f;
+  bool finite = true;
+  for (int j = 0; j < 256; ++j) {
+    const float v = std::fabs(x[j]);
+    if (v > amax) amax = v, max = x[j];
+    finite &= v <= std::numeric_limits<float>::max();
+  }
+  const float iscale = finite && amax > 0.f ? -127.f / max : 0.f;
+  for (int j = 0; j < 256; ++j)
+    a.q[j] = finite ? static_cast<int8_t>(std::min(127.f, std::nearbyint(iscale * x[j]))) : int8_t{0};
+  for (int j = 0; j < 8; ++j) {
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) sum += a.q[32 * j + i];
+    a.bsum[j] = sum;
+  }
+  a.d = !finite ? std::numeric_limits<float>::quiet_NaN() : amax > 0.f ? 1.f / iscale : 0.f;
+}
+
+// A block's 32 codes (W32) are assembled in registers from 16-byte halves: stored to the stack as two
+// 16-byte halves and read back as one 32-byte load, every block stalled on the failed store forwarding.
+#if defined(__AVX2__)
+typedef __m256i W32;
+typedef __m256i I32x8;
+typedef __m256i S16;  // int16 scales, one per pair of bytes
+typedef __m256 F32x8;
+inline W32 w32_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline W32 w32_join(u8x16v lo, u8x16v hi) {
+  return _mm256_set_m128i(reinterpret_cast<__m128i>(hi), reinterpret_cast<__m128i>(lo));
+}
+inline W32 w32_abs(W32 w) { return _mm256_abs_epi8(w); }
+inline W32 w32_sign(W32 x, W32 w) { return _mm256_sign_epi8(x, w); }  // x * sign(w)
+// u (unsigned) . s (signed) summed in fours into 8 int32 lanes (each pair of products within int16)
+inline I32x8 dot4(W32 u, W32 s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+// the same times a scale per 16 columns (lanes 0-3: lo, 4-7: hi): the pair sums times int16 scales
+inline S16 scale16(int lo, int hi) {
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
+}
+inline I32x8 dot4_scaled(W32 u, W32 s, S16 sc) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc); }
+inline I32x8 i32_zero() { return _mm256_setzero_si256(); }
+inline I32x8 i32_add(I32x8 a, I32x8 b) { return _mm256_add_epi32(a, b); }
+inline F32x8 f32_zero() { return _mm256_setzero_ps(); }
+inline F32x8 f32_fma(I32x8 v, float s, F32x8 acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc); }
+inline float f32_sum(F32x8 v) { return hsum8(v); }
+#else
+typedef int8_t W32 __attribute__((vector_size(32)));
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+typedef int32_t S16 __attribute__((vector_size(32)));  // (plain code: the scale of each int32 lane)
+typedef float F32x8 __attribute__((vector_size(32)));
+inline W32 w32_load(const void* p) {
+  W32 v;
+  std::memcpy(&v, p, 32);
+  return v;
+}
+inline W32 w32_join(u8x16v lo, u8x16v hi) {
+  uint8_t b[32];
+  std::memcpy(b, &lo, 16);
+  std::memcpy(b + 16, &hi, 16);
+  return w32_load(b);
+}
+inline W32 w32_abs(W32 w) { return w < 0 ? -w : w; }  // -128 stays 0x80: the unsigned 128 in dot4
+inline W32 w32_sign(W32 x, W32 w) { return w < 0 ? -x : w == 0 ? W32{} : x; }
+inline I32x8 dot4(W32 u, W32 s) {
+  I32x8 r;
+  for (int l = 0; l < 8; ++l) {
+    int32_t t = 0;
+    for (int i = 4 * l; i < 4 * l + 4; ++i) t += int32_t{static_cast<uint8_t>(u[i])} * int32_t{s[i]};
+    r[l] = t;
+  }
+  return r;
+}
+inline S16 scale16(int lo, int hi) { return S16{lo, lo, lo, lo, hi, hi, hi, hi}; }
+inline I32x8 dot4_scaled(W32 u, W32 s, S16 sc) { return dot4(u, s) * sc; }
+inline I32x8 i32_zero() { return I32x8{}; }
+inline I32x8 i32_add(I32x8 a, I32x8 b) { return a + b; }
+inline F32x8 f32_zero() { return F32x8{}; }
+inline F32x8 f32_fma(I32x8 v, float s, F32x8 acc) { return __builtin_convertvector(v, F32x8) * s + acc; }
+inline float f32_sum(F32x8 v) {
+  float s = 0.f;
+  for (int l = 0; l < 8; ++l) s += v[l];
+  return s;
+}
+#endif
+
+// Q4_K / Q5_K: the integer scales and mins of a block's 12 packed bytes (`k_scales` without d, dmin).
+inline void k_scale_ints(const uint8_t* s, int* sc, int* mn) {
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn[j] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// out[m0:m0+MB, n0:n1] for GGUF blocks of type T (rows of q.codes) and rows of x rounded as llama.cpp does.
+template <int MB, int T>
+void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256, float* __restrict__ out, int64_t N,
+                      int64_t n0, int64_t n1, int64_t m0) {
+  constexpr bool KQ = T == 12 || T == 13 || T == 14;
+  constexpr int EL = KQ ? 256 : 32;
+  constexpr int BY = T == 8 ? 34 : T == 6 ? 22 : T == 2 ? 18 : T == 3 ? 20 : T == 12 ? 144 : T == 13 ? 176 : 210;
+  const int64_t B = q.K / EL;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = q.codes + n * q.code_cols;
+    F32x8 acc[MB];
+    float corr[MB];  // subtracted at the end: the mins' terms (Q4_K, Q5_K; Q4_1's with the sign flipped)
+    for (int m = 0; m < MB; ++m) acc[m] = f32_zero(), corr[m] = 0.f;
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* src = c + b * BY;
+      __builtin_prefetch(src + 2 * q.code_cols);  // two rows ahead (see cols_task)
+      W32 w[EL / 32];      // the block's codes as llama.cpp's integers, in column order
+      W32 signs[EL / 32];  // the same, for their signs where |w| replaces them
+      if constexpr (KQ) {
+        int sc[16], mn[8];
+        float dw, dmw = 0.f;
+        if constexpr (T == 14) {  // ql[128], qh[64], int8 scales[16], d
+          dw = half_to_float(src + 208);
+          for (int g = 0; g < 16; ++g) sc[g] = static_cast<int8_t>(src[192 + g]);
+          for (int h = 0; h < 2; ++h)
+            for (int t4 = 0; t4 < 4; ++t4) {  // columns 128h + 32 t4 + [0, 32)
+              u8x16v half[2];
+              for (int i = 0; i < 2; ++i) {
+                const u8x16v ql = load16(src + 64 * h + 32 * (t4 % 2) + 16 * i), qh = load16(src + 128 + 32 * h + 16 * i);
+                half[i] = (((ql >> (4 * (t4 / 2))) & 0x0F) | (((qh >> (2 * t4)) & 3) << 4)) - 32;
+              }
+              w[4 * h + t4] = w32_join(half[0], half[1]);
+            }
+        } else {  // d, dmin, scales[12], (Q5_K: qh[32]), 4 runs of 32 bytes of nibbles
+          dw = half_to_float(src), dmw = half_to_float(src + 2);
+          k_scale_ints(src + 4, sc, mn);
+          constexpr int QS = T == 13 ? 48 : 16;
+          const u8x16v h0 = load16(src + 16), h1 = load16(src + 32);  // Q5_K's fifth bits
+          for (int r = 0; r < 4; ++r) {
+            const u8x16v v0 = load16(src + QS + 32 * r), v1 = load16(src + QS + 32 * r + 16);
+            u8x16v lo0 = v0 & 0x0F, lo1 = v1 & 0x0F, hi0 = v0 >> 4, hi1 = v1 >> 4;
+            if constexpr (T == 13) {
+              lo0 |= ((h0 >> (2 * r)) & 1) << 4, lo1 |= ((h1 >> (2 * r)) & 1) << 4;
+              hi0 |= ((h0 >> (2 * r + 1)) & 1) << 4, hi1 |= ((h1 >> (2 * r + 1)) & 1) << 4;
+            }
+            w[2 * r] = w32_join(lo0, lo1), w[2 * r + 1] = w32_join(hi0, hi1);
+          }
+        }
+        // 32 columns: Q6_K's sub-blocks 2j and 2j + 1, the others' sub-block j; Q6_K's signed codes as |w|
+        // and the sign moved to x (Q4_K / Q5_K's codes are unsigned already)
+        S16 scv[8];
+        for (int j = 0; j < 8; ++j) {
+          scv[j] = T == 14 ? scale16(sc[2 * j], sc[2 * j + 1]) : scale16(sc[j], sc[j]);
+          if constexpr (T == 14) signs[j] = w[j], w[j] = w32_abs(w[j]);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const Q8KBlock& a = x256[(m0 + m) * B + b];
+          I32x8 s = i32_zero();
+          for (int j = 0; j < 8; ++j) {
+            const W32 x = w32_load(a.q + 32 * j);
+            s = i32_add(s, dot4_scaled(w[j], T == 14 ? w32_sign(x, signs[j]) : x, scv[j]));
+          }
+          acc[m] = f32_fma(s, dw * a.d, acc[m]);
+          if constexpr (T != 14) {
+            int32_t summ = 0;
+            for (int j = 0; j < 8; ++j) summ += mn[j] * a.bsum[j];
+            corr[m] += (dmw * a.d) * static_cast<float>(summ);
+          }
+        }
+      } else {
+        float mw = 0.f;
+        if constexpr (T == 8) {
+          w[0] = w32_load(src + 2);
+        } else if constexpr (T == 6) {  // (q | fifth bit) - 16; the fifth bits of 8 columns a table entry
+          typedef uint64_t u64x2v __attribute__((vector_size(16)));
+          const u8x16v hl = reinterpret_cast<u8x16v>(u64x2v{kBit4.v[src[2]], kBit4.v[src[3]]});
+          const u8x16v hh = reinterpret_cast<u8x16v>(u64x2v{kBit4.v[src[4]], kBit4.v[src[5]]});
+          const u8x16v v = load16(src + 6);
+          w[0] = w32_join(((v & 0x0F) | hl) - 16, ((v >> 4) | hh) - 16);
+        } else {  // Q4_0: q - 8; Q4_1: q
+          const u8x16v v = load16(src + (T == 3 ? 4 : 2));
+          const u8x16v off = T == 2 ? u8x16v{} + 8 : u8x16v{};
+          w[0] = w32_join((v & 0x0F) - off, (v >> 4) - off);
+          if constexpr (T == 3) mw = half_to_float(src + 2);
+        }
+        constexpr bool SIGNED = T != 3;  // Q4_1's codes are unsigned: no sign to move
+        if constexpr (SIGNED) signs[0] = w[0], w[0] = w32_abs(w[0]);
+        const float dw = half_to_float(src);
+        for (int m = 0; m < MB; ++m) {
+          const Q8Block& a = x32[(m0 + m) * B + b];
+          const W32 x = w32_load(a.q);
+          acc[m] = f32_fma(dot4(w[0], SIGNED ? w32_sign(x, signs[0]) : x), dw * a.d, acc[m]);
+          if constexpr (T == 3) corr[m] -= mw * a.s;
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = f32_sum(acc[m]) - corr[m];
+  }
+}
+
+void llama_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, const QWeight& q, int64_t per_task) {
+  const bool kq = q.block == 12 || q.block == 13 || q.block == 14;
+  const int64_t N = q.N, B = q.K / (kq ? 256 : 32), nt = (N + per_task - 1) / per_task;
+  std::vector<Q8Block> x32(kq ? 0 : static_cast<size_t>(M * B));
+  std::vector<Q8KBlock> x256(kq ? static_cast<size_t>(M * B) : 0);
+  for (int64_t i = 0; i < M * B; ++i) kq ? quantize_q8_K(X + 256 * i, x256[i]) : quantize_q8_0(X + 32 * i, x32[i]);
+  parallel_for(pool, nt, [&](int64_t t) {
+    const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
+    for_row_blocks(M, [&](auto mb, int64_t m) {
+      constexpr int MB = decltype(mb)::value;
+      const Q8Block* a = x32.data();
+      const Q8KBlock* k = x256.data();
+      switch (q.block) {
+        case 8: return llama_block_rows<MB, 8>(q, a, k, Y, N, n0, n1, m);
+        case 6: return llama_block_rows<MB, 6>(q, a, k, Y, N, n0, n1, m);
+        case 2: return llama_block_rows<MB, 2>(q, a, k, Y, N, n0, n1, m);
+        case 3: return llama_block_rows<MB, 3>(q, a, k, Y, N, n0, n1, m);
+        case 12: return llama_block_rows<MB, 12>(q, a, k, Y, N, n0, n1, m);
+        case 13: return llama_block_rows<MB, 13>(q, a, k, Y, N, n0, n1, m);
+        case 14: return llama_block_rows<MB, 14>(q, a, k, Y, N, n0, n1, m);
+      }
+    });
+  });
+}
+
 // out[M, N] = x[M, K] @ deq(w)^T by the algorithm for `rows_for_choice` rows (the call's full row count).
 void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y, int64_t M, int64_t rows_for_choice,
                bool act8) {
@@ -1375,6 +1665,10 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
   const int bits = q.bits;
   const bool asym = q.asym;
   const bool int8_product = act8 && act8_layout(q);
+  if (act8 && q.block && rows_for_choice < kGemmRowsT) {  // llama.cpp's integer dots on the blocks in place
+    llama_rows(pool, X, Y, M, q, rows_per_task(pool, N, q.code_cols));
+    return;
+  }
   if (rows_for_choice >= (int8_product ? kGemmRowsT : kGemmRowsTFloatCodes)) {
     gemm_t(pool, X, Y, M, K, N,
            [&](int64_t n, int64_t k0, int64_t kc, float* dst) { dequant_row_span(q, n, k0, k0 + kc, dst); });

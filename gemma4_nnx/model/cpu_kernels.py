@@ -393,7 +393,14 @@ def qmatmul_t(
     AVX2 (K a multiple of 128, groups of 8+ dividing or multiples of 128; several times the rate of the float32
     int4 product with VNNI); symmetric int8 codes with AVX2 and no VNNI (K a multiple of 32, groups of
     4+ dividing or multiples of 32; on AVX-512 the float32 product of int8 codes is already at the memory
-    bandwidth). Other layouts, asymmetric int8 codes and products of more rows stay float32."""
+    bandwidth). Other layouts, asymmetric int8 codes and products of more rows stay float32.
+
+    act8=True with `block` (GGUF blocks held as stored), below `GEMM_ROWS_T` rows: llama.cpp's CPU
+    arithmetic on the same blocks, read in place, on every instruction set (AVX512-VNNI, AVX2, the
+    generic path's plain integer code): x rounded as its `vec_dot_type` for the block type (Q8_K per
+    256 columns for Q4_K / Q5_K / Q6_K, Q8_0 per 32 with a float16 d for Q8_0 / Q5_0 / Q4_0, Q8_1 for
+    Q4_1) and the integer sums of `ggml_vec_dot_*`; only the float32 summation order differs
+    (cpu_kernels.cc, `llama_rows`; docs/quantization.md, "Numerics of the options")."""
     lead, k, rows = _rows_of(x)
     if rows == 0:
         return jnp.zeros((*lead, codes.shape[0]), jnp.float32)

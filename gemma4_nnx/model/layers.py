@@ -132,7 +132,8 @@ class Matmul:
     bf16_products: bool = False
     #: code products of fewer than `cpu_kernels.GEMM_ROWS_T` rows (decode, and prefill of short prompts)
     #: round x to int8 per 32 columns and use integer dots (int4 codes: AVX512-VNNI or AVX2; symmetric
-    #: int8 codes: AVX2) (`cpu_kernels.qmatmul_t(act8=True)`, llama.cpp's Q8_0 activations); more rows
+    #: int8 codes: AVX2) (`cpu_kernels.qmatmul_t(act8=True)`, llama.cpp's Q8_0 activations; GGUF blocks
+    #: held as stored: llama.cpp's own arithmetic on them, Q8_K activations for the K-quants); more rows
     #: stay float32.
     int8_activations: bool = False
     #: attention of up to `cpu_kernels.ATTEND_QUERIES` queries per row (decode, verification, short
@@ -183,7 +184,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     "cpu_kernels_int8": "cpu_kernels" whose code products of fewer than 24 rows (decode, short prompts)
     round their inputs to int8 per 32 columns and sum integer products, as llama.cpp does
     (`Matmul.int8_activations`): int4 codes with AVX512-VNNI (several times the float32 int4 product) or
-    AVX2, and symmetric int8 codes with AVX2 (`cpu_kernels.qmatmul_t`); needs avx512_vnni or avx2.
+    AVX2, and symmetric int8 codes with AVX2; GGUF blocks held as stored (`kept_blocks="stored"`) take
+    llama.cpp's own integer dots on the blocks (`cpu_kernels.qmatmul_t`); needs avx512_vnni or avx2.
     """
     if isinstance(option, Matmul):
         return option
