@@ -254,9 +254,10 @@ def make_tiny_hf(path, *, dtype=np.float32, seed=0, tokenizer=False, **overrides
     return str(path)
 
 
-def make_tiny_assistant(path, target: Gemma4Config, *, vocab_size: int, seed=0, **text_overrides) -> str:
+def make_tiny_assistant(path, target: Gemma4Config, *, vocab_size: int, seed=0, ordered=0, **text_overrides) -> str:
     """An HF-format Gemma 4 MTP assistant directory (config.json + model.safetensors, random weights, no
-    torch) that drafts for `target` (same head dims, KV heads and window; its hidden size as backbone)."""
+    torch) that drafts for `target` (same head dims, KV heads and window; its hidden size as backbone).
+    `ordered`: the centroid head with that many centroids (top 2) and a random token ordering."""
     from safetensors.numpy import save_file
 
     from gemma4_nnx.config import AssistantConfig
@@ -282,6 +283,8 @@ def make_tiny_assistant(path, target: Gemma4Config, *, vocab_size: int, seed=0, 
     )
     text.update(text_overrides)
     raw = dict(model_type="gemma4_assistant", backbone_hidden_size=target.hidden_size, text_config=text)
+    if ordered:
+        raw.update(use_ordered_embeddings=True, num_centroids=ordered, centroid_intermediate_top_k=2)
     config = AssistantConfig.from_hf(raw)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -295,6 +298,8 @@ def make_tiny_assistant(path, target: Gemma4Config, *, vocab_size: int, seed=0, 
         x = rng.standard_normal(shape).astype(np.float32) * (0.5 if "embed" in e.hf_name else 0.15)
         if len(shape) == 1:
             x = 1.0 + 0.25 * x / 0.15
+        if e.path == ("token_ordering",):
+            x = rng.permutation(vocab_size).astype(np.int64)
         tensors[hf_file_name(e, assistant=True)] = x
     save_file(tensors, os.path.join(path, "model.safetensors"))
     return str(path)

@@ -446,7 +446,8 @@ def convert(
         symmetrically (`quant.format_for`: under "int4" the token table, which is also the output
         head, gets int8; a matrix whose width its group does not divide stays
         float); "none" stores everything float. Norms and other vectors, the MoE router and MTP
-        assistants stay float (an assistant's GGUF blocks are kept under "keep", as a model's). The metadata records each quantized matrix.
+        assistants stay float (an assistant's GGUF blocks are kept under "keep", as a model's). The
+        metadata records each quantized matrix.
       group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
       text_only: drop the vision / audio towers of a multimodal checkpoint (kept by default, in float
         at `dtype`: they run once per prompt, so quantizing them would save little).

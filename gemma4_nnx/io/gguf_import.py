@@ -116,6 +116,7 @@ def gguf_to_hf_names(arch: str) -> dict[str, str]:
     """The GGUF -> HF name table of architecture `arch` ("{i}" = layer index)."""
     return {**GGUF_TO_HF, **ASSISTANT_GGUF_TO_HF} if arch == ASSISTANT_ARCH else GGUF_TO_HF
 
+
 _MARKER = "gguf_import.json"  # written last: a directory without it is incomplete
 _FORMAT_VERSION = 2  # 2: Gemma 4 files
 _SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6  # = GGUF token types
