@@ -422,8 +422,9 @@ def convert(
     """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
 
     Args:
-      src: HF directory: config.json, model.safetensors or a sharded index, tokenizer files; a Gemma 3
-        GGUF file; or a checkpoint of Google's gemma library (read in place, see `gm_config`).
+      src: HF directory: config.json, model.safetensors or a sharded index, tokenizer files; a Gemma 3 / 4
+        (or Gemma 4 MTP assistant) GGUF file; or a checkpoint of Google's gemma library (read in place, see
+        `gm_config`).
       dst: output directory; must not exist unless `overwrite` (and then must be a gemma4_nnx checkpoint).
       dtype: "bfloat16" or "float32", the stored dtype of the float parameters. Default: the source's
         precision where it is known exactly, "float32" for a GGUF file imported with quantize="keep"
@@ -731,7 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "src",
         help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
-        "a Gemma 3 or Gemma 4 .gguf file (needs the gguf package), or a checkpoint of Google's gemma library "
+        "a Gemma 3, Gemma 4 or Gemma 4 MTP assistant .gguf file (needs the gguf package), or a checkpoint of "
+        "Google's gemma library "
         "(see --gm-config)",
     )
     p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")
