@@ -1,6 +1,7 @@
 """Our GGUF export run by llama.cpp: its logits beside ours, for each Gemma variant and block type.
 
     .venv/bin/python bench/gguf_export.py            # ~2 min on 2 cores, after .venv-llamacpp exists
+    .venv/bin/python bench/gguf_export.py --assistant   # only: llama.cpp loads an exported MTP assistant
 
 For each variant (tiny random Gemma 4 models with the features llama.cpp's `gemma4` graph must get
 right, and the real Gemma 3 270M) and each `--quantize` type, the model is exported with
@@ -54,6 +55,24 @@ p.nthread = 2
 sys.exit(llama_cpp.llama_model_quantize(fin.encode(), fout.encode(), ctypes.byref(p)))
 """
 FTYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q4_k_m": 15}  # llama_ftype
+
+#: `--assistant`: does llama.cpp load an exported MTP assistant and build its drafting context against the
+#: target (the assistant has no context of its own: `ctx_other` must be the target's)?
+LLAMA_ASSISTANT = r"""
+import json, sys, llama_cpp as L
+target, assistant = sys.argv[1], sys.argv[2]
+L.llama_backend_init()
+mt = L.llama_model_load_from_file(target.encode(), L.llama_model_default_params())
+ma = L.llama_model_load_from_file(assistant.encode(), L.llama_model_default_params())
+out = {"loaded": bool(ma)}
+if ma:
+    out.update(n_embd=L.llama_model_n_embd(ma), n_embd_out=L.llama_model_n_embd_out(ma),
+               n_layer_nextn=L.llama_model_n_layer_nextn(ma))
+    cp = L.llama_context_default_params(); cp.n_ctx = 64
+    cp.ctx_other = L.llama_init_from_model(mt, L.llama_context_default_params())
+    out["context"] = bool(L.llama_init_from_model(ma, cp))
+print("RESULT " + json.dumps(out))
+"""
 
 #: display names of the tiny Gemma 4 variants (tests.helpers.GEMMA4_VARIANTS, over tests.helpers.TINY)
 NAMES = {
@@ -137,12 +156,41 @@ def real_270m(work: str):
     yield "Gemma 3 270M (real weights)", load_any(ckpt, matmul="xla"), ckpt
 
 
+def assistant_check(work: str) -> None:
+    """Export a tiny E2B-like target and an MTP assistant for it (f32, q8_0); print what llama.cpp makes of each."""
+    import shutil
+
+    import jax.numpy as jnp
+
+    from gemma4_nnx.io.gguf_export import to_gguf
+    from gemma4_nnx.io.hf import from_hf
+    from tests.helpers import make_tiny_assistant
+
+    name, target, tok_dir = next(tiny_models(work))
+    d = make_tiny_assistant(os.path.join(work, "asst"), target.config, vocab_size=target.config.vocab_size)
+    shutil.copy(os.path.join(tok_dir, "tokenizer.json"), d)
+    assistant = from_hf(d, dtype=jnp.float32)
+    t = to_gguf(target, os.path.join(work, "target.gguf"), tokenizer_dir=tok_dir)
+    for kind in ("f32", "q8_0"):
+        a = to_gguf(assistant, os.path.join(work, f"assistant-{kind}.gguf"), tokenizer_dir=d, quantize=kind)
+        run = subprocess.run([LLAMA_PY, "-c", LLAMA_ASSISTANT, t, a], capture_output=True, text=True)
+        found = [line[7:] for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+        result = json.loads(found[0]) if found else {"rc": run.returncode}
+        print(json.dumps({"assistant for": name, "type": kind, **result}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--types", nargs="+", default=["f32", "f16", "q8_0", "q4_k_m"])
     p.add_argument("--no-real", action="store_true", help="skip the real Gemma 3 270M")
+    p.add_argument("--assistant", action="store_true", help="only: does llama.cpp load an exported MTP assistant")
     args = p.parse_args()
     from gemma4_nnx.io.gguf_export import to_gguf
+
+    if args.assistant:
+        with tempfile.TemporaryDirectory() as work:
+            assistant_check(work)
+        return
 
     rows = []
     with tempfile.TemporaryDirectory() as work:

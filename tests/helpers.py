@@ -254,6 +254,57 @@ def make_tiny_hf(path, *, dtype=np.float32, seed=0, tokenizer=False, **overrides
     return str(path)
 
 
+def make_tiny_assistant(path, target: Gemma4Config, *, vocab_size: int, seed=0, ordered=0, **text_overrides) -> str:
+    """An HF-format Gemma 4 MTP assistant directory (config.json + model.safetensors, random weights, no
+    torch) that drafts for `target` (same head dims, KV heads and window; its hidden size as backbone).
+    `ordered`: the centroid head with that many centroids (top 2) and a random token ordering."""
+    from safetensors.numpy import save_file
+
+    from gemma4_nnx.config import AssistantConfig
+    from gemma4_nnx.io.hf import assistant_name_map
+    from gemma4_nnx.io.tensors import hf_file_name
+    from gemma4_nnx.model.build import abstract_assistant
+
+    text = dict(
+        model_type="gemma4_text",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        global_head_dim=target.global_head_dim,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=target.sliding_window,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        final_logit_softcapping=None,
+    )
+    text.update(text_overrides)
+    raw = dict(model_type="gemma4_assistant", backbone_hidden_size=target.hidden_size, text_config=text)
+    if ordered:
+        raw.update(use_ordered_embeddings=True, num_centroids=ordered, centroid_intermediate_top_k=2)
+    config = AssistantConfig.from_hf(raw)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config.to_hf_dict(), f)
+    entries = assistant_name_map(config)
+    shapes = expected_hf_shapes(config.text, entries, abstract_assistant(config, np.float32))
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for e in entries:
+        shape = shapes[e.hf_name]
+        x = rng.standard_normal(shape).astype(np.float32) * (0.5 if "embed" in e.hf_name else 0.15)
+        if len(shape) == 1:
+            x = 1.0 + 0.25 * x / 0.15
+        if e.path == ("token_ordering",):
+            x = rng.permutation(vocab_size).astype(np.int64)
+        tensors[hf_file_name(e, assistant=True)] = x
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
 def _write_tokenizer(path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 

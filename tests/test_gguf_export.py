@@ -11,6 +11,7 @@ benchmark-only venv).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -379,3 +380,213 @@ def test_kept_blocks_load_decoded_by_default_as_the_old_keep_stored_them(tmp_pat
     argv = [str(ckpt), "--prompt", "x"]
     assert cli_generate.build_parser().parse_args(argv).kept_blocks == "decoded"
     assert app.build_parser().parse_args(argv[:1] + ["--kept-blocks", "stored"]).kept_blocks == "stored"
+
+
+# ---------------------------------------------------------------------------- MTP assistants (gemma4-assistant)
+#: What llama.cpp's converter writes for an HF `Gemma4AssistantForCausalLM`, read off llama-cpp-python 0.3.36's
+#: vendored llama.cpp (it cannot run here: it needs torch and the HF checkpoint layout):
+#: `conversion/gemma.py` `Gemma4AssistantModel` (a `Gemma4Model`: drops `masked_embedding.*`; adds
+#: `embedding_length_out` = backbone_hidden_size and `nextn_predict_layers` = block count), its parents'
+#: `set_gguf_parameters` (TextModel, Gemma3Model, Gemma4Model) for the other keys, `generate_extra_tensors` for
+#: `rope_freqs`, and `gguf-py/gguf/tensor_mapping.py` / `constants.py` for the names (`pre_projection` ->
+#: `nextn.pre_projection`). llama.cpp's loader (`src/models/gemma4-assistant.cpp`) asks for exactly these
+#: tensors, with a tied head (no `output.weight`).
+ASSISTANT_KEYS = {
+    f"gemma4-assistant.{k}"
+    for k in (
+        "block_count",
+        "context_length",
+        "embedding_length",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "rope.freq_base",
+        "rope.freq_base_swa",
+        "attention.layer_norm_rms_epsilon",  # TextModel
+        "attention.key_length",
+        "attention.value_length",
+        "attention.sliding_window",  # Gemma3Model
+        "attention.shared_kv_layers",
+        "embedding_length_per_layer_input",
+        "attention.sliding_window_pattern",
+        "attention.key_length_swa",
+        "attention.value_length_swa",
+        "rope.dimension_count",
+        "rope.dimension_count_swa",  # Gemma4Model
+        "embedding_length_out",
+        "nextn_predict_layers",  # Gemma4AssistantModel
+    )
+}
+
+
+def _assistant_tensors(config) -> dict[str, tuple[int, ...]]:
+    """{GGUF name: shape in HF order} llama.cpp's converter writes for `config` (an `AssistantConfig`)."""
+    t = config.text
+    d, b, f = t.hidden_size, config.backbone_hidden_size, t.intermediate_size
+    out = {
+        "rope_freqs.weight": (t.global_head_dim // 2,),
+        "token_embd.weight": (t.vocab_size, d),
+        "output_norm.weight": (d,),
+        "nextn.pre_projection.weight": (d, 2 * b),
+        "nextn.post_projection.weight": (b, d),
+    }
+    for s in config.layers:
+        q = t.num_attention_heads * s.head_dim
+        shapes = dict(attn_norm=(d,), attn_q=(q, d), attn_q_norm=(s.head_dim,), attn_output=(d, q))
+        shapes.update(post_attention_norm=(d,), ffn_norm=(d,), ffn_gate=(f, d), ffn_up=(f, d), ffn_down=(d, f))
+        shapes.update(post_ffw_norm=(d,), layer_output_scale=(1,))
+        out.update({f"blk.{s.index}.{k}.weight": v for k, v in shapes.items()})
+    return out
+
+
+def _tiny_assistant(tmp_path, tokenizer_dir, variant="e2b", ordered=0, **over):
+    """(target, assistant HF dir, assistant): a random assistant (HF files, no torch) for a tiny target;
+    `ordered`: that many centroids (the E2B / E4B assistants' head)."""
+    import shutil
+
+    from tests.helpers import make_tiny_assistant
+
+    _, target = _tiny(tmp_path, tokenizer_dir, **VARIANTS[variant])
+    d = make_tiny_assistant(tmp_path / "asst", target.config, vocab_size=_vocab(tokenizer_dir), ordered=ordered, **over)
+    shutil.copy(tokenizer_dir / "tokenizer.json", os.path.join(d, "tokenizer.json"))
+    return target, d, from_hf(d, dtype=jnp.float32)
+
+
+def _drafts(target, assistant, steps: int = 2):
+    """The assistant's logits and projected states over `steps` drafting steps after a target prefill."""
+    from gemma4_nnx.model.cache import KVCache
+
+    ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11, 400]])
+    cache = KVCache.init(target.config, 1, 32, jnp.float32, ring_extra=steps + 1)
+    h, cache = target(ids, jnp.arange(ids.shape[1], dtype=jnp.int32)[None], cache=cache, return_hidden=True)
+    token, state, kv = jnp.argmax(target.logits(h[:, -1]), -1), h[:, -1], assistant.donor_kv(target.config, cache)
+    out = []
+    for _ in range(steps):
+        z, state = assistant(target.embed_tokens(token), state, jnp.full((1,), ids.shape[1], jnp.int32), kv)
+        token = jnp.argmax(z, -1)
+        out += [np.asarray(z), np.asarray(state)]
+    return out
+
+
+@pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
+def test_assistant_export_import_round_trip(tmp_path, tokenizer_dir, variant):
+    """An MTP assistant through an F32 `gemma4-assistant` GGUF and back: the same config, every HF tensor
+    bit for bit, the same drafts (logits and projected states) over the target's cache."""
+    from safetensors.numpy import load_file
+
+    over = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if variant == "k_eq_v" else {}
+    target, src, assistant = _tiny_assistant(tmp_path, tokenizer_dir, variant, **over)
+    path = to_gguf(assistant, tmp_path / "a.gguf", tokenizer_dir=src)
+    back = gguf_to_hf_dir(path, tmp_path / "back")
+    again = from_hf(back, dtype=jnp.float32)
+    assert again.config == assistant.config
+    want, got = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for a, b in zip(_drafts(target, again), _drafts(target, assistant), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_assistant_gguf_is_llama_cpp_converters(tmp_path, tokenizer_dir):
+    """The exported file has the architecture, tensor names and shapes, and `gemma4-assistant.*` keys that
+    llama.cpp's converter writes for the same HF checkpoint (`ASSISTANT_KEYS`, `_assistant_tensors`: encoded
+    from reading its source, which needs torch), with values llama.cpp's loader accepts."""
+    _, src, assistant = _tiny_assistant(tmp_path, tokenizer_dir)
+    config = assistant.config
+    reader = gguf.GGUFReader(to_gguf(assistant, tmp_path / "a.gguf", tokenizer_dir=src, quantize="f16"))
+    assert reader.fields["general.architecture"].contents() == "gemma4-assistant"
+    got = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
+    assert got == _assistant_tensors(config)
+    assert {k for k in reader.fields if k.startswith("gemma4-assistant.")} == ASSISTANT_KEYS
+    field = {k: reader.fields[k].contents() for k in ASSISTANT_KEYS}
+    assert field["gemma4-assistant.embedding_length_out"] == config.backbone_hidden_size != config.text.hidden_size
+    assert field["gemma4-assistant.nextn_predict_layers"] == field["gemma4-assistant.block_count"] == 2
+    assert field["gemma4-assistant.attention.sliding_window_pattern"] == [True, False]
+    assert reader.fields["tokenizer.ggml.model"].contents() == "gemma4"
+    types = {t.name: t.tensor_type.name for t in reader.tensors}  # the converter's f16: matrices F16
+    assert {n for n, k in types.items() if k == "F16"} == {n for n, s in got.items() if len(s) == 2}
+
+
+def test_assistant_q8_0_blocks_kept_exactly(tmp_path, tokenizer_dir):
+    """A Q8_0 assistant GGUF through `gemma4-convert --quantize keep`: its matrices held as the file's blocks
+    (each `gguf`'s dequantization exactly), drafting as the float import within float32 rounding; written
+    back with `gemma4-export --format gguf --quantize keep`, every tensor is the file's, byte for byte."""
+    from gemma4_nnx.io.convert import main as convert_main
+    from gemma4_nnx.io.export import main as export_main
+    from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.io.tensors import hf_tensors
+    from gemma4_nnx.model import Gemma4Assistant, quant
+
+    target, src, assistant = _tiny_assistant(tmp_path, tokenizer_dir)
+    path = to_gguf(assistant, tmp_path / "a.gguf", tokenizer_dir=src, quantize="q8_0")
+    ckpt = str(tmp_path / "keep")
+    assert convert_main([path, ckpt, "--quantize", "keep"]) == 0
+    kept = load_any(ckpt, matmul="xla")
+    assert isinstance(kept, Gemma4Assistant)
+    held = quant.quantization_of(kept)
+    assert "pre_projection" in held and "layers.0.self_attn.q_proj" in held and "embed_tokens" in held
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    names = gguf_tensor_names(2, "gemma4-assistant")
+    for hf, x in hf_tensors(kept, np.float32).items():
+        t = reader[names[hf]]
+        np.testing.assert_array_equal(x, dequantized(t), err_msg=t.name)
+    floats = from_hf(gguf_to_hf_dir(path, tmp_path / "floats"), dtype=jnp.float32)
+    for a, b in zip(_drafts(target, kept), _drafts(target, floats), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4)
+    out = str(tmp_path / "again.gguf")
+    assert export_main([ckpt, out, "--format", "gguf", "--quantize", "keep"]) == 0
+    again = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert sorted(again) == sorted(reader) and {t.tensor_type.name for t in reader.values()} >= {"Q8_0"}
+    for name, t in reader.items():
+        assert again[name].tensor_type == t.tensor_type, name
+        np.testing.assert_array_equal(np.asarray(again[name].data), np.asarray(t.data), err_msg=name)
+
+
+def test_assistant_gguf_errors_name_the_tensor(tmp_path, tokenizer_dir):
+    """Tensors an assistant file may not hold are named in the import's error (the centroid head with why);
+    an untied head and the q4_k_m mix are refused on export, naming the tensor / the mode."""
+    from gemma4_nnx.io.gguf_import import hf_tensors_from_gguf
+
+    target, src, assistant = _tiny_assistant(tmp_path, tokenizer_dir)
+    path = to_gguf(assistant, tmp_path / "a.gguf", tokenizer_dir=src)
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "gemma4-assistant")
+    for t in gguf.GGUFReader(path).tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    w.add_tensor("blk.0.attn_k.weightx", np.zeros((4, 4), np.float32))
+    w.add_tensor("masked_embd_centroids.weight", np.zeros((5, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_k\.weightx.*masked_embd_centroids\.weight \(an assistant's"):
+        hf_tensors_from_gguf(gguf.GGUFReader(str(tmp_path / "bad.gguf")))
+    with pytest.raises(ValueError, match="an MTP assistant is written with one of"):
+        to_gguf(assistant, tmp_path / "x.gguf", tokenizer_dir=src, quantize="q4_k_m")
+    from tests.helpers import make_tiny_assistant
+
+    v = _vocab(tokenizer_dir)
+    d = make_tiny_assistant(tmp_path / "untied", target.config, vocab_size=v, tie_word_embeddings=False)
+    untied = from_hf(d, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"no GGUF name for lm_head\.weight.*ties its head"):
+        to_gguf(untied, tmp_path / "x.gguf", tokenizer_dir=src)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("x.gguf") or ".tmp-" in f]
+
+
+def test_ordered_assistant_exports_without_its_centroid_head(tmp_path, tokenizer_dir):
+    """An E2B-style assistant's centroid head is left out, as llama.cpp's converter leaves it out: the file
+    holds what the converter writes, and imports as the same assistant drafting over the whole tied table
+    (the drafts of the source with its centroid head taken off, exactly)."""
+    target, src, assistant = _tiny_assistant(tmp_path, tokenizer_dir, ordered=5)
+    assert assistant.config.use_ordered_embeddings
+    path = to_gguf(assistant, tmp_path / "a.gguf", tokenizer_dir=src)
+    reader = gguf.GGUFReader(path)
+    assert {t.name for t in reader.tensors} == set(_assistant_tensors(assistant.config))
+    again = from_hf(gguf_to_hf_dir(path, tmp_path / "back"), dtype=jnp.float32)
+    config = assistant.config
+    assert again.config == dataclasses.replace(
+        config, use_ordered_embeddings=False, num_centroids=2048, centroid_intermediate_top_k=32
+    )
+    assistant.centroids = assistant.token_ordering = None
+    for a, b in zip(_drafts(target, again), _drafts(target, assistant), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -315,27 +315,27 @@ def load(
     param_dtype = _dtype(dtype, "dtype") or jnp.dtype(meta["dtype"])
     compute = _dtype(compute_dtype, "compute_dtype") or default_compute_dtype(param_dtype)
     where = _sharding_fn(sharding)
-    if meta.get("kind") == "assistant":
-        config = AssistantConfig.from_json_dict(_read_json(os.path.join(ckpt_dir, CONFIG_FILE)))
-        model = abstract_assistant(config, compute, param_dtype, matmul)
-        return _restore(ckpt_dir, model, [e.path for e in assistant_name_map(config)], where)
-    config = load_config(ckpt_dir)
-    if text_only:
-        config = config.text_only()
     quant = {tuple(k.split(".")): QuantFormat.from_json(v) for k, v in (meta.get("quant") or {}).items()}
     product = layers.resolve_matmul(matmul, dtype=compute, param_dtype=param_dtype, quantized=bool(quant))
-    model = abstract_model(config, compute, param_dtype, product)
+    if meta.get("kind") == "assistant":  # an MTP drafter: float, or a GGUF's kept blocks (`quant`)
+        config = AssistantConfig.from_json_dict(_read_json(os.path.join(ckpt_dir, CONFIG_FILE)))
+        model = abstract_assistant(config, compute, param_dtype, product)
+        paths = [e.path for e in assistant_name_map(config)]
+    else:
+        config = load_config(ckpt_dir)
+        if text_only:
+            config = config.text_only()
+        model = abstract_model(config, compute, param_dtype, product)
+        paths = [e.path for e in name_map(config)]
     ple = meta.get("ple") or {}
     bits = ple.get("bits")
-    if config.use_ple and bits:
+    if isinstance(config, Gemma4Config) and config.use_ple and bits:
         n = config.num_hidden_layers * config.hidden_size_per_layer_input
         model.embed_tokens_per_layer = nnx.eval_shape(
             lambda: QuantizedEmbedding(
                 config.vocab_size_per_layer_input, n, bits=bits, group=ple["group"], dtype=compute
             )
         )
-    paths = [e.path for e in name_map(config)]
-    if config.use_ple and bits:
         paths = [p for p in paths if p[:1] != PLE_PATH] + [PLE_PATH + ("codes",), PLE_PATH + ("scales",)]
     for module, fmt in quant.items():  # quantized projections / token table: codes, scales (, mins)
         module = tuple(int(k) if k.isdigit() else k for k in module)

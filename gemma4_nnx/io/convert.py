@@ -422,8 +422,9 @@ def convert(
     """Convert an HF Gemma 4 model directory to a gemma4_nnx Orbax checkpoint directory.
 
     Args:
-      src: HF directory: config.json, model.safetensors or a sharded index, tokenizer files; a Gemma 3
-        GGUF file; or a checkpoint of Google's gemma library (read in place, see `gm_config`).
+      src: HF directory: config.json, model.safetensors or a sharded index, tokenizer files; a Gemma 3 / 4
+        (or Gemma 4 MTP assistant) GGUF file; or a checkpoint of Google's gemma library (read in place, see
+        `gm_config`).
       dst: output directory; must not exist unless `overwrite` (and then must be a gemma4_nnx checkpoint).
       dtype: "bfloat16" or "float32", the stored dtype of the float parameters. Default: the source's
         precision where it is known exactly, "float32" for a GGUF file imported with quantize="keep"
@@ -446,7 +447,8 @@ def convert(
         symmetrically (`quant.format_for`: under "int4" the token table, which is also the output
         head, gets int8; a matrix whose width its group does not divide stays
         float); "none" stores everything float. Norms and other vectors, the MoE router and MTP
-        assistants stay float. The metadata records each quantized matrix.
+        assistants stay float (an assistant's GGUF blocks are kept under "keep", as a model's). The
+        metadata records each quantized matrix.
       group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
       text_only: drop the vision / audio towers of a multimodal checkpoint (kept by default, in float
         at `dtype`: they run once per prompt, so quantizing them would save little).
@@ -529,7 +531,9 @@ def convert(
             for name, leaf in _quantizing(info, fmt, bar).leaves().items():
                 leaves[ck.PLE_PATH + (name,)] = leaf
             continue
-        matrix = None if assistant else _quantized_matrix(entry, info, quantize, group_size, kept, bar, mix, weights)
+        # an assistant's matrices stay float, except a GGUF's blocks under "keep" (kept as for a model)
+        quantizes = not assistant or (quantize == "keep" and entry.hf_name in kept)
+        matrix = _quantized_matrix(entry, info, quantize, group_size, kept, bar, mix, weights) if quantizes else None
         if matrix is not None:
             module = entry.path if matrix.inner else entry.path[:-1]
             quantized[".".join(map(str, module))] = matrix.fmt.to_json()
@@ -573,11 +577,12 @@ def convert(
 def _gguf_tensors_by_hf_name(reader) -> dict[str, Any]:
     """{HF name: GGUF tensor} for the tensors whose blocks `--quantize keep` keeps."""
     from gemma4_nnx.io.gguf_blocks import KEPT_TYPES
-    from gemma4_nnx.io.gguf_import import _hf_name
+    from gemma4_nnx.io.gguf_import import _hf_name, architecture
 
+    arch = architecture(reader)
     out = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)  # "model.layers.0...": the name map's names lack the "model." prefix
+        name = _hf_name(t.name, arch)  # "model.layers.0...": the name map's names lack the "model." prefix
         if name and t.tensor_type.name in KEPT_TYPES:
             out[name.removeprefix("model.")] = t
     return out
@@ -727,7 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "src",
         help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
-        "a Gemma 3 or Gemma 4 .gguf file (needs the gguf package), or a checkpoint of Google's gemma library "
+        "a Gemma 3, Gemma 4 or Gemma 4 MTP assistant .gguf file (needs the gguf package), or a checkpoint of "
+        "Google's gemma library "
         "(see --gm-config)",
     )
     p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")

@@ -1,7 +1,8 @@
 """Export a `Gemma4` model as a GGUF file that llama.cpp (and Ollama, LM Studio) load: `to_gguf`.
 
-Gemma 4 text models are written as llama.cpp's `gemma4` architecture, Gemma 3 checkpoints as `gemma3`;
-the file is what llama.cpp's own converter (`convert_hf_to_gguf.py`) writes for the same HF weights:
+Gemma 4 text models are written as llama.cpp's `gemma4` architecture, Gemma 3 checkpoints as `gemma3`,
+Gemma 4 MTP assistants (`Gemma4Assistant`) as `gemma4-assistant`; the file is what llama.cpp's own
+converter (`convert_hf_to_gguf.py`) writes for the same HF weights:
 
 - Tensor names: `gguf_import.GGUF_TO_HF` read backwards (one table for both directions), over the HF
   tensors `gemma4_nnx.io.tensors.hf_tensors` gives (LoRA merged, int8 / int4 / kept blocks dequantized).
@@ -15,12 +16,19 @@ the file is what llama.cpp's own converter (`convert_hf_to_gguf.py`) writes for 
   `<0xNN>` byte, special added tokens control, Gemma 4's chat markers user-defined so that llama.cpp
   renders them, the rest normal); Gemma 3's `tokenizer.model` as a SentencePiece (`llama`) vocabulary.
   The chat template goes along when the checkpoint has one.
+- MTP assistants: the `gguf` package (0.19) has no `gemma4-assistant`; its name and the names of the
+  assistant's own tensors (`nextn.pre_projection`, `nextn.post_projection`) are llama.cpp 0.3.36's
+  (`gguf_import.ASSISTANT_GGUF_TO_HF`), the decoder layers named as the target's. Keys: the decoder's as
+  for `gemma4` (`shared_kv_layers` = every layer), `embedding_length_out` (the target's width) and
+  `nextn_predict_layers` (every layer). The head is the tied token table (no `output.weight`); the
+  centroid head of the E2B / E4B assistants is left out, as llama.cpp's converter leaves it out (its loader
+  takes none): the file drafts over the whole vocabulary. `quantize`: `ASSISTANT_TYPES` (no q4_k_m mix).
 
 `quantize`: "f32" (every tensor float32), "f16" / "bf16" (matrices at 16 bits, vectors float32, as
 llama.cpp's converter), "q8_0" (matrices whose rows are whole 32-blocks in Q8_0), "q4_k_m" (llama.cpp's
 Q4_K_M mix: the token tables and some `v_proj` / `down_proj` in Q6_K, the rest Q4_K;
 `gemma4_nnx.io.gguf_quantize`, which reproduces llama.cpp's quantizers byte for byte). Vision / audio
-towers (llama.cpp's separate `mmproj` file), Gemma 4 unified (12B) and MTP assistants are not written.
+towers (llama.cpp's separate `mmproj` file) and Gemma 4 unified (12B) are not written.
 
 Command: ``gemma4-export CKPT OUT.gguf --format gguf [--quantize f32|f16|bf16|q8_0|q4_k_m]``.
 """
@@ -34,9 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_nnx.io.gguf_import import GGUF_TO_HF
+from gemma4_nnx.io.gguf_import import ASSISTANT_ARCH, gguf_to_hf_names
 
-__all__ = ["GGUF_TYPES", "gguf_tensor_names", "to_gguf"]
+__all__ = ["ASSISTANT_TYPES", "GGUF_TYPES", "gguf_tensor_names", "to_gguf"]
 
 #: `quantize` -> llama.cpp's file type (`general.file_type`)
 GGUF_TYPES = {
@@ -47,6 +55,8 @@ GGUF_TYPES = {
     "q8_0": "MOSTLY_Q8_0",
     "q4_k_m": "MOSTLY_Q4_K_M",
 }
+#: The `quantize` modes an MTP assistant is written with (no Q4_K_M mix is defined for its matrices).
+ASSISTANT_TYPES = ("keep", "f32", "f16", "bf16", "q8_0")
 #: Gemma 4 tokens llama.cpp's converter types user-defined so that they are rendered (chat parsers read them).
 VISIBLE_TOKENS = frozenset(
     {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'}
@@ -54,13 +64,27 @@ VISIBLE_TOKENS = frozenset(
 _NORMAL, _UNKNOWN, _CONTROL, _USER, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6  # GGUF token types
 
 
-def gguf_tensor_names(num_layers: int) -> dict[str, str]:
-    """{HF name (with the `model.` prefix): GGUF name} for a model of `num_layers` layers."""
+def gguf_tensor_names(num_layers: int, arch: str = "gemma4") -> dict[str, str]:
+    """{HF name (as `hf_tensors` writes it): GGUF name} for a model of llama.cpp architecture `arch` with
+    `num_layers` layers (`gguf_import.gguf_to_hf_names` read backwards)."""
     out = {}
-    for g, h in GGUF_TO_HF.items():
+    for g, h in gguf_to_hf_names(arch).items():
         for i in range(num_layers) if "{i}" in g else (0,):
             out[h.format(i=i)] = g.format(i=i)
     return out
+
+
+def _gguf_entries(config, arch: str):
+    """[(name-map entry, GGUF name)] of the tensors a GGUF of `config` (a `Gemma4Config` or an
+    `AssistantConfig`) holds."""
+    from gemma4_nnx.io.hf import assistant_name_map, name_map
+    from gemma4_nnx.io.tensors import hf_file_name
+
+    assistant = arch == ASSISTANT_ARCH
+    entries = assistant_name_map(config) if assistant else name_map(config.text_only())
+    names = gguf_tensor_names((config.text if assistant else config).num_hidden_layers, arch)
+    found = ((e, names.get(hf_file_name(e, assistant))) for e in entries)
+    return [(e, g) for e, g in found if g is not None]
 
 
 def to_gguf(
@@ -71,7 +95,8 @@ def to_gguf(
     quantize: str = "f32",
     calibration: str | os.PathLike | None = None,
 ) -> str:
-    """Write `model` (a text `Gemma4`, Gemma 4 or Gemma 3) as the GGUF file `path`; returns its absolute path.
+    """Write `model` (a text `Gemma4`, Gemma 4 or Gemma 3, or a `Gemma4Assistant`) as the GGUF file `path`;
+    returns its absolute path. An assistant takes `ASSISTANT_TYPES` only.
 
     calibration: for quantize="q4_k_m", a UTF-8 text `model` reads once (tokenized with the tokenizer in
     `tokenizer_dir`); each decoder projection's blocks are then rounded weighted by the mean squared
@@ -83,32 +108,40 @@ def to_gguf(
     """
     import gguf
 
-    from gemma4_nnx.model import Gemma4
+    from gemma4_nnx.model import Gemma4, Gemma4Assistant
 
     if quantize not in GGUF_TYPES:
         raise ValueError(f"quantize must be one of {sorted(GGUF_TYPES)}, got {quantize!r}")
-    if not isinstance(model, Gemma4):
-        raise ValueError(f"model must be a gemma4_nnx.Gemma4 text model, got {type(model).__name__}")
+    if not isinstance(model, (Gemma4, Gemma4Assistant)):
+        raise ValueError(f"model must be a gemma4_nnx.Gemma4 text model or Gemma4Assistant, got {type(model).__name__}")
     config = model.config
-    if config.bidirectional_scope == "all_layers":
+    assistant = isinstance(model, Gemma4Assistant)
+    if assistant and quantize not in ASSISTANT_TYPES:
+        raise ValueError(f"quantize: an MTP assistant is written with one of {ASSISTANT_TYPES}, not {quantize!r}")
+    if not assistant and config.bidirectional_scope == "all_layers":
         raise ValueError("Gemma 4 unified (12B) has no llama.cpp architecture to export to")
     path = Path(path).absolute()
     if path.is_dir():
         raise ValueError(f"path: {path} is a directory; pass the .gguf file to write")
-    arch = "gemma3" if config.model_family == "gemma3" else "gemma4"
+    if assistant:
+        arch = ASSISTANT_ARCH
+    else:
+        arch = "gemma3" if config.model_family == "gemma3" else "gemma4"
     if calibration is not None and quantize != "q4_k_m":
         raise ValueError(f"calibration: only used with quantize='q4_k_m', not {quantize!r}")
     weights = _importance(model, calibration, tokenizer_dir) if calibration is not None else {}
     tensors, dtypes = _gguf_tensors(model, arch)
-    kept = _kept_blocks(model) if quantize == "keep" else {}
+    kept = _kept_blocks(model, arch) if quantize == "keep" else {}
     types = _block_types(config, tensors, quantize, dtypes)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
         writer.add_name(f"{arch} (gemma4_nnx export)")
         writer.add_file_type(int(getattr(gguf.LlamaFileType, GGUF_TYPES[quantize])))
-        (_gemma4_metadata if arch == "gemma4" else _gemma3_metadata)(writer, config)
-        _write_vocab(writer, config, Path(tokenizer_dir), arch)
+        {"gemma4": _gemma4_metadata, "gemma3": _gemma3_metadata, ASSISTANT_ARCH: _assistant_metadata}[arch](
+            writer, config
+        )
+        _write_vocab(writer, config.text if assistant else config, Path(tokenizer_dir), arch)
         for name, x in tensors.items():
             if name in kept:  # the module's own blocks, byte for byte
                 kind, rows = kept[name]
@@ -130,21 +163,30 @@ def to_gguf(
 # ---------------------------------------------------------------------------- tensors
 def _gguf_tensors(model, arch: str) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
     """({GGUF name: float32 array in HF layout}, {GGUF name: the parameter's own dtype}), in llama.cpp's
-    order (global tensors, then by layer)."""
+    order (global tensors, then by layer).
+
+    An assistant's centroid head (`masked_embedding.*`, the E2B / E4B assistants) is left out, as llama.cpp's
+    converter leaves it out (`Gemma4AssistantModel.filter_tensors`; its loader takes no such tensor): the
+    file drafts through the whole tied table."""
     from gemma4_nnx.io.tensors import hf_tensors
 
     config = model.config
-    names = gguf_tensor_names(config.num_hidden_layers)
+    if arch == ASSISTANT_ARCH:
+        config = config.text
+    names = gguf_tensor_names(config.num_hidden_layers, arch)
     out, dtypes = {}, {}
     for hf, x in hf_tensors(model).items():
         name = names.get(hf)
+        if name is None and arch == ASSISTANT_ARCH and hf.startswith("masked_embedding."):
+            continue
         if name is None:
-            raise ValueError(f"no GGUF name for {hf}: not exportable to llama.cpp's {arch}")
+            hint = " (llama.cpp's assistant ties its head to token_embd)" if hf == "lm_head.weight" else ""
+            raise ValueError(f"no GGUF name for {hf}: not exportable to llama.cpp's {arch}{hint}")
         if arch == "gemma3" and name.endswith("norm.weight"):
             x = x + np.float32(1.0)
         dtypes[name] = x.dtype
         out[name] = np.ascontiguousarray(x, np.float32)
-    if arch == "gemma4" and any(t == "full_attention" for t in config.layer_types):
+    if arch != "gemma3" and any(t == "full_attention" for t in config.layer_types):
         r = config.rope_full
         pairs = config.global_head_dim // 2
         rotated = int(config.global_head_dim * r.partial_rotary_factor / 2) if r.rope_type == "proportional" else pairs
@@ -157,7 +199,7 @@ def _gguf_tensors(model, arch: str) -> tuple[dict[str, np.ndarray], dict[str, np
     return dict(sorted(out.items(), key=lambda kv: order(kv[0]))), dtypes
 
 
-def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
+def _kept_blocks(model, arch: str = "gemma4") -> dict[str, tuple[str, np.ndarray]]:
     """{GGUF name: (block type, uint8 rows)} of the quantized matrices held as GGUF blocks (a `keep` import,
     `--quantize q4_k_m`: their bytes as they are) or whose codes, scales and mins a GGUF block type holds
     exactly (`gguf_blocks.encode_rows`: checkpoints with float32 scales, written before blocks were kept).
@@ -165,20 +207,18 @@ def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
     from flax import nnx
 
     from gemma4_nnx.io.gguf_blocks import encode_rows
-    from gemma4_nnx.io.hf import name_map
     from gemma4_nnx.model import quant
 
     kinds = (quant.QuantizedLinear, quant.QuantizedEmbedding, quant.QuantizedStack)
     modules = {tuple(p): m for p, m in nnx.iter_graph(model) if isinstance(m, kinds)}
-    names = gguf_tensor_names(model.config.num_hidden_layers)
     out = {}
-    for entry in name_map(model.config.text_only()):
+    for entry, name in _gguf_entries(model.config, arch):
         mod = modules.get(entry.path) or modules.get(entry.path[:-1])
         if mod is None or entry.path[0] == "embed_tokens_per_layer":
             continue
         codes = np.asarray(mod.codes[...])
         if mod.fmt.block is not None:  # held as the blocks themselves
-            out[names["model." + entry.hf_name]] = (mod.fmt.block, codes.reshape(-1, codes.shape[-1]))
+            out[name] = (mod.fmt.block, codes.reshape(-1, codes.shape[-1]))
             continue
         scales = np.asarray(mod.scales[...])
         mins = None if getattr(mod, "mins", None) is None else np.asarray(mod.mins[...])
@@ -186,7 +226,7 @@ def _kept_blocks(model) -> dict[str, tuple[str, np.ndarray]]:
         flat = [None if a is None else a.reshape(-1, a.shape[-1]) for a in (codes, scales, mins)]
         found = encode_rows(*flat, mod.fmt, cols)
         if found is not None:
-            out[names["model." + entry.hf_name]] = found
+            out[name] = found
     return out
 
 
@@ -202,9 +242,9 @@ def _block_types(config, tensors: dict[str, np.ndarray], quantize: str, dtypes=N
     from gemma4_nnx.io.gguf_quantize import BLOCK_BYTES, q4_k_m_type
     from gemma4_nnx.io.hf import name_map
 
-    names = gguf_tensor_names(config.num_hidden_layers)
     mix = {}
     if quantize == "q4_k_m":
+        names = gguf_tensor_names(config.num_hidden_layers)
         entries = [e for e in name_map(config.text_only()) if names["model." + e.hf_name] in tensors]
         items = [(e, SimpleNamespace(shape=tensors[names["model." + e.hf_name]].shape)) for e in entries]
         mix = {names["model." + k]: v for k, v in _q4_k_m_mix(items).items()}
@@ -266,7 +306,18 @@ def _encoded(x: np.ndarray, kind: str, importance: np.ndarray | None = None):
 
 
 # ---------------------------------------------------------------------------- metadata
-def _gemma4_metadata(w, config) -> None:
+def _assistant_metadata(w, config) -> None:
+    """A `gemma4-assistant` file's keys: its decoder's as a `gemma4` file's (every layer KV-shared: it reads
+    the target's cache), the target's width (`embedding_length_out`) and the number of drafting layers
+    (`nextn_predict_layers`, all of them), as llama.cpp's `Gemma4AssistantModel.set_gguf_parameters`
+    writes them (`gguf` 0.19's writer has both keys)."""
+    text = config.text
+    _gemma4_metadata(w, text, shared_kv_layers=text.num_hidden_layers)
+    w.add_embedding_length_out(config.backbone_hidden_size)
+    w.add_nextn_predict_layers(text.num_hidden_layers)
+
+
+def _gemma4_metadata(w, config, shared_kv_layers: int | None = None) -> None:
     layers = config.layers
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -285,7 +336,7 @@ def _gemma4_metadata(w, config) -> None:
     w.add_rope_dimension_count_swa(int(config.head_dim * config.rope_sliding.partial_rotary_factor))
     w.add_sliding_window(config.sliding_window)
     w.add_sliding_window_pattern([s.type == "sliding_attention" for s in layers])
-    w.add_shared_kv_layers(config.num_kv_shared_layers)
+    w.add_shared_kv_layers(config.num_kv_shared_layers if shared_kv_layers is None else shared_kv_layers)
     w.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
     if config.final_logit_softcapping:
         w.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -327,7 +378,7 @@ def _gemma3_metadata(w, config) -> None:
 
 # ---------------------------------------------------------------------------- vocabulary
 def _write_vocab(w, config, tokenizer_dir: Path, arch: str) -> None:
-    if arch == "gemma4":
+    if arch != "gemma3":
         pieces, types, merges = _gemma4_vocab(tokenizer_dir)
         scores: list[float] = []
         w.add_tokenizer_model("gemma4")

@@ -1,8 +1,10 @@
-"""Import a Gemma 3 or Gemma 4 GGUF file (llama.cpp format) as an HF-style checkpoint directory.
+"""Import a Gemma 3, Gemma 4 or Gemma 4 MTP assistant GGUF file (llama.cpp format) as an HF-style
+checkpoint directory.
 
     GGUF ──gguf_to_hf_dir──▶ HF dir (config.json, model.safetensors, tokenizer) ──convert──▶ Orbax
 
-The directory is what an HF repo of the same model holds (`Gemma3ForCausalLM` or `Gemma4ForCausalLM`),
+The directory is what an HF repo of the same model holds (`Gemma3ForCausalLM`, `Gemma4ForCausalLM` or
+`Gemma4AssistantForCausalLM`),
 so the regular converter does the rest; under `--quantize keep` it also reads the file's quantized
 blocks straight from the GGUF (`gemma4_nnx.io.gguf_blocks`). `gemma4_nnx.io.gguf_export` writes the
 other direction with the same name table (`GGUF_TO_HF`).
@@ -24,8 +26,13 @@ What the GGUF does and does not carry, and how each gap is filled:
   `tokenizer.model` (byte fallback, identity normalizer, no dummy prefix, whitespace-run user pieces,
   stored as spaces, turned back into `▁`, `<unk>` typed UNKNOWN); Gemma 4's BPE vocabulary (`gemma4`:
   tokens, types, merges) into a `tokenizer.json`. The chat template goes along when the file has one.
-- Not read: MTP assistants (`gemma4-assistant`) and the vision / audio towers (llama.cpp's separate
-  `mmproj` file): a GGUF import is a text model.
+- MTP assistants (`gemma4-assistant`, `_assistant_config`): the decoder's keys as a `gemma4` file's, the
+  target's width from `embedding_length_out`; the decoder's tensors under the target's names, the two
+  projections under llama.cpp's `nextn.*` names (`ASSISTANT_GGUF_TO_HF`: the `gguf` package, 0.19, has no
+  such architecture, so the names are llama.cpp 0.3.36's). The head is the tied token table: llama.cpp's
+  converter drops the E2B / E4B assistants' centroid head, so an imported assistant drafts over the whole
+  vocabulary, as llama.cpp does.
+- Not read: the vision / audio towers (llama.cpp's separate `mmproj` file): a GGUF import is a text model.
 
 The output is derived from the weights: it belongs on the user's machine (cache or `checkpoints/`),
 never in git. `cached_hf_dir` keeps one under `~/.cache/gemma4_nnx/gguf/` and reuses it.
@@ -87,7 +94,28 @@ GGUF_TO_HF: dict[str, str] = {
     "blk.{i}.ffn_gate_up_exps.weight": "model.layers.{i}.experts.gate_up_proj",
     "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.experts.down_proj",
 }
-ARCHITECTURES = ("gemma3", "gemma4")
+#: GGUF name -> HF `Gemma4AssistantForCausalLM` name of an MTP assistant's own tensors; its decoder layers,
+#: token table, final norm and `rope_freqs` are named as `GGUF_TO_HF` names the target's. The `gguf` package
+#: (0.19) has no `gemma4-assistant` architecture: these are llama.cpp's names as llama-cpp-python 0.3.36
+#: vendors them (`gguf-py/gguf/constants.py`: MODEL_TENSOR.NEXTN_PROJ_PRE / NEXTN_PROJ_POST in TENSOR_NAMES,
+#: `tensor_mapping.py` mapping HF `pre_projection` / `post_projection` to them).
+ASSISTANT_GGUF_TO_HF: dict[str, str] = {
+    "nextn.pre_projection.weight": "pre_projection.weight",
+    "nextn.post_projection.weight": "post_projection.weight",
+}
+ASSISTANT_ARCH = "gemma4-assistant"  # MODEL_ARCH.GEMMA4_ASSISTANT in llama.cpp 0.3.36's constants.py
+ARCHITECTURES = ("gemma3", "gemma4", ASSISTANT_ARCH)
+#: The centroid head of the E2B / E4B assistants under llama.cpp's names (MASKED_EMBD_CENTROIDS / _ORDERING).
+#: llama.cpp's converter drops it (`Gemma4AssistantModel.filter_tensors`) and its loader declares it without
+#: a shape, so a file that holds it does not load there; this import does not read it either (no metadata
+#: key holds `centroid_intermediate_top_k`).
+CENTROID_TENSORS = ("masked_embd_centroids.weight", "masked_embd_ordering")
+
+
+def gguf_to_hf_names(arch: str) -> dict[str, str]:
+    """The GGUF -> HF name table of architecture `arch` ("{i}" = layer index)."""
+    return {**GGUF_TO_HF, **ASSISTANT_GGUF_TO_HF} if arch == ASSISTANT_ARCH else GGUF_TO_HF
+
 
 _MARKER = "gguf_import.json"  # written last: a directory without it is incomplete
 _FORMAT_VERSION = 2  # 2: Gemma 4 files
@@ -126,18 +154,21 @@ def architecture(reader) -> str:
     """The file's `general.architecture`, checked to be one this import reads."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        hint = " (an MTP drafter: not read from GGUF yet)" if arch == "gemma4-assistant" else ""
         raise ValueError(
-            f"GGUF architecture is {arch!r}{hint}; only Gemma 3 ('gemma3') and Gemma 4 ('gemma4') GGUF "
-            "files can be imported"
+            f"GGUF architecture is {arch!r}; only Gemma 3 ('gemma3'), Gemma 4 ('gemma4') and Gemma 4 MTP "
+            f"assistant ('{ASSISTANT_ARCH}') GGUF files can be imported"
         )
     return arch
 
 
 def hf_config_from_gguf(reader) -> dict[str, Any]:
-    """The HF `config.json` dict of a Gemma 3 (`Gemma3ForCausalLM`) or Gemma 4 (`Gemma4ForCausalLM`) GGUF."""
-    if architecture(reader) == "gemma4":
+    """The HF `config.json` dict of a Gemma 3 (`Gemma3ForCausalLM`), Gemma 4 (`Gemma4ForCausalLM`) or Gemma 4
+    MTP assistant (`Gemma4AssistantForCausalLM`) GGUF."""
+    arch = architecture(reader)
+    if arch == "gemma4":
         return _gemma4_config(reader).to_hf_dict()
+    if arch == ASSISTANT_ARCH:
+        return _assistant_config(reader).to_hf_dict()
 
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"gemma3.{key}", default)
@@ -198,7 +229,28 @@ def _per_layer(value, n: int) -> list:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * n
 
 
-def _gemma4_config(reader):
+def _assistant_config(reader):
+    """`AssistantConfig` of a `gemma4-assistant` GGUF: its decoder as `_gemma4_config` reads a `gemma4` file
+    (under the `gemma4-assistant.` keys), the target's width from `embedding_length_out` (llama.cpp's
+    `n_embd_out`, which its loader requires to differ from the assistant's own width). The head is the
+    tied token table: llama.cpp's files have no `output.weight` and no centroid head (`CENTROID_TENSORS`).
+    """
+    from gemma4_nnx.config import AssistantConfig
+
+    n = int(_field(reader, f"{ASSISTANT_ARCH}.block_count"))
+    nextn = _field(reader, f"{ASSISTANT_ARCH}.nextn_predict_layers")
+    if nextn is None or int(nextn) != n:
+        raise ValueError(
+            f"GGUF: {ASSISTANT_ARCH}.nextn_predict_layers is {nextn!r}, not the block count {n}: llama.cpp runs "
+            "that many of the assistant's layers, and every layer of a Gemma 4 assistant drafts"
+        )
+    backbone = _field(reader, f"{ASSISTANT_ARCH}.embedding_length_out")
+    if backbone is None:
+        raise ValueError(f"GGUF: {ASSISTANT_ARCH}.embedding_length_out (the target's hidden size) is missing")
+    return AssistantConfig(text=_gemma4_config(reader, ASSISTANT_ARCH), backbone_hidden_size=int(backbone))
+
+
+def _gemma4_config(reader, arch: str = "gemma4"):
     """`Gemma4Config` of a `gemma4` GGUF, from the keys llama.cpp's converter writes (and reads back in
     `llama_model_gemma4::load_arch_hparams`) and from which tensors the file holds:
 
@@ -208,12 +260,18 @@ def _gemma4_config(reader):
     - the full layers' proportional RoPE is llama.cpp's `rope_freqs` tensor: factor 1 on the rotated
       frequency pairs, 1e30 (no rotation) on the rest, so `partial_rotary_factor` = 2 * ones / head dim;
     - `attention_k_eq_v` (31B): full layers with a K but no V projection.
+
+    arch="gemma4-assistant": an assistant's decoder, whose layers hold no K / V of their own: no KV-shared
+    layers of its own (`AssistantConfig` makes every layer read the target's), `attention_k_eq_v` only where
+    the full layers' KV heads differ from the sliding ones' (the one thing it changes for such layers).
     """
     from gemma4_nnx.config import Gemma4Config, RopeSpec
     from gemma4_nnx.config.text import FULL, SLIDING
 
+    assistant = arch == ASSISTANT_ARCH
+
     def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"gemma4.{key}", default)
+        return _field(reader, f"{arch}.{key}", default)
 
     n = int(get("block_count"))
     names = {t.name: t for t in reader.tensors}
@@ -223,7 +281,7 @@ def _gemma4_config(reader):
     layer_types = tuple(SLIDING if s else FULL for s in pattern)
     kv = _per_layer(get("attention.head_count_kv"), n)
     ff = _per_layer(get("feed_forward_length"), n)
-    shared = int(get("attention.shared_kv_layers", 0) or 0)
+    shared = 0 if assistant else int(get("attention.shared_kv_layers", 0) or 0)
     sliding_kv = next((k for k, t in zip(kv, layer_types) if t == SLIDING), kv[0])
     full_kv = next((k for k, t in zip(kv, layer_types) if t == FULL), sliding_kv)
     head_dim, global_head_dim = int(get("attention.key_length_swa")), int(get("attention.key_length"))
@@ -254,7 +312,9 @@ def _gemma4_config(reader):
         rope_full=RopeSpec("proportional", float(get("rope.freq_base", 1_000_000.0)), partial),
         rms_norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),
         final_logit_softcapping=None if softcap is None else float(f"{float(softcap):.6g}"),
-        attention_k_eq_v=bool(full) and all(f"blk.{i}.attn_v.weight" not in names for i in full),
+        attention_k_eq_v=(full_kv != sliding_kv)
+        if assistant
+        else bool(full) and all(f"blk.{i}.attn_v.weight" not in names for i in full),
         num_kv_shared_layers=shared,
         use_double_wide_mlp=shared > 0 and ff[-1] == 2 * ff[0],
         hidden_size_per_layer_input=ple,
@@ -278,12 +338,13 @@ def _gemma4_config(reader):
 
 
 # ---------------------------------------------------------------------------- tensors
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in GGUF_TO_HF:
-        return GGUF_TO_HF[gguf_name]
+def _hf_name(gguf_name: str, arch: str = "gemma4") -> str | None:
+    table = gguf_to_hf_names(arch)
+    if gguf_name in table:
+        return table[gguf_name]
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        template = GGUF_TO_HF.get(f"blk.{{i}}.{parts[2]}")
+        template = table.get(f"blk.{{i}}.{parts[2]}")
         if template is not None:
             return template.format(i=int(parts[1]))
     return None
@@ -295,12 +356,13 @@ def hf_tensors_from_gguf(reader, dtype=np.float32) -> dict[str, np.ndarray]:
 
     Raises one ValueError listing every tensor it cannot place.
     """
-    gemma3 = architecture(reader) == "gemma3"
+    arch = architecture(reader)
+    gemma3 = arch == "gemma3"
     out: dict[str, np.ndarray] = {}
     split_experts: dict[str, dict[str, np.ndarray]] = {}
     unknown = []
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         parts = t.name.split(".")
         if t.name == "rope_freqs.weight" and not gemma3:
             continue  # the full layers' proportional RoPE, read into the config (`_gemma4_config`)
@@ -310,6 +372,8 @@ def hf_tensors_from_gguf(reader, dtype=np.float32) -> dict[str, np.ndarray]:
         if name is None:
             if t.name == "output.weight":  # an untied LM head would be a different model
                 unknown.append(f"{t.name} (untied output head; Gemma ties it to token_embd)")
+            elif t.name in CENTROID_TENSORS:
+                unknown.append(f"{t.name} (an assistant's centroid head: not read, llama.cpp does not load it)")
             else:
                 unknown.append(t.name)
             continue
@@ -457,7 +521,8 @@ def gguf_to_hf_dir(
         np_dtype = ml_dtypes.bfloat16
     tensors = hf_tensors_from_gguf(reader, np_dtype)
     log(f"dequantized {sum(x.size for x in tensors.values()) / 1e6:.0f}M parameters ({time.time() - t0:.1f}s)")
-    gemma4 = architecture(reader) == "gemma4"
+    arch = architecture(reader)
+    gemma4 = arch != "gemma3"
     tok = tokenizer_json_from_gguf(reader).encode() if gemma4 else tokenizer_model_from_gguf(reader)
     template = _field(reader, "tokenizer.chat_template")
     del reader
@@ -468,18 +533,19 @@ def gguf_to_hf_dir(
     tmp.mkdir()
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        (tmp / "generation_config.json").write_text(
-            json.dumps(
-                {
-                    "bos_token_id": config["bos_token_id"],
-                    "eos_token_id": config["eos_token_id"],
-                    "pad_token_id": config["pad_token_id"],
-                },
-                indent=2,
+        if arch != ASSISTANT_ARCH:  # an assistant's HF files have none: it generates nothing on its own
+            (tmp / "generation_config.json").write_text(
+                json.dumps(
+                    {
+                        "bos_token_id": config["bos_token_id"],
+                        "eos_token_id": config["eos_token_id"],
+                        "pad_token_id": config["pad_token_id"],
+                    },
+                    indent=2,
+                )
+                + "\n",
+                encoding="utf-8",
             )
-            + "\n",
-            encoding="utf-8",
-        )
         (tmp / ("tokenizer.json" if gemma4 else "tokenizer.model")).write_bytes(tok)
         if template:
             (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")

@@ -141,18 +141,24 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
             value = value.astype(np.int64)
         else:
             value = value.astype(target if target is not None else src_dtype)
-        # an assistant's own tensors (projections, centroid head, lm_head) sit outside `model.`
-        top = assistant and not entry.hf_name.startswith(("embed_tokens.", "norm.", "layers."))
-        if entry.path[0] in quant.TOWERS:
-            out["model." + entry.hf_name] = value
-        else:
-            out[entry.hf_name if top else prefix + entry.hf_name] = value
+        out[hf_file_name(entry, assistant, prefix)] = value
     if missing:
         raise ValueError(f"model has no parameter at {missing[:10]} (total {len(missing)}); is it a Gemma4?")
     if layout == "google":
         kind = out[prefix + "embed_tokens.weight"].dtype
         out.update({prefix + k: v.astype(kind) for k, v in consumer_kv(config).items()})
     return out
+
+
+def hf_file_name(entry, assistant: bool = False, prefix: str = "model.") -> str:
+    """The name `entry`'s tensor has in an HF file: the name map's name after `prefix` (`LAYOUTS`), the
+    towers' after `model.`; an assistant's own tensors (projections, centroid head, lm_head) sit outside
+    `model.`."""
+    if entry.path[0] in quant.TOWERS:
+        return "model." + entry.hf_name
+    if assistant and not entry.hf_name.startswith(("embed_tokens.", "norm.", "layers.")):
+        return entry.hf_name
+    return prefix + entry.hf_name
 
 
 def consumer_kv(config) -> dict[str, np.ndarray]:

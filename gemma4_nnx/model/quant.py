@@ -638,10 +638,13 @@ class QuantizedStack(nnx.Module):
 # ---------------------------------------------------------------------------- whole models
 #: Which parameters `quantize` and `gemma4-convert --quantize int8|int4` quantize: every projection
 #: (attention q/k/v/o, the MLPs, the per-layer-input projections), the MoE experts and the token
-#: embedding / tied logits matrix. Norms, `layer_scalar` and the MoE router stay float.
+#: embedding / tied logits matrix; an MTP assistant's two projections too (`^(pre|post)_projection`: a
+#: `gemma4-assistant` GGUF's blocks). Norms, `layer_scalar` and the MoE router stay float.
 #: The vision / audio towers and their embedders stay in float: they run once per prompt, not per token.
 TOWERS = ("vision_tower", "vision_embedder", "embed_vision", "audio_tower", "embed_audio")
-QUANTIZABLE = re.compile(r"(_proj|per_layer_input_gate|per_layer_projection|^embed_tokens|experts\.(gate_up|down))$")
+QUANTIZABLE = re.compile(
+    r"(_proj|per_layer_input_gate|per_layer_projection|^embed_tokens|^(pre|post)_projection|experts\.(gate_up|down))$"
+)
 
 
 def quantizable(module_path) -> bool:
