@@ -187,14 +187,15 @@ def test_two_processes_train_like_one():
 
 
 # ---------------------------------------------------------------------------- QLoRA and full fine-tuning
-def qlora_pair(bits: int):
-    """A micro model prepared for QLoRA on an int`bits` base, and its float twin whose weights are the
-    dequantized codes, prepared for LoRA (the same adapters: same seed, same wrapping order)."""
+def qlora_pair(bits: int, build=micro_model):
+    """A model (`build()`, default the micro model) prepared for QLoRA on an int`bits` base, and its
+    float twin whose weights are the dequantized codes, prepared for LoRA (the same adapters: same
+    seed, same wrapping order)."""
     from gemma4_nnx.model import quant
 
-    qmodel = micro_model()
+    qmodel = build()
     loop.prepare(qmodel, "qlora", rank=2, base_quant=f"int{bits}")
-    twin = micro_model()
+    twin = build()
     for path, mod in nnx.iter_graph(qmodel):
         mod = getattr(mod, "codes", None) is not None and mod
         if mod:
@@ -245,6 +246,100 @@ def test_prepare_errors_name_the_parameter():
 
     quant.quantize(kept, 8)
     assert loop.prepare(kept, "qlora", base_quant="keep") is nnx.LoRAParam  # a quantized checkpoint as it is
+
+
+# `gemma4-finetune --method qlora` / `--method full` end to end, checked against the library-level run
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """A tiny HF checkpoint with a tokenizer, a JSONL file, and `run(method, *flags)`: the command
+    (in-process `loop.main`) over them for 3 steps, held-out loss after step 3; returns (run directory,
+    metrics.jsonl records, the model `prepare` made), `library(model, wrt)`: the same run through
+    `loop.Trainer`, `load(path)`: a checkpoint as the command loads it, and the packed rows."""
+    from gemma4_nnx.io.loader import load_any
+
+    base = tmp_path_factory.mktemp("cli")
+    ckpt = make_tiny_hf(
+        base / "ckpt", tokenizer=True, num_hidden_layers=2, layer_types=(fx.S, fx.F), num_kv_shared_layers=0
+    )
+    train = base / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 1)}) + "\n" for i in range(12)))
+    flags = ["--model", ckpt, "--data", str(train), "--eval", str(train), "--batch-size", "2", "--max-len", "16"]
+    flags += ["--lora-rank", "2", "--lr", "1e-2", "--steps", "3", "--eval-every", "3", "--no-progress"]
+
+    def run(method, *extra):
+        out, made = base / method, []
+
+        def spy(model, *args, prepare=loop.prepare, **kwargs):
+            made.append(model)
+            return prepare(model, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loop, "prepare", spy)
+            loop.main([*flags, "--out", str(out), "--method", method, *extra])
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return out, records, made[0]
+
+    from gemma4_nnx.tokenizer import load_tokenizer
+
+    examples, _ = data.read_jsonl([str(train)], load_tokenizer(ckpt), max_len=16, overflow="truncate")
+    rows = data.pack(examples, 16)
+
+    def library(model, wrt):
+        """The command's run through the library: the same rows, loader, config (--steps 3 --lr 1e-2,
+        warm-up steps // 10 = 0) and held-out loss."""
+        config = loop.TrainConfig(steps=3, lr=1e-2, batch_size=2, eval_every=3)
+        trainer = loop.Trainer(model, data.Loader(rows, 2, seed=0), config, wrt=wrt, eval_rows=rows)
+        return trainer.run(), loop.evaluate(model, rows, 2)
+
+    def load(path=ckpt, **kw):
+        return load_any(path, compute_dtype="float32", kind="model", **kw)
+
+    return run, library, load, rows
+
+
+def test_finetune_command_qlora_keeps_the_codes_and_trains_like_lora_on_the_dequantized_base(cli_run):
+    """--method qlora --base-quant int4: the base's codes and scales after training are bit-identical to
+    a fresh int4 quantization of the checkpoint; the logged losses are those of `prepare(..., "lora")`
+    on a float base holding the dequantized codes (float rounding: the codes multiply in another
+    order); the saved adapters are that LoRA run's adapters."""
+    run, library, load, _ = cli_run
+    out, records, trained = run("qlora", "--base-quant", "int4")
+    fresh, twin = qlora_pair(4, build=load)
+    before, after = codes(fresh), codes(trained)
+    assert any(p[-1] == "codes" and "q_proj" in p for p in before), "no projection was quantized"
+    assert before.keys() == after.keys() and all(np.array_equal(after[p], before[p]) for p in before), (
+        "the command changed the frozen codes"
+    )
+    want, want_eval = library(twin, nnx.LoRAParam)
+    got = [r["loss"] for r in records]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(records[-1]["eval_loss"], want_eval, rtol=1e-5)
+    assert got[-1] < got[0], f"no training happened: {got}"
+    saved, b = adapters(ft.load_adapters(fresh, out / "adapters")), adapters(twin)
+    assert saved.keys() == b.keys()
+    for p in saved:  # Adam moves each element by ~lr per step whatever its gradient's size: atol in lr units
+        np.testing.assert_allclose(saved[p], b[p], rtol=0, atol=1e-3 * 1e-2, err_msg=str(p))
+
+
+def test_finetune_command_full_writes_a_model_that_gives_the_logged_eval_loss(cli_run):
+    """--method full: the logged losses are the library-level `prepare(..., "full")` run's (the same
+    compiled step on the same inputs: bit-identical); the HF model written to out/model differs from
+    the base and, loaded again, gives the logged held-out loss (float32 weights round-trip exactly)."""
+    from safetensors.numpy import load_file
+
+    run, library, load, rows = cli_run
+    out, records, _ = run("full")
+    model = load(dtype="float32")
+    want, want_eval = library(model, loop.prepare(model, "full"))
+    assert [r["loss"] for r in records] == want and records[-1]["eval_loss"] == want_eval
+    assert want[-1] < want[0], f"no training happened: {want}"
+    base = load_file(str(out.parent / "ckpt" / "model.safetensors"))
+    saved = load_file(str(out / "model" / "model.safetensors"))
+    assert base.keys() <= saved.keys()
+    moved = [k for k in base if not np.array_equal(base[k], saved[k])]
+    assert len(moved) > len(base) // 2, f"only {len(moved)} of {len(base)} tensors changed"
+    reloaded = loop.evaluate(load(out / "model", dtype="float32"), rows, 2)
+    assert reloaded == pytest.approx(records[-1]["eval_loss"], rel=1e-6), (reloaded, records[-1]["eval_loss"])
 
 
 # weights whose full fine-tuning updates are compared (HF name -> ours): a sliding and a full KV donor's
