@@ -455,6 +455,7 @@ print("REPORT " + json.dumps(dict(
     rel=rel, worst=max(float(np.max(np.abs(a[k] - b[k]))) for k in a),
     moved=min(float(np.max(np.abs(a[k] - start[k]))) for k in a),
     whole=whole, mu_split=len(mu_split),
+    ple_shards=[list(s.data.shape) for s in sharded.model.embed_tokens_per_layer.embedding[...].addressable_shards],
     bytes_one=param_bytes_per_device(one.model), bytes_fsdp=param_bytes_per_device(sharded.model),
     resumed_equal=all(np.array_equal(weights(again)[k], b[k]) for k in b))))
 shutil.rmtree(out)
@@ -474,8 +475,9 @@ def test_fsdp_full_finetune_equals_one_device():
     worst = max(r["rel"].values())
     assert worst <= 1e-2, f"FSDP weights differ from one device's by {worst:.3g} of their update: {r['rel']}"
     assert r["worst"] <= 0.1 * 1e-3 and r["moved"] > 0, f"max element difference {r['worst']:.3g}"
-    # every matrix is split but the PLE table, which the declared table puts over "tp" only (vocab, ple)
-    assert r["whole"] == ["embed_tokens_per_layer.embedding"] and r["mu_split"] > 0, f"left whole: {r['whole']}"
+    # every matrix is split, the PLE table [128, 16] too: its rows over the 8 devices
+    assert r["whole"] == [] and r["mu_split"] > 0, f"left whole: {r['whole']}"
+    assert r["ple_shards"] == [[16, 16]] * 8, f"PLE table shards {r['ple_shards']}"
     assert r["bytes_fsdp"] < r["bytes_one"] / 4, f"per-device bytes {r['bytes_fsdp']} vs {r['bytes_one']}"
     assert r["resumed"] == r["got"][2:] and r["resumed_equal"], "resuming a sharded checkpoint diverged"
 
