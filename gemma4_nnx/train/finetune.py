@@ -283,7 +283,7 @@ def chunked_lm_loss(
     return total / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def loss_fn(model: nnx.Module, batch: dict[str, Array], *, recompute_logits: bool = False) -> Array:
+def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
     """The training-path (no cache) forward + `masked_lm_loss`, its logits formed a few tokens at a time
     (`chunked_lm_loss`, pieces of `LOSS_PIECE_ELEMENTS` logits). batch: input_ids, loss_mask and
     optionally attention_mask (1 = real token), positions, and for packed rows (`data.pack`)
@@ -297,9 +297,7 @@ def loss_fn(model: nnx.Module, batch: dict[str, Array], *, recompute_logits: boo
         return_hidden=True,
     )
     chunk = LOSS_PIECE_ELEMENTS // model.config.vocab_size
-    return chunked_lm_loss(
-        model.logits, h, batch["input_ids"], batch["loss_mask"], chunk=chunk, recompute_logits=recompute_logits
-    )
+    return chunked_lm_loss(model.logits, h, batch["input_ids"], batch["loss_mask"], chunk=chunk)
 
 
 def make_batch(
