@@ -241,7 +241,8 @@ def test_step_holds_no_whole_logits_and_no_second_copy_of_the_weights(monkeypatc
     float32 logits [256, V] (16 MiB; measured 25.6 MiB LoRA, 31.3 full, where the whole-logits loss
     took 101.5 / 102.2: logits, softcapped, log-probabilities and their gradients); its outputs are the
     trained variables and optimizer state only (LoRA: no copy of the frozen base), written into the
-    donated input buffers (full: the weights and Adam moments are not held twice)."""
+    donated input buffers (full: the weights and Adam moments are not held twice); `evaluate`'s
+    compiled loss returns its two sums only (no copy of the model)."""
     from gemma4_nnx.model.build import abstract_model
     from tests.helpers import fill_random, tiny_config
 
@@ -266,6 +267,8 @@ def test_step_holds_no_whole_logits_and_no_second_copy_of_the_weights(monkeypatc
     assert m.output_size_in_bytes - m.alias_size_in_bytes <= slack, "outputs not written into donated buffers"
     if method == "lora":
         assert m.output_size_in_bytes < 0.02 * m.argument_size_in_bytes, "the step returns the frozen base"
+        e = loop._eval_sums.lower(*nnx.split(model), batch).compile().memory_analysis()  # `evaluate`'s
+        assert e.output_size_in_bytes <= 64, f"the held-out loss returns {e.output_size_in_bytes} B (the model?)"
 
 
 def test_prepare_errors_name_the_parameter():

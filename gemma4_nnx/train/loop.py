@@ -154,15 +154,20 @@ def _update(graphdef, opt_graphdef, params, frozen, opt_state, batch, accumulate
     return total / count, nnx.state(model, wrt), nnx.state(optimizer)
 
 
-_eval_sums = nnx.jit(token_sums)
+@functools.partial(jax.jit, static_argnums=0)
+def _eval_sums(graphdef, state, batch):
+    """`token_sums` on the split model: the variables go in only (`nnx.jit` would return them all, a
+    copy of the model per call)."""
+    return token_sums(nnx.merge(graphdef, state), batch)
 
 
 def evaluate(model: nnx.Module, rows: dict[str, np.ndarray], batch_size: int) -> float:
     """Mean next-token loss over every trained token of `rows` (packed rows, `data.pack`)."""
     loader = data.Loader(rows, batch_size, shuffle=False)
+    graphdef, state = nnx.split(model)
     total = count = 0.0
     for _ in range(loader.batches_per_epoch):
-        s, n = _eval_sums(model, next(loader))
+        s, n = _eval_sums(graphdef, state, next(loader))
         total, count = total + float(s), count + float(n)
     return total / max(count, 1.0)
 
