@@ -10,10 +10,15 @@ Two tables, nothing else:
 - `rules` (default `DEFAULT_RULES`): logical axis -> mesh axis. With the mesh axes ("fsdp", "tp"):
   "embed" (and the batch) go over "fsdp" (ZeRO-3 style: every weight is split along the model
   width, gathered per layer by XLA), heads/MLP width/vocab go over "tp" (Megatron-style tensor
-  parallelism). A mesh of shape (8, 1) is pure FSDP, (1, 8) pure TP, (2, 4) both.
+  parallelism). A mesh of shape (8, 1) is pure FSDP, (1, 8) pure TP, (2, 4) both. A rule may name
+  several mesh axes, the dimension then split over all of them: the PLE table's rows ("ple_vocab")
+  go over "tp" and "fsdp", because its width (layers x per-layer dim, 8960 on E2B) is what its
+  consumer `per_layer_model_projection` splits over "tp", and the rows are the one dimension that
+  divides any power-of-two mesh (262144): under pure FSDP the largest array is split too.
 
 A dimension whose size does not divide its mesh axis is replicated instead (tiny or odd shapes, e.g.
-one KV head), so every model places on every mesh. The placement is used by `shard_model` (a live
+one KV head; over several mesh axes, each one kept only while the product still divides), so every
+model places on every mesh. The placement is used by `shard_model` (a live
 model), by `shard_cache` / `cache_shardings` (a `KVCache`), by `sharding_for(...)` as the `sharding=` callable of
 `gemma4_nnx.from_hf` and `gemma4_nnx.io.checkpoint.load` (arrays land directly on their devices), and by
 `shard_batch` for the inputs.
@@ -35,12 +40,14 @@ from gemma4_nnx.model.tree import dotted
 
 MESH_AXES = ("fsdp", "tp")
 
-#: logical axis -> mesh axis (None: replicated). FSDP over the model width and batch, TP over
-#: heads / MLP width / vocabulary / experts' width.
-DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
+#: logical axis -> mesh axis, or mesh axes to split one dimension over all of them (None: replicated).
+#: FSDP over the model width and batch, TP over heads / MLP width / vocabulary / experts' width; the
+#: PLE table's rows over both (module docstring).
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", "fsdp"),
     ("embed", "fsdp"),
     ("vocab", "tp"),
+    ("ple_vocab", ("tp", "fsdp")),
     ("q_heads", "tp"),
     ("kv_heads", "tp"),
     ("mlp", "tp"),
@@ -56,8 +63,8 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     # the vision / audio towers and their embedders: replicated (small, and run once per prompt)
     (r"^(vision_tower|vision_embedder|audio_tower|embed_vision|embed_audio)\.", (None,)),
     (r"^embed_tokens\.embedding$", ("vocab", "embed")),
-    (r"^embed_tokens_per_layer\.embedding$", ("vocab", "ple")),
-    (r"^embed_tokens_per_layer\.(codes|scales)$", ("vocab", None)),
+    (r"^embed_tokens_per_layer\.embedding$", ("ple_vocab", "ple")),
+    (r"^embed_tokens_per_layer\.(codes|scales)$", ("ple_vocab", None)),
     (r"^per_layer_model_projection\.kernel$", ("embed", "ple")),
     (r"\.self_attn\.q_proj\.kernel$", ("embed", "q_heads")),
     (r"\.self_attn\.(k|v)_proj\.kernel$", ("embed", "kv_heads")),
@@ -125,11 +132,12 @@ def partition_spec(
     path: Sequence[Any] | str,
     shape: Sequence[int] | None,
     mesh: Mesh,
-    rules: Sequence[tuple[str, str | None]] | Mapping[str, str | None] = DEFAULT_RULES,
+    rules: Sequence[tuple[str, Any]] | Mapping[str, Any] = DEFAULT_RULES,
 ) -> PartitionSpec:
     """Mesh partition spec of one variable: its logical axes mapped through `rules`; a dimension not
     divisible by its mesh axis size (when `shape` is known) is replicated, and a mesh axis is used at
-    most once per array."""
+    most once per array. A dimension ruled over several mesh axes takes each in turn while it is
+    unused and the product of the sizes taken still divides the dimension."""
     table = dict(rules)
     axes = logical_axes(path)
     if shape is not None and len(axes) != len(shape):
@@ -142,14 +150,14 @@ def partition_spec(
             )
     spec, used = [], set()
     for i, name in enumerate(axes):
-        mesh_axis = table.get(name) if name is not None else None
-        if mesh_axis is not None:
-            size = mesh.shape[mesh_axis]
-            if mesh_axis in used or (shape is not None and shape[i] % size):
-                mesh_axis = None
-        if mesh_axis is not None:
-            used.add(mesh_axis)
-        spec.append(mesh_axis)
+        wanted = table.get(name) if name is not None else None
+        taken, size = [], 1
+        for mesh_axis in (wanted,) if isinstance(wanted, str) else wanted or ():
+            if mesh_axis not in used and (shape is None or shape[i] % (size * mesh.shape[mesh_axis]) == 0):
+                taken.append(mesh_axis)
+                size *= mesh.shape[mesh_axis]
+        used.update(taken)
+        spec.append(taken[0] if len(taken) == 1 else tuple(taken) or None)
     while spec and spec[-1] is None:
         spec.pop()
     return PartitionSpec(*spec)

@@ -352,3 +352,43 @@ def test_peft_adapter_bad_input_names_the_problem(tmp_path):
     json.dump({**config, "r": 3}, open(f"{out}/adapter_config.json", "w"))
     with pytest.raises(ValueError, match="has rank 2, config r=3"):
         load_peft_adapter(tiny_model(), out)
+
+
+# ---------------------------------------------------------------------------- the loss in pieces
+@pytest.mark.parametrize("recompute_logits", [False, True])
+def test_loss_in_pieces_equals_the_whole_logits_loss(monkeypatch, recompute_logits):
+    """`chunked_lm_loss` (`loss_fn`'s loss) forming the logits 5 tokens at a time (the last piece
+    padded) = `masked_lm_loss` on the whole [B, S, V] logits: the loss and every float parameter's
+    gradient (LoRA adapters, the tied embedding: head, input and PLE projection input), within float32
+    rounding: each token's nll is computed as there, the sums (loss, h's and the embedding's
+    gradients) run piece by piece."""
+    model = micro_model()
+    ft.apply_lora(model, rank=2)
+    ids = fx.sample_ids(2, 11, seed=4)
+    batch = {"input_ids": jnp.asarray(ids), "loss_mask": jnp.asarray(_loss_mask(ids))}
+
+    def whole(m, b):
+        return ft.masked_lm_loss(m(b["input_ids"]), b["input_ids"], b["loss_mask"])
+
+    def grads(f):
+        loss, g = nnx.jit(nnx.value_and_grad(f, argnums=nnx.DiffState(0, ft.trainable_params)))(model, batch)
+        return float(loss), {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(g)}
+
+    def pieces(m, b):  # `loss_fn`'s loss, 5 tokens a piece: 22 tokens in 5 pieces
+        h = m(b["input_ids"], return_hidden=True)
+        return ft.chunked_lm_loss(
+            m.logits, h, b["input_ids"], b["loss_mask"], chunk=5, recompute_logits=recompute_logits
+        )
+
+    want, want_g = grads(whole)
+    got, got_g = grads(pieces)
+    if not recompute_logits:
+        monkeypatch.setattr(ft, "LOSS_PIECE_ELEMENTS", 5 * model.config.vocab_size)
+        same, same_g = grads(ft.loss_fn)
+        assert same == got and all(np.array_equal(same_g[k], got_g[k]) for k in got_g), "loss_fn is not this"
+    assert got == pytest.approx(want, rel=1e-6), f"loss in pieces {got} vs whole {want}"
+    assert got_g.keys() == want_g.keys() and any("lora_b" in k for k in got_g)
+    moved = [k for k, g in want_g.items() if np.any(g)]  # all but lora_a (zero while lora_b starts at 0)
+    assert len(moved) > len(want_g) // 2 and "embed_tokens.embedding" in moved, moved
+    for k, g in want_g.items():  # float32 sums in another order: 1e-5 of the tensor's largest gradient
+        np.testing.assert_allclose(got_g[k], g, rtol=0, atol=1e-5 * float(np.max(np.abs(g))), err_msg=k)

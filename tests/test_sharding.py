@@ -80,6 +80,9 @@ for name, (fsdp, tp) in {"fsdp": (8, 1), "tp": (1, 8)}.items():
     r["total_params"] = len(variables_by_path(m))
     r["kernels_split"] = [".".join(map(str, p)) for p, v in variables_by_path(m).items()
                           if p[-1] in ("kernel", "embedding") and not v.get_value().sharding.is_fully_replicated]
+    table = m.embed_tokens_per_layer.embedding.get_value()  # the PLE table [V, layers x per-layer dim]
+    r["ple"] = {"shape": list(table.shape), "spec": str(table.sharding.spec),
+                "shards": [list(s.data.shape) for s in table.addressable_shards]}
     r["logit_diff"] = maxdiff(forward(m, sh.shard_batch(jnp.asarray(ids), mesh)), ref_logits)
     r["loss"] = one_step(m)
     after = params(m)
@@ -143,8 +146,12 @@ def test_sharded_logits_equal_single_device(multi, kind):
         "layers.2.mlp.down_proj.kernel",
         "layers.1.self_attn.q_proj.kernel",
         "layers.1.self_attn.k_proj.kernel",
+        "embed_tokens_per_layer.embedding",
     ):
         assert name in r["kernels_split"], f"{kind}: {name} is not split: {r['kernels_split']}"
+    # the PLE table (E2B's largest array): its rows over all 8 devices under pure FSDP as under pure TP
+    (v, w), ple = r["ple"]["shape"], r["ple"]
+    assert ple["shards"] == [[v // 8, w]] * 8, f"{kind}: PLE table {ple['shape']} placed {ple['spec']}: {ple['shards']}"
     assert r["logit_diff"] <= LOGIT_TOL, f"{kind}: logits differ from one device by {r['logit_diff']:.3g}"
 
 
@@ -190,6 +197,7 @@ def test_every_parameter_has_declared_axes():
 
 
 def test_partition_spec_rules():
+    from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as P
 
     mesh = sh.make_mesh(fsdp=1, tp=1)
@@ -198,6 +206,14 @@ def test_partition_spec_rules():
     assert sh.logical_axes("layers.0.mlp.down_proj.lora_a") == ("mlp", "lora_rank")
     assert sh.logical_axes("layers.0.mlp.down_proj.lora_b") == ("lora_rank", "embed")
     assert sh.partition_spec("norm.scale", (64,), mesh) == P()
+
+    # the PLE table's rows over "tp" and "fsdp", each mesh axis kept while the product divides the rows
+    def ple(rows, mesh_shape):
+        return sh.partition_spec("embed_tokens_per_layer.embedding", (rows, 24), AbstractMesh(mesh_shape, sh.MESH_AXES))
+
+    assert ple(64, (8, 1)) == ple(64, (2, 4)) == ple(64, (1, 8)) == P(("tp", "fsdp"))
+    # 12 rows take no 8-way split: the rows over "tp" alone, or over "fsdp" alone and the width over "tp"
+    assert ple(12, (8, 1)) == ple(12, (2, 4)) == P("tp") and ple(12, (1, 8)) == P("fsdp", "tp")
     with pytest.raises(ValueError, match="tp"):
         sh.make_mesh(tp=0)
     with pytest.raises(ValueError, match="exceeds"):

@@ -29,7 +29,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -236,18 +236,68 @@ def perplexity(model: nnx.Module, ids: Sequence[int], chunk: int = 64) -> float:
     return float(np.exp(np.mean(np.asarray(nll(weights, jnp.asarray([list(ids[:t])]))))))
 
 
+#: float32 logits one piece of the training loss forms at a time (`chunked_lm_loss`, `loss_fn`): 2**23
+#: (32 MiB), 32 tokens of Gemma's 262144-token vocabulary; a tiny model's batch in one piece
+LOSS_PIECE_ELEMENTS = 2**23
+
+
+def chunked_lm_loss(
+    head: Callable[[Array], Array],
+    h: Array,
+    input_ids: Array,
+    loss_mask: Array,
+    *,
+    chunk: int,
+    recompute_logits: bool = False,
+) -> Array:
+    """`masked_lm_loss(head(h), input_ids, loss_mask)` without its [B, S, V] float32 intermediates.
+
+    h [B, S, D]: the final hidden states; `head`: [..., D] -> logits [..., V] (`Gemma4.logits`). The
+    logits are formed `chunk` tokens at a time in a `lax.scan` under `jax.checkpoint`: the gradient
+    pass keeps only each piece's logits as the head's matmul gave them ([B*S, V] in the compute dtype
+    over all pieces) and redoes the softcap and float32 log-softmax one piece at a time, where the
+    whole-batch loss held about five [B, S, V] float32 buffers at its peak (logits, softcapped, log
+    probabilities and their gradients). `recompute_logits=True` keeps not even those: the backward
+    pass runs the head's matmul again (one more [B*S, D] x [D, V] product a step).
+
+    Within float32 rounding of `masked_lm_loss`: each token's nll is computed as there, the sum is
+    taken piece by piece (and, in a gradient, the pieces' contributions to h and the head add up in
+    another order)."""
+    b, s, d = h.shape
+    last = jnp.zeros((b, 1), jnp.int32)  # the last position predicts nothing: weight 0
+    targets = jnp.concatenate([jnp.asarray(input_ids)[:, 1:].astype(jnp.int32), last], axis=1).reshape(-1)
+    w = jnp.concatenate([jnp.asarray(loss_mask)[:, 1:].astype(jnp.int32), last], axis=1).reshape(-1)
+    x, w = h.reshape(b * s, d), w.astype(jnp.float32)
+    chunk = max(1, min(chunk, b * s))
+    pad = -(b * s) % chunk  # whole pieces: padding tokens of weight 0
+    x, targets, w = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad)), jnp.pad(w, (0, pad))
+
+    @functools.partial(jax.checkpoint, policy=None if recompute_logits else jax.checkpoint_policies.dots_saveable)
+    def piece(total, xtw):
+        x, t, w = xtw
+        logp = jax.nn.log_softmax(head(x).astype(jnp.float32), axis=-1)
+        return total + jnp.sum(-jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0] * w), None
+
+    pieces = [a.reshape(-1, chunk, *a.shape[1:]) for a in (x, targets, w)]
+    total, _ = jax.lax.scan(piece, jnp.float32(0), pieces)
+    return total / jnp.maximum(jnp.sum(w), 1.0)
+
+
 def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
-    """The training-path (no cache) forward + `masked_lm_loss`. batch: input_ids, loss_mask and
+    """The training-path (no cache) forward + `masked_lm_loss`, its logits formed a few tokens at a time
+    (`chunked_lm_loss`, pieces of `LOSS_PIECE_ELEMENTS` logits). batch: input_ids, loss_mask and
     optionally attention_mask (1 = real token), positions, and for packed rows (`data.pack`)
     segment_ids (attention inside each example; the model derives the mask and the positions,
     restarting at 0, from them)."""
-    logits = model(
+    h = model(
         batch["input_ids"],
         batch.get("positions"),
         attention_mask=batch.get("attention_mask"),
         segment_ids=batch.get("segment_ids"),
+        return_hidden=True,
     )
-    return masked_lm_loss(logits, batch["input_ids"], batch["loss_mask"])
+    chunk = LOSS_PIECE_ELEMENTS // model.config.vocab_size
+    return chunked_lm_loss(model.logits, h, batch["input_ids"], batch["loss_mask"], chunk=chunk)
 
 
 def make_batch(

@@ -104,47 +104,70 @@ def token_sums(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array]:
     return ft.loss_fn(model, batch) * n, n
 
 
-@functools.partial(nnx.jit, static_argnames=("accumulate", "shard"))
 def accumulate_step(
     model: nnx.Module, optimizer: nnx.Optimizer, batch: dict, accumulate: int = 1, shard: Mesh | None = None
 ) -> jax.Array:
     """One optimizer update from batch rows [accumulate * B, S], B rows at a time; gradients and loss
     weighted by trained tokens (the whole batch's `masked_lm_loss`). Returns the loss before the update.
-    `shard` (FSDP): the mesh whose declared layout (`gemma4_nnx.sharding`) the updated variables keep."""
-    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    `shard` (FSDP): the mesh whose declared layout (`gemma4_nnx.sharding`) the updated variables keep.
+
+    Memory: the compiled step takes the frozen variables (the base) as inputs only and returns just the
+    trained ones and the optimizer state (`nnx.jit` would return every variable of `model`, and XLA
+    copy the whole base into its outputs each step), into the buffers of the ones it was given (donated:
+    a full fine-tune does not hold two copies of the weights and Adam moments). An array of the trained
+    variables or optimizer state held elsewhere before the step is deleted by it (JAX's donation; a
+    NumPy view of one keeps it: JAX then copies)."""
+    graphdef, params, frozen = nnx.split(model, optimizer.wrt, ...)
+    opt_graphdef, opt_state = nnx.split(optimizer)
+    loss, params, opt_state = _update(graphdef, opt_graphdef, params, frozen, opt_state, batch, accumulate, shard)
+    nnx.update(model, params)
+    nnx.update(optimizer, opt_state)
+    return loss
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 6, 7), donate_argnums=(2, 4))
+def _update(graphdef, opt_graphdef, params, frozen, opt_state, batch, accumulate, shard):
+    """`accumulate_step` on the split variables: (loss, trained variables, optimizer state)."""
+    wrt = nnx.merge(opt_graphdef, opt_state).wrt
     micro = jax.tree.map(lambda x: jnp.asarray(x).reshape(accumulate, -1, *x.shape[1:]), batch)
 
-    grad_fn = nnx.value_and_grad(token_sums, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
+    grad_fn = nnx.value_and_grad(token_sums, argnums=nnx.DiffState(0, wrt), has_aux=True)
 
     # the variables go through the carry, unchanged: the model merged in the body is then built from
     # this trace's values (nnx's transforms, nnx.remat's included, refuse variables of an outer trace)
     def body(carry, b):
-        total, count, grads, params, rest = carry
-        (loss, n), g = grad_fn(nnx.merge(graphdef, params, rest), b)
-        return (total + loss, count + n, jax.tree.map(jnp.add, grads, g), params, rest), None
+        total, count, grads, params, frozen = carry
+        (loss, n), g = grad_fn(nnx.merge(graphdef, params, frozen), b)
+        return (total + loss, count + n, jax.tree.map(jnp.add, grads, g), params, frozen), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    carry = (jnp.float32(0), jnp.float32(0), zeros, params, rest)
+    carry = (jnp.float32(0), jnp.float32(0), zeros, params, frozen)
     (total, count, grads, _, _), _ = jax.lax.scan(body, carry, micro)
     count = jnp.maximum(count, 1.0)
+    model, optimizer = nnx.merge(graphdef, params, frozen), nnx.merge(opt_graphdef, opt_state)
     optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
     if shard is not None:
         from gemma4_nnx.sharding import constrain
 
         constrain(model, shard)
         constrain(optimizer, shard)
-    return total / count
+    return total / count, nnx.state(model, wrt), nnx.state(optimizer)
 
 
-_eval_sums = nnx.jit(token_sums)
+@functools.partial(jax.jit, static_argnums=0)
+def _eval_sums(graphdef, state, batch):
+    """`token_sums` on the split model: the variables go in only (`nnx.jit` would return them all, a
+    copy of the model per call)."""
+    return token_sums(nnx.merge(graphdef, state), batch)
 
 
 def evaluate(model: nnx.Module, rows: dict[str, np.ndarray], batch_size: int) -> float:
     """Mean next-token loss over every trained token of `rows` (packed rows, `data.pack`)."""
     loader = data.Loader(rows, batch_size, shuffle=False)
+    graphdef, state = nnx.split(model)
     total = count = 0.0
     for _ in range(loader.batches_per_epoch):
-        s, n = _eval_sums(model, next(loader))
+        s, n = _eval_sums(graphdef, state, next(loader))
         total, count = total + float(s), count + float(n)
     return total / max(count, 1.0)
 
