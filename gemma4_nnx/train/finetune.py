@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, traverse_util
+from jax.ad_checkpoint import checkpoint_name
 
 from gemma4_nnx.model import layers, quant
 from gemma4_nnx.model.tree import dotted, set_submodule, submodules
@@ -272,10 +273,15 @@ def chunked_lm_loss(
     pad = -(b * s) % chunk  # whole pieces: padding tokens of weight 0
     x, targets, w = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad)), jnp.pad(w, (0, pad))
 
-    @functools.partial(jax.checkpoint, policy=None if recompute_logits else jax.checkpoint_policies.dots_saveable)
+    # The head's output is saved by name, not as "a dot": with the CPU kernels (a bf16 table) the head
+    # is an FFI call, which `dots_saveable` does not know, and the logits were recomputed.
+    saved = jax.checkpoint_policies.save_only_these_names("lm_head_logits")
+
+    @functools.partial(jax.checkpoint, policy=None if recompute_logits else saved)
     def piece(total, xtw):
         x, t, w = xtw
-        logp = jax.nn.log_softmax(head(x).astype(jnp.float32), axis=-1)
+        logits = checkpoint_name(head(x), "lm_head_logits")
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return total + jnp.sum(-jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0] * w), None
 
     pieces = [a.reshape(-1, chunk, *a.shape[1:]) for a in (x, targets, w)]
