@@ -32,9 +32,10 @@ demo-tiny: $(VENV)/.installed-demo
 	$(PY) -m gemma4_nnx.demo
 
 # Lint and format checks first (seconds), then the suite: test files spread over PYTEST_WORKERS
-# processes (pytest-xdist; a file's tests stay in one process, sharing its module fixtures).
+# processes (pytest-xdist; a file's tests stay in one process, sharing its module fixtures). Each run
+# ends with its 15 slowest tests: where CI's time goes.
 PYTEST_WORKERS ?= 2
-PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -62,7 +63,7 @@ test-isa: $(VENV)/.installed
 # (the engine's policies, written in Python over that core) the server's start-up, a streamed and a
 # plain chat, bad requests and mutated bodies.
 PY312_BEHAVIOUR := tests/test_server.py tests/test_speculative.py tests/test_penalties.py tests/test_logprobs.py \
-	tests/test_constraints.py
+	tests/test_constraints.py tests/test_responses.py
 PY312_TESTS ?= $(filter-out $(PY312_BEHAVIOUR),$(sort $(wildcard tests/test_*.py))) \
 	tests/test_server.py::test_health_models_and_warmup_generation \
 	tests/test_server.py::test_chat_greedy_equals_generate_streaming_and_not \

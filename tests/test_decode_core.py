@@ -207,6 +207,7 @@ def test_text_stream_reasons_and_stop_text():
         held.feed(ord("a"), stopped=False, last=False)
 
 
+@pytest.mark.slow
 def test_a_failing_sink_ends_only_its_own_request(model):
     """A consumer whose callback raises on its third event: that request ends (row freed, counted as
     failed, the sink is not called again); a request decoding beside it gets exactly its solo tokens."""

@@ -77,6 +77,7 @@ def test_cached_decoding_reproduces_full_forward_logits(models, variant, chunk):
     assert diff <= F32_TOL, f"{variant} chunk={chunk}: max |cached - full| = {diff:.3g}"
 
 
+@pytest.mark.slow
 def test_select_rows_is_exact(models):
     """`select` (last-position logits, KV-consumer layers skipped for the rest) equals slicing."""
     model = models("e2b")
@@ -129,6 +130,7 @@ def test_one_new_token_equals_the_first_of_more(models):
     assert stopped.logprobs == one.logprobs
 
 
+@pytest.mark.slow
 def test_logprobs_are_raw_model_log_softmax(models):
     model = models("moe")
     p = PROMPTS[0]

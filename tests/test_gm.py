@@ -246,6 +246,7 @@ def test_presets_map_to_gms_models():
     )
 
 
+@pytest.mark.slow
 def test_lora_and_quantized_ple_are_written_as_floats(tmp_path):
     """gm has no LoRA or int4 path for Gemma 4: adapters are merged, an int4 PLE table dequantized."""
     from flax import nnx

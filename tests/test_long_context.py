@@ -136,6 +136,7 @@ def long_model():
     return random_model("e2b", config=dict(max_position_embeddings=4096, sliding_window=48))
 
 
+@pytest.mark.slow
 def test_chunked_prefill_equals_whole_prefill(long_model):
     """A 1,300-token prompt (27 windows; > KEY_BLOCK keys in the global layers): prefilled in the
     automatic chunks of 512 (3 chunks, the last partly padding) and in one chunk, greedy

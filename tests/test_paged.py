@@ -157,6 +157,7 @@ def _run_one(engine, prompt, kw):
     return engine.submit(prompt, NEW, stop_tokens=[], **kw).result()
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_for_all_preempts_and_equals_solo(model, solo):
     """6 requests of 39-71 tokens (2-3 blocks of 32 each) on 4 rows sharing a pool of 7 blocks:
     rows run out mid-decode, the newest is preempted and recomputed from its tokens; each request's
@@ -196,6 +197,7 @@ def test_a_prompt_larger_than_the_pool_is_refused_by_name(model):
         engine.close()
 
 
+@pytest.mark.slow
 def test_random_submit_and_cancel_leaks_no_block(model):
     """Requests submitted and cancelled at random points on a small pool with prefix caching: every
     request ends, and afterwards the only blocks held are the prefix snapshots'; dropping those frees
@@ -328,6 +330,7 @@ def test_int8_attention_equals_float64_over_the_dequantized_cache(kernel, paged)
     assert 1e-4 < np.abs(got - exact).max() < 0.05
 
 
+@pytest.mark.slow
 def test_int8_engine_equals_int8_generate_and_takes_a_quarter_of_float32(model):
     """The engine and `generate` with cache_dtype="int8" give the same tokens (one decode core over
     the same quantized cache); its bytes per token are (H + 4) / (4 H) of float32's."""

@@ -324,6 +324,7 @@ def test_qlora_trains_adapters_on_a_frozen_int4_base():
     np.testing.assert_array_equal(tensors["model.layers.0.mlp.gate_proj.weight"], want)
 
 
+@pytest.mark.slow
 def test_convert_keeps_compressed_tensors_int4(tmp_path):
     """A tiny checkpoint in compressed-tensors' pack-quantized W4A16 layout (int32 words of eight
     offset nibbles, bf16 group scales, config.json's quantization_config), written here from the
@@ -756,6 +757,7 @@ def test_block_format_metadata_round_trips_and_old_formats_still_read():
 
 
 @needs_kernels
+@pytest.mark.slow
 def test_model_with_blocks_held_as_stored_gives_the_same_logits():
     """A model whose projections and token table are GGUF blocks held as stored gives bit for bit the
     logits of the same model holding their decoded codes and float32 scales (what checkpoints stored

@@ -50,6 +50,7 @@ def adapters(model) -> dict:
 SGD = optax.sgd(1.0)  # the update is the gradient itself: compared element by element
 
 
+@pytest.mark.slow
 def test_accumulated_step_equals_one_big_batch(rows):
     """2 micro-batches of 2 rows, gradients weighted by their trained tokens = one batch of 4 rows; and
     the same with `model.remat` (layers recomputed in the backward pass)."""
@@ -98,6 +99,7 @@ def test_config_errors_name_the_parameter():
         loop.TrainConfig(steps=4, accumulate=0)
 
 
+@pytest.mark.slow
 def test_finetune_command_trains_resumes_and_writes_adapters(tmp_path):
     ckpt = make_tiny_hf(
         tmp_path / "ckpt", tokenizer=True, num_hidden_layers=2, layer_types=(fx.S, fx.F), num_kv_shared_layers=0
