@@ -791,3 +791,49 @@ def test_model_with_blocks_held_as_stored_gives_the_same_logits():
     ids = jnp.asarray(PROMPTS[1:2])
     a, b = (np.asarray(nnx.jit(lambda m, x: m(x))(m, ids)) for m in models)
     np.testing.assert_array_equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.skipif(not cpu_kernels.has_int8_dot(), reason="matmul='cpu_kernels_int8' needs AVX512-VNNI or AVX2")
+def test_a_model_holding_stored_blocks_with_int8_activations_takes_llama_cpp_products():
+    """The wiring from the model to `llama_rows`: a model whose projections are GGUF blocks held as
+    stored, built with matmul="cpu_kernels_int8", gives in each such projection llama.cpp's product
+    (the reference above) for a decode row and a 13-row prompt, and its logits move from the exact
+    ones by the activation rounding (not at all would mean the float product ran; measured 0.08 of the
+    largest logit on this random model, whose flat layers amplify the 2^-8 rounding: the bound 0.25 only
+    separates that from a wrong product, which moves them by the logits' whole scale)."""
+    pytest.importorskip("gguf")
+    from gemma4_nnx.io.gguf_quantize import encode_rows
+
+    product = layers.resolve_matmul("cpu_kernels_int8", dtype=jnp.float32, param_dtype=None, quantized=True)
+    exact_product = layers.resolve_matmul("cpu_kernels", dtype=jnp.float32, param_dtype=None, quantized=True)
+    models = [random_model("e2b", matmul=m) for m in ("cpu_kernels_int8", "cpu_kernels")]
+    kinds = iter(["Q8_0", "Q5_0"] * 100)
+    held = []
+    for path, mod in list(nnx.iter_graph(models[0])):
+        path = tuple(path)
+        if not isinstance(mod, nnx.Linear) or not quant.quantizable(path) or mod.in_features % 32:
+            continue
+        kind = next(kinds)
+        raw = encode_rows(quant.float_matrix(mod), kind)
+        for model, mm in zip(models, (product, exact_product)):
+            q = quant.quantized_like(quant.get_submodule(model, path), quant.QuantFormat.of_block(kind), mm)
+            quant._set_params(q, jnp.asarray(raw), None, None)
+            quant.set_submodule(model, path, q)
+        held.append((path, kind, raw))
+    assert len(held) >= 10
+    rng = np.random.default_rng(3)
+    for path, kind, raw in held[:3]:
+        mod = quant.get_submodule(models[0], path)
+        w = _llama_weights(raw, kind, mod.in_features)
+        for rows in (1, 13):
+            x = rng.standard_normal((rows, mod.in_features)).astype(np.float32)
+            got = np.asarray(mod(jnp.asarray(x)), np.float64)
+            for m in range(rows):
+                ref, size = _llama_dot(w, _llama_q8(x[m], kind), kind)
+                bound = (mod.in_features // 32 + 8) * 2.0**-24 * size
+                assert np.all(np.abs(got[m] - ref) <= bound), (path, kind, rows, m)
+    ids = jnp.asarray(PROMPTS[1:2])
+    int8, exact = (np.asarray(nnx.jit(lambda m, x: m(x))(m, ids)) for m in models)
+    moved = np.abs(int8 - exact).max() / np.abs(exact).max()
+    assert np.isfinite(int8).all() and 0 < moved < 0.25, moved
