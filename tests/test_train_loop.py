@@ -560,3 +560,16 @@ def test_tensorboard_holds_the_metrics_and_the_bar_shows_progress(rows, tmp_path
         assert got[key] == np.float32(value), f"{key}: {got[key]} vs {value}"
     assert records[0]["lr"] == 0.0 and records[1]["lr"] == pytest.approx(1e-2)  # warm-up from 0 to the peak
     assert "3/3" in capsys.readouterr().err, "no progress bar reached 3/3 steps"
+
+
+def test_the_training_step_compiles_once(rows):
+    """Three steps of a fresh LoRA model and optimizer compile the step once: the first step's fresh
+    (uncommitted) factors and optimizer zeros come back from it as committed arrays, which made the
+    second step compile the whole program again (5.9 s on the 270M) until the step committed them first."""
+    batch = data.Loader(rows, 4, shuffle=False).batch(data.LoaderState())
+    model = lora_micro()
+    opt = ft.make_optimizer(model, SGD)
+    before = loop._update._cache_size()
+    for _ in range(3):
+        loop.accumulate_step(model, opt, batch)
+    assert loop._update._cache_size() - before == 1
