@@ -4,6 +4,7 @@ interruption, and the `gemma4-finetune` command end to end on a tiny checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import jax
@@ -562,14 +563,20 @@ def test_tensorboard_holds_the_metrics_and_the_bar_shows_progress(rows, tmp_path
     assert "3/3" in capsys.readouterr().err, "no progress bar reached 3/3 steps"
 
 
-def test_the_training_step_compiles_once(rows):
-    """Three steps of a fresh LoRA model and optimizer compile the step once: the first step's fresh
-    (uncommitted) factors and optimizer zeros come back from it as committed arrays, which made the
-    second step compile the whole program again (5.9 s on the 270M) until the step committed them first."""
+def test_the_training_step_compiles_once(rows, caplog):
+    """Three steps of a loaded model (its arrays committed to their device, as `load` places them) with
+    fresh LoRA factors and optimizer compile the step once: the fresh (uncommitted) arrays come back
+    from the first step committed, which made the second step compile the whole program again (5.9 s
+    on the 270M) until the step committed them first."""
     batch = data.Loader(rows, 4, shuffle=False).batch(data.LoaderState())
-    model = lora_micro()
-    opt = ft.make_optimizer(model, SGD)
-    before = loop._update._cache_size()
-    for _ in range(3):
-        loop.accumulate_step(model, opt, batch)
-    assert loop._update._cache_size() - before == 1
+    model = micro_model()
+    device = jax.devices()[0]
+    nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, device), nnx.state(model)))
+    wrt = loop.prepare(model, "lora", rank=2)
+    opt = ft.make_optimizer(model, loop.make_tx(CONFIG), wrt=wrt)
+    caplog.set_level(logging.WARNING, logger="jax._src.dispatch")
+    with jax.log_compiles(True):
+        for _ in range(3):
+            loop.accumulate_step(model, opt, batch)
+    compiles = [r for r in caplog.records if "compilation of jit(_update)" in r.getMessage()]
+    assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
