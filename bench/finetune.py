@@ -52,12 +52,12 @@ def batches(tokenizer: str, batch_size: int, steps: int) -> list[dict]:
     return [next(loader) for _ in range(steps)]
 
 
-def ours(method: str, ckpt: str, rows: list[dict], dtype: str) -> list[float]:
+def ours(method: str, ckpt: str, rows: list[dict], dtype: str, compute_dtype: str | None = None) -> list[float]:
     import gemma4_nnx
     from gemma4_nnx.train import finetune as ft
     from gemma4_nnx.train import loop
 
-    model = gemma4_nnx.load_any(ckpt, dtype=dtype, compute_dtype=dtype)
+    model = gemma4_nnx.load_any(ckpt, dtype=dtype, compute_dtype=compute_dtype or dtype)
     wrt = loop.prepare(model, method, rank=RANK, base_quant="int4")
     config = loop.TrainConfig(steps=len(rows), lr=LR, batch_size=len(rows[0]["input_ids"]))
     opt = ft.make_optimizer(model, loop.make_tx(config), wrt=wrt)
@@ -102,7 +102,10 @@ def worker(side: str, method: str, a: argparse.Namespace) -> None:
     import numpy as np
 
     rows = batches(a.tokenizer or a.ckpt, a.batch_size, a.steps)
-    times = ours(method, a.ckpt, rows, a.dtype) if side == "ours" else theirs(method, a.hf_dir, rows, a.dtype)
+    if side == "ours":
+        times = ours(method, a.ckpt, rows, a.dtype, a.compute_dtype)
+    else:
+        times = theirs(method, a.hf_dir, rows, a.dtype)
     tokens = sum(int(np.count_nonzero(b["segment_ids"])) for b in rows[1:])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     report = {"first_s": times[0], "tokens_per_s": tokens / sum(times[1:]), "peak_rss_gib": rss}
@@ -114,6 +117,8 @@ def run(side: str, method: str, a: argparse.Namespace) -> dict:
     cmd += ["--batch-size", str(a.batch_size), "--steps", str(a.steps), "--dtype", a.dtype]
     if a.tokenizer:
         cmd += ["--tokenizer", a.tokenizer]
+    if a.compute_dtype:
+        cmd += ["--compute-dtype", a.compute_dtype]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", a.cores, *cmd]
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -132,6 +137,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute, both sides"
+    )
+    p.add_argument(
+        "--compute-dtype", choices=["float32", "bfloat16"], help="ours: the activations' dtype (default --dtype)"
     )
     p.add_argument("--tokenizer", help="checkpoint whose tokenizer makes the batches (default: --ckpt)")
     p.add_argument("--repeats", type=int, default=1)
