@@ -113,6 +113,7 @@ def read_media(args, processor) -> tuple[list, list, list]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from gemma4_nnx.decode.generate import enable_compilation_cache, generate_stream
+    from gemma4_nnx.io.checkpoint import load_options
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.tokenizer import END_OF_CHANNEL, ThinkingSplitter, load_tokenizer
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
             processor = load_processor(args.checkpoint)
             items = read_media(args, processor)
-        model = load_any(args.checkpoint, args.dtype, kept_blocks=args.kept_blocks)
+        model = load_any(args.checkpoint, **load_options(args))
         t_load = time.perf_counter() - t0
         if processor is not None and not model.config.multimodal:
             raise ValueError("--image / --audio / --video: this checkpoint has no vision or audio tower (a text model)")

@@ -382,6 +382,32 @@ def test_kept_blocks_load_decoded_by_default_as_the_old_keep_stored_them(tmp_pat
     assert app.build_parser().parse_args(argv[:1] + ["--kept-blocks", "stored"]).kept_blocks == "stored"
 
 
+def test_load_flags_reach_the_loader(monkeypatch, tmp_path):
+    """`gemma4-generate` and `gemma4-serve` pass --dtype / --kept-blocks / --matmul to `load_any` (stopped
+    there: what it was asked is what the test reads)."""
+    import gemma4_nnx.io.loader as loader
+    from gemma4_nnx import cli_generate
+    from gemma4_nnx.serve import app
+
+    ckpt = make_tiny_hf(tmp_path / "hf", tokenizer=True)
+    asked = []
+
+    def stop(path, **kw):
+        asked.append(kw)
+        raise RuntimeError("stopped at load_any")
+
+    monkeypatch.setattr(loader, "load_any", stop)
+    flags = ["--kept-blocks", "stored", "--matmul", "cpu_kernels_int8", "--dtype", "float32"]
+    with pytest.raises(RuntimeError, match="stopped at load_any"):
+        cli_generate.main([str(ckpt), "--prompt", "x", *flags])
+    with pytest.raises(RuntimeError, match="stopped at load_any"):
+        app.make_engine(app.build_parser().parse_args([str(ckpt), *flags]))
+    want = {"dtype": "float32", "kept_blocks": "stored", "matmul": "cpu_kernels_int8"}
+    assert [{k: kw[k] for k in want} for kw in asked] == [want, want]
+    with pytest.raises(SystemExit):
+        cli_generate.build_parser().parse_args([str(ckpt), "--prompt", "x", "--matmul", "fast"])
+
+
 # ---------------------------------------------------------------------------- MTP assistants (gemma4-assistant)
 #: What llama.cpp's converter writes for an HF `Gemma4AssistantForCausalLM`, read off llama-cpp-python 0.3.36's
 #: vendored llama.cpp (it cannot run here: it needs torch and the HF checkpoint layout):

@@ -444,12 +444,29 @@ def load_tokenizer(ckpt_dir: str | os.PathLike):
 
 
 def add_load_flags(parser) -> None:
-    """`--dtype` and `--kept-blocks`: the `load` options of every command that loads a checkpoint."""
+    """`--dtype`, `--kept-blocks` and `--matmul`: the `load` options of every command that loads a
+    checkpoint (`load_options` reads them back)."""
+    from gemma4_nnx.model.layers import MATMUL_OPTIONS
+
     parser.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
     parser.add_argument(
         "--kept-blocks",
         choices=("decoded", "stored"),
         default="decoded",
-        help="GGUF blocks kept by --quantize keep: decoded as they load (default: faster decode, more memory) "
-        "or held as the file stores them (the file's bytes in memory, slower decode)",
+        help="GGUF blocks kept by --quantize keep: decoded as they load (default: more memory, the float "
+        "products' fast layout) or held as the file stores them (the file's bytes in memory; with --matmul "
+        "cpu_kernels_int8, llama.cpp's integer arithmetic on them: the fastest decode on CPU)",
     )
+    parser.add_argument(
+        "--matmul",
+        choices=MATMUL_OPTIONS,
+        default="auto",
+        help="the projections' product (gemma4_nnx.model.layers.resolve_matmul): auto (default: exact), "
+        "xla, cpu_kernels, cpu_kernels_bf16 (bf16 activations in prefill products), cpu_kernels_int8 "
+        "(int8 activations in decode products, as llama.cpp)",
+    )
+
+
+def load_options(args) -> dict:
+    """The `load` / `load_any` keywords of the flags `add_load_flags` added."""
+    return {"dtype": args.dtype, "kept_blocks": args.kept_blocks, "matmul": args.matmul}

@@ -595,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_engine(args: argparse.Namespace) -> Engine:
     """Load the checkpoint (sharded with --tensor-parallel-size) and start the engine over it."""
+    from gemma4_nnx.io.checkpoint import load_options
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.tokenizer import load_tokenizer
 
@@ -632,7 +633,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
     if args.max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-    model = load_any(args.checkpoint, args.dtype, mesh=mesh, kept_blocks=args.kept_blocks)
+    model = load_any(args.checkpoint, mesh=mesh, **load_options(args))
     engine = Engine(
         model,
         tokenizer,
