@@ -1533,103 +1533,146 @@ inline void k_scale_ints(const uint8_t* s, int* sc, int* mn) {
   }
 }
 
-// out[m0:m0+MB, n0:n1] for GGUF blocks of type T (rows of q.codes) and rows of x rounded as llama.cpp does.
+// One weight block of GGUF type T as llama.cpp's integers: its codes in column order (|w| where the
+// codes are signed, their signs apart), and its scales.
+template <int T>
+struct Unpacked {
+  static constexpr bool KQ = T == 12 || T == 13 || T == 14;
+  static constexpr int EL = KQ ? 256 : 32;  // elements of a block
+  static constexpr int BY = T == 8 ? 34 : T == 6 ? 22 : T == 2 ? 18 : T == 3 ? 20 : T == 12 ? 144 : T == 13 ? 176 : 210;
+  static constexpr bool SIGNED = T != 3 && T != 12 && T != 13;  // Q4_1 / Q4_K / Q5_K codes are unsigned
+  W32 w[EL / 32];
+  W32 signs[SIGNED ? EL / 32 : 1];
+  S16 scv[KQ ? 8 : 1];  // K-quants: each 32 columns' int16 scales (Q6_K: its two sub-blocks')
+  int mn[KQ ? 8 : 1];   // Q4_K / Q5_K: the sub-blocks' integer mins
+  float dw, mw;         // d; and dmin (Q4_K / Q5_K) or m (Q4_1)
+};
+
+template <int T>
+inline void unpack_block(const uint8_t* src, Unpacked<T>& u) {
+  if constexpr (Unpacked<T>::KQ) {
+    int sc[16];
+    if constexpr (T == 14) {  // ql[128], qh[64], int8 scales[16], d
+      u.dw = half_to_float(src + 208), u.mw = 0.f;
+      for (int g = 0; g < 16; ++g) sc[g] = static_cast<int8_t>(src[192 + g]);
+      for (int h = 0; h < 2; ++h)
+        for (int t4 = 0; t4 < 4; ++t4) {  // columns 128h + 32 t4 + [0, 32)
+          u8x16v half[2];
+          for (int i = 0; i < 2; ++i) {
+            const u8x16v ql = load16(src + 64 * h + 32 * (t4 % 2) + 16 * i), qh = load16(src + 128 + 32 * h + 16 * i);
+            half[i] = (((ql >> (4 * (t4 / 2))) & 0x0F) | (((qh >> (2 * t4)) & 3) << 4)) - 32;
+          }
+          u.w[4 * h + t4] = w32_join(half[0], half[1]);
+        }
+    } else {  // d, dmin, scales[12], (Q5_K: qh[32]), 4 runs of 32 bytes of nibbles
+      u.dw = half_to_float(src), u.mw = half_to_float(src + 2);
+      k_scale_ints(src + 4, sc, u.mn);
+      constexpr int QS = T == 13 ? 48 : 16;
+      const u8x16v h0 = load16(src + 16), h1 = load16(src + 32);  // Q5_K's fifth bits
+      for (int r = 0; r < 4; ++r) {
+        const u8x16v v0 = load16(src + QS + 32 * r), v1 = load16(src + QS + 32 * r + 16);
+        u8x16v lo0 = v0 & 0x0F, lo1 = v1 & 0x0F, hi0 = v0 >> 4, hi1 = v1 >> 4;
+        if constexpr (T == 13) {
+          lo0 |= ((h0 >> (2 * r)) & 1) << 4, lo1 |= ((h1 >> (2 * r)) & 1) << 4;
+          hi0 |= ((h0 >> (2 * r + 1)) & 1) << 4, hi1 |= ((h1 >> (2 * r + 1)) & 1) << 4;
+        }
+        u.w[2 * r] = w32_join(lo0, lo1), u.w[2 * r + 1] = w32_join(hi0, hi1);
+      }
+    }
+    // 32 columns: Q6_K's sub-blocks 2j and 2j + 1, the others' sub-block j
+    for (int j = 0; j < 8; ++j) u.scv[j] = T == 14 ? scale16(sc[2 * j], sc[2 * j + 1]) : scale16(sc[j], sc[j]);
+  } else {
+    u.mw = 0.f;
+    if constexpr (T == 8) {
+      u.w[0] = w32_load(src + 2);
+    } else if constexpr (T == 6) {  // (q | fifth bit) - 16; the fifth bits of 8 columns a table entry
+      typedef uint64_t u64x2v __attribute__((vector_size(16)));
+      const u8x16v hl = reinterpret_cast<u8x16v>(u64x2v{kBit4.v[src[2]], kBit4.v[src[3]]});
+      const u8x16v hh = reinterpret_cast<u8x16v>(u64x2v{kBit4.v[src[4]], kBit4.v[src[5]]});
+      const u8x16v v = load16(src + 6);
+      u.w[0] = w32_join(((v & 0x0F) | hl) - 16, ((v >> 4) | hh) - 16);
+    } else {  // Q4_0: q - 8; Q4_1: q
+      const u8x16v v = load16(src + (T == 3 ? 4 : 2));
+      const u8x16v off = T == 2 ? u8x16v{} + 8 : u8x16v{};
+      u.w[0] = w32_join((v & 0x0F) - off, (v >> 4) - off);
+      if constexpr (T == 3) u.mw = half_to_float(src + 2);
+    }
+    u.dw = half_to_float(src);
+  }
+  if constexpr (Unpacked<T>::SIGNED)  // the sign moves to x (`w32_sign`), |w| takes the unsigned side
+    for (int j = 0; j < Unpacked<T>::EL / 32; ++j) u.signs[j] = u.w[j], u.w[j] = w32_abs(u.w[j]);
+}
+
+// acc[m] (and corr[m], subtracted at the end: the mins' terms, Q4_1's with the sign flipped) += block b
+// of a weight row times block b of rows m0 .. m0 + MB of x.
+template <int MB, int T>
+inline void dot_block(const Unpacked<T>& u, const Q8Block* x32, const Q8KBlock* x256, int64_t B, int64_t b, int64_t m0,
+                      F32x8* acc, float* corr) {
+  using U = Unpacked<T>;
+  for (int m = 0; m < MB; ++m) {
+    if constexpr (U::KQ) {
+      const Q8KBlock& a = x256[(m0 + m) * B + b];
+      I32x8 s = i32_zero();
+      for (int j = 0; j < 8; ++j) {
+        const W32 x = w32_load(a.q + 32 * j);
+        s = i32_add(s, dot4_scaled(u.w[j], U::SIGNED ? w32_sign(x, u.signs[j]) : x, u.scv[j]));
+      }
+      acc[m] = f32_fma(s, u.dw * a.d, acc[m]);
+      if constexpr (T != 14) {
+        int32_t summ = 0;
+        for (int j = 0; j < 8; ++j) summ += u.mn[j] * a.bsum[j];
+        corr[m] += (u.mw * a.d) * static_cast<float>(summ);
+      }
+    } else {
+      const Q8Block& a = x32[(m0 + m) * B + b];
+      const W32 x = w32_load(a.q);
+      acc[m] = f32_fma(dot4(u.w[0], U::SIGNED ? w32_sign(x, u.signs[0]) : x), u.dw * a.d, acc[m]);
+      if constexpr (T == 3) corr[m] -= u.mw * a.s;
+    }
+  }
+}
+
+// out[m0:m0+MB, n0:n1] for GGUF blocks of type T (rows of q.codes) and rows of x rounded as llama.cpp does:
+// each block unpacked where the loop meets it (in registers), for one group of rows of x.
 template <int MB, int T>
 void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256, float* __restrict__ out, int64_t N,
                       int64_t n0, int64_t n1, int64_t m0) {
-  constexpr bool KQ = T == 12 || T == 13 || T == 14;
-  constexpr int EL = KQ ? 256 : 32;
-  constexpr int BY = T == 8 ? 34 : T == 6 ? 22 : T == 2 ? 18 : T == 3 ? 20 : T == 12 ? 144 : T == 13 ? 176 : 210;
-  const int64_t B = q.K / EL;
+  const int64_t B = q.K / Unpacked<T>::EL;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = q.codes + n * q.code_cols;
     F32x8 acc[MB];
-    float corr[MB];  // subtracted at the end: the mins' terms (Q4_K, Q5_K; Q4_1's with the sign flipped)
+    float corr[MB];
     for (int m = 0; m < MB; ++m) acc[m] = f32_zero(), corr[m] = 0.f;
     for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* src = c + b * BY;
-      __builtin_prefetch(src + 2 * q.code_cols);  // two rows ahead (see cols_task)
-      W32 w[EL / 32];      // the block's codes as llama.cpp's integers, in column order
-      W32 signs[EL / 32];  // the same, for their signs where |w| replaces them
-      if constexpr (KQ) {
-        int sc[16], mn[8];
-        float dw, dmw = 0.f;
-        if constexpr (T == 14) {  // ql[128], qh[64], int8 scales[16], d
-          dw = half_to_float(src + 208);
-          for (int g = 0; g < 16; ++g) sc[g] = static_cast<int8_t>(src[192 + g]);
-          for (int h = 0; h < 2; ++h)
-            for (int t4 = 0; t4 < 4; ++t4) {  // columns 128h + 32 t4 + [0, 32)
-              u8x16v half[2];
-              for (int i = 0; i < 2; ++i) {
-                const u8x16v ql = load16(src + 64 * h + 32 * (t4 % 2) + 16 * i), qh = load16(src + 128 + 32 * h + 16 * i);
-                half[i] = (((ql >> (4 * (t4 / 2))) & 0x0F) | (((qh >> (2 * t4)) & 3) << 4)) - 32;
-              }
-              w[4 * h + t4] = w32_join(half[0], half[1]);
-            }
-        } else {  // d, dmin, scales[12], (Q5_K: qh[32]), 4 runs of 32 bytes of nibbles
-          dw = half_to_float(src), dmw = half_to_float(src + 2);
-          k_scale_ints(src + 4, sc, mn);
-          constexpr int QS = T == 13 ? 48 : 16;
-          const u8x16v h0 = load16(src + 16), h1 = load16(src + 32);  // Q5_K's fifth bits
-          for (int r = 0; r < 4; ++r) {
-            const u8x16v v0 = load16(src + QS + 32 * r), v1 = load16(src + QS + 32 * r + 16);
-            u8x16v lo0 = v0 & 0x0F, lo1 = v1 & 0x0F, hi0 = v0 >> 4, hi1 = v1 >> 4;
-            if constexpr (T == 13) {
-              lo0 |= ((h0 >> (2 * r)) & 1) << 4, lo1 |= ((h1 >> (2 * r)) & 1) << 4;
-              hi0 |= ((h0 >> (2 * r + 1)) & 1) << 4, hi1 |= ((h1 >> (2 * r + 1)) & 1) << 4;
-            }
-            w[2 * r] = w32_join(lo0, lo1), w[2 * r + 1] = w32_join(hi0, hi1);
-          }
-        }
-        // 32 columns: Q6_K's sub-blocks 2j and 2j + 1, the others' sub-block j; Q6_K's signed codes as |w|
-        // and the sign moved to x (Q4_K / Q5_K's codes are unsigned already)
-        S16 scv[8];
-        for (int j = 0; j < 8; ++j) {
-          scv[j] = T == 14 ? scale16(sc[2 * j], sc[2 * j + 1]) : scale16(sc[j], sc[j]);
-          if constexpr (T == 14) signs[j] = w[j], w[j] = w32_abs(w[j]);
-        }
-        for (int m = 0; m < MB; ++m) {
-          const Q8KBlock& a = x256[(m0 + m) * B + b];
-          I32x8 s = i32_zero();
-          for (int j = 0; j < 8; ++j) {
-            const W32 x = w32_load(a.q + 32 * j);
-            s = i32_add(s, dot4_scaled(w[j], T == 14 ? w32_sign(x, signs[j]) : x, scv[j]));
-          }
-          acc[m] = f32_fma(s, dw * a.d, acc[m]);
-          if constexpr (T != 14) {
-            int32_t summ = 0;
-            for (int j = 0; j < 8; ++j) summ += mn[j] * a.bsum[j];
-            corr[m] += (dmw * a.d) * static_cast<float>(summ);
-          }
-        }
-      } else {
-        float mw = 0.f;
-        if constexpr (T == 8) {
-          w[0] = w32_load(src + 2);
-        } else if constexpr (T == 6) {  // (q | fifth bit) - 16; the fifth bits of 8 columns a table entry
-          typedef uint64_t u64x2v __attribute__((vector_size(16)));
-          const u8x16v hl = reinterpret_cast<u8x16v>(u64x2v{kBit4.v[src[2]], kBit4.v[src[3]]});
-          const u8x16v hh = reinterpret_cast<u8x16v>(u64x2v{kBit4.v[src[4]], kBit4.v[src[5]]});
-          const u8x16v v = load16(src + 6);
-          w[0] = w32_join(((v & 0x0F) | hl) - 16, ((v >> 4) | hh) - 16);
-        } else {  // Q4_0: q - 8; Q4_1: q
-          const u8x16v v = load16(src + (T == 3 ? 4 : 2));
-          const u8x16v off = T == 2 ? u8x16v{} + 8 : u8x16v{};
-          w[0] = w32_join((v & 0x0F) - off, (v >> 4) - off);
-          if constexpr (T == 3) mw = half_to_float(src + 2);
-        }
-        constexpr bool SIGNED = T != 3;  // Q4_1's codes are unsigned: no sign to move
-        if constexpr (SIGNED) signs[0] = w[0], w[0] = w32_abs(w[0]);
-        const float dw = half_to_float(src);
-        for (int m = 0; m < MB; ++m) {
-          const Q8Block& a = x32[(m0 + m) * B + b];
-          const W32 x = w32_load(a.q);
-          acc[m] = f32_fma(dot4(w[0], SIGNED ? w32_sign(x, signs[0]) : x), dw * a.d, acc[m]);
-          if constexpr (T == 3) corr[m] -= mw * a.s;
-        }
-      }
+      __builtin_prefetch(c + b * Unpacked<T>::BY + 2 * q.code_cols);  // two rows ahead (see cols_task)
+      Unpacked<T> u;
+      unpack_block<T>(c + b * Unpacked<T>::BY, u);
+      dot_block<MB, T>(u, x32, x256, B, b, m0, acc, corr);
     }
     for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = f32_sum(acc[m]) - corr[m];
+  }
+}
+
+// The same for every row of x at once: each weight row unpacked once into `row` (B blocks, in L1 for the
+// widths of Gemma's projections), then multiplied with the groups of rows of x (8, 4, 2, 1). With more
+// than one group each block was unpacked once per group (13 rows: 3 times).
+template <int T>
+void llama_buffered_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256, float* __restrict__ out,
+                         int64_t N, int64_t n0, int64_t n1, int64_t M) {
+  const int64_t B = q.K / Unpacked<T>::EL;
+  std::vector<Unpacked<T>> row(static_cast<size_t>(B));
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = q.codes + n * q.code_cols;
+    for (int64_t b = 0; b < B; ++b) unpack_block<T>(c + b * Unpacked<T>::BY, row[b]);
+    __builtin_prefetch(c + 2 * q.code_cols);
+    for_row_blocks(M, [&](auto mb, int64_t m0) {
+      constexpr int MB = decltype(mb)::value;
+      F32x8 acc[MB];
+      float corr[MB];
+      for (int m = 0; m < MB; ++m) acc[m] = f32_zero(), corr[m] = 0.f;
+      for (int64_t b = 0; b < B; ++b) dot_block<MB, T>(row[b], x32, x256, B, b, m0, acc, corr);
+      for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = f32_sum(acc[m]) - corr[m];
+    });
   }
 }
 
@@ -1639,23 +1682,28 @@ void llama_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, cons
   std::vector<Q8Block> x32(kq ? 0 : static_cast<size_t>(M * B));
   std::vector<Q8KBlock> x256(kq ? static_cast<size_t>(M * B) : 0);
   for (int64_t i = 0; i < M * B; ++i) kq ? quantize_q8_K(X + 256 * i, x256[i]) : quantize_q8_0(X + 32 * i, x32[i]);
-  parallel_for(pool, nt, [&](int64_t t) {
-    const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-    for_row_blocks(M, [&](auto mb, int64_t m) {
-      constexpr int MB = decltype(mb)::value;
-      const Q8Block* a = x32.data();
-      const Q8KBlock* k = x256.data();
-      switch (q.block) {
-        case 8: return llama_block_rows<MB, 8>(q, a, k, Y, N, n0, n1, m);
-        case 6: return llama_block_rows<MB, 6>(q, a, k, Y, N, n0, n1, m);
-        case 2: return llama_block_rows<MB, 2>(q, a, k, Y, N, n0, n1, m);
-        case 3: return llama_block_rows<MB, 3>(q, a, k, Y, N, n0, n1, m);
-        case 12: return llama_block_rows<MB, 12>(q, a, k, Y, N, n0, n1, m);
-        case 13: return llama_block_rows<MB, 13>(q, a, k, Y, N, n0, n1, m);
-        case 14: return llama_block_rows<MB, 14>(q, a, k, Y, N, n0, n1, m);
-      }
+  const Q8Block* a = x32.data();
+  const Q8KBlock* k = x256.data();
+  // one group of rows of x (1, 2, 4 or kRowBlock: decode steps): each block unpacked in registers where
+  // the loop meets it; more groups (a 13-token prompt: 8 + 4 + 1): each weight row unpacked once
+  const bool one_group = M <= kRowBlock && (M & (M - 1)) == 0;
+  auto run = [&](auto type) {
+    constexpr int T = decltype(type)::value;
+    parallel_for(pool, nt, [&](int64_t t) {
+      const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
+      if (!one_group) return llama_buffered_rows<T>(q, a, k, Y, N, n0, n1, M);
+      for_row_blocks(M, [&](auto mb, int64_t m) { llama_block_rows<decltype(mb)::value, T>(q, a, k, Y, N, n0, n1, m); });
     });
-  });
+  };
+  switch (q.block) {
+    case 8: return run(std::integral_constant<int, 8>{});
+    case 6: return run(std::integral_constant<int, 6>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 12: return run(std::integral_constant<int, 12>{});
+    case 13: return run(std::integral_constant<int, 13>{});
+    case 14: return run(std::integral_constant<int, 14>{});
+  }
 }
 
 // out[M, N] = x[M, K] @ deq(w)^T by the algorithm for `rows_for_choice` rows (the call's full row count).
