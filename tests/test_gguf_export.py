@@ -30,6 +30,16 @@ from gemma4_nnx.io.hf import from_hf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
+def assert_same_hf_tensors(src, back) -> None:
+    """The `model.safetensors` of two HF directories hold the same tensors, bit for bit."""
+    from safetensors.numpy import load_file
+
+    want, got = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
 def tokenizer_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     build_hf_json(d / "tokenizer.json")
@@ -69,12 +79,7 @@ def test_gemma4_export_import_round_trip(tmp_path, tokenizer_dir, variant):
     back = gguf_to_hf_dir(path, tmp_path / "back")
     again = from_hf(back, dtype=jnp.float32)
     assert again.config == model.config
-    from safetensors.numpy import load_file
-
-    want, got = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
-    assert sorted(got) == sorted(want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert_same_hf_tensors(src, back)
     ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11, 400, 13]])
     np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(model(ids)))
     if variant == "e2b":  # llama.cpp's proportional RoPE: factor 1 on the rotated pairs, 1e30 on the rest
@@ -498,7 +503,6 @@ def _drafts(target, assistant, steps: int = 2):
 def test_assistant_export_import_round_trip(tmp_path, tokenizer_dir, variant):
     """An MTP assistant through an F32 `gemma4-assistant` GGUF and back: the same config, every HF tensor
     bit for bit, the same drafts (logits and projected states) over the target's cache."""
-    from safetensors.numpy import load_file
 
     over = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if variant == "k_eq_v" else {}
     target, src, assistant = _tiny_assistant(tmp_path, tokenizer_dir, variant, **over)
@@ -506,10 +510,7 @@ def test_assistant_export_import_round_trip(tmp_path, tokenizer_dir, variant):
     back = gguf_to_hf_dir(path, tmp_path / "back")
     again = from_hf(back, dtype=jnp.float32)
     assert again.config == assistant.config
-    want, got = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
-    assert sorted(got) == sorted(want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert_same_hf_tensors(src, back)
     for a, b in zip(_drafts(target, again), _drafts(target, assistant), strict=True):
         np.testing.assert_array_equal(a, b)
 

@@ -1684,14 +1684,18 @@ void llama_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, cons
   for (int64_t i = 0; i < M * B; ++i) kq ? quantize_q8_K(X + 256 * i, x256[i]) : quantize_q8_0(X + 32 * i, x32[i]);
   const Q8Block* a = x32.data();
   const Q8KBlock* k = x256.data();
-  // one group of rows of x (1, 2, 4 or kRowBlock: decode steps): each block unpacked in registers where
-  // the loop meets it; more groups (a 13-token prompt: 8 + 4 + 1): each weight row unpacked once
+  // One group of rows of x (1, 2, 4 or kRowBlock: decode steps): each block unpacked in registers where
+  // the loop meets it. More groups (a 13-token prompt: 8 + 4 + 1): each weight row unpacked once for the
+  // types whose unpacking costs (the 5th / 6th bits of Q5_0, Q5_K, Q6_K; 13 rows of 1536 x 6144 on an
+  // AVX-512 Xeon, two alternating runs each: Q6_K 2.01-2.06 -> 1.63-1.76 ms, Q5_0 1.83-1.88 -> 1.68-1.89,
+  // Q5_K not measured), not for nibbles and bytes (Q4_K buffered: 1.67-1.71 -> 1.82-1.84).
   const bool one_group = M <= kRowBlock && (M & (M - 1)) == 0;
   auto run = [&](auto type) {
     constexpr int T = decltype(type)::value;
+    constexpr bool costly_unpack = T == 6 || T == 13 || T == 14;
     parallel_for(pool, nt, [&](int64_t t) {
       const int64_t n0 = t * per_task, n1 = std::min(N, n0 + per_task);
-      if (!one_group) return llama_buffered_rows<T>(q, a, k, Y, N, n0, n1, M);
+      if (costly_unpack && !one_group) return llama_buffered_rows<T>(q, a, k, Y, N, n0, n1, M);
       for_row_blocks(M, [&](auto mb, int64_t m) { llama_block_rows<decltype(mb)::value, T>(q, a, k, Y, N, n0, n1, m); });
     });
   };
