@@ -29,7 +29,6 @@ from gemma4_nnx.io.gguf_import import dequantized, gguf_to_hf_dir  # noqa: E402
 from gemma4_nnx.io.hf import from_hf  # noqa: E402
 
 
-@pytest.fixture(scope="module")
 def assert_same_hf_tensors(src, back) -> None:
     """The `model.safetensors` of two HF directories hold the same tensors, bit for bit."""
     from safetensors.numpy import load_file
@@ -40,6 +39,7 @@ def assert_same_hf_tensors(src, back) -> None:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+@pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     build_hf_json(d / "tokenizer.json")

@@ -455,7 +455,7 @@ def add_load_flags(parser) -> None:
         default="decoded",
         help="GGUF blocks kept by --quantize keep: decoded as they load (default: more memory, the float "
         "products' fast layout) or held as the file stores them (the file's bytes in memory; with --matmul "
-        "cpu_kernels_int8, llama.cpp's integer arithmetic on them: the fastest decode on CPU)",
+        "cpu_kernels_int8, llama.cpp's integer arithmetic on them: a fast decode in the least memory)",
     )
     parser.add_argument(
         "--matmul",
