@@ -240,14 +240,13 @@ def _block_types(config, tensors: dict[str, np.ndarray], quantize: str, dtypes=N
 
     from gemma4_nnx.io.convert import _q4_k_m_mix
     from gemma4_nnx.io.gguf_quantize import BLOCK_BYTES, q4_k_m_type
-    from gemma4_nnx.io.hf import name_map
 
     mix = {}
-    if quantize == "q4_k_m":
-        names = gguf_tensor_names(config.num_hidden_layers)
-        entries = [e for e in name_map(config.text_only()) if names["model." + e.hf_name] in tensors]
-        items = [(e, SimpleNamespace(shape=tensors[names["model." + e.hf_name]].shape)) for e in entries]
-        mix = {names["model." + k]: v for k, v in _q4_k_m_mix(items).items()}
+    if quantize == "q4_k_m":  # (no assistant: `ASSISTANT_TYPES` has no q4_k_m)
+        entries = [(e, g) for e, g in _gguf_entries(config, "gemma4") if g in tensors]
+        items = [(e, SimpleNamespace(shape=tensors[g].shape)) for e, g in entries]
+        names = {e.hf_name: g for e, g in entries}
+        mix = {names[k]: v for k, v in _q4_k_m_mix(items).items()}
         ple = tensors.get("per_layer_token_embd.weight")
         if ple is not None:
             mix["per_layer_token_embd.weight"] = q4_k_m_type("embed", cols=ple.shape[-1])
@@ -270,8 +269,8 @@ def _block_types(config, tensors: dict[str, np.ndarray], quantize: str, dtypes=N
 
 def _importance(model, calibration, tokenizer_dir) -> dict[str, np.ndarray]:
     """{GGUF name: importance [in]} of the decoder projections of `model` over the text `calibration`."""
-    from gemma4_nnx.io.hf import name_map
     from gemma4_nnx.model.calibration import importance
+    from gemma4_nnx.model.tree import dotted
     from gemma4_nnx.tokenizer import load_tokenizer
 
     if not os.path.isfile(calibration):
@@ -279,13 +278,8 @@ def _importance(model, calibration, tokenizer_dir) -> dict[str, np.ndarray]:
     with open(calibration, encoding="utf-8") as f:
         ids = load_tokenizer(tokenizer_dir).encode(f.read(), add_bos=True)
     by_path = importance(model, ids)
-    names = gguf_tensor_names(model.config.num_hidden_layers)
-    out = {}
-    for entry in name_map(model.config.text_only()):
-        found = by_path.get(".".join(map(str, entry.path[:-1])))
-        if found is not None and "model." + entry.hf_name in names:
-            out[names["model." + entry.hf_name]] = found
-    return out
+    found = ((name, by_path.get(dotted(entry.path[:-1]))) for entry, name in _gguf_entries(model.config, "gemma4"))
+    return {name: x for name, x in found if x is not None}
 
 
 def _encoded(x: np.ndarray, kind: str, importance: np.ndarray | None = None):

@@ -1686,9 +1686,9 @@ void llama_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, cons
   const Q8KBlock* k = x256.data();
   // One group of rows of x (1, 2, 4 or kRowBlock: decode steps): each block unpacked in registers where
   // the loop meets it. More groups (a 13-token prompt: 8 + 4 + 1): each weight row unpacked once for the
-  // types whose unpacking costs (the 5th / 6th bits of Q5_0, Q5_K, Q6_K; 13 rows of 1536 x 6144 on an
-  // AVX-512 Xeon, two alternating runs each: Q6_K 2.01-2.06 -> 1.63-1.76 ms, Q5_0 1.83-1.88 -> 1.68-1.89,
-  // Q5_K not measured), not for nibbles and bytes (Q4_K buffered: 1.67-1.71 -> 1.82-1.84).
+  // types whose unpacking costs (the 5th / 6th bits of Q5_0, Q5_K, Q6_K), not for nibbles and bytes,
+  // where the row buffer's stores and loads cost more than unpacking again (measured: docs/benchmarks.md,
+  // "Kernel tuning notes").
   const bool one_group = M <= kRowBlock && (M & (M - 1)) == 0;
   auto run = [&](auto type) {
     constexpr int T = decltype(type)::value;
