@@ -318,6 +318,24 @@ def _write_tokenizer(path) -> None:
         json.dump({"eos_token_id": [1, 106]}, f)
 
 
+# ----------------------------------------------------------------------------- comparing training runs
+def update_error(a: dict, b: dict, start: dict) -> float:
+    """|a - b| / |a - start| over all the tensors together (Frobenius norms, float64): how far two training
+    runs' weights (`a`, `b`: name -> array, after the same steps from `start`) are apart, relative to the
+    update itself.
+
+    Why not element by element: Adam moves an element by about lr whatever its gradient's size, so where
+    a gradient nearly cancels, float32 summation-order noise (8 devices against one, another kernel,
+    another framework) decides the sign of that element's update, and an element-wise bound in lr units
+    then depends on the CPU and jax (1.05e-4 against a 1e-4 bound on an AVX-512 EPYC). Over all elements
+    one flipped element moves this ratio by ~2 / sqrt(elements); a wrong or missing gradient by O(1).
+    What is linear in the sums, the gradients (or an SGD step), is compared element-wise instead."""
+    diff = sum(float(np.sum((np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64)) ** 2)) for k in a)
+    step = sum(float(np.sum((np.asarray(a[k], np.float64) - np.asarray(start[k], np.float64)) ** 2)) for k in a)
+    assert step > 0, "the runs did not move the weights: the comparison would be vacuous"
+    return (diff / step) ** 0.5
+
+
 # ----------------------------------------------------------------------------- multi-device subprocesses
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

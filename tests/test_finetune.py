@@ -290,9 +290,14 @@ def test_lora_step_matches_peft(tmp_path):
             assert scale > 0 and err <= GRAD_RTOL * scale, "gradient mismatch:\n" + "\n".join(report)
             # Adam's first step moves each weight by lr * g / (|g| + eps) (bias-corrected moments): it
             # checks the optimizers agree (bias correction, eps placement) and the gradients' signs
+            # Compared where the gradient's sign is settled (|g| over 10x the gradient bound above): where
+            # a gradient nearly cancels, float32 summation noise decides the sign of a +-lr step, whatever
+            # the optimizers do (`tests.helpers.update_error`)
             step_t = theirs[key].detach().numpy().T - before_t[key]
             step = np.asarray(getattr(mod, ours_name)[...]) - before_t[key]
-            np.testing.assert_allclose(step, step_t, rtol=0, atol=1e-2 * lr, err_msg=key)
+            settled = np.abs(ref) > 10 * GRAD_RTOL * scale
+            assert settled.mean() > 0.5, f"{key}: only {settled.mean():.0%} of the gradient is settled"
+            np.testing.assert_allclose(step[settled], step_t[settled], rtol=0, atol=1e-2 * lr, err_msg=key)
 
 
 @pytest.mark.reference

@@ -16,7 +16,7 @@ from flax import nnx
 from gemma4_nnx.train import data, loop
 from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx
-from tests.helpers import ScriptRun, make_tiny_hf, micro_model
+from tests.helpers import ScriptRun, make_tiny_hf, micro_model, update_error
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +226,7 @@ def test_qlora_steps_keep_codes_and_train_like_lora_on_the_dequantized_base(rows
     assert any(p[-1] == "codes" and "q_proj" in p for p in before), "no projection was quantized"
     config = loop.TrainConfig(steps=4, lr=1e-2, batch_size=4, save_every=100)
     batch = {k: v[:4] for k, v in rows.items()}  # the same batch every step: its loss must fall
+    start = adapters(twin)
     got = loop.Trainer(qmodel, data.Loader(batch, 4, shuffle=False), config).run()
     want = loop.Trainer(twin, data.Loader(batch, 4, shuffle=False), config).run()
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -233,8 +234,13 @@ def test_qlora_steps_keep_codes_and_train_like_lora_on_the_dequantized_base(rows
     after = codes(qmodel)
     assert all(np.array_equal(after[p], before[p]) for p in before), "QLoRA changed the frozen codes"
     a, b = adapters(qmodel), adapters(twin)
-    for p in a:  # Adam moves each element by ~lr per step whatever its gradient's size: atol in lr units
-        np.testing.assert_allclose(a[p], b[p], rtol=0, atol=1e-3 * config.lr, err_msg=str(p))
+    assert a.keys() == b.keys() == start.keys()
+    # over all the adapters, relative to their update (`update_error`: no element-wise bound on weights
+    # after Adam steps holds on every CPU). Measured 2e-6; one element flipped by float noise moves it by
+    # ~2 / (4 sqrt(3,904)) = 8e-3 after 4 steps, a wrong base or gradient by O(1). The per-step losses
+    # above (rtol 1e-5) are the fine check.
+    err = update_error(a, b, start)
+    assert err <= 3e-2, f"QLoRA adapters differ from the dequantized base's LoRA by {err:.3g} of their update"
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
@@ -351,6 +357,7 @@ def test_finetune_command_qlora_keeps_the_codes_and_trains_like_lora_on_the_dequ
     assert before.keys() == after.keys() and all(np.array_equal(after[p], before[p]) for p in before), (
         "the command changed the frozen codes"
     )
+    start = adapters(twin)
     want, want_eval = library(twin, nnx.LoRAParam)
     got = [r["loss"] for r in records]
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -358,8 +365,10 @@ def test_finetune_command_qlora_keeps_the_codes_and_trains_like_lora_on_the_dequ
     assert got[-1] < got[0], f"no training happened: {got}"
     saved, b = adapters(ft.load_adapters(fresh, out / "adapters")), adapters(twin)
     assert saved.keys() == b.keys()
-    for p in saved:  # Adam moves each element by ~lr per step whatever its gradient's size: atol in lr units
-        np.testing.assert_allclose(saved[p], b[p], rtol=0, atol=1e-3 * 1e-2, err_msg=str(p))
+    # over all adapters, relative to the update (`update_error`); measured 2e-6, bound as in
+    # test_qlora_steps_keep_codes_and_train_like_lora_on_the_dequantized_base
+    err = update_error(saved, b, start)
+    assert err <= 3e-2, f"saved adapters differ from the LoRA run's by {err:.3g} of their update"
 
 
 def test_finetune_command_full_writes_a_model_that_gives_the_logged_eval_loss(cli_run):
@@ -444,16 +453,18 @@ def test_full_finetune_steps_match_torch_adamw(tmp_path):
         worst = float(np.max(np.abs(ours - theirs)))
         report.append(f"{name}: |update| {np.linalg.norm(step_t):.3g}, relative error {err:.3g}, max {worst:.3g}")
         assert np.linalg.norm(step_t) > config.lr, name  # it moved
-        # measured: relative 1e-5..5e-5, max 2.5e-6 (float32 gradients summed in other orders); a
-        # missing weight decay (0.1 * lr * |w| a step) or clip shows at ~1e-2 relative
-        assert err <= 1e-3 and worst <= 0.05 * config.lr, "full fine-tuning update mismatch:\n" + "\n".join(report)
+        # measured: relative 1e-5..5e-5 (float32 gradients summed in other orders); a missing weight
+        # decay (0.1 * lr * |w| a step) or clip shows at ~1e-2 relative. The largest element difference
+        # is reported, not bounded: Adam turns a nearly cancelling gradient's float noise into a +-lr
+        # step of that element whatever the CPU (`tests.helpers.update_error`).
+        assert err <= 1e-3, "full fine-tuning update mismatch:\n" + "\n".join(report)
     print("\n".join(report))
 
 
 # FSDP: full fine-tuning of the micro model in 1 process x 8 CPU devices with every weight and Adam
 # moment split as gemma4_nnx.sharding declares, against the same run on one device, in one fresh
-# interpreter (the device count is fixed when jax starts); then killed after step 2 and resumed from
-# its sharded checkpoint.
+# interpreter (the device count is fixed when jax starts): the gradients of the first batch element by
+# element, then three Adam steps; then killed after step 2 and resumed from its sharded checkpoint.
 FSDP_SCRIPT = """
 import json, os, shutil, tempfile
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -463,7 +474,7 @@ from flax import nnx
 import gemma4_nnx
 from gemma4_nnx.sharding import param_bytes_per_device
 from gemma4_nnx.train import data, loop
-from tests.helpers import micro_model
+from tests.helpers import micro_model, update_error
 from tests.test_train_loop import make_rows
 config = loop.TrainConfig(steps=3, lr=1e-3, batch_size=8, save_every=2)
 
@@ -474,16 +485,27 @@ def run(mesh, out=None, until=None):
     t = loop.Trainer(model, loader, config, wrt=wrt, mesh=mesh, fsdp=mesh is not None, out=out)
     return t, t.run(until)
 
-def weights(t):
-    state = nnx.state(t.model, t.optimizer.wrt)
+def flat(state):
     return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}
 
-one, want = run(None)
+def weights(t):
+    return flat(nnx.state(t.model, t.optimizer.wrt))
+
+def grads(mesh):
+    # the trained tokens' summed loss on the trainer's first batch, differentiated as placed (split or not)
+    t, _ = run(mesh, until=0)
+    batch = next(data.Loader(make_rows(), 8, seed=1))
+    inputs = batch if mesh is None else loop.global_batch(batch, mesh)
+    fn = nnx.jit(nnx.grad(lambda m, b: loop.token_sums(m, b)[0], argnums=nnx.DiffState(0, t.optimizer.wrt)))
+    return flat(fn(t.model, inputs))
+
 mesh = gemma4_nnx.make_mesh(fsdp=8)
+g1, g8 = grads(None), grads(mesh)
+grad_err = {k: float(np.max(np.abs(g8[k] - g1[k])) / max(float(np.max(np.abs(g1[k]))), 1e-30)) for k in g1}
+one, want = run(None)
 sharded, got = run(mesh)
 a, b = weights(one), weights(sharded)
 start = weights(run(None, until=0)[0])
-rel = {k: float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(a[k] - start[k]), 1e-30)) for k in a}
 whole = [".".join(map(str, k)) for k, v in nnx.to_flat_state(nnx.state(sharded.model))
          if k[-1] in ("kernel", "embedding") and v.get_value().sharding.is_fully_replicated]
 mu_split = [p for p, v in nnx.to_flat_state(nnx.state(sharded.optimizer)) if hasattr(v.get_value(), "sharding")
@@ -493,8 +515,8 @@ first, _ = run(mesh, out=out, until=2)
 again, resumed = run(mesh, out=out)
 print("REPORT " + json.dumps(dict(
     want=want, got=got, resumed=resumed, devices=jax.device_count(),
-    rel=rel, worst=max(float(np.max(np.abs(a[k] - b[k]))) for k in a),
-    moved=min(float(np.max(np.abs(a[k] - start[k]))) for k in a),
+    grad_err=grad_err, grad_zero=[k for k in g1 if not np.any(g1[k])],
+    update_err=update_error(b, a, start), moved=min(float(np.max(np.abs(a[k] - start[k]))) for k in a),
     whole=whole, mu_split=len(mu_split),
     ple_shards=[list(s.data.shape) for s in sharded.model.embed_tokens_per_layer.embedding[...].addressable_shards],
     bytes_one=param_bytes_per_device(one.model), bytes_fsdp=param_bytes_per_device(sharded.model),
@@ -506,16 +528,22 @@ shutil.rmtree(out)
 def test_fsdp_full_finetune_equals_one_device():
     r = ScriptRun(FSDP_SCRIPT, "fsdp").report(timeout=600)
     assert r["devices"] == 8
-    # the same sums split over 8 devices: float32 reassociation only (as in test_sharding's STEP_TOL)
+    # what FSDP must get right is the gradient: the same per-token terms summed over 8 devices' shards
+    # (rows of the batch, slices of the weights gathered per layer) instead of one. It is linear in those
+    # sums, so element by element it differs by float32 reassociation only: measured <= 4.2e-6 of its
+    # tensor's largest gradient (AVX-512 EPYC, jax 0.10); the bound leaves 12x for other CPUs' and XLA's
+    # orders. Rows lost or not summed across devices show at O(1) of it.
+    worst = max(r["grad_err"].values())
+    assert worst <= 5e-5, f"FSDP gradients differ from one device's: {r['grad_err']}"
+    assert not r["grad_zero"], f"tensors with an all-zero gradient (vacuous comparison): {r['grad_zero']}"
+    # three Adam steps: the losses within float32 rounding (as in test_sharding's STEP_TOL) ...
     np.testing.assert_allclose(r["got"], r["want"], rtol=1e-5)
     assert r["want"][-1] < r["want"][0], "no training happened"
-    # weights: per tensor, |FSDP - one device| relative to the update |one device - start|. Adam moves
-    # an element by ~lr whatever its gradient's size, so a gradient that nearly cancels can carry float
-    # noise into its update (max element measured ~3e-5 = 0.03 lr; per tensor <= 1e-4, the sparse rows of
-    # the PLE table 1.2e-3); a wrong gradient (rows lost, not summed) moves a tensor's update by O(1).
-    worst = max(r["rel"].values())
-    assert worst <= 1e-2, f"FSDP weights differ from one device's by {worst:.3g} of their update: {r['rel']}"
-    assert r["worst"] <= 0.1 * 1e-3 and r["moved"] > 0, f"max element difference {r['worst']:.3g}"
+    # ... and the weights over all tensors, relative to the update (`update_error`: Adam turns a nearly
+    # cancelling gradient's float noise into a +-lr step of that element, so no element-wise bound in lr
+    # units holds on every CPU; one such element moves this ratio by ~2 / (3 sqrt(90,000)) = 2e-3 after
+    # 3 steps). Measured 2.5e-4.
+    assert r["update_err"] <= 1e-2 and r["moved"] > 0, f"FSDP weights differ by {r['update_err']:.3g} of their update"
     # every matrix is split, the PLE table [128, 16] too: its rows over the 8 devices
     assert r["whole"] == [] and r["mu_split"] > 0, f"left whole: {r['whole']}"
     assert r["ple_shards"] == [[16, 16]] * 8, f"PLE table shards {r['ple_shards']}"
