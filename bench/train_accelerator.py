@@ -1,0 +1,239 @@
+"""Fine-tuning on whatever backend JAX has (a TPU chip, a GPU, or the CPU): LoRA, QLoRA and full steps of
+a random model built on the device, with tokens/s, peak device memory and MFU.
+
+    python bench/train_accelerator.py --model e2b --method lora --seq 2048 --batch 4 --remat
+    python bench/train_accelerator.py --model e2b --method qlora --ple int4 --seq 2048 --batch 8 --remat
+    python bench/train_accelerator.py --model 270m --method full --seq 2048 --batch 8
+    python bench/train_accelerator.py --model tiny --method lora --seq 64 --batch 2 --steps 3   # CPU check
+
+Weights are random (no download): kernels N(0, 0.02), norms 1, built on the default device in
+`--dtype` (bf16 default on accelerators); `--method qlora` gives every projection random int4 codes
+(group 32) with float32 scales, the layout `loop.prepare(..., "qlora", base_quant="int4")` makes, and
+`--ple int4` the per-layer-embedding table int4 (one group per (token, layer) slice, as `gemma4-convert`
+stores it). Data: random token ids in examples of 128..1024 tokens packed into rows of `--seq`
+(`data.pack`: segment ids, positions restarting per example), every token after an example's first
+trained. Each step is `loop.accumulate_step` (the CLI's step: AdamW, clip, donated trained state).
+
+Figures: tokens/s over the steps after the first two (compiles), real tokens only (no padding); peak
+device memory (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it); MFU = model FLOPs
+per second over `--peak-tflops` (v5e: 197 bf16 TFLOP/s). Model FLOPs per token, as defined here:
+- matrix products: 2 x (every projection's in x out, the per-layer-input projections and the tied
+  LM head V x D; embedding and PLE lookups are gathers and not counted) forward; training adds the
+  backward's input gradients (the same again) and, where weights train (full), their gradients (the
+  same again): LoRA / QLoRA 4 x, full 6 x the forward's 2 x params (PaLM's 6N convention);
+- attention: 4 x heads x head_dim x keys attended, per layer, forward (QK^T and PV), keys counted per
+  token within its own example (causal; sliding layers at most the window), times 2 (LoRA) or 3 (full)
+  as above;
+- LoRA's own small products, norms, softmax and the recompute of `--remat` are not counted (MFU, not
+  hardware FLOPs utilisation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# Gemma 3 270M's architecture (its GGUF's metadata as an HF config): the full fine-tune's shape
+GEMMA3_270M = {
+    "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+    "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3, "sliding_window": 512,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "final_logit_softcapping": None,
+    "max_position_embeddings": 32768, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def make_config(name: str):
+    from gemma4_nnx import Gemma4Config
+    from gemma4_nnx.io.hf_config import read_text_config
+
+    if name == "270m":
+        return read_text_config(GEMMA3_270M)
+    if name == "tiny":
+        from tests.helpers import tiny_config
+
+        return tiny_config()
+    return getattr(Gemma4Config, name)()
+
+
+def random_model(config, dtype, method: str, ple: str, seed: int = 0):
+    """A random `Gemma4(config)` built on the default device (abstract first, then each variable drawn
+    there: no host copy); QLoRA's projections (and `ple` "int4": the PLE table) as random int4 codes."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from gemma4_nnx.model import quant
+    from gemma4_nnx.model.build import abstract_model, variables_by_path
+
+    model = abstract_model(config, dtype, param_dtype=dtype, matmul="xla")
+    if method == "qlora":
+        for path, mod in list(nnx.iter_graph(model)):
+            path = tuple(path)
+            if isinstance(mod, nnx.Linear) and quant.quantizable(path) and path[0] != "embed_tokens":
+                fmt = quant.format_for(path, 4, None, mod.in_features)
+                if mod.in_features % fmt.group == 0:
+                    quant.set_submodule(model, path, quant.quantized_like(mod, fmt))
+    if ple == "int4" and config.use_ple:
+        mod = model.embed_tokens_per_layer
+        fmt = quant.QuantFormat(4, config.hidden_size_per_layer_input)
+        model.embed_tokens_per_layer = quant.quantized_like(mod, fmt)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def draw(key, shape, dtype, kind):
+        if kind == "ones":
+            return jnp.ones(shape, dtype)
+        if kind == "codes":
+            info = jnp.iinfo(dtype)
+            return jax.random.randint(key, shape, info.min, info.max, jnp.int32).astype(dtype)
+        std = {"scales": 0.004, "embedding": 0.5}.get(kind, 0.02)
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(sorted(variables_by_path(model).items(), key=lambda kv: str(kv[0]))):
+        value = var.get_value()
+        name = str(path[-1])
+        if jnp.issubdtype(value.dtype, jnp.integer):
+            kind = "codes"
+        elif name in ("scale", "layer_scalar", "per_expert_scale"):
+            kind = "ones"
+        else:
+            kind = name if name in ("scales", "embedding") else "normal"
+        var.set_value(draw(jax.random.fold_in(key, i), tuple(value.shape), jnp.dtype(value.dtype), kind))
+    return model
+
+
+def packed_rows(config, seq: int, rows: int, seed: int = 0):
+    import numpy as np
+
+    from gemma4_nnx.train import data
+
+    rng = np.random.default_rng(seed)
+    examples, total = [], 0
+    while total < rows * seq * 0.97:
+        n = int(rng.integers(128, min(1024, seq) + 1)) if seq >= 256 else int(rng.integers(4, seq + 1))
+        ids = rng.integers(3, config.vocab_size, n).astype(np.int32)
+        examples.append(data.Example(ids, np.ones(n, np.int32)))
+        total += n
+    packed = data.pack(examples, seq)
+    return {k: v[:rows] for k, v in packed.items()}
+
+
+def model_flops_per_token(model, config, batch, method: str) -> float:
+    """Mean model FLOPs per real token of `batch` (module docstring's definition)."""
+    import numpy as np
+    from flax import nnx
+
+    from gemma4_nnx.model import quant
+
+    params = 0
+    for _, mod in nnx.iter_graph(model):
+        if isinstance(mod, (nnx.Linear, quant.QuantizedLinear)):
+            params += mod.in_features * mod.out_features
+    params += config.vocab_size * config.hidden_size  # the tied head
+    seg = np.asarray(batch["segment_ids"])
+    keys = {"sliding": 0, "full": 0}
+    for row in seg:
+        for s in np.unique(row[row > 0]):
+            n = int(np.sum(row == s))
+            pos = np.arange(1, n + 1)
+            keys["full"] += int(pos.sum())
+            keys["sliding"] += int(np.minimum(pos, config.sliding_window).sum())
+    tokens = int(np.count_nonzero(seg))
+    attn = 0.0
+    for spec in config.layers:
+        kind = "sliding" if spec.is_sliding else "full"
+        attn += 4 * config.num_attention_heads * spec.head_dim * keys[kind] / tokens
+    passes = 3 if method == "full" else 2  # forward, input gradients (, weight gradients)
+    return passes * (2 * params + attn)
+
+
+def run(a: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gemma4_nnx.train import finetune as ft
+    from gemma4_nnx.train import loop
+
+    config = make_config(a.model)
+    dtype = jnp.dtype(a.dtype)
+    t0 = time.perf_counter()
+    model = random_model(config, dtype, a.method, a.ple)
+    jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
+    build_s = time.perf_counter() - t0
+    model.remat = a.remat
+    wrt = loop.prepare(model, a.method, rank=a.rank, base_quant="keep")
+    tc = loop.TrainConfig(steps=a.steps, lr=1e-4, batch_size=a.batch, clip_norm=1.0)
+    opt = ft.make_optimizer(model, loop.make_tx(tc), wrt=wrt)
+    batches = [packed_rows(config, a.seq, a.batch, seed=i) for i in range(a.steps)]
+    times, losses = [], []
+    for b in batches:
+        t = time.perf_counter()
+        losses.append(float(loop.accumulate_step(model, opt, b)))
+        times.append(time.perf_counter() - t)
+    timed = batches[2:] if len(batches) > 2 else batches[1:]
+    tokens = sum(int(np.count_nonzero(b["segment_ids"])) for b in timed)
+    seconds = sum(times[len(batches) - len(timed) :])
+    tps = tokens / seconds
+    flops = model_flops_per_token(model, config, batches[-1], a.method)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "model": a.model, "method": a.method, "ple": a.ple, "dtype": a.dtype, "seq": a.seq, "batch": a.batch,
+        "remat": a.remat, "rank": a.rank, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+        "build_s": round(build_s, 1), "first_steps_s": [round(t, 2) for t in times[: len(batches) - len(timed)]],
+        "step_s": round(seconds / len(timed), 4), "tokens_per_s": round(tps, 1),
+        "model_tflops_per_token": flops / 1e12, "mfu": tps * flops / (a.peak_tflops * 1e12),
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "limit_gib": stats.get("bytes_limit", 0) / 2**30,
+        "losses": losses,
+    }  # fmt: skip
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="e2b", choices=("e2b", "e4b", "270m", "tiny"))
+    p.add_argument("--method", default="lora", choices=("lora", "qlora", "full"))
+    p.add_argument("--ple", default="none", choices=("none", "int4"), help="the PLE table's storage (int4: frozen)")
+    p.add_argument("--dtype", default=None, help="weights and compute (default: bfloat16, float32 on the CPU)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
+    p.add_argument("--peak-tflops", type=float, default=197.0, help="the chip's peak (v5e bf16: 197)")
+    p.add_argument("--out", help="append the JSON line here too")
+    a = p.parse_args()
+    if a.dtype is None:
+        import jax
+
+        a.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    try:
+        result = run(a)
+    except Exception as e:  # an out-of-memory is a figure too
+        result = {"model": a.model, "method": a.method, "seq": a.seq, "batch": a.batch, "error": repr(e)[:600]}
+    line = json.dumps(result)
+    print("RESULT " + line, flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
