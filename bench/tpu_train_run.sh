@@ -10,6 +10,6 @@ export PYTHONPATH=${PYTHONPATH:-}:/tmp/site:$PWD
 python3 -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/train.log"
 while [ $# -gt 0 ]; do
   echo "== $1" | tee -a "$OUT/train.log"
-  timeout "${PER_RUN_S:-200}" python3 bench/train_accelerator.py $1 --out "$OUT/train.jsonl" 2>&1 | grep -v "^WARNING" | tail -5 | tee -a "$OUT/train.log"
+  timeout "${PER_RUN_S:-200}" python3 bench/train_accelerator.py $1 --out "$OUT/train.jsonl" 2>&1 | grep -v "hugepages\|warnings.warn" | tee -a "$OUT/train.log"
   shift
 done

@@ -173,6 +173,7 @@ def run(a: argparse.Namespace) -> dict:
     model = random_model(config, dtype, a.method, a.ple)
     jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
     build_s = time.perf_counter() - t0
+    print(f"built {a.model} ({a.method}, PLE {a.ple}) on {jax.default_backend()} in {build_s:.1f} s", flush=True)
     model.remat = a.remat
     wrt = loop.prepare(model, a.method, rank=a.rank, base_quant="keep")
     tc = loop.TrainConfig(steps=a.steps, lr=1e-4, batch_size=a.batch, clip_norm=1.0)
@@ -183,6 +184,7 @@ def run(a: argparse.Namespace) -> dict:
         t = time.perf_counter()
         losses.append(float(loop.accumulate_step(model, opt, b)))
         times.append(time.perf_counter() - t)
+        print(f"step {len(times)}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)  # a timeout keeps these
     timed = batches[2:] if len(batches) > 2 else batches[1:]
     tokens = sum(int(np.count_nonzero(b["segment_ids"])) for b in timed)
     seconds = sum(times[len(batches) - len(timed) :])
