@@ -6,7 +6,6 @@ tokens exactly, logprobs)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
