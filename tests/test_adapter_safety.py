@@ -41,13 +41,19 @@ def world(tmp_path_factory):
     build_hf_json(tmp / "tokenizer.json")
     tok = gemma4_nnx.load_tokenizer(tmp)
     config = tiny_config(vocab_size=tok.vocab_size, vocab_size_per_layer_input=tok.vocab_size)
-    adapted = model_from_config(config)
+
+    def base():  # the embedding scaled down: the layers (and so the adapters) decide the tokens
+        model = model_from_config(config)
+        model.embed_tokens.embedding[...] = model.embed_tokens.embedding[...] * 0.1
+        return model
+
+    adapted = base()
     ft.apply_lora(adapted, rank=2, alpha=4, targets=ft.ATTENTION_TARGETS, rngs=nnx.Rngs(1))
     for mod in ft.lora_modules(adapted).values():
         mod.lora_b[...] = 0.3 * np.random.default_rng(1).standard_normal(mod.lora_b.shape).astype(np.float32)
     root = tmp / "root"
     good = save_peft_adapter(adapted, root / "good")
-    engine = Engine(model_from_config(config), tok, max_batch=2, max_length=64, max_loras=2, max_lora_rank=2)
+    engine = Engine(base(), tok, max_batch=2, max_length=64, max_loras=2, max_lora_rank=2)
     engine.load_adapter("ops", good)  # as --lora-modules ops=PATH
     on = create_app(engine, "tiny", warmup=False, api_key="k", admin_key="adm", runtime_lora=True, lora_root=str(root))
     off = create_app(engine, "tiny", warmup=False, api_key="k")
@@ -149,6 +155,7 @@ def test_malformed_adapters_are_400s_and_leave_the_server_unchanged(world):
     bad value; after all of them /health is 200 and the base and "ops" outputs equal those before."""
     engine, root, good, c, _ = world
     before = _reference(c)
+    assert before["tiny"][0] != before["ops"][0], before  # the adapter shows in the tokens
     for case, path in _malformed(root, good).items():
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path}, headers=ADMIN)
         err = r.json()["error"]
@@ -213,3 +220,38 @@ def test_serve_cli_refuses_bad_adapters_and_flags_before_loading_the_model(tmp_p
     assert build_parser().parse_args([ckpt]).enable_runtime_lora
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     assert not build_parser().parse_args([ckpt]).enable_runtime_lora
+
+
+def test_an_overflowing_adapter_leaves_every_later_request_unchanged(world):
+    """The issue's scenario with an adapter no check can refuse (finite values, 1e18 times a good
+    adapter's, whose product overflows to Inf and NaN in the forward pass): loaded at run time, two
+    requests through it (both rows), unloaded; then base and "ops" requests, two at a time (both rows),
+    equal what they gave before, tokens and logprobs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.numpy import load_file
+
+    engine, root, good, c, _ = world
+    before = _reference(c)
+    tensors = {n: x * np.float32(1e18) for n, x in load_file(os.path.join(good, WEIGHTS)).items()}
+    _peft(root, "huge", config=json.load(open(os.path.join(good, CONFIG))), tensors=tensors)
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": "huge", "lora_path": "huge"}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+
+    def complete(model):
+        body = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        r = c.post("/v1/completions", json=body, headers=API)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        return lp["tokens"], lp["token_logprobs"]
+
+    with ThreadPoolExecutor(2) as pool:
+        broken = list(pool.map(complete, ["huge", "huge"]))
+        assert all(b != before["ops"] for b in broken), "the adapter must break its own rows"
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "huge"}, headers=ADMIN).status_code == 200
+        for model in ("tiny", "ops"):
+            for tokens, lps in pool.map(complete, [model, model]):
+                assert tokens == before[model][0], (model, tokens, before[model][0])
+                np.testing.assert_allclose(lps, before[model][1], rtol=0, atol=1e-5)
+    assert engine.stats.max_rows_in_step == 2
+    assert c.get("/health").status_code == 200
