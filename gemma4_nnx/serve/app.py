@@ -30,7 +30,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
 * LoRA adapters (`--lora-modules name=PATH`, `--max-loras`, `--max-lora-rank`, vLLM's flags): a
   request's `model` names an adapter or the base model, rows of different adapters decode in one
   batch (`decode.lora_bank`); `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (vLLM's
-  bodies); `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
+  bodies; off unless `--enable-runtime-lora`, confined to `--lora-root`, behind `--admin-key`);
+  `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
 * `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
   503 while the last request the engine ran failed, or during the drain after SIGTERM); `GET
   /metrics` (Prometheus text format: latency histograms, tokens, responses by status, engine
