@@ -159,7 +159,8 @@ def decode_audio_file(raw: bytes, filename: str, sampling_rate: int, max_seconds
 class VideoLimits:
     """What one `video_url` may hold (`gemma4-serve --max-video-bytes / --max-video-frames /
     --max-video-seconds`): the file's size, the frames it decodes to (all are decoded to count and sample
-    them) and its duration (frames / fps). Frames beyond the image bounds (`processor.check_image_size`) are refused too."""
+    them) and its duration (frames / fps). Frames beyond the image bounds (`processor.check_image_size`)
+    are refused too."""
 
     max_bytes: int = 8 * 2**20
     max_frames: int = 3600
