@@ -18,8 +18,8 @@ from tests.helpers import model_from_config, tiny_config
 N = 5
 #: over 16 tokens (a prefill that takes XLA's attention, not the CPU kernel's few-query path) and over
 #: one paged block; lengths differ so the rows hold different block counts
-PROMPTS = [fx.sample_ids(1, n, seed=70 + n)[0].tolist() for n in (21, 30, 9, 26)]
-ENGINE = dict(max_batch=4, max_length=64, max_loras=1, max_lora_rank=2)
+PROMPTS = [fx.sample_ids(1, n, seed=70 + n)[0].tolist() for n in (21, 30, 26)]
+ENGINE = dict(max_batch=2, max_length=64, max_loras=1, max_lora_rank=2)
 
 
 def _poisoned(cache: KVCache) -> KVCache:
@@ -41,15 +41,15 @@ def _poisoned(cache: KVCache) -> KVCache:
     return KVCache(layers, cache.table)
 
 
-def _run(engine, prompts, adapter=None):
-    reqs = [engine.submit(p, N, stop_tokens=[], adapter=adapter) for p in prompts]
+def _run(engine, prompts, adapter=None, **sampling):
+    reqs = [engine.submit(p, N, stop_tokens=[], adapter=adapter, **sampling) for p in prompts]
     return [r.result() for r in reqs]
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "int8"])
 def test_nan_left_in_a_freed_row_never_reaches_a_later_request(cache_dtype):
-    """Solo runs on a clean engine first (one request at a time); then a NaN adapter's requests fill
-    every row, the cache is poisoned with NaN / Inf everywhere, and the same prompts run together (each
+    """Solo runs on a clean engine first (one request at a time); then a NaN adapter's requests (with
+    penalties and a logit bias) fill every row, the cache is poisoned with NaN / Inf everywhere, and the same prompts run together (each
     on another row than its solo run): every one equals its solo run. Fails when a masked slot's NaN
     value meets a zero probability (0 * NaN = NaN)."""
     model = model_from_config(tiny_config())
@@ -60,7 +60,9 @@ def test_nan_left_in_a_freed_row_never_reaches_a_later_request(cache_dtype):
             assert np.isfinite(lps).all() and len(tokens) == N
         # a NaN adapter (written into its slot as a bad file would have been): its rows' caches fill with NaN
         ref = _nan_adapter(engine.adapters)
-        broken = _run(engine, PROMPTS[::-1], adapter=ref)
+        # with penalties and a logit bias as well: none of that row state may outlive the request
+        penalties = dict(repetition_penalty=1.5, frequency_penalty=1.0, logit_bias={solo[0][0][0]: -100.0})
+        broken = _run(engine, PROMPTS[::-1], adapter=ref, **(penalties if cache_dtype is None else {}))
         assert all(not np.isfinite(lps).all() for *_, lps in broken), "the NaN adapter must break its own rows"
         engine.adapters.unload("nan")
         state = engine.decoder.state
