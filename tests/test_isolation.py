@@ -49,9 +49,9 @@ def _run(engine, prompts, adapter=None, **sampling):
 @pytest.mark.parametrize("cache_dtype", [None, "int8"])
 def test_nan_left_in_a_freed_row_never_reaches_a_later_request(cache_dtype):
     """Solo runs on a clean engine first (one request at a time); then a NaN adapter's requests (with
-    penalties and a logit bias) fill every row, the cache is poisoned with NaN / Inf everywhere, and the same prompts run together (each
-    on another row than its solo run): every one equals its solo run. Fails when a masked slot's NaN
-    value meets a zero probability (0 * NaN = NaN)."""
+    penalties and a logit bias) fill every row, the cache is poisoned with NaN / Inf everywhere, and
+    the same prompts run again (rotated, rows reused): every one equals its solo run. Fails when a
+    masked slot's NaN value meets a zero probability (0 * NaN = NaN)."""
     model = model_from_config(tiny_config())
     engine = Engine(model, cache_dtype=cache_dtype, **ENGINE)
     try:
