@@ -594,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-runtime-lora",
         action="store_true",
-        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default off, 403; vLLM's env "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 turns it on too); needs --lora-root. Adapters of --lora-modules "
         "cannot be unloaded either way",
