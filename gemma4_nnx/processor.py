@@ -113,6 +113,39 @@ def _fail(where: str, problem: str, fix: str, error: type[Exception] = ValueErro
     raise error(f"{where}: {problem}. Fix: {fix}.")
 
 
+#: The largest image decoded, each side and in pixels; checked from the file's header before decoding
+#: (`check_image_size`). The model downsizes every image to its soft-token budget anyway (280 soft
+#: tokens: about 645 K pixels), and a decoded RGBA image takes 4 bytes a pixel (40 M pixels: 160 MB).
+#: The side bound stops thin images (1 x 39 M pixels fits the pixel bound in a 76 KB PNG).
+MAX_IMAGE_PIXELS = 40_000_000
+MAX_IMAGE_SIDE = 16_384
+#: The most bytes the sampled frames of one video may take decoded (RGB, 3 bytes a pixel), checked
+#: from the stream's frame size before the frames are converted: 32 frames of 1920 x 1080 take 200 MB.
+MAX_VIDEO_FRAME_BYTES = 1 << 30
+
+
+def check_image_size(width: int, height: int, where: str = "image") -> None:
+    """ValueError unless a `width` x `height` image is within `MAX_IMAGE_SIDE` a side and
+    `MAX_IMAGE_PIXELS` in all (read them from the header: PIL's `Image.open` decodes nothing until
+    `.load()`, so `.size` costs only the header)."""
+    if width < 1 or height < 1 or max(width, height) > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
+        _fail(
+            where,
+            f"{width}x{height} pixels is more than this decoder takes ({MAX_IMAGE_SIDE} a side, {MAX_IMAGE_PIXELS} "
+            "pixels in all)",
+            "send a smaller image (the model downsizes every image to about 0.65 M pixels anyway)",
+        )
+
+
+def open_image(source: str | os.PathLike, where: str = "image") -> PIL.Image.Image:
+    """The image file at `source`, its size checked from the header (`check_image_size`) before it is
+    decoded."""
+    image = PIL.Image.open(source)
+    check_image_size(*image.size, where)
+    image.load()
+    return image
+
+
 def _positive_int(where: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         _fail(where, f"must be a positive integer, got {value!r}", "pass an integer >= 1")
@@ -920,6 +953,7 @@ def read_video(
                     f"{stream.width}x{stream.height} frames exceed {max_pixels} pixels (max_pixels)",
                     "send a smaller video",
                 )
+            check_image_size(stream.width, stream.height, "video frames")
             fps = float(stream.average_rate) if stream.average_rate else None
             total = 0
             for _ in container.decode(video=0):
@@ -936,6 +970,13 @@ def read_video(
         if config.do_sample_frames:
             indices = sample_frame_indices(total, num_frames=config.num_frames, fps=config.fps, video_fps=fps)
         wanted, frames = set(indices.tolist()), []
+        if len(wanted) * stream.width * stream.height * 3 > MAX_VIDEO_FRAME_BYTES:
+            _fail(
+                "video",
+                f"{len(wanted)} sampled frames of {stream.width}x{stream.height} take more than "
+                f"{MAX_VIDEO_FRAME_BYTES >> 20} MiB decoded",
+                "send a smaller video",
+            )
         if not isinstance(opened, str | os.PathLike):
             opened.seek(0)
         with av.open(opened, mode="r") as container:
@@ -1389,7 +1430,7 @@ class Processor:
 
         tokens = self.config.tokens
         ims = [
-            x if isinstance(x, ImageInputs) else self.preprocess_image(PIL.Image.open(x) if _is_path(x) else x)
+            x if isinstance(x, ImageInputs) else self.preprocess_image(open_image(x) if _is_path(x) else x)
             for x in images
         ]
         vids = [self._video(v) for v in videos]
@@ -1459,12 +1500,17 @@ def load_processor(checkpoint: str | os.PathLike) -> Processor:
     return Processor()
 
 
-def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+def read_wav(data: bytes, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     """(mono float32 waveform in [-1, 1], sampling rate) of a PCM WAV file's bytes (8/16/24/32-bit;
-    channels averaged). Raises ValueError for anything else."""
+    channels averaged). Raises ValueError for anything else, and for a clip its header says lasts
+    more than `max_seconds` (checked before the samples are read)."""
     try:
         with wave.open(io.BytesIO(data)) as f:
             rate, channels, width, n = f.getframerate(), f.getnchannels(), f.getsampwidth(), f.getnframes()
+            if rate < 1:
+                raise ValueError("the WAV header's sampling rate is 0")
+            if max_seconds is not None and n / rate > max_seconds:
+                raise ValueError(f"the clip lasts {n / rate:.1f} s; at most {max_seconds:g} s are taken")
             frames = f.readframes(n)
     except (wave.Error, EOFError) as e:
         raise ValueError(f"not a readable PCM WAV file ({e})") from None

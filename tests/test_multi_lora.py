@@ -5,6 +5,8 @@ by model name; load / unload endpoints; bad adapters are 4xx naming the adapter 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,11 +143,11 @@ def test_engine_adapter_errors_name_the_adapter(world, tmp_path):
     engine = Engine(base(), max_batch=2, max_length=32, max_loras=1, max_lora_rank=2)
     try:
         cases = []
-        with pytest.raises(ValueError, match=r"'big' has rank 4, above the server's --max-lora-rank 2") as e:
+        with pytest.raises(ValueError, match=r"'big': has rank 4, above the server's --max-lora-rank 2") as e:
             engine.load_adapter("big", dirs["a2"])
         cases.append(e.value)
         ple = _adapted(base, 3, 2, r"^\.per_layer_model_projection$")
-        with pytest.raises(ValueError, match=r"'ple' adapts \['per_layer_model_projection'\]") as e:
+        with pytest.raises(ValueError, match=r"'ple': adapts \['per_layer_model_projection'\]") as e:
             engine.load_adapter("ple", ft.save_adapters(ple, tmp_path / "ple"))
         cases.append(e.value)
         other = _adapted(lambda: model_from_config(tiny_config(hidden_size=32)), 4, 2, ft.DEFAULT_TARGETS)
@@ -154,7 +156,7 @@ def test_engine_adapter_errors_name_the_adapter(world, tmp_path):
         ) as e:
             engine.load_adapter("other", ft.save_adapters(other, tmp_path / "other"))
         cases.append(e.value)
-        with pytest.raises(ValueError, match=r"'nowhere': .*not a directory") as e:
+        with pytest.raises(ValueError, match=r"'nowhere': lora_path is not an adapter directory") as e:
             engine.load_adapter("nowhere", tmp_path / "missing")
         cases.append(e.value)
         assert [c.param for c in cases] == ["lora_path"] * 4
@@ -261,7 +263,9 @@ def test_openai_client_selects_adapters_and_loads_unloads(world, tmp_path):
     auth = {"Authorization": "Bearer k"}
     try:
         engine.load_adapter("a1", d1)  # as --lora-modules a1=PATH does at start-up
-        with TestClient(create_app(engine, "tiny", warmup=False, api_key="k")) as c:
+        root = str(Path(d1).parent)  # where the adapters are: runtime loading is confined to it
+        app = create_app(engine, "tiny", warmup=False, api_key="k", runtime_lora=True, lora_root=root)
+        with TestClient(app) as c:
             client = openai.OpenAI(base_url="http://testserver/v1", api_key="k", max_retries=0, http_client=c)
             cards = {m.id: m for m in client.models.list().data}
             assert set(cards) == {"tiny", "a1"} and cards["a1"].parent == "tiny" and cards["tiny"].parent is None
@@ -303,7 +307,7 @@ def test_openai_client_selects_adapters_and_loads_unloads(world, tmp_path):
             }
             assert c.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth).status_code == 200
             errors["not an adapter"] = (
-                c.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(tmp_path)}, headers=auth),
+                c.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": f"{d1}/adapters"}, headers=auth),
                 400,
                 "lora_path",
                 "'big'",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 import wave
 
 import numpy as np
@@ -217,10 +218,10 @@ def test_malformed_media_is_a_400_naming_messages(served, content, needle):
 
 
 def test_refused_media(served, monkeypatch):
-    from gemma4_nnx.serve import media
+    from gemma4_nnx import processor
 
     port = served[3]
-    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)  # the 13x9 test image is 117 pixels
+    monkeypatch.setattr(processor, "MAX_IMAGE_PIXELS", 100)  # the 13x9 test image is 117 pixels
     png, _ = _png(7)
     param, message = _bad(port, [{"type": "image_url", "image_url": {"url": _data_url(png)}}])
     assert param == "messages" and "13x9 pixels is more than" in message
@@ -237,6 +238,48 @@ def test_refused_media(served, monkeypatch):
     png, _ = _png(4)
     param, message = _bad(port, [{"type": "image_url", "image_url": {"url": _data_url(png)}}], role="system")
     assert param == "messages" and "user messages only" in message
+
+
+def _thin_png(width: int) -> bytes:
+    """A valid RGB PNG of width x 1 pixels, all black: ~1 KB a megapixel compressed."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    z, row, parts = zlib.compressobj(9), 3 * width + 1, []
+    for start in range(0, row, 1 << 24):  # the one scanline (filter byte + pixels), compressed in pieces
+        parts.append(z.compress(bytes(min(1 << 24, row - start))))
+    ihdr = struct.pack(">IIBBBBB", width, 1, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts) + z.flush()) + chunk(b"IEND", b"")
+    )
+
+
+def test_a_thin_image_is_refused_from_its_header(served, tmp_path):
+    """A 39,000,000 x 1 PNG (under the pixel bound, a ~115 KB file that decodes to 117 MB): refused from its
+    header by the side bound, a 400 naming `messages`, fast (nothing decoded); `open_image` (paths given to
+    `Processor.prepare`) refuses it the same way. The bound itself is `check_image_size`'s, compared with
+    both limits."""
+    from gemma4_nnx.processor import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, check_image_size, open_image
+
+    png = _thin_png(39_000_000)
+    assert len(png) < 200_000 and MAX_IMAGE_PIXELS > 39_000_000
+    t0 = time.perf_counter()
+    param, message = _bad(served[3], [_image_part(png)])
+    assert param == "messages" and "39000000x1 pixels is more than" in message, message
+    assert time.perf_counter() - t0 < 5, "the image was decoded"
+    (tmp_path / "thin.png").write_bytes(png)
+    with pytest.raises(ValueError, match="39000000x1 pixels"):
+        open_image(tmp_path / "thin.png")
+    for w, h in ((MAX_IMAGE_SIDE, 1), (1, MAX_IMAGE_SIDE), (6000, 6000), (MAX_IMAGE_SIDE + 1, 1), (8000, 5001)):
+        fits = max(w, h) <= MAX_IMAGE_SIDE and w * h <= MAX_IMAGE_PIXELS
+        if fits:
+            check_image_size(w, h)
+        else:
+            with pytest.raises(ValueError, match=f"{w}x{h} pixels"):
+                check_image_size(w, h)
 
 
 def test_an_image_beyond_the_position_table_is_a_400(served):

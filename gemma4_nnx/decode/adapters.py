@@ -28,23 +28,43 @@ from gemma4_nnx.decode.requests import AdapterRef
 
 __all__ = ["Adapters", "read_adapter"]
 
+
+def _safe(e: Exception) -> str:
+    """An error's message for a client, short (the readers name files inside the adapter directory,
+    never paths or values)."""
+    return str(e)[:300]
+
+
 NOT_FOUND = "model_not_found"
 
 
-def read_adapter(path: str | os.PathLike) -> tuple[float, dict[str, tuple[np.ndarray, np.ndarray]]]:
+#: What a directory must hold to be an adapter (the one message for every path that is not one, so
+#: that a server's client learns nothing of which paths exist).
+NOT_AN_ADAPTER = (
+    "is not an adapter directory (PEFT's adapter_config.json + adapter_model.safetensors, or save_adapters' "
+    "lora.json + adapters/)"
+)
+
+
+def read_adapter(path: str | os.PathLike, *, check=None) -> tuple[float, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """(scale alpha / r, {module path: (a [in, r], b [r, out])}) of an adapter directory in our
-    format (`save_adapters`) or PEFT's; ValueError naming the problem."""
+    format (`save_adapters`) or PEFT's; ValueError naming the problem (and the file inside the
+    directory, never the directory). Configs, file headers and shapes are checked before any tensor
+    is read (`check`: a callable given {module path: (a shape, b shape)}, raising ValueError), and
+    every value must be finite (`peft_io.read_peft_adapter`, `finetune.read_adapters`)."""
     from gemma4_nnx.train.finetune import read_adapters
     from gemma4_nnx.train.peft_io import CONFIG, read_peft_adapter
 
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise ValueError(f"{path} is not a directory")
+        raise ValueError(f"lora_path {NOT_AN_ADAPTER}")
     if os.path.isfile(os.path.join(path, CONFIG)):
-        config, weights = read_peft_adapter(path)
-        return float(config["lora_alpha"]) / int(config["r"]), weights
-    meta, weights = read_adapters(path)
-    return float(meta["alpha"]) / int(meta["rank"]), weights
+        config, weights = read_peft_adapter(path, check=check)
+        return config["lora_alpha"] / config["r"], weights
+    if not os.path.isfile(os.path.join(path, "lora.json")):
+        raise ValueError(f"lora_path {NOT_AN_ADAPTER}")
+    meta, weights = read_adapters(path, check=check)
+    return meta["alpha"] / meta["rank"], weights
 
 
 class Adapters:
@@ -91,13 +111,17 @@ class Adapters:
         if not isinstance(name, str) or not name.strip():
             raise RequestError(f"lora_name must be a non-empty string, got {name!r}", "lora_name")
         if self.get(name) is not None:
-            raise RequestError(
-                f"adapter {name!r} is loaded already (from {self._paths[name]}); unload it first", "lora_name"
-            )
+            raise RequestError(f"adapter {name!r} is loaded already; unload it first", "lora_name")
         try:
-            scale, weights = read_adapter(path)
-        except (ValueError, OSError) as e:
-            raise RequestError(f"adapter {name!r}: {e}", "lora_path") from None
+            scale, weights = read_adapter(path, check=self.check)
+        except ValueError as e:
+            raise RequestError(f"adapter {name!r}: {_safe(e)}", "lora_path") from None
+        except OSError as e:  # its message holds the path: only the reason
+            raise RequestError(f"adapter {name!r}: lora_path could not be read ({e.strerror})", "lora_path") from None
+        except Exception as e:  # whatever a malformed file makes a reader raise: a bad adapter, not a crash
+            raise RequestError(
+                f"adapter {name!r}: lora_path could not be read ({type(e).__name__})", "lora_path"
+            ) from None
         a, b = self._padded(name, scale, weights)
         with self._lock:
             if name in self._loaded:
@@ -114,38 +138,42 @@ class Adapters:
             self._paths[name] = os.fspath(path)
         return ref
 
+    def check(self, shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]]) -> None:
+        """ValueError unless every module of an adapter ({path: (a shape [in, r], b shape [r, out])},
+        from its file headers) is one the banks hold, of the model's shapes, with a rank the banks
+        take."""
+        unknown = sorted(set(shapes) - set(self.shapes))
+        if unknown:
+            raise ValueError(
+                f"adapts {[p[:80] for p in unknown[:4]]}, which the server's adapter banks do not hold "
+                "(attention q/k/v/o and MLP gate/up/down projections of the decoder layers)"
+            )
+        for p in (p for p in self.shapes if p in shapes):  # the banks' order: the same report every time
+            (din, r), (r2, dout) = shapes[p]
+            if r > self.rank:
+                raise ValueError(
+                    f"has rank {r}, above the server's --max-lora-rank {self.rank}: start the server with "
+                    f"--max-lora-rank {r} or more"
+                )
+            if (din, dout) != self.shapes[p] or r != r2:
+                raise ValueError(
+                    f"{p} is {din}x{dout} (rank {r}), the model's projection {self.shapes[p][0]}x{self.shapes[p][1]}: "
+                    "an adapter of another model"
+                )
+
     def _padded(self, name: str, scale: float, weights) -> tuple[dict, dict]:
         """Every bank's slot contents (a [in, rank], b [rank, out] with the scale folded in; zeros for
-        the projections the adapter leaves alone), checked against the banks."""
-        unknown = sorted(set(weights) - set(self.shapes))
-        if unknown:
-            raise RequestError(
-                f"adapter {name!r} adapts {unknown[:4]}, which the server's adapter banks do not hold "
-                "(attention q/k/v/o and MLP gate/up/down projections of the decoder layers)",
-                "lora_path",
-            )
+        the projections the adapter leaves alone); `weights` passed `check`."""
         a_out, b_out = {}, {}
         for p, (din, dout) in self.shapes.items():
             a_out[p] = np.zeros((din, self.rank), np.float32)
             b_out[p] = np.zeros((self.rank, dout), np.float32)
-            if p not in weights:
-                continue
-            a, b = weights[p]
-            r = a.shape[1]
-            if r > self.rank:
-                raise RequestError(
-                    f"adapter {name!r} has rank {r}, above the server's --max-lora-rank {self.rank}: start "
-                    f"the server with --max-lora-rank {r} or more",
-                    "lora_path",
-                )
-            if a.shape != (din, r) or b.shape != (r, dout):
-                raise RequestError(
-                    f"adapter {name!r}: {p} is {a.shape[0]}x{b.shape[1]} (rank {r}), the model's projection "
-                    f"{din}x{dout}: an adapter of another model",
-                    "lora_path",
-                )
-            a_out[p][:, :r] = a
-            b_out[p][:r] = b * np.float32(scale)
+            if p in weights:
+                a, b = weights[p]
+                a_out[p][:, : a.shape[1]] = a
+                b_out[p][: a.shape[1]] = b * np.float32(scale)
+        if not all(np.isfinite(x).all() for x in b_out.values()):  # a finite alpha / r times finite B can overflow
+            raise RequestError(f"adapter {name!r}: its B times lora_alpha / r overflows float32", "lora_path")
         return a_out, b_out
 
     def _write(self, slot: int, a: dict, b: dict) -> None:

@@ -179,3 +179,61 @@ def consumer_kv(config) -> dict[str, np.ndarray]:
 def exportable_towers(config) -> bool:
     """Whether `config` has Gemma 4 vision / audio towers that `to_hf(layout="google")` writes."""
     return isinstance(config.vision, VisionConfig) or isinstance(config.audio, AudioConfig)
+
+
+#: The most header bytes `safetensors_index` reads: a header names each tensor once (a few hundred
+#: bytes each), so this holds thousands of tensors; a larger length field is a corrupt or hostile file.
+MAX_SAFETENSORS_HEADER = 16 << 20
+_ST_NAMES = {name: dtype for dtype, name in _ST_DTYPES.items()}
+
+
+def safetensors_index(path: str | os.PathLike, *, name: str = "the file") -> tuple[int, dict[str, tuple]]:
+    """(offset of the data, {tensor: (dtype, shape, begin, end)}) of a .safetensors file, from its header
+    alone: nothing of the tensor data is read. Checked: the header length (within the file and
+    `MAX_SAFETENSORS_HEADER`), a JSON object of entries with a known dtype, a shape of non-negative
+    ints and data offsets inside the file spanning exactly the shape's bytes. ValueError naming `name`
+    (never the file's path or its bad values) otherwise."""
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise ValueError(f"{name} is not a safetensors file (its header length is missing or corrupt)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ValueError(f"{name} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{name}: the safetensors header is not a JSON object")
+    start, out = 8 + n, {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        ok = isinstance(entry, dict) and entry.get("dtype") in _ST_NAMES
+        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if ok else (None, None)
+        ok = ok and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        if ok:
+            dtype = _ST_NAMES[entry["dtype"]]
+            begin, end = offsets
+            ok = 0 <= begin <= end <= size - start and end - begin == int(np.prod(shape)) * dtype.itemsize
+        if not ok:
+            raise ValueError(
+                f"{name}: tensor entry {len(out) + 1} of the header is malformed (dtype, shape or data "
+                "offsets outside the file)"
+            )
+        out[key] = (dtype, tuple(shape), begin, end)
+    return start, out
+
+
+def read_safetensor(path: str | os.PathLike, start: int, entry: tuple) -> np.ndarray:
+    """One tensor of a .safetensors file at an entry of `safetensors_index` (its bytes only)."""
+    dtype, shape, begin, end = entry
+    with open(path, "rb") as f:
+        f.seek(start + begin)
+        raw = f.read(end - begin)
+    if len(raw) != end - begin:
+        raise ValueError("the safetensors file is shorter than its header says (truncated)")
+    return np.frombuffer(raw, dtype).reshape(shape)

@@ -41,6 +41,7 @@ def visibility(
     k_seg: Array | None = None,
 ) -> Array:
     """Bool [B, S, T]: key j visible to query i iff it holds a token, j <= i, and (sliding) j > i - W.
+    A query at position -1 (padding) sees no key.
 
     Packed training rows (`q_seg` [B, S], `k_seg` [B, T]: the example each token belongs to): a key is
     visible only to queries of its own example as well, on causal and sliding layers alike.
@@ -52,7 +53,7 @@ def visibility(
     `window & (causal | same_block)`."""
     q = q_pos[:, :, None]
     k = k_pos[:, None, :]
-    mask = (k >= 0) & (k <= (q if reach is None else reach[:, :, None]))
+    mask = (k >= 0) & (q >= 0) & (k <= (q if reach is None else reach[:, :, None]))
     if window is not None:
         lower = q - window if floor is None else jnp.minimum(q - window, floor[:, :, None] - 1)
         mask = mask & (k > lower)
@@ -174,8 +175,21 @@ def _xla_attend(q, kv: KV, q_pos, window, scale, reach=None, floor=None, q_seg=N
     mask = visibility(q_pos, kv.pos, window, reach, floor, q_seg, k_seg)[:, None, None, :, :]
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgst,btkh->bskgh", probs, values)
+    out = jnp.einsum("bkgst,btkh->bskgh", probs, _seen_values(values, mask))
     return out.reshape(b, s, n, h)
+
+
+def _seen_values(values: Array, mask: Array) -> Array:
+    """values [B, T, K, H] with zeros at the keys no query of the row sees (mask [B, 1, 1, S, T]).
+
+    A masked key's probability is exactly 0, but 0 * NaN = NaN: a slot that a finished request (a NaN
+    adapter, an overflow) left holding NaN or Inf, in a ring, a reused block or an int8 scale, would
+    otherwise reach every later request of its row through the product. Zeroing the values of keys
+    the row's queries do not see makes a masked slot contribute exactly zero whatever it holds; the
+    keys need nothing (their scores are replaced by the mask before the softmax). Padding queries see
+    nothing (`Attention` gives them position -1), so the keys kept are the request's own."""
+    seen = jnp.any(mask, axis=(1, 2, 3))[:, :, None, None]  # [B, T, 1, 1]
+    return jnp.where(seen, values, jnp.zeros((), values.dtype))
 
 
 def _blockwise_attend(
@@ -220,6 +234,7 @@ def _blockwise_attend(
         def update(carry):
             top, total, acc = carry
             k, v = dequantized(view, q.dtype)
+            v = _seen_values(v, mask)
             scores = jnp.einsum("bskgh,btkh->bkgst", qg, k).astype(jnp.float32)
             if scale != 1.0:
                 scores = scores * jnp.float32(scale)
@@ -306,7 +321,7 @@ class Attention(nnx.Module):
         out = attend(
             q,
             kv,
-            q_pos,
+            jnp.where(k_pos >= 0, q_pos, -1),  # a padding query sees nothing (`visibility`)
             window=self.window,
             scale=self.scale,
             reach=reach,

@@ -30,7 +30,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
 * LoRA adapters (`--lora-modules name=PATH`, `--max-loras`, `--max-lora-rank`, vLLM's flags): a
   request's `model` names an adapter or the base model, rows of different adapters decode in one
   batch (`decode.lora_bank`); `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (vLLM's
-  bodies); `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
+  bodies; off unless `--enable-runtime-lora`, confined to `--lora-root`, behind `--admin-key`);
+  `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
 * `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
   503 while the last request the engine ran failed, or during the drain after SIGTERM); `GET
   /metrics` (Prometheus text format: latency histograms, tokens, responses by status, engine
@@ -141,6 +142,9 @@ def create_app(
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
     video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+    runtime_lora: bool = False,
+    lora_root: str | None = None,
+    admin_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
@@ -155,7 +159,11 @@ def create_app(
     named in the `X-Gemma4-Unknown-Fields` response header). `max_stored_responses`: responses kept
     for `previous_response_id` and GET /v1/responses/{id}, least recently used evicted beyond.
     `max_audio_seconds`: the longest audio file the speech endpoints take (400 naming `file` beyond).
-    `video_limits`: the bytes, frames and seconds one chat `video_url` may hold (400 naming `messages` beyond)."""
+    `video_limits`: the bytes, frames and seconds one chat `video_url` may hold (400 naming `messages` beyond).
+    `runtime_lora`: allow POST /v1/load_lora_adapter / unload_lora_adapter (off: 403), loading only from
+    directories inside `lora_root` (required with it); the adapters the engine holds when the app is
+    made (`--lora-modules`) cannot be unloaded by clients. `admin_key`: those two routes need it
+    instead of `api_key` (`guard.Guard`)."""
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -167,6 +175,8 @@ def create_app(
         metrics=metrics,
         processor=processor,
         video_limits=video_limits,
+        runtime_lora=runtime_lora,
+        lora_root=lora_root,
     )
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
@@ -200,6 +210,7 @@ def create_app(
         body_timeout=body_timeout,
         precheck=precheck,
         draining=lambda: serving.draining,
+        admin_key=admin_key,
     )
     app.add_middleware(CountResponses, metrics=metrics)  # outside the guard: its refusals count too
     app.state.engine = engine
@@ -580,6 +591,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         help="the highest adapter rank served (default 16); lower ranks are zero-padded to it (exact)",
     )
+    p.add_argument(
+        "--enable-runtime-lora",
+        action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default off, 403; vLLM's env "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 turns it on too); needs --lora-root. Adapters of --lora-modules "
+        "cannot be unloaded either way",
+    )
+    p.add_argument(
+        "--lora-root",
+        help="the directory runtime-loaded adapters must lie in (lora_path absolute inside it, or relative to it; "
+        "symbolic links are followed before the check)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("GEMMA4_ADMIN_KEY"),
+        help="require 'Authorization: Bearer KEY' with this key (not --api-key's) on the adapter load / unload "
+        "routes (env GEMMA4_ADMIN_KEY)",
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     from gemma4_nnx.io.checkpoint import add_load_flags
@@ -591,6 +621,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)",
     )
     return p
+
+
+def _check_lora_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag (and the adapter's file) for runtime-LoRA flags that do not fit and for
+    --lora-modules adapters that cannot load: configs, headers and values are read and checked here,
+    before the model loads (shapes against the model are checked when the engine loads them)."""
+    from gemma4_nnx.decode.adapters import read_adapter
+
+    if args.enable_runtime_lora and not args.lora_root:
+        raise ValueError(
+            "--enable-runtime-lora (or VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs --lora-root DIR: the directory "
+            "clients may load adapters from"
+        )
+    if args.lora_root and not os.path.isdir(args.lora_root):
+        raise ValueError(f"--lora-root {args.lora_root} is not a directory")
+    for name, path in args.lora_modules:
+        try:
+            read_adapter(path, check=lambda shapes: _check_rank(shapes, args.max_lora_rank))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+
+
+def _check_rank(shapes: dict, rank: int) -> None:
+    worst = max(a[1] for a, _ in shapes.values())
+    if worst > rank:
+        raise ValueError(f"has rank {worst}, above --max-lora-rank {rank}: start with --max-lora-rank {worst} or more")
 
 
 def make_engine(args: argparse.Namespace) -> Engine:
@@ -670,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_compilation_cache(args.compile_cache)
     try:
         _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
+        _check_lora_args(args)  # before the model loads: a bad adapter is named at once
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
@@ -705,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
         max_stored_responses=args.max_stored_responses,
         max_audio_seconds=args.max_audio_seconds,
         video_limits=VideoLimits(args.max_video_bytes, args.max_video_frames, args.max_video_seconds),
+        runtime_lora=args.enable_runtime_lora,
+        lora_root=args.lora_root,
+        admin_key=args.admin_key,
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     config = uvicorn.Config(

@@ -5,6 +5,9 @@ A plain ASGI middleware (no request buffering of its own), in front of the FastA
 * `api_key`: `/v1/*`, `/tokenize`, `/detokenize` and `/tokenizer_info` need `Authorization: Bearer <key>` (401
   with `WWW-Authenticate: Bearer` otherwise, compared in constant time); `/health`, `/metrics`, `/stats`, `/docs` and
   `/openapi.json` stay open (probes and schema readers carry no key). vLLM's `--api-key`.
+* `admin_key`: the adapter routes (`ADMIN_PATHS`: loading and unloading LoRA adapters) need
+  `Authorization: Bearer <admin key>` instead (401 otherwise, the API key does not open them): clients
+  that may use the model may not change what it serves (`--admin-key`).
 * POST bodies must be `application/json` (415 otherwise): a web page can send `text/plain` or a
   form to a local server without a CORS preflight, JSON it cannot. The speech endpoints
   (`MULTIPART_PATHS`) take `multipart/form-data` instead, as OpenAI's do (an upload has no JSON form): such
@@ -52,6 +55,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+#: the routes that change what the server serves: behind `admin_key` when there is one
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 # besides /v1/*: they run the server's tokenizer
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 # the routes whose bodies are multipart/form-data (file uploads), as OpenAI's
@@ -74,11 +79,13 @@ class Guard:
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         precheck=None,
         draining=None,
+        admin_key: str | None = None,
     ):
         self.app = app
         self.draining = draining
         self.precheck = precheck
         self.api_key = api_key.encode() if api_key else None
+        self.admin_key = admin_key.encode() if admin_key else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
 
@@ -141,14 +148,17 @@ class Guard:
 
     def _check(self, method: str, path: str, headers: dict[str, bytes], over_limit: bool = False) -> ApiError | None:
         api = path.startswith("/v1/") or path in KEYED_PATHS
-        if self.api_key is not None and api:
+        admin = self.admin_key is not None and path in ADMIN_PATHS
+        key = self.admin_key if admin else self.api_key
+        if key is not None and api:
             auth = headers.get("authorization", b"")
             scheme, _, token = auth.partition(b" ")
             bearer = scheme.lower() == b"bearer"
-            if not bearer or not hmac.compare_digest(token.strip(), self.api_key):
+            if not bearer or not hmac.compare_digest(token.strip(), key):
+                which = "admin key (--admin-key)" if admin else "key (--api-key / GEMMA4_API_KEY)"
                 return ApiError(
-                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
-                    "server was started with (--api-key / GEMMA4_API_KEY)",
+                    f"missing or wrong {'admin' if admin else 'API'} key: send the header 'Authorization: Bearer "
+                    f"<key>' with the {which} the server was started with",
                     status=401,
                     code="invalid_api_key",
                     type_="authentication_error",

@@ -15,12 +15,14 @@ import itertools
 
 import numpy as np
 
+from gemma4_nnx.processor import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, check_image_size
 from gemma4_nnx.serve.errors import ApiError
 
 __all__ = [
     "DEFAULT_VIDEO_LIMITS",
     "MAX_AUDIO_SECONDS",
     "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_SIDE",
     "VideoLimits",
     "decode_audio",
     "decode_audio_file",
@@ -28,9 +30,6 @@ __all__ = [
     "decode_video",
 ]
 
-#: Larger images are refused before decoding (PIL's own bomb guard warns at 89 M pixels): the model
-#: downsizes every image to its soft-token budget anyway.
-MAX_IMAGE_PIXELS = 40_000_000
 #: The audio encoder sees at most 30 s (the feature extractor's max_length, 480000 samples at 16 kHz);
 #: longer clips are refused rather than cut without a word.
 MAX_AUDIO_SECONDS = 30.0
@@ -63,14 +62,11 @@ def decode_image(url: str, where: str):
 
     raw = _data_url(url, where, "image", "png")
     try:
-        img = Image.open(io.BytesIO(raw))
-        w, h = img.size
-        if w * h > MAX_IMAGE_PIXELS:
-            raise ApiError(
-                f"'{where}': {w}x{h} pixels is more than this server decodes ({MAX_IMAGE_PIXELS}); "
-                "send a smaller image",
-                "messages",
-            )
+        img = Image.open(io.BytesIO(raw))  # reads the header only
+        try:
+            check_image_size(*img.size, f"'{where}'")  # before a pixel is decoded
+        except ValueError as e:
+            raise ApiError(str(e), "messages", code="image_too_large") from None
         img.load()
     except ApiError:
         raise
@@ -84,7 +80,7 @@ def decode_audio(data: str, where: str, sampling_rate: int) -> np.ndarray:
     from gemma4_nnx.processor import read_wav
 
     try:
-        x, rate = read_wav(_b64(data, where))
+        x, rate = read_wav(_b64(data, where), max_seconds=MAX_AUDIO_SECONDS)
     except ValueError as e:
         raise ApiError(f"'{where}': {e}", "messages") from None
     if rate != sampling_rate:
@@ -163,7 +159,8 @@ def decode_audio_file(raw: bytes, filename: str, sampling_rate: int, max_seconds
 class VideoLimits:
     """What one `video_url` may hold (`gemma4-serve --max-video-bytes / --max-video-frames /
     --max-video-seconds`): the file's size, the frames it decodes to (all are decoded to count and sample
-    them) and its duration (frames / fps). Frames larger than `MAX_IMAGE_PIXELS` are refused too."""
+    them) and its duration (frames / fps). Frames beyond the image bounds (`processor.check_image_size`)
+    are refused too."""
 
     max_bytes: int = 8 * 2**20
     max_frames: int = 3600

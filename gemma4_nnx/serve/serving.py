@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import sys
 import threading
@@ -388,7 +389,18 @@ class Serving:
         metrics: ServerMetrics | None = None,
         processor=None,
         video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+        runtime_lora: bool = False,
+        lora_root: str | os.PathLike | None = None,
     ):
+        if runtime_lora and lora_root is None:
+            raise ValueError(
+                "runtime LoRA loading needs the directory it may load adapters from: give lora_root "
+                "(--lora-root DIR) with runtime_lora (--enable-runtime-lora)"
+            )
+        self.runtime_lora = runtime_lora
+        self.lora_root = None if lora_root is None else os.path.realpath(lora_root)
+        # the adapters given at start-up (--lora-modules) are the operator's: clients cannot unload them
+        self.pinned = frozenset(engine.adapter_names()) if engine.adapters is not None else frozenset()
         self.engine, self.model_name = engine, model_name
         self.processor = processor  # gemma4_nnx.processor.Processor of a multimodal model, else None
         self.video_limits = video_limits
@@ -460,18 +472,55 @@ class Serving:
         base model's (as vLLM answers)."""
         return name if isinstance(name, str) and self.engine.adapter(name) is not None else self.model_name
 
+    def _runtime_lora(self) -> None:
+        if not self.runtime_lora:
+            raise ApiError(
+                "loading and unloading LoRA adapters at run time is off on this server: its operator starts it "
+                "with --enable-runtime-lora --lora-root DIR (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) to allow it",
+                None,
+                status=403,
+                code="runtime_lora_disabled",
+                type_="permission_error",
+            )
+
+    def adapter_dir(self, lora_path: str) -> str:
+        """The real directory `lora_path` names (relative: under the adapter root), or 400 naming
+        "lora_path" when it lies outside the root (`--lora-root`); the same answer whether or not such
+        a path exists, and the value is not echoed."""
+        real = "" if "\0" in lora_path else os.path.realpath(os.path.join(self.lora_root, lora_path))
+        if not real or os.path.commonpath([real, self.lora_root]) != self.lora_root or real == self.lora_root:
+            raise ApiError(
+                "lora_path must name an adapter directory inside the server's adapter root (--lora-root), "
+                "absolute or relative to it",
+                "lora_path",
+            )
+        return real
+
     def load_adapter(self, body: LoadLoRAAdapterRequest) -> str:
-        """POST /v1/load_lora_adapter: vLLM's plain-text answer, or 400 / 404 naming the field."""
+        """POST /v1/load_lora_adapter: vLLM's plain-text answer, or 400 / 403 / 404 naming the field.
+        Off unless the server allows runtime loading (403); paths confined to the adapter root."""
+        self._runtime_lora()
         if body.lora_name == self.model_name:
             raise ApiError(f"lora_name {body.lora_name!r} is the base model's name: choose another", "lora_name")
         try:
-            self.engine.load_adapter(body.lora_name, body.lora_path)
+            self.engine.load_adapter(body.lora_name, self.adapter_dir(body.lora_path))
         except RequestError as e:
             raise ApiError(str(e), e.param, code=e.code) from None
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     def unload_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
-        """POST /v1/unload_lora_adapter: requests using the adapter finish with it; 404 when not loaded."""
+        """POST /v1/unload_lora_adapter: requests using the adapter finish with it; 404 when not loaded;
+        403 when runtime changes are off or the adapter was given at start-up."""
+        self._runtime_lora()
+        if body.lora_name in self.pinned:
+            raise ApiError(
+                f"adapter {body.lora_name!r} was given at start-up (--lora-modules): only the operator changes it, "
+                "by restarting the server",
+                "lora_name",
+                status=403,
+                code="adapter_pinned",
+                type_="permission_error",
+            )
         try:
             self.engine.unload_adapter(body.lora_name)
         except RequestError as e:

@@ -432,26 +432,61 @@ def load_adapters(model: nnx.Module, directory: str | os.PathLike, *, sharding=N
     return model
 
 
-def read_adapters(directory: str | os.PathLike) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
+def read_adapters(directory: str | os.PathLike, *, check=None) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """(lora.json's rank / alpha / paths, {module path: (lora_a [in, r], lora_b [r, out])}) of a
-    `save_adapters` directory, read without a model (float32, host); ValueError naming the problem.
-    The twin of `peft_io.read_peft_adapter` (serving loads adapters into a bank, `decode.lora_bank`)."""
+    `save_adapters` directory, read without a model (float32, host); ValueError naming the problem
+    (the file inside the directory, never the directory). The twin of `peft_io.read_peft_adapter`
+    (serving loads adapters into a bank, `decode.lora_bank`), checked as it is: lora.json a JSON
+    object (rank a positive int, alpha a finite number, paths a list of module paths), the Orbax
+    checkpoint's shapes from its metadata (each module's lora_a [in, rank] and lora_b [rank, out];
+    then `check` sees them) before its arrays are restored, and every value finite."""
     import orbax.checkpoint as ocp
 
-    directory, meta = _saved_meta(directory)
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(os.path.join(directory, "adapters"))
-    pairs: dict[str, dict[str, np.ndarray]] = {}
-    for key, x in traverse_util.flatten_dict(restored).items():
-        pairs.setdefault(".".join(map(str, key[:-1])), {})[str(key[-1])] = np.asarray(x, np.float32)
+    from gemma4_nnx.train.peft_io import check_rank_alpha, read_config
+
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isfile(os.path.join(directory, _ADAPTER_META)):
+        raise ValueError(f"not an adapter directory: {_ADAPTER_META} is missing")
+    meta = read_config(os.path.join(directory, _ADAPTER_META), _ADAPTER_META)
+    rank, _ = check_rank_alpha(meta, "rank", "alpha", _ADAPTER_META)
+    paths = meta.get("paths")
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+        raise ValueError(f"{_ADAPTER_META}: paths must be a non-empty list of module paths")
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.metadata(os.path.join(directory, "adapters")).item_metadata.tree
+    except Exception:  # Orbax raises many kinds on a missing or corrupt checkpoint
+        raise ValueError("adapters/ is not a readable Orbax checkpoint of save_adapters") from None
+    found: dict[str, dict[str, tuple]] = {}
+    for key, x in traverse_util.flatten_dict(tree).items():
+        found.setdefault(".".join(map(str, key[:-1])), {})[str(key[-1])] = tuple(getattr(x, "shape", ()))
+    if sorted(found) != sorted(paths):
+        raise ValueError(f"adapters/: the arrays' modules differ from {_ADAPTER_META}'s paths")
+    shapes = {}
+    for path, ab in found.items():
+        a, b = ab.get("lora_a", ()), ab.get("lora_b", ())
+        if set(ab) != {"lora_a", "lora_b"} or len(a) != 2 or len(b) != 2 or a[1] != rank or b[0] != rank:
+            raise ValueError(
+                f"adapters/: {path} is not lora_a [in, rank] and lora_b [rank, out] with {_ADAPTER_META}'s rank"
+            )
+        shapes[path] = (a, b)
+    if check is not None:
+        check(shapes)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(os.path.join(directory, "adapters"))
+    except Exception:
+        raise ValueError("adapters/ is not a readable Orbax checkpoint of save_adapters") from None
     out = {}
-    for path, ab in pairs.items():
-        if set(ab) != {"lora_a", "lora_b"}:
-            raise ValueError(f"adapters in {directory}: {path} holds {sorted(ab)}, not lora_a and lora_b")
-        out[path] = (ab["lora_a"], ab["lora_b"])
-    if sorted(out) != sorted(meta.get("paths", ())):
-        raise ValueError(f"adapters in {directory}: the arrays' modules differ from {_ADAPTER_META}'s paths")
-    return meta, out
+    for key, x in traverse_util.flatten_dict(restored).items():
+        path, which = ".".join(map(str, key[:-1])), str(key[-1])
+        x = np.asarray(x, np.float32)
+        if path not in shapes or x.shape != shapes[path][which == "lora_b"]:
+            raise ValueError(f"adapters/: {path}.{which} does not match the checkpoint's metadata")
+        if not np.isfinite(x).all():
+            raise ValueError(f"adapters/: {path} holds NaN or infinite values")
+        out.setdefault(path, [None, None])[which == "lora_b"] = x
+    return meta, {p: tuple(ab) for p, ab in out.items()}
 
 
 def adapter_paths(model: nnx.Module) -> Iterable[tuple]:

@@ -67,42 +67,102 @@ def save_peft_adapter(model: nnx.Module, directory: str | os.PathLike, *, base_m
     return directory
 
 
-def read_peft_adapter(directory: str | os.PathLike) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
+#: The largest adapter_config.json read (a real one is a few KB).
+MAX_CONFIG_BYTES = 1 << 20
+_UNSUPPORTED = {
+    "peft_type": lambda v: v not in (None, "LORA"),
+    "bias": lambda v: v not in (None, "none"),
+    "use_dora": bool,
+    "use_rslora": bool,
+    "rank_pattern": bool,
+    "alpha_pattern": bool,
+}
+
+
+def read_config(path: str, name: str) -> dict:
+    """The JSON object in the adapter's config file at `path` (`name` in messages), at most
+    `MAX_CONFIG_BYTES`; ValueError otherwise."""
+    if os.path.getsize(path) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{name} is over {MAX_CONFIG_BYTES >> 20} MiB: not an adapter config")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, RecursionError):
+        raise ValueError(f"{name} is not valid JSON") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{name} must hold a JSON object")
+    return config
+
+
+def check_rank_alpha(config: dict, rank: str, alpha: str, name: str) -> tuple[int, float]:
+    """(rank, alpha) of an adapter config: the rank a positive int, alpha a finite number (ValueError
+    naming the field, not echoing its value)."""
+    r, a = config.get(rank), config.get(alpha)
+    if type(r) is not int or r < 1:
+        raise ValueError(f"{name}: {rank} must be a positive integer")
+    if type(a) not in (int, float) or not np.isfinite(a):
+        raise ValueError(f"{name}: {alpha} must be a finite number")
+    return r, float(a)
+
+
+def read_peft_adapter(
+    directory: str | os.PathLike, *, check=None
+) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """(adapter_config, {our module path: (lora_a [in, r], lora_b [r, out])}) of a PEFT LoRA directory,
-    checked to be what a `LoRALinear` holds; ValueError naming the problem otherwise."""
-    from safetensors.numpy import load_file
+    checked to be what a `LoRALinear` holds; ValueError naming the problem otherwise (and the file
+    inside the directory, never the directory: a server's client must not learn its paths).
+
+    Checked before any tensor data is read: the config (a JSON object; `r` a positive int,
+    `lora_alpha` a finite number, `target_modules` a string or list of strings, plain LoRA), the
+    safetensors header (`io.tensors.safetensors_index`: offsets inside the file, sizes matching
+    shapes), every tensor a LoRA A / B of a module with both factors of rank r; then `check`
+    ({module path: (a shape [in, r], b shape [r, out])}, e.g. the shapes a server's banks hold) sees
+    the shapes. After reading: every value finite."""
+    from gemma4_nnx.io.tensors import read_safetensor, safetensors_index
 
     directory = os.fspath(directory)
     for f in (CONFIG, WEIGHTS):
         if not os.path.isfile(os.path.join(directory, f)):
-            raise ValueError(f"{directory} is not a PEFT adapter: {f} is missing")
-    with open(os.path.join(directory, CONFIG), encoding="utf-8") as f:
-        config = json.load(f)
-    unsupported = {
-        "peft_type": config.get("peft_type", "LORA") != "LORA",
-        "bias": config.get("bias", "none") != "none",
-        "use_dora": bool(config.get("use_dora")),
-        "use_rslora": bool(config.get("use_rslora")),
-        "rank_pattern": bool(config.get("rank_pattern")),
-        "alpha_pattern": bool(config.get("alpha_pattern")),
-    }
-    bad = [k for k, v in unsupported.items() if v]
+            raise ValueError(f"not a PEFT adapter directory: {f} is missing")
+    config = read_config(os.path.join(directory, CONFIG), CONFIG)
+    r, _ = check_rank_alpha(config, "r", "lora_alpha", CONFIG)
+    targets = config.get("target_modules")
+    if not (targets is None or isinstance(targets, str) or (
+        isinstance(targets, list) and all(isinstance(t, str) for t in targets))):  # fmt: skip
+        raise ValueError(f"{CONFIG}: target_modules must be a string or a list of strings")
+    bad = [k for k, unsupported in _UNSUPPORTED.items() if unsupported(config.get(k))]
     if bad:
-        raise ValueError(f"PEFT adapter {directory}: {', '.join(bad)} not supported (plain LoRA only)")
-    pairs: dict[str, dict[str, np.ndarray]] = {}
-    for name, x in load_file(os.path.join(directory, WEIGHTS)).items():
-        pattern = r"base_model\.model\.(?:model\.(?:language_model\.)?)?(.+)\.lora_([AB])(?:\.default)?\.weight"
+        raise ValueError(f"{CONFIG}: {', '.join(bad)} not supported (plain LoRA only)")
+    file = os.path.join(directory, WEIGHTS)
+    start, index = safetensors_index(file, name=WEIGHTS)
+    pattern = r"base_model\.model\.(?:model\.(?:language_model\.)?)?(.+)\.lora_([AB])(?:\.default)?\.weight"
+    pairs: dict[str, dict[str, tuple]] = {}
+    for name, entry in index.items():
         m = re.fullmatch(pattern, name)
         if m is None:
-            raise ValueError(f"PEFT adapter {directory}: tensor {name} is not a LoRA A/B of a language-model module")
-        pairs.setdefault(m.group(1), {})[m.group(2)] = np.asarray(x, np.float32)
-    out = {}
+            raise ValueError(f"{WEIGHTS}: tensor {name[:120]!r} is not a LoRA A/B of a language-model module")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = entry
+    if not pairs:
+        raise ValueError(f"{WEIGHTS} holds no LoRA tensors")
+    shapes = {}
     for path, ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"PEFT adapter {directory}: {path} lacks lora_{'B' if 'A' in ab else 'A'}")
-        if ab["A"].shape[0] != int(config["r"]) or ab["B"].shape[1] != int(config["r"]):
-            raise ValueError(f"PEFT adapter {directory}: {path} has rank {ab['A'].shape[0]}, config r={config['r']}")
-        out[path] = (ab["A"].T, ab["B"].T)
+            raise ValueError(f"{WEIGHTS}: {path} lacks lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"][1], ab["B"][1]  # [r, in], [out, r]
+        if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
+            raise ValueError(
+                f"{WEIGHTS}: {path} has rank {a[0] if a else None}, config r={r} (lora_A / lora_B must be "
+                "[r, in] / [out, r])"
+            )
+        shapes[path] = ((a[1], r), (r, b[0]))
+    if check is not None:
+        check(shapes)
+    out = {}
+    for path, ab in pairs.items():
+        a, b = (read_safetensor(file, start, ab[x]).astype(np.float32).T for x in "AB")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise ValueError(f"{WEIGHTS}: {path} holds NaN or infinite values")
+        out[path] = (a, b)
     return config, out
 
 

@@ -1,0 +1,257 @@
+"""What a client can do to a server's LoRA adapters (`decode.adapters`, `serve.serving`, `serve.guard`):
+malformed adapter directories are 400s naming `lora_path` (never a 500, the server stays healthy and
+its outputs unchanged, bad values and server paths never echoed); runtime loading is off by default
+(403) and, when on, confined to `--lora-root` and behind `--admin-key`; adapters given at start-up
+cannot be unloaded; `gemma4-serve` with a bad `--lora-modules` adapter exits naming the file before it
+loads the model."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import gemma4_nnx
+from gemma4_nnx.decode.engine import Engine
+from gemma4_nnx.io.tensors import write_safetensors
+from gemma4_nnx.train import finetune as ft
+from gemma4_nnx.train.peft_io import CONFIG, WEIGHTS, save_peft_adapter
+from tests.helpers import build_hf_json, model_from_config, tiny_config
+
+pytest.importorskip("fastapi")
+
+API, ADMIN = {"Authorization": "Bearer k"}, {"Authorization": "Bearer adm"}
+PROMPT = list(range(5, 26))  # 21 tokens
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny model over a tokenizer, an engine with 2 adapter slots of rank 2 holding "ops" (loaded
+    at start-up), the adapter root holding a good PEFT adapter, and two apps over the engine: runtime
+    loading off (the default) and on (root, API key k, admin key adm)."""
+    from fastapi.testclient import TestClient
+
+    from gemma4_nnx.serve.app import create_app
+
+    tmp = tmp_path_factory.mktemp("safety")
+    build_hf_json(tmp / "tokenizer.json")
+    tok = gemma4_nnx.load_tokenizer(tmp)
+    config = tiny_config(vocab_size=tok.vocab_size, vocab_size_per_layer_input=tok.vocab_size)
+
+    def base():  # the embedding scaled down: the layers (and so the adapters) decide the tokens
+        model = model_from_config(config)
+        model.embed_tokens.embedding[...] = model.embed_tokens.embedding[...] * 0.1
+        return model
+
+    adapted = base()
+    ft.apply_lora(adapted, rank=2, alpha=4, targets=ft.ATTENTION_TARGETS, rngs=nnx.Rngs(1))
+    for mod in ft.lora_modules(adapted).values():
+        mod.lora_b[...] = 0.3 * np.random.default_rng(1).standard_normal(mod.lora_b.shape).astype(np.float32)
+    root = tmp / "root"
+    good = save_peft_adapter(adapted, root / "good")
+    engine = Engine(base(), tok, max_batch=2, max_length=64, max_loras=2, max_lora_rank=2)
+    engine.load_adapter("ops", good)  # as --lora-modules ops=PATH
+    on = create_app(engine, "tiny", warmup=False, api_key="k", admin_key="adm", runtime_lora=True, lora_root=str(root))
+    off = create_app(engine, "tiny", warmup=False, api_key="k")
+    with TestClient(on) as c_on, TestClient(off) as c_off:
+        yield engine, root, good, c_on, c_off
+    engine.close()
+
+
+def _reference(c) -> dict:
+    """Greedy tokens' logprobs of PROMPT through the base model and the "ops" adapter."""
+    out = {}
+    for model in ("tiny", "ops"):
+        body = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        r = c.post("/v1/completions", json=body, headers=API)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        out[model] = (lp["tokens"], lp["token_logprobs"])
+    return out
+
+
+def _peft(root, name, config=None, tensors=None, raw=None) -> str:
+    """A PEFT-shaped directory under root: adapter_config.json (a dict / list / raw text) and
+    adapter_model.safetensors (tensors, or raw bytes)."""
+    d = root / name
+    d.mkdir()
+    cfg = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]} if config is None else config
+    (d / CONFIG).write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    if raw is not None:
+        (d / WEIGHTS).write_bytes(raw)
+    else:
+        write_safetensors(str(d / WEIGHTS), tensors if tensors is not None else {})
+    return str(d)
+
+
+def _malformed(root, good) -> dict[str, str]:
+    """Adapter directories a client might name, each wrong in one way."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(os.path.join(good, WEIGHTS))
+    cfg = json.load(open(os.path.join(good, CONFIG)))
+    a_name = next(n for n in tensors if "lora_A" in n)
+    whole = open(os.path.join(good, WEIGHTS), "rb").read()
+
+    def changed(name, value):
+        return {**tensors, name: value}
+
+    cases = {
+        "config a JSON list": _peft(root, "list", config=[1, 2], tensors=tensors),
+        "config not JSON": _peft(root, "notjson", config="{r: 2", tensors=tensors),
+        "lora_alpha missing": _peft(root, "noalpha", config={"r": 2}, tensors=tensors),
+        "lora_alpha a list": _peft(root, "listalpha", config={**cfg, "lora_alpha": [16]}, tensors=tensors),
+        "lora_alpha NaN": _peft(root, "nanalpha", config='{"r": 2, "lora_alpha": NaN}', tensors=tensors),
+        "r a string": _peft(root, "strr", config={**cfg, "r": "SECRET-R"}, tensors=tensors),
+        "r = 0, no tensors": _peft(root, "r0", config={**cfg, "r": 0}),
+        "no tensors": _peft(root, "empty", config=cfg),
+        "header length huge": _peft(root, "hugehdr", config=cfg, raw=(1 << 62).to_bytes(8, "little") + b"{}"),
+        "header not JSON": _peft(root, "badhdr", config=cfg, raw=(8).to_bytes(8, "little") + b"not json"),
+        "header offsets past the file": _peft(
+            root,
+            "offsets",
+            config=cfg,
+            raw=_header({"x.lora_A.weight": {"dtype": "F32", "shape": [2, 1 << 28], "data_offsets": [0, 1 << 30]}}),
+        ),
+        "truncated file": _peft(root, "trunc", config=cfg, raw=whole[: len(whole) - 16]),
+        "NaN tensor": _peft(root, "nan", config=cfg, tensors=changed(a_name, np.full_like(tensors[a_name], np.nan))),
+        "Inf tensor": _peft(root, "inf", config=cfg, tensors=changed(a_name, np.full_like(tensors[a_name], np.inf))),
+        "wrong shape": _peft(root, "shape", config=cfg, tensors=changed(a_name, np.zeros((2, 7), np.float32))),
+        "rank above the banks'": _peft(
+            root,
+            "rank",
+            config={**cfg, "r": 3},
+            tensors={n: np.zeros((3, 64) if "lora_A" in n else (64, 3), np.float32) for n in tensors},
+        ),
+        "unknown module": _peft(
+            root, "module", config=cfg, tensors={"base_model.model.model.embed_tokens.lora_A.weight": tensors[a_name]}
+        ),
+        "only lora_A": _peft(root, "halfpair", config=cfg, tensors={a_name: tensors[a_name]}),
+        "not an adapter": str((root / "plain").mkdir() or root / "plain"),
+        "missing inside the root": str(root / "missing"),
+    }
+    ours = root / "ours"
+    ours.mkdir()
+    (ours / "lora.json").write_text(json.dumps({"rank": "x", "alpha": 1, "paths": []}))
+    cases["lora.json rank a string"] = str(ours)
+    ours2 = root / "ours2"
+    ours2.mkdir()
+    (ours2 / "lora.json").write_text(json.dumps({"rank": 2, "alpha": 4, "paths": ["layers.0.self_attn.q_proj"]}))
+    cases["lora.json without its checkpoint"] = str(ours2)
+    return cases
+
+
+def _header(entries: dict) -> bytes:
+    raw = json.dumps(entries).encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def test_malformed_adapters_are_400s_and_leave_the_server_unchanged(world):
+    """Every malformed directory: 400 naming lora_path, its message neither the server's path nor the
+    bad value; after all of them /health is 200 and the base and "ops" outputs equal those before."""
+    engine, root, good, c, _ = world
+    before = _reference(c)
+    assert before["tiny"][0] != before["ops"][0], before  # the adapter shows in the tokens
+    for case, path in _malformed(root, good).items():
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path}, headers=ADMIN)
+        err = r.json()["error"]
+        assert (r.status_code, err["param"]) == (400, "lora_path"), (case, r.status_code, err)
+        assert str(root) not in err["message"] and "SECRET" not in err["message"], (case, err["message"])
+    assert engine.adapter_names() == ["ops"]
+    assert c.get("/health").status_code == 200
+    after = _reference(c)
+    for model in before:
+        assert after[model][0] == before[model][0], model
+        np.testing.assert_allclose(after[model][1], before[model][1], rtol=0, atol=1e-6)
+
+
+def test_runtime_adapter_changes_are_the_operators(world, tmp_path):
+    """Off by default: load and unload are 403 naming how to turn them on. On: the API key does not
+    open them (401), the admin key does; a path outside the root (absolute, '..', a symbolic link out)
+    is the same 400 whether or not it exists, without echoing it; a relative path loads from the root;
+    the start-up adapter cannot be unloaded (403) nor replaced (400)."""
+    engine, root, good, c, c_off = world
+    body = {"lora_name": "more", "lora_path": good}
+    for route, b in (("load", body), ("unload", {"lora_name": "ops"})):
+        r = c_off.post(f"/v1/{route}_lora_adapter", json=b, headers=API)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "runtime_lora_disabled", r.text
+        assert "--enable-runtime-lora" in r.json()["error"]["message"]
+    assert c.post("/v1/load_lora_adapter", json=body, headers=API).status_code == 401
+    os.symlink(tmp_path, root / "link-out")
+    outside = {}
+    for path in (str(tmp_path), "/nonexistent-dir-xyz", "../", str(root / "link-out"), "good/../../x", str(root)):
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": path}, headers=ADMIN)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_path"), (path, r.text)
+        assert path not in r.json()["error"]["message"], path
+        outside[path] = r.json()["error"]["message"]
+    assert len(set(outside.values())) == 1, outside  # existing or not: one answer
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": "more", "lora_path": "good"}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert set(engine.adapter_names()) == {"ops", "more"}
+    r = c.post("/v1/unload_lora_adapter", json={"lora_name": "ops"}, headers=ADMIN)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "adapter_pinned", r.text
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": "ops", "lora_path": "good"}, headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_name"), r.text
+    assert c.post("/v1/unload_lora_adapter", json={"lora_name": "more"}, headers=ADMIN).status_code == 200
+    assert engine.adapter_names() == ["ops"]
+
+
+def test_serve_cli_refuses_bad_adapters_and_flags_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    """`gemma4-serve` with a malformed --lora-modules adapter exits 2 naming the flag, the adapter and
+    the file inside it, before the model loads (the checkpoint here does not exist: a later check would
+    name it); --enable-runtime-lora (or vLLM's environment switch) without --lora-root exits 2 naming
+    both."""
+    from gemma4_nnx.serve.app import build_parser, main
+
+    bad = _peft(tmp_path, "bad", config=[1])
+    ckpt = str(tmp_path / "no-checkpoint")
+    t0 = time.perf_counter()
+    assert main([ckpt, "--port", "0", "--lora-modules", f"ops={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert f"--lora-modules ops={bad}" in err and "adapter_config.json must hold a JSON object" in err, err
+    assert "no-checkpoint" not in err.replace(bad, "") and time.perf_counter() - t0 < 30
+    assert main([ckpt, "--port", "0", "--enable-runtime-lora"]) == 2
+    assert "--enable-runtime-lora" in (err := capsys.readouterr().err) and "--lora-root" in err, err
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    assert build_parser().parse_args([ckpt]).enable_runtime_lora
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    assert not build_parser().parse_args([ckpt]).enable_runtime_lora
+
+
+def test_an_overflowing_adapter_leaves_every_later_request_unchanged(world):
+    """The issue's scenario with an adapter no check can refuse (finite values, 1e20 times a good
+    adapter's, whose product overflows to Inf and NaN in the forward pass): loaded at run time, two
+    requests through it (both rows), unloaded; then base and "ops" requests, two at a time (both rows),
+    equal what they gave before, tokens and logprobs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.numpy import load_file
+
+    engine, root, good, c, _ = world
+    before = _reference(c)
+    tensors = {n: x * np.float32(1e20) for n, x in load_file(os.path.join(good, WEIGHTS)).items()}
+    _peft(root, "huge", config=json.load(open(os.path.join(good, CONFIG))), tensors=tensors)
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": "huge", "lora_path": "huge"}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+
+    def complete(model):
+        body = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        r = c.post("/v1/completions", json=body, headers=API)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        return lp["tokens"], lp["token_logprobs"]
+
+    with ThreadPoolExecutor(2) as pool:
+        broken = list(pool.map(complete, ["huge", "huge"]))
+        assert all(b != before["ops"] for b in broken), "the adapter must break its own rows"
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "huge"}, headers=ADMIN).status_code == 200
+        for model in ("tiny", "ops"):
+            for tokens, lps in pool.map(complete, [model, model]):
+                assert tokens == before[model][0], (model, tokens, before[model][0])
+                np.testing.assert_allclose(lps, before[model][1], rtol=0, atol=1e-5)
+    assert engine.stats.max_rows_in_step == 2
+    assert c.get("/health").status_code == 200
