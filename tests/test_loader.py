@@ -132,3 +132,93 @@ def test_a_gm_checkpoint_converts_in_place(written, tmp_path):
     assert got.keys() == want.keys()
     for path in want:
         np.testing.assert_array_equal(np.asarray(got[path].get_value()), np.asarray(want[path].get_value()))
+
+
+# ------------------------------------------------------------------------------- backend-aware defaults
+def _float_dtypes(model) -> set:
+    return {
+        v.get_value().dtype
+        for v in variables_by_path(model).values()
+        if jnp.issubdtype(v.get_value().dtype, jnp.floating)
+    }
+
+
+def test_default_dtypes_are_float32_on_cpu_and_bfloat16_on_accelerators():
+    from gemma4_nnx.io.loader import default_dtypes
+
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+    assert default_dtypes("cpu") == (f32, f32)
+    for backend in ("tpu", "gpu", "cuda", "rocm"):
+        assert default_dtypes(backend) == (bf16, bf16), backend
+    with pytest.raises(ValueError, match="backend: expected a JAX backend name"):
+        default_dtypes("")
+
+
+def test_every_format_loads_with_the_backends_dtypes(written, monkeypatch):
+    """With a TPU faked (read when the load runs, never at import): an HF directory's weights and
+    every format's compute take the backend's dtypes; a converted / gm checkpoint keeps its stored weights
+    (float32 here); the explicit dtypes override. Compared with the weights written: a bf16 load holds
+    exactly the float32 weights rounded to bf16."""
+    import jax
+
+    from gemma4_nnx.io.loader import default_dtypes
+
+    model, dirs = written
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # CPU: test_every_format_loads_to_the_logits...
+    weights, compute = default_dtypes("tpu")
+    want = variables_by_path(model)
+    for fmt in ("orbax", "hf", "gm"):
+        loaded = load_any(dirs[fmt])
+        stored = weights if fmt == "hf" else jnp.dtype(jnp.float32)
+        assert loaded.dtype == compute and _float_dtypes(loaded) == {stored}, (fmt, loaded.dtype, _float_dtypes(loaded))
+        kernel = ("layers", 0, "self_attn", "q_proj", "kernel")
+        got = np.asarray(variables_by_path(loaded)[kernel].get_value())
+        ref = np.asarray(want[kernel].get_value()).astype(stored)
+        np.testing.assert_array_equal(got, ref)
+        forced = load_any(dirs[fmt], "float32", compute_dtype="float32")
+        assert forced.dtype == jnp.float32 and _float_dtypes(forced) == {jnp.dtype(jnp.float32)}, fmt
+    assert load_any(dirs["hf"], compute_dtype="bfloat16").dtype == jnp.bfloat16
+
+
+def test_the_commands_dtype_flags_reach_the_loader(written, monkeypatch):
+    """gemma4-generate and gemma4-serve (`add_load_flags`) and gemma4-finetune hand --dtype and
+    --compute-dtype to `load_any`; left out, the backend decides (None reaches the loader)."""
+    from gemma4_nnx import cli_generate
+    from gemma4_nnx.io.checkpoint import load_options
+    from gemma4_nnx.train import loop
+
+    _, dirs = written
+    gen = cli_generate.build_parser().parse_args([dirs["hf"], "--prompt", "x"])
+    assert load_options(gen)["dtype"] is None and load_options(gen)["compute_dtype"] is None
+    gen = cli_generate.build_parser().parse_args(
+        [dirs["hf"], "--prompt", "x", "--dtype", "bfloat16", "--compute-dtype", "bfloat16"]
+    )
+    loaded = load_any(dirs["hf"], **load_options(gen))
+    assert loaded.dtype == jnp.bfloat16 and _float_dtypes(loaded) == {jnp.dtype(jnp.bfloat16)}
+    pytest.importorskip("fastapi")
+    from gemma4_nnx.serve import app
+
+    serve = app.build_parser().parse_args([dirs["hf"], "--compute-dtype", "float32", "--dtype", "bfloat16"])
+    assert (load_options(serve)["dtype"], load_options(serve)["compute_dtype"]) == ("bfloat16", "float32")
+
+    seen = []
+
+    def fake_load(path, **kw):
+        seen.append(kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("gemma4_nnx.io.loader.load_any", fake_load)
+    monkeypatch.setattr("gemma4_nnx.tokenizer.load_tokenizer", lambda path: None)
+    monkeypatch.setattr(loop, "_read_rows", lambda *a: [])
+    base = ["--model", dirs["hf"], "--data", "unused.jsonl", "--out", "unused", "--steps", "1"]
+    for extra, want in (
+        ([], (None, None)),
+        (["--dtype", "bfloat16", "--compute-dtype", "float32"], ("bfloat16", "float32")),
+        (["--method", "full"], ("float32", None)),
+    ):
+        seen.clear()
+        with pytest.raises(SystemExit):
+            loop.main(base + extra)
+        assert seen and (seen[0]["dtype"], seen[0]["compute_dtype"]) == want, (extra, seen)
+    with pytest.raises(SystemExit):  # full fine-tuning trains float32 masters: a bf16 --dtype is refused
+        loop.main([*base, "--method", "full", "--dtype", "bfloat16"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 
 from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, Gemma4Config
@@ -33,6 +34,21 @@ _LOOKED_FOR = (
     f"config.json not found (an HF model directory has one), nor {ck.METADATA_FILE} / {ck.CONFIG_FILE} "
     "(a gemma4-convert checkpoint) nor _METADATA (a checkpoint of Google's gemma library)"
 )
+
+
+def default_dtypes(backend: str | None = None) -> tuple[jnp.dtype, jnp.dtype]:
+    """(weights, compute): the dtypes a load defaults to on `backend` ("cpu", "tpu", "gpu"/"cuda"/"rocm";
+    None: `jax.default_backend()`, read now, never at import). float32 and float32 on CPU (no fast bf16
+    products in XLA there: the CPU kernels take bf16 weights under float32 compute instead); bfloat16
+    and bfloat16 on an accelerator (its matrix units' native type, half the HBM of float32: E2B's HF
+    float32 weights alone would not fit a 16 GiB v5e). The weights' default applies where the
+    checkpoint does not fix a dtype (an HF directory); a converted or gm checkpoint keeps its stored one.
+    Every command's `--dtype` / `--compute-dtype` overrides these."""
+    backend = jax.default_backend() if backend is None else backend
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend: expected a JAX backend name such as 'cpu' or 'tpu', got {backend!r}")
+    dt = jnp.dtype(jnp.float32) if backend.lower() == "cpu" else jnp.dtype(jnp.bfloat16)
+    return dt, dt
 
 
 def checkpoint_format(path: str | os.PathLike) -> str:
@@ -94,13 +110,14 @@ def load_any(
     Args:
       path: a `gemma4-convert` output, an HF model directory or a gm checkpoint (module docstring).
       dtype: the float parameters' dtype ("bfloat16", "float32", a jnp dtype). None: as stored for a
-        converted or gm checkpoint, float32 for an HF directory.
+        converted or gm checkpoint; for an HF directory the backend's (`default_dtypes`: float32 on
+        CPU, bfloat16 on TPU / GPU).
       mesh: a `jax.sharding.Mesh` (`gemma4_nnx.make_mesh`): every array is placed straight onto its
         devices by the declared partitioning (`gemma4_nnx.sharding.sharding_for`). Target models only.
       sharding: instead of `mesh`, the placement itself, as `gemma4_nnx.io.checkpoint.load` takes it
         (a callable path -> Sharding, for HF and gm directories too).
-      compute_dtype: the activations' dtype. None: float32 for HF and gm directories; for a converted
-        checkpoint float32 on CPU, else the parameter dtype (`checkpoint.default_compute_dtype`).
+      compute_dtype: the activations' dtype. None: the backend's (`default_dtypes`: float32 on CPU,
+        bfloat16 on TPU / GPU), for every format.
       matmul: the projections' product ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16",
         "cpu_kernels_int8": `gemma4_nnx.model.layers.resolve_matmul`).
       text_only: leave out the vision / audio towers of a multimodal checkpoint (converted or HF).
@@ -129,6 +146,10 @@ def load_any(
     param_dtype = ck._dtype(dtype, "dtype")
     compute = ck._dtype(compute_dtype, "compute_dtype")
     fmt = checkpoint_format(path)
+    default_weights, default_compute = default_dtypes()
+    compute = compute or default_compute
+    if fmt == "hf":
+        param_dtype = param_dtype or default_weights
     if fmt != "gm" and gm_config is not None:
         raise ValueError(f"gm_config: {path} is not a gm checkpoint (it is {fmt}); leave gm_config out")
     found = checkpoint_kind(path, fmt)
@@ -160,7 +181,6 @@ def load_any(
     if sharding is not None:  # from_hf and from_gm take a callable
         sharding = ck._sharding_fn(sharding)
     if fmt == "hf":
-        compute = compute or jnp.dtype(jnp.float32)
         return from_hf(
             path, dtype=compute, param_dtype=param_dtype, sharding=sharding, matmul=matmul, text_only=text_only
         )
