@@ -222,3 +222,64 @@ def test_the_commands_dtype_flags_reach_the_loader(written, monkeypatch):
         assert seen and (seen[0]["dtype"], seen[0]["compute_dtype"]) == want, (extra, seen)
     with pytest.raises(SystemExit):  # full fine-tuning trains float32 masters: a bf16 --dtype is refused
         loop.main([*base, "--method", "full", "--dtype", "bfloat16"])
+
+
+# ------------------------------------------------------------------------------- the memory check
+def _held_bytes(model) -> int:
+    return sum(v.get_value().nbytes for v in variables_by_path(model).values())
+
+
+def test_checkpoint_bytes_are_the_loaded_models_bytes(written):
+    """`checkpoint_bytes` (headers / metadata only) against the bytes the loaded model holds: equal for
+    an HF directory and a converted checkpoint, at float32 and at bfloat16; a gm checkpoint's count also
+    holds the K/V tensors of KV-consumer layers the model drops, so it is an upper bound."""
+    from gemma4_nnx.io.loader import checkpoint_bytes
+
+    _, dirs = written
+    for fmt in ("hf", "orbax"):
+        for dtype in (None, "bfloat16"):
+            assert checkpoint_bytes(dirs[fmt], dtype) == _held_bytes(load_any(dirs[fmt], dtype)), (fmt, dtype)
+    assert checkpoint_bytes(dirs["gm"]) >= _held_bytes(load_any(dirs["gm"]))
+
+
+def test_a_load_that_cannot_fit_fails_before_allocating(written, monkeypatch, capsys):
+    """A device limit (GEMMA4_DEVICE_MEMORY, or memory_limit) one byte below the weights' bytes: a
+    DeviceMemoryError naming the bytes needed, the bytes free and the flags that fix it, raised before
+    the format's reader runs; at exactly the weights' bytes the load goes ahead. gemma4-generate reports
+    it as an error (exit 2)."""
+    from gemma4_nnx import cli_generate
+    from gemma4_nnx.io import loader
+    from gemma4_nnx.io.loader import DeviceMemoryError, checkpoint_bytes, parse_bytes
+
+    assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("512M") == 512 * 2**20 and parse_bytes(7) == 7
+    with pytest.raises(ValueError, match="GEMMA4_DEVICE_MEMORY: expected bytes"):
+        parse_bytes("lots")
+    _, dirs = written
+
+    def must_not_read(*a, **k):
+        raise AssertionError("the weights were read before the memory check")
+
+    monkeypatch.setattr(loader.ck, "load", must_not_read)
+    monkeypatch.setattr(loader, "from_hf", must_not_read)
+    monkeypatch.setattr(loader.gm, "from_gm", must_not_read)
+    for fmt in ("orbax", "hf", "gm"):
+        needed = checkpoint_bytes(dirs[fmt])
+        monkeypatch.setenv(loader.MEMORY_ENV, str(needed - 1))
+        with pytest.raises(DeviceMemoryError) as e:
+            load_any(dirs[fmt])
+        msg = str(e.value)
+        assert f"{needed} bytes needed, {needed - 1} free" in msg and "--dtype bfloat16" in msg, msg
+        assert "--quantize int8" in msg and (e.value.needed, e.value.free) == (needed, needed - 1)
+        monkeypatch.delenv(loader.MEMORY_ENV)
+        with pytest.raises(DeviceMemoryError):
+            load_any(dirs[fmt], memory_limit=needed - 1)
+        with pytest.raises(AssertionError, match="read before"):  # it fits: on to the reader
+            load_any(dirs[fmt], memory_limit=needed)
+    half = checkpoint_bytes(dirs["hf"], "bfloat16")  # bfloat16 weights fit where float32 do not
+    with pytest.raises(AssertionError, match="read before"):
+        load_any(dirs["hf"], "bfloat16", memory_limit=half)
+    monkeypatch.setenv(loader.MEMORY_ENV, "1KiB")
+    monkeypatch.setattr("gemma4_nnx.tokenizer.load_tokenizer", lambda path: None)  # the fixture has none
+    assert cli_generate.main([dirs["hf"], "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "gemma4-generate: error:" in err and "bytes needed, 1024 free" in err, err
