@@ -74,6 +74,7 @@ from gemma4_nnx.serve.guard import (
     report_unknown_fields,
 )
 from gemma4_nnx.serve.media import DEFAULT_VIDEO_LIMITS, VideoLimits
+from gemma4_nnx.serve.memory import DEFAULT_MEMORY_UTILIZATION, kv_cache_bytes
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
 from gemma4_nnx.serve.protocol import (
@@ -395,8 +396,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="device memory for the global layers' KV block pool (MiB): rows take blocks of 32 tokens as "
         "they grow, requests are admitted while their prompts fit, and when the pool runs dry the newest "
-        "request is preempted and recomputed later (default: 4096 tokens per --max-batch row, and at least "
-        "one --max-length)",
+        "request is preempted and recomputed later (default: what --gpu-memory-utilization leaves after the "
+        "weights; on a device that reports no memory, e.g. CPU, 4096 tokens per --max-batch row and at least one "
+        "--max-length)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_MEMORY_UTILIZATION,
+        metavar="FRACTION",
+        help="share of each accelerator's (TPU or GPU) memory the server holds in all: weights, the KV block pool "
+        "(sized from what is left after the weights unless --kv-cache-mb is given) and working memory "
+        f"(vLLM's flag; default {DEFAULT_MEMORY_UTILIZATION}; gemma4_nnx.serve.memory)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -603,6 +614,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
         raise ValueError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     if args.kv_cache_mb is not None and args.kv_cache_mb < 1:
         raise ValueError(f"--kv-cache-mb must be >= 1 (MiB), got {args.kv_cache_mb}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     mesh = None
     tp = args.tensor_parallel_size
     if tp != 1:
@@ -634,6 +647,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     model = load_any(args.checkpoint, mesh=mesh, **load_options(args))
+    kv_bytes = _kv_pool_bytes(args, model, mesh)
     engine = Engine(
         model,
         tokenizer,
@@ -646,7 +660,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         mesh=mesh,
         speculative=speculative,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
-        kv_cache_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
+        kv_cache_bytes=kv_bytes,
         cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         max_loras=max_loras,
         max_lora_rank=args.max_lora_rank,
@@ -658,6 +672,37 @@ def make_engine(args: argparse.Namespace) -> Engine:
         engine.close()
         raise ValueError(f"--lora-modules: {e}") from None
     return engine
+
+
+def _kv_pool_bytes(args: argparse.Namespace, model, mesh) -> int | None:
+    """--kv-cache-mb, else the pool the devices' free memory leaves after the weights
+    (`memory.kv_cache_bytes`; None: the engine's default, on a device that reports no memory)."""
+    if args.kv_cache_mb is not None:
+        return args.kv_cache_mb << 20
+    cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    nbytes = kv_cache_bytes(
+        model,
+        max_batch=args.max_batch,
+        max_length=args.max_length,
+        utilization=args.gpu_memory_utilization,
+        mesh=mesh,
+        cache_dtype=cache_dtype,
+        prefix_cache_bytes=args.prefix_cache_mb << 20,
+    )
+    if nbytes is not None:
+        from gemma4_nnx.decode.blocks import BLOCK_SIZE
+        from gemma4_nnx.model.cache import token_bytes
+
+        tokens = nbytes // (BLOCK_SIZE * token_bytes(model.config, cache_dtype or model.dtype)) * BLOCK_SIZE
+        length = args.max_length or model.config.max_position_embeddings
+        print(f"gemma4-serve: KV block pool {nbytes >> 20} MiB ({tokens} tokens)", file=sys.stderr)
+        if tokens < length:
+            print(
+                f"gemma4-serve: warning: the KV block pool holds {tokens} tokens, fewer than --max-length {length}: "
+                "longer requests are refused; lower --max-length or raise --gpu-memory-utilization",
+                file=sys.stderr,
+            )
+    return nbytes
 
 
 def main(argv: list[str] | None = None) -> int:
