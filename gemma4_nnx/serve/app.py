@@ -31,8 +31,11 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   request's `model` names an adapter or the base model, rows of different adapters decode in one
   batch (`decode.lora_bank`); `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (vLLM's
   bodies); `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
-* `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
-  503 while the last request the engine ran failed, or during the drain after SIGTERM); `GET
+* `GET /v1/models`; `GET /health` (liveness: 200 while the process serves and its engine runs, 503
+  once the engine has stopped or the warm-up failed) and `GET /ready` (readiness: 200 once a real
+  generation has succeeded at start-up, 503 before it and during the drain after SIGTERM; a failed
+  request changes neither); every response carries an `X-Request-ID` header (the request's own, or
+  a new one), also in error bodies and the access log (`request_ids`); `GET
   /metrics` (Prometheus text format: latency histograms, tokens, responses by status, engine
   counters; `serve.metrics`); `GET /stats`
   (the engine's counters as JSON: decode steps, how many were shared by several requests, rows in
@@ -93,6 +96,7 @@ from gemma4_nnx.serve.protocol import (
     TokenizerInfo,
     UnloadLoRAAdapterRequest,
 )
+from gemma4_nnx.serve.request_ids import ACCESS_LOGGER, RequestIds
 from gemma4_nnx.serve.responses import DEFAULT_MAX_STORED_RESPONSES, Responses
 from gemma4_nnx.serve.responses_protocol import ResponseObject, ResponsesRequest
 from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, parse_error, validation_error
@@ -143,7 +147,7 @@ def create_app(
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
     video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
 ) -> FastAPI:
-    """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
+    """The FastAPI app. `warmup`: run one real generation at start-up; /ready is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
     `max_prompts`: prompts one completion request may carry; `max_concurrent_requests`: prompts in
     flight (queued or decoding) beyond which requests get 429; `body_timeout`: seconds to receive a
@@ -203,6 +207,7 @@ def create_app(
         draining=lambda: serving.draining,
     )
     app.add_middleware(CountResponses, metrics=metrics)  # outside the guard: its refusals count too
+    app.add_middleware(RequestIds)  # outermost: every response (refusals too) carries the id
     app.state.engine = engine
     app.state.serving = serving
     app.state.precheck = precheck
@@ -223,18 +228,31 @@ def create_app(
     async def refused(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.get("/health")
-    async def health():
-        failing = engine.last_outcome == "error"
-        ok = state["ready"] and engine.alive and not failing and not serving.draining
+    def probe(ok: bool, status: str) -> JSONResponse:
         body = {
-            "status": "ok" if ok else "draining" if serving.draining else "unavailable",
+            "status": "ok" if ok else status,
             "ready": state["ready"],
             "engine_alive": engine.alive,
+            "draining": serving.draining,
             "warmup_error": state["warmup_error"],
-            "last_error": engine.error if failing else None,
+            # informative only: one failed request does not take the replica out (neither probe reads it)
+            "last_error": engine.error if engine.last_outcome == "error" else None,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/health")
+    async def health():
+        """Liveness: the process serves and its engine runs (503 once the engine has stopped or the
+        warm-up generation failed: a restart is the fix). Warm-up, the drain and failed requests
+        leave it 200."""
+        return probe(engine.alive and state["warmup_error"] is None, "unavailable")
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: send requests here. 200 once the warm-up generation has succeeded, while the
+        engine runs and the server is not draining; a failed request does not change it."""
+        ok = state["ready"] and engine.alive and not serving.draining
+        return probe(ok, "draining" if serving.draining else "starting" if engine.alive else "unavailable")
 
     @app.get("/metrics")
     async def prometheus():
@@ -732,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(
         f"gemma4-serve: {name} on http://{args.host}:{args.port}/v1 (max_batch={engine.max_batch}, "
-        f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /health turns 200 "
+        f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /ready turns 200 "
         "after the warm-up generation",
         file=sys.stderr,
     )
@@ -752,11 +770,13 @@ def main(argv: list[str] | None = None) -> int:
         video_limits=VideoLimits(args.max_video_bytes, args.max_video_frames, args.max_video_seconds),
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
+    _access_log()
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="info",
+        access_log=False,  # `request_ids.RequestIds` writes the access lines, with the request id
         # the connection limit is applied by our protocol, which spares /health and /metrics
         # (`serve.connections`); uvicorn's own would answer them 503 too
         http=http_protocol(args.header_timeout, args.limit_concurrency),
@@ -769,6 +789,19 @@ def main(argv: list[str] | None = None) -> int:
     DrainingServer(config, app.state.serving, args.drain_timeout).run()
     engine.close()
     return 0
+
+
+def _access_log() -> None:
+    """Print the `gemma4_nnx.access` lines (one per request, with its id) on stderr, as uvicorn's were."""
+    import logging
+
+    log = logging.getLogger(ACCESS_LOGGER)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 _DRAIN_MARGIN_S = 5.0
@@ -784,7 +817,7 @@ def header_timeout_protocol(seconds: float) -> type:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server; the first SIGTERM / Ctrl-C starts the drain (`Serving.drain`): the server
-    keeps listening and answers new API requests 503 `shutting_down` (and /health 503) while the
+    keeps listening and answers new API requests 503 `shutting_down` (and /ready 503) while the
     requests in flight finish, ended cleanly after `drain_timeout` seconds; then uvicorn shuts down
     (closes the socket, re-raises the signal). A second signal starts that shutdown at once."""
 
