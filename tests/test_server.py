@@ -1896,3 +1896,27 @@ def test_request_ids_in_headers_error_bodies_and_the_access_log(served, caplog):
     assert any('"POST /v1/completions" 400' in line and "request_id=lb-7f3a" in line for line in lines), lines
     assert any('"POST /v1/completions" 200' in line and "request_id=ok-1" in line for line in lines), lines
     assert not any("has space" in line for line in lines)
+
+
+def test_metrics_list_in_the_docs(served):
+    """docs/serving.md's metrics table names exactly the families a scrape returns (the prefix cache's
+    only with --prefix-cache-mb, off here)."""
+    import os
+    import re as re_
+
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "serving.md")
+    listed = set()
+    with open(docs) as f:
+        for line in f:
+            if line.startswith("| `gemma4_"):
+                names = re_.findall(r"`([a-z0-9_]+)`", line.split("|")[1])
+                stem = names[0].rsplit("_", 1)[0]
+                listed |= {names[0], *(stem + n for n in names[1:] if n.startswith("_"))}
+                listed |= {n for n in names[1:] if n.startswith("gemma4_")}
+    conn = http.client.HTTPConnection("127.0.0.1", served[2], timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    families = re_.findall(r"^# TYPE (gemma4_\w+) ", text, re_.M)
+    scraped = {n.removesuffix("_total") for n in families if not n.endswith("_created")}  # client's extras
+    assert scraped and scraped <= listed, sorted(scraped - listed)
+    assert listed - scraped == {n for n in listed if n.startswith("gemma4_prefix_cache")}, sorted(listed - scraped)
