@@ -74,8 +74,9 @@ def kv_cache_bytes(
     tp = dict(mesh.shape).get("tp", 1) if mesh is not None else 1
     globals_ = [s for s in config.cache_layers if not s.is_sliding]
     shards = tp if all(s.num_kv_heads % tp == 0 for s in globals_) else 1
+    ring_shards = tp if all(s.num_kv_heads % tp == 0 for s in config.cache_layers if s.is_sliding) else 1
     rings = cache_bytes(config, max_batch, max_length, dtype) - max_batch * max_length * per_token
-    reserved = (rings + prefix_cache_bytes) // shards
+    reserved = (rings + prefix_cache_bytes) // ring_shards  # prefix snapshots are mostly ring copies
     free = []
     for d, (size, used) in zip(devices, sizes):
         used = used or _bytes_on(model, d)  # a device without statistics: the weights placed on it
