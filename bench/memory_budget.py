@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     print(
         f"| model | parameters | weights bf16 / int8, GiB | machine | TP | weights per chip bf16, GiB "
-        f"| KV pool per chip, GiB | KV tokens (bf16, {a.max_batch} rows) |"
+        f"| left for KV per chip, GiB | KV tokens (bf16, {a.max_batch} rows) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, make in MODELS:
