@@ -373,7 +373,7 @@ def test_bad_completion_requests_get_openai_errors(served, body, param, status, 
     port = served[2]
     got, err = _post(port, "/v1/completions", body)
     assert got == status, err
-    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    assert set(err["error"]) == {"message", "type", "param", "code", "request_id"} and err["error"]["message"]
     assert err["error"]["param"] == param and err["error"]["code"] == code
 
 
