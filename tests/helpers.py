@@ -443,7 +443,7 @@ class ServerThread:
         deadline = time.time() + 300
         while time.time() < deadline:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=5) as r:
                     if r.status == 200:
                         return self
             except OSError:

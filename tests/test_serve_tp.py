@@ -65,7 +65,7 @@ def serve(tp):
     while time.time() < deadline:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            conn.request("GET", "/health")
+            conn.request("GET", "/ready")
             if conn.getresponse().status == 200:
                 break
         except OSError:

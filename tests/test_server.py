@@ -99,8 +99,9 @@ def _ref(model, tok, ids, n, **kw):
 # ----------------------------------------------------------------------------- endpoints
 def test_health_models_and_warmup_generation(served):
     port = served[2]
-    status, body = _get(port, "/health")
+    status, body = _get(port, "/ready")
     assert status == 200 and body["ready"] and body["status"] == "ok"
+    assert _get(port, "/health")[0] == 200
     # Ready means a real generation ran: the warm-up's prefill and decode step show in the counters.
     _, m = _get(port, "/stats")
     assert m["completed"] >= 1 and m["decode_steps"] >= 1 and m["compiled_programs"]["decode"] >= 1
@@ -372,7 +373,7 @@ def test_bad_completion_requests_get_openai_errors(served, body, param, status, 
     port = served[2]
     got, err = _post(port, "/v1/completions", body)
     assert got == status, err
-    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    assert set(err["error"]) == {"message", "type", "param", "code", "request_id"} and err["error"]["message"]
     assert err["error"]["param"] == param and err["error"]["code"] == code
 
 
@@ -980,7 +981,7 @@ def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
         deadline = time.time() + 300
         while time.time() < deadline:
             try:
-                if _get(port, "/health")[0] == 200:
+                if _get(port, "/ready")[0] == 200:
                     break
             except OSError:
                 pass
@@ -1019,8 +1020,8 @@ def test_sigterm_drains_then_ends_streams_cleanly(checkpoint):
 
 def test_the_drain_answers_new_requests_with_a_json_503(served):
     """During the drain (`Serving.drain` after SIGTERM; its flag set directly here, at the app level)
-    every API route answers a JSON 503 `shutting_down` with Retry-After, /health turns 503 "draining"
-    (a load balancer stops sending), /stats and /metrics stay open."""
+    every API route answers a JSON 503 `shutting_down` with Retry-After, /ready turns 503 "draining"
+    (a load balancer stops sending), /health, /stats and /metrics stay open."""
     chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}]}
     with _app_client(served[3]) as c:
         c.app.state.serving.draining = True
@@ -1033,8 +1034,9 @@ def test_the_drain_answers_new_requests_with_a_json_503(served):
             r = c.request(method, path, json=body)
             assert r.status_code == 503 and r.headers["Retry-After"] == "1", (path, r.text)
             assert r.json()["error"]["code"] == "shutting_down" and r.json()["error"]["type"] == "server_error"
-        r = c.get("/health")
+        r = c.get("/ready")
         assert r.status_code == 503 and r.json()["status"] == "draining"
+        assert c.get("/health").status_code == 200  # alive: the drain is no reason to restart it
         assert c.get("/stats").status_code == 200 and c.get("/metrics").status_code == 200
 
 
@@ -1825,3 +1827,96 @@ def test_non_finite_logprobs_become_openai_floor_not_a_500():
     assert chat["logprob"] == chat["top_logprobs"][0]["logprob"] == -9999.0
     assert comp["token_logprobs"] == [None, -9999.0] and comp["top_logprobs"][1] == {"b": -0.5}
     json.dumps([chat, comp], allow_nan=False)
+
+
+# ----------------------------------------------------------------------------- probes and request ids
+def test_one_failed_request_takes_neither_probe_down(served):
+    """/health (liveness) and /ready (readiness) on an engine of their own: /ready is 503 "starting"
+    until the warm-up generation succeeds while /health is already 200; a request the engine fails
+    (its decode step raises once) gets its 5xx, yet both probes stay 200 (only naming the error) and the
+    next request is served; a stopped engine takes both to 503."""
+    from fastapi.testclient import TestClient
+
+    from gemma4_nnx.serve.app import create_app
+
+    model, tok, _, _ = served
+    engine = Engine(model, tok, max_batch=1, max_length=MAX_LENGTH)
+    try:
+        with TestClient(create_app(engine, NAME, warmup=False)) as c:
+            c.app.state.status["ready"] = False  # as before the warm-up has run
+            assert c.get("/ready").status_code == 503 and c.get("/ready").json()["status"] == "starting"
+            assert c.get("/health").status_code == 200
+            c.app.state.status["ready"] = True
+            step = engine._step
+
+            def fails_once(*a, **k):  # the loop's decode step raises once: the rows in flight fail
+                engine._step = step
+                raise RuntimeError("device fault")
+
+            engine._step = fails_once
+            r = c.post("/v1/completions", json=_BODY)
+            assert r.status_code >= 500 and "device fault" in r.text, r.text
+            for probe in ("/health", "/ready"):
+                r = c.get(probe)
+                assert r.status_code == 200 and "device fault" in r.json()["last_error"], (probe, r.text)
+            assert c.post("/v1/completions", json=_BODY).status_code == 200
+            engine.close()
+            for probe in ("/health", "/ready"):
+                assert c.get(probe).status_code == 503, probe
+    finally:
+        engine.close()
+
+
+def test_request_ids_in_headers_error_bodies_and_the_access_log(served, caplog):
+    """A valid X-Request-ID comes back as the response header, in the error body (a route's 400, the
+    guard's 415) and in the access line; without one (or with one that is not 1-128 visible ASCII
+    characters) each request gets a fresh 32-hex-digit id."""
+    import logging
+    import re as re_
+
+    from gemma4_nnx.serve.request_ids import ACCESS_LOGGER
+
+    bad = {**_BODY, "temperature": 5}
+    with _app_client(served[3]) as c, caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
+        r = c.post("/v1/completions", json=bad, headers={"X-Request-ID": "lb-7f3a"})
+        assert r.status_code == 400 and r.headers["x-request-id"] == "lb-7f3a"
+        assert r.json()["error"]["request_id"] == "lb-7f3a" and r.json()["error"]["param"] == "temperature"
+        assert int(r.headers["content-length"]) == len(r.content)
+        r = c.post("/v1/completions", content=b"x", headers={"Content-Type": "text/plain", "X-Request-ID": "g-1"})
+        assert r.status_code == 415 and r.json()["error"]["request_id"] == "g-1"
+        ids = set()
+        for header in ({}, {"X-Request-ID": "has space"}, {"X-Request-ID": "x" * 129}):
+            r = c.get("/health", headers=header)
+            assert r.status_code == 200 and re_.fullmatch("[0-9a-f]{32}", r.headers["x-request-id"]), r.headers
+            ids.add(r.headers["x-request-id"])
+        assert len(ids) == 3
+        r = c.post("/v1/completions", json=_BODY, headers={"X-Request-ID": "ok-1"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "ok-1" and "request_id" not in r.text
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == ACCESS_LOGGER]
+    assert any('"POST /v1/completions" 400' in line and "request_id=lb-7f3a" in line for line in lines), lines
+    assert any('"POST /v1/completions" 200' in line and "request_id=ok-1" in line for line in lines), lines
+    assert not any("has space" in line for line in lines)
+
+
+def test_metrics_list_in_the_docs(served):
+    """docs/serving.md's metrics table names exactly the families a scrape returns (the prefix cache's
+    only with --prefix-cache-mb, off here)."""
+    import os
+    import re as re_
+
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "serving.md")
+    listed = set()
+    with open(docs) as f:
+        for line in f:
+            if line.startswith("| `gemma4_"):
+                names = re_.findall(r"`([a-z0-9_]+)`", line.split("|")[1])
+                stem = names[0].rsplit("_", 1)[0]
+                listed |= {names[0], *(stem + n for n in names[1:] if n.startswith("_"))}
+                listed |= {n for n in names[1:] if n.startswith("gemma4_")}
+    conn = http.client.HTTPConnection("127.0.0.1", served[2], timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    families = re_.findall(r"^# TYPE (gemma4_\w+) ", text, re_.M)
+    scraped = {n.removesuffix("_total") for n in families if not n.endswith("_created")}  # client's extras
+    assert scraped and scraped <= listed, sorted(scraped - listed)
+    assert listed - scraped == {n for n in listed if n.startswith("gemma4_prefix_cache")}, sorted(listed - scraped)

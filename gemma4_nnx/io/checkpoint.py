@@ -224,9 +224,12 @@ def _dtype(value, name: str):
     return dt
 
 
-def default_compute_dtype(param_dtype) -> jnp.dtype:
-    """float32 on CPU (no fast bf16 there), otherwise the parameter dtype."""
-    return jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" else jnp.dtype(param_dtype)
+def default_compute_dtype(param_dtype=None) -> jnp.dtype:
+    """The backend's compute dtype (`gemma4_nnx.io.loader.default_dtypes`: float32 on CPU, no fast bf16
+    there; bfloat16 on TPU / GPU). `param_dtype` is not consulted (kept for callers)."""
+    from gemma4_nnx.io.loader import default_dtypes
+
+    return default_dtypes()[1]
 
 
 def _sharding_fn(sharding) -> Callable[[Path], jax.sharding.Sharding]:
@@ -282,7 +285,8 @@ def load(
         path -> Sharding (paths as in `gemma4_nnx.io.hf.name_map`, PLE codes/scales at
         ("embed_tokens_per_layer", "codes"/"scales")), or a mapping of path tuples (or a nested dict
         like the params tree) to shardings.
-      compute_dtype: activation dtype; None = float32 on CPU, else the parameter dtype.
+      compute_dtype: activation dtype; None = the backend's (float32 on CPU, bfloat16 on TPU / GPU:
+        `gemma4_nnx.io.loader.default_dtypes`).
       text_only: leave out the vision / audio towers of a multimodal checkpoint (they are not read:
         less memory, text prompts only).
       matmul: the projections' product, chosen here once: "auto" (the CPU bf16 kernels for bf16
@@ -448,7 +452,14 @@ def add_load_flags(parser) -> None:
     checkpoint (`load_options` reads them back)."""
     from gemma4_nnx.model.layers import MATMUL_OPTIONS
 
-    parser.add_argument("--dtype", help="parameter dtype to load as (default: as stored)")
+    parser.add_argument(
+        "--dtype",
+        help="parameter dtype to load as (default: as stored; an HF directory: float32 on CPU, bfloat16 on TPU / GPU)",
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        help="activations' dtype (default: float32 on CPU, bfloat16 on TPU / GPU: gemma4_nnx.io.loader.default_dtypes)",
+    )
     parser.add_argument(
         "--kept-blocks",
         choices=("decoded", "stored"),
@@ -469,4 +480,9 @@ def add_load_flags(parser) -> None:
 
 def load_options(args) -> dict:
     """The `load` / `load_any` keywords of the flags `add_load_flags` added."""
-    return {"dtype": args.dtype, "kept_blocks": args.kept_blocks, "matmul": args.matmul}
+    return {
+        "dtype": args.dtype,
+        "compute_dtype": args.compute_dtype,
+        "kept_blocks": args.kept_blocks,
+        "matmul": args.matmul,
+    }

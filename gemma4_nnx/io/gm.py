@@ -411,8 +411,8 @@ def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="au
     """A `Gemma4` from gm parameters: a gm checkpoint directory, or the params tree gm users hold
     (`gm.ckpts.load_params(...)` / `model.init(...)["params"]`). `config`: a `Gemma4Config`, a preset
     name or an HF config.json path. `dtype`: the parameters' dtype (default: as stored);
-    `compute_dtype`: the activations' (default float32); `sharding`: optional callable
-    path -> jax.sharding.Sharding (as `from_hf`)."""
+    `compute_dtype`: the activations' (default the backend's: float32 on CPU, bfloat16 on TPU / GPU);
+    `sharding`: optional callable path -> jax.sharding.Sharding (as `from_hf`)."""
     import jax.numpy as jnp
 
     from gemma4_nnx.io.hf import fill, read_tensor
@@ -426,7 +426,11 @@ def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="au
     tensors = gm_tensors(ckpt, config)
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
-    model = abstract_model(config, jnp.dtype(compute_dtype or jnp.float32), jnp.dtype(dtype), matmul)
+    if compute_dtype is None:
+        from gemma4_nnx.io.loader import default_dtypes
+
+        compute_dtype = default_dtypes()[1]
+    model = abstract_model(config, jnp.dtype(compute_dtype), jnp.dtype(dtype), matmul)
     arrays = ((e, e.to_nnx(read_tensor(tensors[e.hf_name]))) for e in name_map(config))
     return fill(model, arrays, sharding)
 

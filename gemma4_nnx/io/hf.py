@@ -580,7 +580,7 @@ def iter_arrays(plan: Plan) -> Iterator[tuple[Entry, np.ndarray]]:
 def from_hf(
     hf_dir: str | os.PathLike,
     *,
-    dtype=jnp.float32,
+    dtype=None,
     param_dtype=None,
     sharding=None,
     matmul="auto",
@@ -596,11 +596,15 @@ def from_hf(
     skips vision/audio tensors and ignores the unused K/V tensors of KV-consumer layers. A multimodal
     checkpoint loads with its vision / audio towers (`model(ids, pixel_values=..., input_features=...)`);
     `text_only=True` skips them (less memory, text prompts only). `sharding`: optional callable
-    path -> jax.sharding.Sharding. `matmul`: the projections' product ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16",
-    "cpu_kernels_int8";
-    `gemma4_nnx.model.layers`).
+    path -> jax.sharding.Sharding. `dtype` (compute) and `param_dtype` (weights, default `dtype`): None is
+    the backend's (`gemma4_nnx.io.loader.default_dtypes`: float32 on CPU, bfloat16 on TPU / GPU).
+    `matmul`: the projections' product ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16",
+    "cpu_kernels_int8"; `gemma4_nnx.model.layers`).
     """
+    from gemma4_nnx.io.loader import default_dtypes
+
     hf_dir = os.fspath(hf_dir)
+    dtype = dtype or default_dtypes()[1]
     param_dtype = param_dtype or dtype
     if model_type(hf_dir) == ASSISTANT_MODEL_TYPE:
         config = AssistantConfig.from_hf(hf_dir)

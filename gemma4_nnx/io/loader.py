@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 
 from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, Gemma4Config
@@ -33,6 +34,169 @@ _LOOKED_FOR = (
     f"config.json not found (an HF model directory has one), nor {ck.METADATA_FILE} / {ck.CONFIG_FILE} "
     "(a gemma4-convert checkpoint) nor _METADATA (a checkpoint of Google's gemma library)"
 )
+
+
+def default_dtypes(backend: str | None = None) -> tuple[jnp.dtype, jnp.dtype]:
+    """(weights, compute): the dtypes a load defaults to on `backend` ("cpu", "tpu", "gpu"/"cuda"/"rocm";
+    None: `jax.default_backend()`, read now, never at import). float32 and float32 on CPU (no fast bf16
+    products in XLA there: the CPU kernels take bf16 weights under float32 compute instead); bfloat16
+    and bfloat16 on an accelerator (its matrix units' native type, half the HBM of float32: E2B's HF
+    float32 weights alone would not fit a 16 GiB v5e). The weights' default applies where the
+    checkpoint does not fix a dtype (an HF directory); a converted or gm checkpoint keeps its stored one.
+    Every command's `--dtype` / `--compute-dtype` overrides these."""
+    backend = jax.default_backend() if backend is None else backend
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend: expected a JAX backend name such as 'cpu' or 'tpu', got {backend!r}")
+    dt = jnp.dtype(jnp.float32) if backend.lower() == "cpu" else jnp.dtype(jnp.bfloat16)
+    return dt, dt
+
+
+#: Bytes each device may hold, for a backend whose devices report no memory (`device.memory_stats()` is
+#: None on CPU) or to pretend a smaller device: an int, or with a unit ("16GiB", "512MiB", "8G"). Read
+#: when a load runs; unset on CPU, loads are not checked.
+MEMORY_ENV = "GEMMA4_DEVICE_MEMORY"
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class DeviceMemoryError(ValueError):
+    """A load (or a KV pool) that cannot fit the device's free memory, refused before anything is
+    allocated; `needed` and `free` are bytes per device."""
+
+    def __init__(self, message: str, needed: int, free: int):
+        super().__init__(message)
+        self.needed, self.free = needed, free
+
+
+def parse_bytes(value: str | int, name: str = MEMORY_ENV) -> int:
+    """`value` in bytes: an int, or a number with a binary unit (K/M/G/T, optionally followed by "iB"
+    or "B": all powers of 1024)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        text = str(value).strip().lower().removesuffix("ib").removesuffix("b")
+        unit = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
+        try:
+            n = int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
+        except ValueError:
+            raise ValueError(f"{name}: expected bytes such as 17179869184 or '16GiB', got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{name}: must be at least one byte, got {value!r}")
+    return n
+
+
+def device_memory(device, limit: int | None = None) -> tuple[int, int] | None:
+    """(bytes the device holds, bytes in use now) of one jax device: `limit` (or the `MEMORY_ENV`
+    variable) as the size when given, else `device.memory_stats()`'s `bytes_limit`; in use from
+    `memory_stats()` (0 where it reports nothing). None when neither says how large the device is
+    (a CPU without `MEMORY_ENV`)."""
+    try:
+        stats = device.memory_stats() or {}
+    except (RuntimeError, NotImplementedError):  # a backend without memory statistics
+        stats = {}
+    if limit is None and os.environ.get(MEMORY_ENV):
+        limit = parse_bytes(os.environ[MEMORY_ENV])
+    size = limit if limit is not None else stats.get("bytes_limit")
+    if not size:
+        return None
+    return int(size), int(stats.get("bytes_in_use", 0))
+
+
+def checkpoint_bytes(path: str | os.PathLike, dtype=None, *, text_only: bool = False) -> int:
+    """The bytes the parameters of checkpoint directory `path` take once loaded with float weights as
+    `dtype` (None: as `load_any` loads them: stored for a converted or gm checkpoint, the backend's for
+    an HF directory), read from the files' headers / metadata only: no weight is read. Quantized codes
+    count as stored (GGUF blocks kept "decoded" take ~1.2x their stored bytes besides: not counted); a
+    gm checkpoint's count includes the K/V tensors of KV-consumer layers that the model drops."""
+    path = os.fspath(path)
+    fmt = checkpoint_format(path)
+    want = ck._dtype(dtype, "dtype")
+    if fmt == "hf":
+        want = want or default_dtypes()[0]
+    return _bytes(_stored_arrays(path, fmt, text_only), want)
+
+
+def _bytes(arrays, want) -> int:
+    import numpy as np
+
+    total = 0
+    for shape, stored in arrays:
+        item = want.itemsize if want is not None and np.issubdtype(stored, np.floating) else np.dtype(stored).itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * item
+    return total
+
+
+def _stored_arrays(path: str, fmt: str, text_only: bool) -> list[tuple[tuple[int, ...], object]]:
+    """(shape, stored dtype) of every array a load of `path` reads, from headers / metadata."""
+    import numpy as np
+
+    if fmt == "hf":
+        from gemma4_nnx.io.hf import assistant_tensors, ignored_names, text_tensors
+
+        if checkpoint_kind(path, fmt) == "assistant":
+            tensors = assistant_tensors(path)
+        else:
+            config = Gemma4Config.from_hf(path)
+            tensors = text_tensors(path, towers=config.multimodal and not text_only)
+            tensors = {k: v for k, v in tensors.items() if k not in ignored_names(config)}
+        return [(tuple(t.shape), np.dtype(t.dtype)) for t in tensors.values()]
+    if fmt == "gm":
+        g = gm.GmCheckpoint(path)
+        return [(g.shapes[k], g.dtypes[k]) for k in g.shapes]
+    import orbax.checkpoint as ocp
+
+    from gemma4_nnx.io.hf import name_map
+
+    keep = None
+    if text_only and checkpoint_kind(path, fmt) == "model":
+        keep = {str(e.path[0]) for e in name_map(ck.load_config(path).text_only())}
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            meta = ckptr.metadata(os.path.abspath(os.path.join(path, ck.PARAMS_DIR)))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise CheckpointError(f"{path}: the parameters' metadata is unreadable ({e}); convert it again") from None
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return [(tuple(v.shape), np.dtype(v.dtype)) for k, v in ck.flatten(tree).items() if keep is None or k[0] in keep]
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_fits(path: str, needed: int, devices, *, dtype, limit: int | None = None) -> None:
+    """Raise `DeviceMemoryError` when `needed` bytes of weights, spread evenly over `devices`, exceed
+    what each has free (`device_memory`); nothing is checked where a device's size is unknown."""
+    devices = list(devices)
+    sizes = [device_memory(d, limit) for d in devices]
+    if not devices or any(m is None for m in sizes):
+        return
+    free = min(size - used for size, used in sizes)
+    per_device = -(-needed // len(devices))
+    if per_device <= free:
+        return
+    fixes = []
+    if dtype is not None and jnp.dtype(dtype).itemsize > 2:
+        fixes.append(f"--dtype bfloat16 (half of {jnp.dtype(dtype).name}'s bytes)")
+    fixes.append("a quantized checkpoint (gemma4-convert SRC DST --quantize int8: about a quarter of float32's)")
+    more = len(jax.devices())
+    if more > len(devices):
+        tp = len(devices)
+        while tp < more and -(-needed // tp) > free:
+            tp *= 2
+        fixes.append(f"--tensor-parallel-size {min(tp, more)} (this host has {more} {devices[0].platform} devices)")
+    raise DeviceMemoryError(
+        f"{path}: loading needs about {_human(needed)} of weights"
+        f" ({_human(per_device)} on each of {len(devices)} device(s))"
+        f" but {devices[0].platform} device {devices[0].id} has {_human(max(free, 0))} free"
+        f" ({needed} bytes needed, {max(free, 0)} free; device size from "
+        f"{'GEMMA4_DEVICE_MEMORY' if limit is not None or os.environ.get(MEMORY_ENV) else 'memory_stats()'})."
+        f" Fix: {'; or '.join(fixes)}",
+        per_device,
+        free,
+    )
 
 
 def checkpoint_format(path: str | os.PathLike) -> str:
@@ -86,6 +250,7 @@ def load_any(
     kind: str | None = None,
     gm_config: str | None = None,
     kept_blocks: str = "decoded",
+    memory_limit: int | str | None = None,
 ):
     """Load checkpoint directory `path`, whatever its format, into a `Gemma4` (a `Gemma4Assistant` for
     an MTP assistant checkpoint). The model is built abstractly and filled in place: no random
@@ -94,13 +259,14 @@ def load_any(
     Args:
       path: a `gemma4-convert` output, an HF model directory or a gm checkpoint (module docstring).
       dtype: the float parameters' dtype ("bfloat16", "float32", a jnp dtype). None: as stored for a
-        converted or gm checkpoint, float32 for an HF directory.
+        converted or gm checkpoint; for an HF directory the backend's (`default_dtypes`: float32 on
+        CPU, bfloat16 on TPU / GPU).
       mesh: a `jax.sharding.Mesh` (`gemma4_nnx.make_mesh`): every array is placed straight onto its
         devices by the declared partitioning (`gemma4_nnx.sharding.sharding_for`). Target models only.
       sharding: instead of `mesh`, the placement itself, as `gemma4_nnx.io.checkpoint.load` takes it
         (a callable path -> Sharding, for HF and gm directories too).
-      compute_dtype: the activations' dtype. None: float32 for HF and gm directories; for a converted
-        checkpoint float32 on CPU, else the parameter dtype (`checkpoint.default_compute_dtype`).
+      compute_dtype: the activations' dtype. None: the backend's (`default_dtypes`: float32 on CPU,
+        bfloat16 on TPU / GPU), for every format.
       matmul: the projections' product ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16",
         "cpu_kernels_int8": `gemma4_nnx.model.layers.resolve_matmul`).
       text_only: leave out the vision / audio towers of a multimodal checkpoint (converted or HF).
@@ -112,6 +278,11 @@ def load_any(
         "decoded" (default: decoded into codes and float32 scales as they load, the fast kernels) or
         "stored" (held as the file stores them: its bytes in memory, slower decode;
         `gemma4_nnx.io.checkpoint.load`). Other formats hold no blocks.
+      memory_limit: bytes each device holds (an int or "16GiB"), for the check below; default the
+        `GEMMA4_DEVICE_MEMORY` variable, else `device.memory_stats()`. Before anything is allocated,
+        the parameters' bytes (`checkpoint_bytes`, from headers / metadata) are compared with the free
+        memory of the devices they go to; a load that cannot fit raises `DeviceMemoryError` naming both
+        and the flag that fixes it. Unchecked where a device's size is unknown (CPU without a limit).
 
     Raises:
       FileNotFoundError: `path` does not exist.
@@ -129,6 +300,10 @@ def load_any(
     param_dtype = ck._dtype(dtype, "dtype")
     compute = ck._dtype(compute_dtype, "compute_dtype")
     fmt = checkpoint_format(path)
+    default_weights, default_compute = default_dtypes()
+    compute = compute or default_compute
+    if fmt == "hf":
+        param_dtype = param_dtype or default_weights
     if fmt != "gm" and gm_config is not None:
         raise ValueError(f"gm_config: {path} is not a gm checkpoint (it is {fmt}); leave gm_config out")
     found = checkpoint_kind(path, fmt)
@@ -147,6 +322,18 @@ def load_any(
         if config is None:
             config = ck.load_config(path) if fmt == "orbax" else Gemma4Config.from_hf(path)
         sharding = sharding_for(mesh, config)
+    if memory_limit is not None:
+        memory_limit = parse_bytes(memory_limit, "memory_limit")
+    if mesh is not None:
+        devices = list(mesh.devices.flat)
+    elif isinstance(sharding, jax.sharding.Sharding):
+        devices = sorted(sharding.device_set, key=lambda d: d.id)
+    else:
+        devices = [jax.devices()[0]]
+    arrays = _stored_arrays(path, fmt, text_only)
+    floats = [jnp.dtype(d) for _, d in arrays if jnp.issubdtype(d, jnp.floating)]
+    widest = param_dtype or max(floats, key=lambda d: d.itemsize, default=None)
+    check_fits(path, _bytes(arrays, param_dtype), devices, dtype=widest, limit=memory_limit)
     if fmt == "orbax":
         return ck.load(
             path,
@@ -160,7 +347,6 @@ def load_any(
     if sharding is not None:  # from_hf and from_gm take a callable
         sharding = ck._sharding_fn(sharding)
     if fmt == "hf":
-        compute = compute or jnp.dtype(jnp.float32)
         return from_hf(
             path, dtype=compute, param_dtype=param_dtype, sharding=sharding, matmul=matmul, text_only=text_only
         )

@@ -32,8 +32,11 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   batch (`decode.lora_bank`); `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (vLLM's
   bodies; off unless `--enable-runtime-lora`, confined to `--lora-root`, behind `--admin-key`);
   `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
-* `GET /v1/models`; `GET /health` (200 only once a real generation has succeeded at start-up, and
-  503 while the last request the engine ran failed, or during the drain after SIGTERM); `GET
+* `GET /v1/models`; `GET /health` (liveness: 200 while the process serves and its engine runs, 503
+  once the engine has stopped or the warm-up failed) and `GET /ready` (readiness: 200 once a real
+  generation has succeeded at start-up, 503 before it and during the drain after SIGTERM; a failed
+  request changes neither); every response carries an `X-Request-ID` header (the request's own, or
+  a new one), also in error bodies and the access log (`request_ids`); `GET
   /metrics` (Prometheus text format: latency histograms, tokens, responses by status, engine
   counters; `serve.metrics`); `GET /stats`
   (the engine's counters as JSON: decode steps, how many were shared by several requests, rows in
@@ -75,6 +78,7 @@ from gemma4_nnx.serve.guard import (
     report_unknown_fields,
 )
 from gemma4_nnx.serve.media import DEFAULT_VIDEO_LIMITS, VideoLimits
+from gemma4_nnx.serve.memory import DEFAULT_MEMORY_UTILIZATION, kv_cache_bytes
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
 from gemma4_nnx.serve.protocol import (
@@ -93,6 +97,7 @@ from gemma4_nnx.serve.protocol import (
     TokenizerInfo,
     UnloadLoRAAdapterRequest,
 )
+from gemma4_nnx.serve.request_ids import ACCESS_LOGGER, RequestIds
 from gemma4_nnx.serve.responses import DEFAULT_MAX_STORED_RESPONSES, Responses
 from gemma4_nnx.serve.responses_protocol import ResponseObject, ResponsesRequest
 from gemma4_nnx.serve.serving import DEFAULT_MAX_PROMPTS, ApiError, Serving, parse_error, validation_error
@@ -146,7 +151,7 @@ def create_app(
     lora_root: str | None = None,
     admin_key: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app. `warmup`: run one real generation at start-up; /health is 503 until it
+    """The FastAPI app. `warmup`: run one real generation at start-up; /ready is 503 until it
     has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
     `max_prompts`: prompts one completion request may carry; `max_concurrent_requests`: prompts in
     flight (queued or decoding) beyond which requests get 429; `body_timeout`: seconds to receive a
@@ -213,6 +218,7 @@ def create_app(
         admin_key=admin_key,
     )
     app.add_middleware(CountResponses, metrics=metrics)  # outside the guard: its refusals count too
+    app.add_middleware(RequestIds)  # outermost: every response (refusals too) carries the id
     app.state.engine = engine
     app.state.serving = serving
     app.state.precheck = precheck
@@ -233,18 +239,31 @@ def create_app(
     async def refused(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.get("/health")
-    async def health():
-        failing = engine.last_outcome == "error"
-        ok = state["ready"] and engine.alive and not failing and not serving.draining
+    def probe(ok: bool, status: str) -> JSONResponse:
         body = {
-            "status": "ok" if ok else "draining" if serving.draining else "unavailable",
+            "status": "ok" if ok else status,
             "ready": state["ready"],
             "engine_alive": engine.alive,
+            "draining": serving.draining,
             "warmup_error": state["warmup_error"],
-            "last_error": engine.error if failing else None,
+            # informative only: one failed request does not take the replica out (neither probe reads it)
+            "last_error": engine.error if engine.last_outcome == "error" else None,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/health")
+    async def health():
+        """Liveness: the process serves and its engine runs (503 once the engine has stopped or the
+        warm-up generation failed: a restart is the fix). Warm-up, the drain and failed requests
+        leave it 200."""
+        return probe(engine.alive and state["warmup_error"] is None, "unavailable")
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: send requests here. 200 once the warm-up generation has succeeded, while the
+        engine runs and the server is not draining; a failed request does not change it."""
+        ok = state["ready"] and engine.alive and not serving.draining
+        return probe(ok, "draining" if serving.draining else "starting" if engine.alive else "unavailable")
 
     @app.get("/metrics")
     async def prometheus():
@@ -406,8 +425,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="device memory for the global layers' KV block pool (MiB): rows take blocks of 32 tokens as "
         "they grow, requests are admitted while their prompts fit, and when the pool runs dry the newest "
-        "request is preempted and recomputed later (default: 4096 tokens per --max-batch row, and at least "
-        "one --max-length)",
+        "request is preempted and recomputed later (default: what --gpu-memory-utilization leaves after the "
+        "weights; on a device that reports no memory, e.g. CPU, 4096 tokens per --max-batch row and at least one "
+        "--max-length)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_MEMORY_UTILIZATION,
+        metavar="FRACTION",
+        help="share of each accelerator's (TPU or GPU) memory the server holds in all: weights, the KV block pool "
+        "(sized from what is left after the weights unless --kv-cache-mb is given) and working memory "
+        f"(vLLM's flag; default {DEFAULT_MEMORY_UTILIZATION}; gemma4_nnx.serve.memory)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -659,6 +688,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
         raise ValueError(f"--prefix-cache-mb must be >= 0 (0 = off), got {args.prefix_cache_mb}")
     if args.kv_cache_mb is not None and args.kv_cache_mb < 1:
         raise ValueError(f"--kv-cache-mb must be >= 1 (MiB), got {args.kv_cache_mb}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     mesh = None
     tp = args.tensor_parallel_size
     if tp != 1:
@@ -690,6 +721,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     model = load_any(args.checkpoint, mesh=mesh, **load_options(args))
+    kv_bytes = _kv_pool_bytes(args, model, mesh)
     engine = Engine(
         model,
         tokenizer,
@@ -702,7 +734,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
         mesh=mesh,
         speculative=speculative,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
-        kv_cache_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb << 20,
+        kv_cache_bytes=kv_bytes,
         cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         max_loras=max_loras,
         max_lora_rank=args.max_lora_rank,
@@ -714,6 +746,37 @@ def make_engine(args: argparse.Namespace) -> Engine:
         engine.close()
         raise ValueError(f"--lora-modules: {e}") from None
     return engine
+
+
+def _kv_pool_bytes(args: argparse.Namespace, model, mesh) -> int | None:
+    """--kv-cache-mb, else the pool the devices' free memory leaves after the weights
+    (`memory.kv_cache_bytes`; None: the engine's default, on a device that reports no memory)."""
+    if args.kv_cache_mb is not None:
+        return args.kv_cache_mb << 20
+    cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    nbytes = kv_cache_bytes(
+        model,
+        max_batch=args.max_batch,
+        max_length=args.max_length,
+        utilization=args.gpu_memory_utilization,
+        mesh=mesh,
+        cache_dtype=cache_dtype,
+        prefix_cache_bytes=args.prefix_cache_mb << 20,
+    )
+    if nbytes is not None:
+        from gemma4_nnx.decode.blocks import BLOCK_SIZE
+        from gemma4_nnx.model.cache import token_bytes
+
+        tokens = nbytes // (BLOCK_SIZE * token_bytes(model.config, cache_dtype or model.dtype)) * BLOCK_SIZE
+        length = args.max_length or model.config.max_position_embeddings
+        print(f"gemma4-serve: KV block pool {nbytes >> 20} MiB ({tokens} tokens)", file=sys.stderr)
+        if tokens < length:
+            print(
+                f"gemma4-serve: warning: the KV block pool holds {tokens} tokens, fewer than --max-length {length}: "
+                "longer requests are refused; lower --max-length or raise --gpu-memory-utilization",
+                file=sys.stderr,
+            )
+    return nbytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -744,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(
         f"gemma4-serve: {name} on http://{args.host}:{args.port}/v1 (max_batch={engine.max_batch}, "
-        f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /health turns 200 "
+        f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /ready turns 200 "
         "after the warm-up generation",
         file=sys.stderr,
     )
@@ -767,11 +830,13 @@ def main(argv: list[str] | None = None) -> int:
         admin_key=args.admin_key,
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
+    _access_log()
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="info",
+        access_log=False,  # `request_ids.RequestIds` writes the access lines, with the request id
         # the connection limit is applied by our protocol, which spares /health and /metrics
         # (`serve.connections`); uvicorn's own would answer them 503 too
         http=http_protocol(args.header_timeout, args.limit_concurrency),
@@ -784,6 +849,19 @@ def main(argv: list[str] | None = None) -> int:
     DrainingServer(config, app.state.serving, args.drain_timeout).run()
     engine.close()
     return 0
+
+
+def _access_log() -> None:
+    """Print the `gemma4_nnx.access` lines (one per request, with its id) on stderr, as uvicorn's were."""
+    import logging
+
+    log = logging.getLogger(ACCESS_LOGGER)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 _DRAIN_MARGIN_S = 5.0
@@ -799,7 +877,7 @@ def header_timeout_protocol(seconds: float) -> type:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server; the first SIGTERM / Ctrl-C starts the drain (`Serving.drain`): the server
-    keeps listening and answers new API requests 503 `shutting_down` (and /health 503) while the
+    keeps listening and answers new API requests 503 `shutting_down` (and /ready 503) while the
     requests in flight finish, ended cleanly after `drain_timeout` seconds; then uvicorn shuts down
     (closes the socket, re-raises the signal). A second signal starts that shutdown at once."""
 

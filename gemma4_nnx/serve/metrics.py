@@ -36,6 +36,7 @@ _ROUTES = frozenset(
         "/detokenize",
         "/tokenizer_info",
         "/health",
+        "/ready",
         "/metrics",
         "/stats",
     }

@@ -494,8 +494,14 @@ def _parser() -> argparse.ArgumentParser:
         "--compute-dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="activations' dtype; auto: bfloat16 on GPU / TPU, float32 on CPU (weights stay as loaded, "
-        "float32 masters for --method full)",
+        help="activations' dtype; auto: bfloat16 on GPU / TPU, float32 on CPU (gemma4_nnx.io.loader.default_dtypes)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the frozen base weights' dtype (lora / qlora); auto: as stored, an HF directory float32 on CPU and "
+        "bfloat16 on GPU / TPU; --method full always trains float32 master weights",
     )
     p.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
     p.add_argument("--save-every", type=int, default=100)
@@ -524,6 +530,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     p = _parser()
     args = p.parse_args(argv)
+    if args.method == "full" and args.dtype not in ("auto", "float32"):
+        p.error("--dtype: --method full trains float32 master weights; leave --dtype out")
     if args.method == "full" and "peft" in args.export:
         p.error("--export peft writes an adapter; --method full trains no adapter (use --export hf or gguf)")
     if args.distributed:
@@ -552,12 +560,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         save_every=args.save_every,
         eval_every=args.eval_every if eval_rows is not None else 0,
     )
-    compute = args.compute_dtype
-    if compute == "auto":
-        compute = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    model = load_any(
-        args.model, dtype="float32" if args.method == "full" else None, compute_dtype=compute, kind="model"
-    )
+    compute = None if args.compute_dtype == "auto" else args.compute_dtype  # None: load_any's default_dtypes
+    weights = "float32" if args.method == "full" else None if args.dtype == "auto" else args.dtype
+    model = load_any(args.model, dtype=weights, compute_dtype=compute, kind="model")
     wrt = prepare(
         model, args.method, rank=args.lora_rank, alpha=args.lora_alpha, base_quant=args.base_quant, seed=args.seed
     )
