@@ -49,16 +49,15 @@ def test_int_dot_equals_float64_of_dequantized(fmt):
         assert err <= 1e-5 * np.max(np.abs(ref)), (rows, err)
 
 
-def test_int4_codes_enter_the_dot_in_stored_order():
-    """The int4 bitcast reads element 2j from the low nibble, as pack_int4 stores it (against unpack_int4,
-    the shift-based reader) for every byte value."""
-    packed = np.arange(256, dtype=np.uint8).reshape(8, 32)
-    np.testing.assert_array_equal(
-        np.asarray(xla_int.int_codes(jnp.asarray(packed), 4, False), np.int8), np.asarray(quant.unpack_int4(packed))
-    )
-    np.testing.assert_array_equal(
-        np.asarray(xla_int.int_codes(jnp.asarray(packed), 4, True), np.uint8), np.asarray(quant.unpack_uint4(packed))
-    )
+def test_int4_nibbles_are_the_stored_codes_of_even_and_odd_columns():
+    """The int4 product's two code arrays are the even and the odd columns of unpack_int4 /
+    unpack_uint4 (the shift-based readers of pack_int4's bytes), for every byte value."""
+    packed = jnp.asarray(np.arange(256, dtype=np.uint8).reshape(8, 32))
+    for asym, unpack in ((False, quant.unpack_int4), (True, quant.unpack_uint4)):
+        lo, hi = xla_int.nibbles(packed, asym)
+        full = np.asarray(unpack(packed))
+        np.testing.assert_array_equal(np.asarray(lo), full[:, 0::2])
+        np.testing.assert_array_equal(np.asarray(hi), full[:, 1::2])
 
 
 def test_matmul_option_resolves():

@@ -14,9 +14,12 @@ without ever building W in float:
   dequantized copy of the weight costs ``2 * N * K``: the blocked form pays while ``T <= group / 2``
   (`blocked_rows`). Above that (prefill, large decode batches with small groups) the caller dequantizes
   the weight once per product, which a compute-bound product of many rows amortizes.
-* **int4** codes (two per byte, element ``2j`` in the low nibble) are bitcast to `jnp.int4` /
-  `jnp.uint4` ``[N, K/2, 2]`` and reshaped to ``[N, K]``: XLA's int4 packing puts element 0 in the low
-  nibble, so this is the stored order with no shift or mask (checked against the float64 reference).
+* **int4** codes (two per byte, element ``2j`` in the low nibble) are split into two int8 (uint8 for
+  the asymmetric form) arrays ``[N, K/2]``, the low nibbles (even columns) and the high ones (odd
+  columns), and x into its even and odd columns: ``x . w = x_even . lo + x_odd . hi``, two integer dots
+  with no interleaving. (A bitcast of the bytes to `jnp.int4` ``[N, K/2, 2]`` gives the same codes on
+  the CPU and in eager TPU ops, but a jitted E2B-shaped decode step on a TPU v5e with jax 0.10.2
+  computed wrong logits through it: not used.)
 * **Asymmetric** codes (``value = code * scale - min``: GGUF Q4_1 / Q4_K / Q5_K, decoded at load):
   ``sum_k x_k (q_k s - m) = s * (x . q) - m * sum_k x_k`` per group, so the mins need only the group
   sums of x (``[T, G] @ mins^T``).
@@ -32,7 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["blocked_rows", "int_codes", "qmatmul_t"]
+__all__ = ["blocked_rows", "nibbles", "qmatmul_t"]
 
 
 def blocked_rows(group: int) -> int:
@@ -41,13 +44,23 @@ def blocked_rows(group: int) -> int:
     return max(1, group // 2)
 
 
-def int_codes(codes: jax.Array, bits: int, asym: bool) -> jax.Array:
-    """Stored codes [N, K] (int8 / uint8) or [N, K/2] (two nibbles a byte) -> integer codes [N, K] in an
-    integer dtype the dot takes as it is (int8, uint8, int4, uint4); no arithmetic on the weight."""
-    if bits == 8:
-        return codes
-    nib = jax.lax.bitcast_convert_type(codes, jnp.uint4 if asym else jnp.int4)  # [N, K/2, 2], low first
-    return nib.reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+def nibbles(codes: jax.Array, asym: bool) -> tuple[jax.Array, jax.Array]:
+    """Packed int4 codes uint8 [N, K/2] -> (low, high) nibbles [N, K/2]: the codes of the even and of the
+    odd columns, int8 in [-8, 7] (two's complement, sign-extended by arithmetic shifts) or, `asym`,
+    uint8 in [0, 15]."""
+    if asym:
+        return jnp.bitwise_and(codes, jnp.uint8(0x0F)), jnp.right_shift(codes, jnp.uint8(4))
+    s = jax.lax.bitcast_convert_type(codes, jnp.int8)
+    return jnp.right_shift(jnp.left_shift(s, jnp.int8(4)), jnp.int8(4)), jnp.right_shift(s, jnp.int8(4))
+
+
+def _dot(x: jax.Array, q: jax.Array, g: int) -> jax.Array:
+    """x [T, K'] . q [N, K'] per group of K' / g columns: [T, N] float32 (g == 1) or [G, T, N]."""
+    t, k = x.shape
+    if g == 1:
+        return jax.lax.dot_general(x, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    xg, qg = x.reshape(t, g, k // g), q.reshape(q.shape[0], g, k // g)
+    return jax.lax.dot_general(xg, qg, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32)
 
 
 def qmatmul_t(
@@ -61,24 +74,24 @@ def qmatmul_t(
 ) -> jax.Array:
     """x [..., K] @ W[N, K]^T in `dtype` for codes [N, K or K/2], scales [N, G] (float32), mins like
     scales or None; the codes enter the dot as integers and the scales multiply float32 partial sums."""
-    q = int_codes(codes, bits, mins is not None)
-    n, k = q.shape
+    k = codes.shape[-1] * (2 if bits == 4 else 1)
+    n = codes.shape[0]
     if x.shape[-1] != k:
         raise ValueError(f"x.shape[-1] (={x.shape[-1]}) must equal the weight's input width {k}")
     g = k // group
     lead = x.shape[:-1]
-    t = math.prod(lead)
-    xd = x.astype(dtype).reshape(t, g, group)
+    xd = x.astype(dtype).reshape(math.prod(lead), k)
+    if bits == 8:
+        acc = _dot(xd, codes, g)
+    else:
+        lo, hi = nibbles(codes, mins is not None)
+        acc = _dot(xd[:, 0::2], lo, g) + _dot(xd[:, 1::2], hi, g)
     scales = scales.astype(jnp.float32)
-    if g == 1:  # per output channel: one dot, the scale on its output
-        acc = jax.lax.dot_general(xd[:, 0], q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if g == 1:  # per output channel: the scale on the dot's output
         out = acc * scales[:, 0]
-    else:  # [G, T, group] x [G, N, group] -> [G, T, N] partial sums, scaled per (group, output), summed
-        acc = jax.lax.dot_general(
-            xd, q.reshape(n, g, group), (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32
-        )
+    else:  # [G, T, N] partial sums, scaled per (group, output), summed over the groups
         out = jnp.sum(acc * scales.T[:, None, :], axis=0)
     if mins is not None:  # - sum_g min[n, g] * sum_{k in g} x_k (exact float32 products, summed over G)
-        xs = jnp.sum(xd.astype(jnp.float32), axis=-1)  # [T, G]
+        xs = jnp.sum(xd.astype(jnp.float32).reshape(-1, g, group), axis=-1)  # [T, G]
         out = out - jnp.sum(xs[:, :, None] * mins.astype(jnp.float32).T[None], axis=1)
     return out.reshape(*lead, n).astype(dtype)
