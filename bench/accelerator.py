@@ -38,6 +38,7 @@ import argparse
 import functools
 import json
 import math
+import sys
 import time
 
 import jax
@@ -55,7 +56,6 @@ CHIPS = {"TPU v5 lite": (819e9, 197e12), "TPU v5e": (819e9, 197e12), "TPU v6 lit
 MODES = {"bf16": None, "int8": (8, "channel"), "int4": (4, 32), "int4g128": (4, 128)}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
 def _fill(shape, dtype, key):
     """Random values of `shape`/`dtype` made on the device; tables over 2^26 elements repeat a random
     block along their first axis (the values do not change the timing; a whole-table draw would need
@@ -97,11 +97,14 @@ def build(config: Gemma4Config, mode: str):
             set_submodule(model, path, quant.quantized_like(mod, fmt, XLA_INT))
     graphdef, abstract = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    keys = jax.random.split(jax.random.key(0), len(leaves))
-    made = []
-    for leaf, key in zip(leaves, keys, strict=True):
-        made.append(_fill(tuple(leaf.shape), jnp.dtype(leaf.dtype), key))  # one compile per shape
-    return graphdef, jax.tree_util.tree_unflatten(treedef, made)
+    specs = [(tuple(leaf.shape), jnp.dtype(leaf.dtype)) for leaf in leaves]
+
+    @jax.jit
+    def fill(key):  # one program makes every weight (one compile, as the model's own init under nnx.jit)
+        keys = jax.random.split(key, len(specs))
+        return [_fill(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
+
+    return graphdef, jax.tree_util.tree_unflatten(treedef, fill(jax.random.key(0)))
 
 
 def _nbytes(tree) -> int:
@@ -179,6 +182,11 @@ def main(argv=None) -> dict:
         "runs": [],
     }
 
+    start = time.perf_counter()
+
+    def log(msg):  # progress on stderr: where a run cut short spent its time
+        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
     def emit(**row):
         res["runs"].append(row)
         print(json.dumps(row), flush=True)
@@ -191,6 +199,7 @@ def main(argv=None) -> dict:
 
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
+        log(f"{mode}: building")
         graphdef, state = build(config, mode)
         jax.block_until_ready(state)
         wbytes = weight_bytes_per_step(state)
@@ -207,6 +216,7 @@ def main(argv=None) -> dict:
         step, prefill = _programs(graphdef)
         model = nnx.merge(graphdef, state)
         for b in [int(v) for v in args.batches.split(",") if v]:
+            log(f"{mode}: decode B={b}")
             try:
                 cache = model.init_cache(b, args.context)
                 t0 = time.perf_counter()
@@ -230,6 +240,7 @@ def main(argv=None) -> dict:
                 if "embed_tokens_per_layer" not in map(str, p) and "embed_tokens" not in map(str, p)
             )
             for n in [int(v) for v in args.prefill.split(",") if v]:
+                log(f"{mode}: prefill {n}")
                 try:
                     ids = jnp.ones((1, n), jnp.int32)
                     tok, cache = prefill(state, model.init_cache(1, n), ids)
@@ -249,6 +260,7 @@ def main(argv=None) -> dict:
                 except Exception as e:  # a failed configuration is a result too
                     emit(mode=mode, what="prefill", tokens=n, error=f"{type(e).__name__}: {str(e)[:300]}")
             if args.depth:
+                log(f"{mode}: decode at depth {args.depth}")
                 try:
                     n = args.depth
                     cache = model.init_cache(1, n + args.steps + 8)
