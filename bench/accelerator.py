@@ -5,10 +5,10 @@ fractions of the chip's limits.
     python bench/accelerator.py --modes bf16,int8 --batches 1,64 --prefill 1024,8192 --depth 8192
 
 Model: `Gemma4Config.e2b()` (or `--model e4b`) with random weights made on the device (no checkpoint,
-no host copy): the abstract model (`nnx.eval_shape`) is filled leaf by leaf by jitted random draws, bf16
-for float weights; under `int8` / `int4` every projection and the tied token table are quantized
-modules (`quant.quantized_like`) holding random codes and positive scales, multiplied by
-`matmul="xla_int"` (`gemma4_nnx.kernels.xla_int`: codes into the dot, scales on its output):
+no host copy): the abstract model (`nnx.eval_shape`) is filled leaf by leaf by a jitted index hash
+(one small program per leaf shape), bf16 for float weights; under `int8` / `int4` every projection and
+the tied token table are quantized modules (`quant.quantized_like`) holding random codes and positive
+scales, multiplied by `matmul="xla_int"` (`gemma4_nnx.kernels.xla_int`: codes into the dot, scales on its output):
 
 * `int8`: one scale per output channel (`quantize(model, 8, "channel")`'s format);
 * `int4`: groups of 32 (`quantize(model, 4)`'s default), the token table / output head int8 per channel;
@@ -56,26 +56,23 @@ CHIPS = {"TPU v5 lite": (819e9, 197e12), "TPU v5e": (819e9, 197e12), "TPU v6 lit
 MODES = {"bf16": None, "int8": (8, "channel"), "int4": (4, 32), "int4g128": (4, 128)}
 
 
-def _fill(shape, dtype, key):
-    """Random values of `shape`/`dtype` made on the device; tables over 2^26 elements repeat a random
-    block along their first axis (the values do not change the timing; a whole-table draw would need
-    a float32 temporary of 4 bytes an element)."""
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _fill(shape, dtype, seed):
+    """Pseudo-random values of `shape`/`dtype` made on the device from an index hash (no RNG: cheap to
+    compile and to run; the values do not change the timing). Codes cover their whole range; float32
+    leaves (quantization scales) are small and positive; other floats ~N(0, 0.02)-sized."""
     dtype = jnp.dtype(dtype)
-    rows = shape[0] if shape else 1
-    per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    block = max(1, min(rows, 2**26 // max(1, per_row)))
-    bshape = (block, *shape[1:]) if shape else ()
+    i = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape) if shape else jnp.uint32(0)
+    h = (i + jnp.asarray(seed, jnp.uint32)) * jnp.uint32(2654435761)  # Knuth's multiplicative hash
+    h = h ^ (h >> 15)
     if dtype == jnp.int8:
-        x = jax.random.randint(key, bshape, -127, 128, jnp.int32).astype(jnp.int8)
-    elif dtype == jnp.uint8:
-        x = jax.random.randint(key, bshape, 0, 256, jnp.int32).astype(jnp.uint8)
-    elif dtype == jnp.float32:  # quantization scales (the only float32 leaves): small and positive
-        x = jnp.full(bshape, 2e-4, jnp.float32)
-    else:
-        x = (0.02 * jax.random.normal(key, bshape, jnp.float32)).astype(dtype)
-    if shape and block < rows:
-        x = jnp.tile(x, (math.ceil(rows / block),) + (1,) * (len(shape) - 1))[:rows]
-    return x
+        return (h % 255).astype(jnp.int32).astype(jnp.int8) - jnp.int8(127)
+    if dtype == jnp.uint8:
+        return (h % 256).astype(jnp.uint8)
+    if dtype == jnp.float32:
+        return jnp.full(shape, 2e-4, jnp.float32)
+    u = (h % 65536).astype(jnp.float32) / 65536.0 - 0.5  # uniform in [-0.5, 0.5): std ~0.29
+    return (0.07 * u).astype(dtype)
 
 
 def build(config: Gemma4Config, mode: str):
@@ -97,14 +94,8 @@ def build(config: Gemma4Config, mode: str):
             set_submodule(model, path, quant.quantized_like(mod, fmt, XLA_INT))
     graphdef, abstract = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    specs = [(tuple(leaf.shape), jnp.dtype(leaf.dtype)) for leaf in leaves]
-
-    @jax.jit
-    def fill(key):  # one program makes every weight (one compile, as the model's own init under nnx.jit)
-        keys = jax.random.split(key, len(specs))
-        return [_fill(shape, dtype, keys[i]) for i, (shape, dtype) in enumerate(specs)]
-
-    return graphdef, jax.tree_util.tree_unflatten(treedef, fill(jax.random.key(0)))
+    made = [_fill(tuple(x.shape), jnp.dtype(x.dtype), i) for i, x in enumerate(leaves)]  # a compile a shape
+    return graphdef, jax.tree_util.tree_unflatten(treedef, made)
 
 
 def _nbytes(tree) -> int:
