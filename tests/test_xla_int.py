@@ -36,7 +36,8 @@ CHANNEL = [
 def test_int_dot_equals_float64_of_dequantized(fmt):
     """x @ deq(W)^T with the codes in the dot and the scales on its output, at 1 row (decode) and 37
     (the blocked form past its byte break-even, still exact), against float64: float32 rounding of sums
-    of K products (relative 1e-5 of the largest output)."""
+    of K products (relative 1e-5 of the largest output); and its gradient wrt x (column sums of 24
+    weights up to 255 * 0.01: float32 rounding, as in test_quantized)."""
     rng = np.random.default_rng(fmt.bits + fmt.group + 5 * fmt.asym)
     codes, scales, mins = _random_quantized(rng, 24, K, fmt)
     deq = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins), np.float64)
@@ -47,6 +48,10 @@ def test_int_dot_equals_float64_of_dequantized(fmt):
         assert got.dtype == jnp.float32 and got.shape == (rows, 24)
         err = np.max(np.abs(np.asarray(got, np.float64) - ref))
         assert err <= 1e-5 * np.max(np.abs(ref)), (rows, err)
+    # the gradient wrt x (QLoRA's backward through a frozen base): deq(W)'s column sums, float32-rounded
+    product = lambda x: xla_int.qmatmul_t(x, jnp.asarray(codes), scales, mins, fmt.bits, fmt.group, jnp.float32)  # noqa: E731
+    gx = jax.grad(lambda x: product(x).sum())(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(gx), np.broadcast_to(deq.sum(0), x.shape), rtol=1e-4, atol=1e-4)
 
 
 def test_int4_nibbles_are_the_stored_codes_of_even_and_odd_columns():
@@ -68,6 +73,21 @@ def test_matmul_option_resolves():
     assert auto.int_dot == (jax.default_backend() != "cpu")
     with pytest.raises(ValueError, match="matmul must be one of"):
         layers.resolve_matmul("int8", dtype=jnp.bfloat16, param_dtype=None)
+
+
+def test_quantize_per_channel_gives_one_scale_per_output():
+    """quantize(group="channel"): each matrix's group is its input width (one scale per output row, the
+    token table's included); a misspelt group is refused by name."""
+    model = random_model("e2b", matmul="xla")
+    done = quant.quantize(model, 8, "channel", matmul="xla_int")
+    fmts = quant.quantization_of(model)
+    assert done and set(done) == set(fmts)
+    for path, mod in nnx.iter_graph(model):
+        if isinstance(mod, quant.QuantizedLinear):
+            assert mod.fmt.group == mod.in_features and mod.scales[...].shape == (mod.out_features, 1), path
+    assert fmts["embed_tokens"].group == model.config.hidden_size
+    with pytest.raises(ValueError, match="group must be a positive integer or 'channel'"):
+        quant.quantize(random_model("e2b", matmul="xla"), 8, "chanel")
 
 
 def _step(model, batch):
