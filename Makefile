@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PY312 ?= $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
 VENV312 ?= .venv312
 
-.PHONY: demo demo-tiny test test-isa test-py312 test-interop lint format docs
+.PHONY: demo demo-tiny test test-isa test-accelerator test-py312 test-interop lint format docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,19 @@ test-isa: $(VENV)/.installed
 	  echo "== kernel tests with GEMMA4_NNX_CPU_ISA=$$isa"; \
 	  GEMMA4_NNX_CPU_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) -m "not slow" $(KERNEL_TESTS) || exit 1; \
 	done
+
+# The backend-sensitive tests (model, KV cache, decode core, paged attention, quantized products and the
+# accelerator's integer-dot product, sampling, generate, the engine and its prefix cache) on whatever
+# device JAX finds (JAX_PLATFORMS empty: the accelerator where there is one, else the CPU), in ONE
+# process: one process at a time can hold a TPU, so no xdist. A selection of files, not a second copy of
+# the suite; tests marked `slow` are left to `make test` (ACCEL_PYTEST_ARGS= runs them too). The CPU
+# kernels' tests are not here (they need a CPU backend: `make test`, `make test-isa`).
+ACCEL_TESTS ?= tests/test_components.py tests/test_cache.py tests/test_decode_core.py tests/test_paged.py \
+	tests/test_quantized.py tests/test_quant.py tests/test_xla_int.py tests/test_sampling.py tests/test_generate.py \
+	tests/test_prefix.py
+ACCEL_PYTEST_ARGS ?= -m "not slow"
+test-accelerator: $(VENV)/.installed
+	JAX_PLATFORMS= $(PY) -m pytest -q -p no:cacheprovider -rfE $(ACCEL_PYTEST_ARGS) $(ACCEL_TESTS)
 
 # Newest jax/flax/orbax on Python 3.12, without torch: a compatibility check, not a second copy of the
 # whole suite (every test runs in `make test`). It runs the tests of every layer that calls jax, flax,

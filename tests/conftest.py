@@ -1,4 +1,9 @@
-"""Shared fixtures. JAX float32 matmuls run at highest precision (no TF32/bf16 passes) for parity."""
+"""Shared fixtures. JAX float32 matmuls run at highest precision (no TF32/bf16 passes) for parity: the
+tests compare float32 against float64 references, and a TPU's default precision multiplies float32 in
+bf16 passes (about three digits).
+
+Device: the CPU unless `JAX_PLATFORMS` is set; set but empty (`make test-accelerator`), JAX takes the
+accelerator it finds (one process: a TPU is held by one process at a time)."""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # an empty value is kept: JAX then picks the accelerator
 
 # Compiling dominates the suite's time on CPU (a module warm from the cache below runs ~3x faster), and
 # many modules, the xdist workers and the server subprocesses compile the same programs. One persistent

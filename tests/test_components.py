@@ -132,4 +132,6 @@ def test_moe_matches_dense_float64_enumeration():
             gu = z[t] @ f64(moe.experts.gate_up)[e]
             y[t] += wt * (gelu(gu[:6]) * gu[6:]) @ f64(moe.experts.down)[e]
     ref = rms(y, f64(moe.post_feedforward_layernorm_2.scale)).reshape(h.shape)
-    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+    # Off the CPU 1e-4: a TPU's float32 tanh / exp (gelu, the router's softmax) are approximations good to
+    # about five digits, and `ragged_dot` there is not held to `highest` (v5e: 4.1e-5 off float64).
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5 if jax.default_backend() == "cpu" else 1e-4)

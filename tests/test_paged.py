@@ -5,6 +5,7 @@ with its solo output (preempting and recomputing rows), leaking no block."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,8 +53,8 @@ def _paged_case(rng, *, rows=3, blocks=24, size=8, width=6, kv_heads=2, dim=16, 
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("kernel", [False, True], ids=["xla", "kernel"])
 def test_paged_attention_equals_float64(window, kernel):
-    if kernel and not cpu_kernels.available():
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    if kernel and (not cpu_kernels.available() or jax.default_backend() != "cpu"):
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason() or 'not a CPU backend'}")
     rng = np.random.default_rng(0)
     kv, dk, dv, dpos = _paged_case(rng)
     lengths = (37, 5, 48)
@@ -304,8 +305,8 @@ def test_int8_codes_are_within_half_a_step():
 def test_int8_attention_equals_float64_over_the_dequantized_cache(kernel, paged):
     """Attention over an int8 cache equals float64 attention over codes x scales (the dequantization
     happens inside, exactly); and against the unquantized cache it errs by about the step's share."""
-    if kernel and not cpu_kernels.available():
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    if kernel and (not cpu_kernels.available() or jax.default_backend() != "cpu"):
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason() or 'not a CPU backend'}")
     from gemma4_nnx.model.cache import quantize_kv
 
     rng = np.random.default_rng(5)

@@ -110,8 +110,8 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-MatmulOption = Literal["auto", "xla", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"]
-MATMUL_OPTIONS = ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8")
+MatmulOption = Literal["auto", "xla", "xla_int", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"]
+MATMUL_OPTIONS = ("auto", "xla", "xla_int", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +142,10 @@ class Matmul:
     #: each decode step. Set wherever the CPU kernels are available on a single CPU device, whatever
     #: the weights' dtype.
     cpu_attention: bool = False
+    #: quantized weights' products feed the integer codes to `lax.dot_general` and multiply its float32
+    #: output by the scales (`gemma4_nnx.kernels.xla_int`): no float copy of the weight inside a step.
+    #: What accelerators want (`matmul="xla_int"`, or "auto" off the CPU); float weights are unaffected.
+    int_dot: bool = False
 
     def takes(self, kernel_dtype, dtype) -> bool:
         """Whether the CPU kernels multiply a `kernel_dtype` kernel in `dtype`."""
@@ -166,6 +170,7 @@ class Matmul:
 
 
 XLA = Matmul(cpu_kernels=False)
+XLA_INT = Matmul(int_dot=True)
 
 
 def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantized: bool = False) -> Matmul:
@@ -176,7 +181,11 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else. On a
     single CPU device with the kernels available, attention over the KV cache uses them too
     (`Matmul.cpu_attention`), whatever the weights' dtype.
-    "xla": always XLA. "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
+    Off the CPU, "auto" is "xla_int".
+    "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
+    exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
+    scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`).
+    "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
     "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply inputs of 8+ rows (prefill, and
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
     (`Matmul.bf16_products`: faster than float32 products there, see docs/benchmarks.md; fewer rows stay
@@ -193,6 +202,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         raise ValueError(f"matmul must be one of {MATMUL_OPTIONS}, got {option!r}")
     if option == "xla":
         return XLA
+    if option == "xla_int":
+        return XLA_INT
     one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     if option in ("cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"):
         if option == "cpu_kernels_bf16" and not cpu_kernels.has_bf16_dot():
@@ -218,6 +229,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         )
     narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
     wanted = narrow and dtype is not None and jnp.dtype(dtype) == jnp.float32
+    if jax.default_backend() != "cpu":
+        return XLA_INT
     kernels = one_cpu and cpu_kernels.available()
     return Matmul(cpu_kernels=bool(wanted and kernels), cpu_attention=bool(kernels))
 

@@ -416,10 +416,17 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
     """x [..., cols] @ W [rows, cols]^T in `dtype` for a quantized matrix `mod` (the one product of
     every quantized projection and of quantized tied logits).
 
-    With the module's `matmul` choosing the CPU kernels and float32 compute, the codes are read as
-    stored (1 or 0.5 bytes a weight) and multiplied in float32 (`cpu_kernels.qmatmul_t`); otherwise
-    (accelerators, XLA fallback) the codes are dequantized to `dtype` inside the jitted step next to
-    the dot, which XLA fuses on GPU/TPU.
+    The module's `matmul` (`layers.resolve_matmul`) picks the path:
+
+    * the CPU kernels, under float32 compute: the codes are read as stored (1 or 0.5 bytes a weight)
+      and multiplied in float32 (`cpu_kernels.qmatmul_t`);
+    * `int_dot` ("xla_int", "auto" off the CPU): the codes go into the dot as integers and the scales
+      multiply its output (`gemma4_nnx.kernels.xla_int.qmatmul_t`): one scale per output channel
+      always; groups along the input through a blocked contraction while x has at most
+      `xla_int.blocked_rows(group)` rows (decode), above that (prefill) the weight is dequantized once
+      per product. GGUF blocks held as stored (`kept_blocks="stored"`) take the fallback: decode them
+      at load (the default, "decoded") for this path;
+    * otherwise (the exact XLA fallback) the codes are dequantized to `dtype` next to the dot.
     """
     f = mod.fmt
     if mod.matmul.cpu_kernels and jnp.dtype(dtype) == jnp.float32:
@@ -434,6 +441,12 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
             act8=mod.matmul.int8_activations,
             block=f.block,
         )
+    if mod.matmul.int_dot and f.block is None:
+        from gemma4_nnx.kernels import xla_int
+
+        rows = int(np.prod(x.shape[:-1]))
+        if x.shape[-1] == f.group or rows <= xla_int.blocked_rows(f.group):
+            return xla_int.qmatmul_t(x, mod.codes[...], _scales(mod), _mins(mod), f.bits, f.group, dtype)
     w = dequantize_matrix(mod, dtype)
     return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
 
@@ -655,14 +668,20 @@ def quantizable(module_path) -> bool:
     return bool(QUANTIZABLE.search(name)) and ".router." not in "." + name + "."
 
 
-def format_for(module_path, bits: int, group: int | None = None, cols: int | None = None) -> QuantFormat:
+def format_for(module_path, bits: int, group: int | str | None = None, cols: int | None = None) -> QuantFormat:
     """The format `quantize` and `gemma4-convert --quantize int8|int4` give the module at `module_path`:
     `bits` with `group` columns per scale, except that under 4 bits the token table, which is also the
     output head, gets int8: llama.cpp's 4-bit mixes keep it at 6-8 bits, and on Gemma 3 270M int4
     there alone raises the perplexity of tests/data/public_domain.txt from 4.93 to 7.34.
 
     Without `group`, `DEFAULT_GROUP[bits]`, halved (down to 16) until it divides the input width `cols`
-    when that is given (26B-A4B's experts are 704 wide: int8 groups of 64 there)."""
+    when that is given (26B-A4B's experts are 704 wide: int8 groups of 64 there). `group="channel"`: one
+    scale per output channel (the group is the whole input width `cols`; the form accelerators multiply
+    with a single integer dot, `gemma4_nnx.kernels.xla_int`)."""
+    if group == "channel":
+        if cols is None:
+            raise ValueError("group='channel' needs the matrix's input width cols")
+        group = cols
     path = tuple(module_path.split(".")) if isinstance(module_path, str) else tuple(map(str, module_path))
     if bits == 4 and path == ("embed_tokens",):
         bits = 8
@@ -720,20 +739,23 @@ def float_matrix(mod) -> np.ndarray:
 
 
 def quantize(
-    model: nnx.Module, bits: int, group: int | None = None, *, targets=quantizable, matmul="auto"
+    model: nnx.Module, bits: int, group: int | str | None = None, *, targets=quantizable, matmul="auto"
 ) -> list[str]:
     """Quantize a float model's projections and token table in memory (symmetric, `quantize_rows`).
 
     In place; returns the dotted paths quantized. Formats by `format_for` (int4 keeps the token table
     at int8); a matrix whose input width its group does not divide stays float. `group`: default
-    `DEFAULT_GROUP[bits]`. `targets`: predicate on module paths.
+    `DEFAULT_GROUP[bits]`; "channel": one scale per output channel (each matrix's whole input width:
+    int8 so is one integer dot on accelerators). `targets`: predicate on module paths.
     `matmul`: the quantized products' option (`layers.resolve_matmul`; "auto" takes the CPU kernels
     under float32 compute on one CPU device). The converter (`gemma4-convert --quantize`) does the
     same, streaming, without a float model.
     """
     from gemma4_nnx.model import layers
 
-    _check_bits_group(bits, group or DEFAULT_GROUP.get(bits, 2))
+    if isinstance(group, str) and group != "channel":
+        raise ValueError(f"group must be a positive integer or 'channel', got {group!r}")
+    _check_bits_group(bits, 2 if group in (None, "channel") else group)
     product = layers.resolve_matmul(matmul, dtype=getattr(model, "dtype", None), param_dtype=None, quantized=True)
     done = []
     for path, mod in list(nnx.iter_graph(model)):

@@ -1,0 +1,9 @@
+"""Backend kernels, each behind a named option chosen once when the model is built or loaded
+(`gemma4_nnx.model.layers.resolve_matmul`), each with an exact XLA fallback and a CPU test.
+
+* `xla_int`: quantized products for accelerators (TPU, GPU): the int8 / int4 codes go into
+  `lax.dot_general` as integers and the scales multiply its output (`matmul="xla_int"`, what
+  `matmul="auto"` takes off the CPU). No float copy of a quantized weight is made inside a step.
+* The CPU kernels (C++ through XLA's FFI) still live in `gemma4_nnx.model.cpu_kernels` (their source
+  `cpu_kernels.cc` beside it); they move here when the Pallas kernels join.
+"""

@@ -1,0 +1,179 @@
+"""The accelerator quantized product (gemma4_nnx.kernels.xla_int, `matmul="xla_int"`).
+
+References: float64 NumPy products of the dequantized weights (every format: int8 / int4, symmetric /
+asymmetric, per output channel and group-wise, the blocked and the single-dot form), the same model on
+the exact fallback (`matmul="xla"`), and the traced decode step itself: no array the shape of a
+quantized weight is ever float (the fallback's trace, which has them, shows the check can fail), in the
+jaxpr and in the program lowered for TPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gemma4_nnx.kernels import xla_int
+from gemma4_nnx.model import layers, quant
+from tests.helpers import PROMPTS, random_model
+from tests.test_quantized import FORMATS, _random_quantized
+
+K = 96
+CHANNEL = [
+    quant.QuantFormat(8, K),
+    quant.QuantFormat(4, K),
+    quant.QuantFormat(8, K, True),
+    quant.QuantFormat(4, K, True),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS + CHANNEL, ids=str)
+def test_int_dot_equals_float64_of_dequantized(fmt):
+    """x @ deq(W)^T with the codes in the dot and the scales on its output, at 1 row (decode) and 37
+    (the blocked form past its byte break-even, still exact), against float64: float32 rounding of sums
+    of K products (relative 1e-5 of the largest output); and its gradient wrt x (column sums of 24
+    weights up to 255 * 0.01: float32 rounding, as in test_quantized)."""
+    rng = np.random.default_rng(fmt.bits + fmt.group + 5 * fmt.asym)
+    codes, scales, mins = _random_quantized(rng, 24, K, fmt)
+    deq = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins), np.float64)
+    for rows in (1, 37):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        got = xla_int.qmatmul_t(jnp.asarray(x), jnp.asarray(codes), scales, mins, fmt.bits, fmt.group, jnp.float32)
+        ref = x.astype(np.float64) @ deq.T
+        assert got.dtype == jnp.float32 and got.shape == (rows, 24)
+        err = np.max(np.abs(np.asarray(got, np.float64) - ref))
+        assert err <= 1e-5 * np.max(np.abs(ref)), (rows, err)
+    # the gradient wrt x (QLoRA's backward through a frozen base): deq(W)'s column sums, float32-rounded
+    product = lambda x: xla_int.qmatmul_t(x, jnp.asarray(codes), scales, mins, fmt.bits, fmt.group, jnp.float32)  # noqa: E731
+    gx = jax.grad(lambda x: product(x).sum())(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(gx), np.broadcast_to(deq.sum(0), x.shape), rtol=1e-4, atol=1e-4)
+
+
+def test_int4_nibbles_are_the_stored_codes_of_even_and_odd_columns():
+    """The int4 product's two code arrays are the even and the odd columns of unpack_int4 /
+    unpack_uint4 (the shift-based readers of pack_int4's bytes), for every byte value."""
+    packed = jnp.asarray(np.arange(256, dtype=np.uint8).reshape(8, 32))
+    for asym, unpack in ((False, quant.unpack_int4), (True, quant.unpack_uint4)):
+        lo, hi = xla_int.nibbles(packed, asym)
+        full = np.asarray(unpack(packed))
+        np.testing.assert_array_equal(np.asarray(lo), full[:, 0::2])
+        np.testing.assert_array_equal(np.asarray(hi), full[:, 1::2])
+
+
+def test_matmul_option_resolves():
+    """ "xla_int" names the integer-dot product; "auto" takes it off the CPU only; a bad name is refused."""
+    got = layers.resolve_matmul("xla_int", dtype=jnp.bfloat16, param_dtype=None, quantized=True)
+    assert got.int_dot and not got.cpu_kernels
+    auto = layers.resolve_matmul("auto", dtype=jnp.bfloat16, param_dtype=None, quantized=True)
+    assert auto.int_dot == (jax.default_backend() != "cpu")
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        layers.resolve_matmul("int8", dtype=jnp.bfloat16, param_dtype=None)
+
+
+def test_quantize_per_channel_gives_one_scale_per_output(quantized_models):
+    """quantize(group="channel"): each matrix's group is its input width (one scale per output row, the
+    token table's included); a misspelt group is refused by name, before anything changes."""
+    model = quantized_models["int8", "xla_int"]
+    fmts = quant.quantization_of(model)
+    assert any(p.endswith("mlp.down_proj") for p in fmts)
+    for path, mod in nnx.iter_graph(model):
+        if isinstance(mod, quant.QuantizedLinear):
+            assert mod.fmt.group == mod.in_features and mod.scales[...].shape == (mod.out_features, 1), path
+    assert fmts["embed_tokens"].group == model.config.hidden_size
+    with pytest.raises(ValueError, match="group must be a positive integer or 'channel'"):
+        quant.quantize(model, 8, "chanel")
+    assert quant.quantization_of(model) == fmts
+
+
+def _step(model, batch):
+    """A cached decode step of `batch` rows as a function of the model's state (for tracing)."""
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(batch, 16)
+    ids = jnp.asarray(PROMPTS[1][:1] * batch).reshape(batch, 1)
+    pos = jnp.full((batch, 1), 3)
+
+    def step(state, cache):
+        return nnx.merge(graphdef, state)(ids, pos, cache=cache)
+
+    return step, state, cache
+
+
+def _weight_shapes(model) -> set[tuple[int, ...]]:
+    """Every full-size shape a quantized weight of `model` could take in float: [N, K], [K, N], and the
+    blocked views [N, G, g] / [G, N, g]; less the shapes a scales array (or its transpose) also has in
+    this tiny model (a [64, 8] projection's [8, 64] is a [64, 64] one's transposed scales)."""
+    shapes, scales = set(), set()
+    for _, mod in nnx.iter_graph(model):
+        if isinstance(mod, (quant.QuantizedLinear, quant.QuantizedEmbedding)):
+            n, k = (
+                (mod.out_features, mod.in_features)
+                if isinstance(mod, quant.QuantizedLinear)
+                else (
+                    mod.num_embeddings,
+                    mod.features,
+                )
+            )
+            g = k // mod.fmt.group
+            shapes |= {(n, k), (k, n), (n, g, mod.fmt.group), (g, n, mod.fmt.group)}
+            scales |= {(n, g), (g, n)}
+    return shapes - scales
+
+
+def _float_arrays(jaxpr) -> set[tuple[int, ...]]:
+    """Shapes of every floating intermediate of a closed jaxpr, sub-jaxprs included."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            aval = v.aval
+            if hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating):
+                out.add(tuple(aval.shape))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out |= _float_arrays(sub)
+    return out
+
+
+def _tpu_float_tensors(step, state, cache) -> set[tuple[int, ...]]:
+    """Shapes of every floating tensor in the StableHLO of `step` lowered for TPU (on any host)."""
+    hlo = jax.jit(step).trace(state, cache).lower(lowering_platforms=("tpu",)).as_text()
+    pattern = r"tensor<((?:\d+x)+)(?:f32|bf16|f16)>"
+    return {tuple(int(d) for d in m.group(1).rstrip("x").split("x")) for m in re.finditer(pattern, hlo)}
+
+
+@pytest.fixture(scope="module")
+def quantized_models():
+    """The tiny E2B-shaped model quantized int4 (groups of 8) and int8 per channel, on both products."""
+    models = {}
+    for name, bits, group in (("int4", 4, 8), ("int8", 8, "channel")):
+        for matmul in ("xla_int", "xla"):
+            model = random_model("e2b", matmul="xla")
+            quant.quantize(model, bits, group, matmul=matmul)
+            models[name, matmul] = model
+    return models
+
+
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_decode_step_never_makes_a_float_weight(quantized_models, name):
+    """The traced decode step (batch 2) of a quantized model on "xla_int" holds no floating array of a
+    quantized weight's shape, in its jaxpr and in the StableHLO lowered for TPU (where JAX passes the
+    integer codes to the dot unconverted); the same step on the fallback "xla" does (the check can
+    fail), and both give the same logits (float32 rounding of the differently ordered sums)."""
+    model = quantized_models[name, "xla_int"]
+    shapes = _weight_shapes(model)
+    step, state, cache = _step(model, 2)
+    jaxpr = jax.make_jaxpr(step)(state, cache)
+    assert not _float_arrays(jaxpr.jaxpr) & shapes
+    assert not _tpu_float_tensors(step, state, cache) & shapes
+
+    ref = quantized_models[name, "xla"]
+    ref_step, ref_state, _ = _step(ref, 2)
+    assert _float_arrays(jax.make_jaxpr(ref_step)(ref_state, cache).jaxpr) & shapes
+    assert _tpu_float_tensors(ref_step, ref_state, cache) & shapes
+    got, _ = jax.jit(step)(state, cache)
+    want, _ = jax.jit(ref_step)(ref_state, cache)
+    want = np.asarray(want)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
