@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PY312 ?= $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
 VENV312 ?= .venv312
 
-.PHONY: demo demo-tiny test test-isa test-accelerator test-py312 test-interop lint format docs
+.PHONY: demo demo-tiny test test-isa test-accelerator print-accelerator-tests test-py312 test-interop lint format docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,10 +63,14 @@ test-isa: $(VENV)/.installed
 # kernels' tests are not here (they need a CPU backend: `make test`, `make test-isa`).
 ACCEL_TESTS ?= tests/test_components.py tests/test_cache.py tests/test_decode_core.py tests/test_paged.py \
 	tests/test_quantized.py tests/test_quant.py tests/test_xla_int.py tests/test_sampling.py tests/test_generate.py \
-	tests/test_prefix.py
+	tests/test_prefix.py tests/test_isolation.py
 ACCEL_PYTEST_ARGS ?= -m "not slow"
 test-accelerator: $(VENV)/.installed
 	JAX_PLATFORMS= $(PY) -m pytest -q -p no:cacheprovider -rfE $(ACCEL_PYTEST_ARGS) $(ACCEL_TESTS)
+
+# The selection alone (bench/tpu_run.sh runs it on a chip, where the package is not pip-installed).
+print-accelerator-tests:
+	@echo $(ACCEL_TESTS)
 
 # Newest jax/flax/orbax on Python 3.12, without torch: a compatibility check, not a second copy of the
 # whole suite (every test runs in `make test`). It runs the tests of every layer that calls jax, flax,
