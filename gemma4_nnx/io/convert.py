@@ -27,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config
+from gemma4_nnx.config import ASSISTANT_MODEL_TYPE
 from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.io.compressed import PackedWeight, packed_scheme, split_packed
 from gemma4_nnx.io.hf import (
@@ -41,7 +41,7 @@ from gemma4_nnx.io.hf import (
     safetensors_files,
     text_tensors,
 )
-from gemma4_nnx.io.hf_config import model_type
+from gemma4_nnx.io.hf_config import model_type, read_assistant_config, read_text_config, text_config_to_hf
 from gemma4_nnx.model.build import abstract_assistant
 from gemma4_nnx.model.quant import QuantFormat
 
@@ -495,11 +495,11 @@ def convert(
     assistant = not from_gm and model_type(src) == ASSISTANT_MODEL_TYPE  # an MTP drafter: its own name map
     scheme, kept = None, {}
     if assistant:
-        config = AssistantConfig.from_hf(src)
+        config = read_assistant_config(src)
         plan = plan_assistant(config, abstract_assistant(config, np.float32), assistant_tensors(src))
     else:
-        config = gm.read_gm_config(gm_config or gm.config_beside(src)) if from_gm else Gemma4Config.from_hf(src)
-        gm_hf_config = config.to_hf_dict() if from_gm else None  # gm carries none: ours goes beside
+        config = gm.read_gm_config(gm_config or gm.config_beside(src)) if from_gm else read_text_config(src)
+        gm_hf_config = text_config_to_hf(config) if from_gm else None  # gm carries none: ours goes beside
         if text_only:
             config = config.text_only()
         if from_gm:
