@@ -34,7 +34,7 @@ def make_rows():
     return data.pack(exs, 16)
 
 
-# shared by the tests, so that they share `accumulate_step`'s compiled programs (`loop.make_tx` is cached)
+# shared by the tests, so that they share `ft.train_step`'s compiled programs (`loop.make_tx` is cached)
 CONFIG = loop.TrainConfig(steps=6, lr=1e-2, warmup_steps=2, batch_size=2, accumulate=2, save_every=3)
 
 
@@ -64,7 +64,7 @@ def test_accumulated_step_equals_one_big_batch(rows):
         model = lora_micro()
         model.remat = remat
         opt = ft.make_optimizer(model, SGD)
-        results.append((float(loop.accumulate_step(model, opt, batch, accumulate=accumulate)), adapters(model)))
+        results.append((float(ft.train_step(model, opt, batch, accumulate=accumulate)), adapters(model)))
     (l1, a1), (l2, a2), (l3, a3) = results
     assert l3 == pytest.approx(l2, rel=1e-6) and all(np.allclose(a3[p], a2[p], rtol=0, atol=1e-6) for p in a2)
     assert l1 == pytest.approx(l2, rel=1e-6)
@@ -261,7 +261,7 @@ def test_step_holds_no_whole_logits_and_no_second_copy_of_the_weights(monkeypatc
     graphdef, params, frozen = nnx.split(model, wrt, ...)
     opt_graphdef, opt_state = nnx.split(optimizer)
     args = (graphdef, opt_graphdef, params, frozen, opt_state, batch, 1, None)
-    m = loop._update.lower(*args).compile().memory_analysis()
+    m = ft._update.lower(*args).compile().memory_analysis()
     logits = 4 * 64 * vocab * 4
     assert m.temp_size_in_bytes < 2.5 * logits, f"temporaries {m.temp_size_in_bytes / 2**20:.1f} MiB"
     trained = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
@@ -399,7 +399,7 @@ FULL_FT_WEIGHTS = {
 
 @pytest.mark.reference
 def test_full_finetune_steps_match_torch_adamw(tmp_path):
-    """Two full fine-tuning updates (`prepare(..., "full")` + `accumulate_step`: every float weight,
+    """Two full fine-tuning updates (`prepare(..., "full")` + `ft.train_step`: every float weight,
     AdamW with weight decay, global-norm clipping, the cosine schedule) on the tiny e2b checkpoint
     equal transformers + torch.optim.AdamW + clip_grad_norm_ from the same weights and data: losses
     within float32 rounding, the weights' total updates per tensor within 1e-3 of their norm."""
@@ -422,7 +422,7 @@ def test_full_finetune_steps_match_torch_adamw(tmp_path):
         ids = fx.sample_ids(2, 11, seed=20 + step)
         mask = np.ones_like(ids, dtype=np.int32)
         mask[:, :3] = 0
-        losses.append(float(loop.accumulate_step(model, opt, {"input_ids": ids, "loss_mask": mask})))
+        losses.append(float(ft.train_step(model, opt, {"input_ids": ids, "loss_mask": mask})))
         opt_t.zero_grad()
         with torch.enable_grad():
             out = hf(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(np.where(mask == 1, ids, -100)))
@@ -577,6 +577,6 @@ def test_the_training_step_compiles_once(rows, caplog):
     caplog.set_level(logging.WARNING, logger="jax._src.dispatch")
     with jax.log_compiles(True):
         for _ in range(3):
-            loop.accumulate_step(model, opt, batch)
+            ft.train_step(model, opt, batch)
     compiles = [r for r in caplog.records if "compilation of jit(_update)" in r.getMessage()]
     assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
