@@ -190,6 +190,66 @@ def test_two_processes_train_like_one():
     assert one["dp"]["losses"][0] != one["dp"]["losses"][-1], "no training happened"
 
 
+# The command line's multi-process launch: `gemma4-finetune --coordinator-address --num-processes
+# --process-id` in 2 processes x 4 CPU devices against `--data-parallel` in 1 process x 8.
+CLI_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
+from gemma4_nnx.train import loop
+loop.main({argv!r})
+print("REPORT {{}}")
+"""
+
+
+@pytest.mark.slow
+def test_finetune_command_two_processes_train_like_one(tmp_path, capsys):
+    """`gemma4-finetune` started by hand as 2 processes x 4 devices (`--coordinator-address HOST:PORT
+    --num-processes 2 --process-id I`, a free localhost port) logs the losses and saves the adapters of
+    `--data-parallel` in 1 process x 8 devices; a wrong launch flag exits naming it."""
+    import socket
+
+    ckpt = make_tiny_hf(
+        tmp_path / "ckpt", tokenizer=True, num_hidden_layers=2, layer_types=(fx.S, fx.F), num_kv_shared_layers=0
+    )
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 1)}) + "\n" for i in range(16)))
+    args = ["--model", ckpt, "--data", str(train), "--batch-size", "8", "--max-len", "16", "--lora-rank", "2"]
+    args += ["--steps", "2", "--lr", "1e-2", "--no-progress"]
+    for bad, match in (
+        (["--coordinator-address", "localhost:1"], "--num-processes, --process-id"),
+        (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
+        (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"], "--process-id"),
+    ):
+        with pytest.raises(SystemExit):
+            loop.main([*args, "--out", str(tmp_path / "bad"), *bad])
+        assert match in capsys.readouterr().err
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    one = [*args, "--out", str(tmp_path / "one"), "--data-parallel"]
+    launch = ["--coordinator-address", f"localhost:{port}", "--num-processes", "2"]
+    two = [[*args, "--out", str(tmp_path / "two"), *launch, "--process-id", str(i)] for i in range(2)]
+    runs = [ScriptRun(CLI_SCRIPT.format(devices=8, argv=one), "cli1")]
+    runs += [ScriptRun(CLI_SCRIPT.format(devices=4, argv=argv), f"cli2_{i}") for i, argv in enumerate(two)]
+    for r in runs:
+        r.report(timeout=400)
+    losses = {
+        k: [json.loads(x)["loss"] for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+        for k in ("one", "two")
+    }
+    assert len(losses["one"]) == 2 and losses["one"][0] != losses["one"][1], losses
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-6)  # cross-device sums in another order
+    (_, want), (_, got) = (
+        ft.read_adapters(tmp_path / "one" / "adapters"),
+        ft.read_adapters(tmp_path / "two" / "adapters"),
+    )
+    assert sorted(got) == sorted(want)
+    for path, (a, b) in want.items():  # as in test_two_processes_train_like_one: Adam's ~lr steps, 1e-3 * lr
+        np.testing.assert_allclose(got[path][0], a, rtol=0, atol=1e-5, err_msg=path)
+        np.testing.assert_allclose(got[path][1], b, rtol=0, atol=1e-5, err_msg=path)
+    assert max(float(np.abs(b).max()) for _, b in want.values()) > 1e-3, "lora_b never moved: a vacuous comparison"
+
+
 # ---------------------------------------------------------------------------- QLoRA and full fine-tuning
 def qlora_pair(bits: int, build=micro_model):
     """A model (`build()`, default the micro model) prepared for QLoRA on an int`bits` base, and its

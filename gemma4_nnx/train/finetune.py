@@ -513,7 +513,12 @@ def load_adapters(model: nnx.Module, directory: str | os.PathLike, *, sharding=N
     abstract = nnx.to_pure_dict(state)
     flat = traverse_util.flatten_dict(abstract)
     abstract = traverse_util.unflatten_dict(
-        {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k) if sharding else None) for k, v in flat.items()}
+        {
+            k: jax.ShapeDtypeStruct(
+                v.shape, v.dtype, sharding=sharding(k) if sharding else getattr(v, "sharding", None)
+            )
+            for k, v in flat.items()
+        }
     )
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(os.path.join(directory, "adapters"), abstract)
@@ -530,8 +535,16 @@ def read_adapters(directory: str | os.PathLike) -> tuple[dict, dict[str, tuple[n
     import orbax.checkpoint as ocp
 
     directory, meta = _saved_meta(directory)
+    path = os.path.join(directory, "adapters")
     with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(os.path.join(directory, "adapters"))
+        # onto this process's first device: without a target Orbax restores the saved placement, which a
+        # run on other devices (data parallel, several processes) cannot take
+        saved = ckptr.metadata(path)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), getattr(saved, "item_metadata", saved)
+        )
+        restored = ckptr.restore(path, target)
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for key, x in traverse_util.flatten_dict(restored).items():
         pairs.setdefault(".".join(map(str, key[:-1])), {})[str(key[-1])] = np.asarray(x, np.float32)

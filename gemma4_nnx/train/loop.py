@@ -440,8 +440,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--distributed",
         action="store_true",
-        help="call jax.distributed.initialize() first (one process per host: TPU slices, SLURM, ...)",
+        help="call jax.distributed.initialize() first, which finds the processes itself (one process per "
+        "host: TPU slices, SLURM, ...)",
     )
+    p.add_argument(
+        "--coordinator-address",
+        metavar="HOST:PORT",
+        default=None,
+        help="a multi-process run started by hand (any hosts, or several processes on one): process 0's "
+        "address, the same on every process, with --num-processes and --process-id (jax.distributed)",
+    )
+    p.add_argument("--num-processes", type=int, default=None, metavar="N", help="with --coordinator-address")
+    p.add_argument("--process-id", type=int, default=None, metavar="I", help="with --coordinator-address: 0 .. N-1")
     p.add_argument("--tensorboard", action="store_true", help="also write the metrics to --out/tensorboard/")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument(
@@ -459,8 +469,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.method == "full" and "peft" in args.export:
         p.error("--export peft writes an adapter; --method full trains no adapter (use --export hf or gguf)")
-    if args.distributed:
-        jax.distributed.initialize()
+    launch = _launch(p, args)
+    if args.distributed or launch:
+        jax.distributed.initialize(**launch)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("gemma4_nnx").setLevel(logging.INFO)
 
@@ -497,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model.remat = args.remat
     loader = data.Loader(rows, args.batch_size * args.accumulate, seed=args.seed)
     mesh = None
-    if args.data_parallel or args.fsdp or args.distributed:
+    if args.data_parallel or args.fsdp or args.distributed or launch:
         from gemma4_nnx.sharding import make_mesh
 
         mesh = make_mesh(fsdp=jax.device_count())
@@ -526,6 +537,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         ft.save_adapters(model, os.path.join(args.out, "adapters"))
         log.info("adapters written to %s", os.path.join(args.out, "adapters"))
     export(model, args.model, args.out, args.export)
+
+
+def _launch(p: argparse.ArgumentParser, args) -> dict[str, Any]:
+    """`jax.distributed.initialize`'s arguments from --coordinator-address / --num-processes /
+    --process-id ({} when none is given: no launch, or --distributed's auto-detection); a wrong or
+    missing one exits naming it."""
+    given = {
+        "--coordinator-address": args.coordinator_address,
+        "--num-processes": args.num_processes,
+        "--process-id": args.process_id,
+    }
+    if all(v is None for v in given.values()):
+        return {}
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        p.error(f"{', '.join(missing)}: a hand-started multi-process run needs all of {', '.join(given)}")
+    host, _, port = args.coordinator_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        p.error(f"--coordinator-address: expected HOST:PORT (e.g. 10.0.0.1:1234), got {args.coordinator_address!r}")
+    if args.num_processes < 1:
+        p.error(f"--num-processes: must be a positive integer, got {args.num_processes}")
+    if not 0 <= args.process_id < args.num_processes:
+        p.error(f"--process-id: must be in 0 .. {args.num_processes - 1} (--num-processes), got {args.process_id}")
+    return {
+        "coordinator_address": args.coordinator_address,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
 
 
 def _read_rows(paths, tok, args, what: str) -> dict[str, np.ndarray]:
