@@ -64,7 +64,7 @@ def ours(method: str, ckpt: str, rows: list[dict], dtype: str, compute_dtype: st
     times = []
     for b in rows:
         t0 = time.perf_counter()
-        float(loop.accumulate_step(model, opt, b))
+        float(ft.train_step(model, opt, b))
         times.append(time.perf_counter() - t0)
     return times
 

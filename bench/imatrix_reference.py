@@ -34,6 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import real270m
 from decode import ROOT
 
+from gemma4_nnx.io.hf_config import read_text_config
+
 STUBS = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,7 +81,6 @@ def theirs(lib, x: np.ndarray, kind: str, qw: np.ndarray | None) -> np.ndarray:
 
 def cases():
     """(label, rows [r, c], kind, importance [c]) to compare."""
-    from gemma4_nnx.config import Gemma4Config
     from gemma4_nnx.io.convert import _q4_k_m_mix
     from gemma4_nnx.io.gguf_import import cached_hf_dir
     from gemma4_nnx.io.hf import from_hf, plan_load, read_tensor, text_tensors
@@ -100,7 +101,7 @@ def cases():
     ids = load_tokenizer(src).encode(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(), add_bos=True)
     imp = importance(model, ids)
     del model
-    plan = plan_load(Gemma4Config.from_hf(src), text_tensors(src))
+    plan = plan_load(read_text_config(src), text_tensors(src))
     mix = _q4_k_m_mix(plan.items)
     for entry, info in plan.items:
         module = ".".join(map(str, entry.path[:-1]))

@@ -12,7 +12,7 @@ Weights are random (no download): kernels N(0, 0.02), norms 1, built on the defa
 `--ple int4` the per-layer-embedding table int4 (one group per (token, layer) slice, as `gemma4-convert`
 stores it). Data: random token ids in examples of 128..1024 tokens packed into rows of `--seq`
 (`data.pack`: segment ids, positions restarting per example), every token after an example's first
-trained. Each step is `loop.accumulate_step` (the CLI's step: AdamW, clip, donated trained state).
+trained. Each step is `ft.train_step` (the CLI's step: AdamW, clip, donated trained state).
 
 Figures: tokens/s over the steps after the first two (compiles), real tokens only (no padding); peak
 device memory (`memory_stats()["peak_bytes_in_use"]`, where the backend reports it); MFU = model FLOPs
@@ -182,7 +182,7 @@ def run(a: argparse.Namespace) -> dict:
     times, losses = [], []
     for b in batches:
         t = time.perf_counter()
-        losses.append(float(loop.accumulate_step(model, opt, b)))
+        losses.append(float(ft.train_step(model, opt, b)))
         times.append(time.perf_counter() - t)
         print(f"step {len(times)}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)  # a timeout keeps these
     timed = batches[2:] if len(batches) > 2 else batches[1:]

@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+from gemma4_nnx.io.hf_config import read_assistant_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -85,7 +87,6 @@ def _e2b_like_assistant(target):
     import jax.numpy as jnp
     from flax import nnx
 
-    from gemma4_nnx.config import AssistantConfig
     from gemma4_nnx.model.assistant import Gemma4Assistant
 
     text = dict(
@@ -105,7 +106,7 @@ def _e2b_like_assistant(target):
         hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=0,
     )
-    config = AssistantConfig.from_hf(
+    config = read_assistant_config(
         dict(
             model_type="gemma4_assistant",
             backbone_hidden_size=target.hidden_size,

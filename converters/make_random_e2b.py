@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gemma4_nnx.config import Gemma4Config
 from gemma4_nnx.io.hf import expected_hf_shapes, name_map
+from gemma4_nnx.io.hf_config import text_config_to_hf
 
 SHARD_BYTES = 4 * 10**9
 BLOCK = 16 * 2**20  # elements per write
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(config.to_hf_dict(), f, indent=2)
+        json.dump(text_config_to_hf(config), f, indent=2)
     print(f"{args.out}: {len(names)} tensors, {total / 1e9:.3f} GB", file=sys.stderr)
     return 0
 

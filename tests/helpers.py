@@ -21,6 +21,7 @@ from flax import nnx
 import gemma4_nnx
 from gemma4_nnx import Gemma4, Gemma4Config
 from gemma4_nnx.io.hf import expected_hf_shapes
+from gemma4_nnx.io.hf_config import config_to_hf, read_assistant_config, read_text_config
 from gemma4_nnx.model.build import abstract_model, variables_by_path
 from tests import hf_fixtures as fx
 
@@ -65,7 +66,7 @@ def random_model(
     d = dict(fx.VARIANTS[variant], model_type="gemma4_text", **(config or {}))
     if vocab_size is not None:
         d.update(vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size)
-    config = Gemma4Config.from_hf(d)
+    config = read_text_config(d)
     model = Gemma4(config, dtype=jnp.float32, param_dtype=param_dtype, rngs=nnx.Rngs(seed), matmul=matmul)
     rng = np.random.default_rng(seed)
     for path, var in nnx.iter_graph(model):
@@ -98,7 +99,7 @@ def tiny_config(**over) -> gemma4_nnx.Gemma4Config:
         num_kv_shared_layers=2,
     )
     d.update(over)
-    return gemma4_nnx.Gemma4Config.from_hf(d)
+    return read_text_config(d)
 
 
 def model_from_config(config: gemma4_nnx.Gemma4Config, seed: int = 0) -> gemma4_nnx.Gemma4:
@@ -240,7 +241,7 @@ def make_tiny_hf(path, *, dtype=np.float32, seed=0, tokenizer=False, **overrides
     config = Gemma4Config(**{**TINY, **overrides})
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config.to_hf_dict(), f)
+        json.dump(config_to_hf(config), f)
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in expected_hf_shapes(config).items():
@@ -260,7 +261,6 @@ def make_tiny_assistant(path, target: Gemma4Config, *, vocab_size: int, seed=0, 
     `ordered`: the centroid head with that many centroids (top 2) and a random token ordering."""
     from safetensors.numpy import save_file
 
-    from gemma4_nnx.config import AssistantConfig
     from gemma4_nnx.io.hf import assistant_name_map
     from gemma4_nnx.io.tensors import hf_file_name
     from gemma4_nnx.model.build import abstract_assistant
@@ -285,10 +285,10 @@ def make_tiny_assistant(path, target: Gemma4Config, *, vocab_size: int, seed=0, 
     raw = dict(model_type="gemma4_assistant", backbone_hidden_size=target.hidden_size, text_config=text)
     if ordered:
         raw.update(use_ordered_embeddings=True, num_centroids=ordered, centroid_intermediate_top_k=2)
-    config = AssistantConfig.from_hf(raw)
+    config = read_assistant_config(raw)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config.to_hf_dict(), f)
+        json.dump(config_to_hf(config), f)
     entries = assistant_name_map(config)
     shapes = expected_hf_shapes(config.text, entries, abstract_assistant(config, np.float32))
     rng = np.random.default_rng(seed)
@@ -372,7 +372,6 @@ class ScriptRun:
 def random_assistant(target: Gemma4Config, *, ordered: bool, seed: int = 0):
     """A tiny random MTP assistant that fits `target` (its KV geometry and hidden size), filled from
     NumPy like `model_from_config`; `ordered`: the centroid head with a random token ordering."""
-    from gemma4_nnx.config import AssistantConfig
     from gemma4_nnx.model.build import abstract_assistant
 
     text = dict(
@@ -393,7 +392,7 @@ def random_assistant(target: Gemma4Config, *, ordered: bool, seed: int = 0):
         num_global_key_value_heads=target.num_global_key_value_heads,
     )
     centroids = 4 if target.vocab_size % 4 == 0 else 1
-    config = AssistantConfig.from_hf(
+    config = read_assistant_config(
         dict(
             model_type="gemma4_assistant",
             backbone_hidden_size=target.hidden_size,

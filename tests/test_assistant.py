@@ -15,6 +15,7 @@ import pytest
 
 import gemma4_nnx
 from gemma4_nnx.config import AssistantConfig
+from gemma4_nnx.io.hf_config import read_assistant_config, read_text_config
 from gemma4_nnx.model.assistant import Gemma4Assistant
 from gemma4_nnx.model.cache import KVCache
 from tests import hf_fixtures as fx
@@ -122,11 +123,11 @@ def _assistant_config(**over) -> AssistantConfig:
     text.update(over.pop("text", {}))
     raw = dict(model_type="gemma4_assistant", backbone_hidden_size=64, text_config=text)
     raw.update(over)
-    return AssistantConfig.from_hf(raw)
+    return read_assistant_config(raw)
 
 
 def test_geometry_mismatch_is_a_clear_error():
-    target = gemma4_nnx.Gemma4Config.from_hf(dict(fx.VARIANTS["e2b"], model_type="gemma4_text"))
+    target = read_text_config(dict(fx.VARIANTS["e2b"], model_type="gemma4_text"))
     _assistant_config().check_target(target)
     cases = [
         (dict(backbone_hidden_size=48), "backbone_hidden_size 48 != target hidden_size 64"),
@@ -148,7 +149,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="num_centroids"):
         _assistant_config(use_ordered_embeddings=True, num_centroids=5)
     with pytest.raises(ValueError, match="MTP assistant"):
-        gemma4_nnx.Gemma4Config.from_hf(dict(model_type="gemma4_assistant"))
+        read_text_config(dict(model_type="gemma4_assistant"))
     # HF: num_kv_shared_layers 0 / missing means "all layers"
     assert len(_assistant_config(text=dict(num_kv_shared_layers=0)).layers) == 2
     assert AssistantConfig.from_json_dict(_assistant_config().to_json_dict()) == _assistant_config()

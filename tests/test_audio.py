@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from gemma4_nnx.io.hf import mirrored_entries
+from gemma4_nnx.io.hf_config import read_audio_config
 from gemma4_nnx.model.audio import AudioConfig, AudioModel
 from gemma4_nnx.model.build import variables_by_path
 
@@ -79,7 +80,7 @@ def pair(request):
     hf_config._attn_implementation = "eager"
     hf_model = Gemma4AudioModel(hf_config).eval().float()
     _randomize(hf_model, seed=1)
-    config = AudioConfig.from_hf_dict(hf_config.to_dict())
+    config = read_audio_config(hf_config.to_dict())
     model = AudioModel(config, rngs=nnx.Rngs(0))
     state = hf_model.state_dict()
     variables = variables_by_path(model)
@@ -183,22 +184,20 @@ def test_config_from_hf_dict():
     from transformers import Gemma4AudioConfig
 
     hf_config = Gemma4AudioConfig(**_BASE, **CASES["lookahead"])
-    full = AudioConfig.from_hf_dict(hf_config.to_dict())
-    assert full == AudioConfig.from_hf_dict(hf_config.to_diff_dict())  # saved files omit defaults
+    full = read_audio_config(hf_config.to_dict())
+    assert full == read_audio_config(hf_config.to_diff_dict())  # saved files omit defaults
     assert full.subsampling_conv_channels == (16, 8) and full.attention_context_right == 3
     assert full.context_size == 4 + 4 + 3 and full.head_dim == 16
-    assert AudioConfig.from_hf_dict({}) == AudioConfig()
-    assert dataclasses.asdict(AudioConfig.from_hf_dict(Gemma4AudioConfig().to_dict())) == dataclasses.asdict(
-        AudioConfig()
-    )
+    assert read_audio_config({}) == AudioConfig()
+    assert dataclasses.asdict(read_audio_config(Gemma4AudioConfig().to_dict())) == dataclasses.asdict(AudioConfig())
     with pytest.raises(ValueError, match=r"audio_config\.hidden_size"):
-        AudioConfig.from_hf_dict({"hidden_size": "big"})
+        read_audio_config({"hidden_size": "big"})
     with pytest.raises(ValueError, match=r"audio_config\.hidden_size"):
-        AudioConfig.from_hf_dict({"hidden_size": 30, "num_attention_heads": 4})
+        read_audio_config({"hidden_size": 30, "num_attention_heads": 4})
     with pytest.raises(ValueError, match=r"audio_config\.hidden_act"):
-        AudioConfig.from_hf_dict({"hidden_act": "mish"})
+        read_audio_config({"hidden_act": "mish"})
     with pytest.raises(ValueError, match="model_type"):
-        AudioConfig.from_hf_dict({"model_type": "gemma4_vision"})
+        read_audio_config({"model_type": "gemma4_vision"})
 
 
 def test_wrong_mel_bins_names_the_fix():

@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx import Gemma4, Gemma4Config
+from gemma4_nnx.io.hf_config import read_text_config
 from gemma4_nnx.model.cache import KV, KVCache, LayerCache, cache_bytes
 from tests import hf_fixtures as fx
 
@@ -75,7 +76,7 @@ def test_full_cache_writes_then_returns_everything_and_reset_rows():
 def test_rows_of_a_cache_are_taken_and_put_back_exactly():
     """`take` / `put` (the engine's joining rows) and `head` / `put_head` (a step over the first m
     rows) move whole rows; an out-of-range index reads the last row and is dropped on the way back."""
-    config = Gemma4Config.from_hf(dict(fx.VARIANTS["e2b"], model_type="gemma4_text"))
+    config = read_text_config(dict(fx.VARIANTS["e2b"], model_type="gemma4_text"))
     rng = np.random.default_rng(0)
     cache = jax.tree_util.tree_map(
         lambda x: jnp.asarray(rng.integers(0, 9, x.shape), x.dtype), KVCache.init(config, 4, 8)

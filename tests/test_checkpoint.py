@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4_nnx.config import Gemma4Config
 from gemma4_nnx.io import hf
 from gemma4_nnx.io.checkpoint import PLE_PATH, load
 from gemma4_nnx.io.convert import convert
+from gemma4_nnx.io.hf_config import read_text_config
 from gemma4_nnx.model.quant import QuantizedEmbedding, quantize_rows, quantized_nbytes
 from tests.helpers import make_tiny_hf
 
@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("ple,bits,code_dtype", [("int4", 4, jnp.uint8), ("int8", 8, jnp.int8)])
 def test_ple_stays_quantized_on_device(tiny, ple, bits, code_dtype):
-    config = Gemma4Config.from_hf(tiny["src"])
+    config = read_text_config(tiny["src"])
     model = load(tiny[ple])
     emb = model.embed_tokens_per_layer
     assert isinstance(emb, QuantizedEmbedding) and emb.bits == bits
@@ -108,7 +108,7 @@ def test_batched_restore_equals_one_batch(tiny, monkeypatch):
 def test_sharding_forms(tiny):
     dev = jax.devices()[0]
     one = jax.sharding.SingleDeviceSharding(dev)
-    config = Gemma4Config.from_hf(tiny["src"])
+    config = read_text_config(tiny["src"])
     paths = [e.path for e in hf.name_map(config) if e.path[:1] != PLE_PATH]
     paths += [PLE_PATH + ("codes",), PLE_PATH + ("scales",)]
     seen = []

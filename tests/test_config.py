@@ -8,6 +8,7 @@ import pytest
 
 from gemma4_nnx import Gemma4Config
 from gemma4_nnx.config import FULL, SLIDING
+from gemma4_nnx.io.hf_config import read_text_config, text_config_to_hf
 
 # A flat (Google-release style) E2B text config, as in google/gemma-4-E2B-it/config.json.
 E2B_FLAT = {
@@ -39,13 +40,13 @@ E2B_FLAT = {
 
 
 def test_flat_e2b_config_equals_preset():
-    assert Gemma4Config.from_hf(E2B_FLAT) == Gemma4Config.e2b()
+    assert read_text_config(E2B_FLAT) == Gemma4Config.e2b()
 
 
 def test_multimodal_wrapper_and_per_layer_config_representation(tmp_path):
     """transformers >= 5.15 re-saves global head dim / KV heads as per_layer_config; the multimodal
     config nests the text fields under text_config. Both must read as the same model."""
-    text = dict(Gemma4Config.b31().to_hf_dict())
+    text = dict(text_config_to_hf(Gemma4Config.b31()))
     glob_hd, glob_kv = text.pop("global_head_dim"), text.pop("num_global_key_value_heads")
     text["per_layer_config"] = {
         str(i): {"head_dim": glob_hd, "num_key_value_heads": glob_kv}
@@ -54,7 +55,7 @@ def test_multimodal_wrapper_and_per_layer_config_representation(tmp_path):
     }
     wrapped = {"model_type": "gemma4", "text_config": text, "vision_config": None}
     (tmp_path / "config.json").write_text(json.dumps(wrapped))
-    assert Gemma4Config.from_hf(tmp_path) == Gemma4Config.b31()
+    assert read_text_config(tmp_path) == Gemma4Config.b31()
 
 
 @pytest.mark.reference
@@ -65,8 +66,8 @@ def test_presets_roundtrip_through_transformers_config(preset):
     from transformers import Gemma4TextConfig
 
     ours = getattr(Gemma4Config, preset)()
-    hf = Gemma4TextConfig(**{k: v for k, v in ours.to_hf_dict().items() if k not in ("architectures",)})
-    assert Gemma4Config.from_hf(hf.to_dict()) == ours
+    hf = Gemma4TextConfig(**{k: v for k, v in text_config_to_hf(ours).items() if k not in ("architectures",)})
+    assert read_text_config(hf.to_dict()) == ours
     modes = hf.kv_sharing_modes
     for spec in ours.layers:
         plc = hf.per_layer_config[spec.index]
@@ -112,7 +113,7 @@ def test_k_eq_v_heads_and_rule():
 
 def test_last_layer_forced_to_full_on_hf_read():
     d = dict(E2B_FLAT, num_kv_shared_layers=0, layer_types=[SLIDING] * 35)
-    assert Gemma4Config.from_hf(d).layer_types[-1] == FULL
+    assert read_text_config(d).layer_types[-1] == FULL
 
 
 def test_json_roundtrip():
@@ -139,10 +140,10 @@ def test_inconsistent_config_names_field_and_fix(changes, field):
 
 def test_bad_config_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        Gemma4Config.from_hf(tmp_path)
+        read_text_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
-        Gemma4Config.from_hf(tmp_path)
+        read_text_config(tmp_path)
     bad_rope = dict(E2B_FLAT, rope_parameters={FULL: {"rope_type": "dynamic"}})
     with pytest.raises(ValueError, match="rope_type 'dynamic'"):
-        Gemma4Config.from_hf(bad_rope)
+        read_text_config(bad_rope)

@@ -13,6 +13,7 @@ from flax import nnx
 import gemma4_nnx
 from gemma4_nnx.io import export
 from gemma4_nnx.io.hf import SafetensorsFile
+from gemma4_nnx.io.hf_config import read_text_config
 from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx
 
@@ -115,7 +116,7 @@ def test_bfloat16_export_writes_bf16(hf_checkpoint, tmp_path):
 def test_to_hf_validates_arguments(tmp_path):
     with pytest.raises(ValueError, match="model"):
         export.to_hf(object(), tmp_path / "x")
-    cfg = gemma4_nnx.Gemma4Config.from_hf(dict(fx.VARIANTS["plain"], model_type="gemma4_text"))
+    cfg = read_text_config(dict(fx.VARIANTS["plain"], model_type="gemma4_text"))
     from gemma4_nnx.model.build import abstract_model
 
     with pytest.raises(ValueError, match="dtype"):

@@ -197,6 +197,47 @@ def test_adapters_save_load_round_trip(trained, tmp_path):
         ft.save_adapters(tiny_model(), tmp_path / "none")
 
 
+def test_train_step_is_the_plain_update_and_returns_no_frozen_base():
+    """`ft.train_step` (the step of the API, the example, notebook 02 and `gemma4-finetune`'s Trainer)
+    gives the plain computation's updates: `nnx.value_and_grad(loss_fn)` over the adapters and
+    `optimizer.update`, jitted whole by `nnx.jit`, over two AdamW steps; and its compiled program's
+    outputs are the loss, the trained variables and the optimizer state only, none of the frozen base."""
+    model = micro_model()
+    ft.apply_lora(model, rank=4)
+    ids = fx.sample_ids(2, 10, seed=5)
+    batch = {
+        k: jnp.asarray(v) for k, v in ft.make_batch([list(r[:3]) for r in ids], [list(r[3:]) for r in ids]).items()
+    }
+    ref = nnx.clone(model)
+    nnx.update(ref, jax.tree.map(jnp.copy, nnx.state(ref)))  # own buffers: the step donates the model's
+    opt, ref_opt = ft.make_optimizer(model, optax.adamw(1e-2)), ft.make_optimizer(ref, optax.adamw(1e-2))
+
+    @nnx.jit
+    def plain_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(ft.loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    graphdef, params, frozen = nnx.split(model, opt.wrt, ...)
+    opt_graphdef, opt_state = nnx.split(opt)
+    out = ft._update.lower(graphdef, opt_graphdef, params, frozen, opt_state, batch, 1, None).out_info
+    assert jax.tree.structure(out) == jax.tree.structure((jnp.float32(0), params, opt_state))
+    returned = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out))
+    trained = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+    assert returned == trained + 4 < sum(x.nbytes for x in jax.tree.leaves(frozen)), (returned, trained)
+
+    start = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(ft.adapter_state(model))}
+    for _ in range(2):
+        loss, want = float(ft.train_step(model, opt, batch)), float(plain_step(ref, ref_opt, batch))
+        assert loss == pytest.approx(want, rel=1e-6)
+    ours, theirs = nnx.to_flat_state(ft.adapter_state(model)), dict(nnx.to_flat_state(ft.adapter_state(ref)))
+    # two programs compiled apart may fuse and order float32 sums differently: atol 1e-6 is 1e-4 of an Adam
+    # step (~lr = 1e-2 an element), where a wrong gradient or a skipped update moves elements by ~lr
+    for p, v in ours:
+        assert np.abs(np.asarray(v[...]) - start[p]).max() > 1e-3, f"{p} did not move: a vacuous comparison"
+        np.testing.assert_allclose(np.asarray(v[...]), np.asarray(theirs[p][...]), rtol=0, atol=1e-6, err_msg=str(p))
+
+
 def test_remat_step_equals_plain_step():
     model = micro_model()
     ft.apply_lora(model, rank=4)
@@ -207,7 +248,8 @@ def test_remat_step_equals_plain_step():
     twin = nnx.clone(model)
     twin.remat = True
     opt, opt2 = ft.make_optimizer(model, optax.sgd(0.5)), ft.make_optimizer(twin, optax.sgd(0.5))
-    l1, l2 = ft.train_step(model, opt, batch), ft.train_step(twin, opt2, batch)
+    # donate=False: the clone shares the model's arrays, which a donating step would delete
+    l1, l2 = ft.train_step(model, opt, batch, donate=False), ft.train_step(twin, opt2, batch)
     assert float(l1) == pytest.approx(float(l2), rel=1e-6)
     a = nnx.to_flat_state(ft.adapter_state(model))
     b = dict(nnx.to_flat_state(ft.adapter_state(twin)))

@@ -25,6 +25,7 @@ import pytest
 import gemma4_nnx
 from gemma4_nnx.config import FULL, SLIDING, Gemma4Config
 from gemma4_nnx.io.hf import name_map
+from gemma4_nnx.io.hf_config import read_text_config, text_config_to_hf
 
 S, F = SLIDING, FULL
 TINY_TOL = 1e-4  # float32, same bound as tests/test_parity.py
@@ -112,7 +113,7 @@ def test_gemma3_config_maps_to_degenerate_gemma4():
         "final_logit_softcapping": None,
         "eos_token_id": [1, 106],
     }
-    c = Gemma4Config.from_hf(d)
+    c = read_text_config(d)
     assert c.model_family == "gemma3" and not c.use_v_norm and not c.use_ple
     assert c.attention_scale == pytest.approx(1 / 16)
     assert c.global_head_dim == c.head_dim == 256 and {s.head_dim for s in c.layers} == {256}
@@ -130,11 +131,11 @@ def test_gemma3_config_maps_to_degenerate_gemma4():
     assert c.eos_token_id == (1, 106)
     # lossless through our checkpoint JSON and back to an HF Gemma 3 config
     assert Gemma4Config.from_json_dict(json.loads(json.dumps(c.to_json_dict()))) == c
-    assert Gemma4Config.from_hf(c.to_hf_dict()) == c
+    assert read_text_config(text_config_to_hf(c)) == c
     # transformers' own config class takes what we write (its strict fields refuse 256.0 for an int)
     transformers = pytest.importorskip("transformers")
-    hf = transformers.Gemma3TextConfig(**{k: v for k, v in c.to_hf_dict().items() if k != "model_type"})
-    assert hf.query_pre_attn_scalar == 256 and isinstance(c.to_hf_dict()["query_pre_attn_scalar"], int)
+    hf = transformers.Gemma3TextConfig(**{k: v for k, v in text_config_to_hf(c).items() if k != "model_type"})
+    assert hf.query_pre_attn_scalar == 256 and isinstance(text_config_to_hf(c)["query_pre_attn_scalar"], int)
     # Gemma 4 configs are unchanged
     assert Gemma4Config.e2b().model_family == "gemma4" and Gemma4Config.e2b().use_v_norm
 
@@ -151,11 +152,11 @@ def test_gemma3_config_rejects_unsupported_features(key, value):
         key: value,
     }
     with pytest.raises(ValueError, match=key):
-        Gemma4Config.from_hf(d)
+        read_text_config(d)
 
 
 def test_gemma3_name_map_adds_one_to_norms_and_defaults_layer_scalar():
-    c = Gemma4Config.from_hf(
+    c = read_text_config(
         {
             "model_type": "gemma3_text",
             "vocab_size": 32,

@@ -119,6 +119,32 @@ def test_gemma4_quantized_export_blocks_read_back_exactly(tmp_path, tokenizer_di
             assert 0 < np.abs(want - source[hf]).max() <= 0.25 * scale, t.name
 
 
+def test_keep_import_keeps_the_ple_table_as_the_file_stores_it(tmp_path, tokenizer_dir):
+    """`gemma4-convert X.gguf DST` (`--quantize keep`, no `--ple`): the per-layer-embedding table is the
+    file's own, as every other tensor is: its Q8_0 blocks byte for byte, so the imported table is exactly
+    `gguf`'s dequantization of the file's tensor and the logits are those of the whole file dequantized
+    (`--ple none`). An explicit `--ple int4` still quantizes it."""
+    from gemma4_nnx.io.checkpoint import read_metadata
+    from gemma4_nnx.io.convert import main
+    from gemma4_nnx.io.loader import load_any
+
+    src, model = _tiny(tmp_path, tokenizer_dir, hidden_size_per_layer_input=16)  # rows of 6 x 16: Q8_0 blocks
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q8_0")
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "per_layer_token_embd.weight")
+    assert t.tensor_type.name == "Q8_0"
+    for name, args in (("keep", []), ("none", ["--ple", "none"]), ("int4", ["--ple", "int4"])):
+        assert main([path, str(tmp_path / name), "--no-progress", "--quantize", "keep", *args]) == 0
+    kept, plain = load_any(tmp_path / "keep", matmul="xla"), load_any(tmp_path / "none", matmul="xla")
+    vocab = jnp.arange(model.config.vocab_size_per_layer_input)
+    np.testing.assert_array_equal(np.asarray(kept.embed_tokens_per_layer(vocab)), dequantized(t))
+    ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11, 400, 13]])
+    np.testing.assert_array_equal(np.asarray(kept(ids)), np.asarray(plain(ids)))
+    assert read_metadata(str(tmp_path / "int4"))["ple"]["bits"] == 4  # explicit: quantized as asked
+    assert read_metadata(str(tmp_path / "keep"))["quant"]["embed_tokens_per_layer"]["block"] == "Q8_0"
+    held = load_any(tmp_path / "keep", matmul="xla", kept_blocks="stored").embed_tokens_per_layer
+    np.testing.assert_array_equal(np.asarray(held.codes[...]).reshape(-1), np.asarray(t.data).reshape(-1))
+
+
 def test_gemma4_vocab_is_llama_cpp_converters(tmp_path, tokenizer_dir):
     """The exported vocabulary is what llama.cpp's converter writes from the same tokenizer.json
     (`gguf.LlamaHfVocab` plus its Gemma 4 override of the visible chat markers), and the tokenizer.json

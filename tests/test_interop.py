@@ -17,6 +17,7 @@ import gemma4_nnx
 from gemma4_nnx.io import convert as cv
 from gemma4_nnx.io import export
 from gemma4_nnx.io import gm as G
+from gemma4_nnx.io.hf_config import text_config_to_hf
 from tests import hf_fixtures as fx
 from tests.helpers import random_model
 
@@ -89,7 +90,7 @@ def test_gm_initialised_checkpoint_converts_to_ours(tmp_path, variant):
     gm.ckpts.save_params(params, tmp_path / "gm", wait_until_finished=True)
     ref = _gm_logits(config, params)
     cfg_path = tmp_path / "config.json"
-    cfg_path.write_text(json.dumps(config.to_hf_dict()))
+    cfg_path.write_text(json.dumps(text_config_to_hf(config)))
     argv = [str(tmp_path / "gm"), str(tmp_path / "ours"), "--dtype", "float32", "--ple", "none"]
     assert cv.main(argv + ["--gm-config", str(cfg_path), "--no-progress"]) == 0
     diff = _diff(_ours(gemma4_nnx.load(tmp_path / "ours")), ref)

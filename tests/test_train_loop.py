@@ -34,7 +34,7 @@ def make_rows():
     return data.pack(exs, 16)
 
 
-# shared by the tests, so that they share `accumulate_step`'s compiled programs (`loop.make_tx` is cached)
+# shared by the tests, so that they share `ft.train_step`'s compiled programs (`loop.make_tx` is cached)
 CONFIG = loop.TrainConfig(steps=6, lr=1e-2, warmup_steps=2, batch_size=2, accumulate=2, save_every=3)
 
 
@@ -64,7 +64,7 @@ def test_accumulated_step_equals_one_big_batch(rows):
         model = lora_micro()
         model.remat = remat
         opt = ft.make_optimizer(model, SGD)
-        results.append((float(loop.accumulate_step(model, opt, batch, accumulate=accumulate)), adapters(model)))
+        results.append((float(ft.train_step(model, opt, batch, accumulate=accumulate)), adapters(model)))
     (l1, a1), (l2, a2), (l3, a3) = results
     assert l3 == pytest.approx(l2, rel=1e-6) and all(np.allclose(a3[p], a2[p], rtol=0, atol=1e-6) for p in a2)
     assert l1 == pytest.approx(l2, rel=1e-6)
@@ -190,6 +190,66 @@ def test_two_processes_train_like_one():
     assert one["dp"]["losses"][0] != one["dp"]["losses"][-1], "no training happened"
 
 
+# The command line's multi-process launch: `gemma4-finetune --coordinator-address --num-processes
+# --process-id` in 2 processes x 4 CPU devices against `--data-parallel` in 1 process x 8.
+CLI_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
+from gemma4_nnx.train import loop
+loop.main({argv!r})
+print("REPORT {{}}")
+"""
+
+
+@pytest.mark.slow
+def test_finetune_command_two_processes_train_like_one(tmp_path, capsys):
+    """`gemma4-finetune` started by hand as 2 processes x 4 devices (`--coordinator-address HOST:PORT
+    --num-processes 2 --process-id I`, a free localhost port) logs the losses and saves the adapters of
+    `--data-parallel` in 1 process x 8 devices; a wrong launch flag exits naming it."""
+    import socket
+
+    ckpt = make_tiny_hf(
+        tmp_path / "ckpt", tokenizer=True, num_hidden_layers=2, layer_types=(fx.S, fx.F), num_kv_shared_layers=0
+    )
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 1)}) + "\n" for i in range(16)))
+    args = ["--model", ckpt, "--data", str(train), "--batch-size", "8", "--max-len", "16", "--lora-rank", "2"]
+    args += ["--steps", "2", "--lr", "1e-2", "--no-progress"]
+    for bad, match in (
+        (["--coordinator-address", "localhost:1"], "--num-processes, --process-id"),
+        (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
+        (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"], "--process-id"),
+    ):
+        with pytest.raises(SystemExit):
+            loop.main([*args, "--out", str(tmp_path / "bad"), *bad])
+        assert match in capsys.readouterr().err
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    one = [*args, "--out", str(tmp_path / "one"), "--data-parallel"]
+    launch = ["--coordinator-address", f"localhost:{port}", "--num-processes", "2"]
+    two = [[*args, "--out", str(tmp_path / "two"), *launch, "--process-id", str(i)] for i in range(2)]
+    runs = [ScriptRun(CLI_SCRIPT.format(devices=8, argv=one), "cli1")]
+    runs += [ScriptRun(CLI_SCRIPT.format(devices=4, argv=argv), f"cli2_{i}") for i, argv in enumerate(two)]
+    for r in runs:
+        r.report(timeout=400)
+    losses = {
+        k: [json.loads(x)["loss"] for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+        for k in ("one", "two")
+    }
+    assert len(losses["one"]) == 2 and losses["one"][0] != losses["one"][1], losses
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-6)  # cross-device sums in another order
+    (_, want), (_, got) = (
+        ft.read_adapters(tmp_path / "one" / "adapters"),
+        ft.read_adapters(tmp_path / "two" / "adapters"),
+    )
+    assert sorted(got) == sorted(want)
+    for path, (a, b) in want.items():  # as in test_two_processes_train_like_one: Adam's ~lr steps, 1e-3 * lr
+        np.testing.assert_allclose(got[path][0], a, rtol=0, atol=1e-5, err_msg=path)
+        np.testing.assert_allclose(got[path][1], b, rtol=0, atol=1e-5, err_msg=path)
+    assert max(float(np.abs(b).max()) for _, b in want.values()) > 1e-3, "lora_b never moved: a vacuous comparison"
+
+
 # ---------------------------------------------------------------------------- QLoRA and full fine-tuning
 def qlora_pair(bits: int, build=micro_model):
     """A model (`build()`, default the micro model) prepared for QLoRA on an int`bits` base, and its
@@ -267,7 +327,7 @@ def test_step_holds_no_whole_logits_and_no_second_copy_of_the_weights(monkeypatc
     graphdef, params, frozen = nnx.split(model, wrt, ...)
     opt_graphdef, opt_state = nnx.split(optimizer)
     args = (graphdef, opt_graphdef, params, frozen, opt_state, batch, 1, None)
-    m = loop._update.lower(*args).compile().memory_analysis()
+    m = ft._update.lower(*args).compile().memory_analysis()
     logits = 4 * 64 * vocab * 4
     assert m.temp_size_in_bytes < 2.5 * logits, f"temporaries {m.temp_size_in_bytes / 2**20:.1f} MiB"
     trained = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
@@ -408,7 +468,7 @@ FULL_FT_WEIGHTS = {
 
 @pytest.mark.reference
 def test_full_finetune_steps_match_torch_adamw(tmp_path):
-    """Two full fine-tuning updates (`prepare(..., "full")` + `accumulate_step`: every float weight,
+    """Two full fine-tuning updates (`prepare(..., "full")` + `ft.train_step`: every float weight,
     AdamW with weight decay, global-norm clipping, the cosine schedule) on the tiny e2b checkpoint
     equal transformers + torch.optim.AdamW + clip_grad_norm_ from the same weights and data: losses
     within float32 rounding, the weights' total updates per tensor within 1e-3 of their norm."""
@@ -431,7 +491,7 @@ def test_full_finetune_steps_match_torch_adamw(tmp_path):
         ids = fx.sample_ids(2, 11, seed=20 + step)
         mask = np.ones_like(ids, dtype=np.int32)
         mask[:, :3] = 0
-        losses.append(float(loop.accumulate_step(model, opt, {"input_ids": ids, "loss_mask": mask})))
+        losses.append(float(ft.train_step(model, opt, {"input_ids": ids, "loss_mask": mask})))
         opt_t.zero_grad()
         with torch.enable_grad():
             out = hf(input_ids=torch.from_numpy(ids), labels=torch.from_numpy(np.where(mask == 1, ids, -100)))
@@ -605,6 +665,6 @@ def test_the_training_step_compiles_once(rows, caplog):
     caplog.set_level(logging.WARNING, logger="jax._src.dispatch")
     with jax.log_compiles(True):
         for _ in range(3):
-            loop.accumulate_step(model, opt, batch)
+            ft.train_step(model, opt, batch)
     compiles = [r for r in caplog.records if "compilation of jit(_update)" in r.getMessage()]
     assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]

@@ -11,6 +11,7 @@ from flax import nnx
 
 from gemma4_nnx import Gemma4Config
 from gemma4_nnx.config import FULL, SLIDING
+from gemma4_nnx.io.hf_config import read_text_config
 from gemma4_nnx.model.unified import UnifiedAudioConfig, UnifiedVisionConfig
 from tests import hf_fixtures as fx
 
@@ -78,8 +79,8 @@ CONFIG_12B = {
 
 
 def test_12b_config_json_equals_preset_and_defaults():
-    config = Gemma4Config.from_hf(CONFIG_12B)
-    assert config.text_only() == Gemma4Config.b12() == Gemma4Config.from_hf(TEXT_12B)
+    config = read_text_config(CONFIG_12B)
+    assert config.text_only() == Gemma4Config.b12() == read_text_config(TEXT_12B)
     assert config.vision == UnifiedVisionConfig()  # transformers' vision / audio defaults are the 12B's
     assert config.audio == UnifiedAudioConfig()
     assert (config.image_token_id, config.video_token_id, config.audio_token_id) == (258880, 258884, 258881)
@@ -94,7 +95,7 @@ def test_12b_preset_has_12b_parameters():
 
     sizes = {
         p: int(np.prod(v.shape))
-        for p, v in variables_by_path(abstract_model(Gemma4Config.from_hf(CONFIG_12B), jnp.bfloat16)).items()
+        for p, v in variables_by_path(abstract_model(read_text_config(CONFIG_12B), jnp.bfloat16)).items()
     }
     assert 11.5e9 < sum(sizes.values()) < 12.5e9, sum(sizes.values())
     front = sum(n for p, n in sizes.items() if p[0] in ("vision_embedder", "embed_vision", "embed_audio"))
@@ -107,12 +108,12 @@ def test_unified_text_defaults_and_ignored_fields():
     and PLE / MoE fields, which HF's unified model never builds, are ignored."""
     d = {k: TEXT_12B[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads")}
     d.update(num_hidden_layers=6, num_key_value_heads=4, hidden_size_per_layer_input=256, enable_moe_block=True)
-    config = Gemma4Config.from_hf(d)
+    config = read_text_config(d)
     assert (config.sliding_window, config.max_position_embeddings) == (1024, 262144)
     assert config.use_bidirectional_attention == "vision" and config.bidirectional_scope == "all_layers"
     assert not config.use_ple and not config.enable_moe_block and config.final_logit_softcapping is None
     assert config.layer_types == (SLIDING,) * 5 + (FULL,)
-    plain = Gemma4Config.from_hf(dict(d, model_type="gemma4_text", enable_moe_block=False))  # read as Gemma 4
+    plain = read_text_config(dict(d, model_type="gemma4_text", enable_moe_block=False))  # read as Gemma 4
     assert plain.sliding_window == 512 and plain.use_bidirectional_attention is None
 
 
@@ -122,9 +123,9 @@ def test_validation_names_the_field():
     with pytest.raises(ValueError, match=r"UnifiedVisionConfig\.output_proj_dims"):
         UnifiedVisionConfig(output_proj_dims=1024)
     with pytest.raises(ValueError, match="model_patch_size"):
-        Gemma4Config.from_hf(dict(CONFIG_12B, vision_config=dict(CONFIG_12B["vision_config"], model_patch_size=32)))
+        read_text_config(dict(CONFIG_12B, vision_config=dict(CONFIG_12B["vision_config"], model_patch_size=32)))
     with pytest.raises(ValueError, match="audio_config: output_proj_dims"):
-        Gemma4Config.from_hf(dict(CONFIG_12B, audio_config={"audio_embed_dim": 640, "output_proj_dims": 320}))
+        read_text_config(dict(CONFIG_12B, audio_config={"audio_embed_dim": 640, "output_proj_dims": 320}))
 
 
 @pytest.mark.reference
@@ -135,9 +136,9 @@ def test_transformers_representations_read_alike():
 
     saved = Gemma4UnifiedConfig(**{k: v for k, v in CONFIG_12B.items() if k != "model_type"}).to_dict()
     assert "per_layer_config" in saved["text_config"] and "global_head_dim" not in saved["text_config"]
-    assert Gemma4Config.from_hf(saved) == Gemma4Config.from_hf(CONFIG_12B)
+    assert read_text_config(saved) == read_text_config(CONFIG_12B)
     text = Gemma4UnifiedTextConfig(**{k: v for k, v in TEXT_12B.items() if k != "model_type"}).to_dict()
-    assert Gemma4Config.from_hf(text) == Gemma4Config.b12()
+    assert read_text_config(text) == Gemma4Config.b12()
     for spec in Gemma4Config.b12().layers:  # derived facts equal transformers'
         plc = Gemma4UnifiedTextConfig(**{k: v for k, v in TEXT_12B.items() if k != "model_type"}).per_layer_config
         assert (spec.head_dim, spec.num_kv_heads) == (plc[spec.index].head_dim, plc[spec.index].num_key_value_heads)

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from gemma4_nnx.io.hf import mirrored_entries
+from gemma4_nnx.io.hf_config import read_vision_config
 from gemma4_nnx.model.build import variables_by_path
 from gemma4_nnx.model.vision import VisionConfig, VisionModel
 
@@ -75,7 +76,7 @@ def _hf_model(hf_kwargs: dict, seed: int = 0):
 
 def _ours(hf_model) -> VisionModel:
     """Our model with the HF model's weights, through the generic mirrored-name map."""
-    config = VisionConfig.from_hf_dict(hf_model.config.to_dict())
+    config = read_vision_config(hf_model.config.to_dict())
     model = VisionModel(config, rngs=nnx.Rngs(0))
     hf_state = hf_model.state_dict()
     entries = mirrored_entries(model, "")
@@ -172,14 +173,14 @@ def test_config_from_hf_dict_reads_every_field():
     from transformers import Gemma4VisionConfig
 
     d = Gemma4VisionConfig(**CASES["k2_clipped_standardize_gqa"], default_output_length=70).to_dict()
-    config = VisionConfig.from_hf_dict(d)
+    config = read_vision_config(d)
     expected = {k: v for k, v in CASES["k2_clipped_standardize_gqa"].items()}
     expected.update(default_output_length=70, rope_theta=100.0)
     assert {k: getattr(config, k) for k in expected} == expected
     assert config.patch_dim == 48 and config.max_patches() == 280 and config.max_patches(140) == 560
     # the whole multimodal config.json works too, and an empty dict is HF's defaults
-    assert VisionConfig.from_hf_dict({"model_type": "gemma4", "vision_config": d}) == config
-    defaults = VisionConfig.from_hf_dict({})
+    assert read_vision_config({"model_type": "gemma4", "vision_config": d}) == config
+    defaults = read_vision_config({})
     hf_defaults = Gemma4VisionConfig()
     for field in dataclasses.fields(VisionConfig):
         if field.name not in ("rope_theta", "default_output_length"):
@@ -201,7 +202,7 @@ def test_config_from_hf_dict_reads_every_field():
 )
 def test_config_errors_name_the_key(override, key):
     with pytest.raises(ValueError, match=key):
-        VisionConfig.from_hf_dict({**TINY, **override})
+        read_vision_config({**TINY, **override})
 
 
 def test_pooling_kernel_1_keeps_patches_in_order():

@@ -3,12 +3,11 @@
 Frozen dataclasses with presets and validation, one module per part of the model: `text`
 (`Gemma4Config`, `LayerSpec`, `RopeSpec`), `vision` (`VisionConfig`), `audio` (`AudioConfig`), `unified`
 (Gemma 4 unified's front end) and `assistant` (`AssistantConfig`, the MTP drafters). Nothing here
-imports the rest of the package at module level.
+imports the rest of the package, at module level or inside a function (`tests/test_imports.py`).
 
-File formats live in `gemma4_nnx.io`: HF `config.json` translation is `gemma4_nnx.io.hf_config`. The
-public entry points users already call stay on the classes (`Gemma4Config.from_hf`, `.to_hf_dict`,
-`AssistantConfig.from_hf`, `VisionConfig.from_hf_dict`, ...) as thin methods that import
-`gemma4_nnx.io.hf_config` when called; `model_type` (reads a config.json) is re-exported the same way.
+File formats live in `gemma4_nnx.io`: HF `config.json` translation is `gemma4_nnx.io.hf_config`
+(`read_text_config`, `text_config_to_hf`, `read_assistant_config`, `read_vision_config`, ...,
+`model_type`).
 """
 
 from gemma4_nnx.config.assistant import AssistantConfig
@@ -44,13 +43,4 @@ __all__ = [
     "VisionConfig",
     "default_layer_types",
     "is_unified",
-    "model_type",
 ]
-
-
-def __getattr__(name: str):
-    if name == "model_type":  # reads a config.json: file formats live in gemma4_nnx.io
-        from gemma4_nnx.io.hf_config import model_type
-
-        return model_type
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

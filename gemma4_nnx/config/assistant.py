@@ -1,14 +1,13 @@
 """Gemma 4 MTP assistants (drafters): `AssistantConfig`.
 
-Reading and writing the HF `config.json` lives in `gemma4_nnx.io.hf_config`; `from_hf` and
-`to_hf_dict` here delegate there.
+Reading and writing the HF `config.json` is `gemma4_nnx.io.hf_config` (`read_assistant_config`,
+`assistant_config_to_hf`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -99,20 +98,6 @@ class AssistantConfig:
                 + "; ".join(problems)
                 + ". Fix: use the assistant released for this target (e.g. gemma-4-E2B-it-assistant for E2B)."
             )
-
-    @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> AssistantConfig:
-        """Read an HF `Gemma4AssistantForCausalLM` config.json (file, directory, or parsed dict).
-        See `gemma4_nnx.io.hf_config.read_assistant_config`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.read_assistant_config(path_or_dict)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` dict of the equivalent HF `Gemma4AssistantForCausalLM`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.assistant_config_to_hf(self)
 
     def to_json_dict(self) -> dict[str, Any]:
         """Lossless JSON form (`from_json_dict`); stored in our checkpoints."""

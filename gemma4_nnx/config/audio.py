@@ -1,14 +1,12 @@
 """The audio encoder's configuration (`AudioConfig`, HF `Gemma4AudioConfig`); the conformer itself is
 `gemma4_nnx.model.audio`. Activations are named here (`AUDIO_ACTIVATIONS`) and implemented there.
-Reading an HF `audio_config` dict lives in `gemma4_nnx.io.hf_config` (`from_hf_dict` / `to_hf_dict`
-delegate there).
+Reading and writing an HF `audio_config` dict is `gemma4_nnx.io.hf_config` (`read_audio_config`,
+`audio_config_to_hf`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 #: `hidden_act` values the conformer implements (`gemma4_nnx.model.audio` maps each to its function).
 AUDIO_ACTIVATIONS = ("silu", "swish", "relu", "gelu", "gelu_pytorch_tanh")
@@ -54,19 +52,6 @@ class AudioConfig:
             raise ValueError(f"AudioConfig.subsampling_conv_channels must be two positive ints, got {channels!r}")
         if self.hidden_act not in AUDIO_ACTIVATIONS:
             raise ValueError(f"AudioConfig.hidden_act {self.hidden_act!r} is not one of {sorted(AUDIO_ACTIVATIONS)}")
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The HF `audio_config` dict that `from_hf_dict` reads back to this config."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.audio_config_to_hf(self)
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> AudioConfig:
-        """From an HF `audio_config` dict. See `gemma4_nnx.io.hf_config.read_audio_config`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.read_audio_config(d)
 
     @property
     def head_dim(self) -> int:

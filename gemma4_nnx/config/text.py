@@ -10,8 +10,8 @@ attention) is derived once, in `Gemma4Config.layers`, so modules never re-derive
 Presets for the released sizes: `Gemma4Config.e2b()`, `.e4b()`, `.b31()` (31B dense),
 `.b26_a4b()` (26B-A4B mixture of experts) and `.b12()` (12B, Gemma 4 unified).
 
-Reading and writing HF `config.json` lives in `gemma4_nnx.io.hf_config`; `from_hf`, `with_towers`
-and `to_hf_dict` here are the public entry points kept on the class, each delegating there.
+Reading and writing HF `config.json` is `gemma4_nnx.io.hf_config` (`read_text_config`,
+`text_config_to_hf`): the config knows no file format.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -446,29 +445,6 @@ class Gemma4Config:
             use_bidirectional_attention="vision",
             bidirectional_scope="all_layers",
         )
-
-    # ------------------------------------------------------------------ HF config.json (gemma4_nnx.io.hf_config)
-    @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> Gemma4Config:
-        """Read an HF `config.json` (file, directory holding one, or an already-parsed dict): Gemma 4,
-        Gemma 4 unified and Gemma 3 text checkpoints. See `gemma4_nnx.io.hf_config.read_text_config`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.read_text_config(path_or_dict)
-
-    def with_towers(self, raw: Mapping[str, Any]) -> Gemma4Config:
-        """This text config plus the towers and placeholder ids of a multimodal `config.json` (`raw`).
-        See `gemma4_nnx.io.hf_config.with_towers`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.with_towers(self, raw)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` dict of the equivalent `Gemma4ForCausalLM` (flat representation), or of
-        `Gemma3ForCausalLM` for a `model_family="gemma3"` config. See `gemma4_nnx.io.hf_config`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.text_config_to_hf(self)
 
     def text_only(self) -> Gemma4Config:
         """The same text model without its vision and audio towers."""

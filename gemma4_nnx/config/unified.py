@@ -1,13 +1,11 @@
 """Configuration of Gemma 4 unified's encoder-free front end (`UnifiedVisionConfig`,
-`UnifiedAudioConfig`); the embedder itself is `gemma4_nnx.model.unified`. Reading the HF dicts lives in
-`gemma4_nnx.io.hf_config` (`from_hf_dict` delegates there).
+`UnifiedAudioConfig`); the embedder itself is `gemma4_nnx.model.unified`. Reading the HF dicts is
+`gemma4_nnx.io.hf_config` (`read_unified_vision_config`, `read_unified_audio_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 UNIFIED_VISION_TYPE = "gemma4_unified_vision"
 UNIFIED_AUDIO_TYPE = "gemma4_unified_audio"
@@ -69,14 +67,6 @@ class UnifiedVisionConfig:
         """Model patches per image the processor pads to: one per soft token."""
         return soft_tokens or self.default_output_length
 
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> UnifiedVisionConfig:
-        """Read an HF `vision_config` dict of a `gemma4_unified` config.json.
-        See `gemma4_nnx.io.hf_config.read_unified_vision_config`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.read_unified_vision_config(d)
-
 
 @dataclasses.dataclass(frozen=True)
 class UnifiedAudioConfig:
@@ -93,14 +83,6 @@ class UnifiedAudioConfig:
         _positive_eps(n, self.rms_norm_eps)
         if self.model_type != UNIFIED_AUDIO_TYPE:
             raise ValueError(f"{n}.model_type: must be {UNIFIED_AUDIO_TYPE!r}, got {self.model_type!r}")
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> UnifiedAudioConfig:
-        """Read an HF `audio_config` dict of a `gemma4_unified` config.json.
-        See `gemma4_nnx.io.hf_config.read_unified_audio_config`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.read_unified_audio_config(d)
 
 
 def is_unified(tower_config) -> bool:

@@ -1,13 +1,11 @@
 """The vision encoder's configuration (`VisionConfig`, HF `Gemma4VisionConfig`); the encoder itself is
-`gemma4_nnx.model.vision`. Reading an HF `vision_config` dict lives in `gemma4_nnx.io.hf_config`
-(`from_hf_dict` / `to_hf_dict` delegate there).
+`gemma4_nnx.model.vision`. Reading and writing an HF `vision_config` dict is
+`gemma4_nnx.io.hf_config` (`read_vision_config`, `vision_config_to_hf`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 VISION_MODEL_TYPE = "gemma4_vision"
 #: Soft-token budgets the Gemma 4 image processor accepts (`max_soft_tokens`).
@@ -88,17 +86,3 @@ class VisionConfig:
         """Patches per image the processor pads to for a soft-token budget (default
         `default_output_length`): soft tokens x pooling_kernel_size^2."""
         return (soft_tokens or self.default_output_length) * self.pooling_kernel_size**2
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The HF `vision_config` dict that `from_hf_dict` reads back to this config."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.vision_config_to_hf(self)
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> VisionConfig:
-        """Read an HF `vision_config` dict (or a whole multimodal `config.json` dict holding one).
-        See `gemma4_nnx.io.hf_config.read_vision_config`."""
-        from gemma4_nnx.io import hf_config
-
-        return hf_config.read_vision_config(d)

@@ -1,4 +1,5 @@
-"""HF safetensors -> Orbax conversion (`gemma4-convert SRC DST`), with the PLE table pre-quantized.
+"""HF safetensors -> Orbax conversion (`gemma4-convert SRC DST`), with the PLE table pre-quantized (a GGUF
+file's, under `--quantize keep`, kept as the file stores it).
 
 Pipeline: read config.json -> match every tensor to the one name map (`gemma4_nnx.io.hf.plan_load`: all
 missing / unexpected / misshaped tensors reported at once) -> write each tensor as a streamed Orbax
@@ -26,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config
+from gemma4_nnx.config import ASSISTANT_MODEL_TYPE
 from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.io.compressed import PackedWeight, packed_scheme, split_packed
 from gemma4_nnx.io.hf import (
@@ -40,7 +41,7 @@ from gemma4_nnx.io.hf import (
     safetensors_files,
     text_tensors,
 )
-from gemma4_nnx.io.hf_config import model_type
+from gemma4_nnx.io.hf_config import model_type, read_assistant_config, read_text_config, text_config_to_hf
 from gemma4_nnx.model.build import abstract_assistant
 from gemma4_nnx.model.quant import QuantFormat
 
@@ -349,11 +350,11 @@ def _qat_leaves(info: TensorInfo, progress: Progress) -> _QuantizedMatrix | None
 
 
 # ---------------------------------------------------------------------------- conversion
-def _check_options(dtype: str | None, ple: str, quantize: str, group) -> None:
+def _check_options(dtype: str | None, ple: str | None, quantize: str, group) -> None:
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {DTYPES}")
-    if ple not in PLE_MODES:
-        raise ValueError(f"ple: {ple!r} is not one of {tuple(PLE_MODES)}")
+    if ple is not None and ple not in PLE_MODES:
+        raise ValueError(f"ple: {ple!r} is not one of {tuple(PLE_MODES)} (or None: the default)")
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize: {quantize!r} is not one of {QUANTIZE_MODES}")
     if group is not None:
@@ -410,7 +411,7 @@ def convert(
     dst: str | os.PathLike,
     *,
     dtype: str | None = None,
-    ple: str = "int4",
+    ple: str | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
     gm_config: str | None = None,
@@ -431,7 +432,10 @@ def convert(
         (its float tensors are F32, or F16 / BF16 that float32 holds exactly; bfloat16 would move the
         270M's logits by up to 0.1 through its norms alone), else "bfloat16".
       ple: "int4", "int8" or "none": how the per-layer-embedding table is stored (one float32 scale per
-        (token, layer) slice of hidden_size_per_layer_input values).
+        (token, layer) slice of hidden_size_per_layer_input values; "none": float at `dtype`). Default
+        (None): as a GGUF file stores it under quantize="keep" (its blocks, kept byte for byte as the
+        other matrices are, or its float tensor), else "int4" (an HF directory's float table, 4.70 GB
+        in bfloat16 for E2B, takes 1.21 GB).
       overwrite: replace an existing checkpoint at `dst`.
       progress: show the progress bar on stderr; None = only when stderr is a terminal.
       gm_config: for a checkpoint of Google's gemma library (`src` an Orbax directory, NESTED or FLAT
@@ -480,7 +484,9 @@ def convert(
         if quantize == "keep":  # ... and its quantized blocks read straight from the file
             gguf_reader = _reader(gguf_path)
             dtype = dtype or "float32"  # and its float tensors as the file stores them
+            ple = ple or "keep"  # the PLE table too: the file's blocks (or float tensor) as they are
     dtype = dtype or "bfloat16"
+    ple = ple or "int4"
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source directory {src} does not exist")
     from gemma4_nnx.io import gm
@@ -489,11 +495,11 @@ def convert(
     assistant = not from_gm and model_type(src) == ASSISTANT_MODEL_TYPE  # an MTP drafter: its own name map
     scheme, kept = None, {}
     if assistant:
-        config = AssistantConfig.from_hf(src)
+        config = read_assistant_config(src)
         plan = plan_assistant(config, abstract_assistant(config, np.float32), assistant_tensors(src))
     else:
-        config = gm.read_gm_config(gm_config or gm.config_beside(src)) if from_gm else Gemma4Config.from_hf(src)
-        gm_hf_config = config.to_hf_dict() if from_gm else None  # gm carries none: ours goes beside
+        config = gm.read_gm_config(gm_config or gm.config_beside(src)) if from_gm else read_text_config(src)
+        gm_hf_config = text_config_to_hf(config) if from_gm else None  # gm carries none: ours goes beside
         if text_only:
             config = config.text_only()
         if from_gm:
@@ -515,7 +521,7 @@ def convert(
     _remove_stale_temps(dst)
 
     out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
-    bits = PLE_MODES[ple] if not assistant and config.use_ple else None
+    bits = PLE_MODES.get(ple) if not assistant and config.use_ple else None
     group_size = group
     group = 0 if assistant else config.hidden_size_per_layer_input
     bar = Progress(plan.total_bytes, len(plan.items), sys.stderr.isatty() if progress is None else progress)
@@ -529,6 +535,12 @@ def convert(
         if bits and entry.path[:1] == ck.PLE_PATH:
             fmt = QuantFormat(bits, group)
             for name, leaf in _quantizing(info, fmt, bar).leaves().items():
+                leaves[ck.PLE_PATH + (name,)] = leaf
+            continue
+        if ple == "keep" and entry.path[:1] == ck.PLE_PATH and entry.hf_name in kept:  # the file's PLE blocks
+            matrix = _gguf_kept(kept[entry.hf_name], bar)
+            quantized[".".join(ck.PLE_PATH)] = matrix.fmt.to_json()
+            for name, leaf in matrix.leaves().items():
                 leaves[ck.PLE_PATH + (name,)] = leaf
             continue
         # an assistant's matrices stay float, except a GGUF's blocks under "keep" (kept as for a model)
@@ -747,15 +759,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ple",
         choices=tuple(PLE_MODES),
-        default="int4",
+        default=None,
         help="per-layer-embedding table storage: int4/int8 codes + float32 scale per (token, layer), "
-        "or none (float, --dtype)",
+        "or none (float, --dtype). Default: a .gguf file under --quantize keep keeps the table as the file "
+        "stores it (its blocks or its float tensor, like every other tensor); int4 otherwise",
     )
     p.add_argument(
         "--quantize",
         choices=QUANTIZE_MODES,
         default="keep",
-        help="projections and token embedding: keep a GGUF's own blocks / a QAT grid exactly (default), "
+        help="projections and token embedding: keep a GGUF's own blocks (the PLE table's too, unless --ple) / "
+        "a QAT grid exactly (default), "
         "quantize to llama.cpp's Q4_K_M mix of GGUF blocks (q4_k_m: 4-bit k-quants, 6 bits where it "
         "matters; the 4-bit mode to pick), to int8 or int4 (group-wise symmetric), or none (float, --dtype)",
     )

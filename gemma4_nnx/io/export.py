@@ -25,6 +25,7 @@ from flax import nnx
 
 from gemma4_nnx.io.gguf_export import GGUF_TYPES, to_gguf
 from gemma4_nnx.io.gm import to_gm
+from gemma4_nnx.io.hf_config import audio_config_to_hf, config_to_hf, text_config_to_hf, vision_config_to_hf
 from gemma4_nnx.io.loader import load_any
 from gemma4_nnx.io.tensors import DTYPE_NAMES, exportable_towers, hf_tensors, write_safetensors
 
@@ -50,7 +51,7 @@ def google_config(config) -> dict:
     """config.json of the multimodal `Gemma4ForConditionalGeneration` holding `config` as its text model,
     as Google's released files are laid out: with its vision / audio towers and placeholder ids when it
     has them (Gemma 4's towers; none otherwise)."""
-    text = config.to_hf_dict()
+    text = text_config_to_hf(config)
     text.pop("architectures")
     out = {
         "architectures": ["Gemma4ForConditionalGeneration"],
@@ -66,10 +67,10 @@ def google_config(config) -> dict:
     if exportable_towers(config):
         text["use_bidirectional_attention"] = config.use_bidirectional_attention
         if config.vision is not None:
-            out["vision_config"] = config.vision.to_hf_dict()
+            out["vision_config"] = vision_config_to_hf(config.vision)
             out["image_token_id"], out["video_token_id"] = config.image_token_id, config.video_token_id
         if config.audio is not None:
-            out["audio_config"] = config.audio.to_hf_dict()
+            out["audio_config"] = audio_config_to_hf(config.audio)
             out["audio_token_id"] = config.audio_token_id
     return out
 
@@ -102,7 +103,7 @@ def to_hf(
     tensors = hf_tensors(model, dtype, layout)
     os.makedirs(out_dir, exist_ok=True)
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
-    cfg = google_config(model.config) if layout == "google" else model.config.to_hf_dict()
+    cfg = google_config(model.config) if layout == "google" else config_to_hf(model.config)
     dtypes = {
         str(np.dtype(v.dtype))
         for v in tensors.values()

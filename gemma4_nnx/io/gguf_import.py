@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from gemma4_nnx.io.hf_config import assistant_config_to_hf, text_config_to_hf
+
 __all__ = [
     "GGUF_TO_HF",
     "cached_hf_dir",
@@ -166,9 +168,9 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
     MTP assistant (`Gemma4AssistantForCausalLM`) GGUF."""
     arch = architecture(reader)
     if arch == "gemma4":
-        return _gemma4_config(reader).to_hf_dict()
+        return text_config_to_hf(_gemma4_config(reader))
     if arch == ASSISTANT_ARCH:
-        return _assistant_config(reader).to_hf_dict()
+        return assistant_config_to_hf(_assistant_config(reader))
 
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"gemma3.{key}", default)

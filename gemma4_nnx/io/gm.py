@@ -36,6 +36,7 @@ import numpy as np
 from gemma4_nnx.config import FULL, Gemma4Config
 from gemma4_nnx.io.checkpoint import flatten, nest
 from gemma4_nnx.io.hf import CheckpointError, Entry, TensorInfo, expected_hf_shapes, name_map
+from gemma4_nnx.io.hf_config import read_text_config, text_config_to_hf
 from gemma4_nnx.io.tensors import hf_tensors
 from gemma4_nnx.model.build import abstract_model
 
@@ -192,7 +193,7 @@ def read_gm_config(spec: str) -> Gemma4Config:
             f"--gm-config {spec!r}: neither a preset ({', '.join(PRESETS)}) nor an HF config.json; "
             "gm checkpoints carry no config, so name the model they hold"
         )
-    return Gemma4Config.from_hf(path)
+    return read_text_config(path)
 
 
 # ---------------------------------------------------------------------------- export
@@ -253,7 +254,7 @@ def to_gm(model, out_dir: str | os.PathLike, *, dtype=None) -> str:
         ckptr.save(out_dir, nest({tuple(k.split("/")): v for k, v in arrays.items()}))
         ckptr.wait_until_finished()
     with open(os.path.join(out_dir, HF_CONFIG_FILE), "w", encoding="utf-8") as f:
-        json.dump(model.config.to_hf_dict(), f, indent=2)
+        json.dump(text_config_to_hf(model.config), f, indent=2)
     return out_dir
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, AssistantConfig, Gemma4Config
-from gemma4_nnx.io.hf_config import model_type
+from gemma4_nnx.io.hf_config import model_type, read_assistant_config, read_text_config
 from gemma4_nnx.model.build import abstract_assistant, abstract_model, variables_by_path
 
 Path = tuple  # an NNX state path, e.g. ("layers", 3, "self_attn", "q_proj", "kernel")
@@ -338,7 +338,7 @@ def mirrored_entries(module: nnx.Module, hf_prefix: str = "", path_prefix: Path 
 
 def assistant_tensors(hf_dir: str) -> dict[str, TensorInfo]:
     """An assistant checkpoint's tensors by name, `model.` dropped (a tied `lm_head.weight` too)."""
-    config = AssistantConfig.from_hf(hf_dir)
+    config = read_assistant_config(hf_dir)
     out = {}
     for path in safetensors_files(hf_dir):
         for name, info in SafetensorsFile(path).tensors.items():
@@ -607,11 +607,11 @@ def from_hf(
     dtype = dtype or default_dtypes()[1]
     param_dtype = param_dtype or dtype
     if model_type(hf_dir) == ASSISTANT_MODEL_TYPE:
-        config = AssistantConfig.from_hf(hf_dir)
+        config = read_assistant_config(hf_dir)
         model = abstract_assistant(config, dtype, param_dtype, matmul)
         plan = plan_assistant(config, model, assistant_tensors(hf_dir))
     else:
-        config = Gemma4Config.from_hf(hf_dir)
+        config = read_text_config(hf_dir)
         if text_only:
             config = config.text_only()
         plan = plan_load(config, text_tensors(hf_dir, towers=config.multimodal))

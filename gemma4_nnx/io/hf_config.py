@@ -1,10 +1,12 @@
 """HF `config.json` <-> our configs: every translation between transformers' config dicts and the
 architecture configs of `gemma4_nnx.config`.
 
-The config classes keep their public entry points (`Gemma4Config.from_hf`, `.to_hf_dict`,
-`AssistantConfig.from_hf`, `VisionConfig.from_hf_dict`, ...) as thin methods that import this module
-when called: users and notebooks call them, and `gemma4_nnx.config` itself stays free of file formats
-and of module-level imports of the rest of the package (`tests/test_imports.py` checks both).
+Readers: `read_text_config` (a Gemma 4 / unified / Gemma 3 `config.json`: file, directory or dict),
+`read_assistant_config`, `read_vision_config`, `read_audio_config`, `read_unified_vision_config`,
+`read_unified_audio_config`, `with_towers`, `model_type`. Writers: `text_config_to_hf`,
+`assistant_config_to_hf`, `vision_config_to_hf`, `audio_config_to_hf`, and `config_to_hf` for any of
+them. This module imports the configs; `gemma4_nnx.config` imports nothing of the package
+(`tests/test_imports.py`).
 """
 
 from __future__ import annotations
@@ -334,7 +336,8 @@ def _text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
     if model_type == ASSISTANT_MODEL_TYPE:
         raise ValueError(
             "this config.json is a Gemma 4 MTP assistant (drafter), not a model to run on its own: read it "
-            "with AssistantConfig.from_hf, load it with gemma4_nnx.from_hf / gemma4_nnx.load, and pass it to "
+            "with gemma4_nnx.io.hf_config.read_assistant_config, load it with gemma4_nnx.from_hf / gemma4_nnx.load, "
+            "and pass it to "
             'generate(..., speculative={"method": "assistant", "model": assistant})'
         )
     if model_type not in _SUPPORTED_MODEL_TYPES:
@@ -363,7 +366,7 @@ def read_assistant_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -
     if raw.get("model_type") != ASSISTANT_MODEL_TYPE:
         raise ValueError(
             f"model_type {raw.get('model_type')!r} is not {ASSISTANT_MODEL_TYPE!r}: this is not a Gemma 4 "
-            "assistant (load targets with Gemma4Config.from_hf)"
+            "assistant (load targets with read_text_config)"
         )
     text = raw.get("text_config")
     if not isinstance(text, Mapping):
@@ -397,7 +400,7 @@ def read_assistant_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -
 
 def assistant_config_to_hf(config: AssistantConfig) -> dict[str, Any]:
     """The `config.json` dict of the equivalent HF `Gemma4AssistantForCausalLM`."""
-    text = config.text.to_hf_dict()
+    text = text_config_to_hf(config.text)
     for key in ("architectures", "pad_token_id", "eos_token_id", "bos_token_id"):
         text.pop(key, None)
     text.update(
@@ -421,7 +424,7 @@ def assistant_config_to_hf(config: AssistantConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------- towers
 def vision_config_to_hf(config: VisionConfig) -> dict[str, Any]:
-    """The HF `vision_config` dict that `from_hf_dict` reads back to this config."""
+    """The HF `vision_config` dict that `read_vision_config` reads back to this config."""
     d = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "rope_theta"}
     d.pop("default_output_length")  # the processor's budget, not a transformers config field
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -473,7 +476,7 @@ def read_vision_config(d: Mapping[str, Any]) -> VisionConfig:
 
 
 def audio_config_to_hf(config: AudioConfig) -> dict[str, Any]:
-    """The HF `audio_config` dict that `from_hf_dict` reads back to this config."""
+    """The HF `audio_config` dict that `read_audio_config` reads back to this config."""
     d = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     d["subsampling_conv_channels"] = list(config.subsampling_conv_channels)
     return {"model_type": "gemma4_audio", **d}
@@ -562,6 +565,20 @@ def read_unified_audio_config(d: Mapping[str, Any]) -> UnifiedAudioConfig:
         return UnifiedAudioConfig(audio_embed_dim=width, rms_norm_eps=float(eps))
     except ValueError as e:
         raise ValueError(f"audio_config: {e}") from None
+
+
+def config_to_hf(config: Gemma4Config | AssistantConfig | VisionConfig | AudioConfig) -> dict[str, Any]:
+    """The HF config dict of any of our configs (`text_config_to_hf`, `assistant_config_to_hf`, ...)."""
+    writers = (
+        (Gemma4Config, text_config_to_hf),
+        (AssistantConfig, assistant_config_to_hf),
+        (VisionConfig, vision_config_to_hf),
+        (AudioConfig, audio_config_to_hf),
+    )
+    for kind, write in writers:
+        if isinstance(config, kind):
+            return write(config)
+    raise TypeError(f"config: expected a Gemma4Config, AssistantConfig, VisionConfig or AudioConfig, got {config!r}")
 
 
 # ------------------------------------------------------------------------------------------- files

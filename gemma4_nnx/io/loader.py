@@ -21,11 +21,11 @@ import os
 import jax
 import jax.numpy as jnp
 
-from gemma4_nnx.config import ASSISTANT_MODEL_TYPE, Gemma4Config
+from gemma4_nnx.config import ASSISTANT_MODEL_TYPE
 from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.io import gm
 from gemma4_nnx.io.hf import CheckpointError, from_hf
-from gemma4_nnx.io.hf_config import model_type
+from gemma4_nnx.io.hf_config import model_type, read_text_config
 
 FORMATS = ("orbax", "hf", "gm")
 KINDS = ("model", "assistant")
@@ -320,7 +320,7 @@ def load_any(
         from gemma4_nnx.sharding import sharding_for
 
         if config is None:
-            config = ck.load_config(path) if fmt == "orbax" else Gemma4Config.from_hf(path)
+            config = ck.load_config(path) if fmt == "orbax" else read_text_config(path)
         sharding = sharding_for(mesh, config)
     if memory_limit is not None:
         memory_limit = parse_bytes(memory_limit, "memory_limit")

@@ -355,22 +355,113 @@ def make_optimizer(
     return nnx.Optimizer(model, tx, wrt=wrt)
 
 
-@functools.partial(nnx.jit, static_argnames=("mesh",))
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, Array], mesh=None) -> Array:
-    """One jitted step: loss, gradients w.r.t. `optimizer.wrt` only, optax update in place. Returns the
-    loss before the update. Set `model.remat = True` to rematerialize decoder layers (less memory).
+def token_sums(model: nnx.Module, batch: dict) -> tuple[Array, Array]:
+    """(sum of the trained tokens' next-token nll, their count): `loss_fn` weighted back by its token
+    count, so batches add up exactly (`train_step`'s accumulation and `loop.evaluate`)."""
+    n = jnp.sum(jnp.asarray(batch["loss_mask"])[:, 1:]).astype(jnp.float32)
+    return loss_fn(model, batch) * n, n
 
-    `mesh` (a `jax.sharding.Mesh`, for a model placed with `gemma4_nnx.sharding.shard_model`): the
-    updated parameters and optimizer state are pinned to the declared shardings."""
-    grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt))
-    loss, grads = grad_fn(model, batch)
-    optimizer.update(model, grads)
+
+def train_step(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    batch: dict[str, Array],
+    mesh=None,
+    *,
+    accumulate: int = 1,
+    donate: bool = True,
+) -> Array:
+    """One optimizer update: the loss, gradients w.r.t. `optimizer.wrt` only, the optax update, in place.
+    Returns the loss before the update. Set `model.remat = True` to rematerialize decoder layers (less
+    memory). The one step of every caller: this API, the examples and notebooks, and `gemma4-finetune`
+    (`loop.Trainer`).
+
+    `accumulate`: the batch's rows [accumulate * B, S] run B rows at a time (a `lax.scan`, one compiled
+    micro-step), each micro-batch's gradient weighted by its trained tokens (`token_sums`): the update of
+    the whole batch in one step (`masked_lm_loss`'s mean over all its targets), within float rounding.
+    `mesh` (a `jax.sharding.Mesh`, for a model placed with `gemma4_nnx.sharding.shard_model` or the
+    Trainer's FSDP): the updated parameters and optimizer state keep the declared shardings.
+
+    Memory: the compiled step takes the frozen variables (the base) as inputs only and returns just the
+    trained ones and the optimizer state (`nnx.jit` would return every variable of `model`, and XLA
+    copy the whole base into its outputs each step), into the buffers of the ones it was given (donated:
+    a full fine-tune does not hold two copies of the weights and Adam moments). An array of the trained
+    variables or optimizer state held elsewhere before the step is deleted by it (JAX's donation; a
+    NumPy view of one keeps it: JAX then copies), e.g. by a twin made with `nnx.clone`, which shares
+    the arrays: `donate=False` runs the same step keeping its inputs (new buffers for its outputs)."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
+    rows = len(batch["input_ids"])
+    if rows % accumulate:
+        raise ValueError(f"batch: its {rows} rows do not split into accumulate={accumulate} equal micro-batches")
+    if mesh is not None:  # fresh adapters / optimizer state: placed as declared, as the step returns them
+        _place_uncommitted(model, mesh)
+        _place_uncommitted(optimizer, mesh)
+    graphdef, params, frozen = nnx.split(model, optimizer.wrt, ...)
+    opt_graphdef, opt_state = nnx.split(optimizer)
+    if all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves((params, frozen)) if isinstance(x, jax.Array)):
+        params, opt_state = _committed(params), _committed(opt_state)
+    step = _update if donate else _update_kept
+    loss, params, opt_state = step(graphdef, opt_graphdef, params, frozen, opt_state, batch, accumulate, mesh)
+    nnx.update(model, params)
+    nnx.update(optimizer, opt_state)
+    return loss
+
+
+def _place_uncommitted(node, mesh) -> None:
+    """Every uncommitted array of `node` (a model or an `nnx.Optimizer`) placed on `mesh` as
+    `gemma4_nnx.sharding` declares (what `constrain` pins the step's outputs to). In place."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from gemma4_nnx.sharding import DEFAULT_RULES, state_spec
+
+    for path, var in nnx.iter_graph(node):
+        x = var.get_value() if isinstance(var, nnx.Variable) else None
+        if isinstance(x, jax.Array) and not x.committed:
+            spec = state_spec(tuple(path), tuple(x.shape), mesh, DEFAULT_RULES) if x.ndim else PartitionSpec()
+            var.set_value(jax.device_put(x, NamedSharding(mesh, spec)))
+
+
+def _committed(state):
+    """`state` with every array committed to where it is (`jax.device_put` onto its own sharding). The
+    step's outputs are committed arrays, and a jitted function compiles again when an argument changes
+    from uncommitted to committed: fresh LoRA factors and a new optimizer's zeros made the second step
+    compile the whole step a second time."""
+    return jax.tree.map(
+        lambda x: x if not isinstance(x, jax.Array) or x.committed else jax.device_put(x, x.sharding), state
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 6, 7), donate_argnums=(2, 4))
+def _update(graphdef, opt_graphdef, params, frozen, opt_state, batch, accumulate, mesh):
+    """`train_step` on the split variables: (loss, trained variables, optimizer state)."""
+    wrt = nnx.merge(opt_graphdef, opt_state).wrt
+    micro = jax.tree.map(lambda x: jnp.asarray(x).reshape(accumulate, -1, *x.shape[1:]), batch)
+    grad_fn = nnx.value_and_grad(token_sums, argnums=nnx.DiffState(0, wrt), has_aux=True)
+
+    # the variables go through the carry, unchanged: the model merged in the body is then built from
+    # this trace's values (nnx's transforms, nnx.remat's included, refuse variables of an outer trace)
+    def body(carry, b):
+        total, count, grads, params, frozen = carry
+        (loss, n), g = grad_fn(nnx.merge(graphdef, params, frozen), b)
+        return (total + loss, count + n, jax.tree.map(jnp.add, grads, g), params, frozen), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    carry = (jnp.float32(0), jnp.float32(0), zeros, params, frozen)
+    (total, count, grads, _, _), _ = jax.lax.scan(body, carry, micro)
+    count = jnp.maximum(count, 1.0)
+    model, optimizer = nnx.merge(graphdef, params, frozen), nnx.merge(opt_graphdef, opt_state)
+    optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
     if mesh is not None:
         from gemma4_nnx.sharding import constrain
 
         constrain(model, mesh)
         constrain(optimizer, mesh)
-    return loss
+    return total / count, nnx.state(model, wrt), nnx.state(optimizer)
+
+
+#: `_update` without donation (`train_step(..., donate=False)`): the same program, its inputs kept
+_update_kept = jax.jit(_update.__wrapped__, static_argnums=(0, 1, 6, 7))
 
 
 # ---------------------------------------------------------------------------- adapter I/O
@@ -422,7 +513,12 @@ def load_adapters(model: nnx.Module, directory: str | os.PathLike, *, sharding=N
     abstract = nnx.to_pure_dict(state)
     flat = traverse_util.flatten_dict(abstract)
     abstract = traverse_util.unflatten_dict(
-        {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k) if sharding else None) for k, v in flat.items()}
+        {
+            k: jax.ShapeDtypeStruct(
+                v.shape, v.dtype, sharding=sharding(k) if sharding else getattr(v, "sharding", None)
+            )
+            for k, v in flat.items()
+        }
     )
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(os.path.join(directory, "adapters"), abstract)
@@ -472,9 +568,13 @@ def read_adapters(directory: str | os.PathLike, *, check=None) -> tuple[dict, di
         shapes[path] = (a, b)
     if check is not None:
         check(shapes)
+    # onto this process's first device: without a target Orbax restores the saved placement, which a
+    # run on other devices (data parallel, several processes) cannot take
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            restored = ckptr.restore(os.path.join(directory, "adapters"))
+            restored = ckptr.restore(os.path.join(directory, "adapters"), target)
     except Exception:
         raise ValueError("adapters/ is not a readable Orbax checkpoint of save_adapters") from None
     out = {}

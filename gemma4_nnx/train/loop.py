@@ -17,10 +17,11 @@ placed as `gemma4_nnx.sharding` declares (the weights split along the model widt
 like their weights, the layout kept by the step; tested: 8 devices give one device's full
 fine-tuning).
 
-Gradient accumulation is exact: `accumulate_step` takes a batch of `accumulate * batch_size` rows,
-runs it `batch_size` rows at a time (a `lax.scan`, one compiled micro-step) and weighs each
-micro-batch's gradient by its number of trained tokens (`token_sums`), so the update is that of the
-whole batch in one step (masked_lm_loss's mean over all its targets), within float rounding.
+The step is `ft.train_step`, the one every caller uses: it returns only the trained variables and
+the optimizer state (donated), and its gradient accumulation is exact: a batch of `accumulate *
+batch_size` rows runs `batch_size` rows at a time (a `lax.scan`, one compiled micro-step), each
+micro-batch's gradient weighted by its number of trained tokens (`ft.token_sums`), so the update is that
+of the whole batch in one step (masked_lm_loss's mean over all its targets), within float rounding.
 """
 
 from __future__ import annotations
@@ -92,84 +93,16 @@ def make_schedule(config: TrainConfig) -> optax.Schedule:
 @functools.lru_cache(maxsize=16)
 def make_tx(config: TrainConfig) -> optax.GradientTransformation:
     """clip_by_global_norm -> AdamW on the warm-up + cosine schedule (`TrainConfig`). Cached: one object
-    per config keeps the optimizer's graph definition equal across runs, so `accumulate_step` compiles once."""
+    per config keeps the optimizer's graph definition equal across runs, so `ft.train_step` compiles once."""
     adamw = optax.adamw(make_schedule(config), weight_decay=config.weight_decay)
     return adamw if config.clip_norm is None else optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
-
-
-def token_sums(model: nnx.Module, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(sum of the trained tokens' next-token nll, their count): `ft.loss_fn` weighted back by its token
-    count, so batches add up exactly (the training step's accumulation and `evaluate`)."""
-    n = jnp.sum(jnp.asarray(batch["loss_mask"])[:, 1:]).astype(jnp.float32)
-    return ft.loss_fn(model, batch) * n, n
-
-
-def accumulate_step(
-    model: nnx.Module, optimizer: nnx.Optimizer, batch: dict, accumulate: int = 1, shard: Mesh | None = None
-) -> jax.Array:
-    """One optimizer update from batch rows [accumulate * B, S], B rows at a time; gradients and loss
-    weighted by trained tokens (the whole batch's `masked_lm_loss`). Returns the loss before the update.
-    `shard` (FSDP): the mesh whose declared layout (`gemma4_nnx.sharding`) the updated variables keep.
-
-    Memory: the compiled step takes the frozen variables (the base) as inputs only and returns just the
-    trained ones and the optimizer state (`nnx.jit` would return every variable of `model`, and XLA
-    copy the whole base into its outputs each step), into the buffers of the ones it was given (donated:
-    a full fine-tune does not hold two copies of the weights and Adam moments). An array of the trained
-    variables or optimizer state held elsewhere before the step is deleted by it (JAX's donation; a
-    NumPy view of one keeps it: JAX then copies)."""
-    graphdef, params, frozen = nnx.split(model, optimizer.wrt, ...)
-    opt_graphdef, opt_state = nnx.split(optimizer)
-    params, opt_state = _committed(params), _committed(opt_state)
-    loss, params, opt_state = _update(graphdef, opt_graphdef, params, frozen, opt_state, batch, accumulate, shard)
-    nnx.update(model, params)
-    nnx.update(optimizer, opt_state)
-    return loss
-
-
-def _committed(state):
-    """`state` with every array committed to where it is (`jax.device_put` onto its own sharding). The
-    step's outputs are committed arrays, and a jitted function compiles again when an argument changes
-    from uncommitted to committed: fresh LoRA factors and a new optimizer's zeros made the second step
-    compile the whole step a second time."""
-    return jax.tree.map(
-        lambda x: x if not isinstance(x, jax.Array) or x.committed else jax.device_put(x, x.sharding), state
-    )
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 6, 7), donate_argnums=(2, 4))
-def _update(graphdef, opt_graphdef, params, frozen, opt_state, batch, accumulate, shard):
-    """`accumulate_step` on the split variables: (loss, trained variables, optimizer state)."""
-    wrt = nnx.merge(opt_graphdef, opt_state).wrt
-    micro = jax.tree.map(lambda x: jnp.asarray(x).reshape(accumulate, -1, *x.shape[1:]), batch)
-
-    grad_fn = nnx.value_and_grad(token_sums, argnums=nnx.DiffState(0, wrt), has_aux=True)
-
-    # the variables go through the carry, unchanged: the model merged in the body is then built from
-    # this trace's values (nnx's transforms, nnx.remat's included, refuse variables of an outer trace)
-    def body(carry, b):
-        total, count, grads, params, frozen = carry
-        (loss, n), g = grad_fn(nnx.merge(graphdef, params, frozen), b)
-        return (total + loss, count + n, jax.tree.map(jnp.add, grads, g), params, frozen), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    carry = (jnp.float32(0), jnp.float32(0), zeros, params, frozen)
-    (total, count, grads, _, _), _ = jax.lax.scan(body, carry, micro)
-    count = jnp.maximum(count, 1.0)
-    model, optimizer = nnx.merge(graphdef, params, frozen), nnx.merge(opt_graphdef, opt_state)
-    optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
-    if shard is not None:
-        from gemma4_nnx.sharding import constrain
-
-        constrain(model, shard)
-        constrain(optimizer, shard)
-    return total / count, nnx.state(model, wrt), nnx.state(optimizer)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _eval_sums(graphdef, state, batch):
     """`token_sums` on the split model: the variables go in only (`nnx.jit` would return them all, a
     copy of the model per call)."""
-    return token_sums(nnx.merge(graphdef, state), batch)
+    return ft.token_sums(nnx.merge(graphdef, state), batch)
 
 
 def evaluate(model: nnx.Module, rows: dict[str, np.ndarray], batch_size: int) -> float:
@@ -303,8 +236,8 @@ class Trainer:
                 batch = next(self.loader)
                 inputs = batch if self.mesh is None else global_batch(batch, self.mesh)
                 loss = float(
-                    accumulate_step(
-                        self.model, self.optimizer, inputs, accumulate=self.config.accumulate, shard=self._shard
+                    ft.train_step(
+                        self.model, self.optimizer, inputs, mesh=self._shard, accumulate=self.config.accumulate
                     )
                 )
                 self.step += 1
@@ -513,8 +446,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--distributed",
         action="store_true",
-        help="call jax.distributed.initialize() first (one process per host: TPU slices, SLURM, ...)",
+        help="call jax.distributed.initialize() first, which finds the processes itself (one process per "
+        "host: TPU slices, SLURM, ...)",
     )
+    p.add_argument(
+        "--coordinator-address",
+        metavar="HOST:PORT",
+        default=None,
+        help="a multi-process run started by hand (any hosts, or several processes on one): process 0's "
+        "address, the same on every process, with --num-processes and --process-id (jax.distributed)",
+    )
+    p.add_argument("--num-processes", type=int, default=None, metavar="N", help="with --coordinator-address")
+    p.add_argument("--process-id", type=int, default=None, metavar="I", help="with --coordinator-address: 0 .. N-1")
     p.add_argument("--tensorboard", action="store_true", help="also write the metrics to --out/tensorboard/")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument(
@@ -534,8 +477,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--dtype: --method full trains float32 master weights; leave --dtype out")
     if args.method == "full" and "peft" in args.export:
         p.error("--export peft writes an adapter; --method full trains no adapter (use --export hf or gguf)")
-    if args.distributed:
-        jax.distributed.initialize()
+    launch = _launch(p, args)
+    if args.distributed or launch:
+        jax.distributed.initialize(**launch)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("gemma4_nnx").setLevel(logging.INFO)
 
@@ -569,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model.remat = args.remat
     loader = data.Loader(rows, args.batch_size * args.accumulate, seed=args.seed)
     mesh = None
-    if args.data_parallel or args.fsdp or args.distributed:
+    if args.data_parallel or args.fsdp or args.distributed or launch:
         from gemma4_nnx.sharding import make_mesh
 
         mesh = make_mesh(fsdp=jax.device_count())
@@ -598,6 +542,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         ft.save_adapters(model, os.path.join(args.out, "adapters"))
         log.info("adapters written to %s", os.path.join(args.out, "adapters"))
     export(model, args.model, args.out, args.export)
+
+
+def _launch(p: argparse.ArgumentParser, args) -> dict[str, Any]:
+    """`jax.distributed.initialize`'s arguments from --coordinator-address / --num-processes /
+    --process-id ({} when none is given: no launch, or --distributed's auto-detection); a wrong or
+    missing one exits naming it."""
+    given = {
+        "--coordinator-address": args.coordinator_address,
+        "--num-processes": args.num_processes,
+        "--process-id": args.process_id,
+    }
+    if all(v is None for v in given.values()):
+        return {}
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        p.error(f"{', '.join(missing)}: a hand-started multi-process run needs all of {', '.join(given)}")
+    host, _, port = args.coordinator_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        p.error(f"--coordinator-address: expected HOST:PORT (e.g. 10.0.0.1:1234), got {args.coordinator_address!r}")
+    if args.num_processes < 1:
+        p.error(f"--num-processes: must be a positive integer, got {args.num_processes}")
+    if not 0 <= args.process_id < args.num_processes:
+        p.error(f"--process-id: must be in 0 .. {args.num_processes - 1} (--num-processes), got {args.process_id}")
+    return {
+        "coordinator_address": args.coordinator_address,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
 
 
 def _read_rows(paths, tok, args, what: str) -> dict[str, np.ndarray]:
