@@ -534,6 +534,7 @@ from flax import nnx
 import gemma4_nnx
 from gemma4_nnx.sharding import param_bytes_per_device
 from gemma4_nnx.train import data, loop
+from gemma4_nnx.train import finetune as ft
 from tests.helpers import micro_model, update_error
 from tests.test_train_loop import make_rows
 config = loop.TrainConfig(steps=3, lr=1e-3, batch_size=8, save_every=2)
@@ -556,7 +557,7 @@ def grads(mesh):
     t, _ = run(mesh, until=0)
     batch = next(data.Loader(make_rows(), 8, seed=1))
     inputs = batch if mesh is None else loop.global_batch(batch, mesh)
-    fn = nnx.jit(nnx.grad(lambda m, b: loop.token_sums(m, b)[0], argnums=nnx.DiffState(0, t.optimizer.wrt)))
+    fn = nnx.jit(nnx.grad(lambda m, b: ft.token_sums(m, b)[0], argnums=nnx.DiffState(0, t.optimizer.wrt)))
     return flat(fn(t.model, inputs))
 
 mesh = gemma4_nnx.make_mesh(fsdp=8)

@@ -135,7 +135,7 @@ def _stored_arrays(path: str, fmt: str, text_only: bool) -> list[tuple[tuple[int
         if checkpoint_kind(path, fmt) == "assistant":
             tensors = assistant_tensors(path)
         else:
-            config = Gemma4Config.from_hf(path)
+            config = read_text_config(path)
             tensors = text_tensors(path, towers=config.multimodal and not text_only)
             tensors = {k: v for k, v in tensors.items() if k not in ignored_names(config)}
         return [(tuple(t.shape), np.dtype(t.dtype)) for t in tensors.values()]
