@@ -14,7 +14,9 @@ there ahead of time from abstract shapes (`compile_verify`); the engine takes pl
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,61 @@ from gemma4_nnx.decode.batching import pow2
 from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _verify_jit
 from gemma4_nnx.decode.state import DrawConfig, Next
 
-__all__ = ["Compiles", "compiled_programs", "verify_width"]
+__all__ = ["Compiles", "compile_cache_dir", "compiled_programs", "use_compile_cache", "verify_width"]
+
+
+# ------------------------------------------------------------------------------------------- the compile cache
+def compile_cache_dir(where: str | os.PathLike | None = "default") -> Path | None:
+    """Where `use_compile_cache(where)` keeps compiled programs (None and "none": nowhere, the cache
+    is off): "default": the user's cache folder, `$XDG_CACHE_HOME` or `~/.cache`, then
+    `gemma4_nnx/jax`; any other value is that directory. Either way a subfolder
+    named for this package's version (`gemma4_nnx-<version>`) holds the entries, so another
+    version never reads them (jax's own key covers the jax, jaxlib and XLA versions, the program
+    and the devices)."""
+    if where is None or str(where).strip().lower() == "none":
+        return None
+    if str(where) == "default":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        where = os.path.join(base, "gemma4_nnx", "jax")
+    return Path(where).expanduser() / f"gemma4_nnx-{_version()}"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gemma4_nnx")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "dev"
+
+
+def use_compile_cache(where: str | os.PathLike | None = "default") -> Path | None:
+    """Turn jax's persistent compilation cache on at `compile_cache_dir(where)` (off for None /
+    "none"), with no minimum compile time or entry size, so the small programs of a decode (a
+    draw, a step of a tiny model) are kept too: a second process loads what the first compiled
+    instead of compiling it. Returns the directory (None: off). The CLIs call this at start
+    (`--compile-cache`); it changes process-wide jax settings, so the package never calls it on
+    import. Call it before the first compile: jax reads the setting once. "default" when jax's own
+    setting names a directory already (`JAX_COMPILATION_CACHE_DIR`, the test suite's): that one
+    stays, as it is."""
+    if str(where) == "default" and jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    path = compile_cache_dir(where)
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", os.fspath(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    try:  # a cache jax already set up (or left off) in this process follows the new setting
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):
+        pass
+    return path
 
 
 def verify_width(ndraft: np.ndarray, k: int) -> int:

@@ -587,8 +587,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_flags(p)
     p.add_argument(
         "--compile-cache",
-        default=os.environ.get("GEMMA4_COMPILE_CACHE"),
-        help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)",
+        default=os.environ.get("GEMMA4_COMPILE_CACHE", "default"),
+        help="jax's persistent compilation cache (warm starts): a directory, 'default' (the user's cache folder: "
+        "$XDG_CACHE_HOME or ~/.cache, then gemma4_nnx/jax; a subfolder per package version), or 'none' (off); "
+        "env GEMMA4_COMPILE_CACHE",
     )
     return p
 
@@ -666,8 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from gemma4_nnx.decode.generate import enable_compilation_cache
 
-    if args.compile_cache:
-        enable_compilation_cache(args.compile_cache)
+    enable_compilation_cache(args.compile_cache)
     try:
         _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
         engine = make_engine(args)
