@@ -109,3 +109,33 @@ def test_host_time_per_step_is_exported_at_metrics(model):
     assert values["gemma4_decode_steps_total"] == engine.stats.decode_steps > 0
     per_step = values["gemma4_engine_host_seconds_per_step"]
     assert per_step == pytest.approx(engine.stats.host_seconds / engine.stats.decode_steps)
+
+
+def test_a_new_prompt_bucket_compiles_off_the_serving_thread(model):
+    """After a precompile of 16-token prompts, a 40-token prompt (a new bucket) arrives while a
+    stream decodes: its prefill programs compile on the helper thread while it waits alone, so the
+    serving thread compiles nothing (its counter of compiles, `Decoder.compiles` without the
+    background kinds, stays as after start-up; before, the prefill compiled there between two of the
+    stream's tokens); both outputs equal `generate`."""
+    engine = Engine(model, max_batch=2, max_length=96, precompile=(16,))
+    stream, late_prompt = fx.sample_ids(1, 9, seed=61)[0].tolist(), fx.sample_ids(1, 40, seed=62)[0].tolist()
+
+    def serving(compiles):
+        return {k: v for k, v in compiles.items() if "background" not in k}
+
+    try:
+        before = serving(engine.decoder.compiles)
+        running = engine.submit(stream, 30, stop_tokens=[])
+        while len(running.tokens) < 3:
+            time.sleep(0.002)
+        late = engine.submit(late_prompt, 6, stop_tokens=[], temperature=0.7, seed=5)
+        got_late = late.result()[0]
+        got_stream = running.result()[0]
+        after = dict(engine.decoder.compiles)
+    finally:
+        engine.close()
+    assert serving(after) == before, (before, after)
+    assert after.get("prefill (background)", 0) > 0, after
+    assert got_stream == generate(model, [stream], 30, stop_tokens=[], max_length=96).tokens[0]
+    ref = generate(model, [late_prompt], 6, stop_tokens=[], temperature=0.7, seed=5, max_length=96)
+    assert got_late == ref.tokens[0]

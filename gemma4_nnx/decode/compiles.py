@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_nnx.decode.batching import pow2
-from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _verify_jit
+from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _prefill_jit, _verify_jit
 from gemma4_nnx.decode.state import DrawConfig, Next
 
 __all__ = ["Compiles", "compile_cache_dir", "compiled_programs", "use_compile_cache", "verify_width"]
@@ -140,6 +140,8 @@ class Compiles:
         self.compiles: dict[str, int] = {}
         self._draws_run: set[tuple] = set()  # (cfg, shape key) of every draw program run so far
         self._verifies_run: set[tuple] = set()  # (cfg, m, width) of every verify program run or compiled
+        self._prefills_run: set[tuple] = set()  # (rows, chunk width, with soft tokens) of every engine prefill
+        self.prefill_failures: set[tuple] = set()  # ... whose background compile raised
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
         self._compiling: set[tuple] = set()  # (cfg, shapes) jobs queued or running there
         self.draw_failures: set[DrawConfig] = set()
@@ -223,6 +225,66 @@ class Compiles:
 
         self._compiling.add(job)
         return self._submit(work)
+
+    def prefill_ready(self, rows: int, width: int, soft: bool = False) -> bool:
+        """Whether the prefill program of `rows` joining rows (indexed) and chunks of `width` columns
+        has run or compiled (its background compile failed: True, the caller compiles and sees why)."""
+        key = (rows, width, soft)
+        return key in self._prefills_run or key in self.prefill_failures
+
+    def compile_prefills(self, shapes, *, then=None):
+        """Compile the indexed prefill program (the engine's) for each (rows, chunk width) of `shapes`
+        on the helper thread, ahead of time from the shapes and placements of the weights, the cache
+        and placeholder prompts (nothing runs, the cache is not touched); `then()` after the last. A
+        request whose prompt needs one of them waits in the queue meanwhile, the running rows decode
+        on (the engine's `_take_joining`). Returns the future, or None (queued already, or stopped)."""
+        shapes = tuple(sorted({(r, w) for r, w in shapes if (r, w, False) not in self._prefills_run}))
+        job = ("prefill", shapes)
+        if job in self._compiling or self._stopped:
+            return None
+        graphdef, weights = self.graphdef, jax.tree.map(_abstract, self.weights)
+        cache = jax.tree.map(_abstract, self.state.cache)  # read here: the serving thread replaces it
+
+        def work() -> None:
+            try:
+                for r, w in shapes:
+                    key = (r, w, False)
+                    if key in self._prefills_run:
+                        continue
+                    try:
+                        args = self._prefill_placeholders(r, w)
+                        self._run(
+                            "prefill (background)",
+                            lambda a=args: _prefill_jit.lower(graphdef, weights, cache, *a).compile(),
+                        )
+                        self._prefills_run.add(key)
+                    except Exception:
+                        self.prefill_failures.add(key)
+            finally:
+                self._compiling.discard(job)
+                if then is not None:
+                    then()
+
+        self._compiling.add(job)
+        return self._submit(work)
+
+    def _prefill_placeholders(self, r: int, w: int) -> tuple:
+        """Abstract arguments of an indexed prefill chunk after (graphdef, weights, cache), placed as
+        `Decoder.prefill_chunks` places the real ones."""
+        logits, last, idx, adapter = self._place(
+            (
+                Next(np.zeros((r, self.vocab_size), np.float32), np.zeros((r, self.config.hidden_size), np.float32)),
+                np.zeros(r, np.int32),
+                np.zeros(r, np.int32),
+                np.zeros(r, np.int32) if self.banked else None,
+            )
+        )
+        ids, pos, valid, c0, first = self._place(
+            (np.zeros((r, w), np.int32), np.zeros((r, w), np.int32), np.zeros((r, w), bool), np.int32(0),
+             np.ones(r, bool))
+        )  # fmt: skip
+        real = (idx, ids, pos, valid, last, logits, c0, first)
+        return (*jax.tree.map(_abstract, real), None, None if adapter is None else _abstract(adapter))
 
     def _submit(self, work):
         if self._background is None:

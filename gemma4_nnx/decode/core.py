@@ -333,6 +333,8 @@ class Decoder(Compiles):
                 adapter,
             )
             self.state = dataclasses.replace(self.state, cache=cache)
+            if idx is not None:  # what `prefill_ready` looks for
+                self._prefills_run.add((r, batch.chunk, soft is not None))
             if int(c0) + batch.chunk < batch.width:
                 yield int(c0) + batch.chunk
         return logits

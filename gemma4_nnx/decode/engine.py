@@ -681,6 +681,12 @@ class Engine:
                 continue
             if self.pool is not None and not self._room(blocks + need):
                 break
+            if not self._prefill_ready(len(joining) + 1, width, m):
+                if joining:  # the group joins without it
+                    break
+                self._pending.popleft()
+                later.append(req)  # it waits alone: its prefill compiles on the helper thread
+                continue
             self._pending.popleft()
             if req.preempted:  # a recomputed request joins alone (its rows' state is restored, not drawn)
                 joining.append(req)
@@ -724,6 +730,22 @@ class Engine:
             return True  # ready, or its compile failed on the helper: this thread compiles (and reports) it
         req.waiting = True
         self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled)
+        return False
+
+    def _prefill_ready(self, k: int, width: int, media: bool) -> bool:
+        """Whether k joining prompts of chunk `width` can prefill without this thread compiling
+        (checked after a precompile only, like samplers; prompts with media compile on first use).
+        When not, the prefill programs of that width (every joining row count) compile on the helper
+        thread and the request waits in the queue (`waiting`) while the running rows decode."""
+        if not self._precompiled or media:
+            return True
+        kb = min(pow2(k), pow2(self.max_batch))
+        if self.decoder.prefill_ready(kb, width):
+            return True
+        # queued once (None when it is already); `_compiled` (under the lock held here) wakes the queue
+        self.decoder.compile_prefills([(n, width) for n, _, _ in self.decoder.draw_shapes(True)], then=self._compiled)
+        if k == 1:
+            self._pending[0].waiting = True
         return False
 
     def _compiled(self) -> None:
