@@ -6,7 +6,8 @@
 On a tiny model the device step costs microseconds, so wall time per token is the driver's own host
 work: `generate` runs its whole decode in one on-device loop (`Decoder.loop`), the engine runs one
 step per token from Python (`Engine._run`). Reports ms per token for both after a warm-up run (every
-program compiled), the engine's own measure of its host time per step (`EngineStats.host_seconds /
+program compiled), the engine with async scheduling and synchronous (`Engine._overlap`, alternating
+runs in one process), the engine's own measure of its host time per step (`EngineStats.host_seconds /
 decode_steps`: the serving thread's time outside waits on the device), and with --profile the
 cProfile of the engine thread's loop, sorted by own time.
 """
@@ -58,9 +59,17 @@ def main(argv=None) -> int:
             return time.perf_counter() - t
 
         run()
-        before = engine.stats.host_seconds, engine.stats.decode_steps
-        e = min(run() for _ in range(args.repeats))
-        host = (engine.stats.host_seconds - before[0]) / max(engine.stats.decode_steps - before[1], 1)
+        times = {True: [], False: []}
+        host = {True: 0.0, False: 0.0}
+        steps = {True: 0, False: 0}
+        for _ in range(args.repeats):  # async and synchronous alternating, same process and programs
+            for overlap in (True, False):
+                engine._overlap = overlap
+                before = engine.stats.host_seconds, engine.stats.decode_steps
+                times[overlap].append(run())
+                host[overlap] += engine.stats.host_seconds - before[0]
+                steps[overlap] += engine.stats.decode_steps - before[1]
+        engine._overlap = True
         if args.profile:
             prof = cProfile.Profile()
             engine._profile = prof  # the engine thread enables it around its loop (`Engine._run`)
@@ -69,10 +78,13 @@ def main(argv=None) -> int:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     finally:
         engine.close()
-    steps = n  # tokens per request: one step (or the first draw) each
     print(f"rows {args.rows}, {n} tokens each (best of {args.repeats})")
-    print(f"generate: {1e3 * g / steps:.3f} ms/token")
-    print(f"engine:   {1e3 * e / steps:.3f} ms/token; engine host time per step {1e3 * host:.3f} ms")
+    print(f"generate:      {1e3 * g / n:.3f} ms/token")
+    for overlap, name in ((True, "engine async"), (False, "engine sync ")):
+        print(
+            f"{name}: {1e3 * min(times[overlap]) / n:.3f} ms/token; host time per step "
+            f"{1e3 * host[overlap] / max(steps[overlap], 1):.3f} ms"
+        )
     return 0
 
 

@@ -407,6 +407,7 @@ class Engine:
         self._in_flight: _InFlight | None = None  # the last decode step, not read back yet
         self._last_config: tuple[tuple[int, ...], DrawConfig | None] = ((), None)  # `_step_config`
         self._waited = 0.0  # this loop turn's seconds waiting for the device (not host time)
+        self._overlap = True  # dispatch the next step before reading the last one back (async scheduling)
         self._pending: deque[EngineRequest] = deque()
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # compiled, see _constraint
         self._cv = threading.Condition()
@@ -1014,7 +1015,12 @@ class Engine:
         else:
             out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m, fetch=False)
             self._in_flight = _InFlight(rows, out)
-            if previous is not None:
+            if not self._overlap:  # bench/engine_host.py: read back at once, as before async scheduling
+                self._in_flight = None
+                if previous is not None:
+                    self._deliver_in_flight(previous)
+                self._deliver(rows, self._fetch(out))
+            elif previous is not None:
                 self.stats.async_steps += 1
                 self._deliver_in_flight(previous)
 
