@@ -19,7 +19,7 @@ from tests.helpers import random_model
 class _CharTokenizer:
     """Token i is chr(i + 33) (printable); id 0 is a 'special' spelled <s>; stops: id 1."""
 
-    stop_ids = [1]
+    stop_ids = (1,)
 
     def decode(self, ids, skip_special=False):
         return "".join("<s>" if i == 0 else chr(i + 33) for i in ids)

@@ -20,12 +20,22 @@ background thread that repeats:
    device), completed a stop string, or whose client went away (:meth:`Engine.cancel`) frees its
    slot at once; the next admit reuses it.
 
+Async scheduling: step N+1 is dispatched before step N's tokens are read back (`_InFlight`), so an
+accelerator runs the next step while the host streams the last one's tokens. Stop tokens and
+max_tokens end rows on the device (a done row is masked in the next step); a stop string, a cancel
+or a failed sink ends its row on the host one step late, and the extra token that row drew is never
+read. Rows with a grammar or speculative drafts step synchronously (their next step needs the last
+token on the host); preemption reads the step in flight back first. `EngineStats.host_seconds`: the
+serving thread's time outside waits in a read-back (per decode step at `/metrics`).
+
 Sampling: a request with seed `s` draws from `fold_in(fold_in(key(s), 0), step)` exactly like row 0
 of `generate(..., seed=s)`, so greedy *and* seeded sampled output equal `generate` for the same prompt.
 
 Compilations: a decode program per power-of-two row count m <= `max_batch`; a prefill program per
 (power-of-two number of joining rows, prompt bucket) with the prompt bucket as in `generate` (or
 `prefill_chunk` columns); a draw per (row count, `RowFeatures`: which processors any row uses).
+After a precompile, a prompt whose prefill program has not compiled waits in the queue while it
+compiles on the helper thread (`Compiles.compile_prefills`); the serving thread compiles none.
 :meth:`Engine.compiled_programs` counts what this engine compiled; :attr:`Engine.stats` counts
 decode steps and how many rows shared them (the server reports both at `/metrics`).
 """
