@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_flags(p)
     p.add_argument(
         "--compile-cache",
-        default=os.environ.get("GEMMA4_COMPILE_CACHE"),
-        help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)",
+        default=os.environ.get("GEMMA4_COMPILE_CACHE", "default"),
+        help="jax's persistent compilation cache (warm starts): a directory, 'default' (the user's cache folder: "
+        "$XDG_CACHE_HOME or ~/.cache, then gemma4_nnx/jax; a subfolder per package version), or 'none' (off); "
+        "env GEMMA4_COMPILE_CACHE",
     )
     p.add_argument("--stats", action="store_true", help="print timings to stderr")
     return p
@@ -117,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.tokenizer import END_OF_CHANNEL, ThinkingSplitter, load_tokenizer
 
-    if args.compile_cache:
-        enable_compilation_cache(args.compile_cache)
+    enable_compilation_cache(args.compile_cache)
     try:
         t0 = time.perf_counter()
         tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)

@@ -14,17 +14,73 @@ there ahead of time from abstract shapes (`compile_verify`); the engine takes pl
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gemma4_nnx.decode.batching import pow2
-from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _verify_jit
+from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _prefill_jit, _verify_jit
 from gemma4_nnx.decode.state import DrawConfig, Next
 
-__all__ = ["Compiles", "compiled_programs", "verify_width"]
+__all__ = ["Compiles", "compile_cache_dir", "compiled_programs", "use_compile_cache", "verify_width"]
+
+
+# ------------------------------------------------------------------------------------------- the compile cache
+def compile_cache_dir(where: str | os.PathLike | None = "default") -> Path | None:
+    """Where `use_compile_cache(where)` keeps compiled programs (None and "none": nowhere, the cache
+    is off): "default": the user's cache folder, `$XDG_CACHE_HOME` or `~/.cache`, then
+    `gemma4_nnx/jax`; any other value is that directory. Either way a subfolder
+    named for this package's version (`gemma4_nnx-<version>`) holds the entries, so another
+    version never reads them (jax's own key covers the jax, jaxlib and XLA versions, the program
+    and the devices)."""
+    if where is None or str(where).strip().lower() == "none":
+        return None
+    if str(where) == "default":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        where = os.path.join(base, "gemma4_nnx", "jax")
+    return Path(where).expanduser() / f"gemma4_nnx-{_version()}"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gemma4_nnx")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "dev"
+
+
+def use_compile_cache(where: str | os.PathLike | None = "default") -> Path | None:
+    """Turn jax's persistent compilation cache on at `compile_cache_dir(where)` (off for None /
+    "none"), with no minimum compile time or entry size, so the small programs of a decode (a
+    draw, a step of a tiny model) are kept too: a second process loads what the first compiled
+    instead of compiling it. Returns the directory (None: off). The CLIs call this at start
+    (`--compile-cache`); it changes process-wide jax settings, so the package never calls it on
+    import. Call it before the first compile: jax reads the setting once. "default" when jax's own
+    setting names a directory already (`JAX_COMPILATION_CACHE_DIR`, the test suite's): that one
+    stays, as it is."""
+    if str(where) == "default" and jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    path = compile_cache_dir(where)
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", os.fspath(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    try:  # a cache jax already set up (or left off) in this process follows the new setting
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):
+        pass
+    return path
 
 
 def verify_width(ndraft: np.ndarray, k: int) -> int:
@@ -84,6 +140,8 @@ class Compiles:
         self.compiles: dict[str, int] = {}
         self._draws_run: set[tuple] = set()  # (cfg, shape key) of every draw program run so far
         self._verifies_run: set[tuple] = set()  # (cfg, m, width) of every verify program run or compiled
+        self._prefills_run: set[tuple] = set()  # (rows, chunk width, with soft tokens) of every engine prefill
+        self.prefill_failures: set[tuple] = set()  # ... whose background compile raised
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
         self._compiling: set[tuple] = set()  # (cfg, shapes) jobs queued or running there
         self.draw_failures: set[DrawConfig] = set()
@@ -167,6 +225,66 @@ class Compiles:
 
         self._compiling.add(job)
         return self._submit(work)
+
+    def prefill_ready(self, rows: int, width: int, soft: bool = False) -> bool:
+        """Whether the prefill program of `rows` joining rows (indexed) and chunks of `width` columns
+        has run or compiled (its background compile failed: True, the caller compiles and sees why)."""
+        key = (rows, width, soft)
+        return key in self._prefills_run or key in self.prefill_failures
+
+    def compile_prefills(self, shapes, *, then=None):
+        """Compile the indexed prefill program (the engine's) for each (rows, chunk width) of `shapes`
+        on the helper thread, ahead of time from the shapes and placements of the weights, the cache
+        and placeholder prompts (nothing runs, the cache is not touched); `then()` after the last. A
+        request whose prompt needs one of them waits in the queue meanwhile, the running rows decode
+        on (the engine's `_take_joining`). Returns the future, or None (queued already, or stopped)."""
+        shapes = tuple(sorted({(r, w) for r, w in shapes if (r, w, False) not in self._prefills_run}))
+        job = ("prefill", shapes)
+        if job in self._compiling or self._stopped:
+            return None
+        graphdef, weights = self.graphdef, jax.tree.map(_abstract, self.weights)
+        cache = jax.tree.map(_abstract, self.state.cache)  # read here: the serving thread replaces it
+
+        def work() -> None:
+            try:
+                for r, w in shapes:
+                    key = (r, w, False)
+                    if key in self._prefills_run:
+                        continue
+                    try:
+                        args = self._prefill_placeholders(r, w)
+                        self._run(
+                            "prefill (background)",
+                            lambda a=args: _prefill_jit.lower(graphdef, weights, cache, *a).compile(),
+                        )
+                        self._prefills_run.add(key)
+                    except Exception:
+                        self.prefill_failures.add(key)
+            finally:
+                self._compiling.discard(job)
+                if then is not None:
+                    then()
+
+        self._compiling.add(job)
+        return self._submit(work)
+
+    def _prefill_placeholders(self, r: int, w: int) -> tuple:
+        """Abstract arguments of an indexed prefill chunk after (graphdef, weights, cache), placed as
+        `Decoder.prefill_chunks` places the real ones."""
+        logits, last, idx, adapter = self._place(
+            (
+                Next(np.zeros((r, self.vocab_size), np.float32), np.zeros((r, self.config.hidden_size), np.float32)),
+                np.zeros(r, np.int32),
+                np.zeros(r, np.int32),
+                np.zeros(r, np.int32) if self.banked else None,
+            )
+        )
+        ids, pos, valid, c0, first = self._place(
+            (np.zeros((r, w), np.int32), np.zeros((r, w), np.int32), np.zeros((r, w), bool), np.int32(0),
+             np.ones(r, bool))
+        )  # fmt: skip
+        real = (idx, ids, pos, valid, last, logits, c0, first)
+        return (*jax.tree.map(_abstract, real), None, None if adapter is None else _abstract(adapter))
 
     def _submit(self, work):
         if self._background is None:

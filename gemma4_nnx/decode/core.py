@@ -333,6 +333,8 @@ class Decoder(Compiles):
                 adapter,
             )
             self.state = dataclasses.replace(self.state, cache=cache)
+            if idx is not None:  # what `prefill_ready` looks for
+                self._prefills_run.add((r, batch.chunk, soft is not None))
             if int(c0) + batch.chunk < batch.width:
                 yield int(c0) + batch.chunk
         return logits
@@ -344,10 +346,12 @@ class Decoder(Compiles):
         idx: np.ndarray | None = None,
         init: RowState | None = None,
         mask: np.ndarray | None = None,
+        fetch: bool = True,
     ) -> Drawn:
         """Sample rows `idx` (None: every row) from `logits` (a `Next`); `init`: their initial state,
         written first (`build_rows` of the joining requests); `mask` [R, W] int32 token bitmasks
-        (`cfg.constrained`). Returns the `Drawn` on the host (NumPy)."""
+        (`cfg.constrained`). Returns the `Drawn` on the host (NumPy); fetch=False: on the device, its
+        copy to the host started (the engine reads it back after dispatching the next step)."""
         key = self._draw_key(cfg, logits.logits.shape[0], idx is not None, init is not None)
         idx = None if idx is None else jnp.asarray(idx, jnp.int32)
         rows, drawn = self._run(
@@ -362,6 +366,10 @@ class Decoder(Compiles):
         )
         self._draws_run.add(key)
         self.state = dataclasses.replace(self.state, rows=rows)
+        if not fetch:
+            for x in jax.tree.leaves(drawn):
+                x.copy_to_host_async()
+            return drawn
         return jax.device_get(drawn)
 
     def _mask(self, cfg: DrawConfig, n: int, mask: np.ndarray | None):
@@ -372,9 +380,10 @@ class Decoder(Compiles):
             mask = np.full((n, (self.vocab_size + 31) // 32), -1, np.int32)
         return self._place(jnp.asarray(mask, jnp.int32))
 
-    def step(self, cfg: DrawConfig, m: int | None = None, mask: np.ndarray | None = None) -> Drawn:
+    def step(self, cfg: DrawConfig, m: int | None = None, mask: np.ndarray | None = None, fetch: bool = True) -> Drawn:
         """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m
-        (`mask` [m, W]: their token bitmasks, `cfg.constrained`)."""
+        (`mask` [m, W]: their token bitmasks, `cfg.constrained`; fetch=False: the device `Drawn`, as
+        `draw`)."""
         m = self.rows if m is None else m
         self._sync_table()
         rows = self.state.rows
@@ -391,7 +400,15 @@ class Decoder(Compiles):
             rows.adapter if self.banked else None,
         )
         self.state = dataclasses.replace(self.state, cache=cache)
-        return self.draw(cfg, logits, None if m == self.rows else np.arange(m), mask=mask)
+        return self.draw(cfg, logits, None if m == self.rows else self._head(m), mask=mask, fetch=fetch)
+
+    def _head(self, m: int) -> np.ndarray:
+        """The row indices 0..m-1 on the device, kept (not a transfer per step); uncommitted, as
+        `draw` makes them (the precompiled draws are keyed on that)."""
+        heads = self.__dict__.setdefault("_heads", {})
+        if m not in heads:
+            heads[m] = jnp.arange(m, dtype=jnp.int32)
+        return heads[m]
 
     def draft(self, m: int, k: int) -> Array:
         """k assistant drafts for each of the first m rows ([m, k] int32, on device)."""

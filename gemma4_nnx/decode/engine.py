@@ -20,12 +20,22 @@ background thread that repeats:
    device), completed a stop string, or whose client went away (:meth:`Engine.cancel`) frees its
    slot at once; the next admit reuses it.
 
+Async scheduling: step N+1 is dispatched before step N's tokens are read back (`_InFlight`), so an
+accelerator runs the next step while the host streams the last one's tokens. Stop tokens and
+max_tokens end rows on the device (a done row is masked in the next step); a stop string, a cancel
+or a failed sink ends its row on the host one step late, and the extra token that row drew is never
+read. Rows with a grammar or speculative drafts step synchronously (their next step needs the last
+token on the host); preemption reads the step in flight back first. `EngineStats.host_seconds`: the
+serving thread's time outside waits in a read-back (per decode step at `/metrics`).
+
 Sampling: a request with seed `s` draws from `fold_in(fold_in(key(s), 0), step)` exactly like row 0
 of `generate(..., seed=s)`, so greedy *and* seeded sampled output equal `generate` for the same prompt.
 
 Compilations: a decode program per power-of-two row count m <= `max_batch`; a prefill program per
 (power-of-two number of joining rows, prompt bucket) with the prompt bucket as in `generate` (or
 `prefill_chunk` columns); a draw per (row count, `RowFeatures`: which processors any row uses).
+After a precompile, a prompt whose prefill program has not compiled waits in the queue while it
+compiles on the helper thread (`Compiles.compile_prefills`); the serving thread compiles none.
 :meth:`Engine.compiled_programs` counts what this engine compiled; :attr:`Engine.stats` counts
 decode steps and how many rows shared them (the server reports both at `/metrics`).
 """
@@ -44,6 +54,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
+import jax
 import numpy as np
 
 from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, prompt_buckets, prompt_columns
@@ -88,6 +99,11 @@ _GRAMMARS = 32
 def _uid(request: Request) -> int:
     """What the prefix cache keys a request's adapter by: its load's uid (0: no adapter)."""
     return 0 if request.adapter is None else request.adapter.uid
+
+
+def _holds(step: _InFlight, slot: int, req: EngineRequest | None) -> bool:
+    """Whether the step in flight decodes `slot` for `req` (the request the slot holds now)."""
+    return step.by_slot.get(slot) is req
 
 
 def _slot(request: Request) -> int:
@@ -139,6 +155,8 @@ class EngineStats:
     verify_steps: int = 0  # speculative steps (the rest of decode_steps were plain)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    host_seconds: float = 0.0  # the serving thread's busy time outside waits on the device (per step: / decode_steps)
+    async_steps: int = 0  # decode steps dispatched before the previous step's tokens were read back
 
 
 class EngineRequest:
@@ -217,6 +235,18 @@ class EngineRequest:
             if ev.finish_reason == FinishReason.ERROR:
                 raise EngineError(ev.error)
         return tokens, "".join(text), ev.finish_reason, lps
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A decode step dispatched and not yet read back: its rows (slot, row of `out`, the request the
+    slot held then) and its `Drawn` on the device (its copy to the host under way)."""
+
+    rows: list[tuple[int, int, EngineRequest]]
+    out: Drawn
+
+    def __post_init__(self):
+        self.by_slot = {slot: req for slot, _, req in self.rows}
 
 
 @dataclasses.dataclass
@@ -384,6 +414,10 @@ class Engine:
         self._order = [0] * max_batch  # admission number of each slot's request (preemption: newest first)
         self._admissions = itertools.count()
         self._joining: _Admission | None = None  # the requests whose prompts are being prefilled
+        self._in_flight: _InFlight | None = None  # the last decode step, not read back yet
+        self._last_config: tuple[tuple[int, ...], DrawConfig | None] = ((), None)  # `_step_config`
+        self._waited = 0.0  # this loop turn's seconds waiting for the device (not host time)
+        self._overlap = True  # dispatch the next step before reading the last one back (async scheduling)
         self._pending: deque[EngineRequest] = deque()
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # compiled, see _constraint
         self._cv = threading.Condition()
@@ -607,23 +641,36 @@ class Engine:
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
+        prof = None
         while True:
+            if prof is not getattr(self, "_profile", None):  # bench/engine_host.py --profile
+                if prof is not None:
+                    prof.disable()
+                prof = getattr(self, "_profile", None)
+                if prof is not None:
+                    prof.enable()
             with self._cv:
                 while not self._closed and not any(not r.waiting for r in self._pending) and self.active_rows == 0:
                     self._cv.wait()
                 if self._closed:
                     break
                 joining = self._take_joining() if self._joining is None else []
+            busy, self._waited = time.perf_counter(), 0.0
             try:
                 self._retire_cancelled()
                 if joining:
                     self._admit(joining)
                 if self._joining is not None:
                     self._prefill_chunk()
+                # step N + 1 goes to the device before step N's tokens are read (`_deliver_in_flight`)
+                previous, self._in_flight = self._in_flight, None
                 if self._decoding():
-                    self._step()
+                    self._step(previous)
+                elif previous is not None:
+                    self._deliver_in_flight(previous)
             except Exception as e:
                 self._fail_all(f"{type(e).__name__}: {e}")
+            self.stats.host_seconds += time.perf_counter() - busy - self._waited
         for req in [s for s in self._slots if s is not None] + list(self._pending):
             self._end(req, FinishReason.CANCELLED)
 
@@ -645,6 +692,12 @@ class Engine:
                 continue
             if self.pool is not None and not self._room(blocks + need):
                 break
+            if not self._prefill_ready(len(joining) + 1, width, m):
+                if joining:  # the group joins without it
+                    break
+                self._pending.popleft()
+                later.append(req)  # it waits alone: its prefill compiles on the helper thread
+                continue
             self._pending.popleft()
             if req.preempted:  # a recomputed request joins alone (its rows' state is restored, not drawn)
                 joining.append(req)
@@ -690,6 +743,22 @@ class Engine:
         self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled)
         return False
 
+    def _prefill_ready(self, k: int, width: int, media: bool) -> bool:
+        """Whether k joining prompts of chunk `width` can prefill without this thread compiling
+        (checked after a precompile only, like samplers; prompts with media compile on first use).
+        When not, the prefill programs of that width (every joining row count) compile on the helper
+        thread and the request waits in the queue (`waiting`) while the running rows decode."""
+        if not self._precompiled or media:
+            return True
+        kb = min(pow2(k), pow2(self.max_batch))
+        if self.decoder.prefill_ready(kb, width):
+            return True
+        # queued once (None when it is already); `_compiled` (under the lock held here) wakes the queue
+        self.decoder.compile_prefills([(n, width) for n, _, _ in self.decoder.draw_shapes(True)], then=self._compiled)
+        if k == 1:
+            self._pending[0].waiting = True
+        return False
+
     def _compiled(self) -> None:
         with self._cv:
             for req in self._pending:
@@ -715,6 +784,7 @@ class Engine:
                 req.emit(Event(None, "", None, FinishReason.ERROR, message))
                 self.stats.failed += 1
         self._joining = None
+        self._in_flight = None
         self.decoder.reset()  # the donated cache may be gone: start clean
         if self.prefix is not None:  # their blocks were in that cache
             self.prefix.clear()
@@ -802,13 +872,15 @@ class Engine:
         init = self.decoder.build_rows(requests + [None] * (kb - k))
         cfg = self._config(requests)
         mask = self._masks([req for _, req in pairs], kb) if cfg.constrained else None
-        drawn = self.decoder.draw(self.decoder.cover(cfg, (kb, True, True)) or cfg, logits, idx, init, mask)
+        drawn = self._fetch(
+            self.decoder.draw(self.decoder.cover(cfg, (kb, True, True)) or cfg, logits, idx, init, mask, fetch=False)
+        )
         self.stats.prefills += 1
         self.stats.prefill_rows += k
         now = time.perf_counter()
         for _, req in pairs:
             req.first_token_s = now - req.submitted
-        self._deliver([(slot, j) for j, (slot, _) in enumerate(pairs)], drawn)
+        self._deliver([(slot, j, req) for j, (slot, req) in enumerate(pairs)], drawn)
 
     def _keep_prefix(self, slot: int, tokens: Sequence[int], adapter: int) -> None:
         """Snapshot `slot`'s cache, which holds exactly `tokens` computed under `adapter` (a load's
@@ -842,20 +914,27 @@ class Engine:
                 out[j] = c.mask()
         return out
 
-    def _grow_rows(self) -> None:
+    def _grow_rows(self, previous: _InFlight | None) -> _InFlight | None:
         """Give every decoding row the blocks of the positions its next step writes, oldest request
-        first. When the pool is dry: drop prefix snapshots, then preempt the newest decoding row (its
-        blocks go back; it waits at the head of the queue and is recomputed from its tokens, `fed`),
-        down to the row itself; a row alone with the whole pool that still cannot grow ends ("length")."""
+        first (a row in `previous`, the step in flight, is one token further than the host has seen).
+        When the pool is dry: drop prefix snapshots, then read `previous` back (a preempted row is
+        recomputed from its tokens: all of them) and preempt the newest decoding row (its blocks go
+        back; it waits at the head of the queue and is recomputed from its tokens, `fed`), down to the
+        row itself; a row alone with the whole pool that still cannot grow ends ("length"). Returns
+        `previous`, or None once it was read back."""
         extra = self.speculative.k if self.speculative else 0
         for slot in sorted(self._decoding(), key=self._order.__getitem__):
             req = self._slots[slot]
             if req is None:  # preempted for an older row
                 continue
-            length = min(len(req.prompt) + len(req.tokens) + extra, self.max_length)
+            lag = int(previous is not None and _holds(previous, slot, req))
+            length = min(len(req.prompt) + len(req.tokens) + lag + extra, self.max_length)
             while not self.decoder.reserve(slot, length):
                 if self.prefix is not None and self.prefix.evict():
                     continue
+                if previous is not None:
+                    self._deliver_in_flight(previous)
+                    return self._grow_rows(None)
                 victim = max(self._decoding(), key=self._order.__getitem__)
                 if victim == slot and self._joining is None and len(self._decoding()) == 1:
                     self._out_of_room(slot)
@@ -863,6 +942,7 @@ class Engine:
                     self._preempt(victim)
                 if victim == slot:
                     break
+        return previous
 
     def _vacate(self, slot: int) -> EngineRequest:
         """Take `slot`'s request off its row: the row is done on the device and its blocks go back."""
@@ -889,16 +969,45 @@ class Engine:
         self.stats.completed += 1
         req.emit(Event(None, req.stream.end(FinishReason.LENGTH), None, FinishReason.LENGTH))
 
-    def _step(self) -> None:
-        if self.pool is not None:
-            self._grow_rows()
-            if not self._decoding():
-                return
+    def _stepping(self, previous: _InFlight | None) -> list[int]:
+        """The decoding slots the next step decodes: all but those that end by length with the step
+        in flight (`previous`), which the host knows without reading it back."""
         active = self._decoding()
+        if previous is None:
+            return active
+        ending = {slot for slot, _, req in previous.rows if len(req.tokens) + 1 >= req.request.max_tokens}
+        return [i for i in active if i not in ending or not _holds(previous, i, self._slots[i])]
+
+    def _step(self, previous: _InFlight | None) -> None:
+        """Dispatch one decode step of the decoding rows, then read back `previous` (last turn's step):
+        the device runs the new step while the host handles the previous one's tokens (async
+        scheduling: stops and max_tokens are decided on the device, so a row that ended there is a
+        done row in the new step; a row the host ends, a stop string or a cancel, is marked done
+        after it, and its extra token is never read). A step that needs the previous tokens on the
+        host first (a grammar's mask, speculative drafts from the history) reads `previous` back
+        first: synchronous."""
+        if self.pool is not None:
+            previous = self._grow_rows(previous)
+        active = self._stepping(previous)
+        if active:
+            cfg = self._step_config(active)
+            if previous is not None and (self.drafting is not None or cfg.constrained):
+                self._deliver_in_flight(previous)
+                previous, active = None, self._stepping(None)
+                cfg = self._step_config(active) if active else cfg
+        if not active:
+            if previous is not None:
+                self._deliver_in_flight(previous)
+            return
         # Decode only the first m rows, m a power of two covering every active row (rows are taken
         # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
         m = min(pow2(active[-1] + 1), self.max_batch)
-        cfg = self._config([self._slots[i].request for i in active])
+        rows = [(slot, slot, self._slots[slot]) for slot in active]
+        n = len(active)
+        self.stats.decode_steps += 1
+        self.stats.rows_decoded += n
+        self.stats.shared_decode_steps += int(n > 1)
+        self.stats.max_rows_in_step = max(self.stats.max_rows_in_step, n)
         if self.drafting is not None:
             histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
             out, drafted, accepted = self.drafting.step(
@@ -908,24 +1017,51 @@ class Engine:
                 self.stats.verify_steps += 1
                 self.stats.drafted_tokens += drafted
                 self.stats.accepted_tokens += accepted
+            self._deliver(rows, out)
+        elif cfg.constrained:
+            out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m,
+                                    self._masks(self._slots[:m], m), fetch=False)  # fmt: skip
+            self._deliver(rows, self._fetch(out))
         else:
-            mask = self._masks(self._slots[:m], m) if cfg.constrained else None
-            out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m, mask)
-        n = len(active)
-        self.stats.decode_steps += 1
-        self.stats.rows_decoded += n
-        self.stats.shared_decode_steps += int(n > 1)
-        self.stats.max_rows_in_step = max(self.stats.max_rows_in_step, n)
-        self._deliver([(slot, slot) for slot in active], out)
+            out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m, fetch=False)
+            self._in_flight = _InFlight(rows, out)
+            if not self._overlap:  # bench/engine_host.py: read back at once, as before async scheduling
+                self._in_flight = None
+                if previous is not None:
+                    self._deliver_in_flight(previous)
+                self._deliver(rows, self._fetch(out))
+            elif previous is not None:
+                self.stats.async_steps += 1
+                self._deliver_in_flight(previous)
 
-    def _deliver(self, rows: Sequence[tuple[int, int]], out: Drawn | Verified) -> None:
-        """For each (slot, j): record the slot's new tokens (row j of `out`: one, or several after a
+    def _step_config(self, active: list[int]) -> DrawConfig:
+        """`_config` of these slots' requests, kept while the same requests decode (it walks every
+        row's sampling parameters)."""
+        key = tuple(self._slots[i].id for i in active)
+        if self._last_config[0] != key:
+            self._last_config = (key, self._config([self._slots[i].request for i in active]))
+        return self._last_config[1]
+
+    def _fetch(self, out):
+        """`out` read back to the host; the wait is the device's time, not the host's (`host_seconds`)."""
+        t = time.perf_counter()
+        out = jax.device_get(out)
+        self._waited += time.perf_counter() - t
+        return out
+
+    def _deliver_in_flight(self, step: _InFlight) -> None:
+        self._deliver(step.rows, self._fetch(step.out))
+
+    def _deliver(self, rows: Sequence[tuple[int, int, EngineRequest]], out: Drawn | Verified) -> None:
+        """For each (slot, j, req): record the slot's new tokens (row j of `out`: one, or several after a
         speculative step), emit an event per token, and free the slot once its request is done (rows
-        the host ended are marked done on the device too)."""
+        the host ended are marked done on the device too). A slot no longer holding `req` (it ended
+        or was cancelled while this step was in flight) is skipped: its token was never its own."""
         host_ended = np.zeros(self.max_batch, bool)
         ended = []
-        for slot, j in rows:
-            req = self._slots[slot]
+        for slot, j, req in rows:
+            if self._slots[slot] is not req:
+                continue
             want = req.request.top_logprobs
             tops = out.alternatives(j) if want else None
             for i, (tok, lp, stopped, done) in enumerate(out.emitted(j)):

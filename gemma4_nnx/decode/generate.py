@@ -47,7 +47,6 @@ import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 
-import jax
 import numpy as np
 
 from gemma4_nnx.decode.batching import PromptBatch, bucket_shapes, pow2
@@ -104,12 +103,12 @@ class StreamStep:
 
 
 def enable_compilation_cache(directory: str | os.PathLike) -> None:
-    """Keep compiled programs on disk (jax's persistent compilation cache), so a new process skips
-    the compile of every bucket it has seen before. Call before the first `generate`."""
-    os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    """Keep compiled programs on disk (jax's persistent compilation cache) under `directory` (a
+    subfolder per package version; "none": off), so a new process skips the compile of every
+    bucket it has seen before. Call before the first `generate` (`decode.compiles.use_compile_cache`)."""
+    from gemma4_nnx.decode.compiles import use_compile_cache
+
+    use_compile_cache(directory)
 
 
 # ------------------------------------------------------------------------------------------- options

@@ -225,9 +225,9 @@ def _dtype(value, name: str):
 
 
 def default_compute_dtype(param_dtype=None) -> jnp.dtype:
-    """The backend's compute dtype (`gemma4_nnx.io.loader.default_dtypes`: float32 on CPU, no fast bf16
+    """The backend's compute dtype (`gemma4_nnx.io.defaults.default_dtypes`: float32 on CPU, no fast bf16
     there; bfloat16 on TPU / GPU). `param_dtype` is not consulted (kept for callers)."""
-    from gemma4_nnx.io.loader import default_dtypes
+    from gemma4_nnx.io.defaults import default_dtypes
 
     return default_dtypes()[1]
 
@@ -286,7 +286,7 @@ def load(
         ("embed_tokens_per_layer", "codes"/"scales")), or a mapping of path tuples (or a nested dict
         like the params tree) to shardings.
       compute_dtype: activation dtype; None = the backend's (float32 on CPU, bfloat16 on TPU / GPU:
-        `gemma4_nnx.io.loader.default_dtypes`).
+        `gemma4_nnx.io.defaults.default_dtypes`).
       text_only: leave out the vision / audio towers of a multimodal checkpoint (they are not read:
         less memory, text prompts only).
       matmul: the projections' product, chosen here once: "auto" (the CPU bf16 kernels for bf16
@@ -458,7 +458,7 @@ def add_load_flags(parser) -> None:
     )
     parser.add_argument(
         "--compute-dtype",
-        help="activations' dtype (default: float32 on CPU, bfloat16 on TPU / GPU: gemma4_nnx.io.loader.default_dtypes)",
+        help="activations' dtype (default: float32 on CPU, bfloat16 on TPU / GPU: io.defaults.default_dtypes)",
     )
     parser.add_argument(
         "--kept-blocks",

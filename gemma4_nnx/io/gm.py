@@ -428,7 +428,7 @@ def from_gm(params_or_dir, config: Gemma4Config | str, *, dtype=None, matmul="au
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
     if compute_dtype is None:
-        from gemma4_nnx.io.loader import default_dtypes
+        from gemma4_nnx.io.defaults import default_dtypes
 
         compute_dtype = default_dtypes()[1]
     model = abstract_model(config, jnp.dtype(compute_dtype), jnp.dtype(dtype), matmul)

@@ -597,11 +597,11 @@ def from_hf(
     checkpoint loads with its vision / audio towers (`model(ids, pixel_values=..., input_features=...)`);
     `text_only=True` skips them (less memory, text prompts only). `sharding`: optional callable
     path -> jax.sharding.Sharding. `dtype` (compute) and `param_dtype` (weights, default `dtype`): None is
-    the backend's (`gemma4_nnx.io.loader.default_dtypes`: float32 on CPU, bfloat16 on TPU / GPU).
+    the backend's (`gemma4_nnx.io.defaults.default_dtypes`: float32 on CPU, bfloat16 on TPU / GPU).
     `matmul`: the projections' product ("auto", "xla", "cpu_kernels", "cpu_kernels_bf16",
     "cpu_kernels_int8"; `gemma4_nnx.model.layers`).
     """
-    from gemma4_nnx.io.loader import default_dtypes
+    from gemma4_nnx.io.defaults import default_dtypes
 
     hf_dir = os.fspath(hf_dir)
     dtype = dtype or default_dtypes()[1]

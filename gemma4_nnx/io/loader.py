@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from gemma4_nnx.config import ASSISTANT_MODEL_TYPE
 from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.io import gm
+from gemma4_nnx.io.defaults import default_dtypes
 from gemma4_nnx.io.hf import CheckpointError, from_hf
 from gemma4_nnx.io.hf_config import model_type, read_text_config
 
@@ -34,21 +35,6 @@ _LOOKED_FOR = (
     f"config.json not found (an HF model directory has one), nor {ck.METADATA_FILE} / {ck.CONFIG_FILE} "
     "(a gemma4-convert checkpoint) nor _METADATA (a checkpoint of Google's gemma library)"
 )
-
-
-def default_dtypes(backend: str | None = None) -> tuple[jnp.dtype, jnp.dtype]:
-    """(weights, compute): the dtypes a load defaults to on `backend` ("cpu", "tpu", "gpu"/"cuda"/"rocm";
-    None: `jax.default_backend()`, read now, never at import). float32 and float32 on CPU (no fast bf16
-    products in XLA there: the CPU kernels take bf16 weights under float32 compute instead); bfloat16
-    and bfloat16 on an accelerator (its matrix units' native type, half the HBM of float32: E2B's HF
-    float32 weights alone would not fit a 16 GiB v5e). The weights' default applies where the
-    checkpoint does not fix a dtype (an HF directory); a converted or gm checkpoint keeps its stored one.
-    Every command's `--dtype` / `--compute-dtype` overrides these."""
-    backend = jax.default_backend() if backend is None else backend
-    if not isinstance(backend, str) or not backend:
-        raise ValueError(f"backend: expected a JAX backend name such as 'cpu' or 'tpu', got {backend!r}")
-    dt = jnp.dtype(jnp.float32) if backend.lower() == "cpu" else jnp.dtype(jnp.bfloat16)
-    return dt, dt
 
 
 #: Bytes each device may hold, for a backend whose devices report no memory (`device.memory_stats()` is

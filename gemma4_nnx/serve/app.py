@@ -407,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--uds",
+        metavar="PATH",
+        help="serve the same API on this unix socket instead of --host/--port (TPU hosts without TCP, sidecars, "
+        "a reverse proxy); a stale socket file there is replaced",
+    )
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
     p.add_argument(
         "--max-length", type=int, help="context per request: prompt + max_tokens (default: the model's context)"
@@ -646,8 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_flags(p)
     p.add_argument(
         "--compile-cache",
-        default=os.environ.get("GEMMA4_COMPILE_CACHE"),
-        help="directory for jax's persistent compilation cache (env GEMMA4_COMPILE_CACHE)",
+        default=os.environ.get("GEMMA4_COMPILE_CACHE", "default"),
+        help="jax's persistent compilation cache (warm starts): a directory, 'default' (the user's cache folder: "
+        "$XDG_CACHE_HOME or ~/.cache, then gemma4_nnx/jax; a subfolder per package version), or 'none' (off); "
+        "env GEMMA4_COMPILE_CACHE",
     )
     return p
 
@@ -785,16 +793,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from gemma4_nnx.decode.generate import enable_compilation_cache
 
-    if args.compile_cache:
-        enable_compilation_cache(args.compile_cache)
+    enable_compilation_cache(args.compile_cache)
     try:
-        _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
+        if args.uds is None:
+            _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
         _check_lora_args(args)  # before the model loads: a bad adapter is named at once
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
         return 2
-    if not args.api_key and not _loopback(args.host):
+    if not args.api_key and args.uds is None and not _loopback(args.host):
         print(
             f"gemma4-serve: warning: serving on {args.host} without --api-key: anyone who can reach this "
             "port can use the model (put it behind a reverse proxy with TLS for exposure beyond one host)",
@@ -806,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
         return 2
     print(
-        f"gemma4-serve: {name} on http://{args.host}:{args.port}/v1 (max_batch={engine.max_batch}, "
+        f"gemma4-serve: {name} on {_address(args)}/v1 (max_batch={engine.max_batch}, "
         f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /ready turns 200 "
         "after the warm-up generation",
         file=sys.stderr,
@@ -833,8 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     _access_log()
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        **listen_options(args),
         log_level="info",
         access_log=False,  # `request_ids.RequestIds` writes the access lines, with the request id
         # the connection limit is applied by our protocol, which spares /health and /metrics
@@ -865,6 +872,15 @@ def _access_log() -> None:
 
 
 _DRAIN_MARGIN_S = 5.0
+
+
+def listen_options(args: argparse.Namespace) -> dict:
+    """uvicorn's listening options of the CLI's flags: the unix socket (`--uds`) or host and port."""
+    return {"uds": args.uds} if args.uds is not None else {"host": args.host, "port": args.port}
+
+
+def _address(args: argparse.Namespace) -> str:
+    return f"http+unix://{args.uds}" if args.uds is not None else f"http://{args.host}:{args.port}"
 
 
 DEFAULT_HEADER_TIMEOUT = 10.0

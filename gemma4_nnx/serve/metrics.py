@@ -7,7 +7,8 @@ Three sources, one registry per app (two apps in one process never share or clas
 * per HTTP response, by status and route (an ASGI wrapper outside every other layer, so the API
   key, body-size and admission refusals count too);
 * the engine's own counters and gauges, read at scrape time (`EngineStats`, rows running and
-  waiting, compiled programs, speculative drafts and acceptances).
+  waiting, compiled programs, speculative drafts and acceptances, the engine thread's host seconds
+  outside waits on the device: per decode step, the host's share of a step).
 
 Names follow Prometheus conventions (`_seconds`, `_total`), prefixed `gemma4_`.
 """
@@ -82,6 +83,8 @@ class _EngineCollector:
             ("prefills", "Admissions (one prefill of one or more prompts)", st.prefills),
             ("prefill_rows", "Prompts prefilled", st.prefill_rows),
             ("prefill_chunks", "Prefill chunks run (at most one between two decode steps)", st.prefill_chunks),
+            ("engine_host_seconds", "The engine thread's busy seconds outside waits on the device", st.host_seconds),
+            ("async_decode_steps", "Decode steps dispatched before the previous step was read back", st.async_steps),
             ("speculative_verify_steps", "Speculative (draft + verify) steps", st.verify_steps),
             ("speculative_drafted_tokens", "Draft tokens verified", st.drafted_tokens),
             ("speculative_accepted_tokens", "Draft tokens accepted", st.accepted_tokens),
@@ -100,6 +103,11 @@ class _EngineCollector:
             ("kv_blocks_used", "KV pool blocks held by rows and prefix snapshots", e.pool.used if e.pool else 0),
             ("kv_blocks_free", "KV pool blocks free", e.pool.free if e.pool else 0),
             ("kv_block_tokens", "Tokens per KV pool block", e.pool.block_size if e.pool else 0),
+            (
+                "engine_host_seconds_per_step",
+                "Engine host seconds per decode step since start (host seconds / decode steps)",
+                st.host_seconds / max(st.decode_steps, 1),
+            ),
         ):
             yield GaugeMetricFamily(f"gemma4_{name}", doc, value=value)
         if e.prefix is not None:

@@ -461,6 +461,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tensorboard", action="store_true", help="also write the metrics to --out/tensorboard/")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument(
+        "--compile-cache",
+        default=os.environ.get("GEMMA4_COMPILE_CACHE", "default"),
+        help="jax's persistent compilation cache (warm starts): a directory, 'default' (the user's cache folder: "
+        "$XDG_CACHE_HOME or ~/.cache, then gemma4_nnx/jax; a subfolder per package version), or 'none' (off); "
+        "env GEMMA4_COMPILE_CACHE",
+    )
+    p.add_argument(
         "--export",
         nargs="*",
         choices=sorted(EXPORTS),
@@ -480,6 +487,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     launch = _launch(p, args)
     if args.distributed or launch:
         jax.distributed.initialize(**launch)
+    from gemma4_nnx.decode.compiles import use_compile_cache
+
+    use_compile_cache(args.compile_cache)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("gemma4_nnx").setLevel(logging.INFO)
 

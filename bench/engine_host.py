@@ -1,0 +1,92 @@
+"""Host time per decode step: the engine against `generate` on a tiny random model (device work ~0).
+
+    python bench/engine_host.py                      # one request of 256 tokens, batch 1
+    python bench/engine_host.py --tokens 256 --rows 4 --profile
+
+On a tiny model the device step costs microseconds, so wall time per token is the driver's own host
+work: `generate` runs its whole decode in one on-device loop (`Decoder.loop`), the engine runs one
+step per token from Python (`Engine._run`). Reports ms per token for both after a warm-up run (every
+program compiled), the engine with async scheduling and synchronous (`Engine._overlap`, alternating
+runs in one process), the engine's own measure of its host time per step (`EngineStats.host_seconds /
+decode_steps`: the serving thread's time outside waits on the device), and with --profile the
+cProfile of the engine thread's loop, sorted by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--rows", type=int, default=1, help="requests at once (each gets its own row)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="cProfile the engine thread (top 25 by own time)")
+    args = p.parse_args(argv)
+
+    from gemma4_nnx import Engine, generate
+    from tests.helpers import PROMPTS, random_model
+
+    model = random_model("e2b", seed=0, config={"max_position_embeddings": 1024})
+    prompts = [list(PROMPTS[i % len(PROMPTS)]) for i in range(args.rows)]
+    n = args.tokens
+    length = max(len(x) for x in prompts) + n + 1
+
+    def gen() -> float:
+        t = time.perf_counter()
+        generate(model, prompts, n, stop_tokens=[], max_length=length)
+        return time.perf_counter() - t
+
+    gen()
+    g = min(gen() for _ in range(args.repeats))
+    engine = Engine(model, max_batch=args.rows, max_length=length, precompile=(16,))
+    try:
+
+        def run() -> float:
+            t = time.perf_counter()
+            reqs = [engine.submit(x, n, stop_tokens=[]) for x in prompts]
+            for r in reqs:
+                r.result()
+            return time.perf_counter() - t
+
+        run()
+        times = {True: [], False: []}
+        host = {True: 0.0, False: 0.0}
+        steps = {True: 0, False: 0}
+        for _ in range(args.repeats):  # async and synchronous alternating, same process and programs
+            for overlap in (True, False):
+                engine._overlap = overlap
+                before = engine.stats.host_seconds, engine.stats.decode_steps
+                times[overlap].append(run())
+                host[overlap] += engine.stats.host_seconds - before[0]
+                steps[overlap] += engine.stats.decode_steps - before[1]
+        engine._overlap = True
+        if args.profile:
+            prof = cProfile.Profile()
+            engine._profile = prof  # the engine thread enables it around its loop (`Engine._run`)
+            run()
+            engine._profile = None
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    finally:
+        engine.close()
+    print(f"rows {args.rows}, {n} tokens each (best of {args.repeats})")
+    print(f"generate:      {1e3 * g / n:.3f} ms/token")
+    for overlap, name in ((True, "engine async"), (False, "engine sync ")):
+        print(
+            f"{name}: {1e3 * min(times[overlap]) / n:.3f} ms/token; host time per step "
+            f"{1e3 * host[overlap] / max(steps[overlap], 1):.3f} ms"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

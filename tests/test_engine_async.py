@@ -1,0 +1,141 @@
+"""The engine's asynchronous scheduling: step N+1 is dispatched before step N's tokens are read, and
+outputs stay exactly `generate`'s; host time per step is measured and exported.
+
+Models are the tiny torch-free builds of tests/helpers.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gemma4_nnx import Engine, generate
+from gemma4_nnx.decode.text import FinishReason
+from tests import hf_fixtures as fx
+from tests.helpers import random_model
+
+
+class _CharTokenizer:
+    """Token i is chr(i + 33) (printable); id 0 is a 'special' spelled <s>; stops: id 1."""
+
+    stop_ids = (1,)
+
+    def decode(self, ids, skip_special=False):
+        return "".join("<s>" if i == 0 else chr(i + 33) for i in ids)
+
+    def stream_decoder(self):
+        from gemma4_nnx.tokenizer import StreamDecoder
+
+        return StreamDecoder(self)
+
+    def _check_id(self, i):
+        pass
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("e2b", seed=4)
+
+
+def _cases(model):
+    """Requests of several prompt lengths and lengths, greedy and seeded sampled; stop tokens and
+    stop strings taken from each prompt's own free-running output, so they do end rows early."""
+    tok = _CharTokenizer()
+    out = []
+    for i, (n, max_tokens, temperature) in enumerate(
+        [(3, 20, 0.0), (10, 7, 0.8), (17, 14, 0.0), (6, 11, 0.9), (25, 5, 0.0), (12, 18, 0.7), (4, 9, 0.0)]
+    ):
+        prompt = fx.sample_ids(1, n, seed=40 + i)[0].tolist()
+        kw = dict(temperature=temperature, seed=100 + i, stop_tokens=[])
+        free = generate(model, [prompt], max_tokens, **kw).tokens[0]
+        if i % 3 == 1:  # a stop string of two characters from the middle of its output
+            kw["stop_strings"] = [tok.decode(free[max_tokens // 2 : max_tokens // 2 + 2])]
+        elif i % 3 == 2:  # a stop token from its output
+            kw["stop_tokens"] = [free[max_tokens // 2]]
+        out.append((prompt, max_tokens, kw))
+    return tok, out
+
+
+def test_async_engine_outputs_equal_generate_with_rows_joining_and_leaving(model):
+    """Seven requests (prompts of 3 to 25 tokens, 5 to 20 tokens each, greedy and seeded sampled,
+    stop tokens, stop strings, max_tokens) through an engine of 4 rows: they join while others run
+    (staggered submits, more requests than rows) and leave at different times. Each one's tokens,
+    text and finish reason equal `generate` of it alone; the engine dispatched steps before reading
+    the previous one's tokens (async), and measured its host time."""
+    tok, cases = _cases(model)
+    engine = Engine(model, tok, max_batch=4, max_length=64)
+    try:
+        reqs = []
+        for i, (prompt, max_tokens, kw) in enumerate(cases):
+            reqs.append(engine.submit(prompt, max_tokens, **kw))
+            if i in (0, 3):  # the next ones join rows that are already decoding
+                while len(reqs[-1].tokens) < 3 and reqs[-1].finish_reason is None:
+                    time.sleep(0.002)
+        got = [r.result() for r in reqs]
+    finally:
+        engine.close()
+    for (prompt, max_tokens, kw), (tokens, text, reason, _) in zip(cases, got, strict=True):
+        ref = generate(model, [prompt], max_tokens, tokenizer=tok, **kw)
+        assert tokens == ref.tokens[0], (kw, tokens, ref.tokens[0])
+        assert reason == ref.finish_reasons[0], (kw, reason, ref.finish_reasons[0])
+        want = ref.texts[0]
+        if reason == FinishReason.STOP:  # the engine does not show the stop token; generate's text keeps it
+            want = tok.decode(ref.tokens[0][:-1])
+        assert text == want, (kw, text, want)
+    reasons = {r[2] for r in got}
+    assert {FinishReason.STOP, FinishReason.STOP_STRING, FinishReason.LENGTH} <= reasons, reasons
+    st = engine.stats
+    assert st.async_steps > 0 and st.async_steps <= st.decode_steps, (st.async_steps, st.decode_steps)
+    assert st.host_seconds > 0
+
+
+def test_host_time_per_step_is_exported_at_metrics(model):
+    """/metrics carries the engine's host seconds and its decode steps (host time per step is their
+    ratio), read from the engine's counters."""
+    pytest.importorskip("prometheus_client")
+    from gemma4_nnx.serve.metrics import ServerMetrics
+
+    engine = Engine(model, max_batch=1, max_length=32)
+    try:
+        engine.submit(fx.sample_ids(1, 5, seed=1)[0].tolist(), 6, stop_tokens=[]).result()
+        text = ServerMetrics(engine).exposition().decode()
+    finally:
+        engine.close()
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
+    assert values["gemma4_engine_host_seconds_total"] == pytest.approx(engine.stats.host_seconds)
+    assert values["gemma4_decode_steps_total"] == engine.stats.decode_steps > 0
+    per_step = values["gemma4_engine_host_seconds_per_step"]
+    assert per_step == pytest.approx(engine.stats.host_seconds / engine.stats.decode_steps)
+
+
+def test_a_new_prompt_bucket_compiles_off_the_serving_thread(model):
+    """After a precompile of 16-token prompts, a 40-token prompt (a new bucket) arrives while a
+    stream decodes: its prefill programs compile on the helper thread while it waits alone, so the
+    serving thread compiles nothing (its counter of compiles, `Decoder.compiles` without the
+    background kinds, stays as after start-up; before, the prefill compiled there between two of the
+    stream's tokens); both outputs equal `generate`."""
+    engine = Engine(model, max_batch=2, max_length=96, precompile=(16,))
+    stream, late_prompt = fx.sample_ids(1, 9, seed=61)[0].tolist(), fx.sample_ids(1, 40, seed=62)[0].tolist()
+
+    def serving(compiles):
+        return {k: v for k, v in compiles.items() if "background" not in k}
+
+    try:
+        before = serving(engine.decoder.compiles)
+        running = engine.submit(stream, 30, stop_tokens=[])
+        while len(running.tokens) < 3:
+            time.sleep(0.002)
+        late = engine.submit(late_prompt, 6, stop_tokens=[], temperature=0.7, seed=5)
+        got_late = late.result()[0]
+        got_stream = running.result()[0]
+        after = dict(engine.decoder.compiles)
+    finally:
+        engine.close()
+    assert serving(after) == before, (before, after)
+    assert after.get("prefill (background)", 0) > 0, after
+    assert got_stream == generate(model, [stream], 30, stop_tokens=[], max_length=96).tokens[0]
+    ref = generate(model, [late_prompt], 6, stop_tokens=[], temperature=0.7, seed=5, max_length=96)
+    assert got_late == ref.tokens[0]
