@@ -68,12 +68,11 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
 
 
 def _lora_kernels(model: nnx.Module) -> dict[tuple, np.ndarray]:
-    """Merged kernels of LoRA-wrapped projections, keyed by the kernel's path."""
-    from gemma4_nnx.train.finetune import LoRALinear
-
+    """Merged kernels of LoRA-wrapped projections (`train.finetune.LoRALinear`: known by its
+    `base_kernel` and `delta`, so that file formats import nothing of training), keyed by the kernel's path."""
     out = {}
     for path, mod in nnx.iter_graph(model):
-        if isinstance(mod, LoRALinear):
+        if callable(getattr(mod, "base_kernel", None)) and callable(getattr(mod, "delta", None)):
             k = mod.base_kernel()
             out[tuple(path) + ("kernel",)] = np.asarray((k.astype(jnp.float32) + mod.delta()).astype(k.dtype))
     return out

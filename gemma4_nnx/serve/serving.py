@@ -400,7 +400,8 @@ class Serving:
         self.runtime_lora = runtime_lora
         self.lora_root = None if lora_root is None else os.path.realpath(lora_root)
         # the adapters given at start-up (--lora-modules) are the operator's: clients cannot unload them
-        self.pinned = frozenset(engine.adapter_names()) if engine.adapters is not None else frozenset()
+        bank = getattr(engine, "adapters", None)
+        self.pinned = frozenset(engine.adapter_names()) if bank is not None else frozenset()
         self.engine, self.model_name = engine, model_name
         self.processor = processor  # gemma4_nnx.processor.Processor of a multimodal model, else None
         self.video_limits = video_limits

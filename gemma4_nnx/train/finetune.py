@@ -538,7 +538,7 @@ def read_adapters(directory: str | os.PathLike, *, check=None) -> tuple[dict, di
     then `check` sees them) before its arrays are restored, and every value finite."""
     import orbax.checkpoint as ocp
 
-    from gemma4_nnx.train.peft_io import check_rank_alpha, read_config
+    from gemma4_nnx.train.adapter_config import check_rank_alpha, read_config
 
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isfile(os.path.join(directory, _ADAPTER_META)):

@@ -24,6 +24,8 @@ import re
 import numpy as np
 from flax import nnx
 
+from gemma4_nnx.train.adapter_config import check_rank_alpha, read_config
+
 PREFIX = "base_model.model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -67,8 +69,6 @@ def save_peft_adapter(model: nnx.Module, directory: str | os.PathLike, *, base_m
     return directory
 
 
-#: The largest adapter_config.json read (a real one is a few KB).
-MAX_CONFIG_BYTES = 1 << 20
 _UNSUPPORTED = {
     "peft_type": lambda v: v not in (None, "LORA"),
     "bias": lambda v: v not in (None, "none"),
@@ -77,32 +77,6 @@ _UNSUPPORTED = {
     "rank_pattern": bool,
     "alpha_pattern": bool,
 }
-
-
-def read_config(path: str, name: str) -> dict:
-    """The JSON object in the adapter's config file at `path` (`name` in messages), at most
-    `MAX_CONFIG_BYTES`; ValueError otherwise."""
-    if os.path.getsize(path) > MAX_CONFIG_BYTES:
-        raise ValueError(f"{name} is over {MAX_CONFIG_BYTES >> 20} MiB: not an adapter config")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (ValueError, RecursionError):
-        raise ValueError(f"{name} is not valid JSON") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{name} must hold a JSON object")
-    return config
-
-
-def check_rank_alpha(config: dict, rank: str, alpha: str, name: str) -> tuple[int, float]:
-    """(rank, alpha) of an adapter config: the rank a positive int, alpha a finite number (ValueError
-    naming the field, not echoing its value)."""
-    r, a = config.get(rank), config.get(alpha)
-    if type(r) is not int or r < 1:
-        raise ValueError(f"{name}: {rank} must be a positive integer")
-    if type(a) not in (int, float) or not np.isfinite(a):
-        raise ValueError(f"{name}: {alpha} must be a finite number")
-    return r, float(a)
 
 
 def read_peft_adapter(
