@@ -21,7 +21,6 @@ error naming its flag.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -54,13 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gemma4_nnx.io.checkpoint import add_load_flags
 
     add_load_flags(p)
-    p.add_argument(
-        "--compile-cache",
-        default=os.environ.get("GEMMA4_COMPILE_CACHE", "default"),
-        help="jax's persistent compilation cache (warm starts): a directory, 'default' (the user's cache folder: "
-        "$XDG_CACHE_HOME or ~/.cache, then gemma4_nnx/jax; a subfolder per package version), or 'none' (off); "
-        "env GEMMA4_COMPILE_CACHE",
-    )
+    from gemma4_nnx.decode.compiles import add_compile_cache_flag
+
+    add_compile_cache_flag(p)
     p.add_argument("--stats", action="store_true", help="print timings to stderr")
     return p
 

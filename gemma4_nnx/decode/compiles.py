@@ -54,6 +54,18 @@ def _version() -> str:
         return "dev"
 
 
+def add_compile_cache_flag(parser) -> None:
+    """`--compile-cache` of every command that compiles (gemma4-serve, gemma4-generate,
+    gemma4-finetune); the command passes its value to `use_compile_cache` at start."""
+    parser.add_argument(
+        "--compile-cache",
+        default=os.environ.get("GEMMA4_COMPILE_CACHE", "default"),
+        help="jax's persistent compilation cache (warm starts): a directory, 'default' (the user's cache folder: "
+        "$XDG_CACHE_HOME or ~/.cache, then gemma4_nnx/jax; a subfolder per package version), or 'none' (off); "
+        "env GEMMA4_COMPILE_CACHE",
+    )
+
+
 def use_compile_cache(where: str | os.PathLike | None = "default") -> Path | None:
     """Turn jax's persistent compilation cache on at `compile_cache_dir(where)` (off for None /
     "none"), with no minimum compile time or entry size, so the small programs of a decode (a

@@ -460,13 +460,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--process-id", type=int, default=None, metavar="I", help="with --coordinator-address: 0 .. N-1")
     p.add_argument("--tensorboard", action="store_true", help="also write the metrics to --out/tensorboard/")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
-    p.add_argument(
-        "--compile-cache",
-        default=os.environ.get("GEMMA4_COMPILE_CACHE", "default"),
-        help="jax's persistent compilation cache (warm starts): a directory, 'default' (the user's cache folder: "
-        "$XDG_CACHE_HOME or ~/.cache, then gemma4_nnx/jax; a subfolder per package version), or 'none' (off); "
-        "env GEMMA4_COMPILE_CACHE",
-    )
+    from gemma4_nnx.decode.compiles import add_compile_cache_flag
+
+    add_compile_cache_flag(p)
     p.add_argument(
         "--export",
         nargs="*",
