@@ -75,11 +75,14 @@ def _fill(shape, dtype, seed):
     return (0.07 * u).astype(dtype)
 
 
-def build(config: Gemma4Config, mode: str):
-    """(graphdef, state): the model with random weights on the device, projections quantized by `mode`."""
-    model = nnx.eval_shape(
-        lambda: Gemma4(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), matmul="xla_int")
-    )
+def build(config: Gemma4Config, mode: str, dtype=jnp.bfloat16, ple_bits: int | None = None):
+    """(graphdef, state): the model with random weights on the device, projections quantized by `mode`
+    (and, `ple_bits`, the per-layer-embedding table: one group per (token, layer) slice, as
+    `gemma4-convert --ple` stores it). Also the trainer's benchmark's model (bench/train_accelerator.py)."""
+    model = nnx.eval_shape(lambda: Gemma4(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), matmul="xla_int"))
+    if ple_bits and config.use_ple:
+        fmt = quant.QuantFormat(ple_bits, config.hidden_size_per_layer_input)
+        model.embed_tokens_per_layer = quant.quantized_like(model.embed_tokens_per_layer, fmt)
     if MODES[mode] is not None:
         bits, group = MODES[mode]
         for path, mod in list(nnx.iter_graph(model)):
@@ -91,6 +94,8 @@ def build(config: Gemma4Config, mode: str):
                 fmt = quant.QuantFormat(8, cols)
             else:
                 fmt = quant.format_for(path, bits, group, cols)
+            if cols % fmt.group:  # as `quant.quantize`: a matrix its group does not divide stays float
+                continue
             set_submodule(model, path, quant.quantized_like(mod, fmt, XLA_INT))
     graphdef, abstract = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)

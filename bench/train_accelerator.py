@@ -6,8 +6,8 @@ a random model built on the device, with tokens/s, peak device memory and MFU.
     python bench/train_accelerator.py --model 270m --method full --seq 2048 --batch 8
     python bench/train_accelerator.py --model tiny --method lora --seq 64 --batch 2 --steps 3   # CPU check
 
-Weights are random (no download): kernels N(0, 0.02), norms 1, built on the default device in
-`--dtype` (bf16 default on accelerators); `--method qlora` gives every projection random int4 codes
+Weights are random (no download), made on the default device in `--dtype` (bf16 default on
+accelerators) by `bench/accelerator.py`'s `build`; `--method qlora` gives every projection int4 codes
 (group 32) with float32 scales, the layout `loop.prepare(..., "qlora", base_quant="int4")` makes, and
 `--ple int4` the per-layer-embedding table int4 (one group per (token, layer) slice, as `gemma4-convert`
 stores it). Data: random token ids in examples of 128..1024 tokens packed into rows of `--seq`
@@ -65,53 +65,16 @@ def make_config(name: str):
     return getattr(Gemma4Config, name)()
 
 
-def random_model(config, dtype, method: str, ple: str, seed: int = 0):
-    """A random `Gemma4(config)` built on the default device (abstract first, then each variable drawn
-    there: no host copy); QLoRA's projections (and `ple` "int4": the PLE table) as random int4 codes."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
+def random_model(config, dtype, method: str, ple: str):
+    """A random `Gemma4(config)` built on the device by `bench/accelerator.py`'s `build` (index-hash
+    values, no host copy): QLoRA's projections as int4 g32 codes, `ple` "int4" the PLE table int4."""
     from flax import nnx
 
-    from gemma4_nnx.model import quant
-    from gemma4_nnx.model.build import abstract_model, variables_by_path
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from accelerator import build
 
-    model = abstract_model(config, dtype, param_dtype=dtype, matmul="xla")
-    if method == "qlora":
-        for path, mod in list(nnx.iter_graph(model)):
-            path = tuple(path)
-            if isinstance(mod, nnx.Linear) and quant.quantizable(path) and path[0] != "embed_tokens":
-                fmt = quant.format_for(path, 4, None, mod.in_features)
-                if mod.in_features % fmt.group == 0:
-                    quant.set_submodule(model, path, quant.quantized_like(mod, fmt))
-    if ple == "int4" and config.use_ple:
-        mod = model.embed_tokens_per_layer
-        fmt = quant.QuantFormat(4, config.hidden_size_per_layer_input)
-        model.embed_tokens_per_layer = quant.quantized_like(mod, fmt)
-
-    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-    def draw(key, shape, dtype, kind):
-        if kind == "ones":
-            return jnp.ones(shape, dtype)
-        if kind == "codes":
-            info = jnp.iinfo(dtype)
-            return jax.random.randint(key, shape, info.min, info.max, jnp.int32).astype(dtype)
-        std = {"scales": 0.004, "embedding": 0.5}.get(kind, 0.02)
-        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-    key = jax.random.key(seed)
-    for i, (path, var) in enumerate(sorted(variables_by_path(model).items(), key=lambda kv: str(kv[0]))):
-        value = var.get_value()
-        name = str(path[-1])
-        if jnp.issubdtype(value.dtype, jnp.integer):
-            kind = "codes"
-        elif name in ("scale", "layer_scalar", "per_expert_scale"):
-            kind = "ones"
-        else:
-            kind = name if name in ("scales", "embedding") else "normal"
-        var.set_value(draw(jax.random.fold_in(key, i), tuple(value.shape), jnp.dtype(value.dtype), kind))
-    return model
+    graphdef, state = build(config, "int4" if method == "qlora" else "bf16", dtype, 4 if ple == "int4" else None)
+    return nnx.merge(graphdef, state)
 
 
 def packed_rows(config, seq: int, rows: int, seed: int = 0):
@@ -175,10 +138,11 @@ def run(a: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     print(f"built {a.model} ({a.method}, PLE {a.ple}) on {jax.default_backend()} in {build_s:.1f} s", flush=True)
     model.remat = a.remat
+    batches = [packed_rows(config, a.seq, a.batch, seed=i) for i in range(a.steps)]
+    flops = model_flops_per_token(model, config, batches[-1], a.method)  # before LoRA wraps the projections
     wrt = loop.prepare(model, a.method, rank=a.rank, base_quant="keep")
     tc = loop.TrainConfig(steps=a.steps, lr=1e-4, batch_size=a.batch, clip_norm=1.0)
     opt = ft.make_optimizer(model, loop.make_tx(tc), wrt=wrt)
-    batches = [packed_rows(config, a.seq, a.batch, seed=i) for i in range(a.steps)]
     times, losses = [], []
     for b in batches:
         t = time.perf_counter()
@@ -189,7 +153,6 @@ def run(a: argparse.Namespace) -> dict:
     tokens = sum(int(np.count_nonzero(b["segment_ids"])) for b in timed)
     seconds = sum(times[len(batches) - len(timed) :])
     tps = tokens / seconds
-    flops = model_flops_per_token(model, config, batches[-1], a.method)
     stats = jax.devices()[0].memory_stats() or {}
     return {
         "model": a.model, "method": a.method, "ple": a.ple, "dtype": a.dtype, "seq": a.seq, "batch": a.batch,
