@@ -69,15 +69,27 @@ def main(argv=None) -> int:
                 times[overlap].append(run())
                 host[overlap] += engine.stats.host_seconds - before[0]
                 steps[overlap] += engine.stats.decode_steps - before[1]
-        engine._overlap = True
-        if args.profile:
-            prof = cProfile.Profile()
-            engine._profile = prof  # the engine thread enables it around its loop (`Engine._run`)
-            run()
-            engine._profile = None
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     finally:
         engine.close()
+    if args.profile:  # a second engine whose thread runs its loop under cProfile (the timings above ran without)
+        prof, loop = cProfile.Profile(), Engine._run
+
+        def profiled(self):
+            prof.enable()
+            try:
+                loop(self)
+            finally:
+                prof.disable()
+
+        Engine._run = profiled
+        engine = Engine(model, max_batch=args.rows, max_length=length, precompile=(16,))
+        try:
+            for req in [engine.submit(x, n, stop_tokens=[]) for x in prompts]:
+                req.result()
+        finally:
+            engine.close()
+            Engine._run = loop
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     print(f"rows {args.rows}, {n} tokens each (best of {args.repeats})")
     print(f"generate:      {1e3 * g / n:.3f} ms/token")
     for overlap, name in ((True, "engine async"), (False, "engine sync ")):

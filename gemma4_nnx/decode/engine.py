@@ -641,14 +641,7 @@ class Engine:
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
-        prof = None
         while True:
-            if prof is not getattr(self, "_profile", None):  # bench/engine_host.py --profile
-                if prof is not None:
-                    prof.disable()
-                prof = getattr(self, "_profile", None)
-                if prof is not None:
-                    prof.enable()
             with self._cv:
                 while not self._closed and not any(not r.waiting for r in self._pending) and self.active_rows == 0:
                     self._cv.wait()

@@ -24,7 +24,7 @@ without ever building W in float:
   ``sum_k x_k (q_k s - m) = s * (x . q) - m * sum_k x_k`` per group, so the mins need only the group
   sums of x (``[T, G] @ mins^T``).
 
-Each product equals ``x @ dequantize(W)^T`` up to float32 rounding (tests/test_quantized.py, against
+Each product equals ``x @ dequantize(W)^T`` up to float32 rounding (tests/test_xla_int.py, against
 float64); on TPU, x in bf16 is multiplied exactly by the integer codes and accumulated in float32.
 """
 
