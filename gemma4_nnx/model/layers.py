@@ -353,17 +353,30 @@ class Embedding(nnx.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        table = self.embedding[...]
-        if self.matmul.takes(table.dtype, self.dtype):  # only the rows needed, widened (see cpu_kernels.take)
-            rows = cpu_kernels.take(table, ids)
-        else:
-            rows = jnp.take(table, ids, axis=0).astype(self.dtype)
+        rows = take_rows(self.matmul, self.embedding[...], ids, self.dtype)
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
     def attend(self, x: Array) -> Array:
         """Tied logits: x [..., D] @ table.T -> [..., V] (with the CPU kernels, a bf16 table under
         float32 compute is read as stored: 0.8 GB per token for E2B instead of a float32 copy)."""
         return self.matmul.transposed(x, self.embedding[...], self.dtype)
+
+
+def take_rows(matmul: Matmul, table: Array, ids: Array, dtype) -> Array:
+    """table[ids] in `dtype` (`Embedding`'s lookup before its scale): a bf16 table under float32 compute
+    on the CPU kernels' path widens only those rows (see `cpu_kernels.take`)."""
+    if matmul.takes(table.dtype, dtype):
+        return cpu_kernels.take(table, ids)
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+def softcap(z: Array, cap: float | None) -> Array:
+    """Gemma's final-logit softcap `cap * tanh(z / cap)` in HF's order (divide, tanh, multiply; float32
+    scalars, one rounding to z's dtype each); z itself when `cap` is None."""
+    if cap is None:
+        return z
+    z32 = z.astype(jnp.float32)
+    return (jnp.tanh((z32 / cap).astype(z.dtype)).astype(jnp.float32) * cap).astype(z.dtype)
 
 
 def embed_scale(dim: int) -> float:

@@ -23,6 +23,7 @@ from gemma4_nnx.model.layers import (
     resolve_matmul,
     rope_tables,
     scale_f32,
+    softcap,
 )
 from gemma4_nnx.model.moe import MoEBlock
 from gemma4_nnx.model.multimodal import MultimodalEmbedder, VisionSpan, check_counts, concrete, place, vision_span
@@ -379,12 +380,7 @@ class Gemma4(nnx.Module):
 
     def logits(self, h: Array) -> Array:
         """Final hidden [..., D] -> softcapped tied logits [..., V]."""
-        z = self.embed_tokens.attend(h)
-        cap = self.config.final_logit_softcapping
-        if cap is not None:  # HF order: divide, tanh, multiply (float32 scalars, one rounding each)
-            z32 = z.astype(jnp.float32)
-            z = (jnp.tanh((z32 / cap).astype(z.dtype)).astype(jnp.float32) * cap).astype(z.dtype)
-        return z
+        return softcap(self.embed_tokens.attend(h), self.config.final_logit_softcapping)
 
 
 def segment_positions(segment_ids: Array) -> Array:

@@ -40,6 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from gemma4_nnx.model import layers, quant
 from gemma4_nnx.model.tree import dotted, set_submodule, submodules
+from gemma4_nnx.train import head_loss
 
 Array = jax.Array
 
@@ -302,6 +303,16 @@ def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
         segment_ids=batch.get("segment_ids"),
         return_hidden=True,
     )
+    head = head_loss.TiedHead.of(model)
+    if head is not None:  # a block of the vocabulary at a time, its own gradient (`head_loss`)
+        b, s, d = h.shape
+        last = jnp.zeros((b, 1), jnp.int32)  # the last position predicts nothing: weight 0
+        targets = jnp.concatenate([jnp.asarray(batch["input_ids"])[:, 1:].astype(jnp.int32), last], axis=1)
+        w = jnp.concatenate([jnp.asarray(batch["loss_mask"])[:, 1:].astype(jnp.int32), last], axis=1)
+        w = w.reshape(-1).astype(jnp.float32)
+        table = model.embed_tokens.embedding[...]
+        total = head_loss.weighted_nll_sum(head, h.reshape(b * s, d), table, targets.reshape(-1), w)
+        return total / jnp.maximum(jnp.sum(w), 1.0)
     chunk = LOSS_PIECE_ELEMENTS // model.config.vocab_size
     return chunked_lm_loss(model.logits, h, batch["input_ids"], batch["loss_mask"], chunk=chunk)
 
