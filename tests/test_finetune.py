@@ -404,8 +404,8 @@ def test_peft_adapter_bad_input_names_the_problem(tmp_path):
 # ---------------------------------------------------------------------------- the loss in pieces
 @pytest.mark.parametrize("recompute_logits", [False, True])
 def test_loss_in_pieces_equals_the_whole_logits_loss(recompute_logits):
-    """`chunked_lm_loss` (`loss_fn`'s loss for a quantized token table) forming the logits 5 tokens at a time (the last piece
-    padded) = `masked_lm_loss` on the whole [B, S, V] logits: the loss and every float parameter's
+    """`chunked_lm_loss` (`loss_fn`'s loss for a quantized token table) forming the logits 5 tokens at a
+    time (the last piece padded) = `masked_lm_loss` on the whole [B, S, V] logits: the loss and every float parameter's
     gradient (LoRA adapters, the tied embedding: head, input and PLE projection input), within float32
     rounding: each token's nll is computed as there, the sums (loss, h's and the embedding's
     gradients) run piece by piece."""

@@ -238,7 +238,7 @@ def perplexity(model: nnx.Module, ids: Sequence[int], chunk: int = 64) -> float:
     return float(np.exp(np.mean(np.asarray(nll(weights, jnp.asarray([list(ids[:t])]))))))
 
 
-#: float32 logits one piece of the training loss forms at a time (`chunked_lm_loss`, `loss_fn`): 2**23
+#: float32 logits one piece of `chunked_lm_loss` forms at a time (`loss_fn` with a quantized table): 2**23
 #: (32 MiB), 32 tokens of Gemma's 262144-token vocabulary; a tiny model's batch in one piece
 LOSS_PIECE_ELEMENTS = 2**23
 
@@ -291,8 +291,10 @@ def chunked_lm_loss(
 
 
 def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
-    """The training-path (no cache) forward + `masked_lm_loss`, its logits formed a few tokens at a time
-    (`chunked_lm_loss`, pieces of `LOSS_PIECE_ELEMENTS` logits). batch: input_ids, loss_mask and
+    """The training-path (no cache) forward + `masked_lm_loss` without the whole logits: through the
+    tied float table a block of the vocabulary at a time with its own gradient (`head_loss`), or for a
+    quantized table a few tokens at a time (`chunked_lm_loss`, pieces of `LOSS_PIECE_ELEMENTS`
+    logits). batch: input_ids, loss_mask and
     optionally attention_mask (1 = real token), positions, and for packed rows (`data.pack`)
     segment_ids (attention inside each example; the model derives the mask and the positions,
     restarting at 0, from them)."""

@@ -93,19 +93,19 @@ def _online(head: TiedHead, x: Array, table: Array, targets: Array, *, grad: boo
 
     def block(carry, start, rows):
         m, s, zt, acc = carry
-        (l, z), pull = jax.vjp(lambda x: head.logits(x, rows), x)
-        l32 = l.astype(jnp.float32)
-        m_new = jnp.maximum(m, jnp.max(l32, axis=1))
+        (y, z), pull = jax.vjp(lambda x: head.logits(x, rows), x)
+        y32 = y.astype(jnp.float32)
+        m_new = jnp.maximum(m, jnp.max(y32, axis=1))
         rescale = jnp.exp(m - m_new)
-        e = jnp.exp(l32 - m_new[:, None])
+        e = jnp.exp(y32 - m_new[:, None])
         s = s * rescale + jnp.sum(e, axis=1)
         local = targets - start
         here = (local >= 0) & (local < rows.shape[0])
         picked = jnp.take_along_axis(z, jnp.clip(local, 0, rows.shape[0] - 1)[:, None], axis=1)[:, 0]
         zt = jnp.where(here, picked, zt)
         if grad:
-            # the cotangent e (l's dtype) through softcap and the product: sum_v e_v dl_v/dz_v E_v
-            (back,) = pull((e.astype(l.dtype), jnp.zeros_like(z)))
+            # the cotangent e (the logits' dtype) through softcap and the product: sum_v e_v dl_v/dz_v E_v
+            (back,) = pull((e.astype(y.dtype), jnp.zeros_like(z)))
             acc = acc * rescale[:, None] + back.astype(jnp.float32)
         return (m_new, s, zt, acc), z
 
@@ -174,11 +174,11 @@ def _bwd(head, res, ct):
     scale = ct * weights  # [N]: each token's cotangent of its nll
 
     def block(dx, start, rows, z):
-        l, cap_back = jax.vjp(lambda z: softcap(z, head.cap), z)
-        p = jnp.exp(l.astype(jnp.float32) - lse[:, None])
+        y, cap_back = jax.vjp(lambda z: softcap(z, head.cap), z)
+        p = jnp.exp(y.astype(jnp.float32) - lse[:, None])
         local = targets - start
         onehot = local[:, None] == jnp.arange(rows.shape[0])[None, :]
-        (dz,) = cap_back(((p - onehot) * scale[:, None]).astype(l.dtype))
+        (dz,) = cap_back(((p - onehot) * scale[:, None]).astype(y.dtype))
         _, pull = jax.vjp(lambda x, rows: head.matmul.transposed(x, rows, head.dtype), x, rows)
         dxb, drows = pull(dz)
         return dx + dxb.astype(jnp.float32), drows.astype(table.dtype)
