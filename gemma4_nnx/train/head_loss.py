@@ -8,7 +8,7 @@ time, the log-softmax and its gradient over each piece), both products read the 
 once per piece of tokens, and the softmax runs its exponentials twice (forward, and again in the
 gradient pass) over logits written to memory and read back about ten times.
 
-Here the vocabulary comes in blocks [Vb, D] of the table (`BLOCK_ELEMENTS` logits at a time) and every
+Here the vocabulary comes in blocks [Vb, D] of the table (`block_elements()` logits at a time) and every
 token of the batch meets each block once, with an online softmax (a running maximum and sum per token,
 as blockwise attention does over keys):
 
@@ -39,11 +39,19 @@ from gemma4_nnx.model.layers import Embedding, Matmul, softcap, take_rows
 
 Array = jax.Array
 
-#: logits one block forms at a time (float32: 4 MiB): 256 tokens meet 4,096 rows of the table a step.
-#: On the 270M's step (2 shared cores) 2**18 to 2**22 measured within noise of each other
+#: logits one block forms at a time on the CPU (float32: 4 MiB): 256 tokens meet 4,096 rows of the table
+#: a step. On the 270M's step (2 shared cores) 2**18 to 2**22 measured within noise of each other
 BLOCK_ELEMENTS = 2**20
+#: The same on an accelerator (512 MiB: 4 x 2,048 tokens meet 16,384 rows), as `finetune`'s pieces
+#: there; not measured on a chip yet
+BLOCK_ELEMENTS_ACCELERATOR = 2**27
 #: the fewest rows a block has (many tokens: smaller blocks, not products of a few rows)
 MIN_BLOCK = 128
+
+
+def block_elements() -> int:
+    """Logits per block on the default backend (the two constants above)."""
+    return BLOCK_ELEMENTS if jax.default_backend() == "cpu" else BLOCK_ELEMENTS_ACCELERATOR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +84,9 @@ class TiedHead:
 
 
 def _blocks(vocab: int, tokens: int) -> tuple[int, int]:
-    """(block rows Vb, whole blocks): BLOCK_ELEMENTS / tokens rounded down to a power of two, at least
-    `MIN_BLOCK` rows and at most the vocabulary."""
-    size = max(MIN_BLOCK, BLOCK_ELEMENTS // max(tokens, 1))
+    """(block rows Vb, whole blocks): `block_elements()` / tokens rounded down to a power of two, at
+    least `MIN_BLOCK` rows and at most the vocabulary."""
+    size = max(MIN_BLOCK, block_elements() // max(tokens, 1))
     size = min(1 << (size.bit_length() - 1), vocab)
     return size, vocab // size
 
