@@ -48,12 +48,144 @@ def weight_bytes(config) -> tuple[int, int, int]:
     return params, bf16, int8
 
 
+#: Bytes per trained parameter held through a step: float32 weight, float32 gradient, Adam's two float32 moments.
+TRAINED_BYTES = 4 + 4 + 8
+#: Bytes per attention score the whole-matrix attention (up to `attention.KEY_BLOCK` keys) keeps for the
+#: backward pass: the masked float32 scores, their float32 exp, its bfloat16 copy and the bool mask.
+SCORE_BYTES = 4 + 4 + 2 + 1
+
+
+def train_bytes(config, method: str, *, rank: int = 16, bits: int = 4) -> dict:
+    """The fixed bytes of fine-tuning `config`'s model (held whatever the batch) and its activation
+    bytes per token, by the formula in docs/fine-tuning.md ("Sizing"), counted on the abstract model:
+
+    * base: the frozen weights as loaded at bfloat16 (`lora`); `qlora`: the quantizable matrices at
+      `bits` bits with a float32 scale per group (`quant.DEFAULT_GROUP`; the token table int8, as
+      `quant.format_for`), the rest bfloat16; `full`: none frozen.
+    * trained: `TRAINED_BYTES` per trained parameter (LoRA: rank x (in + out) on each attention and MLP
+      projection of the decoder layers, `finetune.DEFAULT_TARGETS`; full: every parameter).
+    * per token, bfloat16 compute: the loss keeps the head's logits (vocab x 2 bytes, `chunked_lm_loss`);
+      each layer keeps what its backward pass reads, elementwise work fused into its consumers: the
+      inputs of its four norms and of its projections (6 x hidden), its q / k / v before and after their
+      norms and rotary and the attention output (3 x q width + 3 x KV width, a KV-sharing layer none
+      of its own), the MLP's gate, up and product (3 x MLP width), and its per-layer input (PLE) -- 2
+      bytes each. With `remat` a layer keeps only its input (hidden x 2 bytes) and one layer's
+      activations live again during the backward pass.
+    * per token and per key, up to 1024 keys (`attention.KEY_BLOCK`: beyond, blockwise attention
+      recomputes each block): `SCORE_BYTES` per query head and layer.
+
+    Returns {"params", "base", "trained", "per_token", "per_token_remat", "per_token_key"} (bytes)."""
+    import re
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gemma4_nnx.model.build import abstract_model, variables_by_path
+    from gemma4_nnx.model.quant import DEFAULT_GROUP, quantizable
+    from gemma4_nnx.model.tree import dotted
+    from gemma4_nnx.train.finetune import DEFAULT_TARGETS
+
+    if method not in ("lora", "qlora", "full"):
+        raise ValueError(f"method must be lora, qlora or full, got {method!r}")
+    targets = re.compile(r"^\.layers\.\d+" + DEFAULT_TARGETS)
+    params = base = adapters = 0
+    for path, var in variables_by_path(abstract_model(config, jnp.bfloat16, jnp.bfloat16, "xla")).items():
+        shape, module = var.get_value().shape, tuple(map(str, path[:-1]))
+        n = int(np.prod(shape, dtype=np.int64))
+        params += n
+        if method == "qlora" and len(shape) >= 2 and quantizable(module):
+            b = 8 if dotted(module) == "embed_tokens" else bits
+            base += n * b // 8 + n // DEFAULT_GROUP[b] * 4
+        else:
+            base += 2 * n
+        if path[-1] == "kernel" and targets.search("." + dotted(module)):
+            adapters += rank * (shape[0] + shape[1])
+    trained = TRAINED_BYTES * (params if method == "full" else adapters)
+    if method == "full":
+        base = 0
+    h, heads = config.hidden_size, config.num_attention_heads
+    ple = config.hidden_size_per_layer_input if config.use_ple else 0
+    layers = [
+        2
+        * (
+            6 * h
+            + 3 * heads * s.head_dim
+            + (0 if s.is_consumer else 3 * s.num_kv_heads * s.head_dim)
+            + 3 * s.mlp_width
+            + ple
+        )
+        for s in config.layers
+    ]
+    logits = 2 * config.vocab_size
+    return {
+        "params": params,
+        "base": base,
+        "trained": trained,
+        "per_token": logits + sum(layers),
+        "per_token_remat": logits + 2 * h * len(layers) + max(layers),
+        "per_token_key": SCORE_BYTES * heads * len(layers),
+    }
+
+
+def tokens_that_fit(sizes: dict, hbm: int, chips: int, *, remat: bool, seq: int, utilization: float = 0.9) -> int:
+    """Tokens per chip (rows x `seq`) whose activations fit beside the fixed bytes on each of `chips`
+    chips of `hbm` bytes at `utilization` (base and trained state split over the chips: FSDP, as
+    `gemma4-finetune --fsdp`; 0 where the fixed bytes alone do not fit)."""
+    room = int(utilization * hbm) - (sizes["base"] + sizes["trained"]) // chips
+    per = sizes["per_token_remat" if remat else "per_token"] + (sizes["per_token_key"] * seq if seq <= 1024 else 0)
+    return max(room, 0) // per
+
+
+def train_table(seq: int = 2048, rank: int = 16, utilization: float = 0.9) -> list[str]:
+    """The fine-tuning sizing table (markdown lines) docs/fine-tuning.md quotes."""
+    from gemma4_nnx.config import Gemma4Config
+
+    out = [
+        f"| model | method (rank {rank}) | base, GiB | trained state, GiB | activations per 1k tokens, GiB: "
+        f"plain / remat | v5e (16 GiB): chips, tokens per chip plain / remat | 80 GB GPU: chips, tokens per chip "
+        "plain / remat |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, make in MODELS[:3]:
+        config = getattr(Gemma4Config, make)()
+        for method in ("lora", "qlora", "full"):
+            sz = train_bytes(config, method, rank=rank)
+            cells = []
+            for _, chips_max, hbm in MACHINES:
+                fits = [
+                    (
+                        c,
+                        tokens_that_fit(sz, hbm, c, remat=False, seq=seq, utilization=utilization),
+                        tokens_that_fit(sz, hbm, c, remat=True, seq=seq, utilization=utilization),
+                    )
+                    for c in (1, 2, 4, 8)
+                    if c <= chips_max
+                ]
+                c, plain, remat = next(((c, p, r) for c, p, r in fits if r >= seq), (None, 0, 0))
+                cells.append("does not fit on 8" if c is None else f"{c}: {_k(plain)} / {_k(remat)}")
+            out.append(
+                f"| {name} | {method} | {sz['base'] / GIB:.1f} | {sz['trained'] / GIB:.2f} | "
+                f"{sz['per_token'] * 1024 / GIB:.2f} / {sz['per_token_remat'] * 1024 / GIB:.2f} | {cells[0]} | {cells[1]} |"
+            )
+    return out
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens >= 1024 else str(tokens)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--utilization", type=float, default=0.9)
     p.add_argument("--max-length", type=int, help="context per request (default: the model's)")
+    p.add_argument("--train", action="store_true", help="the fine-tuning sizing table instead (train_bytes)")
+    p.add_argument("--seq", type=int, default=2048, help="--train: sequence length (tokens per row)")
+    p.add_argument("--rank", type=int, default=16, help="--train: LoRA rank")
     a = p.parse_args(argv)
+    if a.train:
+        print("\n".join(train_table(a.seq, a.rank, a.utilization)))
+        return 0
     from gemma4_nnx.config import Gemma4Config
     from gemma4_nnx.model.cache import cache_bytes, token_bytes
 

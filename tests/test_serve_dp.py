@@ -7,7 +7,7 @@ tiny E2B-like model of test_serve_tp (PLE, KV sharing, 2 KV heads), loaded by th
 `make_engine`, with one LoRA adapter (rank 2 on every attention and MLP projection, B random) passed as
 `--lora-modules`. The independent references: `generate` on the one-device model for base requests,
 and `generate` on the adapter merged into the weights (`train.finetune.merge_lora`) for adapter requests.
-Servers: 2 engines x 1 device, 2 engines x TP 2, and one engine at TP 2 (adapters under tensor parallelism).
+Servers: 2 engines x 1 device, and 2 engines x TP 2 (adapters under tensor parallelism too).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def devices_of(tree):
     return sorted({d.id for x in jax.tree_util.tree_leaves(tree) for d in x.devices()})
 
 report = {"ref": ref}
-for dp, tp in ((2, 1), (2, 2), (1, 2)):
+for dp, tp in ((2, 1), (2, 2)):
     args = build_parser().parse_args([ckpt, "--data-parallel-size", str(dp), "--tensor-parallel-size", str(tp),
                                       "--max-batch", "2", "--max-length", "64", "--precompile",
                                       "--lora-modules", "a1=" + adapter_dir, "--max-lora-rank", "2"])
@@ -102,7 +102,7 @@ def report():
     return _RUN.report(timeout=900)
 
 
-@pytest.mark.parametrize("setup", ["2x1", "2x2", "1x2"])
+@pytest.mark.parametrize("setup", ["2x1", "2x2"])
 def test_data_parallel_and_tp_adapter_requests_equal_generate(report, setup):
     """Six greedy requests submitted at once (three prompts, base and adapter, two rows per engine):
     each request's tokens equal `generate` on the one-device model (base) or on the adapter merged into
@@ -141,8 +141,8 @@ def test_data_parallel_engines_live_on_their_own_devices(report):
 def test_tensor_parallel_adapter_banks_are_split(report):
     """Under TP the adapter banks are split like their projections (a by the kernel's input axis, b by
     its output axis), not copied whole to every device: some bank arrays are split, and none on one device."""
-    for setup in ("2x2", "1x2"):
-        assert all(n > 0 for n in report[setup]["banks_split"]), report[setup]["banks_split"]
+    assert all(n > 0 for n in report["2x2"]["banks_split"]), report["2x2"]["banks_split"]
+    assert report["2x1"]["banks_split"] == [0, 0]
 
 
 def test_data_parallel_size_checked_against_the_devices():
