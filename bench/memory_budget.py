@@ -13,6 +13,14 @@ block pool after the weights and the sliding layers' window rings of `--max-batc
 layers' rings) split over the chips only where every such layer's KV head count divides by the
 tensor-parallel size (else each chip holds all of them). "-" : the weights do not fit.
 docs/deploy.md quotes this table.
+
+    .venv/bin/python bench/memory_budget.py --train [--seq 2048] [--rank 16]
+
+Fine-tuning instead (`train_bytes`, `activation_bytes`): for E2B, E4B and 31B, LoRA / QLoRA (int4) /
+full, the frozen base's and the trained state's bytes (counted on the abstract model) and the
+activations per token (JAX's own count of what the backward pass keeps, plain and with --remat), and
+the fewest chips (1, 2, 4, 8, FSDP) on which one row of --seq tokens fits with --remat, with the tokens
+per chip (rows x sequence) that fit there. docs/fine-tuning.md quotes this table.
 """
 
 from __future__ import annotations
@@ -50,12 +58,9 @@ def weight_bytes(config) -> tuple[int, int, int]:
 
 #: Bytes per trained parameter held through a step: float32 weight, float32 gradient, Adam's two float32 moments.
 TRAINED_BYTES = 4 + 4 + 8
-#: Bytes per attention score the whole-matrix attention (up to `attention.KEY_BLOCK` keys) keeps for the
-#: backward pass: the masked float32 scores, their float32 exp, its bfloat16 copy and the bool mask.
-SCORE_BYTES = 4 + 4 + 2 + 1
 
 
-def train_bytes(config, method: str, *, rank: int = 16, bits: int = 4) -> dict:
+def train_bytes(config, method: str, *, rank: int = 16, bits: int = 4, seq: int | None = 2048) -> dict:
     """The fixed bytes of fine-tuning `config`'s model (held whatever the batch) and its activation
     bytes per token, by the formula in docs/fine-tuning.md ("Sizing"), counted on the abstract model:
 
@@ -64,17 +69,11 @@ def train_bytes(config, method: str, *, rank: int = 16, bits: int = 4) -> dict:
       `quant.format_for`), the rest bfloat16; `full`: none frozen.
     * trained: `TRAINED_BYTES` per trained parameter (LoRA: rank x (in + out) on each attention and MLP
       projection of the decoder layers, `finetune.DEFAULT_TARGETS`; full: every parameter).
-    * per token, bfloat16 compute: the loss keeps the head's logits (vocab x 2 bytes, `chunked_lm_loss`);
-      each layer keeps what its backward pass reads, elementwise work fused into its consumers: the
-      inputs of its four norms and of its projections (6 x hidden), its q / k / v before and after their
-      norms and rotary and the attention output (3 x q width + 3 x KV width, a KV-sharing layer none
-      of its own), the MLP's gate, up and product (3 x MLP width), and its per-layer input (PLE) -- 2
-      bytes each. With `remat` a layer keeps only its input (hidden x 2 bytes) and one layer's
-      activations live again during the backward pass.
-    * per token and per key, up to 1024 keys (`attention.KEY_BLOCK`: beyond, blockwise attention
-      recomputes each block): `SCORE_BYTES` per query head and layer.
+    * per token (`activation_bytes`): what JAX keeps for the backward pass of the real loss (LoRA on the
+      same projections), counted on one row of `seq` tokens.
 
-    Returns {"params", "base", "trained", "per_token", "per_token_remat", "per_token_key"} (bytes)."""
+    Returns {"params", "base", "trained", "per_token", "per_token_remat"} (bytes; seq=None: the first
+    three only)."""
     import re
 
     import jax.numpy as jnp
@@ -103,37 +102,56 @@ def train_bytes(config, method: str, *, rank: int = 16, bits: int = 4) -> dict:
     trained = TRAINED_BYTES * (params if method == "full" else adapters)
     if method == "full":
         base = 0
-    h, heads = config.hidden_size, config.num_attention_heads
-    ple = config.hidden_size_per_layer_input if config.use_ple else 0
-    layers = [
-        2
-        * (
-            6 * h
-            + 3 * heads * s.head_dim
-            + (0 if s.is_consumer else 3 * s.num_kv_heads * s.head_dim)
-            + 3 * s.mlp_width
-            + ple
+    out = {"params": params, "base": base, "trained": trained}
+    if seq is not None:
+        out["per_token"], out["per_token_remat"] = activation_bytes(config, seq, rank)
+    return out
+
+
+def activation_bytes(config, seq: int = 2048, rank: int = 16) -> tuple[int, int]:
+    """(plain, remat): activation bytes per token of fine-tuning `config`'s model at bfloat16 compute on
+    rows of `seq` tokens, as JAX itself counts them: the residuals the backward pass of the real loss
+    (`finetune.loss_fn`, LoRA of `rank` on the default projections) keeps, traced on the abstract model
+    for one row (`jax.ad_checkpoint`'s `saved_residuals`; nothing is allocated or compiled). With
+    `model.remat` the saved residuals are the layers' inputs and the loss's logits; one layer's own
+    residuals (the plain count's layer part over the layer count) live again during its backward
+    pass, and are added. XLA's fusion and buffer reuse change the peak (docs/fine-tuning.md: the
+    compiled step on CPU held 1.35x this count)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax._src.ad_checkpoint import saved_residuals  # public: print_saved_residuals (prints only)
+
+    from gemma4_nnx.model.build import abstract_model
+    from gemma4_nnx.train import finetune as ft
+
+    batch = {k: jax.ShapeDtypeStruct((1, seq), jnp.int32) for k in ("input_ids", "loss_mask")}
+    counts = {}
+    for remat in (False, True):
+        model = abstract_model(config, jnp.bfloat16, jnp.bfloat16, "xla")
+        model.remat = remat
+        ft.apply_lora(model, rank=rank)
+        graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+
+        def loss(params, frozen, batch, graphdef=graphdef):
+            return ft.loss_fn(nnx.merge(graphdef, params, frozen), batch)
+
+        counts[remat] = sum(
+            int(np.prod(aval.shape)) * aval.dtype.itemsize
+            for aval, source in saved_residuals(loss, params, frozen, batch)
+            if "from the argument" not in str(source)
         )
-        for s in config.layers
-    ]
-    logits = 2 * config.vocab_size
-    return {
-        "params": params,
-        "base": base,
-        "trained": trained,
-        "per_token": logits + sum(layers),
-        "per_token_remat": logits + 2 * h * len(layers) + max(layers),
-        "per_token_key": SCORE_BYTES * heads * len(layers),
-    }
+    layer = (counts[False] - counts[True]) // config.num_hidden_layers
+    return counts[False] // seq, (counts[True] + layer) // seq
 
 
-def tokens_that_fit(sizes: dict, hbm: int, chips: int, *, remat: bool, seq: int, utilization: float = 0.9) -> int:
-    """Tokens per chip (rows x `seq`) whose activations fit beside the fixed bytes on each of `chips`
+def tokens_that_fit(sizes: dict, hbm: int, chips: int, *, remat: bool, utilization: float = 0.9) -> int:
+    """Tokens per chip (rows x sequence) whose activations fit beside the fixed bytes on each of `chips`
     chips of `hbm` bytes at `utilization` (base and trained state split over the chips: FSDP, as
     `gemma4-finetune --fsdp`; 0 where the fixed bytes alone do not fit)."""
     room = int(utilization * hbm) - (sizes["base"] + sizes["trained"]) // chips
-    per = sizes["per_token_remat" if remat else "per_token"] + (sizes["per_token_key"] * seq if seq <= 1024 else 0)
-    return max(room, 0) // per
+    return max(room, 0) // sizes["per_token_remat" if remat else "per_token"]
 
 
 def train_table(seq: int = 2048, rank: int = 16, utilization: float = 0.9) -> list[str]:
@@ -148,15 +166,16 @@ def train_table(seq: int = 2048, rank: int = 16, utilization: float = 0.9) -> li
     ]
     for name, make in MODELS[:3]:
         config = getattr(Gemma4Config, make)()
+        acts = dict(zip(("per_token", "per_token_remat"), activation_bytes(config, seq, rank)))
         for method in ("lora", "qlora", "full"):
-            sz = train_bytes(config, method, rank=rank)
+            sz = dict(train_bytes(config, method, rank=rank, seq=None), **acts)
             cells = []
             for _, chips_max, hbm in MACHINES:
                 fits = [
                     (
                         c,
-                        tokens_that_fit(sz, hbm, c, remat=False, seq=seq, utilization=utilization),
-                        tokens_that_fit(sz, hbm, c, remat=True, seq=seq, utilization=utilization),
+                        tokens_that_fit(sz, hbm, c, remat=False, utilization=utilization),
+                        tokens_that_fit(sz, hbm, c, remat=True, utilization=utilization),
                     )
                     for c in (1, 2, 4, 8)
                     if c <= chips_max
@@ -165,7 +184,8 @@ def train_table(seq: int = 2048, rank: int = 16, utilization: float = 0.9) -> li
                 cells.append("does not fit on 8" if c is None else f"{c}: {_k(plain)} / {_k(remat)}")
             out.append(
                 f"| {name} | {method} | {sz['base'] / GIB:.1f} | {sz['trained'] / GIB:.2f} | "
-                f"{sz['per_token'] * 1024 / GIB:.2f} / {sz['per_token_remat'] * 1024 / GIB:.2f} | {cells[0]} | {cells[1]} |"
+                f"{sz['per_token'] * 1024 / GIB:.2f} / {sz['per_token_remat'] * 1024 / GIB:.2f} "
+                f"| {cells[0]} | {cells[1]} |"
             )
     return out
 
