@@ -64,9 +64,9 @@ def train_bytes(config, method: str, *, rank: int = 16, bits: int = 4, seq: int 
     """The fixed bytes of fine-tuning `config`'s model (held whatever the batch) and its activation
     bytes per token, by the formula in docs/fine-tuning.md ("Sizing"), counted on the abstract model:
 
-    * base: the frozen weights as loaded at bfloat16 (`lora`); `qlora`: the quantizable matrices at
-      `bits` bits with a float32 scale per group (`quant.DEFAULT_GROUP`; the token table int8, as
-      `quant.format_for`), the rest bfloat16; `full`: none frozen.
+    * base: the frozen weights as loaded at bfloat16 (`lora`); `qlora`: the matrices `quant.quantize`
+      quantizes at `bits` bits with a float32 scale per group (`quant.format_for`: the token table
+      int8), the rest bfloat16; `full`: none frozen.
     * trained: `TRAINED_BYTES` per trained parameter (LoRA: rank x (in + out) on each attention and MLP
       projection of the decoder layers, `finetune.DEFAULT_TARGETS`; full: every parameter).
     * per token (`activation_bytes`): what JAX keeps for the backward pass of the real loss (LoRA on the
@@ -80,7 +80,7 @@ def train_bytes(config, method: str, *, rank: int = 16, bits: int = 4, seq: int 
     import numpy as np
 
     from gemma4_nnx.model.build import abstract_model, variables_by_path
-    from gemma4_nnx.model.quant import DEFAULT_GROUP, quantizable
+    from gemma4_nnx.model.quant import format_for, quantizable
     from gemma4_nnx.model.tree import dotted
     from gemma4_nnx.train.finetune import DEFAULT_TARGETS
 
@@ -92,9 +92,13 @@ def train_bytes(config, method: str, *, rank: int = 16, bits: int = 4, seq: int 
         shape, module = var.get_value().shape, tuple(map(str, path[:-1]))
         n = int(np.prod(shape, dtype=np.int64))
         params += n
-        if method == "qlora" and len(shape) >= 2 and quantizable(module):
-            b = 8 if dotted(module) == "embed_tokens" else bits
-            base += n * b // 8 + n // DEFAULT_GROUP[b] * 4
+        stack = path[-1] in ("gate_up", "down") and len(shape) == 3  # MoE experts [E, in, out]: quantized as such
+        if stack:
+            module = tuple(map(str, path))
+        cols = (shape[0] if path[-1] == "kernel" else shape[1]) if len(shape) >= 2 else 0  # input (row) width
+        fmt = format_for(module, bits, None, cols) if cols else None
+        if method == "qlora" and fmt is not None and quantizable(module) and cols % fmt.group == 0:
+            base += n * fmt.bits // 8 + n // fmt.group * 4  # codes + a float32 scale per group
         else:
             base += 2 * n
         if path[-1] == "kernel" and targets.search("." + dotted(module)):
