@@ -136,6 +136,8 @@ class Decoder(Compiles):
             if mesh is not None:  # a small model: a full copy on every device
                 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                 self.assistant = (self.assistant[0], jax.device_put(self.assistant[1], replicated))
+            elif len(devices := self.weights[0].devices()) == 1:  # beside the weights (a data-parallel engine's)
+                self.assistant = (self.assistant[0], jax.device_put(self.assistant[1], next(iter(devices))))
         self.ring_extra = speculative_tokens + (1 if assistant is not None else 0)
         self.hidden_width = model.config.hidden_size if assistant is not None else 0
         self.rows, self.max_length = rows, max_length

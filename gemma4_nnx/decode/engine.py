@@ -310,7 +310,8 @@ class Engine:
         slots of rank `max_lora_rank`; the caller's model is not changed); `load_adapter` /
         `unload_adapter` fill and free slots, and a request names its adapter (`adapter=`, an
         `AdapterRef` from `adapter(name)`). Rows with different adapters and rows with none decode in
-        the same step; adapters of rank below `max_lora_rank` are zero-padded (exact). Not with `mesh`.
+        the same step; adapters of rank below `max_lora_rank` are zero-padded (exact). With `mesh` the
+        banks are split like their projections (`lora_bank.place_banks`).
     """
 
     def __init__(
@@ -335,12 +336,6 @@ class Engine:
         check_int(max_batch, "max_batch", lo=1)
         check_int(max_loras, "max_loras", lo=0)
         check_int(max_lora_rank, "max_lora_rank", lo=1)
-        if max_loras and mesh is not None:
-            raise RequestError(
-                "max_loras: LoRA adapters are not served with tensor parallelism (mesh / --tensor-parallel-size): "
-                "serve adapters on one device, or merge the adapter into the weights (train.finetune.merge_lora)",
-                "max_loras",
-            )
         check_int(kv_cache_bytes, "kv_cache_bytes", lo=1, optional=True)
         check_int(prefix_cache_bytes, "prefix_cache_bytes", lo=0)
         self.speculative = speculative_config(speculative)
@@ -380,10 +375,11 @@ class Engine:
         if max_loras:  # the decoder's own copy of the model (same weight arrays) gets the adapter banks
             from flax import nnx
 
-            from gemma4_nnx.decode.lora_bank import apply_lora_bank, bank_modules
+            from gemma4_nnx.decode.lora_bank import apply_lora_bank, bank_modules, place_banks
 
             banked = nnx.merge(*nnx.split(model))
             apply_lora_bank(banked, slots=max_loras + 1, rank=max_lora_rank)
+            place_banks(banked, mesh)  # beside the weights: split over the mesh like their projections
             banks = bank_modules(banked)
         self.decoder = Decoder(
             banked,
