@@ -86,7 +86,7 @@ PY312_BEHAVIOUR := tests/test_tokenizer.py tests/test_processor.py tests/test_pr
 	tests/test_chat_tools.py tests/test_config.py tests/test_deploy_recipes.py tests/test_notebooks.py \
 	tests/test_server.py tests/test_speculative.py tests/test_penalties.py tests/test_logprobs.py \
 	tests/test_constraints.py tests/test_responses.py tests/test_engine_async.py tests/test_serve_uds.py \
-	tests/test_adapter_safety.py tests/test_multi_lora.py
+	tests/test_adapter_safety.py tests/test_multi_lora.py tests/test_serve_dp.py
 PY312_TESTS ?= $(filter-out $(PY312_BEHAVIOUR),$(sort $(wildcard tests/test_*.py))) \
 	tests/test_server.py::test_health_models_and_warmup_generation \
 	tests/test_server.py::test_chat_greedy_equals_generate_streaming_and_not \
