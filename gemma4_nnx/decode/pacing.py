@@ -12,6 +12,9 @@ and the host's work around it); `cost(c)`: the gap with c columns, less `base`. 
 measured yet is estimated per column from the nearest narrower one measured (a wider chunk costs no
 more per column: the estimate errs towards the narrower chunk) or, with none, the nearest wider one.
 
+A step's gap is read with its tokens, one turn after its chunk ran (async scheduling: the next
+step is dispatched first), so a new estimate steers the chunk after next.
+
 The choice: the widest width (of the powers of two the caller offers, each a compiled program) whose
 cost fits in `target - base`; when none does, or nothing is measured yet (the estimates then grow
 from the narrowest chunk up), the narrowest: a waiting prompt advances by at least that many columns
