@@ -892,19 +892,19 @@ class Engine:
         """The next chunk's width (`Decoder.prefill_chunks(width=...)`) for `rows` joining rows of
         chunk width `chunk`: the whole chunk when no row decodes (or not `paced`: prompts with media),
         else `Pacer.width` over the powers of two from `MIN_PACED_WIDTH` to the chunk whose programs
-        are ready (after a precompile; the others compile on the helper thread, queued once per row
-        count). The columns are counted for the next decode step's gap."""
+        have run or compiled (the others compile on the helper thread, queued once per row count: a
+        width new to the engine never compiles between two of a stream's tokens). The columns are
+        counted for the next decode step's gap."""
         if not paced or not self._decoding():
             width = chunk
         else:
             widths = [w for w in (MIN_PACED_WIDTH << i for i in range(chunk.bit_length())) if w < chunk] + [chunk]
-            if self._precompiled:
-                missing = [w for w in widths if not self.decoder.prefill_ready(rows, w)]
-                if missing and rows not in self._paced_compiles:
-                    self._paced_compiles.add(rows)
-                    self.decoder.compile_prefills([(rows, w) for w in missing])
-                widths = [w for w in widths if w not in missing] or [chunk]
-            width = self.pacer.width(rows, widths)
+            ready = [w for w in widths if self.decoder.prefill_ready(rows, w)]
+            if len(ready) < len(widths) and rows not in self._paced_compiles:
+                self._paced_compiles.add(rows)
+                self.decoder.compile_prefills([(rows, w) for w in widths if w not in ready])
+            # none ready yet (no precompile): the narrowest compiles here, as a first prompt's chunk would
+            width = self.pacer.width(rows, ready or widths[:1])
         self._cols += rows * width
         return width
 
