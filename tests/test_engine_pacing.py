@@ -150,3 +150,12 @@ def test_paced_prefill_follows_the_arithmetic_and_outputs_equal_generate(model):
         assert got[key][0] == ref.tokens[0], key
         err = float(np.max(np.abs(np.asarray(got[key][1]) - np.asarray(ref.logprobs[0]))))
         assert err <= 1e-4, f"{key}: logprobs differ by {err:.3g}"
+
+
+def test_serve_flag_reaches_the_engine_option():
+    """`gemma4-serve --target-itl-ms` parses to the engine's option (off by default)."""
+    pytest.importorskip("fastapi")
+    from gemma4_nnx.serve.app import build_parser
+
+    assert build_parser().parse_args(["ckpt"]).target_itl_ms is None
+    assert build_parser().parse_args(["ckpt", "--target-itl-ms", "45.5"]).target_itl_ms == 45.5
