@@ -440,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt is prefilled a chunk at a time between the running streams' tokens",
     )
     p.add_argument(
+        "--target-itl-ms",
+        type=float,
+        help="the inter-token latency (ms) running streams should keep while new prompts prefill beside them: "
+        "the engine measures its decode steps and prefill chunks and prefills, between two steps, the widest "
+        "chunk (16 columns up to the chunk) that fits the target, at least 16 columns a step; a new prompt's "
+        "first token comes later. Default: off (one whole chunk per step; outputs exactly generate's)",
+    )
+    p.add_argument(
         "--kv-cache-mb",
         type=int,
         help="device memory for the global layers' KV block pool (MiB): rows take blocks of 32 tokens as "
@@ -762,6 +770,7 @@ def make_engine(args: argparse.Namespace) -> Engine | DataParallelEngines:
                     max_length=args.max_length,
                     prefill_chunk=args.prefill_chunk,
                     max_num_batched_tokens=args.max_num_batched_tokens,
+                    target_itl_ms=args.target_itl_ms,
                     max_score_tokens=args.max_score_tokens,
                     precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
                     mesh=mesh,
