@@ -23,7 +23,8 @@ Figures (each after warm-up calls that compile):
   time; roofline = HBM bandwidth / bytes read per step (every weight but the PLE table, the head
   included, plus the KV cache held) and the step's percentage of it;
 * prefill: one forward of L tokens (batch 1) into a cache of L, last position's logits only
-  (`select`); percentage of the chip's bf16 peak at 2 * (weights' multiply-adds per token) * L FLOP
+  (`select`); percentage of the chip's bf16 peak at 2 * (multiply-adds per token of the weights that
+  see every position: the layers that write the cache, not the KV-shared ones nor the head) * L FLOP
   (attention's quadratic part not counted: a lower bound on the work);
 * decode at depth: B=1 steps after an L-token prefill into a cache of L + steps;
 * memory: bytes in use after building the model, and the process's peak (`memory_stats`).
@@ -230,11 +231,21 @@ def main(argv=None) -> dict:
             except Exception as e:  # a failed configuration is a result too
                 emit(mode=mode, what="decode", batch=b, error=f"{type(e).__name__}: {str(e)[:300]}")
         if mode in args.prefill_modes.split(","):
-            params = sum(
-                v.get_value().size
-                for p, v in nnx.to_flat_state(state)
-                if "embed_tokens_per_layer" not in map(str, p) and "embed_tokens" not in map(str, p)
-            )
+            # Weights that multiply every prompt position: the KV-shared layers (from
+            # `first_kv_shared_layer` on) write no cache, so only the selected position's hidden
+            # state matters there, and XLA drops their other rows (measured: counting them took the
+            # 8K prefill to 136% of the chip's peak). The head runs on the selected position only.
+            first_shared = config.first_kv_shared_layer if config.num_kv_shared_layers else None
+
+            def every_position(path, first_shared=first_shared) -> bool:
+                names = list(map(str, path))
+                if "embed_tokens_per_layer" in names or "embed_tokens" in names:
+                    return False
+                if first_shared is not None and "layers" in names:
+                    return int(names[names.index("layers") + 1]) < first_shared
+                return True
+
+            params = sum(v.get_value().size for p, v in nnx.to_flat_state(state) if every_position(p))
             for n in [int(v) for v in args.prefill.split(",") if v]:
                 log(f"{mode}: prefill {n}")
                 try:

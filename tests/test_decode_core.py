@@ -244,7 +244,9 @@ def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
     program: they draw with the superset sampler of their top-k width while their own compiles on a
     helper thread; every output equals generate() alone with the same settings, including a greedy
     request decoding beside them."""
-    engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
+    # two rows (four requests: the second pair joins as the first ends): a third fewer programs to
+    # precompile than four rows, the same property
+    engine = Engine(model, max_batch=2, max_length=32, precompile=(16,))
     try:
         on_thread = engine.decoder.compiles.get("draw", 0)
         settings = [
@@ -366,6 +368,7 @@ def test_long_prefill_interleaves_with_decoding_and_changes_no_tokens(model):
     assert got_late == alone.tokens[0]
 
 
+@pytest.mark.slow
 def test_prefill_budget_is_validated_and_limits_joining_rows(model):
     """max_num_batched_tokens below the chunk width is refused by name; with a budget of one chunk,
     requests with prompts of a full chunk join one at a time."""

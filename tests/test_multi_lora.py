@@ -138,7 +138,7 @@ def test_mixed_adapter_batch_equals_each_merged_model(world):
 def test_engine_adapter_errors_name_the_adapter(world, tmp_path):
     """Rank above the bank's, a module the banks do not hold, another model's shapes, a duplicate name,
     full slots, an unknown name: ValueErrors (RequestError) naming the adapter and the parameter; an
-    engine without adapter slots, or with a tensor-parallel mesh, says so."""
+    engine without adapter slots says so. (Adapters under tensor parallelism: tests/test_serve_dp.py.)"""
     _, base, dirs, _ = world
     engine = Engine(base(), max_batch=2, max_length=32, max_loras=1, max_lora_rank=2)
     try:
@@ -172,9 +172,6 @@ def test_engine_adapter_errors_name_the_adapter(world, tmp_path):
         assert (e.value.param, e.value.code) == ("lora_name", "model_not_found")
     finally:
         engine.close()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))  # tensor parallel: refused, named
-    with pytest.raises(ValueError, match="max_loras: LoRA adapters are not served with tensor parallelism"):
-        Engine(base(), max_batch=1, max_length=16, max_loras=1, mesh=mesh)
     plain = Engine(base(), max_batch=1, max_length=16)
     try:
         with pytest.raises(ValueError, match="serves no LoRA adapters"):

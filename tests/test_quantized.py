@@ -764,10 +764,12 @@ def test_model_with_blocks_held_as_stored_gives_the_same_logits():
     before), on the CPU kernels (the XLA path: module by module above)."""
     matmul = "cpu_kernels"
     from gemma4_nnx.io.gguf_quantize import encode_rows
-    from gemma4_nnx.model.blocks import decode
+    from gemma4_nnx.model.blocks import decode as decode_blocks
 
     models = [random_model("e2b", matmul=matmul) for _ in range(2)]
     product = layers.resolve_matmul(matmul, dtype=jnp.float32, param_dtype=None, quantized=True)
+    # jitted: one program per matrix shape (eagerly, every op of the decode compiled for each new shape)
+    decode = jax.jit(decode_blocks, static_argnums=1)
     kinds = iter(["Q8_0", "Q5_0"] * 100)
     done = 0
     for path, mod in list(nnx.iter_graph(models[0])):

@@ -404,6 +404,7 @@ def cli_run(tmp_path_factory):
     return run, library, load, rows
 
 
+@pytest.mark.slow
 def test_finetune_command_qlora_keeps_the_codes_and_trains_like_lora_on_the_dequantized_base(cli_run):
     """--method qlora --base-quant int4: the base's codes and scales after training are bit-identical to
     a fresh int4 quantization of the checkpoint; the logged losses are those of `prepare(..., "lora")`
@@ -431,6 +432,7 @@ def test_finetune_command_qlora_keeps_the_codes_and_trains_like_lora_on_the_dequ
     assert err <= 3e-2, f"saved adapters differ from the LoRA run's by {err:.3g} of their update"
 
 
+@pytest.mark.slow
 def test_finetune_command_full_writes_a_model_that_gives_the_logged_eval_loss(cli_run):
     """--method full: the logged losses are the library-level `prepare(..., "full")` run's (the same
     compiled step on the same inputs: bit-identical); the HF model written to out/model differs from
@@ -586,6 +588,7 @@ shutil.rmtree(out)
 """
 
 
+@pytest.mark.slow
 def test_fsdp_full_finetune_equals_one_device():
     r = ScriptRun(FSDP_SCRIPT, "fsdp").report(timeout=600)
     assert r["devices"] == 8

@@ -20,6 +20,7 @@ import itertools
 import os
 import threading
 
+import jax
 import numpy as np
 
 from gemma4_nnx.decode.errors import RequestError
@@ -180,9 +181,9 @@ class Adapters:
         """Slot `slot` of every bank := (a, b), as new weight arrays (same shapes and placement: the
         programs do not compile again). A program running meanwhile keeps the arrays it was given."""
         weights = list(self.decoder.weights)
-        for p, (ia, ib) in self._where.items():
-            weights[ia] = weights[ia].at[slot].set(a[p])
-            weights[ib] = weights[ib].at[slot].set(b[p])
+        for p, (ia, ib) in self._where.items():  # placed as before (split over a mesh: `lora_bank.place_banks`)
+            weights[ia] = jax.device_put(weights[ia].at[slot].set(a[p]), weights[ia].sharding)
+            weights[ib] = jax.device_put(weights[ib].at[slot].set(b[p]), weights[ib].sharding)
         self.decoder.weights = tuple(weights)
 
     def unload(self, name: str) -> None:

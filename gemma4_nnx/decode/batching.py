@@ -156,9 +156,24 @@ class PromptBatch:
     def width(self) -> int:
         return self.ids.shape[1]
 
+    @property
+    def end(self) -> int:
+        """Columns up to the last prompt token of the longest row (the rest is padding)."""
+        return int(self.lengths.max())
+
+    def columns(self, c0: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """(ids, positions, valid, soft or None) of the [R, width] slice from column c0, padded past
+        the batch's own columns (position -1: never attended to or cached)."""
+        sl, pad = slice(c0, c0 + width), max(0, c0 + width - self.width)
+        ids, positions, valid = self.ids[:, sl], self.positions[:, sl], self.valid[:, sl]
+        soft = None if self.soft is None else self.soft[:, sl]
+        if pad:
+            ids, valid = np.pad(ids, ((0, 0), (0, pad))), np.pad(valid, ((0, 0), (0, pad)))
+            positions = np.pad(positions, ((0, 0), (0, pad)), constant_values=-1)
+            soft = None if soft is None else np.pad(soft, ((0, 0), (0, pad), (0, 0)))
+        return ids, positions, valid, soft
+
     def chunks(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
         """(first column c0, ids, positions, valid, soft or None) of each [R, chunk] slice, in order."""
         for c0 in range(0, self.width, self.chunk):
-            sl = slice(c0, c0 + self.chunk)
-            soft = None if self.soft is None else self.soft[:, sl]
-            yield c0, self.ids[:, sl], self.positions[:, sl], self.valid[:, sl], soft
+            yield (c0, *self.columns(c0, self.chunk))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +136,8 @@ class Decoder(Compiles):
             if mesh is not None:  # a small model: a full copy on every device
                 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                 self.assistant = (self.assistant[0], jax.device_put(self.assistant[1], replicated))
+            elif len(devices := self.weights[0].devices()) == 1:  # beside the weights (a data-parallel engine's)
+                self.assistant = (self.assistant[0], jax.device_put(self.assistant[1], next(iter(devices))))
         self.ring_extra = speculative_tokens + (1 if assistant is not None else 0)
         self.hidden_width = model.config.hidden_size if assistant is not None else 0
         self.rows, self.max_length = rows, max_length
@@ -280,13 +282,20 @@ class Decoder(Compiles):
                 return done.value
 
     def prefill_chunks(
-        self, batch: PromptBatch, idx: np.ndarray | None = None, adapter: np.ndarray | None = None
+        self,
+        batch: PromptBatch,
+        idx: np.ndarray | None = None,
+        adapter: np.ndarray | None = None,
+        width: Callable[[], int] | None = None,
     ) -> Generator[int, None, Next]:
         """`prefill` one chunk at a time: a generator that runs the next chunk of `batch.chunk`
         columns at each `next()` and yields the columns prefilled so far; it returns (StopIteration's
         value) the `Next` after the last chunk. Between chunks the cache is this decoder's, so other
         rows may step (the engine interleaves a long prefill with decode steps: rows being prefilled
-        are done rows there, which write nothing)."""
+        are done rows there, which write nothing). width: called before each chunk for its width in
+        columns instead (the engine's paced prefill, `decode.pacing`; one program per width), the
+        chunks then start at the sums of the widths before; the logits are the same up to float32
+        rounding (the products and key blocks sum in another order)."""
         r = batch.ids.shape[0]
         # committed like the `Next` each chunk returns (a mix of committed and uncommitted arguments
         # would compile the chunk program twice)
@@ -304,14 +313,17 @@ class Decoder(Compiles):
             )
         )
         fresh = np.ones(r, bool) if batch.starts is None else batch.starts == 0
-        for c0, ids, pos, valid, soft in batch.chunks():
+        start, end = 0, batch.end
+        while True:
+            w = batch.chunk if width is None else width()
+            ids, pos, valid, soft = batch.columns(start, w)
             ids, pos, valid, c0, first = self._place(
                 (
                     np.asarray(ids, np.int32),
                     np.asarray(pos, np.int32),
                     np.asarray(valid),
-                    np.int32(c0),
-                    fresh & (c0 == 0),
+                    np.int32(start),
+                    fresh & (start == 0),
                 )
             )
             self._sync_table()
@@ -334,10 +346,11 @@ class Decoder(Compiles):
             )
             self.state = dataclasses.replace(self.state, cache=cache)
             if idx is not None:  # what `prefill_ready` looks for
-                self._prefills_run.add((r, batch.chunk, soft is not None))
-            if int(c0) + batch.chunk < batch.width:
-                yield int(c0) + batch.chunk
-        return logits
+                self._prefills_run.add((r, w, soft is not None))
+            start += w
+            if start >= end:
+                return logits
+            yield start
 
     def draw(
         self,

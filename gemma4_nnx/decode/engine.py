@@ -10,7 +10,10 @@ background thread that repeats:
    steps of the rows already running (vLLM's chunked prefill): a long prompt delays a running stream
    by one chunk per token, not by its whole prefill. After the last chunk their row state is written
    and their first tokens drawn (`Decoder.draw` with `init`); until then the rows are done rows that
-   the decode steps leave alone, and the next requests wait.
+   the decode steps leave alone, and the next requests wait. With a target inter-token latency
+   (`target_itl_ms`) the chunk's width follows measured times instead (`decode.pacing`): the widest
+   power of two up to the chunk whose measured cost, beside the measured decode step, fits the target,
+   at least `pacing.MIN_PACED_WIDTH` columns per step (a waiting prompt is never starved).
 2. **Decode.** One step for the first m rows (m a power of two covering every active row; rows are
    taken lowest first, so few requests cost a small step): every active row feeds its last token at
    its own position; done and free rows are masked (key position -1: they write nothing). Rows are
@@ -46,6 +49,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import numbers
 import os
 import queue
 import threading
@@ -61,6 +65,7 @@ from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, pr
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.pacing import MIN_PACED_WIDTH, Pacer
 from gemma4_nnx.decode.prefix import PrefixCache
 from gemma4_nnx.decode.requests import (
     MAX_TOP_LOGPROBS,
@@ -244,6 +249,7 @@ class _InFlight:
 
     rows: list[tuple[int, int, EngineRequest]]
     out: Drawn
+    cols: int = 0  # prompt columns prefilled between the step before and this one (`decode.pacing`)
 
     def __post_init__(self):
         self.by_slot = {slot: req for slot, _, req in self.rows}
@@ -257,6 +263,7 @@ class _Admission:
     pairs: list[tuple[int, EngineRequest]]
     idx: np.ndarray
     chunks: Iterator[int]
+    chunk: int = 0  # the batch's chunk width: the widest a paced prefill runs
 
     @property
     def slots(self) -> set[int]:
@@ -285,6 +292,17 @@ class Engine:
       max_num_batched_tokens: the most prompt columns (joining rows x chunk width) prefilled between
         two decode steps (vLLM's name); at least the chunk width (`prefill_chunk`, default 512). A
         prompt with images is one chunk however long, and joins alone when it exceeds the budget.
+        With `target_itl_ms` it stays the ceiling: a paced chunk is never wider than the chunk.
+      target_itl_ms: the inter-token latency (milliseconds) the running streams should keep while
+        prompts are prefilled beside them (`decode.pacing`): the engine measures its decode steps and
+        the prefill chunks of each width (medians of the last few) and runs, between two steps, the
+        widest chunk (a power of two from `pacing.MIN_PACED_WIDTH` to the chunk) whose cost fits in
+        the target less a decode step; none fits: the narrowest, so a waiting prompt still advances
+        every step. Narrower chunks prefill slower (more passes over the weights): the stream's pace
+        is bought with the new prompt's first token. Chunk widths follow the clock, so a prompt's
+        logits differ from `generate`'s by float32 rounding (greedy tokens equal but for exact
+        near-ties; tests/test_engine_pacing.py). None (default): one chunk of the fixed width per step,
+        outputs exactly `generate`'s with the same `prefill_chunk`.
       max_score_tokens: the most prompt tokens one `score` call may score, its prompts together (a
         `RequestError` beyond, naming "prompt"). Default: `DEFAULT_MAX_SCORE_TOKENS` (16384), or
         `max_length` when larger.
@@ -310,7 +328,8 @@ class Engine:
         slots of rank `max_lora_rank`; the caller's model is not changed); `load_adapter` /
         `unload_adapter` fill and free slots, and a request names its adapter (`adapter=`, an
         `AdapterRef` from `adapter(name)`). Rows with different adapters and rows with none decode in
-        the same step; adapters of rank below `max_lora_rank` are zero-padded (exact). Not with `mesh`.
+        the same step; adapters of rank below `max_lora_rank` are zero-padded (exact). With `mesh` the
+        banks are split like their projections (`lora_bank.place_banks`).
     """
 
     def __init__(
@@ -322,6 +341,7 @@ class Engine:
         max_length: int | None = None,
         prefill_chunk: int | None = None,
         max_num_batched_tokens: int | None = None,
+        target_itl_ms: float | None = None,
         max_score_tokens: int | None = None,
         cache_dtype=None,
         precompile: Sequence[int] | str | None = None,
@@ -335,12 +355,6 @@ class Engine:
         check_int(max_batch, "max_batch", lo=1)
         check_int(max_loras, "max_loras", lo=0)
         check_int(max_lora_rank, "max_lora_rank", lo=1)
-        if max_loras and mesh is not None:
-            raise RequestError(
-                "max_loras: LoRA adapters are not served with tensor parallelism (mesh / --tensor-parallel-size): "
-                "serve adapters on one device, or merge the adapter into the weights (train.finetune.merge_lora)",
-                "max_loras",
-            )
         check_int(kv_cache_bytes, "kv_cache_bytes", lo=1, optional=True)
         check_int(prefix_cache_bytes, "prefix_cache_bytes", lo=0)
         self.speculative = speculative_config(speculative)
@@ -357,11 +371,22 @@ class Engine:
         chunk = prefill_chunk or AUTO_PREFILL_CHUNK
         max_num_batched_tokens = chunk if max_num_batched_tokens is None else max_num_batched_tokens
         check_int(max_num_batched_tokens, "max_num_batched_tokens", lo=chunk)
+        if target_itl_ms is not None and (
+            isinstance(target_itl_ms, bool) or not isinstance(target_itl_ms, numbers.Real) or not target_itl_ms > 0
+        ):
+            raise RequestError(
+                f"target_itl_ms must be None or a number of milliseconds > 0, got {target_itl_ms!r}", "target_itl_ms"
+            )
         check_int(max_score_tokens, "max_score_tokens", lo=1, optional=True)
         self.max_score_tokens = max_score_tokens or max(DEFAULT_MAX_SCORE_TOKENS, max_length)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.target_itl_ms = target_itl_ms
+        self.pacer = None if target_itl_ms is None else Pacer(target_itl_ms / 1e3)
+        self._cols = 0  # prompt columns prefilled since the last decode step was dispatched
+        self._paced_compiles: set[int] = set()  # joining row counts whose paced widths were queued
+        self._compiles_seen = 0  # the serving thread's compiles at the last paced gap
         self.vocab_size = model.config.vocab_size
         self.default_stops = tuple(tokenizer.stop_ids) if tokenizer is not None else tuple(model.config.eos_token_id)
         self.block_bytes = BLOCK_SIZE * token_bytes(model.config, cache_dtype or model.dtype)
@@ -380,10 +405,11 @@ class Engine:
         if max_loras:  # the decoder's own copy of the model (same weight arrays) gets the adapter banks
             from flax import nnx
 
-            from gemma4_nnx.decode.lora_bank import apply_lora_bank, bank_modules
+            from gemma4_nnx.decode.lora_bank import apply_lora_bank, bank_modules, place_banks
 
             banked = nnx.merge(*nnx.split(model))
             apply_lora_bank(banked, slots=max_loras + 1, rank=max_lora_rank)
+            place_banks(banked, mesh)  # beside the weights: split over the mesh like their projections
             banks = bank_modules(banked)
         self.decoder = Decoder(
             banked,
@@ -653,14 +679,17 @@ class Engine:
                 self._retire_cancelled()
                 if joining:
                     self._admit(joining)
-                if self._joining is not None:
+                if self._joining is not None and not self._measure_base():
                     self._prefill_chunk()
                 # step N + 1 goes to the device before step N's tokens are read (`_deliver_in_flight`)
                 previous, self._in_flight = self._in_flight, None
                 if self._decoding():
                     self._step(previous)
-                elif previous is not None:
-                    self._deliver_in_flight(previous)
+                else:
+                    if previous is not None:
+                        self._deliver_in_flight(previous)
+                    if self.pacer is not None:
+                        self.pacer.pause()
             except Exception as e:
                 self._fail_all(f"{type(e).__name__}: {e}")
             self.stats.host_seconds += time.perf_counter() - busy - self._waited
@@ -825,7 +854,10 @@ class Engine:
         adapter = None
         if self.adapters is not None:  # each prompt's bank slot (padding rows: 0)
             adapter = np.array([_slot(r) for r in requests] + [0] * (kb - k), np.int32)
-        self._joining = _Admission(pairs, idx, self.decoder.prefill_chunks(batch, idx, adapter))
+        width = None
+        if self.pacer is not None:  # prompts with media prefill whole (their chunk), counted all the same
+            width = functools.partial(self._paced_width, kb, batch.chunk, soft is None)
+        self._joining = _Admission(pairs, idx, self.decoder.prefill_chunks(batch, idx, adapter, width), batch.chunk)
 
     def _prefill_chunk(self) -> None:
         """Run the joining requests' next prefill chunk; after the last one, draw their first tokens.
@@ -846,6 +878,31 @@ class Engine:
             logits = done.value
         self._joining = None
         self._start_rows(adm.pairs, adm.idx, logits)
+
+    def _measure_base(self) -> bool:
+        """Whether this turn runs no prefill chunk so that the pacer measures a decode step alone
+        (rows decode, and their gap without a prefill is not known yet: at most a turn or two)."""
+        return self.pacer is not None and self.pacer.base() is None and bool(self._decoding())
+
+    def _paced_width(self, rows: int, chunk: int, paced: bool = True) -> int:
+        """The next chunk's width (`Decoder.prefill_chunks(width=...)`) for `rows` joining rows of
+        chunk width `chunk`: the whole chunk when no row decodes (or not `paced`: prompts with media),
+        else `Pacer.width` over the powers of two from `MIN_PACED_WIDTH` to the chunk whose programs
+        have run or compiled (the others compile on the helper thread, queued once per row count: a
+        width new to the engine never compiles between two of a stream's tokens). The columns are
+        counted for the next decode step's gap."""
+        if not paced or not self._decoding():
+            width = chunk
+        else:
+            widths = [w for w in (MIN_PACED_WIDTH << i for i in range(chunk.bit_length())) if w < chunk] + [chunk]
+            ready = [w for w in widths if self.decoder.prefill_ready(rows, w)]
+            if len(ready) < len(widths) and rows not in self._paced_compiles:
+                self._paced_compiles.add(rows)
+                self.decoder.compile_prefills([(rows, w) for w in widths if w not in ready])
+            # none ready yet (no precompile): the narrowest compiles here, as a first prompt's chunk would
+            width = self.pacer.width(rows, ready or widths[:1])
+        self._cols += rows * width
+        return width
 
     def _start_rows(self, pairs: list[tuple[int, EngineRequest]], idx: np.ndarray, logits) -> None:
         """The prefilled requests' rows: prefix snapshots, row state, first tokens."""
@@ -996,6 +1053,7 @@ class Engine:
         # lowest first), so a lone request costs a batch-1 step, not a max_batch one.
         m = min(pow2(active[-1] + 1), self.max_batch)
         rows = [(slot, slot, self._slots[slot]) for slot in active]
+        cols, self._cols = self._cols, 0
         n = len(active)
         self.stats.decode_steps += 1
         self.stats.rows_decoded += n
@@ -1010,19 +1068,19 @@ class Engine:
                 self.stats.verify_steps += 1
                 self.stats.drafted_tokens += drafted
                 self.stats.accepted_tokens += accepted
-            self._deliver(rows, out)
+            self._deliver_in_flight(_InFlight(rows, out, cols), fetched=True)
         elif cfg.constrained:
             out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m,
                                     self._masks(self._slots[:m], m), fetch=False)  # fmt: skip
-            self._deliver(rows, self._fetch(out))
+            self._deliver_in_flight(_InFlight(rows, out, cols))
         else:
             out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m, fetch=False)
-            self._in_flight = _InFlight(rows, out)
+            self._in_flight = _InFlight(rows, out, cols)
             if not self._overlap:  # bench/engine_host.py: read back at once, as before async scheduling
                 self._in_flight = None
                 if previous is not None:
                     self._deliver_in_flight(previous)
-                self._deliver(rows, self._fetch(out))
+                self._deliver_in_flight(_InFlight(rows, out, cols))
             elif previous is not None:
                 self.stats.async_steps += 1
                 self._deliver_in_flight(previous)
@@ -1042,8 +1100,14 @@ class Engine:
         self._waited += time.perf_counter() - t
         return out
 
-    def _deliver_in_flight(self, step: _InFlight) -> None:
-        self._deliver(step.rows, self._fetch(step.out))
+    def _deliver_in_flight(self, step: _InFlight, fetched: bool = False) -> None:
+        """Read a decode step back (unless `fetched`) and deliver its tokens; the pacer measures the
+        gap since the step before (`decode.pacing`)."""
+        self._deliver(step.rows, step.out if fetched else self._fetch(step.out))
+        if self.pacer is not None:  # a gap in which the serving thread compiled is no step's measure
+            compiles = sum(v for k, v in list(self.decoder.compiles.items()) if "background" not in k)
+            self.pacer.gap(step.cols, measure=compiles == self._compiles_seen)
+            self._compiles_seen = compiles
 
     def _deliver(self, rows: Sequence[tuple[int, int, EngineRequest]], out: Drawn | Verified) -> None:
         """For each (slot, j, req): record the slot's new tokens (row j of `out`: one, or several after a

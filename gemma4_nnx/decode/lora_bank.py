@@ -29,7 +29,15 @@ from gemma4_nnx.train.finetune import DEFAULT_TARGETS, projections
 
 Array = jax.Array
 
-__all__ = ["BANK_TARGETS", "LoRABankLinear", "apply_lora_bank", "bank_modules", "has_banks", "set_adapter_rows"]
+__all__ = [
+    "BANK_TARGETS",
+    "LoRABankLinear",
+    "apply_lora_bank",
+    "bank_modules",
+    "has_banks",
+    "place_banks",
+    "set_adapter_rows",
+]
 
 #: The projections a bank is put on: attention q/k/v/o and MLP gate/up/down of the decoder layers
 #: (`train.finetune.DEFAULT_TARGETS` there; not the vision / audio towers).
@@ -78,6 +86,28 @@ def apply_lora_bank(model: nnx.Module, *, slots: int, rank: int, targets: str = 
         set_submodule(model, path, LoRABankLinear(lin, slots=slots, rank=rank))
     model.adapter_bank = (slots, rank)  # static: what `has_banks` reads without walking the graph
     return [dotted(p) for p, _ in chosen]
+
+
+def place_banks(model: nnx.Module, mesh=None) -> None:
+    """Put every bank's arrays beside the weights the programs read them with: with `mesh` (tensor
+    parallel), split like their projection (a [slots, in, r] along the kernel's input axis, b [slots,
+    r, out] along its output axis: `gemma4_nnx.sharding`'s lora_a / lora_b rules, the slots and the
+    rank whole), so a row's adapter product is computed where its projection's shard is; without, on
+    the device of the projection's weights (which need not be the default device: a data-parallel
+    engine's). In place."""
+    from gemma4_nnx.sharding import partition_spec
+
+    for path, m in submodules(model, LoRABankLinear):
+        where = dotted(path)
+        device = next(iter(x for x in jax.tree.leaves(nnx.state(m.base)) if isinstance(x, jax.Array))).devices()
+        for var, suffix in ((m.a, "lora_a"), (m.b, "lora_b")):
+            value = var.get_value()
+            if mesh is not None:
+                spec = partition_spec(f"{where}.{suffix}", value.shape[1:], mesh)
+                target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
+            else:
+                target = min(device, key=lambda d: d.id)
+            var.set_value(jax.device_put(value, target))
 
 
 def has_banks(model: nnx.Module) -> bool:

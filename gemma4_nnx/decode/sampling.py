@@ -329,7 +329,12 @@ def argmax(logits: jax.Array) -> jax.Array:
 
     XLA:CPU runs argmax as one reduction over (value, index) pairs that it does not vectorize, at
     every decode step; the two plain reductions it becomes here are vectorized and several times
-    faster (docs/benchmarks.md). Elsewhere the two forms cost about the same."""
+    faster (docs/benchmarks.md). Elsewhere the two forms cost about the same, and the two-reduction
+    form is not safe there: on a TPU v5e, greedy decoding of a bf16 model through it returned index
+    ``V`` (one past the vocabulary) because no logit compared equal to their max (XLA recomputes the
+    fused logits in each reduction, not always to the same bits), so off the CPU it is `jnp.argmax`."""
+    if jax.default_backend() != "cpu":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     v = logits.shape[-1]
     best = jnp.max(logits, axis=-1, keepdims=True)  # XLA:CPU's vectorized max may skip NaNs
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

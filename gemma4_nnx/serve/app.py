@@ -54,7 +54,10 @@ and the body size
 
 Tensor parallel: `--tensor-parallel-size N` loads the weights sharded over N local devices (heads,
 MLP width and vocabulary over the mesh axis "tp", `gemma4_nnx.sharding`) and the engine shards its
-KV cache the same way; the tokens served are those of the one-device server.
+KV cache (and LoRA adapter banks) the same way; the tokens served are those of the one-device server.
+Data parallel: `--data-parallel-size M` runs M engines in this process, each on its own M-th of the
+devices (TP devices each) with its own copy of the weights, KV pool and prefix cache; each request
+goes to the engine holding the fewest requests (`serve.data_parallel`), /metrics and /stats sum them.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import DEFAULT_MAX_SCORE_TOKENS, Engine, EngineError
 from gemma4_nnx.serve.connections import http_protocol
+from gemma4_nnx.serve.data_parallel import DataParallelEngines, copy_model, device_groups
 from gemma4_nnx.serve.guard import (
     BODY_SCOPE_KEY,
     DEFAULT_BODY_TIMEOUT,
@@ -130,7 +134,7 @@ _ERRORS = {
 
 
 def create_app(
-    engine: Engine,
+    engine: Engine | DataParallelEngines,
     model_name: str,
     *,
     warmup: bool = True,
@@ -151,8 +155,9 @@ def create_app(
     lora_root: str | None = None,
     admin_key: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app. `warmup`: run one real generation at start-up; /ready is 503 until it
-    has succeeded. `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
+    """The FastAPI app over `engine` (or data-parallel engines: `serve.data_parallel`). `warmup`: run
+    one real generation at start-up (on every engine); /ready is 503 until it has succeeded.
+    `api_key`, `max_body_bytes`: checked before the routes (`guard.Guard`);
     `max_prompts`: prompts one completion request may carry; `max_concurrent_requests`: prompts in
     flight (queued or decoding) beyond which requests get 429; `body_timeout`: seconds to receive a
     request body (408 after); `queue_timeout`: seconds a request may wait for its first token (503
@@ -188,10 +193,11 @@ def create_app(
     def run_warmup() -> None:
         tok = engine.tokenizer
         bos = tok.bos_id if tok is not None and tok.bos_id is not None else engine.model.config.bos_token_id
-        try:
-            tokens, _, reason, _ = engine.submit([int(bos)], 2, temperature=0.0, stop_tokens=[]).result()
-            if len(tokens) != 2 or reason != "length":
-                raise EngineError(f"warm-up generated {tokens} ({reason}), expected 2 tokens")
+        try:  # every engine of a data-parallel server (`serve.data_parallel`) generates once
+            for one in getattr(engine, "engines", [engine]):
+                tokens, _, reason, _ = one.submit([int(bos)], 2, temperature=0.0, stop_tokens=[]).result()
+                if len(tokens) != 2 or reason != "length":
+                    raise EngineError(f"warm-up generated {tokens} ({reason}), expected 2 tokens")
             state["ready"] = True
         except Exception as e:
             state["warmup_error"] = f"{type(e).__name__}: {e}"
@@ -279,6 +285,13 @@ def create_app(
             max_length=engine.max_length,
             compiled_programs=engine.compiled_programs(),
             ready=state["ready"],
+            # data parallel: each engine's own (the totals above are their sums)
+            engines=[
+                dict(active_rows=e.active_rows, pending=e.pending, routed=n, **dataclasses.asdict(e.stats))
+                for e, n in zip(engine.engines, engine.routed)
+            ]
+            if isinstance(engine, DataParallelEngines)
+            else None,
         )
 
     @app.get("/v1/models", response_model=ModelList)
@@ -427,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt is prefilled a chunk at a time between the running streams' tokens",
     )
     p.add_argument(
+        "--target-itl-ms",
+        type=float,
+        help="the inter-token latency (ms) running streams should keep while new prompts prefill beside them: "
+        "the engine measures its decode steps and prefill chunks and prefills, between two steps, the widest "
+        "chunk (16 columns up to the chunk) that fits the target, at least 16 columns a step; a new prompt's "
+        "first token comes later. Default: off (one whole chunk per step; outputs exactly generate's)",
+    )
+    p.add_argument(
         "--kv-cache-mb",
         type=int,
         help="device memory for the global layers' KV block pool (MiB): rows take blocks of 32 tokens as "
@@ -483,6 +504,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="shard the weights and KV cache over N local devices (default 1)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N engines in this server, each with its own copy of the weights and KV pool on its own "
+        "--tensor-parallel-size devices (N x TP devices in all); each request goes to the engine holding "
+        "the fewest (default 1; docs/deploy.md)",
     )
     p.add_argument(
         "--speculative-config",
@@ -682,8 +712,10 @@ def _check_rank(shapes: dict, rank: int) -> None:
         raise ValueError(f"has rank {worst}, above --max-lora-rank {rank}: start with --max-lora-rank {worst} or more")
 
 
-def make_engine(args: argparse.Namespace) -> Engine:
-    """Load the checkpoint (sharded with --tensor-parallel-size) and start the engine over it."""
+def make_engine(args: argparse.Namespace) -> Engine | DataParallelEngines:
+    """Load the checkpoint (sharded with --tensor-parallel-size) and start the engine over it; with
+    --data-parallel-size N, N engines (each on its own group of devices, the weights copied device to
+    device) behind one router (`serve.data_parallel`)."""
     from gemma4_nnx.io.checkpoint import load_options
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.tokenizer import load_tokenizer
@@ -694,9 +726,9 @@ def make_engine(args: argparse.Namespace) -> Engine:
         raise ValueError(f"--kv-cache-mb must be >= 1 (MiB), got {args.kv_cache_mb}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    mesh = None
-    tp = args.tensor_parallel_size
-    if tp != 1:
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    meshes, groups = [None], None
+    if tp != 1 or dp != 1:
         import jax
 
         from gemma4_nnx.sharding import make_mesh
@@ -706,7 +738,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
                 f"--tensor-parallel-size {tp}: this machine has {len(jax.devices())} "
                 f"{jax.default_backend()} device(s); pass at most that many"
             )
-        mesh = make_mesh(fsdp=1, tp=tp)
+        groups = device_groups(jax.devices(), dp, tp)
+        meshes = [make_mesh(fsdp=1, tp=tp, devices=g) if tp > 1 else None for g in groups]
     speculative = None
     if args.speculative_config:
         try:
@@ -716,33 +749,44 @@ def make_engine(args: argparse.Namespace) -> Engine:
     max_loras = len(args.lora_modules) if args.max_loras is None else args.max_loras
     if max_loras < len(args.lora_modules):
         raise ValueError(f"--max-loras {max_loras} is fewer than the {len(args.lora_modules)} --lora-modules")
-    if max_loras and mesh is not None:
-        raise ValueError(
-            "--lora-modules / --max-loras: LoRA adapters are not served with --tensor-parallel-size > 1; serve "
-            "them on one device, or merge an adapter into the weights (gemma4_nnx.train.finetune.merge_lora)"
-        )
     if args.max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-    model = load_any(args.checkpoint, mesh=mesh, **load_options(args))
-    kv_bytes = _kv_pool_bytes(args, model, mesh)
-    engine = Engine(
-        model,
-        tokenizer,
-        max_batch=args.max_batch,
-        max_length=args.max_length,
-        prefill_chunk=args.prefill_chunk,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_score_tokens=args.max_score_tokens,
-        precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
-        mesh=mesh,
-        speculative=speculative,
-        prefix_cache_bytes=args.prefix_cache_mb << 20,
-        kv_cache_bytes=kv_bytes,
-        cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        max_loras=max_loras,
-        max_lora_rank=args.max_lora_rank,
-    )
+    placement = {"mesh": meshes[0]}
+    if groups is not None and meshes[0] is None:  # one device per engine: the first engine's
+        import jax
+
+        placement = {"sharding": jax.sharding.SingleDeviceSharding(groups[0][0])}
+    model = load_any(args.checkpoint, **placement, **load_options(args))
+    engines = []
+    try:
+        for i, mesh in enumerate(meshes):
+            own = model if i == 0 else copy_model(model, groups[i], mesh)
+            engines.append(
+                Engine(
+                    own,
+                    tokenizer,
+                    max_batch=args.max_batch,
+                    max_length=args.max_length,
+                    prefill_chunk=args.prefill_chunk,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    target_itl_ms=args.target_itl_ms,
+                    max_score_tokens=args.max_score_tokens,
+                    precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
+                    mesh=mesh,
+                    speculative=speculative,
+                    prefix_cache_bytes=args.prefix_cache_mb << 20,
+                    kv_cache_bytes=_kv_pool_bytes(args, own, mesh, quiet=i > 0),
+                    cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+                    max_loras=max_loras,
+                    max_lora_rank=args.max_lora_rank,
+                )
+            )
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
+    engine = engines[0] if len(engines) == 1 else DataParallelEngines(engines)
     try:
         for name, path in args.lora_modules:  # a bad adapter stops the start-up, named
             engine.load_adapter(name, path)
@@ -752,9 +796,10 @@ def make_engine(args: argparse.Namespace) -> Engine:
     return engine
 
 
-def _kv_pool_bytes(args: argparse.Namespace, model, mesh) -> int | None:
+def _kv_pool_bytes(args: argparse.Namespace, model, mesh, quiet: bool = False) -> int | None:
     """--kv-cache-mb, else the pool the devices' free memory leaves after the weights
-    (`memory.kv_cache_bytes`; None: the engine's default, on a device that reports no memory)."""
+    (`memory.kv_cache_bytes`; None: the engine's default, on a device that reports no memory).
+    `quiet`: print nothing (the data-parallel engines after the first)."""
     if args.kv_cache_mb is not None:
         return args.kv_cache_mb << 20
     cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
@@ -767,7 +812,7 @@ def _kv_pool_bytes(args: argparse.Namespace, model, mesh) -> int | None:
         cache_dtype=cache_dtype,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
     )
-    if nbytes is not None:
+    if nbytes is not None and not quiet:
         from gemma4_nnx.decode.blocks import BLOCK_SIZE
         from gemma4_nnx.model.cache import token_bytes
 
@@ -811,7 +856,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(
         f"gemma4-serve: {name} on {_address(args)}/v1 (max_batch={engine.max_batch}, "
-        f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}); /ready turns 200 "
+        f"max_length={engine.max_length}, tensor_parallel_size={args.tensor_parallel_size}, "
+        f"data_parallel_size={args.data_parallel_size}); /ready turns 200 "
         "after the warm-up generation",
         file=sys.stderr,
     )

@@ -40,6 +40,17 @@ def _bytes_on(model, device) -> int:
     return total
 
 
+def _device_of(model):
+    """The device `model`'s weights are on (one device, no mesh: a data-parallel engine's may not be
+    the default device)."""
+    from flax import nnx
+
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        if isinstance(leaf, jax.Array):
+            return min(leaf.devices(), key=lambda d: d.id)
+    return jax.devices()[0]
+
+
 def kv_cache_bytes(
     model,
     *,
@@ -54,7 +65,7 @@ def kv_cache_bytes(
     """Bytes for `Engine(kv_cache_bytes=...)`: the whole pool (over all devices of `mesh`), sized from
     the devices' free memory after `model`'s weights (module docstring). None where the devices'
     memory is unknown (the engine's default then). `limit`: each device's size in bytes, instead of
-    `memory_stats()` / `GEMMA4_DEVICE_MEMORY`.
+    `memory_stats()` / `GEMMA4_DEVICE_MEMORY`. Without `mesh`: the device the weights are on.
 
     Raises ValueError naming `utilization` outside (0, 1], and `DeviceMemoryError` when nothing is
     left for one block after the weights, naming the flags that make room."""
@@ -66,7 +77,7 @@ def kv_cache_bytes(
     per_token = token_bytes(config, dtype)
     if per_token == 0:  # no global layer: nothing is paged
         return None
-    devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
+    devices = list(mesh.devices.flat) if mesh is not None else [_device_of(model)]
     sizes = [device_memory(d, limit) for d in devices]
     if any(m is None for m in sizes):
         return None

@@ -110,23 +110,38 @@ class _EngineCollector:
             ),
         ):
             yield GaugeMetricFamily(f"gemma4_{name}", doc, value=value)
-        if e.prefix is not None:
-            ps = e.prefix.stats
-            for name, doc, value in (
-                ("prefix_cache_lookups", "Prompts looked up in the prefix cache", ps.lookups),
-                ("prefix_cache_hits", "Prompts that continued a cached prefix", ps.hits),
+        engines = getattr(e, "engines", [e])  # data parallel (`serve.data_parallel`): every engine's, summed
+        prefixes = [x.prefix for x in engines if x.prefix is not None]
+        if prefixes:
+            for name, doc, field in (
+                ("prefix_cache_lookups", "Prompts looked up in the prefix cache", "lookups"),
+                ("prefix_cache_hits", "Prompts that continued a cached prefix", "hits"),
                 (
                     "prefix_cache_reused_tokens",
                     "Prompt tokens not prefilled thanks to the prefix cache",
-                    ps.reused_tokens,
+                    "reused_tokens",
                 ),
-                ("prefix_cache_evictions", "Prefix snapshots dropped for room", ps.evicted),
+                ("prefix_cache_evictions", "Prefix snapshots dropped for room", "evicted"),
             ):
-                yield CounterMetricFamily(f"gemma4_{name}", doc, value=value)
+                yield CounterMetricFamily(f"gemma4_{name}", doc, value=sum(getattr(p.stats, field) for p in prefixes))
             yield GaugeMetricFamily(
-                "gemma4_prefix_cache_bytes", "Device bytes held by prefix snapshots", value=e.prefix.nbytes
+                "gemma4_prefix_cache_bytes",
+                "Device bytes held by prefix snapshots",
+                value=sum(p.nbytes for p in prefixes),
             )
-            yield GaugeMetricFamily("gemma4_prefix_cache_entries", "Prefix snapshots held", value=len(e.prefix))
+            yield GaugeMetricFamily(
+                "gemma4_prefix_cache_entries", "Prefix snapshots held", value=sum(map(len, prefixes))
+            )
+        if len(engines) > 1:
+            load = GaugeMetricFamily(
+                "gemma4_engine_requests",
+                "Requests each data-parallel engine holds, by state (the router sends to the fewest)",
+                labels=["engine", "state"],
+            )
+            for i, x in enumerate(engines):
+                load.add_metric([str(i), "running"], x.active_rows)
+                load.add_metric([str(i), "waiting"], x.pending)
+            yield load
         compiled = GaugeMetricFamily(
             "gemma4_compiled_programs", "Programs this engine compiled, by kind", labels=["kind"]
         )
