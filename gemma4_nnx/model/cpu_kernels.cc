@@ -1124,6 +1124,157 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
   }
 }
 
+// ---------------------------------------------------------------------------- K-quant / Q5_0 blocks in registers
+// The decode kernel's fused product for GGUF blocks held as stored (Q4_K, Q6_K, Q5_0: the bulk of a
+// Q4_K_M file besides its Q8_0 table), reading each block's bytes straight into 32-bit lanes: no block
+// is decoded to memory first. Lane for lane, group for group, the float32 arithmetic of `qdot_block` on
+// the decoded codes and scales (same codes in the same lanes, same x, same order of sums), so the result
+// is bit for bit the decoded layout's:
+//  - Q4_K: 4 runs of 32 bytes, low nibbles sub-block 2r, high 2r + 1. Read as 16 little-endian u16
+//    lanes, lane j holds bytes 2j and 2j + 1: elements 2j and 2j + 1 of both sub-blocks, i.e. the lo /
+//    hi halves of our int4 order (the permuted x of the int4 path matches them);
+//  - Q6_K: group g of 16 = 16 bytes of ql (a nibble) and 16 of qh (two bits), code - 32;
+//  - Q5_0: 16 bytes of nibbles (low: elements 0-15, high: 16-31) and the fifth bits of a u32.
+#if defined(__AVX512F__)
+typedef __m512i i32x16;
+inline i32x16 lanes_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline i32x16 lanes_u16(const uint8_t* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline i32x16 lanes_and(i32x16 a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+inline i32x16 lanes_or(i32x16 a, i32x16 b) { return _mm512_or_si512(a, b); }
+inline i32x16 lanes_shr(i32x16 a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline i32x16 lanes_shl(i32x16 a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline i32x16 lanes_srlv(i32x16 a, i32x16 n) { return _mm512_srlv_epi32(a, n); }
+inline i32x16 lanes_set(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+inline i32x16 lanes_iota(int base) {
+  return _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(base));
+}
+inline f32x16 lanes_f32(i32x16 a, int minus) { return to_f32(_mm512_sub_epi32(a, _mm512_set1_epi32(minus))); }
+#elif defined(__AVX2__)
+struct i32x16 {
+  __m256i lo, hi;
+};
+inline i32x16 lanes_u8(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))};
+}
+inline i32x16 lanes_u16(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1))};
+}
+inline i32x16 lanes_and(i32x16 a, int m) {
+  const __m256i v = _mm256_set1_epi32(m);
+  return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
+}
+inline i32x16 lanes_or(i32x16 a, i32x16 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline i32x16 lanes_shr(i32x16 a, int n) {
+  const __m128i c = _mm_cvtsi32_si128(n);
+  return {_mm256_srl_epi32(a.lo, c), _mm256_srl_epi32(a.hi, c)};
+}
+inline i32x16 lanes_shl(i32x16 a, int n) {
+  const __m128i c = _mm_cvtsi32_si128(n);
+  return {_mm256_sll_epi32(a.lo, c), _mm256_sll_epi32(a.hi, c)};
+}
+inline i32x16 lanes_srlv(i32x16 a, i32x16 n) { return {_mm256_srlv_epi32(a.lo, n.lo), _mm256_srlv_epi32(a.hi, n.hi)}; }
+inline i32x16 lanes_set(uint32_t v) { return {_mm256_set1_epi32(static_cast<int>(v)), _mm256_set1_epi32(static_cast<int>(v))}; }
+inline i32x16 lanes_iota(int base) {
+  const __m256i b = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(base));
+  return {b, _mm256_add_epi32(b, _mm256_set1_epi32(8))};
+}
+inline f32x16 lanes_f32(i32x16 a, int minus) {
+  const __m256i m = _mm256_set1_epi32(minus);
+  return join_i32(_mm256_sub_epi32(a.lo, m), _mm256_sub_epi32(a.hi, m));
+}
+#else
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+inline i32x16 lanes_u8(const uint8_t* p) {
+  u8x16 b;
+  std::memcpy(&b, p, 16);
+  return __builtin_convertvector(b, i32x16);
+}
+inline i32x16 lanes_u16(const uint8_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, 32);
+  return __builtin_convertvector(h, i32x16);
+}
+inline i32x16 lanes_and(i32x16 a, int m) { return a & m; }
+inline i32x16 lanes_or(i32x16 a, i32x16 b) { return a | b; }
+inline i32x16 lanes_shr(i32x16 a, int n) { return a >> n; }  // lanes hold small non-negative values
+inline i32x16 lanes_shl(i32x16 a, int n) { return a << n; }
+inline i32x16 lanes_srlv(i32x16 a, i32x16 n) { return a >> n; }
+inline i32x16 lanes_set(uint32_t v) { return i32x16{} + static_cast<int32_t>(v); }
+inline i32x16 lanes_iota(int base) {
+  return i32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + base;
+}
+inline f32x16 lanes_f32(i32x16 a, int minus) { return __builtin_convertvector(a - minus, f32x16); }
+#endif
+
+template <int MB, int RAW>
+void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum, float* __restrict__ out,
+              int64_t N, int64_t n0, int64_t n1, int64_t m0) {
+  static_assert(RAW == 12 || RAW == 14 || RAW == 6, "Q4_K, Q6_K or Q5_0");
+  constexpr int EL = RAW == 6 ? 32 : 256, BY = RAW == 12 ? 144 : RAW == 14 ? 210 : 22;
+  constexpr int GPB = RAW == 12 ? 8 : RAW == 14 ? 16 : 1;  // groups per block
+  const int64_t K = q.K, G = K / q.group, B = K / EL;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = q.row_codes(n);
+    f32x16 acc[MB];
+    float corr[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* src = c + b * BY;
+      __builtin_prefetch(src + 2 * q.code_cols);  // two rows ahead (see cols_task)
+      __builtin_prefetch(src + 2 * q.code_cols + 64);
+      if constexpr (BY > 128) __builtin_prefetch(src + 2 * q.code_cols + 128);
+      if constexpr (BY > 192) __builtin_prefetch(src + 2 * q.code_cols + 192);
+      float sc[GPB], mn[GPB];
+      if constexpr (RAW == 12) {
+        k_scales(src, sc, mn);
+      } else if constexpr (RAW == 14) {
+        const float d = half_to_float(src + 208);
+        for (int g = 0; g < 16; ++g) sc[g] = d * static_cast<float>(static_cast<int8_t>(src[192 + g]));
+      } else {
+        sc[0] = half_to_float(src);
+      }
+      for (int gb = 0; gb < GPB; ++gb) {
+        const int64_t g = b * GPB + gb, k = g * q.group;
+        f32x16 ga[MB];
+        for (int m = 0; m < MB; ++m) ga[m] = f32x16{};
+        if constexpr (RAW == 12) {  // sub-blocks 2r (gb even: low nibbles) and 2r + 1 (high)
+          const i32x16 v = lanes_u16(src + 16 + 32 * (gb / 2)), w = gb % 2 ? lanes_shr(v, 4) : v;
+          const f32x16 lo = lanes_f32(lanes_and(w, 0x0F), 0), hi = lanes_f32(lanes_and(lanes_shr(w, 8), 0x0F), 0);
+          for (int m = 0; m < MB; ++m) {
+            const float* xm = xp + (m0 + m) * K + k;
+            ga[m] += lo * load_f32(xm) + hi * load_f32(xm + 16);
+          }
+        } else if constexpr (RAW == 14) {  // elements 128h + 32 t4 + 16 (gb % 2) + i
+          const int h = gb / 8, t4 = gb % 8 / 2, i0 = 16 * (gb % 2);
+          const i32x16 lo = lanes_and(lanes_shr(lanes_u8(src + 64 * h + 32 * (t4 % 2) + i0), 4 * (t4 / 2)), 0x0F);
+          const i32x16 hi = lanes_and(lanes_shr(lanes_u8(src + 128 + 32 * h + i0), 2 * t4), 3);
+          const f32x16 wv = lanes_f32(lanes_or(lo, lanes_shl(hi, 4)), 32);
+          for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k);
+        } else {  // Q5_0: elements 0-15 low nibbles, 16-31 high; bit j of qh: element j's fifth bit
+          uint32_t qh;
+          std::memcpy(&qh, src + 2, 4);
+          const i32x16 qs = lanes_u8(src + 6), hv = lanes_set(qh);
+          for (int half = 0; half < 2; ++half) {
+            const i32x16 nib = half ? lanes_shr(qs, 4) : lanes_and(qs, 0x0F);
+            const i32x16 fifth = lanes_and(lanes_srlv(hv, lanes_iota(16 * half)), 1);
+            const f32x16 wv = lanes_f32(lanes_or(nib, lanes_shl(fifth, 4)), 16);
+            for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k + 16 * half);
+          }
+        }
+        for (int m = 0; m < MB; ++m) {
+          acc[m] += ga[m] * sc[gb];
+          if constexpr (RAW == 12) corr[m] += mn[gb] * xsum[(m0 + m) * G + g];
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum_q(acc[m]) - corr[m];
+  }
+}
+
 // ---------------------------------------------------------------------------- int8 activations
 // Opt-in (`act8`, Matmul(int8_activations=True)) at decode row counts: each row of x is quantized to
 // int8 per block of 32 columns, as llama.cpp's Q8_0 (s = max|x| / 127, q = round-half-even(x * (127 /
@@ -1754,12 +1905,12 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
           const float *x = xp.data(), *xs = xsum.data();
           switch (q.block) {
             case 8: return qdot_block<MB, 8, false, 8>(q, x, xs, Y, N, n0, n1, m);
-            case 6: return qdot_block<MB, 8, false, 6>(q, x, xs, Y, N, n0, n1, m);
+            case 6: return qdot_raw<MB, 6>(q, x, xs, Y, N, n0, n1, m);
             case 2: return qdot_block<MB, 4, false, 2>(q, x, xs, Y, N, n0, n1, m);
             case 3: return qdot_block<MB, 4, true, 3>(q, x, xs, Y, N, n0, n1, m);
-            case 12: return qdot_block<MB, 4, true, 12>(q, x, xs, Y, N, n0, n1, m);
+            case 12: return qdot_raw<MB, 12>(q, x, xs, Y, N, n0, n1, m);
             case 13: return qdot_block<MB, 8, true, 13>(q, x, xs, Y, N, n0, n1, m);
-            case 14: return qdot_block<MB, 8, false, 14>(q, x, xs, Y, N, n0, n1, m);
+            case 14: return qdot_raw<MB, 14>(q, x, xs, Y, N, n0, n1, m);
           }
         });
       });
