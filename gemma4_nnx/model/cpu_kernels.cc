@@ -1210,13 +1210,48 @@ inline i32x16 lanes_iota(int base) {
 inline f32x16 lanes_f32(i32x16 a, int minus) { return __builtin_convertvector(a - minus, f32x16); }
 #endif
 
+// out[j] = the float16 at base + stride * j, j < 16 (the scales of 16 consecutive 32-element blocks): one
+// gather and one conversion instead of 16 scalar conversions (a scalar float16 per 32 weights was half
+// again the work of a Q8_0 decode product).
+inline void halves16(const uint8_t* base, int stride, float* out) {
+#if defined(__AVX512F__)
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(stride));
+  const __m512i g = _mm512_i32gather_epi32(idx, base, 1);  // 4 bytes from each: the float16 is the low 2
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i a = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, 1), lo16);
+  const __m256i b =
+      _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base + 8 * stride), idx, 1), lo16);
+  const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);  // a's 8 halves, then b's
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm256_castsi256_si128(p)));
+  _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1)));
+#else
+  for (int j = 0; j < 16; ++j) out[j] = half_to_float(base + stride * j);
+#endif
+}
+
+// f(std::integral_constant<int, i>{}) for i = 0 .. N - 1: the block's groups with constant shifts and offsets.
+template <typename F, int... I>
+inline void static_for_seq(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+inline void static_for(F&& f) {
+  static_for_seq(f, std::make_integer_sequence<int, N>{});
+}
+
 template <int MB, int RAW>
 void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum, float* __restrict__ out,
               int64_t N, int64_t n0, int64_t n1, int64_t m0) {
-  static_assert(RAW == 12 || RAW == 14 || RAW == 6, "Q4_K, Q6_K or Q5_0");
-  constexpr int EL = RAW == 6 ? 32 : 256, BY = RAW == 12 ? 144 : RAW == 14 ? 210 : 22;
+  static_assert(RAW == 12 || RAW == 14 || RAW == 6 || RAW == 8, "Q4_K, Q6_K, Q5_0 or Q8_0");
+  constexpr bool KQ = RAW == 12 || RAW == 14;
+  constexpr int EL = KQ ? 256 : 32, BY = RAW == 12 ? 144 : RAW == 14 ? 210 : RAW == 6 ? 22 : 34;
   constexpr int GPB = RAW == 12 ? 8 : RAW == 14 ? 16 : 1;  // groups per block
   const int64_t K = q.K, G = K / q.group, B = K / EL;
+  alignas(64) float d16[16];  // Q5_0 / Q8_0: the scales of the next 16 blocks
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = q.row_codes(n);
     f32x16 acc[MB];
@@ -1224,20 +1259,36 @@ void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __res
     for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
     for (int64_t b = 0; b < B; ++b) {
       const uint8_t* src = c + b * BY;
+      if constexpr (!KQ) {
+        if (b % 16 == 0) {
+          if (b + 16 <= B)
+            halves16(src, BY, d16);
+          else
+            for (int64_t j = b; j < B; ++j) d16[j - b] = half_to_float(c + j * BY);
+        }
+      }
       __builtin_prefetch(src + 2 * q.code_cols);  // two rows ahead (see cols_task)
       __builtin_prefetch(src + 2 * q.code_cols + 64);
       if constexpr (BY > 128) __builtin_prefetch(src + 2 * q.code_cols + 128);
       if constexpr (BY > 192) __builtin_prefetch(src + 2 * q.code_cols + 192);
-      float sc[GPB], mn[GPB];
-      if constexpr (RAW == 12) {
-        k_scales(src, sc, mn);
+      alignas(64) float sc[16], mn[8];  // the groups' scales (and mins): the float32 products decode forms
+      if constexpr (RAW == 12) {  // the 6-bit scales and mins unpacked as llama.cpp does (kmask1..3)
+        uint32_t u[4];
+        std::memcpy(u, src + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
+        const uint32_t m4 = u[1] & 0x3F3F3F3F;
+        u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
+        u[2] = m4, u[0] &= 0x3F3F3F3F;  // bytes: scales 0-7, then mins 0-7
+        store_f32(sc, widen_codes8(reinterpret_cast<const uint8_t*>(u), true));
+        const float d = half_to_float(src), dmin = half_to_float(src + 2);
+        for (int j = 0; j < 8; ++j) mn[j] = dmin * sc[8 + j], sc[j] = d * sc[j];
       } else if constexpr (RAW == 14) {
-        const float d = half_to_float(src + 208);
-        for (int g = 0; g < 16; ++g) sc[g] = d * static_cast<float>(static_cast<int8_t>(src[192 + g]));
+        store_f32(sc, widen_codes8(src + 192, false) * half_to_float(src + 208));
       } else {
-        sc[0] = half_to_float(src);
+        sc[0] = d16[b % 16];
       }
-      for (int gb = 0; gb < GPB; ++gb) {
+      static_for<GPB>([&](auto gb_c) {
+        constexpr int gb = decltype(gb_c)::value;
         const int64_t g = b * GPB + gb, k = g * q.group;
         f32x16 ga[MB];
         for (int m = 0; m < MB; ++m) ga[m] = f32x16{};
@@ -1254,6 +1305,16 @@ void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __res
           const i32x16 hi = lanes_and(lanes_shr(lanes_u8(src + 128 + 32 * h + i0), 2 * t4), 3);
           const f32x16 wv = lanes_f32(lanes_or(lo, lanes_shl(hi, 4)), 32);
           for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k);
+        } else if constexpr (RAW == 8) {  // Q8_0: 32 int8 codes after d
+#if defined(__AVX512F__)  // one 32-byte load (the codes sit at 2 + 34 b: fewer loads split over cache lines)
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2));
+          const f32x16 wv2[2] = {to_f32(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
+                                 to_f32(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)))};
+#else
+          const f32x16 wv2[2] = {widen_codes8(src + 2, false), widen_codes8(src + 18, false)};
+#endif
+          for (int half = 0; half < 2; ++half)
+            for (int m = 0; m < MB; ++m) ga[m] += wv2[half] * load_f32(xp + (m0 + m) * K + k + 16 * half);
         } else {  // Q5_0: elements 0-15 low nibbles, 16-31 high; bit j of qh: element j's fifth bit
           uint32_t qh;
           std::memcpy(&qh, src + 2, 4);
@@ -1269,7 +1330,7 @@ void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __res
           acc[m] += ga[m] * sc[gb];
           if constexpr (RAW == 12) corr[m] += mn[gb] * xsum[(m0 + m) * G + g];
         }
-      }
+      });
     }
     for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum_q(acc[m]) - corr[m];
   }
@@ -1904,7 +1965,7 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
           constexpr int MB = decltype(mb)::value;
           const float *x = xp.data(), *xs = xsum.data();
           switch (q.block) {
-            case 8: return qdot_block<MB, 8, false, 8>(q, x, xs, Y, N, n0, n1, m);
+            case 8: return qdot_raw<MB, 8>(q, x, xs, Y, N, n0, n1, m);
             case 6: return qdot_raw<MB, 6>(q, x, xs, Y, N, n0, n1, m);
             case 2: return qdot_block<MB, 4, false, 2>(q, x, xs, Y, N, n0, n1, m);
             case 3: return qdot_block<MB, 4, true, 3>(q, x, xs, Y, N, n0, n1, m);
