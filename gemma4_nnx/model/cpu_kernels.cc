@@ -9,7 +9,8 @@
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
 //   gemma4_bf16_take: out[i] = float32(table[ids[i]])  (the token lookup)
 //   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py),
-//                      or GGUF blocks as a file stores them (`block`: decoded a few rows at a time);
+//                      or GGUF blocks as a file stores them (`block`: read in place by the decode rows,
+//                      `qdot_raw`; decoded a few rows at a time by the others);
 //                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
 //                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2); with blocks,
 //                      llama.cpp's arithmetic on them in place (Q8_K / Q8_0 / Q8_1 activations, `llama_rows`)
@@ -1060,9 +1061,9 @@ inline void dequant_row(const uint8_t* c, const float* sc, const float* mn, int6
 // with x; each group's partial sums take its scale once (and, asymmetric, subtract min * sum(x over the
 // group), precomputed per row of x). For int4 the 16 low nibbles of 16 bytes are elements 0, 2, .., 30
 // of a 32-wide chunk and the high nibbles 1, 3, .., 31, so x is permuted once per call to match.
-// RAW (a GGML type number): GGUF blocks read in place. Q8_0: group g's float16 scale at 34 g, its 32 codes
-// after it; other types: each block decoded on the stack when the loop reaches it (`decode_blocks`:
-// codes, scales and mins of its groups), so no row passes through a buffer in memory.
+// RAW (a GGML type number; Q4_0, Q4_1 and Q5_K here, the others take `qdot_raw` below): GGUF blocks, each
+// decoded on the stack when the loop reaches it (`decode_blocks`: codes, scales and mins of its groups), so
+// no row passes through a buffer in memory.
 template <int MB, int BITS, bool ASYM, int RAW = 0>
 void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum,
                 float* __restrict__ out, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
@@ -1210,28 +1211,19 @@ inline i32x16 lanes_iota(int base) {
 inline f32x16 lanes_f32(i32x16 a, int minus) { return __builtin_convertvector(a - minus, f32x16); }
 #endif
 
-// out[j] = the float16 at base + stride * j, j < 16 (the scales of 16 consecutive 32-element blocks): one
-// gather and one conversion instead of 16 scalar conversions (a scalar float16 per 32 weights was half
-// again the work of a Q8_0 decode product).
-inline void halves16(const uint8_t* base, int stride, float* out) {
-#if defined(__AVX512F__)
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(stride));
-  const __m512i g = _mm512_i32gather_epi32(idx, base, 1);  // 4 bytes from each: the float16 is the low 2
-  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
-#elif defined(__AVX2__) && defined(__F16C__)
-  const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
-  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
-  const __m256i a = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, 1), lo16);
-  const __m256i b =
-      _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base + 8 * stride), idx, 1), lo16);
-  const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);  // a's 8 halves, then b's
-  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm256_castsi256_si128(p)));
-  _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1)));
-#else
-  for (int j = 0; j < 16; ++j) out[j] = half_to_float(base + stride * j);
-#endif
-}
+// kHalf.v[h] = the float32 value of float16 bits h (exact, as half_to_float): a Q8_0 / Q5_0 block's d read
+// as one table load folded into the product, where a conversion per 32 weights was half again the work
+// of a Q8_0 decode product (256 KB; the d values of a matrix touch few of its lines).
+struct HalfTable {
+  float v[65536];
+  HalfTable() {
+    for (uint32_t h = 0; h < 65536; ++h) {
+      const uint8_t b[2] = {static_cast<uint8_t>(h & 0xFF), static_cast<uint8_t>(h >> 8)};
+      v[h] = half_to_float(b);
+    }
+  }
+};
+const HalfTable kHalf;
 
 // f(std::integral_constant<int, i>{}) for i = 0 .. N - 1: the block's groups with constant shifts and offsets.
 template <typename F, int... I>
@@ -1251,42 +1243,18 @@ void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __res
   constexpr int EL = KQ ? 256 : 32, BY = RAW == 12 ? 144 : RAW == 14 ? 210 : RAW == 6 ? 22 : 34;
   constexpr int GPB = RAW == 12 ? 8 : RAW == 14 ? 16 : 1;  // groups per block
   const int64_t K = q.K, G = K / q.group, B = K / EL;
-  alignas(64) float d16[16];  // Q5_0 / Q8_0: the scales of the next 16 blocks
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = q.row_codes(n);
     f32x16 acc[MB];
     float corr[MB];
     for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
-    for (int64_t b = 0; b < B; ++b) {
+    // block b with its groups' scales scb (and mins mnb): the float32 products decode forms
+    auto block = [&](int64_t b, const float* scb, const float* mnb) {
       const uint8_t* src = c + b * BY;
-      if constexpr (!KQ) {
-        if (b % 16 == 0) {
-          if (b + 16 <= B)
-            halves16(src, BY, d16);
-          else
-            for (int64_t j = b; j < B; ++j) d16[j - b] = half_to_float(c + j * BY);
-        }
-      }
       __builtin_prefetch(src + 2 * q.code_cols);  // two rows ahead (see cols_task)
-      __builtin_prefetch(src + 2 * q.code_cols + 64);
+      if constexpr (BY > 64) __builtin_prefetch(src + 2 * q.code_cols + 64);
       if constexpr (BY > 128) __builtin_prefetch(src + 2 * q.code_cols + 128);
       if constexpr (BY > 192) __builtin_prefetch(src + 2 * q.code_cols + 192);
-      alignas(64) float sc[16], mn[8];  // the groups' scales (and mins): the float32 products decode forms
-      if constexpr (RAW == 12) {  // the 6-bit scales and mins unpacked as llama.cpp does (kmask1..3)
-        uint32_t u[4];
-        std::memcpy(u, src + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t m4 = u[1] & 0x3F3F3F3F;
-        u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = m4, u[0] &= 0x3F3F3F3F;  // bytes: scales 0-7, then mins 0-7
-        store_f32(sc, widen_codes8(reinterpret_cast<const uint8_t*>(u), true));
-        const float d = half_to_float(src), dmin = half_to_float(src + 2);
-        for (int j = 0; j < 8; ++j) mn[j] = dmin * sc[8 + j], sc[j] = d * sc[j];
-      } else if constexpr (RAW == 14) {
-        store_f32(sc, widen_codes8(src + 192, false) * half_to_float(src + 208));
-      } else {
-        sc[0] = d16[b % 16];
-      }
       static_for<GPB>([&](auto gb_c) {
         constexpr int gb = decltype(gb_c)::value;
         const int64_t g = b * GPB + gb, k = g * q.group;
@@ -1327,10 +1295,36 @@ void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __res
           }
         }
         for (int m = 0; m < MB; ++m) {
-          acc[m] += ga[m] * sc[gb];
-          if constexpr (RAW == 12) corr[m] += mn[gb] * xsum[(m0 + m) * G + g];
+          acc[m] += ga[m] * scb[gb];
+          if constexpr (RAW == 12) corr[m] += mnb[gb] * xsum[(m0 + m) * G + g];
         }
       });
+    };
+    if constexpr (KQ) {
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* src = c + b * BY;
+        alignas(64) float sc[16], mn[8];  // the groups' scales (and mins): the float32 products decode forms
+        if constexpr (RAW == 12) {  // the 6-bit scales and mins unpacked as llama.cpp does (kmask1..3)
+          uint32_t u[4];
+          std::memcpy(u, src + 4, 12);
+          u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
+          const uint32_t m4 = u[1] & 0x3F3F3F3F;
+          u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
+          u[2] = m4, u[0] &= 0x3F3F3F3F;  // bytes: scales 0-7, then mins 0-7
+          store_f32(sc, widen_codes8(reinterpret_cast<const uint8_t*>(u), true));
+          const float d = half_to_float(src), dmin = half_to_float(src + 2);
+          for (int j = 0; j < 8; ++j) mn[j] = dmin * sc[8 + j], sc[j] = d * sc[j];
+        } else {
+          store_f32(sc, widen_codes8(src + 192, false) * half_to_float(src + 208));
+        }
+        block(b, sc, mn);
+      }
+    } else {  // d: a float16 looked up (kHalf) into the product's broadcast operand
+      for (int64_t b = 0; b < B; ++b) {
+        uint16_t h;
+        std::memcpy(&h, c + b * BY, 2);
+        block(b, kHalf.v + h, nullptr);
+      }
     }
     for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum_q(acc[m]) - corr[m];
   }
