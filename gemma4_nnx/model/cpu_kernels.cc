@@ -1286,6 +1286,16 @@ void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __res
         } else {  // Q5_0: elements 0-15 low nibbles, 16-31 high; bit j of qh: element j's fifth bit
           uint32_t qh;
           std::memcpy(&qh, src + 2, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)  // as bytes: code = nibble, less 16 where the bit is clear
+          const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 6)), f = _mm_set1_epi8(0x0F);
+          const __m128i nib[2] = {_mm_and_si128(qs, f), _mm_and_si128(_mm_srli_epi16(qs, 4), f)};
+          const __mmask16 clear[2] = {static_cast<__mmask16>(~qh), static_cast<__mmask16>(~(qh >> 16))};
+          for (int half = 0; half < 2; ++half) {
+            const __m128i code = _mm_mask_sub_epi8(nib[half], clear[half], nib[half], _mm_set1_epi8(16));
+            const f32x16 wv = to_f32(_mm512_cvtepi8_epi32(code));
+            for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k + 16 * half);
+          }
+#else
           const i32x16 qs = lanes_u8(src + 6), hv = lanes_set(qh);
           for (int half = 0; half < 2; ++half) {
             const i32x16 nib = half ? lanes_shr(qs, 4) : lanes_and(qs, 0x0F);
@@ -1293,6 +1303,7 @@ void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __res
             const f32x16 wv = lanes_f32(lanes_or(nib, lanes_shl(fifth, 4)), 16);
             for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k + 16 * half);
           }
+#endif
         }
         for (int m = 0; m < MB; ++m) {
           acc[m] += ga[m] * scb[gb];
