@@ -1,5 +1,5 @@
-"""`--quantize keep` of a GGUF file, its blocks held in memory "stored" (the file's bytes) or "decoded"
-(codes and float32 scales, the default): weights in memory, logits and decode speed of the real
+"""`--quantize keep` of a GGUF file, its blocks held in memory "stored" (the file's bytes, the default) or "decoded"
+(codes and float32 scales): weights in memory, logits and decode speed of the real
 Gemma 3 270M (Q4_K_M file).
 
     .venv/bin/python bench/keep_bytes.py            # ~6 min on 2 cores

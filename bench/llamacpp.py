@@ -45,7 +45,7 @@ OURS = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, sys.argv[1])
 from gemma4_nnx import generate, load
-kept = {"kept_blocks": args["kept_blocks"]} if args.get("kept_blocks") else {}  # default "decoded"
+kept = {"kept_blocks": args["kept_blocks"]} if args.get("kept_blocks") else {}  # default "auto": stored
 model = load(args["ckpt"], matmul=args.get("matmul") or "auto", **kept)
 res = {}
 def timed(b, n):

@@ -354,12 +354,15 @@ def test_q4_k_m_export_with_calibration_writes_weighted_blocks(tmp_path, tokeniz
         to_gguf(model, tmp_path / "x.gguf", tokenizer_dir=src, quantize="q8_0", calibration=text)
 
 
-def test_kept_blocks_load_decoded_by_default_as_the_old_keep_stored_them(tmp_path, tokenizer_dir):
-    """A `keep` checkpoint holds the file's blocks; `load(kept_blocks="decoded")` (the default, also of
-    `load_any` and both CLIs) turns every module held as blocks (projections, expert stacks, token table)
-    into exactly the codes, float32 scales and mins `keep` stored before blocks were held as such
-    (`gguf_blocks.decode_rows` and its format), and gives bit for bit the logits of `kept_blocks="stored"`;
-    any other value is a ValueError naming `kept_blocks` and both choices."""
+def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_them(tmp_path, tokenizer_dir):
+    """A `keep` checkpoint holds the file's blocks, and by default (`kept_blocks="auto"`, also of
+    `load_any` and both CLIs) the model holds them as the file does: its quantized weights take exactly
+    the bytes of the GGUF's quantized tensors (issue 50's bound is 1.02x). `load(kept_blocks="decoded")`
+    turns every module held as blocks (projections, expert stacks, token table) into exactly the codes,
+    float32 scales and mins `keep` stored before blocks were held as such (`gguf_blocks.decode_rows` and
+    its format), and gives bit for bit the logits of the blocks held as stored; "auto" decodes them under
+    matmul="xla_int" (no blocks path there); any other value is a ValueError naming `kept_blocks` and
+    the choices."""
     import dataclasses
 
     from flax import nnx
@@ -375,10 +378,23 @@ def test_kept_blocks_load_decoded_by_default_as_the_old_keep_stored_them(tmp_pat
     src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
     path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
     ckpt = convert(path, tmp_path / "keep", quantize="keep", progress=False)
-    stored, decoded = load(ckpt, kept_blocks="stored"), load_any(ckpt)
+    stored, decoded = load_any(ckpt), load(ckpt, kept_blocks="decoded")
     held, flat = quant.quantization_of(stored), quant.quantization_of(decoded)
     assert sorted(held) == sorted(flat) and {f.block for f in held.values()} >= {"Q4_K", "Q6_K"}
-    assert all(f.block is None for f in flat.values())
+    assert all(f.block is not None for f in held.values()) and all(f.block is None for f in flat.values())
+    assert quant.quantization_of(load(ckpt)) == held
+    assert all(f.block is None for f in quant.quantization_of(load(ckpt, matmul="xla_int")).values())
+    floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type not in floats)
+
+    def held_bytes(model):
+        return sum(
+            sum(v.get_value().nbytes for _, v in nnx.iter_graph(m) if isinstance(v, nnx.Param))
+            for _, m in nnx.iter_graph(model)
+            if isinstance(m, (quant.QuantizedLinear, quant.QuantizedEmbedding, quant.QuantizedStack))
+        )
+
+    assert held_bytes(stored) == file_bytes < held_bytes(decoded), (held_bytes(stored), file_bytes)
     kinds = (quant.QuantizedLinear, quant.QuantizedEmbedding, quant.QuantizedStack)
     groups = {}  # (block type, cols) -> [(path, held, decoded module)]: one decode_rows call per group
     for path_, mod in nnx.iter_graph(stored):
@@ -406,10 +422,10 @@ def test_kept_blocks_load_decoded_by_default_as_the_old_keep_stored_them(tmp_pat
 
     for bad in ("decode", None):
         for f in (load, load_any):
-            with pytest.raises(ValueError, match=r"kept_blocks: expected 'decoded' .* or 'stored'"):
+            with pytest.raises(ValueError, match=r"kept_blocks: expected 'auto' .* 'stored' .* or 'decoded'"):
                 f(ckpt, kept_blocks=bad)
     argv = [str(ckpt), "--prompt", "x"]
-    assert cli_generate.build_parser().parse_args(argv).kept_blocks == "decoded"
+    assert cli_generate.build_parser().parse_args(argv).kept_blocks == "auto"
     assert app.build_parser().parse_args(argv[:1] + ["--kept-blocks", "stored"]).kept_blocks == "stored"
 
 

@@ -269,7 +269,7 @@ def load(
     compute_dtype=None,
     matmul="auto",
     text_only=False,
-    kept_blocks: str = "decoded",
+    kept_blocks: str = "auto",
 ):
     """Restore a converted checkpoint (`gemma4-convert`) into a `Gemma4` model (a converted MTP
     assistant into a `Gemma4Assistant`).
@@ -296,9 +296,10 @@ def load(
         codes with int8-rounded activations on AVX512-VNNI or AVX2, as llama.cpp;
         `gemma4_nnx.model.layers.resolve_matmul`).
       kept_blocks: how matrices kept as GGUF blocks (`--quantize keep` of a GGUF file, `q4_k_m`) are
-        held in memory: "decoded" (default: each module's blocks decoded as it loads into codes and
-        float32 scales, the layout the CPU kernels run fastest, ~1.2x the file's bytes for Q4_K_M) or
-        "stored" (the file's blocks as they are: the file's bytes, decoded where used, slower). The
+        held in memory: "stored" (the file's blocks as they are: the file's bytes; the CPU kernels read
+        them in place), "decoded" (each module's blocks decoded as it loads into codes and float32
+        scales: ~1.2x the file's bytes for Q4_K_M) or "auto" (default: "stored", except under
+        matmul="xla_int", whose integer dots need the decoded codes; `quant.resolve_kept_blocks`). The
         checkpoint on disk holds the blocks either way; logits are bit for bit the same.
     """
 
@@ -310,6 +311,7 @@ def load(
         decode_kept_blocks,
         get_submodule,
         quantized_like,
+        resolve_kept_blocks,
         set_submodule,
     )
 
@@ -353,7 +355,7 @@ def load(
         names = ("codes",) if fmt.block else ("codes", "scales", "mins") if fmt.asym else ("codes", "scales")
         paths = [p for p in paths if p[:-1] != module and p != module] + [module + (n,) for n in names]
     model = _restore(ckpt_dir, model, paths, where)
-    if kept_blocks == "decoded" and decode_kept_blocks(model, where):
+    if resolve_kept_blocks(kept_blocks, product) == "decoded" and decode_kept_blocks(model, where):
         _release_freed_memory()
     return model
 
@@ -462,11 +464,12 @@ def add_load_flags(parser) -> None:
     )
     parser.add_argument(
         "--kept-blocks",
-        choices=("decoded", "stored"),
-        default="decoded",
-        help="GGUF blocks kept by --quantize keep: decoded as they load (default: more memory, the float "
-        "products' fast layout) or held as the file stores them (the file's bytes in memory; with --matmul "
-        "cpu_kernels_int8, llama.cpp's integer arithmetic on them: a fast decode in the least memory)",
+        choices=("auto", "stored", "decoded"),
+        default="auto",
+        help="GGUF blocks kept by --quantize keep or written by --quantize q4_k_m: held as the file stores "
+        "them (stored: the file's bytes in memory; with --matmul cpu_kernels_int8, llama.cpp's integer "
+        "arithmetic on them) or decoded as they load into codes and float32 scales (~1.2x the bytes); auto "
+        "(default): stored, decoded under --matmul xla_int",
     )
     parser.add_argument(
         "--matmul",

@@ -235,7 +235,7 @@ def load_any(
     text_only: bool = False,
     kind: str | None = None,
     gm_config: str | None = None,
-    kept_blocks: str = "decoded",
+    kept_blocks: str = "auto",
     memory_limit: int | str | None = None,
 ):
     """Load checkpoint directory `path`, whatever its format, into a `Gemma4` (a `Gemma4Assistant` for
@@ -261,9 +261,9 @@ def load_any(
       gm_config: for a gm checkpoint, the model it holds: a preset name (e2b, e4b, 31b, 26b-a4b) or an
         HF config.json; default the `hf_config.json` beside it.
       kept_blocks: for a converted checkpoint holding GGUF blocks (`--quantize keep` of a GGUF file):
-        "decoded" (default: decoded into codes and float32 scales as they load, the fast kernels) or
-        "stored" (held as the file stores them: its bytes in memory, slower decode;
-        `gemma4_nnx.io.checkpoint.load`). Other formats hold no blocks.
+        "stored" (held as the file stores them: its bytes in memory), "decoded" (decoded into codes and
+        float32 scales as they load: ~1.2x the bytes) or "auto" (default: "stored", "decoded" under
+        matmul="xla_int"; `gemma4_nnx.io.checkpoint.load`). Other formats hold no blocks.
       memory_limit: bytes each device holds (an int or "16GiB"), for the check below; default the
         `GEMMA4_DEVICE_MEMORY` variable, else `device.memory_stats()`. Before anything is allocated,
         the parameters' bytes (`checkpoint_bytes`, from headers / metadata) are compared with the free

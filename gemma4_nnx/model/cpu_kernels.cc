@@ -9,7 +9,8 @@
 //   gemma4_bf16_rows: out[M, N] = x[M, K] @ w[N, K]^T  w stored [out, in] (the tied embedding table)
 //   gemma4_bf16_take: out[i] = float32(table[ids[i]])  (the token lookup)
 //   gemma4_q_rows:     out[M, N] = x[M, K] @ deq(w)[N, K]^T  w int8 / int4 codes + group scales (quant.py),
-//                      or GGUF blocks as a file stores them (`block`: decoded a few rows at a time);
+//                      or GGUF blocks as a file stores them (`block`: read in place by the decode rows,
+//                      `qdot_raw`; decoded a few rows at a time by the others);
 //                      act8: below kGemmRowsT rows, x rounded to int8 per 32 columns, integer dots
 //                      (int4 codes: AVX512-VNNI or AVX2; symmetric int8 codes: AVX2); with blocks,
 //                      llama.cpp's arithmetic on them in place (Q8_K / Q8_0 / Q8_1 activations, `llama_rows`)
@@ -1060,9 +1061,9 @@ inline void dequant_row(const uint8_t* c, const float* sc, const float* mn, int6
 // with x; each group's partial sums take its scale once (and, asymmetric, subtract min * sum(x over the
 // group), precomputed per row of x). For int4 the 16 low nibbles of 16 bytes are elements 0, 2, .., 30
 // of a 32-wide chunk and the high nibbles 1, 3, .., 31, so x is permuted once per call to match.
-// RAW (a GGML type number): GGUF blocks read in place. Q8_0: group g's float16 scale at 34 g, its 32 codes
-// after it; other types: each block decoded on the stack when the loop reaches it (`decode_blocks`:
-// codes, scales and mins of its groups), so no row passes through a buffer in memory.
+// RAW (a GGML type number; Q4_0, Q4_1 and Q5_K here, the others take `qdot_raw` below): GGUF blocks, each
+// decoded on the stack when the loop reaches it (`decode_blocks`: codes, scales and mins of its groups), so
+// no row passes through a buffer in memory.
 template <int MB, int BITS, bool ASYM, int RAW = 0>
 void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum,
                 float* __restrict__ out, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
@@ -1118,6 +1119,222 @@ void qdot_block(const QWeight& q, const float* __restrict__ xp, const float* __r
       for (int m = 0; m < MB; ++m) {
         acc[m] += ga[m] * s;
         if constexpr (ASYM) corr[m] += mw[g - goff] * xsum[(m0 + m) * G + g];
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum_q(acc[m]) - corr[m];
+  }
+}
+
+// ---------------------------------------------------------------------------- K-quant / Q5_0 blocks in registers
+// The decode kernel's fused product for GGUF blocks held as stored (Q4_K, Q6_K, Q5_0: the bulk of a
+// Q4_K_M file besides its Q8_0 table), reading each block's bytes straight into 32-bit lanes: no block
+// is decoded to memory first. Lane for lane, group for group, the float32 arithmetic of `qdot_block` on
+// the decoded codes and scales (same codes in the same lanes, same x, same order of sums), so the result
+// is bit for bit the decoded layout's:
+//  - Q4_K: 4 runs of 32 bytes, low nibbles sub-block 2r, high 2r + 1. Read as 16 little-endian u16
+//    lanes, lane j holds bytes 2j and 2j + 1: elements 2j and 2j + 1 of both sub-blocks, i.e. the lo /
+//    hi halves of our int4 order (the permuted x of the int4 path matches them);
+//  - Q6_K: group g of 16 = 16 bytes of ql (a nibble) and 16 of qh (two bits), code - 32;
+//  - Q5_0: 16 bytes of nibbles (low: elements 0-15, high: 16-31) and the fifth bits of a u32.
+#if defined(__AVX512F__)
+typedef __m512i i32x16;
+inline i32x16 lanes_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline i32x16 lanes_u16(const uint8_t* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline i32x16 lanes_and(i32x16 a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+inline i32x16 lanes_or(i32x16 a, i32x16 b) { return _mm512_or_si512(a, b); }
+inline i32x16 lanes_shr(i32x16 a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline i32x16 lanes_shl(i32x16 a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline i32x16 lanes_srlv(i32x16 a, i32x16 n) { return _mm512_srlv_epi32(a, n); }
+inline i32x16 lanes_set(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+inline i32x16 lanes_iota(int base) {
+  return _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(base));
+}
+inline f32x16 lanes_f32(i32x16 a, int minus) { return to_f32(_mm512_sub_epi32(a, _mm512_set1_epi32(minus))); }
+#elif defined(__AVX2__)
+struct i32x16 {
+  __m256i lo, hi;
+};
+inline i32x16 lanes_u8(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))};
+}
+inline i32x16 lanes_u16(const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1))};
+}
+inline i32x16 lanes_and(i32x16 a, int m) {
+  const __m256i v = _mm256_set1_epi32(m);
+  return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
+}
+inline i32x16 lanes_or(i32x16 a, i32x16 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline i32x16 lanes_shr(i32x16 a, int n) {
+  const __m128i c = _mm_cvtsi32_si128(n);
+  return {_mm256_srl_epi32(a.lo, c), _mm256_srl_epi32(a.hi, c)};
+}
+inline i32x16 lanes_shl(i32x16 a, int n) {
+  const __m128i c = _mm_cvtsi32_si128(n);
+  return {_mm256_sll_epi32(a.lo, c), _mm256_sll_epi32(a.hi, c)};
+}
+inline i32x16 lanes_srlv(i32x16 a, i32x16 n) { return {_mm256_srlv_epi32(a.lo, n.lo), _mm256_srlv_epi32(a.hi, n.hi)}; }
+inline i32x16 lanes_set(uint32_t v) { return {_mm256_set1_epi32(static_cast<int>(v)), _mm256_set1_epi32(static_cast<int>(v))}; }
+inline i32x16 lanes_iota(int base) {
+  const __m256i b = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(base));
+  return {b, _mm256_add_epi32(b, _mm256_set1_epi32(8))};
+}
+inline f32x16 lanes_f32(i32x16 a, int minus) {
+  const __m256i m = _mm256_set1_epi32(minus);
+  return join_i32(_mm256_sub_epi32(a.lo, m), _mm256_sub_epi32(a.hi, m));
+}
+#else
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+inline i32x16 lanes_u8(const uint8_t* p) {
+  u8x16 b;
+  std::memcpy(&b, p, 16);
+  return __builtin_convertvector(b, i32x16);
+}
+inline i32x16 lanes_u16(const uint8_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, 32);
+  return __builtin_convertvector(h, i32x16);
+}
+inline i32x16 lanes_and(i32x16 a, int m) { return a & m; }
+inline i32x16 lanes_or(i32x16 a, i32x16 b) { return a | b; }
+inline i32x16 lanes_shr(i32x16 a, int n) { return a >> n; }  // lanes hold small non-negative values
+inline i32x16 lanes_shl(i32x16 a, int n) { return a << n; }
+inline i32x16 lanes_srlv(i32x16 a, i32x16 n) { return a >> n; }
+inline i32x16 lanes_set(uint32_t v) { return i32x16{} + static_cast<int32_t>(v); }
+inline i32x16 lanes_iota(int base) {
+  return i32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + base;
+}
+inline f32x16 lanes_f32(i32x16 a, int minus) { return __builtin_convertvector(a - minus, f32x16); }
+#endif
+
+// kHalf.v[h] = the float32 value of float16 bits h (exact, as half_to_float): a Q8_0 / Q5_0 block's d read
+// as one table load folded into the product, where a conversion per 32 weights was half again the work
+// of a Q8_0 decode product (256 KB; the d values of a matrix touch few of its lines).
+struct HalfTable {
+  float v[65536];
+  HalfTable() {
+    for (uint32_t h = 0; h < 65536; ++h) {
+      const uint8_t b[2] = {static_cast<uint8_t>(h & 0xFF), static_cast<uint8_t>(h >> 8)};
+      v[h] = half_to_float(b);
+    }
+  }
+};
+const HalfTable kHalf;
+
+// f(std::integral_constant<int, i>{}) for i = 0 .. N - 1: the block's groups with constant shifts and offsets.
+template <typename F, int... I>
+inline void static_for_seq(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+inline void static_for(F&& f) {
+  static_for_seq(f, std::make_integer_sequence<int, N>{});
+}
+
+template <int MB, int RAW>
+void qdot_raw(const QWeight& q, const float* __restrict__ xp, const float* __restrict__ xsum, float* __restrict__ out,
+              int64_t N, int64_t n0, int64_t n1, int64_t m0) {
+  static_assert(RAW == 12 || RAW == 14 || RAW == 6 || RAW == 8, "Q4_K, Q6_K, Q5_0 or Q8_0");
+  constexpr bool KQ = RAW == 12 || RAW == 14;
+  constexpr int EL = KQ ? 256 : 32, BY = RAW == 12 ? 144 : RAW == 14 ? 210 : RAW == 6 ? 22 : 34;
+  constexpr int GPB = RAW == 12 ? 8 : RAW == 14 ? 16 : 1;  // groups per block
+  const int64_t K = q.K, G = K / q.group, B = K / EL;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = q.row_codes(n);
+    f32x16 acc[MB];
+    float corr[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = f32x16{}, corr[m] = 0.f;
+    // block b with its groups' scales scb (and mins mnb): the float32 products decode forms
+    auto block = [&](int64_t b, const float* scb, const float* mnb) {
+      const uint8_t* src = c + b * BY;
+      __builtin_prefetch(src + 2 * q.code_cols);  // two rows ahead (see cols_task)
+      if constexpr (BY > 64) __builtin_prefetch(src + 2 * q.code_cols + 64);
+      if constexpr (BY > 128) __builtin_prefetch(src + 2 * q.code_cols + 128);
+      if constexpr (BY > 192) __builtin_prefetch(src + 2 * q.code_cols + 192);
+      static_for<GPB>([&](auto gb_c) {
+        constexpr int gb = decltype(gb_c)::value;
+        const int64_t g = b * GPB + gb, k = g * q.group;
+        f32x16 ga[MB];
+        for (int m = 0; m < MB; ++m) ga[m] = f32x16{};
+        if constexpr (RAW == 12) {  // sub-blocks 2r (gb even: low nibbles) and 2r + 1 (high)
+          const i32x16 v = lanes_u16(src + 16 + 32 * (gb / 2)), w = gb % 2 ? lanes_shr(v, 4) : v;
+          const f32x16 lo = lanes_f32(lanes_and(w, 0x0F), 0), hi = lanes_f32(lanes_and(lanes_shr(w, 8), 0x0F), 0);
+          for (int m = 0; m < MB; ++m) {
+            const float* xm = xp + (m0 + m) * K + k;
+            ga[m] += lo * load_f32(xm) + hi * load_f32(xm + 16);
+          }
+        } else if constexpr (RAW == 14) {  // elements 128h + 32 t4 + 16 (gb % 2) + i
+          const int h = gb / 8, t4 = gb % 8 / 2, i0 = 16 * (gb % 2);
+          const i32x16 lo = lanes_and(lanes_shr(lanes_u8(src + 64 * h + 32 * (t4 % 2) + i0), 4 * (t4 / 2)), 0x0F);
+          const i32x16 hi = lanes_and(lanes_shr(lanes_u8(src + 128 + 32 * h + i0), 2 * t4), 3);
+          const f32x16 wv = lanes_f32(lanes_or(lo, lanes_shl(hi, 4)), 32);
+          for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k);
+        } else if constexpr (RAW == 8) {  // Q8_0: 32 int8 codes after d
+#if defined(__AVX512F__)  // one 32-byte load (the codes sit at 2 + 34 b: fewer loads split over cache lines)
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2));
+          const f32x16 wv2[2] = {to_f32(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
+                                 to_f32(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)))};
+#else
+          const f32x16 wv2[2] = {widen_codes8(src + 2, false), widen_codes8(src + 18, false)};
+#endif
+          for (int half = 0; half < 2; ++half)
+            for (int m = 0; m < MB; ++m) ga[m] += wv2[half] * load_f32(xp + (m0 + m) * K + k + 16 * half);
+        } else {  // Q5_0: elements 0-15 low nibbles, 16-31 high; bit j of qh: element j's fifth bit
+          uint32_t qh;
+          std::memcpy(&qh, src + 2, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)  // as bytes: code = nibble, less 16 where the bit is clear
+          const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 6)), f = _mm_set1_epi8(0x0F);
+          const __m128i nib[2] = {_mm_and_si128(qs, f), _mm_and_si128(_mm_srli_epi16(qs, 4), f)};
+          const __mmask16 clear[2] = {static_cast<__mmask16>(~qh), static_cast<__mmask16>(~(qh >> 16))};
+          for (int half = 0; half < 2; ++half) {
+            const __m128i code = _mm_mask_sub_epi8(nib[half], clear[half], nib[half], _mm_set1_epi8(16));
+            const f32x16 wv = to_f32(_mm512_cvtepi8_epi32(code));
+            for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k + 16 * half);
+          }
+#else
+          const i32x16 qs = lanes_u8(src + 6), hv = lanes_set(qh);
+          for (int half = 0; half < 2; ++half) {
+            const i32x16 nib = half ? lanes_shr(qs, 4) : lanes_and(qs, 0x0F);
+            const i32x16 fifth = lanes_and(lanes_srlv(hv, lanes_iota(16 * half)), 1);
+            const f32x16 wv = lanes_f32(lanes_or(nib, lanes_shl(fifth, 4)), 16);
+            for (int m = 0; m < MB; ++m) ga[m] += wv * load_f32(xp + (m0 + m) * K + k + 16 * half);
+          }
+#endif
+        }
+        for (int m = 0; m < MB; ++m) {
+          acc[m] += ga[m] * scb[gb];
+          if constexpr (RAW == 12) corr[m] += mnb[gb] * xsum[(m0 + m) * G + g];
+        }
+      });
+    };
+    if constexpr (KQ) {
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* src = c + b * BY;
+        alignas(64) float sc[16], mn[8];  // the groups' scales (and mins): the float32 products decode forms
+        if constexpr (RAW == 12) {  // the 6-bit scales and mins unpacked as llama.cpp does (kmask1..3)
+          uint32_t u[4];
+          std::memcpy(u, src + 4, 12);
+          u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
+          const uint32_t m4 = u[1] & 0x3F3F3F3F;
+          u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
+          u[2] = m4, u[0] &= 0x3F3F3F3F;  // bytes: scales 0-7, then mins 0-7
+          store_f32(sc, widen_codes8(reinterpret_cast<const uint8_t*>(u), true));
+          const float d = half_to_float(src), dmin = half_to_float(src + 2);
+          for (int j = 0; j < 8; ++j) mn[j] = dmin * sc[8 + j], sc[j] = d * sc[j];
+        } else {
+          store_f32(sc, widen_codes8(src + 192, false) * half_to_float(src + 208));
+        }
+        block(b, sc, mn);
+      }
+    } else {  // d: a float16 looked up (kHalf) into the product's broadcast operand
+      for (int64_t b = 0; b < B; ++b) {
+        uint16_t h;
+        std::memcpy(&h, c + b * BY, 2);
+        block(b, kHalf.v + h, nullptr);
       }
     }
     for (int m = 0; m < MB; ++m) out[(m0 + m) * N + n] = hsum_q(acc[m]) - corr[m];
@@ -1753,13 +1970,13 @@ void q_product(ffi::ThreadPool& pool, const QWeight& q, const float* X, float* Y
           constexpr int MB = decltype(mb)::value;
           const float *x = xp.data(), *xs = xsum.data();
           switch (q.block) {
-            case 8: return qdot_block<MB, 8, false, 8>(q, x, xs, Y, N, n0, n1, m);
-            case 6: return qdot_block<MB, 8, false, 6>(q, x, xs, Y, N, n0, n1, m);
+            case 8: return qdot_raw<MB, 8>(q, x, xs, Y, N, n0, n1, m);
+            case 6: return qdot_raw<MB, 6>(q, x, xs, Y, N, n0, n1, m);
             case 2: return qdot_block<MB, 4, false, 2>(q, x, xs, Y, N, n0, n1, m);
             case 3: return qdot_block<MB, 4, true, 3>(q, x, xs, Y, N, n0, n1, m);
-            case 12: return qdot_block<MB, 4, true, 12>(q, x, xs, Y, N, n0, n1, m);
+            case 12: return qdot_raw<MB, 12>(q, x, xs, Y, N, n0, n1, m);
             case 13: return qdot_block<MB, 8, true, 13>(q, x, xs, Y, N, n0, n1, m);
-            case 14: return qdot_block<MB, 8, false, 14>(q, x, xs, Y, N, n0, n1, m);
+            case 14: return qdot_raw<MB, 14>(q, x, xs, Y, N, n0, n1, m);
           }
         });
       });

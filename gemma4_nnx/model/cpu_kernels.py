@@ -380,8 +380,9 @@ def qmatmul_t(
     """x [..., K] float32 @ deq(w)[N, K]^T for a quantized weight (`gemma4_nnx.model.quant`): codes int8
     [N, K] / uint8 [N, K] (asymmetric) / uint8 [N, K/2] (int4), float32 scales [N, G] and mins [N, G]
     or None; or, with `block` (a GGUF type name, `gemma4_nnx.model.blocks`), codes the file's blocks
-    uint8 [N, K / elements * bytes] and no scales, decoded inside the product (block by block below
-    `GEMM_ROWS_T` rows, a few rows at a time otherwise): bit for bit the product of the decoded codes
+    uint8 [N, K / elements * bytes] and no scales, read inside the product (below `GEMM_ROWS_T` rows:
+    Q8_0 / Q5_0 / Q4_K / Q6_K widened from the blocks' bytes in registers, the other types decoded block
+    by block; a few rows at a time otherwise): bit for bit the product of the decoded codes
     and scales; `bits` is the decoded codes'. Any number of rows (see `GEMM_ROWS_T`; with AVX2 and no
     AVX-512 the float product takes the blocked form from 12 rows); the codes are never dequantized
     whole.

@@ -64,8 +64,9 @@ used (``gemma4_nnx.model.blocks``: the same codes and float32 scales as above, b
 checkpoint takes the file's bytes (the scales of a Q4_K block: 12 bytes of 6-bit integers and two
 float16, not 64 bytes of float32). Checkpoints written before (float32 scales, no ``block``) load and
 compute as they did. In memory, `load` holds such matrices as chosen by ``kept_blocks``
-(`KEPT_BLOCKS`): "decoded" (the default) turns each one into those codes and float32 scales as it
-loads (`decode_kept_blocks`; the CPU kernels' fast path), "stored" keeps the file's bytes.
+(`KEPT_BLOCKS`): "stored" keeps the file's bytes (the default, "auto", except under ``xla_int``; the CPU
+kernels read the blocks in place), "decoded" turns each one into those codes and float32 scales as it
+loads (`decode_kept_blocks`: ~1.2x the bytes).
 
 Our own quantizer (``gemma4-convert --quantize int8|int4``) is the symmetric one
 above, with ``DEFAULT_GROUP`` columns per scale.
@@ -100,6 +101,7 @@ __all__ = [
     "quantize",
     "quantize_rows",
     "quantized_nbytes",
+    "resolve_kept_blocks",
     "unpack_int4",
 ]
 
@@ -424,8 +426,8 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
       multiply its output (`gemma4_nnx.kernels.xla_int.qmatmul_t`): one scale per output channel
       always; groups along the input through a blocked contraction while x has at most
       `xla_int.blocked_rows(group)` rows (decode), above that (prefill) the weight is dequantized once
-      per product. GGUF blocks held as stored (`kept_blocks="stored"`) take the fallback: decode them
-      at load (the default, "decoded") for this path;
+      per product. GGUF blocks held as stored take the fallback: `kept_blocks="auto"` (the default)
+      decodes them at load for this path;
     * otherwise (the exact XLA fallback) the codes are dequantized to `dtype` next to the dot.
     """
     f = mod.fmt
@@ -781,18 +783,31 @@ def quantize(
     return done
 
 
-#: How `gemma4_nnx.load` holds matrices kept as GGUF blocks: "decoded" (codes and float32 scales, the
-#: layout the CPU kernels run fastest; more memory) or "stored" (the file's blocks; the file's bytes).
-KEPT_BLOCKS = ("decoded", "stored")
+#: How `gemma4_nnx.load` holds matrices kept as GGUF blocks: "auto" (the default: "stored" unless the
+#: model's products feed integer codes to XLA's dot, `Matmul.int_dot`, which has no path for blocks),
+#: "stored" (the file's blocks: the file's bytes; the CPU kernels read them in place) or "decoded"
+#: (codes and float32 scales: ~1.2x the bytes; on a loaded 2-core CPU still the faster float product).
+KEPT_BLOCKS = ("auto", "stored", "decoded")
 
 
 def check_kept_blocks(kept_blocks: str) -> str:
     """`kept_blocks` if it is one of `KEPT_BLOCKS`; else a ValueError naming the choices."""
     if kept_blocks not in KEPT_BLOCKS:
         raise ValueError(
-            f"kept_blocks: expected 'decoded' (GGUF blocks decoded at load: faster, more memory) or "
-            f"'stored' (held as the file stores them: the file's bytes, slower decode), got {kept_blocks!r}"
+            f"kept_blocks: expected 'auto' (default: 'stored', or 'decoded' under matmul='xla_int'), 'stored' "
+            f"(held as the file stores them: the file's bytes) or 'decoded' (decoded at load into codes and "
+            f"float32 scales: ~1.2x the bytes), got {kept_blocks!r}"
         )
+    return kept_blocks
+
+
+def resolve_kept_blocks(kept_blocks: str, matmul) -> str:
+    """ "stored" or "decoded" for `kept_blocks` (`KEPT_BLOCKS`) and a model's product `matmul`
+    (`layers.Matmul`): "auto" holds the file's blocks ("stored") except where the products feed integer
+    codes to XLA's dot (`int_dot`: accelerators), whose blocked contraction needs the decoded codes."""
+    check_kept_blocks(kept_blocks)
+    if kept_blocks == "auto":
+        return "decoded" if matmul.int_dot else "stored"
     return kept_blocks
 
 
