@@ -77,7 +77,8 @@ print-accelerator-tests:
 # orbax or the kernels' FFI (model, cache, kernels, quantization, checkpoint I/O, conversion, the
 # decode core, generate, paged KV, long context, fine-tuning, sharding) except those marked `slow`
 # (pyproject.toml), the reference tests (torch) deselected; of the scheduling / HTTP behaviour files
-# (the engine's policies, written in Python over that core) the server's start-up, a streamed and a
+# (the engine's policies, written in Python over that core, and the data / tensor parallel servers:
+# a subprocess over simulated devices that kept both cores busy) the server's start-up, a streamed and a
 # plain chat, bad requests and mutated bodies. The layers that call no jax (tokenizer, processors' pixel
 # and audio preparation, chat templates and tools, configs, the deployment recipes) and the notebooks
 # (run in a Jupyter kernel: the package calls the checkpoint, generate and fine-tuning tests make) are
@@ -86,7 +87,8 @@ PY312_BEHAVIOUR := tests/test_tokenizer.py tests/test_processor.py tests/test_pr
 	tests/test_chat_tools.py tests/test_config.py tests/test_deploy_recipes.py tests/test_notebooks.py \
 	tests/test_server.py tests/test_speculative.py tests/test_penalties.py tests/test_logprobs.py \
 	tests/test_constraints.py tests/test_responses.py tests/test_engine_async.py tests/test_serve_uds.py \
-	tests/test_adapter_safety.py tests/test_multi_lora.py tests/test_serve_dp.py
+	tests/test_adapter_safety.py tests/test_multi_lora.py tests/test_serve_dp.py tests/test_serve_tp.py \
+	tests/test_engine_pacing.py
 PY312_TESTS ?= $(filter-out $(PY312_BEHAVIOUR),$(sort $(wildcard tests/test_*.py))) \
 	tests/test_server.py::test_health_models_and_warmup_generation \
 	tests/test_server.py::test_chat_greedy_equals_generate_streaming_and_not \
