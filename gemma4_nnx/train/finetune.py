@@ -253,6 +253,15 @@ def loss_piece_elements() -> int:
     return LOSS_PIECE_ELEMENTS if jax.default_backend() == "cpu" else LOSS_PIECE_ELEMENTS_ACCELERATOR
 
 
+def next_token_targets(input_ids: Array, loss_mask: Array) -> tuple[Array, Array]:
+    """Each position's target (the next token) and weight (the next token's loss mask), flattened
+    [B * S]: int32 ids and float32 weights; the last position predicts nothing (weight 0)."""
+    last = jnp.zeros((jnp.shape(input_ids)[0], 1), jnp.int32)
+    targets = jnp.concatenate([jnp.asarray(input_ids)[:, 1:].astype(jnp.int32), last], axis=1).reshape(-1)
+    w = jnp.concatenate([jnp.asarray(loss_mask)[:, 1:].astype(jnp.int32), last], axis=1).reshape(-1)
+    return targets, w.astype(jnp.float32)
+
+
 def chunked_lm_loss(
     head: Callable[[Array], Array],
     h: Array,
@@ -276,10 +285,8 @@ def chunked_lm_loss(
     taken piece by piece (and, in a gradient, the pieces' contributions to h and the head add up in
     another order)."""
     b, s, d = h.shape
-    last = jnp.zeros((b, 1), jnp.int32)  # the last position predicts nothing: weight 0
-    targets = jnp.concatenate([jnp.asarray(input_ids)[:, 1:].astype(jnp.int32), last], axis=1).reshape(-1)
-    w = jnp.concatenate([jnp.asarray(loss_mask)[:, 1:].astype(jnp.int32), last], axis=1).reshape(-1)
-    x, w = h.reshape(b * s, d), w.astype(jnp.float32)
+    targets, w = next_token_targets(input_ids, loss_mask)
+    x = h.reshape(b * s, d)
     chunk = max(1, min(chunk, b * s))
     pad = -(b * s) % chunk  # whole pieces: padding tokens of weight 0
     x, targets, w = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad)), jnp.pad(w, (0, pad))
@@ -318,12 +325,9 @@ def loss_fn(model: nnx.Module, batch: dict[str, Array]) -> Array:
     head = head_loss.TiedHead.of(model)
     if head is not None:  # a block of the vocabulary at a time, its own gradient (`head_loss`)
         b, s, d = h.shape
-        last = jnp.zeros((b, 1), jnp.int32)  # the last position predicts nothing: weight 0
-        targets = jnp.concatenate([jnp.asarray(batch["input_ids"])[:, 1:].astype(jnp.int32), last], axis=1)
-        w = jnp.concatenate([jnp.asarray(batch["loss_mask"])[:, 1:].astype(jnp.int32), last], axis=1)
-        w = w.reshape(-1).astype(jnp.float32)
+        targets, w = next_token_targets(batch["input_ids"], batch["loss_mask"])
         table = model.embed_tokens.embedding[...]
-        total = head_loss.weighted_nll_sum(head, h.reshape(b * s, d), table, targets.reshape(-1), w)
+        total = head_loss.weighted_nll_sum(head, h.reshape(b * s, d), table, targets, w)
         return total / jnp.maximum(jnp.sum(w), 1.0)
     chunk = loss_piece_elements() // model.config.vocab_size
     return chunked_lm_loss(model.logits, h, batch["input_ids"], batch["loss_mask"], chunk=chunk)
