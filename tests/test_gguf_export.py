@@ -360,8 +360,9 @@ def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_t
     the bytes of the GGUF's quantized tensors (issue 50's bound is 1.02x). `load(kept_blocks="decoded")`
     turns every module held as blocks (projections, expert stacks, token table) into exactly the codes,
     float32 scales and mins `keep` stored before blocks were held as such (`gguf_blocks.decode_rows` and
-    its format), and gives bit for bit the logits of the blocks held as stored; "auto" decodes them under
-    matmul="xla_int" (no blocks path there); any other value is a ValueError naming `kept_blocks` and
+    its format), and gives bit for bit the logits of the blocks held as stored; "auto" decodes them for
+    every product but the CPU kernels' (matmul="xla_int", "xla": they would dequantize each block matrix
+    inside every step); any other value is a ValueError naming `kept_blocks` and
     the choices."""
     import dataclasses
 
@@ -383,7 +384,8 @@ def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_t
     assert sorted(held) == sorted(flat) and {f.block for f in held.values()} >= {"Q4_K", "Q6_K"}
     assert all(f.block is not None for f in held.values()) and all(f.block is None for f in flat.values())
     assert quant.quantization_of(load(ckpt)) == held
-    assert all(f.block is None for f in quant.quantization_of(load(ckpt, matmul="xla_int")).values())
+    for other in ("xla_int", "xla"):
+        assert all(f.block is None for f in quant.quantization_of(load(ckpt, matmul=other)).values()), other
     floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if t.tensor_type not in floats)
 

@@ -298,8 +298,8 @@ def load(
       kept_blocks: how matrices kept as GGUF blocks (`--quantize keep` of a GGUF file, `q4_k_m`) are
         held in memory: "stored" (the file's blocks as they are: the file's bytes; the CPU kernels read
         them in place), "decoded" (each module's blocks decoded as it loads into codes and float32
-        scales: ~1.2x the file's bytes for Q4_K_M) or "auto" (default: "stored", except under
-        matmul="xla_int", whose integer dots need the decoded codes; `quant.resolve_kept_blocks`). The
+        scales: ~1.2x the file's bytes for Q4_K_M) or "auto" (default: "stored" under the CPU kernels,
+        which read blocks in place; "decoded" for other products; `quant.resolve_kept_blocks`). The
         checkpoint on disk holds the blocks either way; logits are bit for bit the same.
     """
 
@@ -469,7 +469,7 @@ def add_load_flags(parser) -> None:
         help="GGUF blocks kept by --quantize keep or written by --quantize q4_k_m: held as the file stores "
         "them (stored: the file's bytes in memory; with --matmul cpu_kernels_int8, llama.cpp's integer "
         "arithmetic on them) or decoded as they load into codes and float32 scales (~1.2x the bytes); auto "
-        "(default): stored, decoded under --matmul xla_int",
+        "(default): stored under the CPU kernels, decoded for other products (xla, xla_int)",
     )
     parser.add_argument(
         "--matmul",

@@ -64,8 +64,8 @@ used (``gemma4_nnx.model.blocks``: the same codes and float32 scales as above, b
 checkpoint takes the file's bytes (the scales of a Q4_K block: 12 bytes of 6-bit integers and two
 float16, not 64 bytes of float32). Checkpoints written before (float32 scales, no ``block``) load and
 compute as they did. In memory, `load` holds such matrices as chosen by ``kept_blocks``
-(`KEPT_BLOCKS`): "stored" keeps the file's bytes (the default, "auto", except under ``xla_int``; the CPU
-kernels read the blocks in place), "decoded" turns each one into those codes and float32 scales as it
+(`KEPT_BLOCKS`): "stored" keeps the file's bytes (the default, "auto", where the CPU kernels read the
+blocks in place), "decoded" turns each one into those codes and float32 scales as it
 loads (`decode_kept_blocks`: ~1.2x the bytes).
 
 Our own quantizer (``gemma4-convert --quantize int8|int4``) is the symmetric one
@@ -427,7 +427,7 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
       always; groups along the input through a blocked contraction while x has at most
       `xla_int.blocked_rows(group)` rows (decode), above that (prefill) the weight is dequantized once
       per product. GGUF blocks held as stored take the fallback: `kept_blocks="auto"` (the default)
-      decodes them at load for this path;
+      decodes them at load for every product but the CPU kernels';
     * otherwise (the exact XLA fallback) the codes are dequantized to `dtype` next to the dot.
     """
     f = mod.fmt
@@ -783,8 +783,9 @@ def quantize(
     return done
 
 
-#: How `gemma4_nnx.load` holds matrices kept as GGUF blocks: "auto" (the default: "stored" unless the
-#: model's products feed integer codes to XLA's dot, `Matmul.int_dot`, which has no path for blocks),
+#: How `gemma4_nnx.load` holds matrices kept as GGUF blocks: "auto" (the default: "stored" where the
+#: model's products are the CPU kernels, which read blocks in place; "decoded" for every other product,
+#: which would otherwise dequantize each block matrix inside every step),
 #: "stored" (the file's blocks: the file's bytes; the CPU kernels read them in place) or "decoded"
 #: (codes and float32 scales: ~1.2x the bytes; on a loaded 2-core CPU still the faster float product).
 KEPT_BLOCKS = ("auto", "stored", "decoded")
@@ -794,7 +795,7 @@ def check_kept_blocks(kept_blocks: str) -> str:
     """`kept_blocks` if it is one of `KEPT_BLOCKS`; else a ValueError naming the choices."""
     if kept_blocks not in KEPT_BLOCKS:
         raise ValueError(
-            f"kept_blocks: expected 'auto' (default: 'stored', or 'decoded' under matmul='xla_int'), 'stored' "
+            f"kept_blocks: expected 'auto' (default: 'stored' under the CPU kernels, else 'decoded'), 'stored' "
             f"(held as the file stores them: the file's bytes) or 'decoded' (decoded at load into codes and "
             f"float32 scales: ~1.2x the bytes), got {kept_blocks!r}"
         )
@@ -803,11 +804,12 @@ def check_kept_blocks(kept_blocks: str) -> str:
 
 def resolve_kept_blocks(kept_blocks: str, matmul) -> str:
     """ "stored" or "decoded" for `kept_blocks` (`KEPT_BLOCKS`) and a model's product `matmul`
-    (`layers.Matmul`): "auto" holds the file's blocks ("stored") except where the products feed integer
-    codes to XLA's dot (`int_dot`: accelerators), whose blocked contraction needs the decoded codes."""
+    (`layers.Matmul`): "auto" holds the file's blocks ("stored") where the CPU kernels multiply (they read
+    blocks in place); any other product (XLA's integer dot on accelerators, the plain XLA fallback)
+    would dequantize each block matrix inside every step, so there "auto" decodes them at load."""
     check_kept_blocks(kept_blocks)
     if kept_blocks == "auto":
-        return "decoded" if matmul.int_dot else "stored"
+        return "stored" if matmul.cpu_kernels else "decoded"
     return kept_blocks
 
 
