@@ -242,9 +242,8 @@ def perplexity(model: nnx.Module, ids: Sequence[int], chunk: int = 64) -> float:
 #: CPU: 2**23 (32 MiB), 32 tokens of Gemma's 262144-token vocabulary; a tiny model's batch in one piece
 LOSS_PIECE_ELEMENTS = 2**23
 #: The same on an accelerator: 2**27 (512 MiB, 512 tokens of Gemma's vocabulary). Each piece reads the
-#: head's whole table again (the 270M's 335 MB in bf16, three times a piece with the gradients) and a
-#: 32-row product fills a quarter of a TPU's 128-row matrix unit: at 32 tokens a piece, the table's
-#: reads alone come to ~0.3 s of the 270M's 1.0 s full fine-tuning step at 4 x 2,048 on a v5e.
+#: head's whole table again (three times with the gradients) and a 32-row product fills a quarter of a
+#: TPU's 128-row matrix unit (docs/benchmarks.md, "Fine-tuning on the chip").
 LOSS_PIECE_ELEMENTS_ACCELERATOR = 2**27
 
 
