@@ -230,9 +230,15 @@ def test_greedy_matches_transformers_and_filter() -> None:
     np.testing.assert_array_equal(kept, np.eye(HAND.shape[1], dtype=bool)[np.argmax(HAND, -1)])
 
 
-def test_argmax_equals_numpy_argmax() -> None:
-    """`argmax` (a max, then the lowest index holding it) against NumPy's argmax: random rows, ties,
-    rows of -inf, NaNs (NumPy, like jnp.argmax, returns the first NaN), 1-D to 3-D shapes."""
+@pytest.mark.parametrize("form", ["backend", "two_reductions", "nan_first"])
+def test_argmax_equals_numpy_argmax(form) -> None:
+    """`argmax` (the backend's choice, and both of its forms on this backend) against NumPy's argmax:
+    random rows, ties, rows of -inf, NaNs (NumPy returns the first NaN; a TPU's jnp.argmax did not),
+    1-D to 3-D shapes."""
+    from gemma4_nnx.decode import sampling
+
+    forms = {"two_reductions": sampling.argmax_two_reductions, "nan_first": sampling.argmax_nan_first}
+    fn = forms.get(form, argmax)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 5, 1000)).astype(np.float32)
     x[0, 0, [7, 400, 999]] = 9.0  # a three-way tie: the lowest index
@@ -240,7 +246,7 @@ def test_argmax_equals_numpy_argmax() -> None:
     x[0, 2, [3, 50]] = np.nan
     x[0, 3, 999] = np.nan
     x[1] = np.round(x[1])  # many ties below the maximum too
-    f = jax.jit(argmax)
+    f = jax.jit(fn)
     for a in (x, x[1], x[0, 0], x[:, :, :1]):
         got = np.asarray(f(jnp.asarray(a)))
         assert got.dtype == np.int32

@@ -332,9 +332,20 @@ def argmax(logits: jax.Array) -> jax.Array:
     faster (docs/benchmarks.md). Elsewhere the two forms cost about the same, and the two-reduction
     form is not safe there: on a TPU v5e, greedy decoding of a bf16 model through it returned index
     ``V`` (one past the vocabulary) because no logit compared equal to their max (XLA recomputes the
-    fused logits in each reduction, not always to the same bits), so off the CPU it is `jnp.argmax`."""
-    if jax.default_backend() != "cpu":
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    fused logits in each reduction, not always to the same bits), so off the CPU it is `jnp.argmax`, with
+    NaNs taken first explicitly: the chip's argmax returned a later NaN's index (a v5e, jax 0.10.2)."""
+    return (argmax_two_reductions if jax.default_backend() == "cpu" else argmax_nan_first)(logits)
+
+
+def argmax_nan_first(logits: jax.Array) -> jax.Array:
+    """`argmax` off the CPU: `jnp.argmax`, the first NaN's index where a row holds one."""
+    nan = jnp.isnan(logits)
+    first_nan = jnp.argmax(nan, axis=-1)  # the lowest index of a True
+    return jnp.where(jnp.any(nan, axis=-1), first_nan, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+def argmax_two_reductions(logits: jax.Array) -> jax.Array:
+    """`argmax` on the CPU: a max, then the lowest index holding it (NaNs first)."""
     v = logits.shape[-1]
     best = jnp.max(logits, axis=-1, keepdims=True)  # XLA:CPU's vectorized max may skip NaNs
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
