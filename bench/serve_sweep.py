@@ -81,8 +81,11 @@ def serve(args) -> None:
     from gemma4_nnx import Engine
     from gemma4_nnx.serve.app import create_app
 
+    t0 = time.perf_counter()
     model, tok = _model(args)
+    t1 = time.perf_counter()
     engine = Engine(model, tok, max_batch=args.max_batch, max_length=args.max_length, precompile=tuple(args.precompile))
+    print(f"server: model in {t1 - t0:.1f} s, engine (precompile) in {time.perf_counter() - t1:.1f} s", flush=True)
     listen = {"uds": args.uds} if args.uds else {"host": "127.0.0.1", "port": args.port}
     uvicorn.Server(uvicorn.Config(create_app(engine, "sweep"), **listen, log_level="warning")).run()
 
@@ -165,7 +168,8 @@ def _launch(args, cache: str, target) -> tuple[subprocess.Popen, float, float]:
         if os.path.exists(args.uds):
             os.unlink(args.uds)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)  # keep a chip's site folder
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=path))
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited ({proc.returncode})")

@@ -149,6 +149,8 @@ def run(a: argparse.Namespace) -> dict:
         losses.append(float(ft.train_step(model, opt, b)))
         times.append(time.perf_counter() - t)
         print(f"step {len(times)}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)  # a timeout keeps these
+        if a.check_finite:
+            report_non_finite(model, len(times))
     timed = batches[2:] if len(batches) > 2 else batches[1:]
     tokens = sum(int(np.count_nonzero(b["segment_ids"])) for b in timed)
     seconds = sum(times[len(batches) - len(timed) :])
@@ -163,6 +165,21 @@ def run(a: argparse.Namespace) -> dict:
         "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "limit_gib": stats.get("bytes_limit", 0) / 2**30,
         "losses": losses,
     }  # fmt: skip
+
+
+def report_non_finite(model, step: int) -> None:
+    """Print the parameters holding a NaN or an infinity after `step` (where a NaN loss came from)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    bad = []
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        x = v.get_value() if hasattr(v, "get_value") else v.value
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            n = int(jnp.sum(~jnp.isfinite(x)))
+            if n:
+                bad.append(f"{'/'.join(map(str, path))} {n}/{x.size}")
+    print(f"after step {step}: {len(bad)} parameters not finite" + "".join(f"\n  {b}" for b in bad[:12]), flush=True)
 
 
 def nnx_state(model):
@@ -183,6 +200,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     p.add_argument("--peak-tflops", type=float, default=197.0, help="the chip's peak (v5e bf16: 197)")
+    p.add_argument("--check-finite", action="store_true", help="after each step, name the parameters not finite")
     p.add_argument("--out", help="append the JSON line here too")
     a = p.parse_args()
     if a.dtype is None:
