@@ -35,7 +35,7 @@ demo-tiny: $(VENV)/.installed-demo
 # processes (pytest-xdist; a file's tests stay in one process, sharing its module fixtures). Each run
 # ends with its 15 slowest tests: where CI's time goes.
 PYTEST_WORKERS ?= 2
-PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile --durations=15
+PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -72,28 +72,16 @@ test-accelerator: $(VENV)/.installed
 print-accelerator-tests:
 	@echo $(ACCEL_TESTS)
 
-# Newest jax/flax/orbax on Python 3.12, without torch: a compatibility check, not a second copy of the
-# whole suite (every test runs in `make test`). It runs the tests of every layer that calls jax, flax,
-# orbax or the kernels' FFI (model, cache, kernels, quantization, checkpoint I/O, conversion, the
-# decode core, generate, paged KV, long context, fine-tuning, sharding) except those marked `slow`
-# (pyproject.toml), the reference tests (torch) deselected; of the scheduling / HTTP behaviour files
-# (the engine's policies, written in Python over that core, and the data / tensor parallel servers:
-# a subprocess over simulated devices that kept both cores busy) the server's start-up, a streamed and a
-# plain chat, bad requests and mutated bodies. The layers that call no jax (tokenizer, processors' pixel
-# and audio preparation, chat templates and tools, configs, the deployment recipes) and the notebooks
-# (run in a Jupyter kernel: the package calls the checkpoint, generate and fine-tuning tests make) are
-# left to `make test` (the tokenizer and chat modules still run under 3.12 inside generate and server tests).
-PY312_BEHAVIOUR := tests/test_tokenizer.py tests/test_processor.py tests/test_processor_unified.py \
-	tests/test_chat_tools.py tests/test_config.py tests/test_deploy_recipes.py tests/test_notebooks.py \
-	tests/test_server.py tests/test_speculative.py tests/test_penalties.py tests/test_logprobs.py \
-	tests/test_constraints.py tests/test_responses.py tests/test_engine_async.py tests/test_serve_uds.py \
-	tests/test_adapter_safety.py tests/test_multi_lora.py tests/test_serve_dp.py tests/test_serve_tp.py \
-	tests/test_engine_pacing.py
-PY312_TESTS ?= $(filter-out $(PY312_BEHAVIOUR),$(sort $(wildcard tests/test_*.py))) \
-	tests/test_server.py::test_health_models_and_warmup_generation \
-	tests/test_server.py::test_chat_greedy_equals_generate_streaming_and_not \
-	tests/test_server.py::test_bad_completion_requests_get_openai_errors \
-	tests/test_server.py::test_mutated_requests_never_get_a_5xx
+# Python 3.12 (the package's other supported interpreter; jax, flax and orbax resolve to the same newest
+# releases as `make test`'s): a compatibility check, not a second copy of the suite (every test runs in
+# `make test`). Every module of the package is imported (tests/test_imports.py: a syntax, standard-library
+# or typing change that breaks a module fails there, loaded or not by the rest), then one quick file per
+# layer that calls jax, flax, orbax or the kernels' FFI: model, KV cache, decode core, generate,
+# quantization and the accelerator's integer products, the CPU kernels, Orbax checkpoints, the training
+# step and sharding, tests marked `slow` left out (the torch reference tests deselected: no torch here).
+PY312_TESTS ?= tests/test_imports.py tests/test_components.py tests/test_cache.py tests/test_decode_core.py \
+	tests/test_generate.py tests/test_quant.py tests/test_xla_int.py tests/test_cpu_kernels.py \
+	tests/test_checkpoint.py tests/test_train_loop.py tests/test_sharding.py
 $(VENV312)/.installed: pyproject.toml
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install -q --upgrade pip

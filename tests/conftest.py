@@ -79,6 +79,57 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    items[:] = heaviest_files_first(items)
+
+
+# Test files that take longest, heaviest first (the first names the longest). pytest-xdist (`--dist
+# loadfile --no-loadscope-reorder`, the Makefile) hands whole files to the workers in collection order;
+# left to itself it orders them by test count, so these files of a few long tests (subprocess servers
+# over simulated devices, the real weights, notebooks in Jupyter kernels, server fixtures) started last
+# and one worker ran them alone at the end. Order from the per-file times each run prints (the
+# "slowest test files" summary below); files not named follow, those with more tests first.
+HEAVY_FILES = (
+    "test_server.py", "test_quantized.py", "test_gemma3_real.py", "test_serve_tp.py", "test_serve_dp.py",
+    "test_speculative.py", "test_notebooks.py", "test_constraints.py", "test_parity.py", "test_finetune.py",
+    "test_train_loop.py", "test_multi_lora.py", "test_server_multimodal.py", "test_compile_cache.py",
+    "test_engine_async.py", "test_serve_uds.py", "test_isolation.py", "test_engine_pacing.py",
+    "test_adapter_safety.py", "test_responses.py", "test_penalties.py", "test_logprobs.py",
+)  # fmt: skip
+
+
+def heaviest_files_first(items):
+    """`items` grouped by file: HEAVY_FILES in their order, then the other files by test count (most
+    first); within a file, the collected order. Stable, so every xdist worker computes the same order."""
+    files: dict[str, list] = {}
+    for it in items:
+        files.setdefault(it.nodeid.split("::")[0], []).append(it)
+    rank = {name: i for i, name in enumerate(HEAVY_FILES)}
+
+    def key(entry):
+        name = os.path.basename(entry[0])
+        return (rank.get(name, len(rank)), -len(entry[1]), entry[0])
+
+    return [it for _, group in sorted(files.items(), key=key) for it in group]
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Per-file time (setup, call and teardown of its tests) for the summary below; under xdist the
+    controller receives every worker's reports."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        name = report.nodeid.split("::")[0]
+        _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 25 test files that took longest (where a run's time goes; HEAVY_FILES is ordered by it)."""
+    if _FILE_SECONDS and not os.environ.get("PYTEST_XDIST_WORKER"):
+        top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:25]
+        terminalreporter.write_sep("=", "slowest test files (seconds, setup + call + teardown)")
+        for name, seconds in top:
+            terminalreporter.write_line(f"{seconds:8.1f} {name}")
 
 
 @pytest.fixture(scope="session")

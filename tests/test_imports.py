@@ -134,3 +134,37 @@ def test_config_is_the_ground_floor():
         if not (b == "gemma4_nnx.config" or b.startswith("gemma4_nnx.config."))
     ]
     assert not wrong, "gemma4_nnx.config must stay the ground floor:\n  " + "\n  ".join(wrong)
+
+
+# Third-party modules that only an extra of pyproject.toml brings (serve, audio, gguf, train): a module that
+# imports one of these at module level is imported where that extra is installed and named otherwise.
+EXTRAS_ONLY = {
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "prometheus_client",
+    "llguidance",
+    "av",
+    "gguf",
+    "tensorboardX",
+    "tqdm",
+}
+
+
+def test_every_module_imports():
+    """Every module of the package imports on this interpreter (the Python 3.12 leg's check that no
+    syntax, standard-library or typing change breaks a module the rest of its selection never loads),
+    save those that need a missing extra."""
+    import importlib
+
+    failed, need_extra = [], []
+    for name in sorted(_modules()):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            root = (e.name or "").split(".")[0]
+            (need_extra if root in EXTRAS_ONLY else failed).append(f"{name}: {e!r}")
+        except Exception as e:  # any failure at import time is the finding
+            failed.append(f"{name}: {e!r}")
+    assert not failed, "\n".join(failed)
+    assert len(need_extra) < len(_modules()) // 4, need_extra  # the check still imports most modules
