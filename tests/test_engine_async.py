@@ -57,14 +57,17 @@ def _cases(model):
     return tok, out
 
 
-def test_async_engine_outputs_equal_generate_with_rows_joining_and_leaving(model):
+@pytest.mark.parametrize("row_factor", [2, 4])
+def test_async_engine_outputs_equal_generate_with_rows_joining_and_leaving(model, row_factor):
     """Seven requests (prompts of 3 to 25 tokens, 5 to 20 tokens each, greedy and seeded sampled,
     stop tokens, stop strings, max_tokens) through an engine of 4 rows: they join while others run
     (staggered submits, more requests than rows) and leave at different times. Each one's tokens,
     text and finish reason equal `generate` of it alone; the engine dispatched steps before reading
-    the previous one's tokens (async), and measured its host time."""
+    the previous one's tokens (async), and measured its host time. Row programs of 1, 2, 4 rows
+    (`row_factor` 2, a CPU's default) or 1 and 4 (4, an accelerator's): the same outputs."""
     tok, cases = _cases(model)
-    engine = Engine(model, tok, max_batch=4, max_length=64)
+    engine = Engine(model, tok, max_batch=4, max_length=64, row_factor=row_factor)
+    assert [m for m, _, _ in engine.decoder.draw_shapes(joining=False)] == ([1, 2, 4] if row_factor == 2 else [1, 4])
     try:
         reqs = []
         for i, (prompt, max_tokens, kw) in enumerate(cases):

@@ -179,11 +179,20 @@ class Compiles:
     def _draw_key(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> tuple:
         return (cfg, self.stop_width, n, indexed, init)
 
+    def row_bucket(self, n: int, joining: bool) -> int:
+        """The rows a program runs for `n` rows: the first power of `row_factor` >= n, at most `rows` (a
+        step of the first m rows) or pow2(`rows`) (`joining` rows, padded: the padding is dropped).
+        `row_factor` 2 (a CPU: a step's cost grows with its rows) or 4 (an accelerator: a step reads
+        the weights whatever its rows, so fewer programs to compile at start-up)."""
+        m = 1
+        while m < n:
+            m *= self.row_factor
+        return min(m, pow2(self.rows) if joining else self.rows)
+
     def draw_shapes(self, joining: bool) -> list[tuple[int, bool, bool]]:
         """(rows drawn, indexed, with init) of every draw the engine makes: a step of the first m
-        rows (m a power of two up to `rows`), or `joining` rows (kb a power of two, written first)."""
-        top = pow2(self.rows) if joining else self.rows
-        sizes = sorted({min(1 << i, top) for i in range(self.rows.bit_length() + 1)})
+        rows, or `joining` rows written first; m and the joining count each a `row_bucket`."""
+        sizes = sorted({self.row_bucket(n, joining) for n in range(1, self.rows + 1)})
         return [(n, True, True) if joining else (n, n != self.rows, False) for n in sizes]
 
     def draw_ready(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> bool:

@@ -121,8 +121,10 @@ class Decoder(Compiles):
         requests: Sequence[Request | None] | None = None,
         blocks: int | None = None,
         block_size: int = BLOCK_SIZE,
+        row_factor: int = 2,
     ):
         self._init_compiles()
+        self.row_factor = row_factor  # the ratio of one program's rows to the next smaller's (`row_bucket`)
         self.config = model.config
         self.graphdef, self.weights = split_model(model)
         # the model carries adapter banks (`decode.lora_bank`): programs get the rows' slots
