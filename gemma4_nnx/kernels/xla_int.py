@@ -23,8 +23,9 @@ without ever building W in float:
 * **The held layout** (applied once when a model is loaded or quantized for this product:
   `gemma4_nnx.model.quant.hold_for_int_dot`): a matrix with one scale per output channel keeps its
   scales (and mins) as vectors ``[N]``, not ``[N, 1]``: a TPU tiles the two minor dimensions of an
-  array by (8, 128), so a float32 ``[N, 1]`` array takes 512 bytes a row, a third of the int8 codes'
-  1,536 of an E2B row (0.62 GB for E2B's per-channel scales, 4.8 MB as vectors). Its int4 codes are
+  array by (8, 128), so a float32 ``[N, 1]`` array can take 512 bytes a row, a third of the int8
+  codes' 1,536 of an E2B row (0.62 GB for E2B's per-channel scales, 4.8 MB as vectors; measured by
+  bench/tpu_int8_gap.py). Its int4 codes are
   held as a native ``jnp.int4`` (``jnp.uint4``, asymmetric) array ``[N, K]``, made on the host from the
   stored bytes (`native_int4`, ml_dtypes; XLA packs it two codes a byte on the chip) and fed straight to
   the dot: on a TPU v5e one such E2B matrix ran at 2.12x bf16 where the nibble split ran at 1.27x
@@ -48,7 +49,7 @@ import numpy as np
 
 __all__ = ["NATIVE", "blocked_rows", "native", "native_int4", "nibbles", "packed_int4", "qmatmul_t"]
 
-#: The dtypes of int4 codes held natively (`hold`): symmetric and asymmetric.
+#: The dtypes of int4 codes held natively (`native_int4`): symmetric and asymmetric.
 NATIVE = (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4))
 
 

@@ -338,7 +338,7 @@ def dequantize_rows(
     if codes.ndim == 0:
         raise ValueError("codes must have at least one dimension")
     if bits == 4 and jnp.dtype(codes.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
-        q = codes.astype(jnp.int8 if mins is None else jnp.uint8)  # held natively (`xla_int.hold`)
+        q = codes.astype(jnp.int8 if mins is None else jnp.uint8)  # held natively (`hold_for_int_dot`)
     elif bits == 4:
         q = unpack_int4(codes) if mins is None else unpack_uint4(codes)
     else:
@@ -399,7 +399,7 @@ def _set_params(mod, codes, scales, mins) -> None:
 
 
 def _stored_shape(a):
-    """A scales / mins array as stored, [rows, G]: a vector held per output channel (`xla_int.hold`) as
+    """A scales / mins array as stored, [rows, G]: a vector held per output channel (`hold_for_int_dot`) as
     its column [rows, 1]."""
     return None if a is None else a[:, None] if a.ndim == 1 else a
 
@@ -633,7 +633,7 @@ class QuantizedEmbedding(nnx.Module):
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"ids must have an integer dtype, got {ids.dtype}")
         codes = jnp.take(self.codes[...], ids, axis=0)  # [..., F or F/2, or the row's blocks]
-        # [..., F/group]; vectors held per output channel (`xla_int.hold`) are taken, then widened
+        # [..., F/group]; vectors held per output channel (`hold_for_int_dot`) are taken, then widened
         scales = None if self.scales is None else _stored_cols(jnp.take(self.scales[...], ids, axis=0), self.scales)
         mins = None if self.mins is None else _stored_cols(jnp.take(self.mins[...], ids, axis=0), self.mins)
         rows = dequantize_stored(codes, scales, mins, self.fmt, self.dtype)
@@ -888,8 +888,8 @@ def _holds(mod) -> bool:
 def hold_for_int_dot(model: nnx.Module) -> list[str]:
     """Hold every quantized matrix of `model` whose product is the integer dot (`matmul="xla_int"`, "auto"
     off the CPU) and that has one scale per output channel in that product's layout
-    (`gemma4_nnx.kernels.xla_int.hold`): scales and mins as vectors [rows] (a [rows, 1] float32 array
-    takes 128 times its bytes on a TPU), and a projection's int4 codes as a native `jnp.int4` /
+    (`gemma4_nnx.kernels.xla_int`, "the held layout"): scales and mins as vectors [rows] (a [rows, 1] float32 array
+    can take 128 times its bytes on a TPU), and a projection's int4 codes as a native `jnp.int4` /
     `jnp.uint4` array [rows, cols], made on the host (a token table keeps its packed codes: its rows are
     gathered too). In place, one module at a time, each array placed as the one it replaces; returns
     the dotted paths held. The twin of `decode_kept_blocks`: called where a model is loaded
@@ -909,11 +909,11 @@ def hold_for_int_dot(model: nnx.Module) -> list[str]:
             if old is None:
                 continue
             old = old[...]
-            spec = old.sharding
-            if isinstance(spec, jax.sharding.NamedSharding):  # a vector keeps the rows' axis
-                spec = jax.sharding.NamedSharding(spec.mesh, jax.sharding.PartitionSpec(*tuple(spec.spec)[:1]))
-            setattr(mod, name, nnx.Param(jax.device_put(relayout(np.asarray(jax.device_get(old))), spec)))
-            del old
+            new, spec = relayout(np.asarray(jax.device_get(old))), old.sharding
+            if isinstance(spec, jax.sharding.NamedSharding):  # a vector keeps the rows' axis; codes both
+                spec = jax.sharding.NamedSharding(spec.mesh, jax.sharding.PartitionSpec(*tuple(spec.spec)[: new.ndim]))
+            setattr(mod, name, nnx.Param(jax.device_put(new, spec)))
+            del old, new
         done.append(dotted(path))
     return done
 
