@@ -16,21 +16,22 @@ Models (`bench/accelerator.py`'s `build`: E2B shape, random weights made on the 
   (the tied table / head int8 per channel, as `quantize(model, 4, "channel")` keeps it);
 * `int8_headbf16`: int8 projections, the tied table / head left bf16.
 
-Figures, in this order while `--budget` seconds last (the JSON is rewritten after each):
+Figures (the JSON is rewritten after each). Each model gets its share of the `--budget` seconds left:
+its B=1 step always, the rest while its share lasts, in this order:
 
-1. `decode`: the model's own cached step (`accelerator._programs`, compiled ahead), ms per step at B=1
-   (and the `--batches` after it for bf16 / int8 / int4c), with the compiled step's `cost_analysis`
-   bytes, the device's bytes in use after the build, and one scales array's on-device size against its
-   logical bytes (the padding, measured);
-2. `hlo`: the optimized HLO of the int8 and int8_col B=1 steps (`compiled.as_text()`, gzipped into the
-   `--out` folder) and a summary: entry parameters shaped [N, 1] and their layouts, float arrays of a
+1. `decode`: the model's own cached step (`accelerator._programs`, compiled ahead), ms per step at B=1,
+   with the compiled step's `cost_analysis` bytes, the device's bytes in use after the build, and one
+   scales array's on-device size against its logical bytes (the padding, measured); then the other
+   `--batches` (bf16 / int8 / int4c only);
+2. `hlo`: the optimized HLO of the int8 and int8_col B=1 steps (`compiled.as_text()`, gzipped beside
+   `--out`) and a summary: entry parameters shaped [N, 1] and their layouts, float arrays of a
    quantized weight's shape (a float copy of a weight), copies / transposes of weight-shaped codes;
-3. `piece`: each kind of projection alone (every layer's q_proj, ..., the per-layer-input projections,
+3. `head_t` (int8): the head with its codes transposed ([K, V], contracting over their major dimension);
+4. `piece`: each kind of projection alone (every layer's q_proj, ..., the per-layer-input projections,
    the head; `all`: every one of them), chained through a `fori_loop` as a decode step chains them, B=1:
    ms, weight bytes, % of the HBM roofline, for `--piece-modes`;
-4. `head_t`: the int8 head with its codes transposed ([K, V], contracting over their major dimension);
-5. `int4_check`: one int4c projection by its held `jnp.int4` codes against its stored bytes (the nibble
-   split) on the chip; and, last, the int4c step's logits against the same model held as stored.
+5. `int4_check` (int4c): one projection by its held `jnp.int4` codes against its stored bytes (the nibble
+   split) on the chip, first; last, the step's logits against the same model held as stored.
 """
 
 from __future__ import annotations
@@ -222,10 +223,17 @@ def main(argv=None) -> dict:
         return best
 
     batches = [int(b) for b in args.batches.split(",") if b]
-    for name in [m for m in args.models.split(",") if m]:
+    names = [m for m in args.models.split(",") if m]
+    for i, name in enumerate(names):
         if left() < 20:
             emit(model=name, skipped="budget")
             continue
+        # each model's share of what is left: its B=1 step first, its other figures while the share lasts
+        end = time.perf_counter() + left() / (len(names) - i)
+
+        def mleft(end=end) -> float:
+            return min(left(), end - time.perf_counter())
+
         mode, hold, head = MODELS[name]
         log(f"{name}: building")
         t0 = time.perf_counter()
@@ -249,9 +257,23 @@ def main(argv=None) -> dict:
         emit(**row)
         step, _ = acc._programs(graphdef)
 
+        # 5a. int4c: the held codes against the stored bytes, one projection, on the chip
+        if name == "int4c" and left() > 10:
+            try:
+                mod = model.layers[0].mlp.gate_proj
+                codes, scales, _ = quant.stored_arrays(mod)
+                x = jnp.asarray(np.random.default_rng(0).standard_normal((4, mod.in_features)), jnp.bfloat16)
+                k = mod.in_features
+                f = jax.jit(lambda x, q, s, k=k: xla_int.qmatmul_t(x, q, s, None, 4, k, jnp.float32))
+                got = np.asarray(f(x, mod.codes[...], mod.scales[...]))
+                want = np.asarray(f(x, jnp.asarray(codes), jnp.asarray(scales)))
+                rel = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+                emit(model=name, what="int4_check", piece="layers.0.mlp.gate_proj", max_rel_diff=rel)
+            except Exception as e:
+                emit(model=name, what="int4_check", error=f"{type(e).__name__}: {str(e)[:300]}")
         # 1. decode steps
         for b in batches if name in ("bf16", "int8", "int4c") else batches[:1]:
-            if left() < 15:
+            if (left() if b == batches[0] else mleft()) < 15:
                 emit(model=name, what="decode", batch=b, skipped="budget")
                 continue
             log(f"{name}: decode B={b}")
@@ -291,32 +313,8 @@ def main(argv=None) -> dict:
             except Exception as e:  # a failed configuration is a result too
                 emit(model=name, what="decode", batch=b, error=f"{type(e).__name__}: {str(e)[:300]}")
 
-        # 3. pieces
-        if name in args.piece_modes.split(","):
-            for kind in [k for k in args.kinds.split(",") if k]:
-                paths = _paths(model, kind)
-                if not paths:
-                    continue
-                if left() < 10:
-                    emit(model=name, what="piece", kind=kind, skipped="budget")
-                    continue
-                log(f"{name}: piece {kind} ({len(paths)} modules)")
-                try:
-                    run = _chain(graphdef, paths, 1, args.reps)
-                    c = jnp.ones((1, 1), jnp.float32)
-                    ms = 1e3 * timed(run, state, c) / args.reps
-                    wb = _bytes(state, paths)
-                    row = dict(
-                        model=name, what="piece", kind=kind, modules=len(paths), ms=round(ms, 4), weight_bytes=wb
-                    )
-                    if hbm:
-                        row["pct_of_roofline"] = round(100 * wb / hbm / (ms / 1e3), 1)
-                    emit(**row)
-                except Exception as e:
-                    emit(model=name, what="piece", kind=kind, error=f"{type(e).__name__}: {str(e)[:300]}")
-
         # 4. the int8 head with its codes transposed [K, V]
-        if name == "int8" and left() > 10:
+        if name == "int8" and mleft() > 8:
             log("int8: head with transposed codes")
             try:
                 emb = model.embed_tokens
@@ -343,21 +341,32 @@ def main(argv=None) -> dict:
             except Exception as e:
                 emit(model=name, what="head_t", error=f"{type(e).__name__}: {str(e)[:300]}")
 
-        # 5. int4c: the held codes against the stored bytes, one projection, then the whole step
-        if name == "int4c" and left() > 10:
-            try:
-                mod = model.layers[0].mlp.gate_proj
-                codes, scales, _ = quant.stored_arrays(mod)
-                x = jnp.asarray(np.random.default_rng(0).standard_normal((4, mod.in_features)), jnp.bfloat16)
-                k = mod.in_features
-                f = jax.jit(lambda x, q, s, k=k: xla_int.qmatmul_t(x, q, s, None, 4, k, jnp.float32))
-                got = np.asarray(f(x, mod.codes[...], mod.scales[...]))
-                want = np.asarray(f(x, jnp.asarray(codes), jnp.asarray(scales)))
-                rel = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
-                emit(model=name, what="int4_check", piece="layers.0.mlp.gate_proj", max_rel_diff=rel)
-            except Exception as e:
-                emit(model=name, what="int4_check", error=f"{type(e).__name__}: {str(e)[:300]}")
-        if name == "int4c" and left() > 45:
+        # 3. pieces
+        if name in args.piece_modes.split(","):
+            for kind in [k for k in args.kinds.split(",") if k]:
+                paths = _paths(model, kind)
+                if not paths:
+                    continue
+                if mleft() < 8:
+                    emit(model=name, what="piece", kind=kind, skipped="budget")
+                    continue
+                log(f"{name}: piece {kind} ({len(paths)} modules)")
+                try:
+                    run = _chain(graphdef, paths, 1, args.reps)
+                    c = jnp.ones((1, 1), jnp.float32)
+                    ms = 1e3 * timed(run, state, c) / args.reps
+                    wb = _bytes(state, paths)
+                    row = dict(
+                        model=name, what="piece", kind=kind, modules=len(paths), ms=round(ms, 4), weight_bytes=wb
+                    )
+                    if hbm:
+                        row["pct_of_roofline"] = round(100 * wb / hbm / (ms / 1e3), 1)
+                    emit(**row)
+                except Exception as e:
+                    emit(model=name, what="piece", kind=kind, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+        # 5b. int4c: the whole step's logits against the model held as stored (a second build)
+        if name == "int4c" and mleft() > 40:
             log("int4c: logits against the model held as stored")
             try:
                 logits = {}
