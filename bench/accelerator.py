@@ -12,7 +12,11 @@ scales, multiplied by `matmul="xla_int"` (`gemma4_nnx.kernels.xla_int`: codes in
 
 * `int8`: one scale per output channel (`quantize(model, 8, "channel")`'s format);
 * `int4`: groups of 32 (`quantize(model, 4)`'s default), the token table / output head int8 per channel;
-* `int4g128`: groups of 128, the head int8 per channel.
+* `int4g128`: groups of 128, the head int8 per channel;
+* `int4c`: one scale per output channel (`quantize(model, 4, "channel")`), the head int8 per channel.
+
+Per-channel matrices are then held in the integer dot's layout, as `gemma4_nnx.load` holds them
+(`quant.hold_for_int_dot`: scales as vectors, int4 codes as a native `jnp.int4` array made on the host).
 
 The per-layer-embedding table stays bf16 (only B rows of it are gathered per step).
 
@@ -54,7 +58,7 @@ from gemma4_nnx.model.tree import set_submodule
 #: The chip's limits: HBM bytes/s and bf16 FLOP/s (published figures; v5e: 819 GB/s, 197 TFLOP/s).
 CHIPS = {"TPU v5 lite": (819e9, 197e12), "TPU v5e": (819e9, 197e12), "TPU v6 lite": (1640e9, 918e12)}
 
-MODES = {"bf16": None, "int8": (8, "channel"), "int4": (4, 32), "int4g128": (4, 128)}
+MODES = {"bf16": None, "int8": (8, "channel"), "int4": (4, 32), "int4g128": (4, 128), "int4c": (4, "channel")}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -76,10 +80,19 @@ def _fill(shape, dtype, seed):
     return (0.07 * u).astype(dtype)
 
 
-def build(config: Gemma4Config, mode: str, dtype=jnp.bfloat16, ple_bits: int | None = None):
+def build(
+    config: Gemma4Config,
+    mode: str,
+    dtype=jnp.bfloat16,
+    ple_bits: int | None = None,
+    hold: bool = True,
+    head: bool = True,
+):
     """(graphdef, state): the model with random weights on the device, projections quantized by `mode`
     (and, `ple_bits`, the per-layer-embedding table: one group per (token, layer) slice, as
-    `gemma4-convert --ple` stores it). Also the trainer's benchmark's model (bench/train_accelerator.py)."""
+    `gemma4-convert --ple` stores it), the token table / head too unless not `head`, per-channel
+    matrices held for the integer dot unless not `hold` (`quant.hold_for_int_dot`: what `load` does).
+    Also the trainer's benchmark's model (bench/train_accelerator.py)."""
     model = nnx.eval_shape(lambda: Gemma4(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), matmul="xla_int"))
     if ple_bits and config.use_ple:
         fmt = quant.QuantFormat(ple_bits, config.hidden_size_per_layer_input)
@@ -89,6 +102,8 @@ def build(config: Gemma4Config, mode: str, dtype=jnp.bfloat16, ple_bits: int | N
         for path, mod in list(nnx.iter_graph(model)):
             path = tuple(path)
             if not isinstance(mod, (nnx.Linear, Embedding)) or not quant.quantizable(path):
+                continue
+            if path == ("embed_tokens",) and not head:
                 continue
             cols = mod.in_features if isinstance(mod, nnx.Linear) else mod.features
             if path == ("embed_tokens",):
@@ -101,17 +116,29 @@ def build(config: Gemma4Config, mode: str, dtype=jnp.bfloat16, ple_bits: int | N
     graphdef, abstract = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
     made = [_fill(tuple(x.shape), jnp.dtype(x.dtype), i) for i, x in enumerate(leaves)]  # a compile a shape
-    return graphdef, jax.tree_util.tree_unflatten(treedef, made)
+    state = jax.tree_util.tree_unflatten(treedef, made)
+    if not hold:
+        return graphdef, state
+    model = nnx.merge(graphdef, state)
+    quant.hold_for_int_dot(model)
+    return nnx.split(model)
+
+
+def array_bytes(x) -> int:
+    """Bytes an array holds on an accelerator: int4 codes two a byte (`x.nbytes` counts one a byte)."""
+    if jnp.dtype(x.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
+        return (x.size + 1) // 2
+    return x.nbytes
 
 
 def _nbytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+    return sum(array_bytes(x) for x in jax.tree_util.tree_leaves(tree))
 
 
 def weight_bytes_per_step(state) -> int:
     """Bytes of every weight but the PLE table (gathered, B rows a step)."""
     flat = nnx.to_flat_state(state)
-    return sum(v.get_value().nbytes for p, v in flat if "embed_tokens_per_layer" not in map(str, p))
+    return sum(array_bytes(v.get_value()) for p, v in flat if "embed_tokens_per_layer" not in map(str, p))
 
 
 def _programs(graphdef):

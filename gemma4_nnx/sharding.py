@@ -140,9 +140,12 @@ def partition_spec(
     unused and the product of the sizes taken still divides the dimension."""
     table = dict(rules)
     axes = logical_axes(path)
+    leaf = (path if isinstance(path, str) else dotted(path)).rsplit(".")[-1]
     if shape is not None and len(axes) != len(shape):
         if axes == (None,):
             axes = (None,) * len(shape)
+        elif len(shape) == 1 and leaf in ("scales", "mins"):
+            axes = axes[:1]  # per-channel scales held as a vector [out] (`quant.hold_for_int_dot`)
         else:
             raise ValueError(
                 f"path {dotted(path) if not isinstance(path, str) else path}: declared axes {axes} "

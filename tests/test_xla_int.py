@@ -54,6 +54,44 @@ def test_int_dot_equals_float64_of_dequantized(fmt):
     np.testing.assert_allclose(np.asarray(gx), np.broadcast_to(deq.sum(0), x.shape), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", CHANNEL, ids=str)
+def test_held_layout_equals_float64_of_dequantized(fmt):
+    """The integer dot's own layout of a per-channel matrix (`quant.hold_for_int_dot`: scales and mins as
+    vectors [N], int4 codes as a native jnp.int4 / jnp.uint4 [N, K] array made on the host, fed
+    straight to the dot) gives x @ deq(W)^T against float64 at 1 and 37 rows, and the same gradient wrt
+    x; and the held codes pack back to the stored bytes (`packed_int4`)."""
+    rng = np.random.default_rng(fmt.bits + 11 * fmt.asym)
+    codes, scales, mins = _random_quantized(rng, 24, K, fmt)
+    deq = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins), np.float64)
+    held = codes if fmt.bits == 8 else xla_int.native_int4(codes, fmt.asym)
+    if fmt.bits == 4:
+        assert held.dtype == (jnp.uint4 if fmt.asym else jnp.int4) and held.shape == (24, K)
+        np.testing.assert_array_equal(xla_int.packed_int4(held), codes)
+    vec = (jnp.asarray(scales[:, 0]), None if mins is None else jnp.asarray(mins[:, 0]))
+    product = lambda x: xla_int.qmatmul_t(x, jnp.asarray(held), *vec, fmt.bits, fmt.group, jnp.float32)  # noqa: E731
+    for rows in (1, 37):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        got = jax.jit(product)(jnp.asarray(x))
+        ref = x.astype(np.float64) @ deq.T
+        err = np.max(np.abs(np.asarray(got, np.float64) - ref))
+        assert got.shape == (rows, 24) and err <= 1e-5 * np.max(np.abs(ref)), (rows, err)
+    gx = jax.grad(lambda x: product(x).sum())(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(gx), np.broadcast_to(deq.sum(0), x.shape), rtol=1e-4, atol=1e-4)
+    # the held codes dequantize as the stored ones do (exports, LoRA merges)
+    got = quant.dequantize_rows(jnp.asarray(held), scales, fmt.bits, fmt.group, jnp.float32, mins)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), deq)
+
+
+def test_int4_held_codes_round_trip_every_byte():
+    """native_int4 reads every byte value as pack_int4 / pack_uint4 wrote it (the shift-based unpackers'
+    codes, element 2j low), and packed_int4 gives the very bytes back."""
+    packed = np.arange(256, dtype=np.uint8).reshape(8, 32)
+    for asym, unpack in ((False, quant.unpack_int4), (True, quant.unpack_uint4)):
+        held = xla_int.native_int4(packed, asym)
+        np.testing.assert_array_equal(held.astype(np.int16), np.asarray(unpack(jnp.asarray(packed))).astype(np.int16))
+        np.testing.assert_array_equal(xla_int.packed_int4(held), packed)
+
+
 def test_int4_nibbles_are_the_stored_codes_of_even_and_odd_columns():
     """The int4 product's two code arrays are the even and the odd columns of unpack_int4 /
     unpack_uint4 (the shift-based readers of pack_int4's bytes), for every byte value."""
@@ -77,14 +115,33 @@ def test_matmul_option_resolves():
 
 def test_quantize_per_channel_gives_one_scale_per_output(quantized_models):
     """quantize(group="channel"): each matrix's group is its input width (one scale per output row, the
-    token table's included); a misspelt group is refused by name, before anything changes."""
-    model = quantized_models["int8", "xla_int"]
-    fmts = quant.quantization_of(model)
-    assert any(p.endswith("mlp.down_proj") for p in fmts)
-    for path, mod in nnx.iter_graph(model):
-        if isinstance(mod, quant.QuantizedLinear):
-            assert mod.fmt.group == mod.in_features and mod.scales[...].shape == (mod.out_features, 1), path
-    assert fmts["embed_tokens"].group == model.config.hidden_size
+    token table's included), held for the integer dot as a vector [out] (the stored layout, [out, 1], is
+    what `stored_arrays` gives and the plain product holds); int4 codes held as jnp.int4 [out, in]; a
+    misspelt group is refused by name, before anything changes."""
+    for name, bits in (("int8", 8), ("int4c", 4)):
+        model, plain = quantized_models[name, "xla_int"], quantized_models[name, "xla"]
+        fmts = quant.quantization_of(model)
+        assert any(p.endswith("mlp.down_proj") for p in fmts)
+        for path, mod in nnx.iter_graph(model):
+            if isinstance(mod, quant.QuantizedLinear):
+                n, k = mod.out_features, mod.in_features
+                assert mod.fmt.group == k and mod.scales[...].shape == (n,), path
+                assert mod.codes[...].dtype == (jnp.int4 if bits == 4 else jnp.int8), path
+                assert mod.codes[...].shape == (n, k), path
+                stored = quant.get_submodule(plain, tuple(path))
+                assert stored.scales[...].shape == (n, 1)
+                for a, b in zip(quant.stored_arrays(mod), quant.stored_arrays(stored), strict=True):
+                    assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b)), path
+        assert fmts["embed_tokens"].group == model.config.hidden_size
+        assert model.embed_tokens.scales[...].shape == (model.config.vocab_size,)
+    # a held vector takes its rows' (output) axis, as its stored [out, 1] form does
+    from gemma4_nnx import sharding
+
+    mesh = sharding.make_mesh(fsdp=1, tp=1)
+    assert len(sharding.model_shardings(model, mesh)) == len(list(nnx.to_flat_state(nnx.state(model))))
+    rules = {"embed": "fsdp", "mlp": "tp"}
+    vec, col = (sharding.partition_spec("layers.0.mlp.down_proj.scales", s, mesh, rules) for s in ((64,), (64, 1)))
+    assert vec == jax.sharding.PartitionSpec("fsdp") and col[:1] == ("fsdp",), (vec, col)
     with pytest.raises(ValueError, match="group must be a positive integer or 'channel'"):
         quant.quantize(model, 8, "chanel")
     assert quant.quantization_of(model) == fmts
@@ -146,9 +203,10 @@ def _tpu_float_tensors(step, state, cache) -> set[tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def quantized_models():
-    """The tiny E2B-shaped model quantized int4 (groups of 8) and int8 per channel, on both products."""
+    """The tiny E2B-shaped model quantized int4 (groups of 8), int8 and int4 per channel, on both
+    products."""
     models = {}
-    for name, bits, group in (("int4", 4, 8), ("int8", 8, "channel")):
+    for name, bits, group in (("int4", 4, 8), ("int8", 8, "channel"), ("int4c", 4, "channel")):
         for matmul in ("xla_int", "xla"):
             model = random_model("e2b", matmul="xla")
             quant.quantize(model, bits, group, matmul=matmul)
@@ -156,18 +214,23 @@ def quantized_models():
     return models
 
 
-@pytest.mark.parametrize("name", ["int4", "int8"])
+@pytest.mark.parametrize("name", ["int4", "int8", "int4c"])
 def test_decode_step_never_makes_a_float_weight(quantized_models, name):
     """The traced decode step (batch 2) of a quantized model on "xla_int" holds no floating array of a
     quantized weight's shape, in its jaxpr and in the StableHLO lowered for TPU (where JAX passes the
-    integer codes to the dot unconverted); the same step on the fallback "xla" does (the check can
-    fail), and both give the same logits (float32 rounding of the differently ordered sums)."""
+    integer codes to the dot unconverted: int4 per channel as the held jnp.int4 array itself); the same
+    step on the fallback "xla" does (the check can fail), and both give the same logits (float32
+    rounding of the differently ordered sums)."""
     model = quantized_models[name, "xla_int"]
     shapes = _weight_shapes(model)
     step, state, cache = _step(model, 2)
     jaxpr = jax.make_jaxpr(step)(state, cache)
     assert not _float_arrays(jaxpr.jaxpr) & shapes
     assert not _tpu_float_tensors(step, state, cache) & shapes
+    if name == "int4c":  # the held int4 codes go into the dot as they are: no conversion of them
+        hlo = jax.jit(step).trace(state, cache).lower(lowering_platforms=("tpu",)).as_text()
+        assert re.search(r"dot_general .*tensor<\d+x\d+xi4>\) ->", hlo)
+        assert not re.search(r"convert .*xi4>", hlo)
 
     ref = quantized_models[name, "xla"]
     ref_step, ref_state, _ = _step(ref, 2)
@@ -177,3 +240,33 @@ def test_decode_step_never_makes_a_float_weight(quantized_models, name):
     want, _ = jax.jit(ref_step)(ref_state, cache)
     want = np.asarray(want)
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+
+
+def test_a_loaded_per_channel_checkpoint_is_held_for_the_dot_and_exports_its_stored_bytes(tmp_path):
+    """`gemma4-convert --quantize int4 --group channel`, loaded for the integer dot: int4 codes held as
+    jnp.int4 [out, in], scales as vectors; what the model gives back for writing (`stored_arrays`, the
+    HF export's tensors) is byte for byte what the plain product's load of the same checkpoint holds
+    (that the held layout computes the plain product's logits: test_decode_step_never_makes_a_float_weight)."""
+    from gemma4_nnx.io.checkpoint import load
+    from gemma4_nnx.io.convert import build_parser, convert
+    from tests.helpers import make_tiny_hf
+
+    assert build_parser().parse_args(["a", "b", "--quantize", "int4", "--group", "channel"]).group == "channel"
+    ckpt = convert(make_tiny_hf(tmp_path / "hf"), tmp_path / "c", quantize="int4", group="channel", progress=False)
+    held, plain = load(ckpt, matmul="xla_int"), load(ckpt, matmul="xla")
+    mods = dict(quant.submodules(plain, (quant.QuantizedLinear, quant.QuantizedEmbedding)))
+    ple = mods.pop(("embed_tokens_per_layer",))  # group-wise (a group per layer's slice): kept as stored
+    assert ple.scales[...].shape[1] > 1 and quant.get_submodule(held, ("embed_tokens_per_layer",)).scales[...].ndim == 2
+    assert len(mods) > 3
+    for path, stored in mods.items():
+        mod = quant.get_submodule(held, path)
+        assert mod.scales[...].ndim == 1 and stored.scales[...].ndim == 2
+        if isinstance(mod, quant.QuantizedLinear):
+            assert mod.codes[...].dtype == jnp.int4 and mod.codes[...].shape == (mod.out_features, mod.in_features)
+        got = quant.stored_arrays(mod)
+        want = (np.asarray(stored.codes[...]), np.asarray(stored.scales[...]), None)
+        for a, b in zip(got, want, strict=True):
+            assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes()), path
+    for path in (("layers", 0, "mlp", "down_proj"), ("embed_tokens",)):  # what the HF / gm exports write
+        a, b = (np.asarray(quant.dequantize_matrix(quant.get_submodule(m, path))) for m in (held, plain))
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path

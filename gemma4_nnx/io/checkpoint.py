@@ -310,6 +310,7 @@ def load(
         check_kept_blocks,
         decode_kept_blocks,
         get_submodule,
+        hold_for_int_dot,
         quantized_like,
         resolve_kept_blocks,
         set_submodule,
@@ -356,6 +357,8 @@ def load(
         paths = [p for p in paths if p[:-1] != module and p != module] + [module + (n,) for n in names]
     model = _restore(ckpt_dir, model, paths, where)
     if resolve_kept_blocks(kept_blocks, product) == "decoded" and decode_kept_blocks(model, where):
+        _release_freed_memory()
+    if hold_for_int_dot(model):  # the integer dot's layout (`quant.hold_for_int_dot`); the file keeps its own
         _release_freed_memory()
     return model
 

@@ -360,8 +360,11 @@ def _check_options(dtype: str | None, ple: str | None, quantize: str, group) -> 
     if group is not None:
         if quantize not in ("int8", "int4"):
             raise ValueError(f"group: only used with quantize='int8' or 'int4', not {quantize!r}")
-        if isinstance(group, bool) or not isinstance(group, int) or group < 2 or group % 2:
-            raise ValueError(f"group: must be an even integer >= 2 (columns per scale), got {group!r}")
+        if group != "channel" and (isinstance(group, bool) or not isinstance(group, int) or group < 2 or group % 2):
+            raise ValueError(
+                f"group: must be an even integer >= 2 (columns per scale) or 'channel' (one scale per output "
+                f"channel: the form accelerators multiply with one integer dot), got {group!r}"
+            )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -416,7 +419,7 @@ def convert(
     progress: bool | None = None,
     gm_config: str | None = None,
     quantize: str = "keep",
-    group: int | None = None,
+    group: int | str | None = None,
     text_only: bool = False,
     calibration: str | os.PathLike | None = None,
 ) -> str:
@@ -453,7 +456,9 @@ def convert(
         float); "none" stores everything float. Norms and other vectors, the MoE router and MTP
         assistants stay float (an assistant's GGUF blocks are kept under "keep", as a model's). The
         metadata records each quantized matrix.
-      group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32).
+      group: columns per scale for "int8" / "int4" (default `quant.DEFAULT_GROUP`: 128 / 32), or "channel":
+        one scale per output channel (each matrix's input width; `quant.format_for`), the form accelerators
+        multiply with one integer dot (`gemma4_nnx.kernels.xla_int`).
       text_only: drop the vision / audio towers of a multimodal checkpoint (kept by default, in float
         at `dtype`: they run once per prompt, so quantizing them would save little).
       calibration: a UTF-8 text file for quantize="q4_k_m": the float model reads it once and the mean
@@ -774,7 +779,11 @@ def build_parser() -> argparse.ArgumentParser:
         "matters; the 4-bit mode to pick), to int8 or int4 (group-wise symmetric), or none (float, --dtype)",
     )
     p.add_argument(
-        "--group", type=int, default=None, help="columns per scale for --quantize int8/int4 (default 128 / 32)"
+        "--group",
+        type=_group_arg,
+        default=None,
+        help="columns per scale for --quantize int8/int4 (default 128 / 32), or 'channel': one scale per output "
+        "channel (the form a TPU multiplies fastest: codes straight into one integer dot)",
     )
     p.add_argument(
         "--calibration",
@@ -807,6 +816,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
     return p
+
+
+def _group_arg(text: str) -> int | str:
+    """--group: an integer, or "channel"."""
+    if text == "channel":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an even integer or 'channel', got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,12 +216,10 @@ def _kept_blocks(model, arch: str = "gemma4") -> dict[str, tuple[str, np.ndarray
         mod = modules.get(entry.path) or modules.get(entry.path[:-1])
         if mod is None or entry.path[0] == "embed_tokens_per_layer":
             continue
-        codes = np.asarray(mod.codes[...])
+        codes, scales, mins = quant.stored_arrays(mod)  # as the checkpoint holds them
         if mod.fmt.block is not None:  # held as the blocks themselves
             out[name] = (mod.fmt.block, codes.reshape(-1, codes.shape[-1]))
             continue
-        scales = np.asarray(mod.scales[...])
-        mins = None if getattr(mod, "mins", None) is None else np.asarray(mod.mins[...])
         cols = codes.shape[-1] * (2 if mod.fmt.bits == 4 else 1)
         flat = [None if a is None else a.reshape(-1, a.shape[-1]) for a in (codes, scales, mins)]
         found = encode_rows(*flat, mod.fmt, cols)

@@ -97,11 +97,13 @@ __all__ = [
     "QuantizedLinear",
     "decode_kept_blocks",
     "dequantize_rows",
+    "hold_for_int_dot",
     "pack_int4",
     "quantize",
     "quantize_rows",
     "quantized_nbytes",
     "resolve_kept_blocks",
+    "stored_arrays",
     "unpack_int4",
 ]
 
@@ -317,8 +319,9 @@ def dequantize_rows(
     jitting this function directly).
 
     Args:
-        codes: int8 ``[..., M]`` (bits=8) or uint8 ``[..., M // 2]`` (bits=4);
-            with ``mins``, unsigned: uint8 ``[..., M]`` or nibbles 0..15.
+        codes: int8 ``[..., M]`` (bits=8) or uint8 ``[..., M // 2]`` (bits=4; or ``jnp.int4``
+            ``[..., M]``, held natively); with ``mins``, unsigned: uint8 ``[..., M]``, nibbles 0..15
+            or ``jnp.uint4``.
         scales: float ``[..., M // group]`` with the same leading shape.
         bits: 4 or 8.
         group: columns per scale.
@@ -334,7 +337,9 @@ def dequantize_rows(
     scales = jnp.asarray(scales)
     if codes.ndim == 0:
         raise ValueError("codes must have at least one dimension")
-    if bits == 4:
+    if bits == 4 and jnp.dtype(codes.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
+        q = codes.astype(jnp.int8 if mins is None else jnp.uint8)  # held natively (`hold_for_int_dot`)
+    elif bits == 4:
         q = unpack_int4(codes) if mins is None else unpack_uint4(codes)
     else:
         want = jnp.int8 if mins is None else jnp.uint8
@@ -393,12 +398,27 @@ def _set_params(mod, codes, scales, mins) -> None:
         setattr(mod, name, nnx.Param(arr))
 
 
+def _stored_shape(a):
+    """A scales / mins array as stored, [rows, G]: a vector held per output channel (`hold_for_int_dot`) as
+    its column [rows, 1]."""
+    return None if a is None else a[:, None] if a.ndim == 1 else a
+
+
 def _mins(mod):
-    return None if mod.mins is None else mod.mins[...]
+    return None if mod.mins is None else _stored_shape(mod.mins[...])
 
 
 def _scales(mod):
-    return None if mod.scales is None else mod.scales[...]
+    return None if mod.scales is None else _stored_shape(mod.scales[...])
+
+
+def _raw(var):
+    return None if var is None else var[...]
+
+
+def _stored_cols(taken: jax.Array, var) -> jax.Array:
+    """Rows taken from a scales / mins variable, as stored rows [..., G] (a held vector's: [..., 1])."""
+    return taken[..., None] if var.get_value().ndim == 1 else taken
 
 
 def dequantize_stored(codes: jax.Array, scales, mins, fmt: QuantFormat, dtype: Any = jnp.float32) -> jax.Array:
@@ -448,7 +468,7 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
 
         rows = int(np.prod(x.shape[:-1]))
         if x.shape[-1] == f.group or rows <= xla_int.blocked_rows(f.group):
-            return xla_int.qmatmul_t(x, mod.codes[...], _scales(mod), _mins(mod), f.bits, f.group, dtype)
+            return xla_int.qmatmul_t(x, mod.codes[...], _raw(mod.scales), _raw(mod.mins), f.bits, f.group, dtype)
     w = dequantize_matrix(mod, dtype)
     return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
 
@@ -613,8 +633,9 @@ class QuantizedEmbedding(nnx.Module):
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"ids must have an integer dtype, got {ids.dtype}")
         codes = jnp.take(self.codes[...], ids, axis=0)  # [..., F or F/2, or the row's blocks]
-        scales = None if self.scales is None else jnp.take(self.scales[...], ids, axis=0)  # [..., F/group]
-        mins = None if self.mins is None else jnp.take(self.mins[...], ids, axis=0)
+        # [..., F/group]; vectors held per output channel (`hold_for_int_dot`) are taken, then widened
+        scales = None if self.scales is None else _stored_cols(jnp.take(self.scales[...], ids, axis=0), self.scales)
+        mins = None if self.mins is None else _stored_cols(jnp.take(self.mins[...], ids, axis=0), self.mins)
         rows = dequantize_stored(codes, scales, mins, self.fmt, self.dtype)
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
@@ -780,6 +801,7 @@ def quantize(
         _set_params(new, codes, scales, None)
         set_submodule(model, path, new)
         done.append(dotted(path))
+    hold_for_int_dot(model)
     return done
 
 
@@ -852,6 +874,62 @@ def decode_kept_blocks(
         set_submodule(model, path, new)
         del mod, raw
     return [dotted(p) for p in paths]
+
+
+def _holds(mod) -> bool:
+    """Whether `hold_for_int_dot` relayouts `mod`: a projection or token table of one scale per output
+    channel (no GGUF blocks) whose product is the integer dot (`Matmul.int_dot`)."""
+    if not isinstance(mod, (QuantizedLinear, QuantizedEmbedding)) or not mod.matmul.int_dot or mod.fmt.block:
+        return False
+    cols = mod.in_features if isinstance(mod, QuantizedLinear) else mod.features
+    return mod.fmt.group == cols
+
+
+def hold_for_int_dot(model: nnx.Module) -> list[str]:
+    """Hold every quantized matrix of `model` whose product is the integer dot (`matmul="xla_int"`, "auto"
+    off the CPU) and that has one scale per output channel in that product's layout
+    (`gemma4_nnx.kernels.xla_int`, "the held layout"): scales and mins as vectors [rows] (a [rows, 1] float32 array
+    can take 128 times its bytes on a TPU), and a projection's int4 codes as a native `jnp.int4` /
+    `jnp.uint4` array [rows, cols], made on the host (a token table keeps its packed codes: its rows are
+    gathered too). In place, one module at a time, each array placed as the one it replaces; returns
+    the dotted paths held. The twin of `decode_kept_blocks`: called where a model is loaded
+    (`checkpoint.load`) or quantized (`quantize`); the checkpoint keeps the stored layout, and
+    `stored_arrays` gives it back byte for byte."""
+    from gemma4_nnx.kernels import xla_int
+
+    done = []
+    for path, mod in submodules(model, (QuantizedLinear, QuantizedEmbedding)):
+        if not _holds(mod) or mod.scales[...].ndim == 1:
+            continue
+        held = {"scales": lambda a: a[:, 0], "mins": lambda a: a[:, 0]}
+        if isinstance(mod, QuantizedLinear) and mod.fmt.bits == 4:  # a table's packed rows are gathered too
+            held["codes"] = lambda a, asym=mod.fmt.asym: xla_int.native_int4(a, asym)
+        for name, relayout in held.items():
+            old = getattr(mod, name)
+            if old is None:
+                continue
+            old = old[...]
+            new, spec = relayout(np.asarray(jax.device_get(old))), old.sharding
+            if isinstance(spec, jax.sharding.NamedSharding):  # a vector keeps the rows' axis; codes both
+                spec = jax.sharding.NamedSharding(spec.mesh, jax.sharding.PartitionSpec(*tuple(spec.spec)[: new.ndim]))
+            setattr(mod, name, nnx.Param(jax.device_put(new, spec)))
+            del old, new
+        done.append(dotted(path))
+    return done
+
+
+def stored_arrays(mod) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(codes, scales, mins) of a quantized module in the stored layout (NumPy): what the checkpoint
+    holds, byte for byte, whether the module holds them so or in the integer dot's layout
+    (`hold_for_int_dot`). For exports and anything else that writes the codes."""
+    from gemma4_nnx.kernels import xla_int
+
+    codes, scales, mins = (
+        None if v is None else np.asarray(jax.device_get(v[...])) for v in (mod.codes, mod.scales, mod.mins)
+    )
+    if xla_int.native(codes):
+        codes = xla_int.packed_int4(codes)
+    return codes, _stored_shape(scales), _stored_shape(mins)
 
 
 def quantization_of(model: nnx.Module) -> dict[str, QuantFormat]:
