@@ -1,0 +1,199 @@
+"""A Pallas TPU kernel for decode-sized products with group-wise quantized weights (`matmul="pallas"`).
+
+`qmatmul_t(x, codes, scales, mins, bits, group)` computes ``x [T, K] @ W[N, K]^T`` (T small: decode) for a
+matrix in `gemma4_nnx.model.quant`'s row format (``W[n, k] = codes[n, k] * scales[n, k // group] -
+mins[...]``), reading from HBM only the codes (one byte a weight, half a byte for int4) and the scales,
+in their stored layout (no copy or re-layout of the weight, at load or in a step).
+
+Why: XLA's forms of a group-wise product (`xla_int`'s blocked contraction over groups, or dequantize then
+dot) materialize per-group partial sums or a float weight in HBM and ran at 10-17% of a TPU v5e's HBM
+bandwidth (docs/benchmarks.md). Here the same arithmetic happens in VMEM, one tile of output rows at a
+time:
+
+* the grid runs over tiles of `block_n` output rows ``n``; a tile's codes ``[block_n, K or K/2]`` and
+  scales ``[block_n, G]`` (and mins) are one block each (the whole width K: the scales' layout puts the
+  groups along lanes, so a tile holds all of a row's groups);
+* inside, a static loop over chunks of `chunk` code bytes along K: the codes are unpacked (int4: low and
+  high nibbles by shifts, sign-extended, or unsigned for the asymmetric form) and converted to the
+  compute dtype (exact: small integers); for each row t of x a block-diagonal matrix ``D_t [chunk, G_c]``
+  (``D_t[j, g] = x[t, j]`` where column j lies in the chunk's group g, else 0) turns one MXU product
+  ``codes_chunk @ D_t`` into the chunk's per-group partial sums ``[block_n, G_c]`` (float32
+  accumulation), which are multiplied by their scales (and, asymmetric, less ``mins * sum of x over the
+  group``) and accumulated in float32;
+* the output tile is ``[block_n, T]`` (rows on sublanes, as the scales): the caller gets ``[T, N]``.
+
+So the codes stream through the MXU as its left operand (every code once per row of x: made for T of 1 to
+a few; `MAX_ROWS` bounds it) and no partial sum leaves VMEM. Values: x in bf16 times exact integer
+codes, float32 sums of whole groups times float32 scales, as `xla_int.qmatmul_t` (tests against float64
+in tests/test_pallas_qmatmul.py, in Pallas' interpreter on the CPU). Float32 x takes float32 products at
+`Precision.HIGHEST` (bf16 x takes bf16 products).
+
+Off a TPU the kernel runs only in the interpreter (`interpret=True`: tests). `matmul="pallas"`
+(`gemma4_nnx.model.layers.resolve_matmul`) takes it for group-wise formats on a TPU while x has at most
+`MAX_ROWS` rows; everything else takes `xla_int`'s path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+__all__ = ["MAX_ROWS", "available", "qmatmul_t"]
+
+#: Most rows of x the kernel takes: each row is one MXU pass of the codes (decode batches).
+MAX_ROWS = 16
+
+#: Default tile: output rows per grid step and code bytes per in-kernel chunk (bench/tpu_qdot.py sweeps).
+BLOCK_N = 256
+CHUNK = 512
+
+
+def available() -> bool:
+    """Whether the kernel can be compiled here (a TPU backend)."""
+    return jax.default_backend() == "tpu"
+
+
+def _chunk_bytes(width: int, half: int, chunk: int) -> int:
+    """Bytes of codes per in-kernel step: `chunk` if it divides the row width `width` and holds whole
+    groups (`half` bytes each), else the largest such divisor of `width` below it (the width itself
+    for a narrow matrix)."""
+    for c in range(min(chunk, width), 0, -1):
+        if width % c == 0 and c % half == 0 and (c % 128 == 0 or c == width):
+            return c
+    for c in range(min(chunk, width), 0, -1):
+        if width % c == 0 and c % half == 0:
+            return c
+    return width
+
+
+def _kernel(*refs, bits, asym, half, chunk, rows, precision):
+    if asym:
+        codes_ref, scales_ref, mins_ref, xt_ref, xs_ref, o_ref = refs
+    else:
+        codes_ref, scales_ref, xt_ref, o_ref = refs
+    width = codes_ref.shape[1]
+    gc = chunk // half  # groups per chunk
+    cdt = xt_ref.dtype
+    # D's mask: byte (or column) j of a chunk lies in its group g
+    j = jax.lax.broadcasted_iota(jnp.int32, (chunk, gc), 0)
+    g = jax.lax.broadcasted_iota(jnp.int32, (chunk, gc), 1)
+    d = j - g * half
+    inside = (d >= 0) & (d < half)
+    acc = [jnp.zeros((codes_ref.shape[0], gc), jnp.float32) for _ in range(rows)]
+    for c in range(width // chunk):
+        o, g0 = c * chunk, c * gc
+        q = codes_ref[:, o : o + chunk].astype(jnp.int32)  # uint8 zero-extends, int8 sign-extends
+        if bits == 4:
+            if asym:
+                parts = (jnp.bitwise_and(q, 15), jnp.right_shift(q, 4))
+            else:  # two's-complement nibbles, sign-extended by arithmetic shifts
+                parts = (jnp.right_shift(jnp.left_shift(q, 28), 28), jnp.right_shift(jnp.left_shift(q, 24), 28))
+        else:
+            parts = (q,)
+        parts = [p.astype(jnp.float32).astype(cdt) for p in parts]
+        s = scales_ref[:, g0 : g0 + gc]
+        m = mins_ref[:, g0 : g0 + gc] if asym else None
+        for t in range(rows):
+            part = None
+            for i, p in enumerate(parts):  # int4: x's even columns with the low nibbles, odd with the high
+                col = xt_ref[i, o : o + chunk, t : t + 1]  # [chunk, 1]
+                dmat = jnp.where(inside, col, jnp.zeros((), cdt))
+                y = jax.lax.dot_general(
+                    p, dmat, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+                )
+                part = y if part is None else part + y
+            acc[t] = acc[t] + part * s
+            if asym:
+                acc[t] = acc[t] - m * xs_ref[t : t + 1, g0 : g0 + gc]
+    for t in range(rows):
+        o_ref[:, t : t + 1] = jnp.sum(acc[t], axis=1, keepdims=True).astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("bits", "group", "dtype", "block_n", "chunk", "interpret", "vmem_limit_bytes")
+)
+def qmatmul_t(
+    x: jax.Array,
+    codes: jax.Array,
+    scales: jax.Array,
+    mins: jax.Array | None,
+    bits: int,
+    group: int,
+    dtype=jnp.bfloat16,
+    *,
+    block_n: int = BLOCK_N,
+    chunk: int = CHUNK,
+    interpret: bool = False,
+    vmem_limit_bytes: int | None = 64 * 2**20,
+) -> jax.Array:
+    """x [..., K] @ W[N, K]^T in `dtype` for codes [N, K] (int8, uint8 asymmetric) or packed int4
+    [N, K/2] (uint8), scales [N, K / group] float32, mins like scales or None (symmetric). At most
+    `MAX_ROWS` rows of x. The products are taken in x's dtype if it is bf16 (exact), else in float32
+    (`Precision.HIGHEST`); sums in float32, the result in `dtype`.
+
+    `block_n`: output rows per grid step (a multiple of 8, or at least N); `chunk`: code bytes per
+    in-kernel step (rounded down to whole groups dividing the row); `interpret`: run in Pallas'
+    interpreter (CPU tests)."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    n, width = codes.shape
+    k = width * (2 if bits == 4 else 1)
+    half = group // 2 if bits == 4 else group
+    if group <= 0 or k % group or (bits == 4 and group % 2):
+        raise ValueError(f"group (={group}) must divide the weight's input width {k} (and be even for int4)")
+    if x.shape[-1] != k:
+        raise ValueError(f"x.shape[-1] (={x.shape[-1]}) must equal the weight's input width {k}")
+    if scales.shape != (n, k // group):
+        raise ValueError(f"scales must be [{n}, {k // group}] for group={group}, got {list(scales.shape)}")
+    if mins is not None and mins.shape != scales.shape:
+        raise ValueError(f"mins must have the scales' shape {list(scales.shape)}, got {list(mins.shape)}")
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"x has {rows} rows (its leading dims {lead}); the kernel takes 1..{MAX_ROWS}: use xla_int")
+    if block_n <= 0 or (block_n % 8 and block_n < n):
+        raise ValueError(f"block_n (={block_n}) must be a positive multiple of 8 (or at least N={n})")
+    block_n = min(block_n, n)
+    chunk = _chunk_bytes(width, half, chunk)
+    asym = mins is not None
+    cdt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    xd = x.reshape(rows, k).astype(cdt)
+    # x's columns as [parts, K', T]: int4: the even and the odd columns (low / high nibbles)
+    xt = jnp.stack([xd[:, 0::2].T, xd[:, 1::2].T]) if bits == 4 else xd.T[None]
+    parts = xt.shape[0]
+    operands = [codes, scales.astype(jnp.float32)]
+    in_specs = [
+        pl.BlockSpec((block_n, width), lambda i: (i, 0)),
+        pl.BlockSpec((block_n, k // group), lambda i: (i, 0)),
+    ]
+    if asym:
+        operands.append(mins.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec((block_n, k // group), lambda i: (i, 0)))
+    operands.append(xt)
+    in_specs.append(pl.BlockSpec((parts, width, rows), lambda i: (0, 0, 0)))
+    if asym:  # sum of x over each group, float32 [T, G]
+        operands.append(jnp.sum(xd.astype(jnp.float32).reshape(rows, k // group, group), axis=-1))
+        in_specs.append(pl.BlockSpec((rows, k // group), lambda i: (0, 0)))
+    kernel = functools.partial(
+        _kernel, bits=bits, asym=asym, half=half, chunk=chunk, rows=rows, precision=precision
+    )
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import tpu as pltpu
+
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit_bytes)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, rows), jnp.float32),
+        grid=(pl.cdiv(n, block_n),),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_n, rows), lambda i: (i, 0)),
+        compiler_params=params,
+        interpret=interpret,
+    )(*operands)
+    return out.T.reshape(*lead, n).astype(dtype)
