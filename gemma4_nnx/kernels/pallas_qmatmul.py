@@ -25,8 +25,8 @@ time:
 So the codes stream through the MXU as its left operand (every code once per row of x: made for T of 1 to
 a few; `MAX_ROWS` bounds it) and no partial sum leaves VMEM. Values: x in bf16 times exact integer
 codes, float32 sums of whole groups times float32 scales, as `xla_int.qmatmul_t` (tests against float64
-in tests/test_pallas_qmatmul.py, in Pallas' interpreter on the CPU). Float32 x takes float32 products at
-`Precision.HIGHEST` (bf16 x takes bf16 products).
+in tests/test_pallas_qmatmul.py, in Pallas' interpreter on the CPU); float32 x takes float32 products at
+`Precision.HIGHEST`.
 
 Off a TPU the kernel runs only in the interpreter (`interpret=True`: tests). `matmul="pallas"`
 (`gemma4_nnx.model.layers.resolve_matmul`) takes it for group-wise formats on a TPU while x has at most
@@ -42,19 +42,28 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-__all__ = ["MAX_ROWS", "available", "qmatmul_t"]
+__all__ = ["MAX_ROWS", "available", "qmatmul_t", "takes"]
 
 #: Most rows of x the kernel takes: each row is one MXU pass of the codes (decode batches).
 MAX_ROWS = 16
 
-#: Default tile: output rows per grid step and code bytes per in-kernel chunk (bench/tpu_qdot.py sweeps).
+#: Default tile: output rows per grid step and code bytes per in-kernel chunk (bench/tpu_qdot.py sweeps;
+#: bench/accelerator.py --pallas-tile sets them for a model's products).
 BLOCK_N = 256
 CHUNK = 512
+
+#: Run the model's products in Pallas' interpreter (tests on the CPU: with `available` patched).
+INTERPRET = False
 
 
 def available() -> bool:
     """Whether the kernel can be compiled here (a TPU backend)."""
     return jax.default_backend() == "tpu"
+
+
+def takes(rows: int) -> bool:
+    """Whether `quant.matmul_t` hands a group-wise product of `rows` rows of x to the kernel here."""
+    return (available() or INTERPRET) and 1 <= rows <= MAX_ROWS
 
 
 def _chunk_bytes(width: int, half: int, chunk: int) -> int:
@@ -113,9 +122,6 @@ def _kernel(*refs, bits, asym, half, chunk, rows, precision):
         o_ref[:, t : t + 1] = jnp.sum(acc[t], axis=1, keepdims=True).astype(o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("bits", "group", "dtype", "block_n", "chunk", "interpret", "vmem_limit_bytes")
-)
 def qmatmul_t(
     x: jax.Array,
     codes: jax.Array,
@@ -125,9 +131,9 @@ def qmatmul_t(
     group: int,
     dtype=jnp.bfloat16,
     *,
-    block_n: int = BLOCK_N,
-    chunk: int = CHUNK,
-    interpret: bool = False,
+    block_n: int | None = None,
+    chunk: int | None = None,
+    interpret: bool | None = None,
     vmem_limit_bytes: int | None = 64 * 2**20,
 ) -> jax.Array:
     """x [..., K] @ W[N, K]^T in `dtype` for codes [N, K] (int8, uint8 asymmetric) or packed int4
@@ -135,9 +141,17 @@ def qmatmul_t(
     `MAX_ROWS` rows of x. The products are taken in x's dtype if it is bf16 (exact), else in float32
     (`Precision.HIGHEST`); sums in float32, the result in `dtype`.
 
-    `block_n`: output rows per grid step (a multiple of 8, or at least N); `chunk`: code bytes per
-    in-kernel step (rounded down to whole groups dividing the row); `interpret`: run in Pallas'
-    interpreter (CPU tests)."""
+    `block_n`: output rows per grid step (a multiple of 8, or at least N; default `BLOCK_N`); `chunk`:
+    code bytes per in-kernel step (rounded down to whole groups dividing the row; default `CHUNK`);
+    `interpret`: run in Pallas' interpreter (CPU tests; default `INTERPRET`)."""
+    block_n = BLOCK_N if block_n is None else block_n
+    chunk = CHUNK if chunk is None else chunk
+    interpret = INTERPRET if interpret is None else interpret
+    return _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, interpret, vmem_limit_bytes)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, interpret, vmem_limit_bytes):
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     n, width = codes.shape
@@ -179,9 +193,7 @@ def qmatmul_t(
     if asym:  # sum of x over each group, float32 [T, G]
         operands.append(jnp.sum(xd.astype(jnp.float32).reshape(rows, k // group, group), axis=-1))
         in_specs.append(pl.BlockSpec((rows, k // group), lambda i: (0, 0)))
-    kernel = functools.partial(
-        _kernel, bits=bits, asym=asym, half=half, chunk=chunk, rows=rows, precision=precision
-    )
+    kernel = functools.partial(_kernel, bits=bits, asym=asym, half=half, chunk=chunk, rows=rows, precision=precision)
     params = None
     if not interpret:
         from jax.experimental.pallas import tpu as pltpu
