@@ -91,7 +91,7 @@ def _kernel(*refs, bits, asym, half, chunk, rows, precision):
     j = jax.lax.broadcasted_iota(jnp.int32, (chunk, gc), 0)
     g = jax.lax.broadcasted_iota(jnp.int32, (chunk, gc), 1)
     d = j - g * half
-    inside = (d >= 0) & (d < half)
+    inside = ((d >= 0) & (d < half)).astype(jnp.float32)
     acc = [jnp.zeros((codes_ref.shape[0], gc), jnp.float32) for _ in range(rows)]
     for c in range(width // chunk):
         o, g0 = c * chunk, c * gc
@@ -110,7 +110,7 @@ def _kernel(*refs, bits, asym, half, chunk, rows, precision):
             part = None
             for i, p in enumerate(parts):  # int4: x's even columns with the low nibbles, odd with the high
                 col = xt_ref[i, o : o + chunk, t : t + 1]  # [chunk, 1]
-                dmat = jnp.where(inside, col, jnp.zeros((), cdt))
+                dmat = (col.astype(jnp.float32) * inside).astype(cdt)
                 y = jax.lax.dot_general(
                     p, dmat, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
                 )
