@@ -79,6 +79,80 @@ def _chunk_bytes(width: int, half: int, chunk: int) -> int:
     return width
 
 
+def _mask(chunk: int, half: int, gc: int) -> jax.Array:
+    """float32 [chunk, gc]: 1 where byte (or column) j of a chunk lies in its group g, else 0 (D's mask)."""
+    j = jax.lax.broadcasted_iota(jnp.int32, (chunk, gc), 0)
+    g = jax.lax.broadcasted_iota(jnp.int32, (chunk, gc), 1)
+    d = j - g * half
+    return ((d >= 0) & (d < half)).astype(jnp.float32)
+
+
+def _dot(p, xt_ref, i, o, chunk, t, inside, precision):
+    """p [rows, chunk] @ D [chunk, gc] for row t of x (its columns of part i): float32 [rows, gc]."""
+    col = xt_ref[i, o : o + chunk, t : t + 1]  # [chunk, 1]
+    dmat = (col.astype(jnp.float32) * inside).astype(p.dtype)
+    return jax.lax.dot_general(
+        p, dmat, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+#: int4 codes as bf16 without a conversion: a nibble u (0..15) shifted into bits 3-6 of the mantissa of
+#: bf16 16.0 (0x4180) is the bf16 value 16 + u, exactly; two per 32-bit word (`_kernel4`).
+_MAGIC = 0x41804180
+_NIB = 0x00780078
+
+
+def _kernel4(*refs, asym, half, chunk, rows, precision):
+    """int4 codes [block_n, K/2] -> outputs of the even and of the odd rows ([block_n/2, T] each).
+
+    The bytes of 4 consecutive rows are one 32-bit word (`pltpu.bitcast`, byte p of word i = row 4i+p);
+    masking a nibble of each 16-bit half into a bf16 mantissa (`_MAGIC`) and bitcasting the words to
+    bf16 gives, with no conversion, ``16 + u`` for the low / high nibbles of the even rows (bytes 0, 2)
+    and of the odd rows (bytes 1, 3), u the unsigned nibble (symmetric codes: u = code + 8, the nibble's
+    top bit flipped). The products ``(16 + u) . x`` are corrected per group by ``off * sum of x over
+    the group`` (off = 24 symmetric, 16 asymmetric) before the scales multiply them."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    if asym:
+        codes_ref, scales_ref, mins_ref, xt_ref, xs_ref, oe_ref, oo_ref = refs
+    else:
+        codes_ref, scales_ref, xt_ref, xs_ref, oe_ref, oo_ref = refs
+    bn, width = codes_ref.shape
+    gc = chunk // half
+    off = 16.0 if asym else 24.0
+    inside = _mask(chunk, half, gc)
+    cdt = xt_ref.dtype
+    rows_of = (pl.ds(0, bn // 2, stride=2), pl.ds(1, bn // 2, stride=2))  # even rows, odd rows
+    scales = [scales_ref[r, :] for r in rows_of]
+    mins = [mins_ref[r, :] for r in rows_of] if asym else None
+    acc = [[jnp.zeros((bn // 2, gc), jnp.float32) for _ in range(rows)] for _ in range(2)]
+    for c in range(width // chunk):
+        o, g0 = c * chunk, c * gc
+        w = pltpu.bitcast(codes_ref[:, o : o + chunk], jnp.uint32)  # [bn/4, chunk]
+        if not asym:
+            w = w ^ jnp.uint32(0x88888888)
+        # (rows parity) -> (low nibbles, high nibbles) as bf16 [bn/2, chunk]
+        shifts = ((("l", 3), ("r", 1)), (("r", 5), ("r", 9)))
+        for par in range(2):
+            parts = []
+            for way, n in shifts[par]:
+                v = jnp.left_shift(w, jnp.uint32(n)) if way == "l" else jnp.right_shift(w, jnp.uint32(n))
+                v = jnp.bitwise_or(jnp.bitwise_and(v, jnp.uint32(_NIB)), jnp.uint32(_MAGIC))
+                v = pltpu.bitcast(v, jnp.bfloat16)
+                parts.append(v if cdt == jnp.bfloat16 else v.astype(cdt))
+            s = scales[par][:, g0 : g0 + gc]
+            for t in range(rows):
+                part = _dot(parts[0], xt_ref, 0, o, chunk, t, inside, precision)
+                part = part + _dot(parts[1], xt_ref, 1, o, chunk, t, inside, precision)
+                xs = xs_ref[t : t + 1, g0 : g0 + gc]
+                acc[par][t] = acc[par][t] + (part - off * xs) * s
+                if asym:
+                    acc[par][t] = acc[par][t] - mins[par][:, g0 : g0 + gc] * xs
+    for par, o_ref in enumerate((oe_ref, oo_ref)):
+        for t in range(rows):
+            o_ref[:, t : t + 1] = jnp.sum(acc[par][t], axis=1, keepdims=True).astype(o_ref.dtype)
+
+
 def _kernel(*refs, bits, asym, half, chunk, rows, precision):
     if asym:
         codes_ref, scales_ref, mins_ref, xt_ref, xs_ref, o_ref = refs
@@ -87,11 +161,7 @@ def _kernel(*refs, bits, asym, half, chunk, rows, precision):
     width = codes_ref.shape[1]
     gc = chunk // half  # groups per chunk
     cdt = xt_ref.dtype
-    # D's mask: byte (or column) j of a chunk lies in its group g
-    j = jax.lax.broadcasted_iota(jnp.int32, (chunk, gc), 0)
-    g = jax.lax.broadcasted_iota(jnp.int32, (chunk, gc), 1)
-    d = j - g * half
-    inside = ((d >= 0) & (d < half)).astype(jnp.float32)
+    inside = _mask(chunk, half, gc)
     acc = [jnp.zeros((codes_ref.shape[0], gc), jnp.float32) for _ in range(rows)]
     for c in range(width // chunk):
         o, g0 = c * chunk, c * gc
@@ -190,10 +260,20 @@ def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, inter
         in_specs.append(pl.BlockSpec((block_n, k // group), lambda i: (i, 0)))
     operands.append(xt)
     in_specs.append(pl.BlockSpec((parts, width, rows), lambda i: (0, 0, 0)))
-    if asym:  # sum of x over each group, float32 [T, G]
+    # int4 codes as bf16 by bitcasts (`_kernel4`): whole 32-row tiles of bytes, row pairs
+    words = bits == 4 and block_n % 32 == 0 and n % 2 == 0
+    if asym or words:  # sum of x over each group, float32 [T, G]
         operands.append(jnp.sum(xd.astype(jnp.float32).reshape(rows, k // group, group), axis=-1))
         in_specs.append(pl.BlockSpec((rows, k // group), lambda i: (0, 0)))
-    kernel = functools.partial(_kernel, bits=bits, asym=asym, half=half, chunk=chunk, rows=rows, precision=precision)
+    common = dict(asym=asym, half=half, chunk=chunk, rows=rows, precision=precision)
+    if words:
+        kernel = functools.partial(_kernel4, **common)
+        out_shape = [jax.ShapeDtypeStruct((n // 2, rows), jnp.float32)] * 2
+        out_specs = [pl.BlockSpec((block_n // 2, rows), lambda i: (i, 0))] * 2
+    else:
+        kernel = functools.partial(_kernel, bits=bits, **common)
+        out_shape = jax.ShapeDtypeStruct((n, rows), jnp.float32)
+        out_specs = pl.BlockSpec((block_n, rows), lambda i: (i, 0))
     params = None
     if not interpret:
         from jax.experimental.pallas import tpu as pltpu
@@ -201,11 +281,13 @@ def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, inter
         params = pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit_bytes)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n, rows), jnp.float32),
+        out_shape=out_shape,
         grid=(pl.cdiv(n, block_n),),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((block_n, rows), lambda i: (i, 0)),
+        out_specs=out_specs,
         compiler_params=params,
         interpret=interpret,
     )(*operands)
+    if words:  # even and odd rows -> [N, T]
+        out = jnp.stack(out, axis=1).reshape(n, rows)
     return out.T.reshape(*lead, n).astype(dtype)
