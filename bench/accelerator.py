@@ -16,7 +16,8 @@ scales, multiplied by `matmul="xla_int"` (`gemma4_nnx.kernels.xla_int`: codes in
 * `int4pallas` / `int4g128pallas` / `int8g128pallas`: int4 g32 / int4 g128 / int8 g128 (the head int8
   per channel) on `matmul="pallas"` (`gemma4_nnx.kernels.pallas_qmatmul`: the group-wise products of
   decode steps of up to 16 rows in a Pallas kernel on a TPU, the others as `xla_int`'s);
-  `--pallas-tile BxC` sets its tile (output rows per grid step x code bytes per chunk).
+  `--pallas-tile BxC` sets its tile (output rows per grid step x code bytes per chunk), `--pallas-convert`
+  its int4 codes' way to bf16 (conversions, not bitcasts).
 
 The per-layer-embedding table stays bf16 (only B rows of it are gathered per step).
 
@@ -171,10 +172,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=0, help="keep the first N layer types (a quick smoke run)")
     ap.add_argument("--vocab", type=int, default=0, help="a smaller vocabulary (a quick smoke run)")
     ap.add_argument("--pallas-tile", default="", help="BxC: the Pallas kernel's output rows x code bytes per step")
+    ap.add_argument("--pallas-convert", action="store_true", help="its int4 codes to bf16 by conversions")
     args = ap.parse_args(argv)
 
     if args.pallas_tile:
         pallas_qmatmul.BLOCK_N, pallas_qmatmul.CHUNK = (int(v) for v in args.pallas_tile.split("x"))
+    pallas_qmatmul.BITCAST = not args.pallas_convert
     config = getattr(Gemma4Config, args.model)()
     if args.layers:  # the preset's pattern cut short, KV sharing over its last 2/5
         config = config.replace(
@@ -192,7 +195,8 @@ def main(argv=None) -> dict:
         "jax": jax.__version__,
         "hbm_bytes_per_s": hbm,
         "peak_bf16_flops": flops,
-        "pallas_tile": f"{pallas_qmatmul.BLOCK_N}x{pallas_qmatmul.CHUNK}",
+        "pallas_tile": f"{pallas_qmatmul.BLOCK_N}x{pallas_qmatmul.CHUNK}"
+        + ("" if pallas_qmatmul.BITCAST else " convert"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "runs": [],
     }

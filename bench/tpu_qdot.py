@@ -17,7 +17,7 @@ layers of a decode step; N=6144, K=1536: E2B's gate projection, L=32), T=1 and T
 * `int4_pallas_g32_n{B}_c{C}` / `int8_pallas_g128_n{B}_c{C}` / `int4_pallas_asym_g32_...`: the Pallas
   kernel (`gemma4_nnx.kernels.pallas_qmatmul`, `matmul="pallas"`) on the stored layout, B output rows
   per grid step and C code bytes per in-kernel chunk (a small sweep: `--pallas-tiles`); only for rows
-  up to its `MAX_ROWS`.
+  up to its `MAX_ROWS`; `int4_pallas_convert_*`: its int4 codes made bf16 by conversions, not bitcasts.
 
     python bench/tpu_qdot.py --only pallas,bf16,int8_channel --rows 1,8   # a subset of the layouts
 
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--out", default="qdot.json")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the layouts naming one")
-    ap.add_argument("--pallas-tiles", default="256x512,512x512,128x512,256x256", help="BxC,...: block_n x chunk")
+    ap.add_argument("--pallas-tiles", default="512x512,256x512,1024x512,512x256", help="BxC,...: block_n x chunk")
     a = ap.parse_args()
     dev = jax.devices()[0]
     bw = HBM.get(dev.device_kind, 819e9)
@@ -184,6 +184,14 @@ def main() -> None:
             1.0,
         )
     bn, ch = (int(v) for v in (a.pallas_tiles.split(",")[0] or "256x512").split("x"))
+    layouts[f"int4_pallas_convert_g32_n{bn}_c{ch}"] = (  # codes to bf16 by conversions, not bitcasts
+        lambda x, q, s: pallas_qmatmul.qmatmul_t(
+            x, q, s, None, 4, 32, jnp.float32, block_n=bn, chunk=ch, bitcast=False
+        ),
+        (put(packed), put(s_g32)),
+        deq(s_g32, 32),
+        0.5,
+    )
     layouts[f"int4_pallas_asym_g32_n{bn}_c{ch}"] = (
         lambda x, q, s, m: pallas_qmatmul.qmatmul_t(x, q, s, m, 4, 32, jnp.float32, block_n=bn, chunk=ch),
         (put(upacked), put(s_g32), put(mins_g32)),

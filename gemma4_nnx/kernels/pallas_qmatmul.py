@@ -13,24 +13,30 @@ time:
 * the grid runs over tiles of `block_n` output rows ``n``; a tile's codes ``[block_n, K or K/2]`` and
   scales ``[block_n, G]`` (and mins) are one block each (the whole width K: the scales' layout puts the
   groups along lanes, so a tile holds all of a row's groups);
-* inside, a static loop over chunks of `chunk` code bytes along K: the codes are unpacked (int4: low and
-  high nibbles by shifts, sign-extended, or unsigned for the asymmetric form) and converted to the
-  compute dtype (exact: small integers); for each row t of x a block-diagonal matrix ``D_t [chunk, G_c]``
-  (``D_t[j, g] = x[t, j]`` where column j lies in the chunk's group g, else 0) turns one MXU product
-  ``codes_chunk @ D_t`` into the chunk's per-group partial sums ``[block_n, G_c]`` (float32
-  accumulation), which are multiplied by their scales (and, asymmetric, less ``mins * sum of x over the
-  group``) and accumulated in float32;
-* the output tile is ``[block_n, T]`` (rows on sublanes, as the scales): the caller gets ``[T, N]``.
+* inside, a static loop over chunks of `chunk` code bytes along K: the codes become bf16 (exact: small
+  integers), then for each row t of x a block-diagonal matrix ``D_t [chunk, G_c]`` (``D_t[j, g] = x[t, j]``
+  where column j lies in the chunk's group g, else 0) turns one MXU product ``codes_chunk @ D_t`` into
+  the chunk's per-group partial sums ``[block_n, G_c]`` (float32 accumulation), which are multiplied by
+  their scales (and, asymmetric, less ``mins * sum of x over the group``) and accumulated in float32;
+* codes to bf16: int8 (and int4 with `bitcast=False`) by integer shifts and int -> float conversions
+  (`_kernel`); int4 by bitcasts (`_kernel4`): the bytes of 4 rows are one 32-bit word, each nibble is
+  masked into the mantissa of bf16 16.0, giving ``16 + u`` (u the unsigned nibble) for two rows per word
+  with 3 integer operations and no conversion; ``16 + u`` is corrected per group by ``offset * sum of x``;
+* the output tile is ``[block_n, T]`` (rows on sublanes, as the scales; `_kernel4`: its even and its odd
+  rows): the caller gets ``[T, N]``.
 
 So the codes stream through the MXU as its left operand (every code once per row of x: made for T of 1 to
 a few; `MAX_ROWS` bounds it) and no partial sum leaves VMEM. Values: x in bf16 times exact integer
-codes, float32 sums of whole groups times float32 scales, as `xla_int.qmatmul_t` (tests against float64
-in tests/test_pallas_qmatmul.py, in Pallas' interpreter on the CPU); float32 x takes float32 products at
-`Precision.HIGHEST`.
+codes, float32 sums of whole groups times float32 scales, as `xla_int.qmatmul_t` (`_kernel4`'s offset adds
+float32 rounding of sums ~3x larger); tests against float64 in tests/test_pallas_qmatmul.py, in Pallas'
+interpreter on the CPU; float32 x takes float32 products at `Precision.HIGHEST`.
 
 Off a TPU the kernel runs only in the interpreter (`interpret=True`: tests). `matmul="pallas"`
 (`gemma4_nnx.model.layers.resolve_matmul`) takes it for group-wise formats on a TPU while x has at most
-`MAX_ROWS` rows; everything else takes `xla_int`'s path.
+`MAX_ROWS` rows; everything else takes `xla_int`'s path. On a TPU v5e (bench/tpu_qdot.py, E2B's gate
+projection): the conversion form compiled and matched float64 (1.7e-7) at 18% of the HBM roofline for
+int4 g32 at T=1 (xla_int's blocked form: 12%; bf16: 80%): the unpacking, not HBM, bounds it, which the
+bitcast form attacks (not yet measured on a chip); docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -48,12 +54,18 @@ __all__ = ["MAX_ROWS", "available", "qmatmul_t", "takes"]
 MAX_ROWS = 16
 
 #: Default tile: output rows per grid step and code bytes per in-kernel chunk (bench/tpu_qdot.py sweeps;
-#: bench/accelerator.py --pallas-tile sets them for a model's products).
-BLOCK_N = 256
+#: bench/accelerator.py --pallas-tile sets them for a model's products). 512 rows: the fastest of 128 /
+#: 256 / 512 for the conversion form on a TPU v5e (docs/benchmarks.md).
+BLOCK_N = 512
 CHUNK = 512
 
 #: Run the model's products in Pallas' interpreter (tests on the CPU: with `available` patched).
 INTERPRET = False
+
+#: int4 codes made bf16 by bitcasts (`_kernel4`; block_n a multiple of 32, N even) rather than by
+#: integer-to-float conversions (`_kernel`, as int8's). The conversions compiled and were exact on a TPU
+#: v5e; the bitcast form is exact in the interpreter and not yet run on a chip (bench/tpu_qdot.py has both).
+BITCAST = True
 
 
 def available() -> bool:
@@ -204,6 +216,7 @@ def qmatmul_t(
     block_n: int | None = None,
     chunk: int | None = None,
     interpret: bool | None = None,
+    bitcast: bool | None = None,
     vmem_limit_bytes: int | None = 64 * 2**20,
 ) -> jax.Array:
     """x [..., K] @ W[N, K]^T in `dtype` for codes [N, K] (int8, uint8 asymmetric) or packed int4
@@ -213,15 +226,18 @@ def qmatmul_t(
 
     `block_n`: output rows per grid step (a multiple of 8, or at least N; default `BLOCK_N`); `chunk`:
     code bytes per in-kernel step (rounded down to whole groups dividing the row; default `CHUNK`);
-    `interpret`: run in Pallas' interpreter (CPU tests; default `INTERPRET`)."""
+    `interpret`: run in Pallas' interpreter (CPU tests; default `INTERPRET`); `bitcast`: int4 codes made
+    bf16 by bitcasts where the tile allows (default `BITCAST`)."""
     block_n = BLOCK_N if block_n is None else block_n
     chunk = CHUNK if chunk is None else chunk
     interpret = INTERPRET if interpret is None else interpret
-    return _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, interpret, vmem_limit_bytes)
+    bitcast = BITCAST if bitcast is None else bitcast
+    args = (bits, group, dtype, block_n, chunk, interpret, bitcast, vmem_limit_bytes)
+    return _qmatmul_t(x, codes, scales, mins, *args)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, interpret, vmem_limit_bytes):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, interpret, bitcast, vmem_limit_bytes):
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     n, width = codes.shape
@@ -261,7 +277,7 @@ def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, inter
     operands.append(xt)
     in_specs.append(pl.BlockSpec((parts, width, rows), lambda i: (0, 0, 0)))
     # int4 codes as bf16 by bitcasts (`_kernel4`): whole 32-row tiles of bytes, row pairs
-    words = bits == 4 and block_n % 32 == 0 and n % 2 == 0
+    words = bitcast and bits == 4 and block_n % 32 == 0 and n % 2 == 0
     if asym or words:  # sum of x over each group, float32 [T, G]
         operands.append(jnp.sum(xd.astype(jnp.float32).reshape(rows, k // group, group), axis=-1))
         in_specs.append(pl.BlockSpec((rows, k // group), lambda i: (0, 0)))

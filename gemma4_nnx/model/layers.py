@@ -149,7 +149,7 @@ class Matmul:
     #: with `int_dot`: group-wise quantized products of up to `pallas_qmatmul.MAX_ROWS` rows (decode) go
     #: through the Pallas TPU kernel (`gemma4_nnx.kernels.pallas_qmatmul`) when the backend is a TPU;
     #: every other product (other backends, per-channel formats, more rows) stays `int_dot`'s.
-    #: `matmul="pallas"`, or "auto" on a TPU.
+    #: `matmul="pallas"` ("auto" stays "xla_int" until the kernel is measured ahead in a whole decode).
     pallas: bool = False
 
     def takes(self, kernel_dtype, dtype) -> bool:
@@ -187,7 +187,7 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else. On a
     single CPU device with the kernels available, attention over the KV cache uses them too
     (`Matmul.cpu_attention`), whatever the weights' dtype.
-    Off the CPU, "auto" is "pallas" on a TPU and "xla_int" elsewhere.
+    Off the CPU, "auto" is "xla_int".
     "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
     exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
     scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`). "pallas": "xla_int" whose
@@ -239,8 +239,6 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         )
     narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
     wanted = narrow and dtype is not None and jnp.dtype(dtype) == jnp.float32
-    if jax.default_backend() == "tpu":
-        return PALLAS
     if jax.default_backend() != "cpu":
         return XLA_INT
     kernels = one_cpu and cpu_kernels.available()

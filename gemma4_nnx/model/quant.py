@@ -426,7 +426,7 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
       multiply its output (`gemma4_nnx.kernels.xla_int.qmatmul_t`): one scale per output channel
       always; groups along the input through a blocked contraction while x has at most
       `xla_int.blocked_rows(group)` rows (decode), above that (prefill) the weight is dequantized once
-      per product; with `pallas` ("pallas", "auto" on a TPU), group-wise products of up to
+      per product; with `pallas` (`matmul="pallas"`), group-wise products of up to
       `pallas_qmatmul.MAX_ROWS` rows on a TPU run the Pallas kernel (`gemma4_nnx.kernels.pallas_qmatmul`:
       codes and scales read as stored, the groups' sums kept in VMEM). GGUF blocks held as stored take
       the fallback: `kept_blocks="auto"` (the default) decodes them at load for every product but the
