@@ -22,6 +22,8 @@ time:
   (`_kernel`); int4 by bitcasts (`_kernel4`): the bytes of 4 rows are one 32-bit word, each nibble is
   masked into the mantissa of bf16 16.0, giving ``16 + u`` (u the unsigned nibble) for two rows per word
   with 3 integer operations and no conversion; ``16 + u`` is corrected per group by ``offset * sum of x``;
+  and one MXU product per chunk takes every row of x (D of all rows side by side, made once per call in
+  XLA: ``[2, K/2, T * G_c]``), where `_kernel` makes D in VMEM and multiplies once per row;
 * the output tile is ``[block_n, T]`` (rows on sublanes, as the scales; `_kernel4`: its even and its odd
   rows): the caller gets ``[T, N]``.
 
@@ -108,6 +110,15 @@ def _dot(p, xt_ref, i, o, chunk, t, inside, precision):
     )
 
 
+def _blocks(xt: jax.Array, chunk: int, half: int) -> jax.Array:
+    """x's columns [parts, K', T] -> D [parts, K', T * gc]: row j of chunk c holds x[t, j] in column
+    ``t * gc + g`` for the chunk's group g that holds j, zeros elsewhere (gc = chunk / half groups)."""
+    parts, width, rows = xt.shape
+    gc = chunk // half
+    onehot = jax.nn.one_hot((jnp.arange(width) % chunk) // half, gc, dtype=xt.dtype)  # [K', gc]
+    return (xt[:, :, :, None] * onehot[None, :, None, :]).reshape(parts, width, rows * gc)
+
+
 #: int4 codes as bf16 without a conversion: a nibble u (0..15) shifted into bits 3-6 of the mantissa of
 #: bf16 16.0 (0x4180) is the bf16 value 16 + u, exactly; two per 32-bit word (`_kernel4`).
 _MAGIC = 0x41804180
@@ -121,28 +132,31 @@ def _kernel4(*refs, asym, half, chunk, rows, precision):
     masking a nibble of each 16-bit half into a bf16 mantissa (`_MAGIC`) and bitcasting the words to
     bf16 gives, with no conversion, ``16 + u`` for the low / high nibbles of the even rows (bytes 0, 2)
     and of the odd rows (bytes 1, 3), u the unsigned nibble (symmetric codes: u = code + 8, the nibble's
-    top bit flipped). The products ``(16 + u) . x`` are corrected per group by ``off * sum of x over
-    the group`` (off = 24 symmetric, 16 asymmetric) before the scales multiply them."""
+    top bit flipped). One product per chunk takes every row of x: D (`_blocks`, made once per call)
+    holds the block-diagonal x of each row side by side. The products ``(16 + u) . x`` are corrected
+    per group by ``off * sum of x over the group`` (off = 24 symmetric, 16 asymmetric) before the
+    scales multiply them."""
     from jax.experimental.pallas import tpu as pltpu
 
     if asym:
-        codes_ref, scales_ref, mins_ref, xt_ref, xs_ref, oe_ref, oo_ref = refs
+        codes_ref, scales_ref, mins_ref, d_ref, xs_ref, oe_ref, oo_ref = refs
     else:
-        codes_ref, scales_ref, xt_ref, xs_ref, oe_ref, oo_ref = refs
+        codes_ref, scales_ref, d_ref, xs_ref, oe_ref, oo_ref = refs
     bn, width = codes_ref.shape
     gc = chunk // half
     off = 16.0 if asym else 24.0
-    inside = _mask(chunk, half, gc)
-    cdt = xt_ref.dtype
+    cdt = d_ref.dtype
     rows_of = (pl.ds(0, bn // 2, stride=2), pl.ds(1, bn // 2, stride=2))  # even rows, odd rows
     scales = [scales_ref[r, :] for r in rows_of]
     mins = [mins_ref[r, :] for r in rows_of] if asym else None
     acc = [[jnp.zeros((bn // 2, gc), jnp.float32) for _ in range(rows)] for _ in range(2)]
+    dims = (((1,), (0,)), ((), ()))
     for c in range(width // chunk):
         o, g0 = c * chunk, c * gc
         w = pltpu.bitcast(codes_ref[:, o : o + chunk], jnp.uint32)  # [bn/4, chunk]
         if not asym:
             w = w ^ jnp.uint32(0x88888888)
+        d_lo, d_hi = d_ref[0, o : o + chunk, :], d_ref[1, o : o + chunk, :]  # [chunk, T * gc]
         # (rows parity) -> (low nibbles, high nibbles) as bf16 [bn/2, chunk]
         shifts = ((("l", 3), ("r", 1)), (("r", 5), ("r", 9)))
         for par in range(2):
@@ -152,12 +166,13 @@ def _kernel4(*refs, asym, half, chunk, rows, precision):
                 v = jnp.bitwise_or(jnp.bitwise_and(v, jnp.uint32(_NIB)), jnp.uint32(_MAGIC))
                 v = pltpu.bitcast(v, jnp.bfloat16)
                 parts.append(v if cdt == jnp.bfloat16 else v.astype(cdt))
+            # every row of x in one product: [bn/2, T * gc], columns (t, g)
+            p = jax.lax.dot_general(parts[0], d_lo, dims, precision=precision, preferred_element_type=jnp.float32)
+            p = p + jax.lax.dot_general(parts[1], d_hi, dims, precision=precision, preferred_element_type=jnp.float32)
             s = scales[par][:, g0 : g0 + gc]
             for t in range(rows):
-                part = _dot(parts[0], xt_ref, 0, o, chunk, t, inside, precision)
-                part = part + _dot(parts[1], xt_ref, 1, o, chunk, t, inside, precision)
                 xs = xs_ref[t : t + 1, g0 : g0 + gc]
-                acc[par][t] = acc[par][t] + (part - off * xs) * s
+                acc[par][t] = acc[par][t] + (p[:, t * gc : (t + 1) * gc] - off * xs) * s
                 if asym:
                     acc[par][t] = acc[par][t] - mins[par][:, g0 : g0 + gc] * xs
     for par, o_ref in enumerate((oe_ref, oo_ref)):
@@ -265,7 +280,6 @@ def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, inter
     xd = x.reshape(rows, k).astype(cdt)
     # x's columns as [parts, K', T]: int4: the even and the odd columns (low / high nibbles)
     xt = jnp.stack([xd[:, 0::2].T, xd[:, 1::2].T]) if bits == 4 else xd.T[None]
-    parts = xt.shape[0]
     operands = [codes, scales.astype(jnp.float32)]
     in_specs = [
         pl.BlockSpec((block_n, width), lambda i: (i, 0)),
@@ -274,10 +288,12 @@ def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, inter
     if asym:
         operands.append(mins.astype(jnp.float32))
         in_specs.append(pl.BlockSpec((block_n, k // group), lambda i: (i, 0)))
-    operands.append(xt)
-    in_specs.append(pl.BlockSpec((parts, width, rows), lambda i: (0, 0, 0)))
     # int4 codes as bf16 by bitcasts (`_kernel4`): whole 32-row tiles of bytes, row pairs
     words = bitcast and bits == 4 and block_n % 32 == 0 and n % 2 == 0
+    if words:
+        xt = _blocks(xt, chunk, half)
+    operands.append(xt)
+    in_specs.append(pl.BlockSpec(xt.shape, lambda i: (0, 0, 0)))
     if asym or words:  # sum of x over each group, float32 [T, G]
         operands.append(jnp.sum(xd.astype(jnp.float32).reshape(rows, k // group, group), axis=-1))
         in_specs.append(pl.BlockSpec((rows, k // group), lambda i: (0, 0)))
