@@ -268,7 +268,8 @@ def main(argv=None) -> dict:
                 return True
 
             params = sum(v.get_value().size for p, v in nnx.to_flat_state(state) if every_position(p))
-            for n in [int(v) for v in args.prefill.split(",") if v]:
+            # quotes dropped: tpu_run.sh passes BENCH_ARGS unquoted, so --prefill '' arrives as "''"
+            for n in [int(v) for v in args.prefill.replace("'", "").replace('"', "").split(",") if v]:
                 log(f"{mode}: prefill {n}")
                 try:
                     ids = jnp.ones((1, n), jnp.int32)
