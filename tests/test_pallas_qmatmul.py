@@ -96,8 +96,8 @@ def test_matmul_option_resolves():
 
 def test_projection_on_the_kernel_equals_xla_int(monkeypatch):
     """A projection (int4 g32, 64 outputs) on "pallas": off a TPU its product is "xla_int"'s (no kernel in
-    the trace); with the kernel forced on (in the interpreter) its trace holds the kernel's call (the check
-    can fail) and its output equals "xla_int"'s up to float32 rounding, for 1 row and for 2 x 1."""
+    the trace; on a TPU, the kernel); with the interpreter forced on, its trace holds the kernel's call
+    (the check can fail) and its output equals "xla_int"'s up to float32 rounding, for 1 row and 2 x 1."""
     fmt = quant.QuantFormat(4, 32)
     codes, scales, _ = _random_quantized(np.random.default_rng(3), 64, K, fmt)
 
@@ -110,7 +110,8 @@ def test_projection_on_the_kernel_equals_xla_int(monkeypatch):
     for shape in ((1, K), (2, 1, K)):
         x = jnp.asarray(np.random.default_rng(4).standard_normal(shape), jnp.float32)
         # a new function for each trace: make_jaxpr keeps traces of the same one
-        assert "pallas_call" not in str(jax.make_jaxpr(lambda x: mod(x))(x))
+        on_tpu = pallas_qmatmul.available()
+        assert ("pallas_call" in str(jax.make_jaxpr(lambda x: mod(x))(x))) == on_tpu
         with monkeypatch.context() as m:
             m.setattr(pallas_qmatmul, "INTERPRET", True)
             assert "pallas_call" in str(jax.make_jaxpr(lambda x: mod(x))(x))
@@ -135,3 +136,24 @@ def test_decode_step_takes_the_kernel(monkeypatch):
 
     assert "pallas_call" in trace(1)
     assert "pallas_call" not in trace(MAX := pallas_qmatmul.MAX_ROWS + 1), MAX
+
+
+@pytest.mark.skipif(not pallas_qmatmul.available(), reason="the compiled kernel needs a TPU")
+@pytest.mark.parametrize("bitcast", [True, False])
+@pytest.mark.parametrize(
+    "fmt", [quant.QuantFormat(4, 32), quant.QuantFormat(4, 32, True), quant.QuantFormat(8, 128)], ids=str
+)
+def test_compiled_on_a_tpu_equals_float64(fmt, bitcast):
+    """On a TPU: the compiled kernel (both int4 forms) at E2B-like widths (1536 -> 512, 2 tiles), 1 and 5
+    rows of bf16 x, against float64 of the dequantized weight (float32 rounding of the sums)."""
+    rng = np.random.default_rng(5)
+    codes, scales, mins = _random_quantized(rng, 512, 1536, fmt)
+    deq = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins), np.float64)
+    for rows in (1, 5):
+        x = jnp.asarray(rng.standard_normal((rows, 1536)), jnp.bfloat16)
+        got = pallas_qmatmul.qmatmul_t(
+            x, jnp.asarray(codes), scales, mins, fmt.bits, fmt.group, jnp.float32, block_n=256, bitcast=bitcast
+        )
+        ref = np.asarray(x.astype(jnp.float32), np.float64) @ deq.T
+        err = np.max(np.abs(np.asarray(got, np.float64) - ref))
+        assert err <= 1e-5 * np.max(np.abs(ref)), (rows, err)
