@@ -55,15 +55,15 @@ test-isa: $(VENV)/.installed
 	  GEMMA4_NNX_CPU_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) -m "not slow" $(KERNEL_TESTS) || exit 1; \
 	done
 
-# The backend-sensitive tests (model, KV cache, decode core, paged attention, quantized products and the
-# accelerator's integer-dot product, sampling, generate, the engine and its prefix cache) on whatever
-# device JAX finds (JAX_PLATFORMS empty: the accelerator where there is one, else the CPU), in ONE
+# The backend-sensitive tests (model, KV cache, decode core, paged attention, quantized products, the
+# accelerator's integer-dot product and Pallas kernel, sampling, generate, the engine and its prefix
+# cache) on whatever device JAX finds (JAX_PLATFORMS empty: the accelerator where there is one, else the CPU), in ONE
 # process: one process at a time can hold a TPU, so no xdist. A selection of files, not a second copy of
 # the suite; tests marked `slow` are left to `make test` (ACCEL_PYTEST_ARGS= runs them too). The CPU
 # kernels' tests are not here (they need a CPU backend: `make test`, `make test-isa`).
 ACCEL_TESTS ?= tests/test_components.py tests/test_cache.py tests/test_decode_core.py tests/test_paged.py \
-	tests/test_quantized.py tests/test_quant.py tests/test_xla_int.py tests/test_sampling.py tests/test_generate.py \
-	tests/test_prefix.py tests/test_isolation.py
+	tests/test_quantized.py tests/test_quant.py tests/test_xla_int.py tests/test_pallas_qmatmul.py \
+	tests/test_sampling.py tests/test_generate.py tests/test_prefix.py tests/test_isolation.py
 ACCEL_PYTEST_ARGS ?= -m "not slow"
 test-accelerator: $(VENV)/.installed
 	JAX_PLATFORMS= $(PY) -m pytest -q -p no:cacheprovider -rfE $(ACCEL_PYTEST_ARGS) $(ACCEL_TESTS)

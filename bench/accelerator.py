@@ -13,7 +13,12 @@ scales, multiplied by `matmul="xla_int"` (`gemma4_nnx.kernels.xla_int`: codes in
 * `int8`: one scale per output channel (`quantize(model, 8, "channel")`'s format);
 * `int4`: groups of 32 (`quantize(model, 4)`'s default), the token table / output head int8 per channel;
 * `int4g128`: groups of 128, the head int8 per channel;
-* `int4c`: one scale per output channel (`quantize(model, 4, "channel")`), the head int8 per channel.
+* `int4c`: one scale per output channel (`quantize(model, 4, "channel")`), the head int8 per channel;
+* `int4pallas` / `int4g128pallas` / `int8g128pallas`: int4 g32 / int4 g128 / int8 g128 (the head int8
+  per channel) on `matmul="pallas"` (`gemma4_nnx.kernels.pallas_qmatmul`: the group-wise products of
+  decode steps of up to 16 rows in a Pallas kernel on a TPU, the others as `xla_int`'s);
+  `--pallas-tile BxC` sets its tile (output rows per grid step x code bytes per chunk), `--pallas-convert`
+  its int4 codes' way to bf16 (conversions, not bitcasts).
 
 Per-channel matrices are then held in the integer dot's layout, as `gemma4_nnx.load` holds them
 (`quant.hold_for_int_dot`: scales as vectors, int4 codes as a native `jnp.int4` array made on the host).
@@ -51,14 +56,25 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma4_nnx import Gemma4, Gemma4Config
+from gemma4_nnx.kernels import pallas_qmatmul
 from gemma4_nnx.model import quant
-from gemma4_nnx.model.layers import XLA_INT, Embedding
+from gemma4_nnx.model.layers import PALLAS, XLA_INT, Embedding
 from gemma4_nnx.model.tree import set_submodule
 
 #: The chip's limits: HBM bytes/s and bf16 FLOP/s (published figures; v5e: 819 GB/s, 197 TFLOP/s).
 CHIPS = {"TPU v5 lite": (819e9, 197e12), "TPU v5e": (819e9, 197e12), "TPU v6 lite": (1640e9, 918e12)}
 
-MODES = {"bf16": None, "int8": (8, "channel"), "int4": (4, 32), "int4g128": (4, 128), "int4c": (4, "channel")}
+#: mode: None (bf16) or (bits, group, the quantized products' `layers.Matmul`)
+MODES = {
+    "bf16": None,
+    "int8": (8, "channel", XLA_INT),
+    "int4": (4, 32, XLA_INT),
+    "int4g128": (4, 128, XLA_INT),
+    "int4c": (4, "channel", XLA_INT),
+    "int4pallas": (4, 32, PALLAS),
+    "int4g128pallas": (4, 128, PALLAS),
+    "int8g128pallas": (8, 128, PALLAS),
+}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -98,7 +114,7 @@ def build(
         fmt = quant.QuantFormat(ple_bits, config.hidden_size_per_layer_input)
         model.embed_tokens_per_layer = quant.quantized_like(model.embed_tokens_per_layer, fmt)
     if MODES[mode] is not None:
-        bits, group = MODES[mode]
+        bits, group, product = MODES[mode]
         for path, mod in list(nnx.iter_graph(model)):
             path = tuple(path)
             if not isinstance(mod, (nnx.Linear, Embedding)) or not quant.quantizable(path):
@@ -112,7 +128,7 @@ def build(
                 fmt = quant.format_for(path, bits, group, cols)
             if cols % fmt.group:  # as `quant.quantize`: a matrix its group does not divide stays float
                 continue
-            set_submodule(model, path, quant.quantized_like(mod, fmt, XLA_INT))
+            set_submodule(model, path, quant.quantized_like(mod, fmt, product))
     graphdef, abstract = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
     made = [_fill(tuple(x.shape), jnp.dtype(x.dtype), i) for i, x in enumerate(leaves)]  # a compile a shape
@@ -183,8 +199,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="accelerator.json")
     ap.add_argument("--layers", type=int, default=0, help="keep the first N layer types (a quick smoke run)")
     ap.add_argument("--vocab", type=int, default=0, help="a smaller vocabulary (a quick smoke run)")
+    ap.add_argument("--pallas-tile", default="", help="BxC: the Pallas kernel's output rows x code bytes per step")
+    ap.add_argument("--pallas-convert", action="store_true", help="its int4 codes to bf16 by conversions")
     args = ap.parse_args(argv)
 
+    if args.pallas_tile:
+        pallas_qmatmul.BLOCK_N, pallas_qmatmul.CHUNK = (int(v) for v in args.pallas_tile.split("x"))
+    pallas_qmatmul.BITCAST = not args.pallas_convert
     config = getattr(Gemma4Config, args.model)()
     if args.layers:  # the preset's pattern cut short, KV sharing over its last 2/5
         config = config.replace(
@@ -202,6 +223,8 @@ def main(argv=None) -> dict:
         "jax": jax.__version__,
         "hbm_bytes_per_s": hbm,
         "peak_bf16_flops": flops,
+        "pallas_tile": f"{pallas_qmatmul.BLOCK_N}x{pallas_qmatmul.CHUNK}"
+        + ("" if pallas_qmatmul.BITCAST else " convert"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "runs": [],
     }
@@ -273,7 +296,8 @@ def main(argv=None) -> dict:
                 return True
 
             params = sum(v.get_value().size for p, v in nnx.to_flat_state(state) if every_position(p))
-            for n in [int(v) for v in args.prefill.split(",") if v]:
+            # quotes dropped: tpu_run.sh passes BENCH_ARGS unquoted, so --prefill '' arrives as "''"
+            for n in [int(v) for v in args.prefill.replace("'", "").replace('"', "").split(",") if v]:
                 log(f"{mode}: prefill {n}")
                 try:
                     ids = jnp.ones((1, n), jnp.int32)

@@ -13,7 +13,13 @@ layers of a decode step; N=6144, K=1536: E2B's gate projection, L=32), T=1 and T
 * `int4_native_*`: the codes held as a `jnp.int4` array (made on the host with ml_dtypes, so XLA
   stores two per byte), per output channel or blocked per group of 128 / 32;
 * `int4_dequant_g32` / `int8_dequant_g128`: codes times group scales in the step, then a bf16 dot
-  (XLA may fuse the conversion into the dot's operand read).
+  (XLA may fuse the conversion into the dot's operand read);
+* `int4_pallas_g32_n{B}_c{C}` / `int8_pallas_g128_n{B}_c{C}` / `int4_pallas_asym_g32_...`: the Pallas
+  kernel (`gemma4_nnx.kernels.pallas_qmatmul`, `matmul="pallas"`) on the stored layout, B output rows
+  per grid step and C code bytes per in-kernel chunk (a small sweep: `--pallas-tiles`); only for rows
+  up to its `MAX_ROWS`; `int4_pallas_convert_*`: its int4 codes made bf16 by conversions, not bitcasts.
+
+    python bench/tpu_qdot.py --only pallas,bf16,int8_channel --rows 1,8   # a subset of the layouts
 
 Each layout's result is checked against float32 products of its dequantized weights (`max_rel_err`),
 and timed after a warm-up call: ms per call, GB/s of weight bytes read, % of the HBM roofline.
@@ -79,6 +85,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--out", default="qdot.json")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only the layouts naming one")
+    ap.add_argument("--pallas-tiles", default="512x512,256x512,1024x512,512x256", help="BxC,...: block_n x chunk")
     a = ap.parse_args()
     dev = jax.devices()[0]
     bw = HBM.get(dev.device_kind, 819e9)
@@ -89,6 +97,7 @@ def main() -> None:
     s_g32 = rng.uniform(0.5, 1.5, size=(L, n, k // 32)).astype(np.float32) / 64
     s_g128 = rng.uniform(0.5, 1.5, size=(L, n, k // 128)).astype(np.float32) / 64
     packed = ((codes[..., 0::2].astype(np.uint8) & 0x0F) | (codes[..., 1::2].astype(np.uint8) << 4)).astype(np.uint8)
+    from gemma4_nnx.kernels import pallas_qmatmul
     from gemma4_nnx.kernels.xla_int import qmatmul_t
 
     def deq(scales, group):
@@ -156,6 +165,41 @@ def main() -> None:
             1.0,
         ),
     }
+    pk = packed.astype(np.int16)  # the same weights' asymmetric form: unsigned nibbles, min = 8 * scale
+    upacked = (((pk & 0x0F) ^ 0x08) | ((((pk >> 4) & 0x0F) ^ 0x08) << 4)).astype(np.uint8)
+    mins_g32 = (8 * s_g32).astype(np.float32)
+    for tile in [v for v in a.pallas_tiles.split(",") if v]:
+        bn, ch = (int(v) for v in tile.split("x"))
+        kw = dict(block_n=bn, chunk=ch)
+        layouts[f"int4_pallas_g32_n{bn}_c{ch}"] = (
+            lambda x, q, s, kw=kw: pallas_qmatmul.qmatmul_t(x, q, s, None, 4, 32, jnp.float32, **kw),
+            (put(packed), put(s_g32)),
+            deq(s_g32, 32),
+            0.5,
+        )
+        layouts[f"int8_pallas_g128_n{bn}_c{ch}"] = (
+            lambda x, q, s, kw=kw: pallas_qmatmul.qmatmul_t(x, q, s, None, 8, 128, jnp.float32, **kw),
+            (put(codes), put(s_g128)),
+            deq(s_g128, 128),
+            1.0,
+        )
+    bn, ch = (int(v) for v in (a.pallas_tiles.split(",")[0] or "256x512").split("x"))
+    layouts[f"int4_pallas_convert_g32_n{bn}_c{ch}"] = (  # codes to bf16 by conversions, not bitcasts
+        lambda x, q, s: pallas_qmatmul.qmatmul_t(
+            x, q, s, None, 4, 32, jnp.float32, block_n=bn, chunk=ch, bitcast=False
+        ),
+        (put(packed), put(s_g32)),
+        deq(s_g32, 32),
+        0.5,
+    )
+    layouts[f"int4_pallas_asym_g32_n{bn}_c{ch}"] = (
+        lambda x, q, s, m: pallas_qmatmul.qmatmul_t(x, q, s, m, 4, 32, jnp.float32, block_n=bn, chunk=ch),
+        (put(upacked), put(s_g32), put(mins_g32)),
+        deq(s_g32, 32),
+        0.5,
+    )
+    only = [v for v in a.only.split(",") if v]
+    layouts = {name: v for name, v in layouts.items() if not only or any(o in name for o in only)}
     results = {"device": dev.device_kind, "n": n, "k": k, "layers": L, "layouts": []}
     for t in [int(r) for r in a.rows.split(",")]:
         x = rng.standard_normal((t, k)).astype(np.float32)
@@ -163,6 +207,8 @@ def main() -> None:
         xf = np.asarray(xb.astype(jnp.float32))
         for name, (prod, arrays, wdeq, bpw) in layouts.items():
             rec = {"layout": name, "rows": t}
+            if "pallas" in name and t > pallas_qmatmul.MAX_ROWS:
+                continue
             try:
                 f = _scan(prod)
                 got = np.asarray(f(xb, *arrays))

@@ -110,8 +110,8 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-MatmulOption = Literal["auto", "xla", "xla_int", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"]
-MATMUL_OPTIONS = ("auto", "xla", "xla_int", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8")
+MatmulOption = Literal["auto", "xla", "xla_int", "pallas", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"]
+MATMUL_OPTIONS = ("auto", "xla", "xla_int", "pallas", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +146,11 @@ class Matmul:
     #: output by the scales (`gemma4_nnx.kernels.xla_int`): no float copy of the weight inside a step.
     #: What accelerators want (`matmul="xla_int"`, or "auto" off the CPU); float weights are unaffected.
     int_dot: bool = False
+    #: with `int_dot`: group-wise quantized products of up to `pallas_qmatmul.MAX_ROWS` rows (decode) go
+    #: through the Pallas TPU kernel (`gemma4_nnx.kernels.pallas_qmatmul`) when the backend is a TPU;
+    #: every other product (other backends, per-channel formats, more rows) stays `int_dot`'s.
+    #: `matmul="pallas"` ("auto" stays "xla_int" until the kernel is measured ahead in a whole decode).
+    pallas: bool = False
 
     def takes(self, kernel_dtype, dtype) -> bool:
         """Whether the CPU kernels multiply a `kernel_dtype` kernel in `dtype`."""
@@ -171,6 +176,7 @@ class Matmul:
 
 XLA = Matmul(cpu_kernels=False)
 XLA_INT = Matmul(int_dot=True)
+PALLAS = Matmul(int_dot=True, pallas=True)
 
 
 def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantized: bool = False) -> Matmul:
@@ -184,7 +190,9 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     Off the CPU, "auto" is "xla_int".
     "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
     exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
-    scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`).
+    scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`). "pallas": "xla_int" whose
+    group-wise products of decode-sized inputs run the Pallas TPU kernel on a TPU (`Matmul.pallas`,
+    `gemma4_nnx.kernels.pallas_qmatmul`); on other backends it is "xla_int".
     "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
     "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply inputs of 8+ rows (prefill, and
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
@@ -204,6 +212,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         return XLA
     if option == "xla_int":
         return XLA_INT
+    if option == "pallas":
+        return PALLAS
     one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     if option in ("cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"):
         if option == "cpu_kernels_bf16" and not cpu_kernels.has_bf16_dot():

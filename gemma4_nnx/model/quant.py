@@ -446,8 +446,11 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
       multiply its output (`gemma4_nnx.kernels.xla_int.qmatmul_t`): one scale per output channel
       always; groups along the input through a blocked contraction while x has at most
       `xla_int.blocked_rows(group)` rows (decode), above that (prefill) the weight is dequantized once
-      per product. GGUF blocks held as stored take the fallback: `kept_blocks="auto"` (the default)
-      decodes them at load for every product but the CPU kernels';
+      per product; with `pallas` (`matmul="pallas"`), group-wise products of up to
+      `pallas_qmatmul.MAX_ROWS` rows on a TPU run the Pallas kernel (`gemma4_nnx.kernels.pallas_qmatmul`:
+      codes and scales read as stored, the groups' sums kept in VMEM). GGUF blocks held as stored take
+      the fallback: `kept_blocks="auto"` (the default) decodes them at load for every product but the
+      CPU kernels';
     * otherwise (the exact XLA fallback) the codes are dequantized to `dtype` next to the dot.
     """
     f = mod.fmt
@@ -464,9 +467,12 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
             block=f.block,
         )
     if mod.matmul.int_dot and f.block is None:
-        from gemma4_nnx.kernels import xla_int
+        from gemma4_nnx.kernels import pallas_qmatmul, xla_int
 
         rows = int(np.prod(x.shape[:-1]))
+        if mod.matmul.pallas and x.shape[-1] != f.group and pallas_qmatmul.takes(rows):
+            codes, scales, mins = mod.codes[...], _scales(mod), _mins(mod)
+            return pallas_qmatmul.qmatmul_t(x.astype(dtype), codes, scales, mins, f.bits, f.group, dtype)
         if x.shape[-1] == f.group or rows <= xla_int.blocked_rows(f.group):
             return xla_int.qmatmul_t(x, mod.codes[...], _raw(mod.scales), _raw(mod.mins), f.bits, f.group, dtype)
     w = dequantize_matrix(mod, dtype)
