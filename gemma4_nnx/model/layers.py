@@ -110,8 +110,8 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-MatmulOption = Literal["auto", "xla", "xla_int", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"]
-MATMUL_OPTIONS = ("auto", "xla", "xla_int", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8")
+MatmulOption = Literal["auto", "xla", "xla_int", "pallas", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"]
+MATMUL_OPTIONS = ("auto", "xla", "xla_int", "pallas", "cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +146,10 @@ class Matmul:
     #: output by the scales (`gemma4_nnx.kernels.xla_int`): no float copy of the weight inside a step.
     #: What accelerators want (`matmul="xla_int"`, or "auto" off the CPU); float weights are unaffected.
     int_dot: bool = False
+    #: decode attention over a paged KV pool by JAX's Pallas `paged_attention` kernel, reading the pool in
+    #: place (`gemma4_nnx.kernels.pallas_attention`; what it does not cover stays on XLA's path): "tpu",
+    #: or "interpret" (Pallas's TPU interpreter: CPU tests); None: XLA's gathers (`cache.paged_view`).
+    pallas_attention: str | None = None
 
     def takes(self, kernel_dtype, dtype) -> bool:
         """Whether the CPU kernels multiply a `kernel_dtype` kernel in `dtype`."""
@@ -171,6 +175,7 @@ class Matmul:
 
 XLA = Matmul(cpu_kernels=False)
 XLA_INT = Matmul(int_dot=True)
+PALLAS = Matmul(int_dot=True, pallas_attention="tpu")
 
 
 def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantized: bool = False) -> Matmul:
@@ -181,10 +186,12 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else. On a
     single CPU device with the kernels available, attention over the KV cache uses them too
     (`Matmul.cpu_attention`), whatever the weights' dtype.
-    Off the CPU, "auto" is "xla_int".
+    On a TPU, "auto" is "pallas"; elsewhere off the CPU, "xla_int".
     "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
     exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
     scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`).
+    "pallas" (TPU only): "xla_int", with decode attention over the paged KV pool by JAX's Pallas
+    `paged_attention` kernel (`Matmul.pallas_attention`, `gemma4_nnx.kernels.pallas_attention`).
     "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
     "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply inputs of 8+ rows (prefill, and
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
@@ -204,6 +211,12 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         return XLA
     if option == "xla_int":
         return XLA_INT
+    if option == "pallas":
+        if jax.default_backend() != "tpu":
+            raise ValueError(
+                f"matmul='pallas' needs a TPU (backend {jax.default_backend()!r}); use matmul='xla_int' or 'auto'"
+            )
+        return PALLAS
     one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     if option in ("cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"):
         if option == "cpu_kernels_bf16" and not cpu_kernels.has_bf16_dot():
@@ -229,6 +242,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         )
     narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
     wanted = narrow and dtype is not None and jnp.dtype(dtype) == jnp.float32
+    if jax.default_backend() == "tpu":
+        return PALLAS
     if jax.default_backend() != "cpu":
         return XLA_INT
     kernels = one_cpu and cpu_kernels.available()

@@ -1,0 +1,92 @@
+"""JAX's Pallas `paged_attention` kernel over our block pool (`gemma4_nnx.kernels.pallas_attention`), run in
+Pallas's TPU interpreter on the CPU: decode rows with their own lengths and block tables (an idle row, a
+row ending mid-page, rows sharing a block, empty table entries, a table with more rows than the queries)
+give what float64 NumPy and XLA's gather path give, for Gemma 4's global head dims 256 and 512 and 8:1
+GQA; what the kernel does not cover goes to XLA's path unchanged."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemma4_nnx.decode.blocks import blocks_for
+from gemma4_nnx.kernels import pallas_attention
+from gemma4_nnx.model.attention import attend
+from gemma4_nnx.model.cache import KV, quantize_kv
+from tests.helpers import attention_f64
+
+# The kernel and the XLA path both multiply float32 queries by the bf16 keys and values and accumulate in
+# float32 (the kernel in blocks with an online softmax): outputs of size ~1 over up to 64 keys agree with
+# float64 to ~1e-6; 2e-5 leaves room for that, while one key too many or too few moves an output by
+# ~1/64 of a value (~1e-2).
+ATOL = 2e-5
+LENGTHS = (37, 5, 0, 64)  # mid-page, inside the first page, idle (no query), the whole table
+
+
+def _pool(rng, dim, *, blocks=12, size=16, width=4, heads=8):
+    """A bf16 pool [P, S, 1, H] of noise (stale slots hold NaN-free noise and wrong positions), each row's
+    positions written through a shuffled table; rows 0 and 3 share their first block (a cached prefix);
+    the table has one row more than the queries. Returns (kv, q, q_pos, dense k, v, pos as float64)."""
+    k = rng.standard_normal((blocks, size, 1, dim)).astype(np.float32)
+    v = rng.standard_normal((blocks, size, 1, dim)).astype(np.float32)
+    k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (k, v))
+    pos = rng.integers(0, width * size, (blocks, size)).astype(np.int32)
+    rows = len(LENGTHS)
+    table = np.full((rows + 1, width), blocks, np.int32)
+    order = list(rng.permutation(blocks))
+    for b, length in enumerate(LENGTHS):
+        for j in range(blocks_for(length, size)):
+            table[b, j] = table[0, 0] if (b == 3 and j == 0) else order.pop()
+    table[rows] = order[:width]
+    dense_k = np.zeros((rows, width * size, 1, dim))
+    dense_v = np.zeros_like(dense_k)
+    dense_pos = np.full((rows, width * size), -1)
+    for b, length in enumerate(LENGTHS):
+        for p in range(length):
+            blk, off = table[b, p // size], p % size
+            if b == 3 and p < size:  # the shared block holds row 0's tokens
+                blk = table[0, 0]
+            pos[blk, off] = p
+            dense_k[b, p], dense_v[b, p], dense_pos[b, p] = k[blk, off], v[blk, off], p
+    # scores of size ~1 (as unit-variance q and k give with 1 / sqrt(H)): with scores ~sqrt(H) ~ 22 the
+    # float32 rounding of each score alone (~1e-6) moves the peaked softmax's outputs by ~3e-5
+    q = (rng.standard_normal((rows, 1, heads, dim)) / np.sqrt(dim)).astype(np.float32)
+    q_pos = np.array([[length - 1] for length in LENGTHS], np.int32)  # idle row: -1
+    kv = KV(jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), jnp.asarray(pos), jnp.asarray(table))
+    return kv, q, q_pos, dense_k, dense_v, dense_pos
+
+
+@pytest.mark.parametrize("dim", [256, 512])
+def test_pallas_decode_equals_float64_and_xla(dim):
+    rng = np.random.default_rng(dim)
+    kv, q, q_pos, dk, dv, dpos = _pool(rng, dim)
+    got = np.asarray(attend(jnp.asarray(q), kv, jnp.asarray(q_pos), window=None, scale=1.0, pallas="interpret"))
+    want = attention_f64(q, dk, dv, dpos, q_pos, None, 1.0)
+    xla = np.asarray(attend(jnp.asarray(q), kv, jnp.asarray(q_pos), window=None, scale=1.0))
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(got, xla, atol=ATOL, rtol=0)
+    assert not got[2].any()  # the idle row: zeros, as XLA's blockwise path gives
+
+
+def test_pallas_scale_and_paths_it_leaves_to_xla():
+    """A logit scale other than 1 (Gemma 3 style) is applied; a sliding window, an int8 pool and several
+    queries per row are not the kernel's: `attend` gives XLA's result bit for bit there."""
+    rng = np.random.default_rng(1)
+    kv, q, q_pos, dk, dv, dpos = _pool(rng, 128)
+    q = jnp.asarray(q)
+    got = np.asarray(attend(q, kv, jnp.asarray(q_pos), window=None, scale=0.3, pallas="interpret"))
+    np.testing.assert_allclose(got, attention_f64(np.asarray(q), dk, dv, dpos, q_pos, None, 0.3), atol=ATOL, rtol=0)
+
+    def same(q, kv, q_pos, window):
+        assert not pallas_attention.supported(q, kv, window=window)
+        a = attend(q, kv, q_pos, window=window, scale=1.0, pallas="interpret")
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(attend(q, kv, q_pos, window=window, scale=1.0)))
+
+    same(q, kv, jnp.asarray(q_pos), 8)
+    (k8, ks), (v8, vs) = quantize_kv(kv.k), quantize_kv(kv.v)
+    same(q, KV(k8, v8, kv.pos, kv.table, ks, vs), jnp.asarray(q_pos), None)
+    two = jnp.concatenate([q, q], axis=1)
+    same(two, kv, jnp.asarray(np.concatenate([q_pos - 1, q_pos], axis=1)), None)
+    with pytest.raises(ValueError, match="paged_decode"):
+        pallas_attention.paged_decode(two, kv, jnp.asarray(q_pos), scale=1.0, interpret=True)
