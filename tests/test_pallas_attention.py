@@ -2,19 +2,22 @@
 Pallas's TPU interpreter on the CPU: decode rows with their own lengths and block tables (an idle row, a
 row ending mid-page, rows sharing a block, empty table entries, a table with more rows than the queries)
 give what float64 NumPy and XLA's gather path give, for Gemma 4's global head dims 256 and 512 and 8:1
-GQA; what the kernel does not cover goes to XLA's path unchanged."""
+GQA; what the kernel does not cover goes to XLA's path unchanged; a tiny model's decode step through the
+kernel gives XLA's logits."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from gemma4_nnx.decode.blocks import blocks_for
 from gemma4_nnx.kernels import pallas_attention
-from gemma4_nnx.model.attention import attend
-from gemma4_nnx.model.cache import KV, quantize_kv
-from tests.helpers import attention_f64
+from gemma4_nnx.model.attention import Attention, attend
+from gemma4_nnx.model.cache import KV, KVCache, quantize_kv
+from tests.helpers import attention_f64, model_from_config, tiny_config
 
 # The kernel and the XLA path both multiply float32 queries by the bf16 keys and values and accumulate in
 # float32 (the kernel in blocks with an online softmax): outputs of size ~1 over up to 64 keys agree with
@@ -90,3 +93,34 @@ def test_pallas_scale_and_paths_it_leaves_to_xla():
     same(two, kv, jnp.asarray(np.concatenate([q_pos - 1, q_pos], axis=1)), None)
     with pytest.raises(ValueError, match="paged_decode"):
         pallas_attention.paged_decode(two, kv, jnp.asarray(q_pos), scale=1.0, interpret=True)
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: two compiles of a model step, one through the kernel's interpreter
+def test_model_decode_step_through_the_kernel_equals_xla(monkeypatch):
+    """A tiny model's decode step over a paged bf16 cache (global layers: one KV head, head_dim 256; the
+    KV-shared global layer reads its donor's pool) with `Attention.pallas_attention="interpret"` gives
+    the logits of XLA's path. Bound: attention outputs differ by float32 rounding (~1e-6, above) and the
+    logits (size ~20) by ~1e-5; 1e-3 is far below what one key too many or too few moves them (~1e-1)."""
+    cfg = tiny_config(num_attention_heads=8, num_key_value_heads=1, head_dim=128, global_head_dim=256)
+    model = model_from_config(cfg, 0)
+    rows, size = 3, 8
+    cache = KVCache.init(cfg, rows, 40, jnp.bfloat16, block_size=size)
+    width = cache.table.shape[1]
+    table = np.random.default_rng(0).permutation(rows * width).reshape(rows, width)
+    cache = cache.with_table(jnp.asarray(table, jnp.int32))
+    lengths = np.array([11, 7, 9])
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, cfg.vocab_size, (rows, 12)), jnp.int32)
+    pos = np.where(np.arange(11)[None] < lengths[:, None], np.arange(11)[None], -1)
+    step = jax.jit(lambda gd, st, ids, pos, cache: nnx.merge(gd, st)(ids, pos, cache=cache), static_argnums=0)
+    graphdef, state = nnx.split(model)
+    _, cache = step(graphdef, state, ids[:, :11], jnp.asarray(pos), cache)  # prefill: XLA's path
+    want, _ = step(graphdef, state, ids[:, 11:], jnp.asarray(lengths[:, None]), cache)
+    for _, mod in nnx.iter_graph(model):
+        if isinstance(mod, Attention):
+            mod.pallas_attention = "interpret"
+    calls = []
+    decode = pallas_attention.paged_decode
+    monkeypatch.setattr(pallas_attention, "paged_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    got, _ = step(nnx.split(model)[0], state, ids[:, 11:], jnp.asarray(lengths[:, None]), cache)
+    assert len(calls) == 2  # the global donor and its consumer
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3, rtol=0)
