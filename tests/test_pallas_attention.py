@@ -2,10 +2,12 @@
 Pallas's TPU interpreter on the CPU: decode rows with their own lengths and block tables (an idle row, a
 row ending mid-page, rows sharing a block, empty table entries, a table with more rows than the queries)
 give what float64 NumPy and XLA's gather path give, for Gemma 4's global head dims 256 and 512 and 8:1
-GQA; what the kernel does not cover goes to XLA's path unchanged; a tiny model's decode step through the
-kernel gives XLA's logits."""
+GQA; what the kernel does not cover goes to XLA's path unchanged; NaN left in reused blocks stays out;
+a tiny model's decode step through the kernel gives XLA's logits."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from flax import nnx
 from gemma4_nnx.decode.blocks import blocks_for
 from gemma4_nnx.kernels import pallas_attention
 from gemma4_nnx.model.attention import Attention, attend
-from gemma4_nnx.model.cache import KV, KVCache, quantize_kv
+from gemma4_nnx.model.cache import KV, KVCache, PagedCache, quantize_kv
 from tests.helpers import attention_f64, model_from_config, tiny_config
 
 # The kernel and the XLA path both multiply float32 queries by the bf16 keys and values and accumulate in
@@ -124,3 +126,34 @@ def test_model_decode_step_through_the_kernel_equals_xla(monkeypatch):
     got, _ = step(nnx.split(model)[0], state, ids[:, 11:], jnp.asarray(lengths[:, None]), cache)
     assert len(calls) == 2  # the global donor and its consumer
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3, rtol=0)
+
+
+def test_nan_left_in_reused_blocks_never_reaches_the_kernel():
+    """A pool all NaN (blocks freed by a request that went NaN), rows' tokens written by
+    `PagedCache.update(clear_tail=True)` as the model on this path writes them: the kernel's decode
+    outputs equal XLA's and are finite. Without clear_tail the kernel reads the stale NaN past a row's
+    length (XLA's path does not): the check can fail."""
+    rng = np.random.default_rng(2)
+    rows, size, width, dim, lengths = 3, 16, 4, 128, np.array([21, 5, 40])
+    blocks = rows * width
+    table = jnp.asarray(rng.permutation(blocks).reshape(rows, width), jnp.int32)
+    pool = PagedCache.zeros(blocks, size, 1, dim, dtype=jnp.bfloat16)
+    nan = jnp.full(pool.k.shape, jnp.nan, jnp.bfloat16)
+    pool = dataclasses.replace(pool, k=nan, v=nan, table=table)
+    n = int(lengths.max())
+    new = KV(
+        jnp.asarray(rng.standard_normal((rows, n, 1, dim)), jnp.float32),
+        jnp.asarray(rng.standard_normal((rows, n, 1, dim)), jnp.float32),
+        jnp.asarray(np.where(np.arange(n)[None] < lengths[:, None], np.arange(n)[None], -1), jnp.int32),
+    )
+    q = jnp.asarray(rng.standard_normal((rows, 1, 8, dim)) / np.sqrt(dim), jnp.float32)
+    q_pos = jnp.asarray(lengths[:, None] - 1, jnp.int32)
+    for clear in (True, False):
+        kv, _ = pool.update(new, clear_tail=clear)
+        got = np.asarray(attend(q, kv, q_pos, window=None, scale=1.0, pallas="interpret"))
+        if clear:
+            want = np.asarray(attend(q, kv, q_pos, window=None, scale=1.0))
+            assert np.isfinite(want).all()
+            np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+        else:
+            assert not np.isfinite(got).all()

@@ -18,17 +18,20 @@ Which of JAX's two paged kernels (jax 0.10.2, `jax.experimental.pallas.ops.tpu`)
 The mapping, per decode step of B rows (query position p_b, -1 for an idle row):
 ``q [B, 1, N, H] -> q[:, 0]``; ``k / v [P, S, 1, H] -> [1, P, S, H]``; ``lengths = min(p_b + 1, M * S)``
 (0 for idle rows: the kernel leaves their output zero, as `attention._blockwise_attend` does);
-``page_indices = table[:B]`` with the "no block" entry P replaced by 0 (the kernel may fetch a whole
-compute block of pages past the length; it masks those keys) and its M columns padded to a multiple of
-`pages_per_block` (a copy of the [B, M] int32 table, never of the pool). The logit scale is applied to q.
+``page_indices = table[:B]`` with the entries past the row's last page (the "no block" entry P, blocks
+taken ahead of the row's tokens) replaced by the row's first block (the kernel fetches whole compute
+blocks of pages, past the length too, and masks those keys) and its M columns
+padded to a multiple of `pages_per_block` (a copy of the [B, M] int32 table, never of the pool). The
+logit scale is applied to q.
 
 What the kernel does not check that the XLA path does (`cache.paged_view`): it takes every slot below a
 row's length as holding that position (the XLA path compares each slot's stored position with the one its
 place stands for). The decode core keeps that true (a row's blocks hold positions 0 .. length - 1:
-written by prefill, shared prefix blocks hold the same positions, rejected drafts lie past the length). A
-key past the length inside the last compute block is masked by adding a large negative number to its
-score, so a NaN or Inf that an earlier owner of a reused block left there would reach the row (the XLA
-path zeroes such values, `attention._seen_values`).
+written by prefill, shared prefix blocks hold the same positions, rejected drafts lie past the length).
+Keys past the length are masked by adding a large negative number to their scores, which a NaN or Inf
+there would survive (the XLA path zeroes the values of unseen keys, `attention._seen_values`): so a model
+on this path writes its cache with `PagedCache.update(clear_tail=True)`, which zeroes the rest of each
+row's last block, and the pages past a row's last block are read from its first block (its own tokens).
 
 Not covered (`supported` is False, `attention.attend` takes XLA's path, the exact reference): more than
 one query per row (prefill chunks, speculative verification), sliding windows (our sliding layers keep
@@ -96,10 +99,13 @@ def paged_decode(
     width = table.shape[1]
     per_block = pages_per_block(width, size, block_tokens)
     pad = -width % per_block
-    pages = jnp.where(table < blocks, table, 0)
+    lengths = jnp.where(q_pos[:, 0] >= 0, jnp.minimum(q_pos[:, 0] + 1, width * size), 0).astype(jnp.int32)
+    # pages past a row's last one (empty entries, or blocks taken ahead of its tokens): its first block
+    first = jnp.where(table[:, :1] < blocks, table[:, :1], 0)  # an idle row's pages are never read
+    held = (jnp.arange(width)[None, :] <= (lengths[:, None] - 1) // size) & (table < blocks)
+    pages = jnp.where(held, table, first)
     if pad:
         pages = jnp.pad(pages, ((0, 0), (0, pad)))
-    lengths = jnp.where(q_pos[:, 0] >= 0, jnp.minimum(q_pos[:, 0] + 1, width * size), 0).astype(jnp.int32)
     queries = q[:, 0]
     if scale != 1.0:
         queries = queries * jnp.asarray(scale, q.dtype)

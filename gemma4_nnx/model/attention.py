@@ -327,7 +327,10 @@ class Attention(nnx.Module):
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
             kv = KV(k, v, k_pos)
             if cache is not None:
-                kv, cache = cache.update(kv, window=self.window, in_place=self.cpu_attention)
+                pallas = self.pallas_attention is not None  # its kernel reads whole pages (`PagedCache.update`)
+                kv, cache = cache.update(
+                    kv, window=self.window, in_place=self.cpu_attention and not pallas, clear_tail=pallas
+                )
         reach, floor = span_bounds(self.vision_block, span)
         out = attend(
             q,
