@@ -10,7 +10,9 @@ blockwise over `paged_view` gathers past 1024 keys; `pallas="tpu"`: the kernel).
 calls inside one jitted `fori_loop` (the query of each call moved by the last output, so nothing is
 hoisted), after a warm-up call that compiles: µs per call, GB/s of K/V bytes read (B * depth * 2 * 512
 * 2 bytes), % of the HBM roofline. `max_abs_diff`: the two paths' outputs for the same queries (float32
-queries; the pool is bf16 in both, so they differ by float32 rounding only).
+queries; the pool is bf16 in both, so they differ by float32 rounding only). `kernel_direct_us`: the
+kernel alone on a pool made head-major [1, P, S, H] beforehand (whether our [P, S, 1, H] pool's reshape
+costs a copy inside the program).
 
 `--step` (default on): the whole E2B decode step as well (bench/accelerator.py's random bf16 weights, its
 `model(ids, pos, cache=cache)` under `jax.jit` with the cache donated), over a paged cache
@@ -31,13 +33,17 @@ import functools
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
 from gemma4_nnx import Gemma4Config
+from gemma4_nnx.kernels import pallas_attention
 from gemma4_nnx.model.attention import Attention, attend
 from gemma4_nnx.model.cache import KV, KVCache, PagedCache
 
@@ -124,6 +130,20 @@ def whole_step(b: int, depth: int, steps: int, graphdefs, state, config) -> dict
     return row
 
 
+def looped_direct(reps, per_block):
+    """The kernel alone on a pool already head-major [1, P, S, H] (an input, not a reshape inside the
+    program): what `paged_decode` should cost if its reshape of our [P, S, 1, H] pool is free."""
+
+    @jax.jit
+    def run(q, k4, v4, lengths, pages):
+        def body(_, q):
+            return q + 1e-3 * paged_attention(q, k4, v4, lengths, pages, pages_per_compute_block=per_block)
+
+        return jax.lax.fori_loop(0, reps, body, q)
+
+    return run
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,32")
@@ -132,6 +152,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--step", default="1:1024,1:8192,1:32768,32:1024,32:8192", help="B:depth pairs ('' for none)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--interpret", action="store_true", help="the kernel in Pallas's interpreter (a CPU smoke run)")
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     hbm = HBM.get(dev.device_kind)
@@ -142,18 +163,19 @@ def main(argv=None) -> dict:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 
+    kind = "interpret" if args.interpret else "tpu"
     single = {
         p: jax.jit(lambda q, kv, q_pos, p=p: attend(q, kv, q_pos, window=None, scale=1.0, pallas=p))
-        for p in (None, "tpu")
+        for p in (None, kind)
     }
     for b in map(int, args.batches.split(",")):
         for depth in map(int, args.depths.split(",")):
             t0 = time.perf_counter()
             q, kv, q_pos = case(b, depth)
-            outs = {p: single[p](q, kv, q_pos) for p in (None, "tpu")}
-            row = dict(batch=b, depth=depth, max_abs_diff=float(jnp.max(jnp.abs(outs[None] - outs["tpu"]))))
+            outs = {p: single[p](q, kv, q_pos) for p in (None, kind)}
+            row = dict(batch=b, depth=depth, max_abs_diff=float(jnp.max(jnp.abs(outs[None] - outs[kind]))))
             kv_bytes = b * depth * 2 * kv.k.shape[-1] * kv.k.dtype.itemsize
-            for name, p in (("xla", None), ("pallas", "tpu")):
+            for name, p in (("xla", None), ("pallas", kind)):
                 run = looped(p, args.reps)
                 jax.block_until_ready(run(q, kv, q_pos))  # compile, warm up
                 best = float("inf")
@@ -165,6 +187,22 @@ def main(argv=None) -> dict:
                 row[f"{name}_gb_s"] = round(kv_bytes / best / 1e9, 1)
                 if hbm:
                     row[f"{name}_roofline_pct"] = round(100 * kv_bytes / best / hbm, 1)
+            size = kv.pos.shape[1]
+            direct = looped_direct(args.reps, pallas_attention.pages_per_block(kv.table.shape[1], size))
+            blocks, h = kv.pos.shape[0], kv.k.shape[-1]
+            k4, v4 = (jnp.array(x.reshape(1, blocks, size, h)) for x in (kv.k, kv.v))
+            lengths = jnp.full((b,), depth, jnp.int32)
+            args_d = (q[:, 0], k4, v4, lengths, kv.table)
+            with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()) if args.interpret else nullcontext():
+                jax.block_until_ready(direct(*args_d))
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()) if args.interpret else nullcontext():
+                    jax.block_until_ready(direct(*args_d))
+                best = min(best, (time.perf_counter() - t) / args.reps)
+            row["kernel_direct_us"] = round(best * 1e6, 2)
+            del k4, v4
             row["speedup"] = round(row["xla_us"] / row["pallas_us"], 2)
             row["wall_s"] = round(time.perf_counter() - t0, 1)
             result["rows"].append(row)
@@ -181,7 +219,7 @@ def main(argv=None) -> dict:
         model = nnx.merge(graphdef, state)
         for _, mod in nnx.iter_graph(model):
             if isinstance(mod, Attention):
-                mod.pallas_attention = "tpu"
+                mod.pallas_attention = kind
         graphdefs = {"xla": graphdef, "pallas": nnx.split(model)[0]}
         del model
         result["step_build_s"] = round(time.perf_counter() - t0, 1)
