@@ -1,5 +1,5 @@
 """Paged decode attention on TPU through JAX's Pallas `paged_attention` kernel, reading the block pool in
-place (`Matmul.pallas_attention`, `matmul="pallas"`; "auto" on a TPU).
+place (`Matmul.pallas_attention`, `matmul="pallas"`; opt-in until it has run on a chip).
 
 Which of JAX's two paged kernels (jax 0.10.2, `jax.experimental.pallas.ops.tpu`) can read our pool:
 

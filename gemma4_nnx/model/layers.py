@@ -186,7 +186,7 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else. On a
     single CPU device with the kernels available, attention over the KV cache uses them too
     (`Matmul.cpu_attention`), whatever the weights' dtype.
-    On a TPU, "auto" is "pallas"; elsewhere off the CPU, "xla_int".
+    Off the CPU, "auto" is "xla_int" (not yet "pallas" on a TPU: not run on a chip so far).
     "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
     exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
     scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`).
@@ -242,8 +242,6 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         )
     narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
     wanted = narrow and dtype is not None and jnp.dtype(dtype) == jnp.float32
-    if jax.default_backend() == "tpu":
-        return PALLAS
     if jax.default_backend() != "cpu":
         return XLA_INT
     kernels = one_cpu and cpu_kernels.available()
