@@ -19,6 +19,7 @@ from gemma4_nnx.decode.blocks import blocks_for
 from gemma4_nnx.kernels import pallas_attention
 from gemma4_nnx.model.attention import Attention, attend
 from gemma4_nnx.model.cache import KV, KVCache, PagedCache, quantize_kv
+from gemma4_nnx.model.layers import resolve_matmul
 from tests.helpers import attention_f64, model_from_config, tiny_config
 
 # The kernel and the XLA path both multiply float32 queries by the bf16 keys and values and accumulate in
@@ -157,3 +158,11 @@ def test_nan_left_in_reused_blocks_never_reaches_the_kernel():
             np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
         else:
             assert not np.isfinite(got).all()
+
+
+def test_pallas_option_needs_a_tpu():
+    if jax.default_backend() == "tpu":
+        assert resolve_matmul("pallas", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16).pallas_attention == "tpu"
+        return
+    with pytest.raises(ValueError, match="matmul='pallas' needs a TPU"):
+        resolve_matmul("pallas", dtype=jnp.float32, param_dtype=jnp.float32)
