@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
+from gemma4_nnx.kernels import pallas_attention
 from gemma4_nnx.model import cpu_kernels
 from gemma4_nnx.model.cache import KV, LayerCache, PagedCache, dequantized, kv_rows, paged_view
 from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
@@ -84,6 +85,7 @@ def attend(
     floor: Array | None = None,
     kernel: bool = False,
     segments: Array | None = None,
+    pallas: str | None = None,
 ) -> Array:
     """q [B, S, N, H] over kv -> [B, S, N, H]. GQA: query head n reads KV head n // (N / K).
 
@@ -98,7 +100,15 @@ def attend(
     kv may have more rows than q (a cache of which the decode core steps the first B rows): query row
     b reads row b; the kernel reads the cache where it is, XLA's path takes the first B rows. A paged
     kv (`KV.table`) is read through its table: by the kernel in place, by XLA a key block at a time
-    (`paged_view`)."""
+    (`paged_view`).
+
+    pallas (`Matmul.pallas_attention`: "tpu", or "interpret" for CPU tests): decode rows (one query each)
+    over a paged bf16 pool with one KV head go through JAX's Pallas `paged_attention` kernel, which reads
+    the pool in place (`gemma4_nnx.kernels.pallas_attention`; everything else stays on XLA's path)."""
+    if pallas is not None and pallas_attention.supported(
+        q, kv, window=window, vision=reach is not None or floor is not None, segments=segments is not None
+    ):
+        return pallas_attention.paged_decode(q, kv, q_pos, scale=scale, interpret=pallas == "interpret")
     if (
         kernel
         and reach is None
@@ -274,6 +284,7 @@ class Attention(nnx.Module):
         self.k_eq_v = spec.k_eq_v
         self.vision_block = spec.vision_block
         self.cpu_attention = matmul.cpu_attention
+        self.pallas_attention = matmul.pallas_attention
         eps = config.rms_norm_eps
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, matmul=matmul)
         self.q_proj = linear(d, n * h, **kw)
@@ -316,7 +327,10 @@ class Attention(nnx.Module):
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
             kv = KV(k, v, k_pos)
             if cache is not None:
-                kv, cache = cache.update(kv, window=self.window, in_place=self.cpu_attention)
+                pallas = self.pallas_attention is not None  # its kernel reads whole pages (`PagedCache.update`)
+                kv, cache = cache.update(
+                    kv, window=self.window, in_place=self.cpu_attention and not pallas, clear_tail=pallas
+                )
         reach, floor = span_bounds(self.vision_block, span)
         out = attend(
             q,
@@ -328,6 +342,7 @@ class Attention(nnx.Module):
             floor=floor,
             kernel=self.cpu_attention,
             segments=segments,
+            pallas=self.pallas_attention,
         )
         # a padding token's query gives zeros: its row stays zero through the network (`Gemma4.__call__`)
         out = jnp.where((k_pos >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))

@@ -192,7 +192,9 @@ class LayerCache:
             v_scale=put(self.v_scale, new.v_scale),
         )
 
-    def update(self, new: KV, *, window: int | None = None, in_place: bool = False) -> tuple[KV, LayerCache]:
+    def update(
+        self, new: KV, *, window: int | None = None, in_place: bool = False, clear_tail: bool = False
+    ) -> tuple[KV, LayerCache]:
         """Store the new tokens' K/V; return (everything the new queries may attend over, new cache).
 
         in_place (`Matmul.cpu_attention`): write with `cpu_kernels.kv_write`, which XLA runs on the
@@ -203,7 +205,8 @@ class LayerCache:
 
         `new` may have fewer rows than the cache (b <= B): it goes to the first b rows, the others keep
         their entries, and the returned cache has all B rows. The returned K/V then has B rows too
-        (row i of the queries reads row i), except for the [ring ; new] concatenation (b rows)."""
+        (row i of the queries reads row i), except for the [ring ; new] concatenation (b rows).
+        clear_tail: `PagedCache.update`'s; nothing to do here (no kernel reads a ring past its masks)."""
         b, s = new.pos.shape
         new = _encode(new, self.k.dtype)
         if self.ring and not (in_place and window is not None and s - 1 <= self.size - window):
@@ -263,12 +266,21 @@ class PagedCache:
     def block_size(self) -> int:
         return self.pos.shape[1]
 
-    def update(self, new: KV, *, window: int | None = None, in_place: bool = False) -> tuple[KV, PagedCache]:
+    def update(
+        self, new: KV, *, window: int | None = None, in_place: bool = False, clear_tail: bool = False
+    ) -> tuple[KV, PagedCache]:
         """Write the new tokens' K/V into their rows' blocks (a position whose table entry is empty is
         dropped); return the paged `KV` to attend over (the pool with the table) and the new cache.
-        `new` may have fewer rows than the table: they are its first rows."""
+        `new` may have fewer rows than the table: they are its first rows.
+
+        clear_tail (the Pallas decode kernel, `gemma4_nnx.kernels.pallas_attention`): also zero K/V in
+        the slots after each row's last new position up to the end of its block. That kernel reads whole
+        pages past a row's length and masks those keys by adding to their scores, so a NaN an earlier
+        owner of the block left there would reach the row; zeroed, they weigh exactly nothing."""
+        if clear_tail and in_place:
+            raise ValueError("PagedCache.update: clear_tail is for the Pallas kernel's path, not in_place")
         blocks, size = self.pos.shape
-        b, s = new.pos.shape
+        b = new.pos.shape[0]
         new = _encode(new, self.k.dtype)
         table = self.table[:b]
         col = new.pos // size
@@ -285,18 +297,25 @@ class PagedCache:
                 scales = dict(k_scale=ks, v_scale=vs)
         else:
 
-            def put(x, y):
+            def put(x, y, slots=slots):
                 if x is None:
                     return None
                 flat = x.reshape(blocks * size, *x.shape[2:])
                 return (
                     flat.at[slots.reshape(-1)]
-                    .set(y.reshape(b * s, *y.shape[2:]).astype(x.dtype), mode="drop")
+                    .set(y.reshape(slots.size, *y.shape[2:]).astype(x.dtype), mode="drop")
                     .reshape(x.shape)
                 )
 
             k, v, pos = put(self.k, new.k), put(self.v, new.v), put(self.pos, new.pos)
             scales = dict(k_scale=put(self.k_scale, new.k_scale), v_scale=put(self.v_scale, new.v_scale))
+            if clear_tail:  # the slots after each row's last position, to the end of its block
+                last = jnp.max(jnp.where(keep, new.pos, -1), axis=1, keepdims=True)  # [b, 1]
+                block = jnp.take_along_axis(table, jnp.clip(last // size, 0, table.shape[1] - 1), axis=1)
+                after = last % size + jnp.arange(1, size, dtype=jnp.int32)  # offsets in that block [b, S - 1]
+                tail = jnp.where((last >= 0) & (after < size), block * size + after, blocks * size)
+                zeros = jnp.zeros((*tail.shape, *k.shape[2:]), k.dtype)
+                k, v = put(k, zeros, tail), put(v, zeros, tail)
         written = dataclasses.replace(self, k=k, v=v, pos=pos, **scales)
         return KV(written.k, written.v, written.pos, self.table, written.k_scale, written.v_scale), written
 

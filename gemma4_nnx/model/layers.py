@@ -151,6 +151,10 @@ class Matmul:
     #: every other product (other backends, per-channel formats, more rows) stays `int_dot`'s.
     #: `matmul="pallas"` ("auto" stays "xla_int" until the kernel is measured ahead in a whole decode).
     pallas: bool = False
+    #: decode attention over a paged KV pool by JAX's Pallas `paged_attention` kernel, reading the pool in
+    #: place (`gemma4_nnx.kernels.pallas_attention`; what it does not cover stays on XLA's path): "tpu",
+    #: or "interpret" (Pallas's TPU interpreter: CPU tests); None: XLA's gathers (`cache.paged_view`).
+    pallas_attention: str | None = None
 
     def takes(self, kernel_dtype, dtype) -> bool:
         """Whether the CPU kernels multiply a `kernel_dtype` kernel in `dtype`."""
@@ -176,7 +180,7 @@ class Matmul:
 
 XLA = Matmul(cpu_kernels=False)
 XLA_INT = Matmul(int_dot=True)
-PALLAS = Matmul(int_dot=True, pallas=True)
+PALLAS = Matmul(int_dot=True, pallas=True, pallas_attention="tpu")
 
 
 def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantized: bool = False) -> Matmul:
@@ -187,12 +191,14 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else. On a
     single CPU device with the kernels available, attention over the KV cache uses them too
     (`Matmul.cpu_attention`), whatever the weights' dtype.
-    Off the CPU, "auto" is "xla_int".
+    Off the CPU, "auto" is "xla_int" (not yet "pallas" on a TPU: not run on a chip so far).
     "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
     exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
-    scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`). "pallas": "xla_int" whose
-    group-wise products of decode-sized inputs run the Pallas TPU kernel on a TPU (`Matmul.pallas`,
-    `gemma4_nnx.kernels.pallas_qmatmul`); on other backends it is "xla_int".
+    scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`). "pallas": "xla_int" with
+    the TPU's Pallas kernels: group-wise products of decode-sized inputs (`Matmul.pallas`,
+    `gemma4_nnx.kernels.pallas_qmatmul`) and decode attention over the paged KV pool by JAX's
+    `paged_attention` kernel (`Matmul.pallas_attention`, `gemma4_nnx.kernels.pallas_attention`); on other
+    backends it is "xla_int" (the kernels compile for a TPU only).
     "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
     "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply inputs of 8+ rows (prefill, and
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
@@ -212,8 +218,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
         return XLA
     if option == "xla_int":
         return XLA_INT
-    if option == "pallas":
-        return PALLAS
+    if option == "pallas":  # off a TPU: the products' kernel declines at run time (`pallas_qmatmul.takes`)
+        return PALLAS if jax.default_backend() == "tpu" else dataclasses.replace(PALLAS, pallas_attention=None)
     one_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     if option in ("cpu_kernels", "cpu_kernels_bf16", "cpu_kernels_int8"):
         if option == "cpu_kernels_bf16" and not cpu_kernels.has_bf16_dot():
