@@ -139,3 +139,39 @@ def test_a_new_prompt_bucket_compiles_off_the_serving_thread(model):
     assert got_stream == generate(model, [stream], 30, stop_tokens=[], max_length=96).tokens[0]
     ref = generate(model, [late_prompt], 6, stop_tokens=[], temperature=0.7, seed=5, max_length=96)
     assert got_late == ref.tokens[0]
+
+
+def test_one_dispatch_per_decode_step(model):
+    """A decode step is one program call (`programs._step`: the decode and its draw fused), not two,
+    once its fused program compiled on the helper thread (at a sampler's first step here: `fuse_after`
+    0, not the engine's `FUSE_AFTER`; meanwhile its steps are decode + draw). Counting the decoder's
+    program calls by kind over a second request: each step is one "step" call, no "decode" or "draw"
+    runs besides the request's first draw (after its prefill), and the serving thread compiled no
+    step program. Both outputs equal `generate`'s (seeded sampling)."""
+    engine = Engine(model, max_batch=2, max_length=32)
+    engine.decoder.fuse_after = 0
+    calls: dict[str, int] = {}
+    run = engine.decoder._run
+
+    def counted(kind, fn, *args):
+        calls[kind] = calls.get(kind, 0) + 1
+        return run(kind, fn, *args)
+
+    prompt = fx.sample_ids(1, 5, seed=3)[0].tolist()
+    kw = dict(stop_tokens=[], temperature=0.8)
+    try:
+        first = engine.submit(prompt, 9, seed=1, **kw).result()[0]  # two programs a step, the fused one compiling
+        while engine.decoder._compiling:
+            time.sleep(0.01)
+        before = engine.stats.decode_steps
+        engine.decoder._run = counted
+        second = engine.submit(prompt, 9, seed=2, **kw).result()[0]
+    finally:
+        engine.close()
+    steps = engine.stats.decode_steps - before
+    assert steps == 8 and calls.get("step") == steps, (steps, calls)
+    assert calls.get("decode", 0) == 0 and calls.get("draw") == 1, calls
+    compiles = engine.decoder.compiles
+    assert compiles.get("step", 0) == 0 and compiles.get("step (background)", 0) == 1, compiles
+    for seed, got in ((1, first), (2, second)):
+        assert got == generate(model, [prompt], 9, seed=seed, max_length=32, **kw).tokens[0], seed

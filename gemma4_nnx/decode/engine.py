@@ -63,6 +63,7 @@ import numpy as np
 
 from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, prompt_buckets, prompt_columns
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
+from gemma4_nnx.decode.compiles import FUSE_AFTER
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.pacing import MIN_PACED_WIDTH, Pacer
@@ -454,6 +455,8 @@ class Engine:
         if isinstance(precompile, str) and precompile != "all":
             raise RequestError(f"precompile must be prompt lengths or 'all', got {precompile!r}", "precompile")
         self._precompiled = bool(precompile)
+        # a step whose fused program has not compiled runs as decode and draw; it compiles on the helper
+        self.decoder.fuse_after = FUSE_AFTER
         if precompile:
             self._precompile(precompile)
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
