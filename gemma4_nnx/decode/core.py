@@ -53,7 +53,17 @@ from gemma4_nnx.decode.programs import (
 )
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request
 from gemma4_nnx.decode.split import split_model
-from gemma4_nnx.decode.state import DecodeState, DrawConfig, Drawn, Next, RowState, Scored, Snapshot, Verified
+from gemma4_nnx.decode.state import (
+    DecodeState,
+    DrawConfig,
+    Drawn,
+    Next,
+    PackedDrawn,
+    RowState,
+    Scored,
+    Snapshot,
+    Verified,
+)
 from gemma4_nnx.model.cache import KVCache
 
 Array = jax.Array
@@ -81,13 +91,20 @@ _SCORE_ROWS = 64
 SCORE_POSITIONS = 4096
 
 
-def _fetched(drawn: Drawn, fetch: bool) -> Drawn:
-    """`drawn` on the host (fetch), or on the device with its copy to the host started."""
+def _fetched(drawn: Drawn | PackedDrawn, fetch: bool) -> Drawn | PackedDrawn:
+    """`drawn` on the host (fetch; a `PackedDrawn` unpacked), or on the device with its copy to the
+    host started (`fetch_drawn` reads it back)."""
     if not fetch:
         for x in jax.tree.leaves(drawn):
             x.copy_to_host_async()
         return drawn
-    return jax.device_get(drawn)
+    return fetch_drawn(drawn)
+
+
+def fetch_drawn(drawn: Drawn | PackedDrawn) -> Drawn:
+    """A device `Drawn` (or `PackedDrawn`) read back to the host as a `Drawn`."""
+    out = jax.device_get(drawn)
+    return out.unpack() if isinstance(out, PackedDrawn) else out
 
 
 class Decoder(Compiles):
@@ -401,8 +418,9 @@ class Decoder(Compiles):
 
     def step(self, cfg: DrawConfig, m: int | None = None, mask: np.ndarray | None = None, fetch: bool = True) -> Drawn:
         """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m
-        (`mask` [m, W]: their token bitmasks, `cfg.constrained`; fetch=False: the device `Drawn`, as
-        `draw`). One program (`programs._step`), one dispatch; with `fuse_after`, until that program has
+        (`mask` [m, W]: their token bitmasks, `cfg.constrained`). fetch=False: on the device, its copy
+        to the host started, a `PackedDrawn` (one array) or a `Drawn` (`fetch_drawn` reads either).
+        One program (`programs._step`), one dispatch; with `fuse_after`, until that program has
         compiled, the decode program and `draw` (two dispatches), its compile queued on the helper
         thread after `fuse_after` such steps."""
         m = self.rows if m is None else m

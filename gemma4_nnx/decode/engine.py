@@ -58,13 +58,12 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
-import jax
 import numpy as np
 
 from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, prompt_buckets, prompt_columns
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
 from gemma4_nnx.decode.compiles import FUSE_AFTER
-from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified, fetch_drawn
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.pacing import MIN_PACED_WIDTH, Pacer
 from gemma4_nnx.decode.prefix import PrefixCache
@@ -246,7 +245,7 @@ class EngineRequest:
 @dataclasses.dataclass
 class _InFlight:
     """A decode step dispatched and not yet read back: its rows (slot, row of `out`, the request the
-    slot held then) and its `Drawn` on the device (its copy to the host under way)."""
+    slot held then) and its `Drawn` (or `PackedDrawn`) on the device (its copy to the host under way)."""
 
     rows: list[tuple[int, int, EngineRequest]]
     out: Drawn
@@ -1099,7 +1098,7 @@ class Engine:
     def _fetch(self, out):
         """`out` read back to the host; the wait is the device's time, not the host's (`host_seconds`)."""
         t = time.perf_counter()
-        out = jax.device_get(out)
+        out = fetch_drawn(out)
         self._waited += time.perf_counter() - t
         return out
 

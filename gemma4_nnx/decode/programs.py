@@ -46,7 +46,7 @@ from gemma4_nnx.decode.sampling import (
     update_counts,
     update_seen,
 )
-from gemma4_nnx.decode.state import DecodeState, DrawConfig, Drawn, Next, RowState, Verified
+from gemma4_nnx.decode.state import DecodeState, DrawConfig, Drawn, Next, PackedDrawn, RowState, Verified
 from gemma4_nnx.model.cache import KVCache, PagedCache, head_rows, put_head_rows, put_rows, take_rows
 
 Array = jax.Array
@@ -117,11 +117,11 @@ def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done, adapter
 def _step(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: RowState, mask=None):
     """`_decode` of the first m rows, then `_draw` of those m, in one program: one dispatch per
     engine step instead of two (what `_loop`'s body runs, for the first m rows). mask [m, W]
-    (`cfg.constrained`). Returns (cache, rows, `Drawn` of the m rows)."""
+    (`cfg.constrained`). Returns (cache, rows, `PackedDrawn` of the m rows: one array to read back)."""
     cache, nxt = _decode(m, graphdef, weights, cache, rows.token, rows.pos, rows.done, rows.adapter)
     idx = None if m == rows.token.shape[0] else jnp.arange(m, dtype=jnp.int32)
     rows, drawn = _draw(cfg, rows, idx, nxt, None, mask)
-    return cache, rows, drawn
+    return cache, rows, PackedDrawn.pack(drawn)
 
 
 def _allowed(mask, vocab_size: int):
