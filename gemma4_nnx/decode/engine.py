@@ -36,7 +36,9 @@ of `generate(..., seed=s)`, so greedy *and* seeded sampled output equal `generat
 
 Compilations: a decode program per power-of-two row count m <= `max_batch`; a prefill program per
 (power-of-two number of joining rows, prompt bucket) with the prompt bucket as in `generate` (or
-`prefill_chunk` columns); a draw per (row count, `RowFeatures`: which processors any row uses).
+`prefill_chunk` columns); a draw per (row count, `RowFeatures`: which processors any row uses); a
+fused step (decode + draw, one dispatch per step) per (m, sampler) that served `compiles.FUSE_AFTER`
+steps, compiled on the helper thread (until then that sampler's steps are the decode and the draw).
 After a precompile, a prompt whose prefill program has not compiled waits in the queue while it
 compiles on the helper thread (`Compiles.compile_prefills`); the serving thread compiles none.
 :meth:`Engine.compiled_programs` counts what this engine compiled; :attr:`Engine.stats` counts
