@@ -666,7 +666,8 @@ class Engine:
         self._thread.join(timeout)
 
     def compiled_programs(self) -> dict[str, int]:
-        """Programs this engine had to compile so far, by kind ("prefill", "decode", "draw")."""
+        """Programs this engine had to compile so far, by kind ("prefill", "decode", "draw", "step"; "... (background)":
+        on the helper thread)."""
         return dict(self.decoder.compiles)
 
     # ------------------------------------------------------------------ loop
