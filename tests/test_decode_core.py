@@ -259,6 +259,7 @@ def test_new_sampler_settings_never_compile_on_the_engine_thread(model):
         reqs = [engine.submit(p, 10, stop_tokens=[], **kw) for p, kw in zip(prompts, settings)]
         got = [r.result()[0] for r in reqs]
         assert engine.decoder.compiles.get("draw", 0) == on_thread, engine.decoder.compiles
+        assert engine.decoder.compiles.get("step", 0) == 0, engine.decoder.compiles  # no fused step either
         assert engine.decoder.compiles.get("draw (background)", 0) > 0
     finally:
         engine.close()  # its exact samplers' compiles still queued on the helper are dropped

@@ -142,3 +142,50 @@ def test_a_new_prompt_bucket_compiles_off_the_serving_thread(model):
     assert got_stream == generate(model, [stream], 30, stop_tokens=[], max_length=96).tokens[0]
     ref = generate(model, [late_prompt], 6, stop_tokens=[], temperature=0.7, seed=5, max_length=96)
     assert got_late == ref.tokens[0]
+
+
+def test_one_dispatch_per_decode_step(model):
+    """A decode step is one program call (`programs._step`: the decode and its draw fused, its
+    `PackedDrawn` read back as one array), not two, once its fused program compiled on the helper
+    thread (at a sampler's first step here: `fuse_after` 0, not the engine's `FUSE_AFTER`; meanwhile
+    its steps are decode + draw). Counting the decoder's program calls by kind over a second request:
+    each step is one "step" call, no "decode" or "draw" runs besides the request's first draw (after
+    its prefill), and the serving thread compiled no step program. The two requests (same seed,
+    penalty, alternatives) give `generate`'s tokens, and the fused steps its logprobs bit for bit."""
+    engine = Engine(model, max_batch=2, max_length=32)
+    engine.decoder.fuse_after = 0
+    calls: dict[str, int] = {}
+    run = engine.decoder._run
+
+    def counted(kind, fn, *args):
+        calls[kind] = calls.get(kind, 0) + 1
+        return run(kind, fn, *args)
+
+    prompt = fx.sample_ids(1, 5, seed=3)[0].tolist()
+    kw = dict(stop_tokens=[], temperature=0.8, seed=2, repetition_penalty=1.3)
+
+    def events():
+        return [(e.token, e.logprob, e.top) for e in engine.submit(prompt, 9, top_logprobs=3, **kw)]
+
+    try:
+        apart = events()  # two programs a step while the fused one compiles
+        while engine.decoder._compiling:
+            time.sleep(0.01)
+        before = engine.stats.decode_steps
+        engine.decoder._run = counted
+        fused = events()
+    finally:
+        engine.close()
+    steps = engine.stats.decode_steps - before
+    assert steps == 8 and calls.get("step") == steps, (steps, calls)
+    assert calls.get("decode", 0) == 0 and calls.get("draw") == 1, calls
+    compiles = engine.decoder.compiles
+    assert compiles.get("step", 0) == 0 and compiles.get("step (background)", 0) == 1, compiles
+    ref = generate(model, [prompt], 9, max_length=32, return_logprobs=True, **kw)
+    assert [t for t, _, _ in fused] == [t for t, _, _ in apart] == ref.tokens[0]
+    # the fused step computes the logprobs as generate's on-device loop does, bit for bit (decode and
+    # draw apart round differently in the last bit)
+    assert [lp for _, lp, _ in fused] == ref.logprobs[0]
+    for (_, _, top), (_, _, top_apart) in zip(fused, apart, strict=True):
+        assert [i for i, _ in top] == [i for i, _ in top_apart]
+        assert [x for _, x in top] == pytest.approx([x for _, x in top_apart], rel=1e-6)

@@ -8,7 +8,12 @@ counts its own (`Decoder.compiles`, by kind) from jax's lowering events on the t
 that compiles more ahead of time, from the shapes and placements of placeholder rows (nothing runs
 there, so it is safe beside multi-device programs): the engine serves a request whose exact
 sampler has not compiled yet with the precompiled `DrawConfig.widest()` of its top-k width (same
-tokens) while the exact one compiles there (`cover`). Verify programs (speculative decoding) compile
+tokens) while the exact one compiles there (`cover`). A decode step is one program, the decode and
+its draw fused (`programs._step`, one dispatch per step), one per (sampler, m); the engine's decoder
+(`fuse_after`) runs a step whose fused program has not compiled as two, the decode program (one per
+m, whatever the sampler) and the draw, and once a sampler has taken `FUSE_AFTER` such steps at m its
+fused program compiles there (`compile_step`): a sampler used for a few steps only costs no compile
+of the whole model's step, and the serving thread never compiles one. Verify programs (speculative decoding) compile
 there ahead of time from abstract shapes (`compile_verify`); the engine takes plain steps meanwhile.
 """
 
@@ -23,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_nnx.decode.batching import pow2
-from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _prefill_jit, _verify_jit
+from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _prefill_jit, _step_jit, _verify_jit
 from gemma4_nnx.decode.state import DrawConfig, Next
 
-__all__ = ["Compiles", "compile_cache_dir", "compiled_programs", "use_compile_cache", "verify_width"]
+__all__ = ["FUSE_AFTER", "Compiles", "compile_cache_dir", "compiled_programs", "use_compile_cache", "verify_width"]
 
 
 # ------------------------------------------------------------------------------------------- the compile cache
@@ -95,6 +100,11 @@ def use_compile_cache(where: str | os.PathLike | None = "default") -> Path | Non
     return path
 
 
+#: Steps a (sampler, rows) pair of the engine runs as two programs (decode, then draw) before its fused
+#: step program (`programs._step`, one dispatch) compiles on the helper thread (`Compiles.fuse_after`).
+FUSE_AFTER = 32
+
+
 def verify_width(ndraft: np.ndarray, k: int) -> int:
     """The draft columns a verify step runs for proposals of `ndraft` [m] drafts each (at most k): as
     many as the longest, bucketed to 1, 2, 4, ... (one program each), so a step whose rows propose
@@ -152,6 +162,13 @@ class Compiles:
         self.compiles: dict[str, int] = {}
         self._draws_run: set[tuple] = set()  # (cfg, shape key) of every draw program run so far
         self._verifies_run: set[tuple] = set()  # (cfg, m, width) of every verify program run or compiled
+        self._steps_run: set[tuple] = set()  # (cfg, stop width, m) of every fused step program run or compiled
+        self.step_failures: set[tuple] = set()  # ... whose background compile raised
+        # None: a step compiles its fused program when it has not (`generate_stream`); a number (the
+        # engine's): a step whose fused program has not compiled runs the decode and draw programs,
+        # and after this many such steps of its (sampler, m) the fused one compiles on the helper thread
+        self.fuse_after: int | None = None
+        self._apart_steps: dict[tuple, int] = {}  # (cfg, stop width, m) -> steps run as two programs
         self._prefills_run: set[tuple] = set()  # (rows, chunk width, with soft tokens) of every engine prefill
         self.prefill_failures: set[tuple] = set()  # ... whose background compile raised
         self._background = None  # a one-thread executor compiling draw programs (created on first use)
@@ -196,7 +213,45 @@ class Compiles:
         return [(n, True, True) if joining else (n, n != self.rows, False) for n in sizes]
 
     def draw_ready(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> bool:
-        return self._draw_key(cfg, *shape) in self._draws_run
+        """Whether `cfg` draws at `shape` without compiling: its draw program ran or compiled, or (a
+        step's shape: m rows, no init) its fused step program did."""
+        n, _, init = shape
+        return self._draw_key(cfg, *shape) in self._draws_run or (not init and self.step_ready(cfg, n))
+
+    def step_ready(self, cfg: DrawConfig, m: int) -> bool:
+        return (cfg, self.stop_width, m) in self._steps_run
+
+    def compile_step(self, cfg: DrawConfig, m: int):
+        """Compile the fused step program (`programs._step`: decode and draw of the first m rows) of
+        `cfg` on the helper thread, ahead of time from the shapes and placements of the decoder's
+        weights, cache and rows (a step rewrites the cache: it cannot run on placeholders). Returns
+        the future, or None (queued already, compiled, failed before, or stopped)."""
+        key = (cfg, self.stop_width, m)
+        job = ("step", *key)
+        if job in self._compiling or self._stopped or key in self._steps_run or key in self.step_failures:
+            return None
+        state = self.state
+        args = (
+            cfg,
+            m,
+            self.graphdef,
+            jax.tree.map(_abstract, self.weights),
+            jax.tree.map(_abstract, state.cache),
+            jax.tree.map(_abstract, state.rows),
+            jax.tree.map(_abstract, self._mask(cfg, m, None)),
+        )
+
+        def work() -> None:
+            try:
+                self._run("step (background)", lambda: _step_jit.lower(*args).compile())
+                self._steps_run.add(key)
+            except Exception:
+                self.step_failures.add(key)  # the serving thread goes on with the decode and draw programs
+            finally:
+                self._compiling.discard(job)
+
+        self._compiling.add(job)
+        return self._submit(work)
 
     def cover(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> DrawConfig | None:
         """The program to draw `cfg` with, at this shape, without compiling: `cfg` itself once it ran,

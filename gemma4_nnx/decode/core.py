@@ -48,11 +48,22 @@ from gemma4_nnx.decode.programs import (
     _score_jit,
     _set_rows_jit,
     _snapshot_jit,
+    _step_jit,
     _verify_jit,
 )
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request
 from gemma4_nnx.decode.split import split_model
-from gemma4_nnx.decode.state import DecodeState, DrawConfig, Drawn, Next, RowState, Scored, Snapshot, Verified
+from gemma4_nnx.decode.state import (
+    DecodeState,
+    DrawConfig,
+    Drawn,
+    Next,
+    PackedDrawn,
+    RowState,
+    Scored,
+    Snapshot,
+    Verified,
+)
 from gemma4_nnx.model.cache import KVCache
 
 Array = jax.Array
@@ -78,6 +89,22 @@ _SCORE_ROWS = 64
 #: The most padded positions (rows x columns) `Decoder.score` runs in one forward pass, a longer
 #: prompt alone (its activations: that many rows of the hidden and MLP widths).
 SCORE_POSITIONS = 4096
+
+
+def _fetched(drawn: Drawn | PackedDrawn, fetch: bool) -> Drawn | PackedDrawn:
+    """`drawn` on the host (fetch; a `PackedDrawn` unpacked), or on the device with its copy to the
+    host started (`fetch_drawn` reads it back)."""
+    if not fetch:
+        for x in jax.tree.leaves(drawn):
+            x.copy_to_host_async()
+        return drawn
+    return fetch_drawn(drawn)
+
+
+def fetch_drawn(drawn: Drawn | PackedDrawn) -> Drawn:
+    """A device `Drawn` (or `PackedDrawn`) read back to the host as a `Drawn`."""
+    out = jax.device_get(drawn)
+    return out.unpack() if isinstance(out, PackedDrawn) else out
 
 
 class Decoder(Compiles):
@@ -381,11 +408,7 @@ class Decoder(Compiles):
         )
         self._draws_run.add(key)
         self.state = dataclasses.replace(self.state, rows=rows)
-        if not fetch:
-            for x in jax.tree.leaves(drawn):
-                x.copy_to_host_async()
-            return drawn
-        return jax.device_get(drawn)
+        return _fetched(drawn, fetch)
 
     def _mask(self, cfg: DrawConfig, n: int, mask: np.ndarray | None):
         """The draw's bitmask argument: None unless `cfg.constrained` (then all tokens by default)."""
@@ -397,10 +420,37 @@ class Decoder(Compiles):
 
     def step(self, cfg: DrawConfig, m: int | None = None, mask: np.ndarray | None = None, fetch: bool = True) -> Drawn:
         """One decode step of the first m rows (default all) and their draw; host `Drawn` of those m
-        (`mask` [m, W]: their token bitmasks, `cfg.constrained`; fetch=False: the device `Drawn`, as
-        `draw`)."""
+        (`mask` [m, W]: their token bitmasks, `cfg.constrained`). fetch=False: on the device, its copy
+        to the host started, a `PackedDrawn` (one array) or a `Drawn` (`fetch_drawn` reads either).
+        One program (`programs._step`), one dispatch; with `fuse_after`, until that program has
+        compiled, the decode program and `draw` (two dispatches), its compile queued on the helper
+        thread after `fuse_after` such steps."""
         m = self.rows if m is None else m
         self._sync_table()
+        key = (cfg, self.stop_width, m)
+        if self.fuse_after is not None and key not in self._steps_run:
+            n = self._apart_steps[key] = self._apart_steps.get(key, 0) + 1
+            if n > self.fuse_after:
+                self.compile_step(cfg, m)  # queued once; a failed compile leaves the sampler on two programs
+            return self._step_apart(cfg, m, mask, fetch)
+        cache, rows, drawn = self._run(
+            "step",
+            _step_jit,
+            cfg,
+            m,
+            self.graphdef,
+            self.weights,
+            self.state.cache,
+            self.state.rows,
+            self._mask(cfg, m, mask),
+        )
+        self._steps_run.add(key)
+        self.state = DecodeState(cache, rows)
+        return _fetched(drawn, fetch)
+
+    def _step_apart(self, cfg: DrawConfig, m: int, mask: np.ndarray | None, fetch: bool) -> Drawn:
+        """`step` as two programs: the decode program of m rows (compiled once per m, whatever the
+        sampler), then `draw`."""
         rows = self.state.rows
         cache, logits = self._run(
             "decode",

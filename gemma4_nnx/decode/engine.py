@@ -37,7 +37,9 @@ of `generate(..., seed=s)`, so greedy *and* seeded sampled output equal `generat
 Compilations: a decode program per row count m <= `max_batch` (the powers of `row_factor`: 2 on a
 CPU, 4 on an accelerator); a prefill program per (number of joining rows, the same buckets; prompt
 bucket) with the prompt bucket as in `generate` (or `prefill_chunk` columns); a draw per (row count,
-`RowFeatures`: which processors any row uses).
+`RowFeatures`: which processors any row uses); a fused step (decode + draw, one dispatch per step)
+per (m, sampler) that served `compiles.FUSE_AFTER` steps, compiled on the helper thread (until then
+that sampler's steps are the decode and the draw).
 After a precompile, a prompt whose prefill program has not compiled waits in the queue while it
 compiles on the helper thread (`Compiles.compile_prefills`); the serving thread compiles none.
 :meth:`Engine.compiled_programs` counts what this engine compiled; :attr:`Engine.stats` counts
@@ -64,7 +66,8 @@ import numpy as np
 
 from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, prompt_buckets, prompt_columns
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
-from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified
+from gemma4_nnx.decode.compiles import FUSE_AFTER
+from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified, fetch_drawn
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.pacing import MIN_PACED_WIDTH, Pacer
 from gemma4_nnx.decode.prefix import PrefixCache
@@ -246,7 +249,7 @@ class EngineRequest:
 @dataclasses.dataclass
 class _InFlight:
     """A decode step dispatched and not yet read back: its rows (slot, row of `out`, the request the
-    slot held then) and its `Drawn` on the device (its copy to the host under way)."""
+    slot held then) and its `Drawn` (or `PackedDrawn`) on the device (its copy to the host under way)."""
 
     rows: list[tuple[int, int, EngineRequest]]
     out: Drawn
@@ -466,6 +469,8 @@ class Engine:
         if isinstance(precompile, str) and precompile != "all":
             raise RequestError(f"precompile must be prompt lengths or 'all', got {precompile!r}", "precompile")
         self._precompiled = bool(precompile)
+        # a step whose fused program has not compiled runs as decode and draw; it compiles on the helper
+        self.decoder.fuse_after = FUSE_AFTER
         if precompile:
             self._precompile(precompile)
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
@@ -674,7 +679,8 @@ class Engine:
         self._thread.join(timeout)
 
     def compiled_programs(self) -> dict[str, int]:
-        """Programs this engine had to compile so far, by kind ("prefill", "decode", "draw")."""
+        """Programs this engine had to compile so far, by kind ("prefill", "decode", "draw", "step"; "... (background)":
+        on the helper thread)."""
         return dict(self.decoder.compiles)
 
     # ------------------------------------------------------------------ loop
@@ -1108,7 +1114,7 @@ class Engine:
     def _fetch(self, out):
         """`out` read back to the host; the wait is the device's time, not the host's (`host_seconds`)."""
         t = time.perf_counter()
-        out = jax.device_get(out)
+        out = fetch_drawn(out)
         self._waited += time.perf_counter() - t
         return out
 

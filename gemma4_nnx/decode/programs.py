@@ -1,6 +1,6 @@
 """The decode core's jitted programs: pure functions of the weights, the cache and the rows' state.
 
-Four programs do the work of both drivers (`generate` and the engine, through `core.Decoder`):
+Five programs do the work of both drivers (`generate` and the engine, through `core.Decoder`):
 
 * `prefill`: one chunk of right-padded prompts written into rows `idx` of the cache (all rows for
   `generate`; the joining rows, gathered, cleared and scattered back, for the engine); returns each
@@ -12,6 +12,8 @@ Four programs do the work of both drivers (`generate` and the engine, through `c
   (`sampling.sample_rows`), per-row keys `fold_in(row key, step)`, stop-token and length checks, the
   repetition penalty's seen-token mask; optionally first writes those rows' initial state (a request
   joining). Program per (rows, `DrawConfig`): the static features in use, not their values.
+* `step`: `decode` of m rows and `draw` of them in one program, the engine's (and
+  `generate_stream`'s) step: one dispatch per token. Program per (m, `DrawConfig`, cache shape).
 * `loop`: `generate`'s whole decode on device, a `jax.lax.while_loop` whose body is `decode` +
   `draw`. Program per (rows, output length, cache shape, `DrawConfig`).
 
@@ -44,7 +46,7 @@ from gemma4_nnx.decode.sampling import (
     update_counts,
     update_seen,
 )
-from gemma4_nnx.decode.state import DecodeState, DrawConfig, Drawn, Next, RowState, Verified
+from gemma4_nnx.decode.state import DecodeState, DrawConfig, Drawn, Next, PackedDrawn, RowState, Verified
 from gemma4_nnx.model.cache import KVCache, PagedCache, head_rows, put_head_rows, put_rows, take_rows
 
 Array = jax.Array
@@ -110,6 +112,16 @@ def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done, adapter
         adapter=None if adapter is None else adapter[:m],
     )
     return cache, nxt
+
+
+def _step(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: RowState, mask=None):
+    """`_decode` of the first m rows, then `_draw` of those m, in one program: one dispatch per
+    engine step instead of two (what `_loop`'s body runs, for the first m rows). mask [m, W]
+    (`cfg.constrained`). Returns (cache, rows, `PackedDrawn` of the m rows: one array to read back)."""
+    cache, nxt = _decode(m, graphdef, weights, cache, rows.token, rows.pos, rows.done, rows.adapter)
+    idx = None if m == rows.token.shape[0] else jnp.arange(m, dtype=jnp.int32)
+    rows, drawn = _draw(cfg, rows, idx, nxt, None, mask)
+    return cache, rows, PackedDrawn.pack(drawn)
 
 
 def _allowed(mask, vocab_size: int):
@@ -372,6 +384,7 @@ _prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
 _encode_jit = jax.jit(_encode, static_argnums=0)
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
 _draw_jit = jax.jit(_draw, static_argnums=0, donate_argnums=(1,))
+_step_jit = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
 _verify_jit = jax.jit(_verify, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 _draft_jit = jax.jit(_draft, static_argnums=(0, 1, 2, 4))
@@ -422,6 +435,7 @@ PROGRAMS = {
     "encode": _encode_jit,
     "decode": _decode_jit,
     "draw": _draw_jit,
+    "step": _step_jit,
     "loop": _loop_jit,
     "verify": _verify_jit,
     "draft": _draft_jit,

@@ -2,9 +2,10 @@
 
 `RowState` (each batch row's token, position, key, step, limit, stop tokens, penalty state, sampling
 parameters, hidden state) and the KV cache together are `DecodeState`, the one typed pytree a decode
-carries; `Next` (next-token logits), `Drawn` (one draw) and `Verified` (one speculative step) are
-what the programs (`decode.programs`) hand back; `DrawConfig` names a draw program's static
-features; `Scored` and `Snapshot` are what `Decoder.score` and `Decoder.snapshot` return.
+carries; `Next` (next-token logits), `Drawn` (one draw; `PackedDrawn`, its one-array form for the
+read-back) and `Verified` (one speculative step) are what the programs (`decode.programs`) hand
+back; `DrawConfig` names a draw program's static features; `Scored` and `Snapshot` are what
+`Decoder.score` and `Decoder.snapshot` return.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from gemma4_nnx.model.cache import KVCache
 
 Array = jax.Array
 
-__all__ = ["DecodeState", "DrawConfig", "Drawn", "Next", "RowState", "Scored", "Snapshot", "Verified"]
+__all__ = ["DecodeState", "DrawConfig", "Drawn", "Next", "PackedDrawn", "RowState", "Scored", "Snapshot", "Verified"]
 
 
 @jax.tree_util.register_dataclass
@@ -158,6 +159,43 @@ class Drawn:
         if not self.active[j]:
             return []
         return [list(zip(self.top_token[j].tolist(), self.top_logprob[j].tolist(), strict=True))]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedDrawn:
+    """A `Drawn` as one int32 array, data [k, 5 + 2n]: token, the logprob's float32 bits, stopped,
+    done, active, then the n top tokens and the n top logprobs' bits. What the fused step program
+    returns (`programs._step`): the engine reads one array back per step, not seven (each array read
+    costs the host a transfer's bookkeeping); `unpack` gives the `Drawn` bit for bit."""
+
+    data: Array
+
+    @staticmethod
+    def pack(d: Drawn) -> PackedDrawn:
+        """Inside a program: `d` (jnp arrays) packed."""
+        import jax.numpy as jnp
+
+        def bits(x):
+            return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+        cols = [d.token, bits(d.logprob), d.stopped, d.done, d.active]
+        data = jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
+        return PackedDrawn(jnp.concatenate([data, d.top_token.astype(jnp.int32), bits(d.top_logprob)], axis=1))
+
+    def unpack(self) -> Drawn:
+        """On the host (`data` a NumPy array): the `Drawn` it packs."""
+        a = np.asarray(self.data)
+        n = (a.shape[1] - 5) // 2
+        return Drawn(
+            a[:, 0],
+            a[:, 1].view(np.float32),
+            a[:, 2].astype(bool),
+            a[:, 3].astype(bool),
+            a[:, 4].astype(bool),
+            a[:, 5 : 5 + n],
+            a[:, 5 + n :].view(np.float32),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
