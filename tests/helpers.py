@@ -341,23 +341,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ScriptRun:
-    """A Python script run in a subprocess started at once (XLA's device count is fixed when jax starts,
-    so 8 simulated CPU devices need their own process); it ends by printing `REPORT <json>`.
+    """A Python script run in a subprocess (XLA's device count is fixed when jax starts, so 8 simulated
+    CPU devices need their own process); it ends by printing `REPORT <json>`.
 
-    Start it when a test module is collected so it overlaps with the rest of the suite; `report()`
-    waits for it and returns the parsed report (or fails the test with the script's output)."""
+    Started at once (scripts that must run together: the processes of one distributed run), or, `lazy`,
+    by the first `report()`: what a module-level run must be, so that it starts in the process that runs
+    the module's tests (every pytest-xdist worker imports every test module when it collects: a start at
+    import ran the script once per worker, each run taking both cores for minutes). `report()` waits
+    for it and returns the parsed report (or fails the test with the script's output)."""
 
-    def __init__(self, script: str, name: str):
+    def __init__(self, script: str, name: str, *, lazy: bool = False):
+        self.script, self.name, self.proc = script, name, None
+        if not lazy:
+            self._start()
+
+    def _start(self) -> None:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("XLA_FLAGS", None)
-        fd, self.log = tempfile.mkstemp(prefix=f"gemma4_{name}_", suffix=".log")
+        fd, self.log = tempfile.mkstemp(prefix=f"gemma4_{self.name}_", suffix=".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", script], cwd=ROOT, env=env, stdout=fd, stderr=subprocess.STDOUT
+            [sys.executable, "-c", self.script], cwd=ROOT, env=env, stdout=fd, stderr=subprocess.STDOUT
         )
         os.close(fd)
         atexit.register(lambda: self.proc.poll() is None and self.proc.kill())
 
     def report(self, timeout: float) -> dict:
+        if self.proc is None:
+            self._start()
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

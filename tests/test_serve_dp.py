@@ -2,7 +2,7 @@
 with tensor parallelism, on 4 simulated CPU devices.
 
 As in test_serve_tp, the servers run in a subprocess (`_SCRIPT`, XLA_FLAGS=--xla_force_host_platform_device_count=4)
-started when this module is collected; it prints one JSON report the tests read. The checkpoint is the
+started by the module's first test; it prints one JSON report the tests read. The checkpoint is the
 tiny E2B-like model of test_serve_tp (PLE, KV sharing, 2 KV heads), loaded by the server's own
 `make_engine`, with one LoRA adapter (rank 2 on every attention and MLP projection, B random) passed as
 `--lora-modules`. The independent references: `generate` on the one-device model for base requests,
@@ -94,7 +94,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
-_RUN = ScriptRun(_SCRIPT, "serve_dp")
+_RUN = ScriptRun(_SCRIPT, "serve_dp", lazy=True)  # started by the module fixture below
 
 
 @pytest.fixture(scope="module")

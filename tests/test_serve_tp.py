@@ -1,13 +1,13 @@
 """Tensor-parallel serving on 8 simulated CPU devices: `gemma4-serve --tensor-parallel-size N` serves
 exactly the tokens of the one-device server.
 
-XLA's device count is fixed when jax initializes and the rest of the suite runs with one device, so
-the servers run in a subprocess (`_SCRIPT`, XLA_FLAGS=--xla_force_host_platform_device_count=8)
-started when this module is collected (it overlaps with the rest of the suite); it prints one JSON
-report the tests read. The checkpoint is a tiny E2B-like model (PLE, KV sharing, 2 KV heads, 4 query
-heads) exported to HF and converted to Orbax, loaded by the server's own `make_engine` as
-`gemma4-serve` does. Servers: one device, TP=2 (KV heads, so the KV cache, split in two) and TP=8
-(query heads replicated, MLP width and vocabulary split in eight).
+XLA's device count is fixed when jax initializes and the rest of the suite runs with one device, so the
+servers run in a subprocess (`_SCRIPT`, XLA_FLAGS=--xla_force_host_platform_device_count=8) started by
+the module's first test (`ScriptRun(lazy=True)`); it prints one JSON report the tests read. The
+checkpoint is a tiny E2B-like model (PLE, KV sharing, 2 KV heads, 4 query heads) exported to HF and
+converted to Orbax, loaded by the server's own `make_engine` as `gemma4-serve` does. Servers: one
+device, TP=2 (KV heads, so the KV cache, split in two) and TP=8 (query heads replicated, MLP width and
+vocabulary split in eight).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
-_RUN = ScriptRun(_SCRIPT, "serve_tp")
+_RUN = ScriptRun(_SCRIPT, "serve_tp", lazy=True)  # started by the module fixture below
 
 
 @pytest.fixture(scope="module")

@@ -125,9 +125,9 @@ print("REPORT " + json.dumps(report))
 """
 
 
-# Started when this module is collected, so the 8-device run (mostly single-threaded XLA compiles)
-# overlaps with the rest of the suite instead of adding its ~40 s at the end.
-_RUN = ScriptRun(_SCRIPT, "sharding")
+# The 8-device run (~40 s, mostly single-threaded XLA compiles), started by the module fixture below in
+# the process that runs this module (a start at import ran it once per xdist worker).
+_RUN = ScriptRun(_SCRIPT, "sharding", lazy=True)
 
 
 @pytest.fixture(scope="module")
