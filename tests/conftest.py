@@ -89,11 +89,11 @@ def pytest_collection_modifyitems(config, items):
 # and one worker ran them alone at the end. Order from the per-file times each run prints (the
 # "slowest test files" summary below); files not named follow, those with more tests first.
 HEAVY_FILES = (
-    "test_server.py", "test_quantized.py", "test_gemma3_real.py", "test_serve_tp.py", "test_serve_dp.py",
-    "test_speculative.py", "test_notebooks.py", "test_constraints.py", "test_parity.py", "test_finetune.py",
-    "test_train_loop.py", "test_multi_lora.py", "test_server_multimodal.py", "test_compile_cache.py",
-    "test_engine_async.py", "test_serve_uds.py", "test_isolation.py", "test_engine_pacing.py",
-    "test_adapter_safety.py", "test_responses.py", "test_penalties.py", "test_logprobs.py",
+    "test_server.py", "test_quantized.py", "test_gemma3_real.py", "test_speculative.py", "test_train_loop.py",
+    "test_notebooks.py", "test_serve_tp.py", "test_serve_dp.py", "test_finetune.py", "test_engine_async.py",
+    "test_constraints.py", "test_multi_lora.py", "test_server_multimodal.py", "test_engine_pacing.py",
+    "test_compile_cache.py", "test_parity.py", "test_sharding.py", "test_isolation.py", "test_adapter_safety.py",
+    "test_penalties.py", "test_serve_uds.py", "test_responses.py", "test_logprobs.py",
 )  # fmt: skip
 
 
