@@ -62,7 +62,7 @@ test-isa: $(VENV)/.installed
 # the suite; tests marked `slow` are left to `make test` (ACCEL_PYTEST_ARGS= runs them too). The CPU
 # kernels' tests are not here (they need a CPU backend: `make test`, `make test-isa`).
 ACCEL_TESTS ?= tests/test_components.py tests/test_cache.py tests/test_decode_core.py tests/test_paged.py \
-	tests/test_quantized.py tests/test_quant.py tests/test_xla_int.py tests/test_pallas_qmatmul.py \
+	tests/test_quantized.py tests/test_quant.py tests/test_xla_int.py tests/test_pallas_qmatmul.py tests/test_pallas_attention.py \
 	tests/test_sampling.py tests/test_generate.py tests/test_prefix.py tests/test_isolation.py
 ACCEL_PYTEST_ARGS ?= -m "not slow"
 test-accelerator: $(VENV)/.installed
