@@ -227,31 +227,11 @@ class Compiles:
         weights, cache and rows (a step rewrites the cache: it cannot run on placeholders). Returns
         the future, or None (queued already, compiled, failed before, or stopped)."""
         key = (cfg, self.stop_width, m)
-        job = ("step", *key)
-        if job in self._compiling or self._stopped or key in self._steps_run or key in self.step_failures:
+        if key in self.step_failures:
             return None
-        state = self.state
-        args = (
-            cfg,
-            m,
-            self.graphdef,
-            jax.tree.map(_abstract, self.weights),
-            jax.tree.map(_abstract, state.cache),
-            jax.tree.map(_abstract, state.rows),
-            jax.tree.map(_abstract, self._mask(cfg, m, None)),
-        )
-
-        def work() -> None:
-            try:
-                self._run("step (background)", lambda: _step_jit.lower(*args).compile())
-                self._steps_run.add(key)
-            except Exception:
-                self.step_failures.add(key)  # the serving thread goes on with the decode and draw programs
-            finally:
-                self._compiling.discard(job)
-
-        self._compiling.add(job)
-        return self._submit(work)
+        args = (cfg, m, *self._abstract_state(), jax.tree.map(_abstract, self._mask(cfg, m, None)))
+        # a failure: the serving thread goes on with the decode and draw programs
+        return self._compile_ahead("step", key, _step_jit, args, self._steps_run, self.step_failures)
 
     def cover(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> DrawConfig | None:
         """The program to draw `cfg` with, at this shape, without compiling: `cfg` itself once it ran,
@@ -275,27 +255,32 @@ class Compiles:
         first real call runs the compiled program. Returns the future, or None (queued already,
         compiled, or stopped)."""
         key = (cfg, m, width)
-        job = ("verify", *key)
-        if job in self._compiling or self._stopped or key in self._verifies_run:
-            return None
+        args = (cfg, m, *self._abstract_state(), jax.ShapeDtypeStruct((m, width), jnp.int32))
+        args += (jax.ShapeDtypeStruct((m,), jnp.int32),)
+        # a failure: the caller then compiles it itself, and sees the error
+        return self._compile_ahead("verify", key, _verify_jit, args, self._verifies_run, self.verify_failures)
+
+    def _abstract_state(self) -> tuple:
+        """(graphdef, weights, cache, rows) as a program compiled ahead of time takes them: the arrays'
+        shapes, dtypes and placements (read here: the serving thread replaces the state)."""
         state = self.state
-        args = (
-            cfg,
-            m,
-            self.graphdef,
-            jax.tree.map(_abstract, self.weights),
-            jax.tree.map(_abstract, state.cache),
-            jax.tree.map(_abstract, state.rows),
-            jax.ShapeDtypeStruct((m, width), jnp.int32),
-            jax.ShapeDtypeStruct((m,), jnp.int32),
-        )
+        weights, cache, rows = (jax.tree.map(_abstract, t) for t in (self.weights, state.cache, state.rows))
+        return self.graphdef, weights, cache, rows
+
+    def _compile_ahead(self, kind: str, key: tuple, jitted, args: tuple, done: set, failures: set):
+        """Compile `jitted` for the abstract `args` on the helper thread (jax's ahead-of-time compile fills
+        the cache its calls look in): `key` joins `done`, or `failures` if it raised. Returns the future,
+        or None (queued already, compiled, or stopped)."""
+        job = (kind, *key)
+        if job in self._compiling or self._stopped or key in done:
+            return None
 
         def work() -> None:
             try:
-                self._run("verify (background)", lambda: _verify_jit.lower(*args).compile())
-                self._verifies_run.add(key)
+                self._run(f"{kind} (background)", lambda: jitted.lower(*args).compile())
+                done.add(key)
             except Exception:
-                self.verify_failures.add(key)  # the caller then compiles it itself, and sees the error
+                failures.add(key)
             finally:
                 self._compiling.discard(job)
 
