@@ -188,4 +188,7 @@ def test_one_dispatch_per_decode_step(model):
     assert [lp for _, lp, _ in fused] == ref.logprobs[0]
     for (_, _, top), (_, _, top_apart) in zip(fused, apart, strict=True):
         assert [i for i, _ in top] == [i for i, _ in top_apart]
-        assert [x for _, x in top] == pytest.approx([x for _, x in top_apart], rel=1e-6)
+        # the two programs' logits differ by float32 rounding (XLA fuses the head and the draw differently):
+        # ~1e-7 absolute in a logprob (measured 7e-8 at -0.032, 2e-6 relative); a wrong alternative or
+        # order moves it by ~1e-1
+        assert [x for _, x in top] == pytest.approx([x for _, x in top_apart], rel=0, abs=1e-6)

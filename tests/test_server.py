@@ -754,21 +754,33 @@ def test_a_negative_prefix_cache_budget_is_refused_before_loading(tmp_path, caps
 
 def test_a_non_streaming_client_that_hangs_up_frees_its_row(served):
     """A client waiting for a whole completion goes away: its request is cancelled at once, although
-    tokens keep arriving faster than any poll (it used to run to max_tokens)."""
+    tokens keep arriving faster than any poll (it used to run to max_tokens). Each program call of the
+    engine is slowed by 5 ms (a device step's time): the tiny model's 60 tokens otherwise take ~20 ms,
+    over before the client has gone."""
     port, engine = served[2], served[3]
     before = engine.stats.cancelled, engine.stats.tokens_generated
     body = json.dumps(dict(_BODY, max_tokens=60, ignore_eos=True)).encode()
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    time.sleep(0.05)
-    sock.close()
-    deadline = time.time() + 10
-    while time.time() < deadline and (engine.stats.cancelled == before[0] or engine.active_rows):
-        time.sleep(0.02)
+    run = engine.decoder._run
+
+    def slowed(kind, fn, *args):
+        time.sleep(0.005)
+        return run(kind, fn, *args)
+
+    engine.decoder._run = slowed
+    try:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.05)
+        sock.close()
+        deadline = time.time() + 10
+        while time.time() < deadline and (engine.stats.cancelled == before[0] or engine.active_rows):
+            time.sleep(0.02)
+    finally:
+        del engine.decoder._run  # the class's method again
     assert engine.stats.cancelled == before[0] + 1
     assert engine.stats.tokens_generated - before[1] < 60
 
