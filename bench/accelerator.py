@@ -140,6 +140,18 @@ def build(
     return nnx.split(model)
 
 
+def smoke_config(config: Gemma4Config, layers: int = 0, vocab: int = 0) -> Gemma4Config:
+    """A quick run's config (--layers, --vocab): the preset's pattern cut to `layers` layers, KV sharing
+    over their last 2/5, and / or a `vocab`-entry vocabulary; 0 keeps the preset's."""
+    if layers:
+        config = config.replace(
+            num_hidden_layers=layers, layer_types=config.layer_types[:layers], num_kv_shared_layers=2 * layers // 5
+        )
+    if vocab:
+        config = config.replace(vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    return config
+
+
 def array_bytes(x) -> int:
     """Bytes an array holds on an accelerator: int4 codes two a byte (`x.nbytes` counts one a byte)."""
     if jnp.dtype(x.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
@@ -206,15 +218,7 @@ def main(argv=None) -> dict:
     if args.pallas_tile:
         pallas_qmatmul.BLOCK_N, pallas_qmatmul.CHUNK = (int(v) for v in args.pallas_tile.split("x"))
     pallas_qmatmul.BITCAST = not args.pallas_convert
-    config = getattr(Gemma4Config, args.model)()
-    if args.layers:  # the preset's pattern cut short, KV sharing over its last 2/5
-        config = config.replace(
-            num_hidden_layers=args.layers,
-            layer_types=config.layer_types[: args.layers],
-            num_kv_shared_layers=2 * args.layers // 5,
-        )
-    if args.vocab:
-        config = config.replace(vocab_size=args.vocab, vocab_size_per_layer_input=args.vocab)
+    config = smoke_config(getattr(Gemma4Config, args.model)(), args.layers, args.vocab)
     dev = jax.devices()[0]
     hbm, flops = CHIPS.get(dev.device_kind, (None, None))
     res = {

@@ -185,15 +185,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="int8_gap.json")
     args = ap.parse_args(argv)
 
-    config = Gemma4Config.e2b()
-    if args.layers:
-        config = config.replace(
-            num_hidden_layers=args.layers,
-            layer_types=config.layer_types[: args.layers],
-            num_kv_shared_layers=2 * args.layers // 5,
-        )
-    if args.vocab:
-        config = config.replace(vocab_size=args.vocab, vocab_size_per_layer_input=args.vocab)
+    config = acc.smoke_config(Gemma4Config.e2b(), args.layers, args.vocab)
     dev = jax.devices()[0]
     hbm = acc.CHIPS.get(dev.device_kind, (None, None))[0]
     out_dir = os.path.dirname(os.path.abspath(args.out))
