@@ -325,13 +325,29 @@ def test_mixed_sampling_settings_share_steps_and_each_equals_generate(served):
 @pytest.mark.slow
 def test_precompile_compiles_every_decode_step_and_prefill_ahead():
     """Engine(precompile=(16,)) compiles the decode step for each power-of-two row count and the
-    16-token prefill for each power-of-two number of joining rows, leaves the cache unchanged, and
-    later requests with short prompts compile none of those programs."""
+    16-token prefill for each power-of-two number of joining rows, each once, side by side on its
+    compile threads (`compile_threads=2`: XLA's compile of every decode, prefill and draw program ran
+    there, none on the caller's thread when the precompile then runs them), leaves the cache
+    unchanged, and later requests with short prompts compile none of those programs."""
+    from jax._src import dispatch, monitoring
+
     # a vocabulary no other test uses: fresh programs; at most 64 (sampling.TOP_K_WIDTHS[-1]), so the
     # precompile queues no vocabulary-wide sampler on the helper thread (it would compile beside the test)
     model = random_model("plain", seed=5, vocab_size=61)
-    engine = Engine(model, max_batch=4, max_length=32, precompile=(16,))
+    compiled = []  # (program, thread) of each XLA compile (or load from the persistent cache)
+
+    def on_event(name, secs, fun_name="", **kw):
+        if name == dispatch.BACKEND_COMPILE_EVENT and fun_name in ("jit(_decode)", "jit(_prefill)", "jit(_draw)"):
+            compiled.append((fun_name[4:-1], threading.current_thread().name))
+
+    monitoring.register_event_duration_secs_listener(on_event)
     try:
+        engine = Engine(model, max_batch=4, max_length=32, precompile=(16,), compile_threads=2)
+    finally:
+        monitoring.unregister_event_duration_listener(on_event)
+    try:
+        assert [f for f, _ in compiled].count("_decode") == 3 and [f for f, _ in compiled].count("_prefill") == 3
+        assert {t.split("_")[0] for _, t in compiled} == {"gemma4-precompile"}, compiled
         ahead = engine.compiled_programs()  # what this engine compiled
         assert ahead["decode"] == 3  # 1, 2, 4 rows
         assert ahead["prefill"] == 3  # 1, 2, 4 joining rows x one 16-token bucket

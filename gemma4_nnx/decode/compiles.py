@@ -19,6 +19,7 @@ there ahead of time from abstract shapes (`compile_verify`); the engine takes pl
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from pathlib import Path
@@ -28,10 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_nnx.decode.batching import pow2
-from gemma4_nnx.decode.programs import PROGRAMS, _draw_jit, _prefill_jit, _step_jit, _verify_jit
+from gemma4_nnx.decode.programs import PROGRAMS, _decode_jit, _draw_jit, _prefill_jit, _step_jit, _verify_jit
 from gemma4_nnx.decode.state import DrawConfig, Next
 
-__all__ = ["FUSE_AFTER", "Compiles", "compile_cache_dir", "compiled_programs", "use_compile_cache", "verify_width"]
+__all__ = [
+    "FUSE_AFTER",
+    "Compiles",
+    "compile_cache_dir",
+    "compiled_programs",
+    "default_compile_threads",
+    "use_compile_cache",
+    "verify_width",
+]
 
 
 # ------------------------------------------------------------------------------------------- the compile cache
@@ -98,6 +107,16 @@ def use_compile_cache(where: str | os.PathLike | None = "default") -> Path | Non
     except (ImportError, AttributeError):
         pass
     return path
+
+
+def default_compile_threads() -> int:
+    """Programs the engine's precompile compiles at once: the cores this process may run on, at most 8
+    (each compile of a large model's step holds a few GB of host memory)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 #: Steps a (sampler, rows) pair of the engine runs as two programs (decode, then draw) before its fused
@@ -386,10 +405,50 @@ class Compiles:
     def _compile_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
         """Compile the draw program of `cfg` at this shape ahead of time, from placeholders placed as
         the real arguments are (nothing runs: safe beside multi-device programs on the caller's thread)."""
+        self._run("draw (background)", lambda: self._lower_draw(cfg, n, indexed, init).compile())
+
+    def _lower_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool):
+        """The draw program of `cfg` at this shape, lowered from placeholders placed as the real
+        arguments are."""
         hidden = self.config.hidden_size
         nxt = self._place(Next(jnp.zeros((n, self.vocab_size), jnp.float32), jnp.zeros((n, hidden), jnp.float32)))
         rows = self._place(self.build_rows([None] * self.rows))
         idx = jnp.asarray(np.arange(n) % self.rows, jnp.int32) if indexed else None
         start = self._place(self.build_rows([None] * n)) if init else None
         args = jax.tree.map(_abstract, (rows, idx, nxt, start, self._mask(cfg, n, None)))
-        self._run("draw (background)", lambda: _draw_jit.lower(cfg, *args).compile())
+        return _draw_jit.lower(cfg, *args)
+
+    def compile_together(self, steps=(), draws=(), prefills=(), threads: int = 1) -> None:
+        """Compile ahead of time, `threads` at once, the decode program of each row count in `steps`,
+        the draw program of each (cfg, shape) in `draws` and the indexed prefill program of each (rows,
+        chunk width) in `prefills` (the engine's precompile, which then runs them from jax's cache).
+        Tracing and lowering run here one after another (they hold the GIL); XLA's compiles run on a
+        pool of `threads`, side by side (they release it): an accelerator host's cores compile an E2B
+        engine's ~30 programs together instead of one by one. The first failure raises here."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        graphdef, weights, cache, rows = self._abstract_state()
+        adapter = rows.adapter if self.banked else None
+
+        def decode(m):
+            return _decode_jit.lower(m, graphdef, weights, cache, rows.token, rows.pos, rows.done, adapter)
+
+        def prefill(r, w):
+            return _prefill_jit.lower(graphdef, weights, cache, *self._prefill_placeholders(r, w))
+
+        # (kind, lowering, the set its key joins once compiled, the key)
+        jobs = [("decode", functools.partial(decode, m), None, None) for m in steps]
+        jobs += [("prefill", functools.partial(prefill, r, w), self._prefills_run, (r, w, False)) for r, w in prefills]
+        jobs += [
+            ("draw", functools.partial(self._lower_draw, cfg, *shape), self._draws_run, self._draw_key(cfg, *shape))
+            for cfg, shape in draws
+        ]
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="gemma4-precompile") as pool:
+            running = []
+            for kind, lower, done, key in jobs:
+                if done is None or key not in done:
+                    running.append((pool.submit(self._run(kind, lower).compile), done, key))
+            for future, done, key in running:
+                future.result()
+                if done is not None:
+                    done.add(key)

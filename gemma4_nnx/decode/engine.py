@@ -66,7 +66,7 @@ import numpy as np
 
 from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, prompt_buckets, prompt_columns
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
-from gemma4_nnx.decode.compiles import FUSE_AFTER
+from gemma4_nnx.decode.compiles import FUSE_AFTER, default_compile_threads
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified, fetch_drawn
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.pacing import MIN_PACED_WIDTH, Pacer
@@ -340,6 +340,9 @@ class Engine:
         accelerator, where a decode step reads every weight whatever its rows (a TPU v5e's E2B step:
         6.3 ms at 1 row, 7.6 at 32), so 4 programs of each kind for 64 rows where 2 gives 7, each
         16-23 s to compile there. Outputs do not depend on it (rows are independent).
+      compile_threads: the precompile's programs compiled at once (XLA compiles without Python's lock;
+        tracing stays one at a time). Default: the process's cores, at most 8
+        (`compiles.default_compile_threads`).
     """
 
     def __init__(
@@ -362,8 +365,11 @@ class Engine:
         max_loras: int = 0,
         max_lora_rank: int = 16,
         row_factor: int | None = None,
+        compile_threads: int | None = None,
     ):
         check_int(max_batch, "max_batch", lo=1)
+        check_int(compile_threads, "compile_threads", lo=1, optional=True)
+        self.compile_threads = compile_threads or default_compile_threads()
         check_int(row_factor, "row_factor", lo=2, optional=True)
         if row_factor is None:  # a CPU step's cost grows with its rows; an accelerator's reads the weights
             row_factor = 2 if jax.default_backend() == "cpu" else 4
@@ -1176,10 +1182,30 @@ class Engine:
         self.decoder.finish(host_ended)
 
     def _precompile(self, prompt_lengths: Sequence[int] | str) -> None:
-        """Run every decode step (all rows done: nothing is written or drawn), and every prefill and
-        first draw shape with only padding rows (dropped): the state stays as it is, but compiles."""
+        """Compile ahead, `compile_threads` at once, every decode step, the greedy and superset draws
+        and the prefills of `prompt_lengths`; then run every decode step (all rows done: nothing is
+        written or drawn), and every prefill and first draw shape with only padding rows (dropped),
+        from jax's cache: the state stays as it is."""
         greedy = DrawConfig(RowFeatures(), logprobs=True)
         steps = [m for m, _, _ in self.decoder.draw_shapes(joining=False)]
+        shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
+        # what `_sampler_ready` looks for: the superset sampler of every top-k width a request can need
+        # (no top-k, the few `TOP_K_WIDTHS`, the vocabulary); a top_k above the last of them is rare,
+        # and the vocabulary-wide sampler costs the most to compile (+60% of a 270M precompile): it
+        # compiles on the helper thread while serving starts (`later`, below)
+        rare = self.vocab_size if self.vocab_size > max(TOP_K_WIDTHS) else None
+        widths = {0, *(top_k_width(w, self.vocab_size) for w in (*TOP_K_WIDTHS, self.vocab_size))}
+        supersets = [DrawConfig(RowFeatures(top_k=width), logprobs=True).widest() for width in sorted(widths - {rare})]
+        if prompt_lengths == "all":  # every prompt bucket a request can meet
+            prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
+        lengths = sorted({n for n in prompt_lengths if 0 < n < self.max_length})
+        joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
+        self.decoder.compile_together(
+            steps,
+            [(cfg, shape) for cfg in (greedy, *supersets) for shape in shapes],
+            [(kb, prompt_columns(n, self.prefill_chunk)[1]) for n in lengths for kb in joining],
+            threads=self.compile_threads,
+        )
         for m in steps:
             self.decoder.step(greedy, m)
             if self.speculative:  # every draft width a step can use (1, 2, 4, ... up to k)
@@ -1188,19 +1214,7 @@ class Engine:
                     self.decoder.verify(greedy, np.zeros((m, k), np.int32), np.full((m,), w, np.int32))
                     if self.speculative.assistant is not None:
                         self.decoder.draft(m, w)
-        # what `_sampler_ready` looks for: every top-k width a request can need (no top-k, the few
-        # `TOP_K_WIDTHS`, the vocabulary); a top_k above the last of them is rare, and the
-        # vocabulary-wide sampler costs the most to compile (+60% of a 270M precompile): it compiles on
-        # the helper thread while serving starts (below, after the prefills)
-        shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
-        rare = self.vocab_size if self.vocab_size > max(TOP_K_WIDTHS) else None
-        widths = {0, *(top_k_width(w, self.vocab_size) for w in (*TOP_K_WIDTHS, self.vocab_size))}
-        for width in sorted(widths - {rare}):
-            self.decoder.compile_draws(DrawConfig(RowFeatures(top_k=width), logprobs=True).widest(), shapes)
-        if prompt_lengths == "all":  # every prompt bucket a request can meet
-            prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
-        joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
-        for n in sorted({n for n in prompt_lengths if 0 < n < self.max_length}):
+        for n in lengths:
             for kb in joining:
                 idx = np.full((kb,), self.max_batch, np.int32)
                 logits = self.decoder.prefill(PromptBatch.build([[0] * n], kb, self.prefill_chunk), idx)
