@@ -5,8 +5,8 @@
     python bench/serve_sweep.py --random e2b --uds /tmp/g4.sock --long-context   # a TPU host: no TCP
 
 Starts the server as a subprocess of this script (`--serve` mode: the same `create_app` and uvicorn as
-`gemma4-serve`, over a checkpoint or random weights: `--random e2b` builds `Gemma4Config.e2b()` with
-random bfloat16 weights inside `nnx.jit`, so nothing is read from disk), twice with the same compile
+`gemma4-serve`, over a checkpoint or random weights: `--random e2b` makes `Gemma4Config.e2b()`'s
+random bfloat16 weights on the device leaf by leaf (bench/accelerator.py's `build`), nothing read from disk), twice with the same compile
 cache directory (a fresh one, `--compile-cache`): the first launch is **cold** (every program
 compiles), the second **warm** (they load from the cache). Launch to first token = process start to
 the first streamed token of one request, /health polled meanwhile.
@@ -40,7 +40,6 @@ sys.path.insert(0, ROOT)
 
 # ------------------------------------------------------------------------------------------- server side
 def _model(args):
-    import jax.numpy as jnp
     from flax import nnx
 
     if args.checkpoint:
@@ -51,15 +50,12 @@ def _model(args):
         from tests.helpers import random_model
 
         return random_model("e2b", seed=0, config={"max_position_embeddings": 16384}), None
-    from gemma4_nnx import Gemma4, Gemma4Config
+    from gemma4_nnx import Gemma4Config
 
-    config = Gemma4Config.e2b()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import accelerator  # random bf16 weights made on the device leaf by leaf (~10 s for E2B on a v5e)
 
-    @nnx.jit
-    def build():  # random bf16 weights made on the device, never a float32 copy on the host
-        return Gemma4(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-
-    return build(), None
+    return nnx.merge(*accelerator.build(Gemma4Config.e2b(), "bf16")), None
 
 
 def _tokenizer(path):

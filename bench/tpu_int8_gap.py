@@ -14,7 +14,9 @@ Models (`bench/accelerator.py`'s `build`: E2B shape, random weights made on the 
   0.62 GB over E2B's 1.2 M output channels);
 * `int4c`: int4 per output channel, codes held as a native `jnp.int4` [N, K] array made on the host
   (the tied table / head int8 per channel, as `quantize(model, 4, "channel")` keeps it);
-* `int8_headbf16`: int8 projections, the tied table / head left bf16.
+* `int8_headbf16`: int8 projections, the tied table / head left bf16;
+* `int8_row1`, `int4c_row1`: `int8`, `int4c` with one-row integer dots left as one row (`xla_int.MIN_DOT_ROWS`
+  = 1; the others pad x to 8 rows: XLA:TPU makes a one-row dot a vector-unit reduction).
 
 Figures (the JSON is rewritten after each). Each model gets its share of the `--budget` seconds left:
 its B=1 step always, the rest while its share lasts, in this order:
@@ -58,12 +60,14 @@ from gemma4_nnx.model import quant
 from gemma4_nnx.model.tree import get_submodule
 
 #: (mode, accelerator.MODES entry, hold, quantized head)
-MODELS = {
-    "bf16": ("bf16", True, True),
-    "int8": ("int8", True, True),
-    "int8_col": ("int8", False, True),
-    "int4c": ("int4c", True, True),
-    "int8_headbf16": ("int8", True, False),
+MODELS = {  # (mode, held for the int dot, head quantized, fewest rows of an int dot: `xla_int.MIN_DOT_ROWS`)
+    "bf16": ("bf16", True, True, 8),
+    "int8": ("int8", True, True, 8),
+    "int8_row1": ("int8", True, True, 1),
+    "int8_col": ("int8", False, True, 8),
+    "int4c": ("int4c", True, True, 8),
+    "int4c_row1": ("int4c", True, True, 1),
+    "int8_headbf16": ("int8", True, False, 8),
 }
 KINDS = (
     "all",
@@ -172,7 +176,7 @@ def _bytes(state, paths) -> int:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="bf16,int8,int8_col,int4c,int8_headbf16")
+    ap.add_argument("--models", default="bf16,int8,int8_row1,int4c,int4c_row1,int8_headbf16")
     ap.add_argument("--batches", default="1,64", help="decode batches of bf16 / int8 / int4c (the others: B=1)")
     ap.add_argument("--piece-modes", default="bf16,int8,int8_col")
     ap.add_argument("--kinds", default=",".join(KINDS))
@@ -226,7 +230,7 @@ def main(argv=None) -> dict:
         def mleft(end=end) -> float:
             return min(left(), end - time.perf_counter())
 
-        mode, hold, head = MODELS[name]
+        mode, hold, head, xla_int.MIN_DOT_ROWS = MODELS[name]  # read when the step is traced, below
         log(f"{name}: building")
         t0 = time.perf_counter()
         graphdef, state = acc.build(config, mode, hold=hold, head=head)

@@ -9,6 +9,7 @@ jaxpr and in the program lowered for TPU.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
@@ -58,8 +59,9 @@ def test_int_dot_equals_float64_of_dequantized(fmt):
 def test_held_layout_equals_float64_of_dequantized(fmt):
     """The integer dot's own layout of a per-channel matrix (`quant.hold_for_int_dot`: scales and mins as
     vectors [N], int4 codes as a native jnp.int4 / jnp.uint4 [N, K] array made on the host, fed
-    straight to the dot) gives x @ deq(W)^T against float64 at 1 and 37 rows, and the same gradient wrt
-    x; and the held codes pack back to the stored bytes (`packed_int4`)."""
+    straight to the dot) gives x @ deq(W)^T against float64 at 1, 3 and 37 rows, also with x padded to 8
+    rows for the dot (`min_rows=8`, an accelerator's default: `xla_int.MIN_DOT_ROWS`), and the same
+    gradient wrt x; and the held codes pack back to the stored bytes (`packed_int4`)."""
     rng = np.random.default_rng(fmt.bits + 11 * fmt.asym)
     codes, scales, mins = _random_quantized(rng, 24, K, fmt)
     deq = np.asarray(quant.dequantize_rows(codes, scales, fmt.bits, fmt.group, jnp.float32, mins), np.float64)
@@ -68,15 +70,19 @@ def test_held_layout_equals_float64_of_dequantized(fmt):
         assert held.dtype == (jnp.uint4 if fmt.asym else jnp.int4) and held.shape == (24, K)
         np.testing.assert_array_equal(xla_int.packed_int4(held), codes)
     vec = (jnp.asarray(scales[:, 0]), None if mins is None else jnp.asarray(mins[:, 0]))
-    product = lambda x: xla_int.qmatmul_t(x, jnp.asarray(held), *vec, fmt.bits, fmt.group, jnp.float32)  # noqa: E731
-    for rows in (1, 37):
+
+    def product(x, min_rows=None):
+        return xla_int.qmatmul_t(x, jnp.asarray(held), *vec, fmt.bits, fmt.group, jnp.float32, min_rows)
+
+    for rows, pad in itertools.product((1, 3, 37), (1, 8)):
         x = rng.standard_normal((rows, K)).astype(np.float32)
-        got = jax.jit(product)(jnp.asarray(x))
+        got = jax.jit(product, static_argnums=1)(jnp.asarray(x), pad)
         ref = x.astype(np.float64) @ deq.T
         err = np.max(np.abs(np.asarray(got, np.float64) - ref))
-        assert got.shape == (rows, 24) and err <= 1e-5 * np.max(np.abs(ref)), (rows, err)
-    gx = jax.grad(lambda x: product(x).sum())(jnp.asarray(x))
-    np.testing.assert_allclose(np.asarray(gx), np.broadcast_to(deq.sum(0), x.shape), rtol=1e-4, atol=1e-4)
+        assert got.shape == (rows, 24) and err <= 1e-5 * np.max(np.abs(ref)), (rows, pad, err)
+    for pad in (1, 8):
+        gx = jax.grad(lambda x, pad=pad: product(x, pad).sum())(jnp.asarray(x[:3]))
+        np.testing.assert_allclose(np.asarray(gx), np.broadcast_to(deq.sum(0), (3, K)), rtol=1e-4, atol=1e-4)
     # the held codes dequantize as the stored ones do (exports, LoRA merges)
     got = quant.dequantize_rows(jnp.asarray(held), scales, fmt.bits, fmt.group, jnp.float32, mins)
     np.testing.assert_array_equal(np.asarray(got, np.float64), deq)

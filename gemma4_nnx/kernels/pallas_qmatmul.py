@@ -276,7 +276,9 @@ def _qmatmul_t(x, codes, scales, mins, bits, group, dtype, block_n, chunk, inter
     chunk = _chunk_bytes(width, half, chunk)
     asym = mins is not None
     cdt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
-    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    # explicit for bf16 too: under jax_default_matmul_precision="highest" (the tests') None would ask Mosaic
+    # for a float32-precision product of bf16 operands, which it rejects ("Bad lhs type", on a v5e)
+    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
     xd = x.reshape(rows, k).astype(cdt)
     # x's columns as [parts, K', T]: int4: the even and the odd columns (low / high nibbles)
     xt = jnp.stack([xd[:, 0::2].T, xd[:, 1::2].T]) if bits == 4 else xd.T[None]

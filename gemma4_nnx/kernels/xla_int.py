@@ -47,7 +47,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-__all__ = ["NATIVE", "blocked_rows", "native", "native_int4", "nibbles", "packed_int4", "qmatmul_t"]
+__all__ = [
+    "MIN_DOT_ROWS",
+    "NATIVE",
+    "blocked_rows",
+    "min_dot_rows",
+    "native",
+    "native_int4",
+    "nibbles",
+    "packed_int4",
+    "qmatmul_t",
+]
 
 #: The dtypes of int4 codes held natively (`native_int4`): symmetric and asymmetric.
 NATIVE = (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4))
@@ -94,11 +104,27 @@ def nibbles(codes: jax.Array, asym: bool) -> tuple[jax.Array, jax.Array]:
     return jnp.right_shift(jnp.left_shift(s, jnp.int8(4)), jnp.int8(4)), jnp.right_shift(s, jnp.int8(4))
 
 
-def _dot(x: jax.Array, q: jax.Array, g: int) -> jax.Array:
-    """x [T, K'] . q [N, K'] per group of K' / g columns: [T, N] float32 (g == 1) or [G, T, N]."""
+#: The fewest rows of x a product with one scale per output channel runs with off the CPU (x padded with
+#: zero rows, their outputs dropped: the same values). XLA:TPU computes a dot of one row as an elementwise
+#: product and a reduction on the vector unit, converting every code to float32 there (and, for E2B's tied
+#: int8 table, copying its 403 MB to another tiling at every step: bench/tpu_int8_gap.py's HLO summary);
+#: from 8 rows (a sublane tile) it runs on the matrix unit. One E2B stack of int8 projections on a v5e:
+#: 8 rows 0.270 ms, 1 row 0.318 ms (docs/benchmarks.md).
+MIN_DOT_ROWS = 8
+
+
+def min_dot_rows() -> int:
+    """`MIN_DOT_ROWS` on an accelerator, 1 on the CPU (where a product's cost grows with its rows)."""
+    return 1 if jax.default_backend() == "cpu" else MIN_DOT_ROWS
+
+
+def _dot(x: jax.Array, q: jax.Array, g: int, min_rows: int = 1) -> jax.Array:
+    """x [T, K'] . q [N, K'] per group of K' / g columns: [T, N] float32 (g == 1; x padded to `min_rows`
+    rows for the product) or [G, T, N]."""
     t, k = x.shape
     if g == 1:
-        return jax.lax.dot_general(x, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        xp = jnp.pad(x, ((0, min_rows - t), (0, 0))) if t < min_rows else x
+        return jax.lax.dot_general(xp, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:t]
     xg, qg = x.reshape(t, g, k // g), q.reshape(q.shape[0], g, k // g)
     return jax.lax.dot_general(xg, qg, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32)
 
@@ -111,10 +137,12 @@ def qmatmul_t(
     bits: int,
     group: int,
     dtype,
+    min_rows: int | None = None,
 ) -> jax.Array:
     """x [..., K] @ W[N, K]^T in `dtype` for codes [N, K or K/2] (stored, or held: `native_int4`), scales [N, G]
     or, held per output channel, [N] (float32), mins like scales or None; the codes enter the dot as
-    integers and the scales multiply float32 partial sums."""
+    integers and the scales multiply float32 partial sums. min_rows: a product per output channel of
+    fewer rows of x runs padded to that many (default `min_dot_rows()`)."""
     packed = bits == 4 and not native(codes)
     k = codes.shape[-1] * (2 if packed else 1)
     n = codes.shape[0]
@@ -123,11 +151,12 @@ def qmatmul_t(
     g = k // group
     lead = x.shape[:-1]
     xd = x.astype(dtype).reshape(math.prod(lead), k)
+    pad = min_dot_rows() if min_rows is None else min_rows
     if not packed:  # int8, or int4 held natively
-        acc = _dot(xd, codes, g)
+        acc = _dot(xd, codes, g, pad)
     else:
         lo, hi = nibbles(codes, mins is not None)
-        acc = _dot(xd[:, 0::2], lo, g) + _dot(xd[:, 1::2], hi, g)
+        acc = _dot(xd[:, 0::2], lo, g, pad) + _dot(xd[:, 1::2], hi, g, pad)
     # per output channel: vectors [N] (held) or the column of [N, 1] (stored)
     vec = (lambda a: a.astype(jnp.float32)) if scales.ndim == 1 else (lambda a: a[:, 0].astype(jnp.float32))
     if g == 1:  # per output channel: the scale on the dot's output
