@@ -5,11 +5,11 @@
     python bench/serve_sweep.py --random e2b --uds /tmp/g4.sock --long-context   # a TPU host: no TCP
 
 Starts the server as a subprocess of this script (`--serve` mode: the same `create_app` and uvicorn as
-`gemma4-serve`, over a checkpoint or random weights: `--random e2b` makes `Gemma4Config.e2b()`'s
-random bfloat16 weights on the device leaf by leaf (bench/accelerator.py's `build`), nothing read from disk), twice with the same compile
-cache directory (a fresh one, `--compile-cache`): the first launch is **cold** (every program
-compiles), the second **warm** (they load from the cache). Launch to first token = process start to
-the first streamed token of one request, /health polled meanwhile.
+`gemma4-serve`, over a checkpoint or random weights: `--random e2b` makes `Gemma4Config.e2b()`'s random
+bfloat16 weights on the device leaf by leaf (bench/accelerator.py's `build`), nothing read from disk),
+twice with the same compile cache directory (a fresh one, `--compile-cache`): the first launch is
+**cold** (every program compiles), the second **warm** (they load from the cache). Launch to first
+token = process start to the first streamed token of one request, /health polled meanwhile.
 
 On the warm server, for each concurrency in --concurrency (default 1 4 16 64) and each (in, out) in
 --shapes (default 128/128 and 1024/128), `--prompts-per-client` x concurrency requests of random token
