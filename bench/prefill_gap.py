@@ -3,6 +3,7 @@
     .venv/bin/python bench/prefill_gap.py CKPT --baseline-tree /path/to/an/older/checkout
     .venv/bin/python bench/prefill_gap.py checkpoints/gemma3-270m --prompts 300 2048 8192
     .venv/bin/python bench/prefill_gap.py checkpoints/gemma3-270m --prompts 700 2000 --target-itl-ms 60
+    .venv/bin/python bench/prefill_gap.py checkpoints/gemma3-270m --prompts 700 2000 --target-itl-ms auto
 
 For each prompt length, in a fresh worker process per tree (this checkout, and --baseline-tree if
 given; alternating, pinned with `taskset` to the same cores): an `Engine(max_batch=2)` with default
@@ -60,7 +61,7 @@ engine.close()
 """
 
 
-def _run(tree: str, ckpt: str, length: int, cores: str, target: float | None = None) -> dict:
+def _run(tree: str, ckpt: str, length: int, cores: str, target: float | str | None = None) -> dict:
     args = json.dumps({"ckpt": ckpt, "length": length, "root": ROOT, "target": target})
     out = subprocess.run(
         ["taskset", "-c", cores, sys.executable, "-c", WORKER, tree, args], capture_output=True, text=True
@@ -77,11 +78,16 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-tree", default=None, help="an older checkout to compare with")
     p.add_argument("--prompts", type=int, nargs="+", default=[300, 2048, 8192])
     p.add_argument("--cores", default="0,1")
-    p.add_argument("--target-itl-ms", type=float, help="also run this tree with Engine(target_itl_ms=...)")
+    p.add_argument(
+        "--target-itl-ms",
+        type=lambda v: v if v == "auto" else float(v),
+        help="also run this tree with Engine(target_itl_ms=...): milliseconds, or 'auto' (gemma4-serve's default)",
+    )
     a = p.parse_args(argv)
     runs = {"this tree": (ROOT, None)} | ({"baseline": (a.baseline_tree, None)} if a.baseline_tree else {})
     if a.target_itl_ms:
-        runs[f"this tree, target {a.target_itl_ms:g} ms"] = (ROOT, a.target_itl_ms)
+        label = "auto" if a.target_itl_ms == "auto" else f"{a.target_itl_ms:g} ms"
+        runs[f"this tree, target {label}"] = (ROOT, a.target_itl_ms)
     rows = []
     for length in a.prompts:
         row = {"prompt": length} | {name: _run(tree, a.ckpt, length, a.cores, t) for name, (tree, t) in runs.items()}

@@ -88,10 +88,16 @@ def model():
 
 
 def test_target_itl_is_validated_by_name(model):
+    """Bad values are refused naming `target_itl_ms`; "auto" paces to a multiple of the measured step."""
     for bad in (0, -5, "fast", True):
         with pytest.raises(RequestError, match="target_itl_ms") as e:
             Engine(model, max_batch=1, max_length=32, target_itl_ms=bad)
         assert e.value.param == "target_itl_ms"
+    engine = Engine(model, max_batch=1, max_length=32, target_itl_ms="auto")
+    try:
+        assert engine.pacer.target_s is None and engine.pacer.relative == 3.0  # 3 x the measured step
+    finally:
+        engine.close()
 
 
 class _ModelledPacer(Pacer):
@@ -152,10 +158,30 @@ def test_paced_prefill_follows_the_arithmetic_and_outputs_equal_generate(model):
         assert err <= 1e-4, f"{key}: logprobs differ by {err:.3g}"
 
 
-def test_serve_flag_reaches_the_engine_option():
-    """`gemma4-serve --target-itl-ms` parses to the engine's option (off by default)."""
+def test_serve_flag_reaches_the_engine_option(capsys):
+    """`gemma4-serve --target-itl-ms` parses to the engine's option: 'auto' by default (3 times the
+    measured step), 'off' to prefill whole chunks, milliseconds; anything else is refused by name."""
     pytest.importorskip("fastapi")
     from gemma4_nnx.serve.app import build_parser
 
-    assert build_parser().parse_args(["ckpt"]).target_itl_ms is None
+    assert build_parser().parse_args(["ckpt"]).target_itl_ms == "auto"
+    assert build_parser().parse_args(["ckpt", "--target-itl-ms", "off"]).target_itl_ms is None
     assert build_parser().parse_args(["ckpt", "--target-itl-ms", "45.5"]).target_itl_ms == 45.5
+    for bad in ("0", "-3", "fast", "inf"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["ckpt", "--target-itl-ms", bad])
+        assert "--target-itl-ms" in capsys.readouterr().err
+
+
+def test_auto_target_is_a_multiple_of_the_measured_step():
+    """`Pacer(None)` ("auto"): the target is AUTO_ITL_FACTOR (3) times the measured decode step. Steps
+    of 10 ms and a 16-column chunk costing 4 ms: the target 30 ms leaves 20 ms, the widths of the 30 ms
+    pacer above (64 for one row, 32 for two); steps of 20 ms (a slower machine, the same per-column
+    cost) leave 40 ms: 128 and 64."""
+    for step, one, two in ((0.010, 64, 32), (0.020, 128, 64)):
+        clock = _Clock()
+        pacer = Pacer(None, clock=clock)
+        pacer.gap(0)
+        _steps(pacer, clock, [(0, step)] * 3 + [(16, step + 0.004)] * 3)
+        assert pacer.width(1, WIDTHS) == max(w for w in WIDTHS if 0.004 / 16 * w <= 2 * step) == one
+        assert pacer.width(2, WIDTHS) == max(w for w in WIDTHS if 0.004 / 16 * 2 * w <= 2 * step) == two

@@ -305,8 +305,9 @@ class Engine:
         every step. Narrower chunks prefill slower (more passes over the weights): the stream's pace
         is bought with the new prompt's first token. Chunk widths follow the clock, so a prompt's
         logits differ from `generate`'s by float32 rounding (greedy tokens equal but for exact
-        near-ties; tests/test_engine_pacing.py). None (default): one chunk of the fixed width per step,
-        outputs exactly `generate`'s with the same `prefill_chunk`.
+        near-ties; tests/test_engine_pacing.py). "auto": the target is `pacing.AUTO_ITL_FACTOR` (3)
+        times the measured decode step (`gemma4-serve`'s default). None (default here): one chunk of
+        the fixed width per step, outputs exactly `generate`'s with the same `prefill_chunk`.
       max_score_tokens: the most prompt tokens one `score` call may score, its prompts together (a
         `RequestError` beyond, naming "prompt"). Default: `DEFAULT_MAX_SCORE_TOKENS` (16384), or
         `max_length` when larger.
@@ -354,7 +355,7 @@ class Engine:
         max_length: int | None = None,
         prefill_chunk: int | None = None,
         max_num_batched_tokens: int | None = None,
-        target_itl_ms: float | None = None,
+        target_itl_ms: float | str | None = None,
         max_score_tokens: int | None = None,
         cache_dtype=None,
         precompile: Sequence[int] | str | None = None,
@@ -391,11 +392,12 @@ class Engine:
         chunk = prefill_chunk or AUTO_PREFILL_CHUNK
         max_num_batched_tokens = chunk if max_num_batched_tokens is None else max_num_batched_tokens
         check_int(max_num_batched_tokens, "max_num_batched_tokens", lo=chunk)
-        if target_itl_ms is not None and (
+        if target_itl_ms not in (None, "auto") and (
             isinstance(target_itl_ms, bool) or not isinstance(target_itl_ms, numbers.Real) or not target_itl_ms > 0
         ):
             raise RequestError(
-                f"target_itl_ms must be None or a number of milliseconds > 0, got {target_itl_ms!r}", "target_itl_ms"
+                f"target_itl_ms must be None, 'auto' or a number of milliseconds > 0, got {target_itl_ms!r}",
+                "target_itl_ms",
             )
         check_int(max_score_tokens, "max_score_tokens", lo=1, optional=True)
         self.max_score_tokens = max_score_tokens or max(DEFAULT_MAX_SCORE_TOKENS, max_length)
@@ -403,7 +405,10 @@ class Engine:
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
         self.target_itl_ms = target_itl_ms
-        self.pacer = None if target_itl_ms is None else Pacer(target_itl_ms / 1e3)
+        if target_itl_ms is None:
+            self.pacer = None
+        else:  # "auto": `pacing.AUTO_ITL_FACTOR` times the measured decode step
+            self.pacer = Pacer(None if target_itl_ms == "auto" else target_itl_ms / 1e3)
         self._cols = 0  # prompt columns prefilled since the last decode step was dispatched
         self._paced_compiles: set[int] = set()  # joining row counts whose paced widths were queued
         self._compiles_seen = 0  # the serving thread's compiles at the last paced gap

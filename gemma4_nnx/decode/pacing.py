@@ -2,7 +2,8 @@
 
 With `Engine(target_itl_ms=T)` a joining prompt is prefilled in chunks whose width follows the clock,
 so the rows already decoding keep their pace: before each chunk the engine asks `Pacer.width` for the
-widest chunk that fits in the time the target leaves after a decode step.
+widest chunk that fits in the time the target leaves after a decode step. `target_itl_ms="auto"` (the
+server's default) sets the target at `AUTO_ITL_FACTOR` times the measured decode step.
 
 What is measured: the time between two decode steps' tokens reaching the host (`Pacer.gap`), which is
 what a running stream sees, keyed by the prompt columns (joining rows x chunk width) prefilled between
@@ -29,7 +30,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-__all__ = ["MIN_PACED_WIDTH", "Pacer"]
+__all__ = ["AUTO_ITL_FACTOR", "MIN_PACED_WIDTH", "Pacer"]
+
+#: The target of `Engine(target_itl_ms="auto")` (`gemma4-serve`'s default), as a multiple of the measured
+#: decode step without prefill: a running stream's gap while a prompt prefills beside it stays within
+#: about this many of its steps, on any machine (a TPU's 6 ms E2B step or a CPU's 20 ms 270M one).
+AUTO_ITL_FACTOR = 3.0
 
 #: The narrowest chunk a paced prefill runs (columns per joining row): the least a waiting prompt
 #: advances between two decode steps. 16: `batching.MIN_PROMPT_BUCKET`, a program the engine has for
@@ -41,12 +47,20 @@ MIN_PACED_WIDTH = 16
 class Pacer:
     """Moving estimates of the decode step's gap and of a prefill chunk's extra time, by columns.
 
-    target_s: the inter-token latency to keep (seconds). window: gaps kept per column count.
-    clock: seconds (`time.perf_counter`; tests pass a fake one).
+    target_s: the inter-token latency to keep (seconds), or None: `relative` times the measured decode
+    step (`base`). window: gaps kept per column count. clock: seconds (`time.perf_counter`; tests pass
+    a fake one).
     """
 
-    def __init__(self, target_s: float, window: int = 8, clock: Callable[[], float] = time.perf_counter):
-        self.target_s = float(target_s)
+    def __init__(
+        self,
+        target_s: float | None,
+        window: int = 8,
+        clock: Callable[[], float] = time.perf_counter,
+        relative: float = AUTO_ITL_FACTOR,
+    ):
+        self.target_s = None if target_s is None else float(target_s)
+        self.relative = float(relative)
         self.clock = clock
         self._window = window
         self._gaps: dict[int, deque[float]] = {}
@@ -91,12 +105,12 @@ class Pacer:
 
     def width(self, rows: int, widths: Sequence[int]) -> int:
         """The chunk width (columns per row, one of `widths`) for `rows` joining rows before the next
-        decode step: the widest whose estimated cost fits in `target_s - base`, else the narrowest."""
+        decode step: the widest whose estimated cost fits in the target less `base`, else the narrowest."""
         widths = sorted(widths)
         base = self.base()
         if base is None:
             return widths[0]
-        room = self.target_s - base
+        room = (self.relative * base if self.target_s is None else self.target_s) - base
         best = widths[0]
         for w in widths:
             cost = self.cost(rows * w)

@@ -415,6 +415,19 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _target_itl(value: str) -> float | str | None:
+    """`--target-itl-ms`: milliseconds > 0, 'auto' or 'off'."""
+    if value.strip().lower() in ("auto", "off", "none"):
+        return None if value.strip().lower() in ("off", "none") else "auto"
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = 0.0
+    if not ms > 0 or ms == float("inf"):
+        raise argparse.ArgumentTypeError(f"give milliseconds > 0, 'auto' or 'off', got {value!r}")
+    return ms
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-serve", description="OpenAI-compatible server for a Gemma 4 checkpoint")
     p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
@@ -441,11 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--target-itl-ms",
-        type=float,
+        type=_target_itl,
+        default="auto",
         help="the inter-token latency (ms) running streams should keep while new prompts prefill beside them: "
         "the engine measures its decode steps and prefill chunks and prefills, between two steps, the widest "
         "chunk (16 columns up to the chunk) that fits the target, at least 16 columns a step; a new prompt's "
-        "first token comes later. Default: off (one whole chunk per step; outputs exactly generate's)",
+        "first token comes later. Default 'auto': 3 times the measured decode step. 'off': one whole chunk per "
+        "step (outputs exactly generate's, a running stream waits for each chunk)",
     )
     p.add_argument(
         "--kv-cache-mb",
