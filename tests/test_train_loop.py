@@ -93,6 +93,25 @@ def test_interrupted_run_resumes_exactly(rows, tmp_path):
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 4, 5, 6]  # steps 4-5 are redone after the crash
 
 
+def test_a_non_finite_step_updates_nothing_and_stops_the_run(rows):
+    """Two good steps, then a frozen weight made infinite (the loss and every gradient NaN): `train_step`
+    returns NaN and leaves the adapters and the optimizer state exactly as they were (a clipped NaN
+    update would reach every weight), and the Trainer stops naming the step, at step 2."""
+    trainer = loop.Trainer(lora_micro(), data.Loader(rows, 4, seed=1), loop.TrainConfig(steps=4, lr=1e-2, batch_size=4))
+    trainer.run(until=2)
+    before, opt_before = adapters(trainer.model), jax.tree.map(np.asarray, nnx.state(trainer.optimizer))
+    trainer.model.norm.scale[...] = trainer.model.norm.scale[...].at[0].set(np.inf)
+    batch = data.Loader(rows, 4, shuffle=False).batch(data.LoaderState())
+    assert np.isnan(float(ft.train_step(trainer.model, trainer.optimizer, batch)))
+    after = adapters(trainer.model)
+    assert all(np.array_equal(after[p], before[p]) for p in before), "a non-finite step changed the adapters"
+    opt_after = jax.tree.map(np.asarray, nnx.state(trainer.optimizer))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(opt_after), jax.tree.leaves(opt_before)))
+    with pytest.raises(FloatingPointError, match="step 3: the loss or its gradient is not finite") as e:
+        trainer.run()
+    assert "after step 2" in str(e.value) and trainer.step == 2
+
+
 def test_config_errors_name_the_parameter():
     with pytest.raises(ValueError, match="warmup_steps"):
         loop.TrainConfig(steps=4, warmup_steps=4)

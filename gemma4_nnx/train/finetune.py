@@ -398,9 +398,11 @@ def train_step(
     donate: bool = True,
 ) -> Array:
     """One optimizer update: the loss, gradients w.r.t. `optimizer.wrt` only, the optax update, in place.
-    Returns the loss before the update. Set `model.remat = True` to rematerialize decoder layers (less
-    memory). The one step of every caller: this API, the examples and notebooks, and `gemma4-finetune`
-    (`loop.Trainer`).
+    Returns the loss before the update; NaN when the loss or the gradient is not finite, and then
+    nothing is updated (the trained variables and the optimizer state stay as they were: one NaN
+    gradient would otherwise reach every weight through the clip's global norm). Set `model.remat =
+    True` to rematerialize decoder layers (less memory). The one step of every caller: this API, the
+    examples and notebooks, and `gemma4-finetune` (`loop.Trainer`).
 
     `accumulate`: the batch's rows [accumulate * B, S] run B rows at a time (a `lax.scan`, one compiled
     micro-step), each micro-batch's gradient weighted by its trained tokens (`token_sums`): the update of
@@ -476,14 +478,22 @@ def _update(graphdef, opt_graphdef, params, frozen, opt_state, batch, accumulate
     carry = (jnp.float32(0), jnp.float32(0), zeros, params, frozen)
     (total, count, grads, _, _), _ = jax.lax.scan(body, carry, micro)
     count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    # the values before the update (its merged variables may be the very objects of `params` / `opt_state`)
+    old = jax.tree.map(lambda x: x, (params, opt_state))
     model, optimizer = nnx.merge(graphdef, params, frozen), nnx.merge(opt_graphdef, opt_state)
-    optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
+    optimizer.update(model, grads)
     if mesh is not None:
         from gemma4_nnx.sharding import constrain
 
         constrain(model, mesh)
         constrain(optimizer, mesh)
-    return total / count, nnx.state(model, wrt), nnx.state(optimizer)
+    # a non-finite loss or gradient updates nothing (a clipped update would spread one NaN over every
+    # weight): the variables and optimizer state stay as they came, and the loss returned is NaN
+    finite = jnp.isfinite(total) & jnp.isfinite(optax.global_norm(grads))
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    loss = jnp.where(finite, total / count, jnp.nan)
+    return loss, keep(nnx.state(model, wrt), old[0]), keep(nnx.state(optimizer), old[1])
 
 
 #: `_update` without donation (`train_step(..., donate=False)`): the same program, its inputs kept

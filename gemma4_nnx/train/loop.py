@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -240,6 +241,12 @@ class Trainer:
                         self.model, self.optimizer, inputs, mesh=self._shard, accumulate=self.config.accumulate
                     )
                 )
+                if not math.isfinite(loss):
+                    raise FloatingPointError(
+                        f"step {self.step + 1}: the loss or its gradient is not finite, so the update was skipped: "
+                        f"the model and optimizer are those after step {self.step} (nothing of this step is "
+                        "saved). Lower --lr or check the data"
+                    )
                 self.step += 1
                 losses.append(loss)
                 tokens += int(np.count_nonzero(batch["segment_ids"]))
