@@ -201,15 +201,29 @@ def main() -> None:
     p.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     p.add_argument("--peak-tflops", type=float, default=197.0, help="the chip's peak (v5e bf16: 197)")
     p.add_argument("--check-finite", action="store_true", help="after each step, name the parameters not finite")
+    p.add_argument(
+        "--debug-nans",
+        action="store_true",
+        help="jax_debug_nans: a step whose outputs hold a NaN (a skipped update's loss) is run again op by op and "
+        "the first operation making a NaN is named, with its source line",
+    )
     p.add_argument("--out", help="append the JSON line here too")
     a = p.parse_args()
+    if a.debug_nans:
+        import jax
+
+        jax.config.update("jax_debug_nans", True)
     if a.dtype is None:
         import jax
 
         a.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     try:
         result = run(a)
-    except Exception as e:  # an out-of-memory is a figure too
+    except Exception as e:  # an out-of-memory is a figure too; so is the operation --debug-nans names
+        if a.debug_nans:
+            import traceback
+
+            traceback.print_exc()
         result = {"model": a.model, "method": a.method, "seq": a.seq, "batch": a.batch, "error": repr(e)[:600]}
     line = json.dumps(result)
     print("RESULT " + line, flush=True)
