@@ -314,9 +314,9 @@ class Engine:
       cache_dtype: default the model's compute dtype; "int8": codes with a float32 scale per token and
         head, dequantized inside attention (`cache.quantize_kv`; about half of bfloat16's bytes).
       precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
-        max_length): before serving, every decode step program (each power-of-two row count, with
+        max_length): before serving, every decode step program (each row count, `row_factor`, with
         its greedy draw) and the prefill and first draw programs for those prompt buckets and every
-        power-of-two number of joining rows are compiled, and a superset sampler (`DrawConfig.widest`)
+        joining row count are compiled (`compile_threads` at once), and a superset sampler (`DrawConfig.widest`)
         at each top-k width (none, `sampling.TOP_K_WIDTHS`; the vocabulary-wide one, for a top_k above
         64, on a helper thread once serving starts), with alternatives. Afterwards no sampler compiles
         on the serving thread and no request waits for one: a request with new settings (a new top_k,
