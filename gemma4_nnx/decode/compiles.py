@@ -421,7 +421,7 @@ class Compiles:
     def compile_together(self, steps=(), draws=(), prefills=(), threads: int = 1) -> None:
         """Compile ahead of time, `threads` at once, the decode program of each row count in `steps`,
         the draw program of each (cfg, shape) in `draws` and the indexed prefill program of each (rows,
-        chunk width) in `prefills` (the engine's precompile, which then runs them from jax's cache).
+        chunk width) in `prefills` (the engine's precompile; a first call finds them in jax's cache).
         Tracing and lowering run here one after another (they hold the GIL); XLA's compiles run on a
         pool of `threads`, side by side (they release it): an accelerator host's cores compile an E2B
         engine's ~30 programs together instead of one by one. The first failure raises here."""

@@ -1188,8 +1188,9 @@ class Engine:
 
     def _precompile(self, prompt_lengths: Sequence[int] | str) -> None:
         """Compile ahead, `compile_threads` at once, every decode step, the greedy and superset draws
-        and the prefills of `prompt_lengths` (nothing runs: the state stays as it is; running them
-        too cost 17 s of a warm 23 s precompile of 64 rows on 2 CPU cores)."""
+        and the prefills of `prompt_lengths`. Nothing runs (the state stays as it is): a first call
+        finds its program in jax's cache, and running every program once at start-up cost most of a
+        warm precompile on a CPU (docs/benchmarks.md, start-up on the TPU)."""
         greedy = DrawConfig(RowFeatures(), logprobs=True)
         steps = [m for m, _, _ in self.decoder.draw_shapes(joining=False)]
         shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
@@ -1210,8 +1211,8 @@ class Engine:
             [(kb, prompt_columns(n, self.prefill_chunk)[1]) for n in lengths for kb in joining],
             threads=self.compile_threads,
         )
-        # nothing of those runs here (a first call finds its program in jax's cache); the verify and
-        # draft programs of speculative decoding compile by running (all rows done: nothing is written)
+        # the verify and draft programs of speculative decoding compile by running (all rows done:
+        # nothing is written)
         for m in steps if self.speculative else ():  # every draft width a step can use (1, 2, 4, ... up to k)
             k = self.speculative.k
             for w in sorted({min(1 << i, k) for i in range(k.bit_length() + 1)}):

@@ -34,7 +34,7 @@ __all__ = ["AUTO_ITL_FACTOR", "MIN_PACED_WIDTH", "Pacer"]
 
 #: The target of `Engine(target_itl_ms="auto")` (`gemma4-serve`'s default), as a multiple of the measured
 #: decode step without prefill: a running stream's gap while a prompt prefills beside it stays within
-#: about this many of its steps, on any machine (a TPU's 6 ms E2B step or a CPU's 20 ms 270M one).
+#: about this many of its steps, whatever the machine and the model.
 AUTO_ITL_FACTOR = 3.0
 
 #: The narrowest chunk a paced prefill runs (columns per joining row): the least a waiting prompt

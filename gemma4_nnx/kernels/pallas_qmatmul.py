@@ -36,9 +36,8 @@ interpreter on the CPU; float32 x takes float32 products at `Precision.HIGHEST`.
 Off a TPU the kernel runs only in the interpreter (`interpret=True`: tests). `matmul="pallas"`
 (`gemma4_nnx.model.layers.resolve_matmul`) takes it for group-wise formats on a TPU while x has at most
 `MAX_ROWS` rows; everything else takes `xla_int`'s path. On a TPU v5e (bench/tpu_qdot.py, E2B's gate
-projection): the conversion form compiled and matched float64 (1.7e-7) at 18% of the HBM roofline for
-int4 g32 at T=1 (xla_int's blocked form: 12%; bf16: 80%): the unpacking, not HBM, bounds it, which the
-bitcast form attacks (not yet measured on a chip); docs/benchmarks.md.
+projection) both forms compiled and matched float64, faster than `xla_int`'s blocked group-wise form but
+not than bf16: the unpacking, not HBM, bounds them (figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -56,8 +55,8 @@ __all__ = ["MAX_ROWS", "available", "qmatmul_t", "takes"]
 MAX_ROWS = 16
 
 #: Default tile: output rows per grid step and code bytes per in-kernel chunk (bench/tpu_qdot.py sweeps;
-#: bench/accelerator.py --pallas-tile sets them for a model's products). 512 rows: the fastest of 128 /
-#: 256 / 512 for the conversion form on a TPU v5e (docs/benchmarks.md).
+#: bench/accelerator.py --pallas-tile sets them for a model's products). 512 rows: among the fastest
+#: tiles on a TPU v5e (docs/benchmarks.md).
 BLOCK_N = 512
 CHUNK = 512
 
@@ -65,8 +64,8 @@ CHUNK = 512
 INTERPRET = False
 
 #: int4 codes made bf16 by bitcasts (`_kernel4`; block_n a multiple of 32, N even) rather than by
-#: integer-to-float conversions (`_kernel`, as int8's). The conversions compiled and were exact on a TPU
-#: v5e; the bitcast form is exact in the interpreter and not yet run on a chip (bench/tpu_qdot.py has both).
+#: integer-to-float conversions (`_kernel`, as int8's). Both are exact on a TPU v5e; the bitcast form
+#: takes several rows of x better (bench/tpu_qdot.py has both; docs/benchmarks.md).
 BITCAST = True
 
 

@@ -107,9 +107,8 @@ def nibbles(codes: jax.Array, asym: bool) -> tuple[jax.Array, jax.Array]:
 #: The fewest rows of x a product with one scale per output channel runs with off the CPU (x padded with
 #: zero rows, their outputs dropped: the same values). XLA:TPU computes a dot of one row as an elementwise
 #: product and a reduction on the vector unit, converting every code to float32 there (and, for E2B's tied
-#: int8 table, copying its 403 MB to another tiling at every step: bench/tpu_int8_gap.py's HLO summary);
-#: from 8 rows (a sublane tile) it runs on the matrix unit. One E2B stack of int8 projections on a v5e:
-#: 8 rows 0.270 ms, 1 row 0.318 ms (docs/benchmarks.md).
+#: int8 table, copying it to another tiling at every step: bench/tpu_int8_gap.py's HLO summary); from 8
+#: rows (a sublane tile) it runs on the matrix unit, faster (figures: docs/benchmarks.md, TPU v5e).
 MIN_DOT_ROWS = 8
 
 

@@ -191,7 +191,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else. On a
     single CPU device with the kernels available, attention over the KV cache uses them too
     (`Matmul.cpu_attention`), whatever the weights' dtype.
-    Off the CPU, "auto" is "xla_int" (not yet "pallas" on a TPU: not run on a chip so far).
+    Off the CPU, "auto" is "xla_int" ("pallas"'s kernels ran exactly on a TPU but its quantized product
+    was not faster than bf16 there, and its paged attention is not yet measured in a whole decode).
     "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
     exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
     scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`). "pallas": "xla_int" with

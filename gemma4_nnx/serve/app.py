@@ -417,8 +417,9 @@ def _lora_module(value: str) -> tuple[str, str]:
 
 def _target_itl(value: str) -> float | str | None:
     """`--target-itl-ms`: milliseconds > 0, 'auto' or 'off'."""
-    if value.strip().lower() in ("auto", "off", "none"):
-        return None if value.strip().lower() in ("off", "none") else "auto"
+    word = value.strip().lower()
+    if word in ("auto", "off", "none"):
+        return "auto" if word == "auto" else None
     try:
         ms = float(value)
     except ValueError:
