@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl-tpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.whl-tpu/ >> .git/info/exclude; }
 NAMES="fastapi starlette pydantic pydantic_core anyio h11 click uvicorn annotated-types annotated-doc
-  typing-inspection sniffio idna opentelemetry-api typing_extensions"
+  typing-inspection sniffio idna opentelemetry-api typing_extensions prometheus_client python-multipart"
 PINS=$(.venv/bin/python - $NAMES <<'PY'
 import sys
 from importlib.metadata import version
