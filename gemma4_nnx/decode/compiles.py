@@ -4,8 +4,8 @@ programs compiled off the caller's thread.
 `compiled_programs()` counts each jitted program's compiled variants in this process; a `Decoder`
 counts its own (`Decoder.compiles`, by kind) from jax's lowering events on the thread that runs it.
 
-`Compiles` (mixed into `Decoder`) also keeps which draw programs have run and a one-thread pool
-that compiles more ahead of time, from the shapes and placements of placeholder rows (nothing runs
+`Compiles` (mixed into `Decoder`) also keeps which draw programs have run and a helper thread
+(`HelperQueue`: what a waiting request needs first) that compiles more ahead of time, from the shapes and placements of placeholder rows (nothing runs
 there, so it is safe beside multi-device programs): the engine serves a request whose exact
 sampler has not compiled yet with the precompiled `DrawConfig.widest()` of its top-k width (same
 tokens) while the exact one compiles there (`cover`). A decode step is one program, the decode and
@@ -20,8 +20,10 @@ there ahead of time from abstract shapes (`compile_verify`); the engine takes pl
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -35,6 +37,7 @@ from gemma4_nnx.decode.state import DrawConfig, Next
 __all__ = [
     "FUSE_AFTER",
     "Compiles",
+    "HelperQueue",
     "compile_cache_dir",
     "compiled_programs",
     "default_compile_threads",
@@ -167,6 +170,60 @@ def _listen() -> None:
 
 
 # ------------------------------------------------------------------------------------------- the decoder's share
+class HelperQueue:
+    """The helper thread's jobs: one thread (a `ThreadPoolExecutor` of one: the process's exit stops it
+    as it stops any pool) running them one at a time, the **urgent** ones (a request waits in the queue
+    for them: its prompt's prefill program, its sampler) before the others (queued ahead for later:
+    the precompile's last supersets, fused steps, pacing widths), each kind in the order queued.
+    `submit(key, work, urgent)` returns the job's future; `promote(key)` makes a job still queued
+    urgent (a request now needs what was queued for later). Each submission adds one run of
+    `_next` to the pool, which takes the most urgent job left, so every job runs once."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gemma4-compile")
+        self._lock = threading.Lock()
+        self._jobs: list[list] = []  # [rank (0 urgent, 1 later), sequence number, key, work, future]
+        self._order = itertools.count()
+
+    def submit(self, key, work, urgent: bool = False) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._jobs.append([0 if urgent else 1, next(self._order), key, work, future])
+        self._pool.submit(self._next)
+        return future
+
+    def promote(self, key) -> None:
+        with self._lock:
+            for job in self._jobs:
+                if job[2] == key:
+                    job[0] = 0
+
+    def _next(self) -> None:
+        with self._lock:
+            if not self._jobs:
+                return
+            job = min(self._jobs, key=lambda j: (j[0], j[1]))
+            self._jobs.remove(job)
+        work, future = job[3], job[4]
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 -- the job's own error, handed to whoever waits on it
+            future.set_exception(e)
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Drop the jobs not started (their futures cancelled); the one running finishes (`wait`: this
+        call returns after it)."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job[4].cancel()
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
 class Compiles:
     """The compile bookkeeping of a `Decoder` (a mixin: it uses the decoder's `rows`, `mesh`,
     `config`, `vocab_size`, `stop_width`, `graphdef`, `weights`, `state`, `_place`, `build_rows` and
@@ -190,7 +247,7 @@ class Compiles:
         self._apart_steps: dict[tuple, int] = {}  # (cfg, stop width, m) -> steps run as two programs
         self._prefills_run: set[tuple] = set()  # (rows, chunk width, with soft tokens) of every engine prefill
         self.prefill_failures: set[tuple] = set()  # ... whose background compile raised
-        self._background = None  # a one-thread executor compiling draw programs (created on first use)
+        self._background: HelperQueue | None = None  # the helper thread's jobs (created on first use)
         self._compiling: set[tuple] = set()  # (cfg, shapes) jobs queued or running there
         self.draw_failures: set[DrawConfig] = set()
         self.verify_failures: set[tuple] = set()  # (cfg, m, width) whose background compile raised
@@ -202,7 +259,7 @@ class Compiles:
         minutes, nor holds up the process's exit (which joins that thread)."""
         self._stopped = True
         if self._background is not None:
-            self._background.shutdown(wait=False, cancel_futures=True)
+            self._background.shutdown()
 
     def _run(self, kind: str, fn, *args):
         """fn(*args), its compiles counted in `compiles[kind]`."""
@@ -304,7 +361,7 @@ class Compiles:
                 self._compiling.discard(job)
 
         self._compiling.add(job)
-        return self._submit(work)
+        return self._submit(job, work)
 
     def prefill_ready(self, rows: int, width: int, soft: bool = False) -> bool:
         """Whether the prefill program of `rows` joining rows (indexed) and chunks of `width` columns
@@ -312,14 +369,17 @@ class Compiles:
         key = (rows, width, soft)
         return key in self._prefills_run or key in self.prefill_failures
 
-    def compile_prefills(self, shapes, *, then=None):
+    def compile_prefills(self, shapes, *, then=None, urgent: bool = False):
         """Compile the indexed prefill program (the engine's) for each (rows, chunk width) of `shapes`
         on the helper thread, ahead of time from the shapes and placements of the weights, the cache
         and placeholder prompts (nothing runs, the cache is not touched); `then()` after the last. A
-        request whose prompt needs one of them waits in the queue meanwhile, the running rows decode
-        on (the engine's `_take_joining`). Returns the future, or None (queued already, or stopped)."""
+        request whose prompt needs one of them waits in the queue meanwhile (`urgent`: before the
+        helper's jobs for later), the running rows decode on (the engine's `_take_joining`). Returns
+        the future, or None (queued already: made urgent if asked, or stopped)."""
         shapes = tuple(sorted({(r, w) for r, w in shapes if (r, w, False) not in self._prefills_run}))
         job = ("prefill", shapes)
+        if job in self._compiling and urgent and self._background is not None:
+            self._background.promote(job)
         if job in self._compiling or self._stopped:
             return None
         graphdef, weights = self.graphdef, jax.tree.map(_abstract, self.weights)
@@ -346,7 +406,7 @@ class Compiles:
                     then()
 
         self._compiling.add(job)
-        return self._submit(work)
+        return self._submit(job, work, urgent)
 
     def _prefill_placeholders(self, r: int, w: int) -> tuple:
         """Abstract arguments of an indexed prefill chunk after (graphdef, weights, cache), placed as
@@ -366,17 +426,16 @@ class Compiles:
         real = (idx, ids, pos, valid, last, logits, c0, first)
         return (*jax.tree.map(_abstract, real), None, None if adapter is None else _abstract(adapter))
 
-    def _submit(self, work):
+    def _submit(self, job, work, urgent: bool = False):
         if self._background is None:
-            from concurrent.futures import ThreadPoolExecutor
+            self._background = HelperQueue()
+        return self._background.submit(job, work, urgent)
 
-            self._background = ThreadPoolExecutor(1, thread_name_prefix="gemma4-compile")
-        return self._background.submit(work)
-
-    def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None):
+    def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None, urgent: bool = False):
         """Compile the draw program of `cfg` at each shape, ahead of time from placeholder rows (the
-        decoder's state is not touched). `background`: on a helper thread (returns its future);
-        `then()` runs after the last one."""
+        decoder's state is not touched). `background`: on a helper thread (returns its future; None
+        when queued already, made urgent if asked; `urgent`: a request waits for it); `then()` runs
+        after the last one."""
 
         def work() -> None:
             try:
@@ -397,10 +456,12 @@ class Compiles:
         if not background:
             return work()
         job = (cfg, tuple(shapes))
+        if job in self._compiling and urgent and self._background is not None:
+            self._background.promote(job)
         if job in self._compiling or self._stopped:
             return None
         self._compiling.add(job)
-        return self._submit(work)
+        return self._submit(job, work, urgent)
 
     def _compile_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
         """Compile the draw program of `cfg` at this shape ahead of time, from placeholders placed as

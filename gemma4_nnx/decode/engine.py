@@ -791,7 +791,7 @@ class Engine:
         if cfg.widest() in self.decoder.draw_failures or all(self.decoder.draw_ready(cfg.widest(), s) for s in shapes):
             return True  # ready, or its compile failed on the helper: this thread compiles (and reports) it
         req.waiting = True
-        self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled)
+        self.decoder.compile_draws(cfg.widest(), shapes, background=True, then=self._compiled, urgent=True)
         return False
 
     def _prefill_ready(self, k: int, width: int, media: bool) -> bool:
@@ -805,7 +805,9 @@ class Engine:
         if self.decoder.prefill_ready(kb, width):
             return True
         # queued once (None when it is already); `_compiled` (under the lock held here) wakes the queue
-        self.decoder.compile_prefills([(n, width) for n, _, _ in self.decoder.draw_shapes(True)], then=self._compiled)
+        self.decoder.compile_prefills(
+            [(n, width) for n, _, _ in self.decoder.draw_shapes(True)], then=self._compiled, urgent=True
+        )
         if k == 1:
             self._pending[0].waiting = True
         return False
