@@ -155,8 +155,8 @@ def test_helper_queue_runs_urgent_jobs_first():
     held = q.submit("held", lambda: gate.wait(30) and order.append("held"))
     while not held.running():
         time.sleep(0.001)
-    futures = {name: q.submit(name, lambda n=name: order.append(n), urgent) for name, urgent in
-               [("later1", False), ("urgent1", True), ("later2", False), ("later3", False), ("urgent2", True)]}  # fmt: skip
+    jobs = [("later1", False), ("urgent1", True), ("later2", False), ("later3", False), ("urgent2", True)]
+    futures = {name: q.submit(name, lambda n=name: order.append(n), urgent) for name, urgent in jobs}
     q.promote("later3")
     gate.set()
     for f in futures.values():

@@ -5,17 +5,17 @@ programs compiled off the caller's thread.
 counts its own (`Decoder.compiles`, by kind) from jax's lowering events on the thread that runs it.
 
 `Compiles` (mixed into `Decoder`) also keeps which draw programs have run and a helper thread
-(`HelperQueue`: what a waiting request needs first) that compiles more ahead of time, from the shapes and placements of placeholder rows (nothing runs
-there, so it is safe beside multi-device programs): the engine serves a request whose exact
-sampler has not compiled yet with the precompiled `DrawConfig.widest()` of its top-k width (same
-tokens) while the exact one compiles there (`cover`). A decode step is one program, the decode and
-its draw fused (`programs._step`, one dispatch per step), one per (sampler, m); the engine's decoder
-(`fuse_after`) runs a step whose fused program has not compiled as two, the decode program (one per
-m, whatever the sampler) and the draw, and once a sampler has taken `FUSE_AFTER` such steps at m its
-fused program compiles there (`compile_step`): a sampler used for a few steps only costs no compile
-of the whole model's step, and the serving thread never compiles one. Verify programs (speculative decoding) compile
-there ahead of time from abstract shapes (`compile_verify`); the engine takes plain steps meanwhile.
-"""
+(`HelperQueue`: what a waiting request needs first) that compiles more ahead of time, from the
+shapes and placements of placeholder rows (nothing runs there, so it is safe beside multi-device
+programs): the engine serves a request whose exact sampler has not compiled yet with the precompiled
+`DrawConfig.widest()` of its top-k width (same tokens) while the exact one compiles there (`cover`).
+A decode step is one program, the decode and its draw fused (`programs._step`, one dispatch per
+step), one per (sampler, m); the engine's decoder (`fuse_after`) runs a step whose fused program has
+not compiled as two, the decode program (one per m, whatever the sampler) and the draw, and once a
+sampler has taken `FUSE_AFTER` such steps at m its fused program compiles there (`compile_step`): a
+sampler used for a few steps only costs no compile of the whole model's step, and the serving thread
+never compiles one. Verify programs (speculative decoding) compile there ahead of time from abstract
+shapes (`compile_verify`); the engine takes plain steps meanwhile."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ class HelperQueue:
             return
         try:
             future.set_result(work())
-        except BaseException as e:  # noqa: BLE001 -- the job's own error, handed to whoever waits on it
+        except BaseException as e:  # the job's own error, for whoever waits on its future
             future.set_exception(e)
 
     def shutdown(self, wait: bool = False) -> None:
