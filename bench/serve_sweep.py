@@ -80,7 +80,11 @@ def serve(args) -> None:
     t0 = time.perf_counter()
     model, tok = _model(args)
     t1 = time.perf_counter()
-    engine = Engine(model, tok, max_batch=args.max_batch, max_length=args.max_length, precompile=tuple(args.precompile))
+    # gemma4-serve's defaults: a paced prefill beside running streams (`--target-itl-ms auto`)
+    engine = Engine(
+        model, tok, max_batch=args.max_batch, max_length=args.max_length, precompile=tuple(args.precompile),
+        target_itl_ms="auto",
+    )  # fmt: skip
     print(f"server: model in {t1 - t0:.1f} s, engine (precompile) in {time.perf_counter() - t1:.1f} s", flush=True)
     listen = {"uds": args.uds} if args.uds else {"host": "127.0.0.1", "port": args.port}
     uvicorn.Server(uvicorn.Config(create_app(engine, "sweep"), **listen, log_level="warning")).run()
