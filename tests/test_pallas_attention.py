@@ -166,3 +166,14 @@ def test_pallas_option_takes_the_kernel_on_a_tpu_only():
     got = resolve_matmul("pallas", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     assert got.int_dot
     assert got.pallas_attention == ("tpu" if jax.default_backend() == "tpu" else None)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_auto_takes_the_paged_kernel_on_a_tpu_and_not_the_quantized_one(monkeypatch, backend):
+    """matmul="auto" off the CPU: XLA's integer products; on a TPU also the Pallas paged decode attention
+    (faster than XLA's gathers there), never the Pallas quantized product (not faster than bf16)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    for quantized in (False, True):
+        got = resolve_matmul("auto", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, quantized=quantized)
+        assert got.int_dot and not got.pallas and not got.cpu_kernels and not got.cpu_attention
+        assert got.pallas_attention == ("tpu" if backend == "tpu" else None)

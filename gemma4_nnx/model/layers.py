@@ -149,7 +149,7 @@ class Matmul:
     #: with `int_dot`: group-wise quantized products of up to `pallas_qmatmul.MAX_ROWS` rows (decode) go
     #: through the Pallas TPU kernel (`gemma4_nnx.kernels.pallas_qmatmul`) when the backend is a TPU;
     #: every other product (other backends, per-channel formats, more rows) stays `int_dot`'s.
-    #: `matmul="pallas"` ("auto" stays "xla_int" until the kernel is measured ahead in a whole decode).
+    #: `matmul="pallas"` ("auto" leaves it out: not faster than bf16 on a v5e).
     pallas: bool = False
     #: decode attention over a paged KV pool by JAX's Pallas `paged_attention` kernel, reading the pool in
     #: place (`gemma4_nnx.kernels.pallas_attention`; what it does not cover stays on XLA's path): "tpu",
@@ -181,6 +181,8 @@ class Matmul:
 XLA = Matmul(cpu_kernels=False)
 XLA_INT = Matmul(int_dot=True)
 PALLAS = Matmul(int_dot=True, pallas=True, pallas_attention="tpu")
+#: "auto" on a TPU: XLA's integer products, decode attention over the paged pool by the Pallas kernel
+TPU_AUTO = Matmul(int_dot=True, pallas_attention="tpu")
 
 
 def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantized: bool = False) -> Matmul:
@@ -191,8 +193,9 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     and are available (a C++ compiler, `GEMMA4_NNX_CPU_KERNELS` not 0); XLA everywhere else. On a
     single CPU device with the kernels available, attention over the KV cache uses them too
     (`Matmul.cpu_attention`), whatever the weights' dtype.
-    Off the CPU, "auto" is "xla_int" ("pallas"'s kernels ran exactly on a TPU but its quantized product
-    was not faster than bf16 there, and its paged attention is not yet measured in a whole decode).
+    Off the CPU, "auto" is "xla_int", on a TPU with the Pallas paged decode attention (`TPU_AUTO`: its
+    kernel read the pool 1.2-4x faster than XLA's gathers on a v5e, docs/benchmarks.md); "pallas"'s
+    quantized product ran exactly there but was not faster than bf16, so "auto" leaves it out.
     "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
     exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
     scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`). "pallas": "xla_int" with
@@ -247,7 +250,7 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     narrow = quantized or (param_dtype is not None and jnp.dtype(param_dtype) == jnp.bfloat16)
     wanted = narrow and dtype is not None and jnp.dtype(dtype) == jnp.float32
     if jax.default_backend() != "cpu":
-        return XLA_INT
+        return TPU_AUTO if jax.default_backend() == "tpu" else XLA_INT
     kernels = one_cpu and cpu_kernels.available()
     return Matmul(cpu_kernels=bool(wanted and kernels), cpu_attention=bool(kernels))
 
