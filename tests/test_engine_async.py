@@ -113,6 +113,42 @@ def test_host_time_per_step_is_exported_at_metrics(model):
     assert values["gemma4_decode_steps_total"] == engine.stats.decode_steps > 0
     per_step = values["gemma4_engine_host_seconds_per_step"]
     assert per_step == pytest.approx(engine.stats.host_seconds / engine.stats.decode_steps)
+    assert values["gemma4_engine_host_cpu_seconds_total"] == pytest.approx(engine.stats.host_cpu_seconds)
+
+
+def test_host_cpu_time_leaves_out_waits_for_the_gil(model):
+    """`host_cpu_seconds` is the part of `host_seconds` the engine thread ran: alone it is most of it;
+    beside a thread of pure Python that holds the GIL (as a server's event loop streaming many tokens
+    does), the engine thread waits for the lock at each return from XLA, and its CPU time falls well
+    below its busy time."""
+    engine = Engine(model, max_batch=1, max_length=64)
+    prompt = fx.sample_ids(1, 5, seed=2)[0].tolist()
+
+    def run():
+        before = engine.stats.host_seconds, engine.stats.host_cpu_seconds
+        engine.submit(prompt, 40, stop_tokens=[]).result()
+        return engine.stats.host_seconds - before[0], engine.stats.host_cpu_seconds - before[1]
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+
+    try:
+        run()  # compiles
+        wall, cpu = run()
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        try:
+            wall_busy, cpu_busy = run()
+        finally:
+            stop.set()
+            spinner.join()
+    finally:
+        engine.close()
+    assert 0 < cpu <= wall * 1.05 + 0.005, (wall, cpu)
+    assert cpu_busy < 0.7 * wall_busy, (wall_busy, cpu_busy)
 
 
 def test_a_new_prompt_bucket_compiles_off_the_serving_thread(model):
@@ -255,3 +291,25 @@ def test_one_dispatch_per_decode_step(model):
         # ~1e-7 absolute in a logprob (measured 7e-8 at -0.032, 2e-6 relative); a wrong alternative or
         # order moves it by ~1e-1
         assert [x for _, x in top] == pytest.approx([x for _, x in top_apart], rel=0, abs=1e-6)
+
+
+def test_serve_sets_a_short_gil_switch_interval(tmp_path, capsys):
+    """`gemma4-serve --gil-switch-ms` (default `DEFAULT_GIL_SWITCH_MS`, well under Python's 5 ms) is the
+    process's thread switch interval, set before the engine starts (here: a checkpoint that does not
+    exist, so `main` stops after it); bad values are refused by name."""
+    import sys
+
+    pytest.importorskip("fastapi")
+    from gemma4_nnx.serve.app import DEFAULT_GIL_SWITCH_MS, build_parser, main
+
+    assert build_parser().parse_args(["ckpt"]).gil_switch_ms == DEFAULT_GIL_SWITCH_MS < 5
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["ckpt", "--gil-switch-ms", bad])
+        assert "--gil-switch-ms" in capsys.readouterr().err
+    before = sys.getswitchinterval()
+    try:
+        assert main([str(tmp_path / "missing"), "--uds", str(tmp_path / "s.sock"), "--gil-switch-ms", "0.3"]) == 2
+        assert sys.getswitchinterval() == pytest.approx(0.3e-3)
+    finally:
+        sys.setswitchinterval(before)

@@ -29,7 +29,8 @@ max_tokens end rows on the device (a done row is masked in the next step); a sto
 or a failed sink ends its row on the host one step late, and the extra token that row drew is never
 read. Rows with a grammar or speculative drafts step synchronously (their next step needs the last
 token on the host); preemption reads the step in flight back first. `EngineStats.host_seconds`: the
-serving thread's time outside waits in a read-back (per decode step at `/metrics`).
+serving thread's time outside waits in a read-back (per decode step at `/metrics`), `host_cpu_seconds`
+the part of it the thread ran (the rest it waited for Python's lock or a core).
 
 Sampling: a request with seed `s` draws from `fold_in(fold_in(key(s), 0), step)` exactly like row 0
 of `generate(..., seed=s)`, so greedy *and* seeded sampled output equal `generate` for the same prompt.
@@ -165,6 +166,9 @@ class EngineStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     host_seconds: float = 0.0  # the serving thread's busy time outside waits on the device (per step: / decode_steps)
+    # ... of which it ran on a core (`time.thread_time`): the rest it waited to run (for the GIL held by
+    # another thread of the process, e.g. the server's event loop streaming tokens, or for a core)
+    host_cpu_seconds: float = 0.0
     async_steps: int = 0  # decode steps dispatched before the previous step's tokens were read back
 
 
@@ -469,6 +473,7 @@ class Engine:
         self._in_flight: _InFlight | None = None  # the last decode step, not read back yet
         self._last_config: tuple[tuple[int, ...], DrawConfig | None] = ((), None)  # `_step_config`
         self._waited = 0.0  # this loop turn's seconds waiting for the device (not host time)
+        self._waited_cpu = 0.0  # ... of which the thread ran on a core (a read-back may spin)
         self._overlap = True  # dispatch the next step before reading the last one back (async scheduling)
         self._pending: deque[EngineRequest] = deque()
         self._grammars: collections.OrderedDict = collections.OrderedDict()  # compiled, see _constraint
@@ -703,7 +708,7 @@ class Engine:
                 if self._closed:
                     break
                 joining = self._take_joining() if self._joining is None else []
-            busy, self._waited = time.perf_counter(), 0.0
+            busy, cpu, self._waited, self._waited_cpu = time.perf_counter(), time.thread_time(), 0.0, 0.0
             try:
                 self._retire_cancelled()
                 if joining:
@@ -722,6 +727,7 @@ class Engine:
             except Exception as e:
                 self._fail_all(f"{type(e).__name__}: {e}")
             self.stats.host_seconds += time.perf_counter() - busy - self._waited
+            self.stats.host_cpu_seconds += time.thread_time() - cpu - self._waited_cpu
         for req in [s for s in self._slots if s is not None] + list(self._pending):
             self._end(req, FinishReason.CANCELLED)
 
@@ -1126,9 +1132,10 @@ class Engine:
 
     def _fetch(self, out):
         """`out` read back to the host; the wait is the device's time, not the host's (`host_seconds`)."""
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         out = fetch_drawn(out)
         self._waited += time.perf_counter() - t
+        self._waited_cpu += time.thread_time() - cpu
         return out
 
     def _deliver_in_flight(self, step: _InFlight, fetched: bool = False) -> None:

@@ -124,7 +124,7 @@ except ImportError as e:  # pragma: no cover - the `serve` extra
         "gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' (fastapi, uvicorn)"
     ) from e
 
-__all__ = ["DrainingServer", "build_parser", "create_app", "header_timeout_protocol", "main"]
+__all__ = ["DEFAULT_GIL_SWITCH_MS", "DrainingServer", "build_parser", "create_app", "header_timeout_protocol", "main"]
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
@@ -429,6 +429,24 @@ def _target_itl(value: str) -> float | str | None:
     return ms
 
 
+#: `--gil-switch-ms`'s default: how long a Python thread may hold the GIL while another waits for it
+#: (Python's own default is 5 ms). The engine thread takes the lock back after every call into XLA; beside
+#: the event loop streaming many tokens, each of those waits took up to the whole interval, several a
+#: step (docs/serving.md).
+DEFAULT_GIL_SWITCH_MS = 0.25
+
+
+def _gil_switch(value: str) -> float:
+    """`--gil-switch-ms`: milliseconds > 0."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = 0.0
+    if not 0 < ms <= 1000:
+        raise argparse.ArgumentTypeError(f"give milliseconds in (0, 1000], got {value!r}")
+    return ms
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-serve", description="OpenAI-compatible server for a Gemma 4 checkpoint")
     p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
@@ -462,6 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
         "chunk (16 columns up to the chunk) that fits the target, at least 16 columns a step; a new prompt's "
         "first token comes later. Default 'auto': 3 times the measured decode step. 'off': one whole chunk per "
         "step (outputs exactly generate's, a running stream waits for each chunk)",
+    )
+    p.add_argument(
+        "--gil-switch-ms",
+        type=_gil_switch,
+        default=DEFAULT_GIL_SWITCH_MS,
+        help="Python's thread switch interval (sys.setswitchinterval) in the server: the longest the engine "
+        "thread waits for the GIL while the event loop streams tokens (Python's default: 5 ms, which a busy "
+        "server paid several times a decode step)",
     )
     p.add_argument(
         "--kv-cache-mb",
@@ -848,6 +874,7 @@ def main(argv: list[str] | None = None) -> int:
     from gemma4_nnx.processor import load_processor
 
     args = build_parser().parse_args(argv)
+    sys.setswitchinterval(args.gil_switch_ms / 1e3)
     from gemma4_nnx.decode.generate import enable_compilation_cache
 
     enable_compilation_cache(args.compile_cache)

@@ -84,6 +84,11 @@ class _EngineCollector:
             ("prefill_rows", "Prompts prefilled", st.prefill_rows),
             ("prefill_chunks", "Prefill chunks run (at most one between two decode steps)", st.prefill_chunks),
             ("engine_host_seconds", "The engine thread's busy seconds outside waits on the device", st.host_seconds),
+            (
+                "engine_host_cpu_seconds",
+                "Of engine_host_seconds, the seconds the engine thread ran (the rest: waiting for the GIL or a core)",
+                st.host_cpu_seconds,
+            ),
             ("async_decode_steps", "Decode steps dispatched before the previous step was read back", st.async_steps),
             ("speculative_verify_steps", "Speculative (draft + verify) steps", st.verify_steps),
             ("speculative_drafted_tokens", "Draft tokens verified", st.drafted_tokens),
