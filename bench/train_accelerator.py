@@ -144,6 +144,8 @@ def run(a: argparse.Namespace) -> dict:
     tc = loop.TrainConfig(steps=a.steps, lr=1e-4, batch_size=a.batch, clip_norm=1.0)
     opt = ft.make_optimizer(model, loop.make_tx(tc), wrt=wrt)
     times, losses = [], []
+    if a.debug_nans:  # the first step's loss and gradient under checkify: which operation makes a NaN
+        print(locate_nan(model, opt, batches[0]), flush=True)
     for b in batches:
         t = time.perf_counter()
         losses.append(float(ft.train_step(model, opt, b)))
@@ -165,6 +167,45 @@ def run(a: argparse.Namespace) -> dict:
         "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "limit_gib": stats.get("bytes_limit", 0) / 2**30,
         "losses": losses,
     }  # fmt: skip
+
+
+def locate_nan(model, optimizer, batch) -> str:
+    """The first operation of the training step (`finetune._update`, the whole batch one micro-batch)
+    whose output holds a NaN, with its source line, by `jax.experimental.checkify`'s NaN checks on every
+    operation inside the compiled program (scans, remat and custom gradients included); or that none
+    did. The model and optimizer are left as they were (the step's outputs are dropped)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.experimental import checkify
+
+    from gemma4_nnx.train import finetune as ft
+
+    graphdef, params, frozen = nnx.split(model, optimizer.wrt, ...)
+    grad_fn = nnx.value_and_grad(ft.token_sums, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
+
+    def step(params, frozen, batch):  # `finetune._update`'s gradient, its micro-batch scan included
+        def body(carry, b):
+            (loss, _), grads = grad_fn(nnx.merge(graphdef, *carry), b)
+            return carry, (loss, sum(jnp.sum(jnp.isnan(g)) for g in jax.tree.leaves(grads)))
+
+        _, (loss, nans) = jax.lax.scan(body, (params, frozen), jax.tree.map(lambda x: jnp.asarray(x)[None], batch))
+        return loss[0], nans[0]
+
+    t = time.perf_counter()
+    err, (loss, nans) = jax.jit(checkify.checkify(step, errors=checkify.nan_checks))(params, frozen, batch)
+    where, exc = "", err.get_exception()
+    tb = getattr(exc, "traceback_info", None)
+    if tb is not None:  # where the operation was traced: the frames outside site-packages, innermost last
+        import traceback
+
+        frames = traceback.extract_tb(tb.as_python_traceback())
+        ours = [f"{f.filename}:{f.lineno} {f.name}" for f in frames if "site-packages" not in f.filename]
+        where = "".join(f"\n    {x}" for x in ours[-8:])
+    return (
+        f"checkify ({time.perf_counter() - t:.1f} s): loss sum {float(loss):.4f}, {int(nans)} NaN gradient "
+        f"elements; first NaN: {err.get()}{where}"
+    )
 
 
 def report_non_finite(model, step: int) -> None:
@@ -204,15 +245,11 @@ def main() -> None:
     p.add_argument(
         "--debug-nans",
         action="store_true",
-        help="jax_debug_nans: a step whose outputs hold a NaN (a skipped update's loss) is run again op by op and "
-        "the first operation making a NaN is named, with its source line",
+        help="before the steps, the first step's loss and gradient under checkify: the first operation making a "
+        "NaN, with its source line, and the parameters whose gradients hold one",
     )
     p.add_argument("--out", help="append the JSON line here too")
     a = p.parse_args()
-    if a.debug_nans:
-        import jax
-
-        jax.config.update("jax_debug_nans", True)
     if a.dtype is None:
         import jax
 
