@@ -63,6 +63,18 @@ def _pool(rng, dim, *, blocks=12, size=16, width=4, heads=8):
     return kv, q, q_pos, dense_k, dense_v, dense_pos
 
 
+def _on_the_kernel(model, monkeypatch) -> list:
+    """Every attention of `model` on the kernel in Pallas's interpreter; returns the list its calls
+    (`paged_decode`, counted while traced) are appended to."""
+    for _, mod in nnx.iter_graph(model):
+        if isinstance(mod, Attention):
+            mod.pallas_attention = "interpret"
+    calls = []
+    decode = pallas_attention.paged_decode
+    monkeypatch.setattr(pallas_attention, "paged_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("dim", [256, 512])
 def test_pallas_decode_equals_float64_and_xla(dim):
     rng = np.random.default_rng(dim)
@@ -118,12 +130,7 @@ def test_model_decode_step_through_the_kernel_equals_xla(monkeypatch):
     graphdef, state = nnx.split(model)
     _, cache = step(graphdef, state, ids[:, :11], jnp.asarray(pos), cache)  # prefill: XLA's path
     want, _ = step(graphdef, state, ids[:, 11:], jnp.asarray(lengths[:, None]), cache)
-    for _, mod in nnx.iter_graph(model):
-        if isinstance(mod, Attention):
-            mod.pallas_attention = "interpret"
-    calls = []
-    decode = pallas_attention.paged_decode
-    monkeypatch.setattr(pallas_attention, "paged_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    calls = _on_the_kernel(model, monkeypatch)
     got, _ = step(nnx.split(model)[0], state, ids[:, 11:], jnp.asarray(lengths[:, None]), cache)
     assert len(calls) == 2  # the global donor and its consumer
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3, rtol=0)
@@ -202,12 +209,7 @@ def test_engine_through_the_kernel_equals_its_xla_path(monkeypatch):
             engine.close()
 
     want = serve()
-    for _, mod in nnx.iter_graph(model):
-        if isinstance(mod, Attention):
-            mod.pallas_attention = "interpret"
-    calls = []
-    decode = pallas_attention.paged_decode
-    monkeypatch.setattr(pallas_attention, "paged_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    calls = _on_the_kernel(model, monkeypatch)
     got = serve()
     assert calls, "the engine's decode never reached the kernel"
     for (tokens, _, _, logprobs), (ref, _, _, ref_lp) in zip(got, want, strict=True):
