@@ -369,44 +369,46 @@ class Compiles:
         key = (rows, width, soft)
         return key in self._prefills_run or key in self.prefill_failures
 
-    def compile_prefills(self, shapes, *, then=None, urgent: bool = False):
+    def compile_prefills(self, shapes, *, then=None, urgent: bool = False, first=None):
         """Compile the indexed prefill program (the engine's) for each (rows, chunk width) of `shapes`
         on the helper thread, ahead of time from the shapes and placements of the weights, the cache
-        and placeholder prompts (nothing runs, the cache is not touched); `then()` after the last. A
-        request whose prompt needs one of them waits in the queue meanwhile (`urgent`: before the
-        helper's jobs for later), the running rows decode on (the engine's `_take_joining`). Returns
-        the future, or None (queued already: made urgent if asked, or stopped)."""
-        shapes = tuple(sorted({(r, w) for r, w in shapes if (r, w, False) not in self._prefills_run}))
-        job = ("prefill", shapes)
-        if job in self._compiling and urgent and self._background is not None:
-            self._background.promote(job)
-        if job in self._compiling or self._stopped:
-            return None
+        and placeholder prompts (nothing runs, the cache is not touched), one job a program (so a job
+        another request waits for runs between them); `then()` after each. A request whose prompt
+        needs one of them waits in the queue meanwhile, the running rows decode on (the engine's
+        `_take_joining`): `urgent` makes `first` (the (rows, width) it needs; every shape when None)
+        run before the helper's jobs for later, a shape already queued moved up. Returns the future
+        of the last job queued (None: all queued already, compiled, or stopped)."""
         graphdef, weights = self.graphdef, jax.tree.map(_abstract, self.weights)
         cache = jax.tree.map(_abstract, self.state.cache)  # read here: the serving thread replaces it
+        future = None
+        for r, w in sorted({(r, w) for r, w in shapes if (r, w, False) not in self._prefills_run}):
+            job = ("prefill", r, w)
+            now = urgent and (first is None or first == (r, w))
+            if job in self._compiling and now and self._background is not None:
+                self._background.promote(job)
+            if job in self._compiling or self._stopped:
+                continue
 
-        def work() -> None:
-            try:
-                for r, w in shapes:
-                    key = (r, w, False)
-                    if key in self._prefills_run:
-                        continue
-                    try:
+            def work(r=r, w=w, job=job) -> None:
+                key = (r, w, False)
+                try:
+                    if key not in self._prefills_run:
                         args = self._prefill_placeholders(r, w)
                         self._run(
                             "prefill (background)",
-                            lambda a=args: _prefill_jit.lower(graphdef, weights, cache, *a).compile(),
+                            lambda: _prefill_jit.lower(graphdef, weights, cache, *args).compile(),
                         )
                         self._prefills_run.add(key)
-                    except Exception:
-                        self.prefill_failures.add(key)
-            finally:
-                self._compiling.discard(job)
-                if then is not None:
-                    then()
+                except Exception:
+                    self.prefill_failures.add(key)
+                finally:
+                    self._compiling.discard(job)
+                    if then is not None:
+                        then()
 
-        self._compiling.add(job)
-        return self._submit(job, work, urgent)
+            self._compiling.add(job)
+            future = self._submit(job, work, now)
+        return future
 
     def _prefill_placeholders(self, r: int, w: int) -> tuple:
         """Abstract arguments of an indexed prefill chunk after (graphdef, weights, cache), placed as
@@ -433,35 +435,48 @@ class Compiles:
 
     def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None, urgent: bool = False):
         """Compile the draw program of `cfg` at each shape, ahead of time from placeholder rows (the
-        decoder's state is not touched). `background`: on a helper thread (returns its future; None
-        when queued already, made urgent if asked; `urgent`: a request waits for it); `then()` runs
-        after the last one."""
+        decoder's state is not touched); `then()` after the last (in the background: after each).
+        `background`: on the helper thread, one job a shape (so a job a request waits for runs between
+        them; `urgent`: a request waits for these, shapes already queued are moved up). Returns the
+        future of the last job queued (None: all queued already, or stopped)."""
 
-        def work() -> None:
-            try:
-                for shape in shapes:
-                    key = self._draw_key(cfg, *shape)
-                    if key not in self._draws_run:
-                        self._compile_draw(cfg, *shape)
-                        self._draws_run.add(key)
-            except Exception:
-                self.draw_failures.add(cfg)  # the caller then compiles it itself, and sees the error
-                if not background:
-                    raise
-            finally:
-                self._compiling.discard((cfg, tuple(shapes)))
-                if then is not None:
-                    then()
+        def compile_each(shapes) -> None:
+            for shape in shapes:
+                key = self._draw_key(cfg, *shape)
+                if key not in self._draws_run:
+                    self._compile_draw(cfg, *shape)
+                    self._draws_run.add(key)
 
         if not background:
-            return work()
-        job = (cfg, tuple(shapes))
-        if job in self._compiling and urgent and self._background is not None:
-            self._background.promote(job)
-        if job in self._compiling or self._stopped:
-            return None
-        self._compiling.add(job)
-        return self._submit(job, work, urgent)
+            try:
+                return compile_each(shapes)
+            except Exception:
+                self.draw_failures.add(cfg)  # the caller then compiles it itself, and sees the error
+                raise
+            finally:
+                if then is not None:
+                    then()
+        future = None
+        for shape in shapes:
+            job = (cfg, tuple(shape))
+            if job in self._compiling and urgent and self._background is not None:
+                self._background.promote(job)
+            if job in self._compiling or self._stopped:
+                continue
+
+            def work(shape=shape, job=job) -> None:
+                try:
+                    compile_each([shape])
+                except Exception:
+                    self.draw_failures.add(cfg)  # the caller then compiles it itself, and sees the error
+                finally:
+                    self._compiling.discard(job)
+                    if then is not None:
+                        then()
+
+            self._compiling.add(job)
+            future = self._submit(job, work, urgent)
+        return future
 
     def _compile_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
         """Compile the draw program of `cfg` at this shape ahead of time, from placeholders placed as

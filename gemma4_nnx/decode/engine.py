@@ -810,10 +810,10 @@ class Engine:
         kb = self.decoder.row_bucket(k, joining=True)
         if self.decoder.prefill_ready(kb, width):
             return True
-        # queued once (None when it is already); `_compiled` (under the lock held here) wakes the queue
-        self.decoder.compile_prefills(
-            [(n, width) for n, _, _ in self.decoder.draw_shapes(True)], then=self._compiled, urgent=True
-        )
+        # queued once (None when it is already); `_compiled` (under the lock held here) wakes the queue;
+        # its own row count before the helper's other jobs, the other row counts after them
+        shapes = [(n, width) for n, _, _ in self.decoder.draw_shapes(True)]
+        self.decoder.compile_prefills(shapes, then=self._compiled, urgent=True, first=(kb, width))
         if k == 1:
             self._pending[0].waiting = True
         return False
