@@ -226,8 +226,8 @@ def test_a_waiting_prompt_compiles_before_the_helpers_later_jobs(model):
 
     try:
         engine.decoder._run = counted
-        held = engine.decoder._submit(("held",), lambda: gate.wait(60))
-        engine.decoder._submit(("later",), lambda: order.append("later"))
+        held = engine.decoder._queue(("held",), lambda: gate.wait(60), failed=print)
+        engine.decoder._queue(("later",), lambda: order.append("later"), failed=print)
         while not held.running():
             time.sleep(0.001)
         late = engine.submit(prompt, 5, stop_tokens=[])

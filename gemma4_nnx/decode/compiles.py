@@ -351,17 +351,11 @@ class Compiles:
         if job in self._compiling or self._stopped or key in done:
             return None
 
-        def work() -> None:
-            try:
-                self._run(f"{kind} (background)", lambda: jitted.lower(*args).compile())
-                done.add(key)
-            except Exception:
-                failures.add(key)
-            finally:
-                self._compiling.discard(job)
+        def build() -> None:
+            self._run(f"{kind} (background)", lambda: jitted.lower(*args).compile())
+            done.add(key)
 
-        self._compiling.add(job)
-        return self._submit(job, work)
+        return self._queue(job, build, functools.partial(failures.add, key))
 
     def prefill_ready(self, rows: int, width: int, soft: bool = False) -> bool:
         """Whether the prefill program of `rows` joining rows (indexed) and chunks of `width` columns
@@ -389,25 +383,15 @@ class Compiles:
             if job in self._compiling or self._stopped:
                 continue
 
-            def work(r=r, w=w, job=job) -> None:
-                key = (r, w, False)
-                try:
-                    if key not in self._prefills_run:
-                        args = self._prefill_placeholders(r, w)
-                        self._run(
-                            "prefill (background)",
-                            lambda: _prefill_jit.lower(graphdef, weights, cache, *args).compile(),
-                        )
-                        self._prefills_run.add(key)
-                except Exception:
-                    self.prefill_failures.add(key)
-                finally:
-                    self._compiling.discard(job)
-                    if then is not None:
-                        then()
+            def build(key=(r, w, False)) -> None:
+                if key not in self._prefills_run:
+                    args = self._prefill_placeholders(*key[:2])
+                    lower = functools.partial(_prefill_jit.lower, graphdef, weights, cache, *args)
+                    self._run("prefill (background)", lambda: lower().compile())
+                    self._prefills_run.add(key)
 
-            self._compiling.add(job)
-            future = self._submit(job, work, now)
+            failed = functools.partial(self.prefill_failures.add, (r, w, False))
+            future = self._queue(job, build, failed, then, now)
         return future
 
     def _prefill_placeholders(self, r: int, w: int) -> tuple:
@@ -428,9 +412,23 @@ class Compiles:
         real = (idx, ids, pos, valid, last, logits, c0, first)
         return (*jax.tree.map(_abstract, real), None, None if adapter is None else _abstract(adapter))
 
-    def _submit(self, job, work, urgent: bool = False):
+    def _queue(self, job, build, failed, then=None, urgent: bool = False):
+        """Queue `build()` (a compile) on the helper thread as `job` (in `_compiling` until it ends;
+        `failed()` if it raises, `then()` after it either way); returns its future."""
+
+        def work() -> None:
+            try:
+                build()
+            except Exception:
+                failed()
+            finally:
+                self._compiling.discard(job)
+                if then is not None:
+                    then()
+
         if self._background is None:
             self._background = HelperQueue()
+        self._compiling.add(job)
         return self._background.submit(job, work, urgent)
 
     def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None, urgent: bool = False):
@@ -464,18 +462,8 @@ class Compiles:
             if job in self._compiling or self._stopped:
                 continue
 
-            def work(shape=shape, job=job) -> None:
-                try:
-                    compile_each([shape])
-                except Exception:
-                    self.draw_failures.add(cfg)  # the caller then compiles it itself, and sees the error
-                finally:
-                    self._compiling.discard(job)
-                    if then is not None:
-                        then()
-
-            self._compiling.add(job)
-            future = self._submit(job, work, urgent)
+            failed = functools.partial(self.draw_failures.add, cfg)  # the caller then compiles it, and sees why
+            future = self._queue(job, functools.partial(compile_each, [shape]), failed, then, urgent)
         return future
 
     def _compile_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
