@@ -347,15 +347,14 @@ class Compiles:
         """Compile `jitted` for the abstract `args` on the helper thread (jax's ahead-of-time compile fills
         the cache its calls look in): `key` joins `done`, or `failures` if it raised. Returns the future,
         or None (queued already, compiled, or stopped)."""
-        job = (kind, *key)
-        if job in self._compiling or self._stopped or key in done:
+        if key in done:
             return None
 
         def build() -> None:
             self._run(f"{kind} (background)", lambda: jitted.lower(*args).compile())
             done.add(key)
 
-        return self._queue(job, build, functools.partial(failures.add, key))
+        return self._queue((kind, *key), build, functools.partial(failures.add, key))
 
     def prefill_ready(self, rows: int, width: int, soft: bool = False) -> bool:
         """Whether the prefill program of `rows` joining rows (indexed) and chunks of `width` columns
@@ -376,12 +375,7 @@ class Compiles:
         cache = jax.tree.map(_abstract, self.state.cache)  # read here: the serving thread replaces it
         future = None
         for r, w in sorted({(r, w) for r, w in shapes if (r, w, False) not in self._prefills_run}):
-            job = ("prefill", r, w)
             now = urgent and (first is None or first == (r, w))
-            if job in self._compiling and now and self._background is not None:
-                self._background.promote(job)
-            if job in self._compiling or self._stopped:
-                continue
 
             def build(key=(r, w, False)) -> None:
                 if key not in self._prefills_run:
@@ -391,7 +385,7 @@ class Compiles:
                     self._prefills_run.add(key)
 
             failed = functools.partial(self.prefill_failures.add, (r, w, False))
-            future = self._queue(job, build, failed, then, now)
+            future = self._queue(("prefill", r, w), build, failed, then, now) or future
         return future
 
     def _prefill_placeholders(self, r: int, w: int) -> tuple:
@@ -414,7 +408,14 @@ class Compiles:
 
     def _queue(self, job, build, failed, then=None, urgent: bool = False):
         """Queue `build()` (a compile) on the helper thread as `job` (in `_compiling` until it ends;
-        `failed()` if it raises, `then()` after it either way); returns its future."""
+        `failed()` if it raises, `then()` after it either way); returns its future, or None when `job`
+        is queued or running already (moved up if `urgent`) or the helper is stopped."""
+        if job in self._compiling:
+            if urgent and self._background is not None:
+                self._background.promote(job)
+            return None
+        if self._stopped:
+            return None
 
         def work() -> None:
             try:
@@ -456,14 +457,9 @@ class Compiles:
                     then()
         future = None
         for shape in shapes:
-            job = (cfg, tuple(shape))
-            if job in self._compiling and urgent and self._background is not None:
-                self._background.promote(job)
-            if job in self._compiling or self._stopped:
-                continue
-
             failed = functools.partial(self.draw_failures.add, cfg)  # the caller then compiles it, and sees why
-            future = self._queue(job, functools.partial(compile_each, [shape]), failed, then, urgent)
+            queued = self._queue((cfg, tuple(shape)), functools.partial(compile_each, [shape]), failed, then, urgent)
+            future = queued or future
         return future
 
     def _compile_draw(self, cfg: DrawConfig, n: int, indexed: bool, init: bool) -> None:
