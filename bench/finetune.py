@@ -52,12 +52,14 @@ def batches(tokenizer: str, batch_size: int, steps: int) -> list[dict]:
     return [next(loader) for _ in range(steps)]
 
 
-def ours(method: str, ckpt: str, rows: list[dict], dtype: str, compute_dtype: str | None = None) -> list[float]:
+def ours(
+    method: str, ckpt: str, rows: list[dict], dtype: str, compute_dtype: str | None = None, matmul: str = "auto"
+) -> list[float]:
     import gemma4_nnx
     from gemma4_nnx.train import finetune as ft
     from gemma4_nnx.train import loop
 
-    model = gemma4_nnx.load_any(ckpt, dtype=dtype, compute_dtype=compute_dtype or dtype)
+    model = gemma4_nnx.load_any(ckpt, dtype=dtype, compute_dtype=compute_dtype or dtype, matmul=matmul)
     wrt = loop.prepare(model, method, rank=RANK, base_quant="int4")
     config = loop.TrainConfig(steps=len(rows), lr=LR, batch_size=len(rows[0]["input_ids"]))
     opt = ft.make_optimizer(model, loop.make_tx(config), wrt=wrt)
@@ -103,7 +105,7 @@ def worker(side: str, method: str, a: argparse.Namespace) -> None:
 
     rows = batches(a.tokenizer or a.ckpt, a.batch_size, a.steps)
     if side == "ours":
-        times = ours(method, a.ckpt, rows, a.dtype, a.compute_dtype)
+        times = ours(method, a.ckpt, rows, a.dtype, a.compute_dtype, a.matmul)
     else:
         times = theirs(method, a.hf_dir, rows, a.dtype)
     tokens = sum(int(np.count_nonzero(b["segment_ids"])) for b in rows[1:])
@@ -112,7 +114,7 @@ def worker(side: str, method: str, a: argparse.Namespace) -> None:
     with open("/proc/self/status") as f:
         hwm = [ln for ln in f if ln.startswith("VmHWM:")]
     rss = int(hwm[0].split()[1]) / 2**20 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    report = {"first_s": times[0], "tokens_per_s": tokens / sum(times[1:]), "peak_rss_gib": rss}
+    report = {"first_s": times[0], "tokens_per_s": tokens / sum(times[1:]), "peak_rss_gib": rss, "steps_s": times[1:]}
     print("REPORT " + json.dumps(report), flush=True)
 
 
@@ -123,6 +125,7 @@ def run(side: str, method: str, a: argparse.Namespace) -> dict:
         cmd += ["--tokenizer", a.tokenizer]
     if a.compute_dtype:
         cmd += ["--compute-dtype", a.compute_dtype]
+    cmd += ["--matmul", a.matmul]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", a.cores, *cmd]
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -144,6 +147,11 @@ def main() -> None:
     )
     p.add_argument(
         "--compute-dtype", choices=["float32", "bfloat16"], help="ours: the activations' dtype (default --dtype)"
+    )
+    p.add_argument(
+        "--matmul",
+        default="auto",
+        help="ours: the projections' product (cpu_kernels_bf16: bf16 products, as torch's bf16)",
     )
     p.add_argument("--tokenizer", help="checkpoint whose tokenizer makes the batches (default: --ckpt)")
     p.add_argument("--repeats", type=int, default=1)

@@ -196,6 +196,41 @@ def test_gradients_equal_the_xla_path(rows):
         assert _rel(gw.astype(jnp.float32), rw.astype(jnp.float32)) <= 2.0**-7
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [3, cpu_kernels.GEMM_ROWS_T + 5])
+def test_a_block_of_the_table_is_read_in_place(rows):
+    """`matmul_t(x, w, start=, count=)` is x @ w[start:start + count]^T (float64 reference), with a traced
+    start clamped as `lax.dynamic_slice` clamps it; its gradients are autodiff's of the sliced XLA product
+    (w's outside the block zero); and in a loop over the blocks no float32 copy of the table appears
+    (what XLA:CPU makes of a bf16 `dynamic_slice`, hoisted out of the loop: the training loss's table)."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 48), dtype=np.float32))
+    w = _bf16(rng, (96, 48))
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    block = jax.jit(lambda x, w, s: cpu_kernels.matmul_t(x, w, start=s, count=20))
+    for start, first in ((0, 0), (37, 37), (76, 76), (90, 76), (-3, 0)):  # past either end: clamped
+        ref = np.asarray(x, np.float64) @ w64[first : first + 20].T
+        assert _rel(block(x, w, jnp.int32(start)), ref) <= REL_TOL
+
+    def loss(f):
+        return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
+    fast = loss(lambda x, w: cpu_kernels.matmul_t(x, w, start=jnp.int32(37), count=20))
+    slow = loss(lambda x, w: x @ jax.lax.dynamic_slice_in_dim(w.astype(jnp.float32), 37, 20, axis=0).T)
+    (gx, gw), (rx, rw) = (jax.grad(f, argnums=(0, 1))(x, w) for f in (fast, slow))
+    assert gw.dtype == jnp.bfloat16 and not np.any(np.asarray(gw.astype(jnp.float32))[np.r_[0:37, 57:96]])
+    assert _rel(gx, rx) <= REL_TOL
+    assert _rel(gw.astype(jnp.float32), rw.astype(jnp.float32)) <= 2.0**-7
+
+    def over_blocks(x, w):
+        body = lambda c, i: (c + jnp.sum(cpu_kernels.matmul_t(x, w, start=i * 24, count=24)), None)  # noqa: E731
+        return jax.lax.scan(body, 0.0, jnp.arange(4))[0]
+
+    total = np.sum(np.asarray(x, np.float64) @ w64.T)
+    assert abs(float(jax.jit(over_blocks)(x, w)) - total) <= 1e-4 * np.abs(np.asarray(x) @ w64.T).sum()
+    assert "f32[96,48]" not in jax.jit(over_blocks).lower(x, w).compile().as_text()
+
+
 def test_unavailable_kernels_fall_back_to_xla(monkeypatch):
     """Without the kernels (no compiler, GEMMA4_NNX_CPU_KERNELS=0) a bf16 model built with the default
     matmul="auto" traces XLA's path; asking for the kernels explicitly is a clear error."""
@@ -311,6 +346,32 @@ class _ProductLog(layers.Matmul):
 
 
 @pytest.mark.slow
+@needs_kernels
+@needs_bf16_dot
+@pytest.mark.parametrize(
+    "m,k,n", [(cpu_kernels.GEMM_ROWS_T, 40, 24), (45, 601, 78), (130, 512, 64), (cpu_kernels.GEMM_ROWS_T - 1, 40, 24)]
+)
+def test_bf16_product_gradients_equal_float64_of_rounded_gradients(m, k, n):
+    """The backward of matmul(bf16=True) (training): d/dx = bf16(g) @ w^T in float64 from GEMM_ROWS_T rows
+    of g (45 / 130: partial and whole 32-row blocks, K over several 128-pair panels, 78 / 601: rows of W
+    past whole 24-row groups); fewer rows stay exact float32; d/dw unchanged (float32 x^T g)."""
+    rng = np.random.default_rng(m * 7 + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+    w = _bf16(rng, (k, n))
+    g = jnp.asarray(rng.standard_normal((m, n), dtype=np.float32))
+    _, pull = jax.vjp(lambda x, w: cpu_kernels.matmul(x, w, bf16=True), x, w)
+    dx, dw = pull(g)
+    w64, g64 = np.asarray(w.astype(jnp.float32), np.float64), np.asarray(g, np.float64)
+    rounded = np.asarray(g.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    if m >= cpu_kernels.GEMM_ROWS_T:
+        assert _rel(dx, rounded @ w64.T) <= REL_TOL
+        assert _rel(dx, g64 @ w64.T) > 10 * REL_TOL
+    else:
+        assert _rel(dx, g64 @ w64.T) <= REL_TOL
+    ref_w = np.asarray(x, np.float64).T @ g64
+    assert _rel(dw.astype(jnp.float32), ref_w) <= 2.0**-7
+
+
 @needs_kernels
 @needs_bf16_dot
 def test_bf16_products_model_equals_rounded_reference():

@@ -435,3 +435,16 @@ def test_loss_in_pieces_equals_the_whole_logits_loss(recompute_logits):
     assert len(moved) > len(want_g) // 2 and "embed_tokens.embedding" in moved, moved
     for k, g in want_g.items():  # float32 sums in another order: 1e-5 of the tensor's largest gradient
         np.testing.assert_allclose(got_g[k], g, rtol=0, atol=1e-5 * float(np.max(np.abs(g))), err_msg=k)
+
+
+def test_lora_product_gradients_equal_float64():
+    """`ft.lora_product`'s own gradient (the rank-r factors transposed, not x or the output gradient)
+    against the float64 formulas dx = g b^T a^T, da = x^T g b^T, db = (x a)^T g, leading dimensions
+    included."""
+    rng = np.random.default_rng(0)
+    x, a, b, g = (rng.standard_normal(s) for s in ((2, 5, 24), (24, 3), (3, 40), (2, 5, 40)))
+    _, pull = jax.vjp(ft.lora_product, *(jnp.asarray(v, jnp.float32) for v in (x, a, b)))
+    dx, da, db = (np.asarray(v, np.float64) for v in pull(jnp.asarray(g, jnp.float32)))
+    x2, g2 = x.reshape(-1, 24), g.reshape(-1, 40)
+    for got, ref in ((dx, (g2 @ b.T @ a.T).reshape(x.shape)), (da, x2.T @ g2 @ b.T), (db, (x2 @ a).T @ g2)):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

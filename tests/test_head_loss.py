@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemma4_nnx.model.layers import XLA, softcap
+from gemma4_nnx.model import cpu_kernels
+from gemma4_nnx.model.layers import XLA, Matmul, softcap
 from gemma4_nnx.train import finetune as ft
 from gemma4_nnx.train import head_loss as hl
 from tests import hf_fixtures as fx
@@ -86,3 +87,40 @@ def test_loss_fn_and_its_gradients_equal_the_whole_logits_loss(monkeypatch):
         assert (wrt is ft.trainable_params) == ("embed_tokens.embedding" in moved), moved
         for k, g in want_g.items():
             _close(got_g[k], g, k)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs the CPU kernels (a C++ compiler)")
+@pytest.mark.parametrize("bf16_products", [False, True])
+def test_bf16_table_blocks_in_the_kernels_equal_float64(monkeypatch, bf16_products):
+    """A bf16 table under float32 compute (the CPU kernels read each block of the table in place, no
+    float32 copy of it): loss and hidden-state gradient over 7 whole blocks and a tail = the float64
+    loss of the bf16 table's values; with `bf16_products` (`matmul="cpu_kernels_bf16"`) the float64 loss
+    of bf16-rounded hidden states, the gradient within bf16 rounding of its cotangents (2^-7)."""
+    if bf16_products and not cpu_kernels.has_bf16_dot():
+        pytest.skip("needs AVX512-BF16 (avx512_bf16)")
+    monkeypatch.setattr(hl, "BLOCK_ELEMENTS", 128 * 32)
+    rng = np.random.default_rng(1)
+    n, d, v, cap = 32, 48, 1000, 30.0
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(v, d)) * 0.3, jnp.bfloat16)
+    targets = jnp.asarray(np.r_[rng.integers(0, v, n - 2), [999, 0]], jnp.int32)
+    weights = jnp.asarray(np.r_[np.ones(n - 1), [0]], jnp.float32)
+    head = hl.TiedHead(Matmul(cpu_kernels=True, bf16_products=bf16_products), jnp.float32, cap)
+    assert hl._blocks(v, n) == (128, 7)
+    f = jax.jit(jax.value_and_grad(lambda x: hl.weighted_nll_sum(head, x, table, targets, weights)))
+    assert f"f32[{v},{d}]" not in f.lower(x).compile().as_text()
+    got, got_g = f(x)
+    x64 = np.asarray(x.astype(jnp.bfloat16) if bf16_products else x, np.float32).astype(np.float64)
+    t64, w64, t = np.asarray(table, np.float32).astype(np.float64), np.asarray(weights, np.float64), np.asarray(targets)
+    z = x64 @ t64.T
+    logits = cap * np.tanh(z / cap)
+    m = logits.max(axis=1, keepdims=True)
+    p = np.exp(logits - m)
+    lse = m[:, 0] + np.log(p.sum(axis=1))
+    want = np.sum((lse - logits[np.arange(n), t]) * w64)
+    onehot = np.zeros_like(z)
+    onehot[np.arange(n), t] = 1
+    want_g = (((p / p.sum(axis=1, keepdims=True)) - onehot) * (1 - np.tanh(z / cap) ** 2) * w64[:, None]) @ t64
+    assert float(got) == pytest.approx(want, rel=1e-6)
+    tol = 2.0**-7 if bf16_products else 1e-5
+    np.testing.assert_allclose(np.asarray(got_g), want_g, rtol=0, atol=tol * np.abs(want_g).max())

@@ -13,6 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
+from gemma4_nnx.model import cpu_kernels
 from gemma4_nnx.train import data, loop
 from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx
@@ -691,3 +692,24 @@ def test_the_training_step_compiles_once(rows, caplog):
             ft.train_step(model, opt, batch)
     compiles = [r for r in caplog.records if "compilation of jit(_update)" in r.getMessage()]
     assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
+
+
+@pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="needs AVX512-BF16 (avx512_bf16) in the CPU kernels")
+def test_finetune_command_matmul_reaches_the_products(tmp_path):
+    """`gemma4-finetune --dtype bfloat16 --matmul cpu_kernels_bf16` trains through the bf16 products:
+    its first loss is within bf16 rounding of the exact products' (`--matmul xla`) and not equal to it."""
+    ckpt = make_tiny_hf(
+        tmp_path / "ckpt", tokenizer=True, num_hidden_layers=2, layer_types=(fx.S, fx.F), num_kv_shared_layers=0
+    )
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 4)}) + "\n" for i in range(8)))
+    losses = {}
+    for matmul in ("xla", "cpu_kernels_bf16"):
+        out = tmp_path / matmul
+        loop.main(
+            ["--model", ckpt, "--data", str(train), "--out", str(out), "--steps", "1", "--batch-size", "4"]
+            + ["--max-len", "16", "--dtype", "bfloat16", "--compute-dtype", "float32", "--matmul", matmul]
+        )
+        losses[matmul] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert losses["cpu_kernels_bf16"] != losses["xla"]
+    assert losses["cpu_kernels_bf16"] == pytest.approx(losses["xla"], rel=1e-2)

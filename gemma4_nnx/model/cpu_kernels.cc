@@ -50,6 +50,14 @@ namespace ffi = xla::ffi;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
 using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
 using MatrixOut = ffi::ResultBuffer<ffi::F32, 2>;
+using Index = ffi::Buffer<ffi::S32, 0>;
+
+// The first of `count` rows of a [rows, ...] weight that `start` (a traced scalar) selects, clamped into
+// range as XLA's dynamic-slice clamps its start: a block of the weight read in place (the training loss's
+// vocabulary blocks: XLA:CPU slices a bf16 array in float32, from a float32 copy of the whole table).
+int64_t block_start(const Index& start, int64_t rows, int64_t count) {
+  return std::clamp<int64_t>(start.typed_data()[0], 0, std::max<int64_t>(0, rows - count));
+}
 using Positions = ffi::Buffer<ffi::S32, 2>;  // [B, T] or [B, S] token positions / slots
 using Heads = ffi::Buffer<ffi::F32, 4>;      // [B, S, N, H]
 using HeadsOut = ffi::ResultBuffer<ffi::F32, 4>;
@@ -444,9 +452,62 @@ void gemm_bf16(ffi::ThreadPool& pool, const float* X, const uint16_t* W, float* 
     }
   });
 }
+
+// out[M, N] = bf16(x)[M, K] @ W[N, K]^T for bf16 W stored by rows and an even K (the backward of the
+// column form: the input gradient g @ W^T of an [in, out] kernel). The same tile with the roles
+// swapped, as `gemm_t` swaps them: a row of W is already its own pairs (32-bit words), broadcast one at a
+// time; blocks of kNr rows of x are rounded and packed once per call into pairs [K / 2][kNr] (lane j:
+// row j of the block). A task owns a range of rows of W and accumulates out^T[rows of W, rows of x] over
+// panels of kKc / 2 pairs, written back transposed at the end.
+void gemm_t_bf16(ffi::ThreadPool& pool, const float* X, const uint16_t* W, float* Y, int64_t M, int64_t K, int64_t N) {
+  const int64_t P = K / 2, mblocks = (M + kNr - 1) / kNr;
+  // 64-byte aligned (the tile's panel loads are aligned): one spare line to align the start
+  std::vector<uint32_t> xbuf(static_cast<size_t>(mblocks * P * kNr + 16));
+  uint32_t* xp = xbuf.data() + ((64 - reinterpret_cast<uintptr_t>(xbuf.data()) % 64) % 64) / 4;
+  parallel_for(pool, mblocks, [&](int64_t b) {
+    const int64_t m0 = b * kNr, rows = std::min(kNr, M - m0);
+    uint32_t* dst = xp + b * P * kNr;
+    for (int64_t j = 0; j < kNr; ++j) {
+      const float* x = X + (m0 + j) * K;
+      for (int64_t i = 0; i < P; ++i)
+        dst[i * kNr + j] = j < rows ? (bf16_bits(x[2 * i]) | bf16_bits(x[2 * i + 1]) << 16) : 0u;
+    }
+  });
+  const uint32_t* Wp = reinterpret_cast<const uint32_t*>(W);
+  constexpr int64_t kPc = kKc / 2, R = 24;
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(16, blocks / (8 * workers(pool))));
+  parallel_for(pool, (blocks + per_task - 1) / per_task, [&](int64_t t) {
+    const int64_t n_begin = t * per_task * R, n_end = std::min(N, n_begin + per_task * R), nn = n_end - n_begin;
+    std::vector<float> ct(static_cast<size_t>(mblocks * nn * kNr));  // block b: [nn, kNr]
+    for (int64_t n = n_begin; n < n_end; n += R) {
+      const int64_t nr = std::min(R, n_end - n);
+      for (int64_t i0 = 0; i0 < P; i0 += kPc) {
+        const int64_t pc = std::min(kPc, P - i0);
+        for (int64_t b = 0; b < mblocks; ++b) {
+          const uint32_t* panel = xp + (b * P + i0) * kNr;
+          float* c = ct.data() + (b * nn + n - n_begin) * kNr;
+          const uint32_t* w = Wp + n * P + i0;
+          const bool first = i0 == 0;
+          int64_t r = 0;
+          for (; r + 12 <= nr; r += 12) gemm_tile_bf16<12>(w + r * P, P, panel, pc, c + r * kNr, kNr, kNr, first);
+          for (; r + 4 <= nr; r += 4) gemm_tile_bf16<4>(w + r * P, P, panel, pc, c + r * kNr, kNr, kNr, first);
+          for (; r < nr; ++r) gemm_tile_bf16<1>(w + r * P, P, panel, pc, c + r * kNr, kNr, kNr, first);
+        }
+      }
+    }
+    for (int64_t b = 0; b < mblocks; ++b) {
+      const int64_t m0 = b * kNr, rows = std::min(kNr, M - m0);
+      const float* c = ct.data() + b * nn * kNr;
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t n = n_begin; n < n_end; ++n) Y[(m0 + i) * N + n] = c[(n - n_begin) * kNr + i];
+    }
+  });
+}
 constexpr bool kHasBf16Dot = true;
 #else
 void gemm_bf16(ffi::ThreadPool&, const float*, const uint16_t*, float*, int64_t, int64_t, int64_t) {}
+void gemm_t_bf16(ffi::ThreadPool&, const float*, const uint16_t*, float*, int64_t, int64_t, int64_t) {}
 constexpr bool kHasBf16Dot = false;
 #endif
 
@@ -530,10 +591,11 @@ constexpr int64_t kGemmRowsT = 24;
 // blocked product's 6 x 16 tiles are faster (13 rows of the 270M's 2048 x 640 Q5_0 codes: 505 -> 380 us).
 constexpr int64_t kGemmRowsTFloatCodes = kRowBlock == 4 ? 12 : kGemmRowsT;
 
-ffi::Error Cols(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out, bool bf16) {
+// out[M, N] = x[M, K] @ w[start : start + K, :] (w [>= K, N]; all of w when it has K rows).
+ffi::Error Cols(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, Index start, MatrixOut out, bool bf16) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
-  if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("gemma4_bf16_cols: x [M, K] and w [K, N] disagree");
-  const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
+  if (w.dimensions()[0] < K) return ffi::Error::InvalidArgument("gemma4_bf16_cols: x [M, K] and w [>= K, N] disagree");
+  const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data()) + block_start(start, w.dimensions()[0], K) * N;
   if (M * N == 0) return ffi::Error::Success();
   on_live_rows(x.typed_data(), out->typed_data(), M, K, N, [&](const float* X, float* Y, int64_t rows) {
     if (M >= kGemmRowsCols && bf16 && kHasBf16Dot) {
@@ -592,12 +654,20 @@ void rows_block(const float* __restrict__ x, const uint16_t* __restrict__ w, flo
   }
 }
 
-ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, MatrixOut out) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
-  if (w.dimensions()[1] != K) return ffi::Error::InvalidArgument("gemma4_bf16_rows: x [M, K] and w [N, K] disagree");
-  const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
+// out[M, N] = x[M, K] @ w[start : start + N, :]^T (w [>= N, K]; all of w when it has N rows).
+// bf16: from kGemmRowsT rows and for an even K, x is rounded to bf16 and multiplied with vdpbf16ps
+// (`gemm_t_bf16`; the backward of a bf16 column product), like Cols' bf16.
+ffi::Error Rows(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, Index start, MatrixOut out, bool bf16) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = out->dimensions()[1];
+  if (w.dimensions()[1] != K || w.dimensions()[0] < N)
+    return ffi::Error::InvalidArgument("gemma4_bf16_rows: x [M, K] and w [>= N, K] disagree");
+  const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data()) + block_start(start, w.dimensions()[0], N) * K;
   if (M * N == 0) return ffi::Error::Success();
   on_live_rows(x.typed_data(), out->typed_data(), M, K, N, [&](const float* X, float* Y, int64_t rows) {
+    if (M >= kGemmRowsT && bf16 && kHasBf16Dot && K % 2 == 0) {
+      gemm_t_bf16(pool, X, W, Y, rows, K, N);
+      return;
+    }
     if (M >= kGemmRowsT) {
       gemm_t(pool, X, Y, rows, K, N, [&](int64_t n, int64_t k0, int64_t kc, float* dst) {
         const uint16_t* src = W + n * K + k0;
@@ -2369,6 +2439,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Cols, Cols,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Bf16Matrix>()
+                                  .Arg<Index>()
                                   .Ret<Matrix>()
                                   .Attr<bool>("bf16"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Rows, Rows,
@@ -2376,7 +2447,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Rows, Rows,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Bf16Matrix>()
-                                  .Ret<Matrix>());
+                                  .Arg<Index>()
+                                  .Ret<Matrix>()
+                                  .Attr<bool>("bf16"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Bf16Take, Take,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

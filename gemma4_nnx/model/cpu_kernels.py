@@ -241,30 +241,45 @@ def _call(target: str, shape: tuple[int, ...], *args: Array, **attrs) -> Array:
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")(*args, **attrs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _cols(x: Array, w: Array, bf16: bool = False) -> Array:
-    """x [M, K] float32 @ w [K, N] bf16 -> [M, N] float32 (`bf16`: see `matmul`)."""
-    return _call("gemma4_bf16_cols", (x.shape[0], w.shape[1]), x, w, bf16=bf16)
+def _index(start) -> Array:
+    return jnp.asarray(start, jnp.int32).reshape(())
 
 
-@jax.custom_vjp
-def _rows(x: Array, w: Array) -> Array:
-    """x [M, K] float32 @ w [N, K]^T bf16 -> [M, N] float32."""
-    return _call("gemma4_bf16_rows", (x.shape[0], w.shape[0]), x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cols(x: Array, w: Array, start: Array, bf16: bool = False) -> Array:
+    """x [M, K] float32 @ w[start : start + K] bf16 (w [>= K, N]) -> [M, N] float32 (`bf16`: see `matmul`)."""
+    return _call("gemma4_bf16_cols", (x.shape[0], w.shape[1]), x, w, _index(start), bf16=bf16)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _rows(x: Array, w: Array, start: Array, count: int, bf16: bool = False) -> Array:
+    """x [M, K] float32 @ w[start : start + count]^T bf16 (w [>= count, K]) -> [M, count] float32 (`bf16`:
+    as `matmul`'s, for an even K)."""
+    return _call("gemma4_bf16_rows", (x.shape[0], count), x, w, _index(start), bf16=bf16)
+
+
+def _placed(part: Array, w: Array, start: Array) -> Array:
+    """The gradient of all of w from that of its rows start.. (`part`), in w's dtype."""
+    if part.shape[0] == w.shape[0]:
+        return part.astype(w.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(jnp.zeros(w.shape, w.dtype), part.astype(w.dtype), start, axis=0)
+
+
+# The input gradients are the other form's products, with the same `bf16` (a forward in bf16 products has
+# its backward in them too, as torch's bf16 training has).
 def _cols_bwd(bf16, res, g):
-    x, w = res
-    return _rows(g, w), jnp.matmul(x.T, g).astype(w.dtype)  # dx = g @ w^T, dw = x^T @ g
+    x, w, start = res
+    dx = _rows(g, w, start, x.shape[1], bf16)  # g @ w^T
+    return dx, _placed(jnp.matmul(x.T, g), w, start), None  # dw = x^T @ g
 
 
-def _rows_bwd(res, g):
-    x, w = res
-    return _cols(g, w, False), jnp.matmul(g.T, x).astype(w.dtype)  # dx = g @ w, dw = g^T @ x
+def _rows_bwd(count, bf16, res, g):
+    x, w, start = res
+    return _cols(g, w, start, bf16), _placed(jnp.matmul(g.T, x), w, start), None  # dx = g @ w, dw = g^T @ x
 
 
-_cols.defvjp(lambda x, w, bf16: (_cols(x, w, bf16), (x, w)), _cols_bwd)
-_rows.defvjp(lambda x, w: (_rows(x, w), (x, w)), _rows_bwd)
+_cols.defvjp(lambda x, w, start, bf16: (_cols(x, w, start, bf16), (x, w, start)), _cols_bwd)
+_rows.defvjp(lambda x, w, start, count, bf16: (_rows(x, w, start, count, bf16), (x, w, start)), _rows_bwd)
 
 
 # ------------------------------------------------------------------------------------------ public ops
@@ -283,11 +298,12 @@ def matmul(x: Array, w: Array, precision=None, bf16: bool = False) -> Array:
     bf16=True: from `GEMM_ROWS_COLS` rows (prefill), x is rounded to bf16 and multiplied with this
     CPU's AVX512-BF16 dot instruction (float32 sums; what torch's bf16 kernels do): about twice the
     rate, with the rounding error of bf16 activations (~2^-9 relative per element). Needs
-    `has_bf16_dot()`; fewer rows stay exact float32 products."""
+    `has_bf16_dot()`; fewer rows stay exact float32 products. Its gradient in x (g @ w^T, training's
+    backward) likewise rounds g from `GEMM_ROWS_T` rows when N is even."""
     lead, k, rows = _rows_of(x)
     if rows == 0:
         return jnp.zeros((*lead, w.shape[1]), jnp.float32)
-    return _cols(x.reshape(rows, k), w, bool(bf16)).reshape(*lead, w.shape[1])
+    return _cols(x.reshape(rows, k), w, 0, bool(bf16)).reshape(*lead, w.shape[1])
 
 
 def has_bf16_dot() -> bool:
@@ -296,12 +312,19 @@ def has_bf16_dot() -> bool:
     return "avx512_bf16" in _cpu_flags()
 
 
-def matmul_t(x: Array, w: Array, precision=None) -> Array:
-    """x [..., K] float32 @ w [N, K]^T bfloat16 -> [..., N] float32 (e.g. tied logits over the table)."""
+def matmul_t(x: Array, w: Array, precision=None, *, start=None, count: int | None = None, bf16: bool = False) -> Array:
+    """x [..., K] float32 @ w [N, K]^T bfloat16 -> [..., N] float32 (e.g. tied logits over the table).
+
+    With `start` (an int or a traced int32 scalar) and `count`: x @ w[start : start + count]^T -> [..., count],
+    the block read in place (a start past the end is clamped, as `lax.dynamic_slice` clamps it); for
+    loops over blocks of a table, where XLA:CPU's slice of a bf16 array would first convert the whole
+    array to float32. `bf16`: as `matmul`'s, from `GEMM_ROWS_T` rows and for an even K (the training
+    loss's head under `Matmul.bf16_products`), and for its gradient in x from `GEMM_ROWS_COLS` rows."""
     lead, k, rows = _rows_of(x)
+    count = w.shape[0] if count is None else count
     if rows == 0:
-        return jnp.zeros((*lead, w.shape[0]), jnp.float32)
-    return _rows(x.reshape(rows, k), w).reshape(*lead, w.shape[0])
+        return jnp.zeros((*lead, count), jnp.float32)
+    return _rows(x.reshape(rows, k), w, 0 if start is None else start, count, bool(bf16)).reshape(*lead, count)
 
 
 @jax.custom_vjp

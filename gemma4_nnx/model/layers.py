@@ -171,10 +171,19 @@ class Matmul:
             return cpu_kernels.matmul(x.astype(dtype), kernel, precision, bf16=self.bf16_products)
         return jnp.matmul(x.astype(dtype), kernel.astype(dtype), precision=precision)
 
-    def transposed(self, x: Array, table: Array, dtype) -> Array:
-        """x [..., D] @ table [V, D]^T in `dtype` (tied logits)."""
+    def transposed(
+        self, x: Array, table: Array, dtype, start=None, count: int | None = None, rounded: bool = False
+    ) -> Array:
+        """x [..., D] @ table [V, D]^T in `dtype` (tied logits). With `start` (an int or a traced scalar)
+        and `count`: against the rows start .. start + count of the table only (`lax.dynamic_slice`'s
+        clamping), read in place by the CPU kernels (a loop over blocks of the vocabulary). `rounded`:
+        under `bf16_products`, the kernels' product (and its gradient) rounds x to bf16 as the
+        projections' do (the training loss's head; the serving logits stay float32)."""
         if self.takes(table.dtype, dtype):
-            return cpu_kernels.matmul_t(x.astype(dtype), table)
+            bf16 = rounded and self.bf16_products
+            return cpu_kernels.matmul_t(x.astype(dtype), table, start=start, count=count, bf16=bf16)
+        if start is not None:
+            table = jax.lax.dynamic_slice_in_dim(table, start, count, axis=0)
         return jnp.einsum("...d,vd->...v", x.astype(dtype), table.astype(dtype))
 
 

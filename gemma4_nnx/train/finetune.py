@@ -104,8 +104,38 @@ class LoRALinear(nnx.Module):
             y = quant.matmul_t(x, self, dtype)
         else:
             y = self.matmul(x, self.kernel[...], dtype, self.precision)
-        z = jnp.matmul(jnp.matmul(x, self.lora_a[...].astype(dtype)), self.lora_b[...].astype(dtype))
+        z = lora_product(x, self.lora_a[...].astype(dtype), self.lora_b[...].astype(dtype))
         return y + z * jnp.asarray(self.scale, dtype)
+
+
+@jax.custom_vjp
+def lora_product(x: Array, a: Array, b: Array) -> Array:
+    """(x @ a) @ b for x [..., in], a [in, r], b [r, out]: the adapter's path, with a gradient that
+    transposes only the rank-r operands.
+
+    Autodiff's gradients of a and b contract the tokens of two token-major arrays (x^T (g b^T) and
+    (x a)^T g), and XLA:CPU made each product canonical by transposing the big operand (x, or the
+    [tokens, out] output gradient fused with whatever produced it), a copy of every projection's
+    input or output gradient per step; here the [tokens, r] factors are transposed instead (kept
+    apart by an optimization barrier so XLA does not fold the transpose back into the product)."""
+    return jnp.matmul(jnp.matmul(x, a), b)
+
+
+def _lora_fwd(x, a, b):
+    xa = jnp.matmul(x, a)
+    return jnp.matmul(xa, b), (x, a, b, xa)
+
+
+def _lora_bwd(res, g):
+    x, a, b, xa = res
+    x2, g2, xa2 = (v.reshape(-1, v.shape[-1]) for v in (x, g, xa))
+    gb = jnp.matmul(g2, b.T)  # [tokens, r]
+    dx = jnp.matmul(gb, a.T).reshape(x.shape)
+    gb_t, xa_t = jax.lax.optimization_barrier((gb.T, xa2.T))  # [r, tokens]
+    return dx, jnp.matmul(gb_t, x2).T, jnp.matmul(xa_t, g2)
+
+
+lora_product.defvjp(_lora_fwd, _lora_bwd)
 
 
 def projections(model: nnx.Module, targets: str) -> list[tuple[tuple, nnx.Module]]:

@@ -72,10 +72,12 @@ class TiedHead:
             return None
         return cls(emb.matmul, emb.dtype, model.config.final_logit_softcapping)
 
-    def logits(self, x: Array, rows: Array) -> tuple[Array, Array]:
-        """(softcapped logits, the product before the cap) of x against these rows of the table
-        (`Gemma4.logits` on a slice of the vocabulary)."""
-        z = self.matmul.transposed(x, rows, self.dtype)
+    def logits(self, x: Array, table: Array, start, count: int) -> tuple[Array, Array]:
+        """(softcapped logits, the product before the cap) of x against the rows start .. start + count
+        of the table (`Gemma4.logits` on a slice of the vocabulary; the CPU kernels read a bf16 table's
+        block in place, where XLA:CPU would slice it from a float32 copy of the whole table; under
+        `Matmul.bf16_products` in bf16 products, as the step's projections)."""
+        z = self.matmul.transposed(x, table, self.dtype, start, count, rounded=True)
         return softcap(z, self.cap), z
 
     def rows(self, table: Array, ids: Array) -> Array:
@@ -99,17 +101,17 @@ def _online(head: TiedHead, x: Array, table: Array, targets: Array, *, grad: boo
     n, d = x.shape
     size, count = _blocks(table.shape[0], n)
 
-    def block(carry, start, rows):
+    def block(carry, start, count):
         m, s, zt, acc = carry
-        (y, z), pull = jax.vjp(lambda x: head.logits(x, rows), x)
+        (y, z), pull = jax.vjp(lambda x: head.logits(x, table, start, count), x)
         y32 = y.astype(jnp.float32)
         m_new = jnp.maximum(m, jnp.max(y32, axis=1))
         rescale = jnp.exp(m - m_new)
         e = jnp.exp(y32 - m_new[:, None])
         s = s * rescale + jnp.sum(e, axis=1)
         local = targets - start
-        here = (local >= 0) & (local < rows.shape[0])
-        picked = jnp.take_along_axis(z, jnp.clip(local, 0, rows.shape[0] - 1)[:, None], axis=1)[:, 0]
+        here = (local >= 0) & (local < count)
+        picked = jnp.take_along_axis(z, jnp.clip(local, 0, count - 1)[:, None], axis=1)[:, 0]
         zt = jnp.where(here, picked, zt)
         if grad:
             # the cotangent e (the logits' dtype) through softcap and the product: sum_v e_v dl_v/dz_v E_v
@@ -126,14 +128,14 @@ def _online(head: TiedHead, x: Array, table: Array, targets: Array, *, grad: boo
 
     def body(carry, i):
         start = i * size
-        carry, z = block(carry, start, jax.lax.dynamic_slice_in_dim(table, start, size, axis=0))
+        carry, z = block(carry, start, size)
         return carry, z if keep else None
 
     carry, zs = jax.lax.scan(body, carry, jnp.arange(count))
     kept = [zs] if keep else []
     if count * size < table.shape[0]:  # the tail: fewer rows than a block
         start = count * size
-        carry, z = block(carry, start, table[start:])
+        carry, z = block(carry, start, table.shape[0] - start)
         kept.append(z)
     return (*carry, kept)
 
@@ -187,7 +189,7 @@ def _bwd(head, res, ct):
         local = targets - start
         onehot = local[:, None] == jnp.arange(rows.shape[0])[None, :]
         (dz,) = cap_back(((p - onehot) * scale[:, None]).astype(y.dtype))
-        _, pull = jax.vjp(lambda x, rows: head.matmul.transposed(x, rows, head.dtype), x, rows)
+        _, pull = jax.vjp(lambda x, rows: head.matmul.transposed(x, rows, head.dtype, rounded=True), x, rows)
         dxb, drows = pull(dz)
         return dx + dxb.astype(jnp.float32), drows.astype(table.dtype)
 

@@ -45,6 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gemma4_nnx.model import quant
+from gemma4_nnx.model.layers import MATMUL_OPTIONS
 from gemma4_nnx.sharding import DEFAULT_RULES, state_spec
 from gemma4_nnx.train import data
 from gemma4_nnx.train import finetune as ft
@@ -443,6 +444,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the frozen base weights' dtype (lora / qlora); auto: as stored, an HF directory float32 on CPU and "
         "bfloat16 on GPU / TPU; --method full always trains float32 master weights",
     )
+    p.add_argument(
+        "--matmul",
+        choices=MATMUL_OPTIONS,
+        default="auto",
+        help="the projections' products (gemma4_nnx.model.layers.resolve_matmul); on a CPU with AVX512-BF16, "
+        "cpu_kernels_bf16 multiplies bf16 weights (--dtype bfloat16, float32 activations) in bf16 products, "
+        "forward and backward, as torch's bf16 training does: about 2x the step's speed",
+    )
     p.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
@@ -519,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     compute = None if args.compute_dtype == "auto" else args.compute_dtype  # None: load_any's default_dtypes
     weights = "float32" if args.method == "full" else None if args.dtype == "auto" else args.dtype
-    model = load_any(args.model, dtype=weights, compute_dtype=compute, kind="model")
+    model = load_any(args.model, dtype=weights, compute_dtype=compute, matmul=args.matmul, kind="model")
     wrt = prepare(
         model, args.method, rank=args.lora_rank, alpha=args.lora_alpha, base_quant=args.base_quant, seed=args.seed
     )
