@@ -218,9 +218,10 @@ def test_train_step_is_the_plain_update_and_returns_no_frozen_base():
         optimizer.update(model, grads)
         return loss
 
-    graphdef, params, frozen = nnx.split(model, opt.wrt, ...)
-    opt_graphdef, opt_state = nnx.split(opt)
-    out = ft._update.lower(graphdef, opt_graphdef, params, frozen, opt_state, batch, 1, None).out_info
+    args = ft.step_arguments(model, opt)
+    _, params, frozen, opt_state = args
+    assert len(params) == len(jax.tree.leaves(nnx.state(model, nnx.LoRAParam))) == 2 * len(ft.lora_paths(model))
+    out = ft._update.lower(*args, batch, 1, None).out_info
     assert jax.tree.structure(out) == jax.tree.structure((jnp.float32(0), params, opt_state))
     returned = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out))
     trained = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
@@ -448,3 +449,32 @@ def test_lora_product_gradients_equal_float64():
     x2, g2 = x.reshape(-1, 24), g.reshape(-1, 40)
     for got, ref in ((dx, (g2 @ b.T @ a.T).reshape(x.shape)), (da, x2.T @ g2 @ b.T), (db, (x2 @ a).T @ g2)):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_train_step_reuses_its_split_and_reads_values_set_between_steps():
+    """`train_step` keeps its split of (model, optimizer) while their structure is unchanged, reading the
+    variables' values at every step: a value assigned between steps (`mod.lora_b[...] = ...`) is what
+    the next step starts from (its loss = `loss_fn` of the model as it is), and a Variable replaced by a
+    new one makes a new split."""
+    model = micro_model()
+    ft.apply_lora(model, rank=2)
+    opt = ft.make_optimizer(model, optax.sgd(1e-2))
+    ids = fx.sample_ids(2, 10, seed=5)
+    batch = {
+        k: jnp.asarray(v) for k, v in ft.make_batch([list(r[:3]) for r in ids], [list(r[3:]) for r in ids]).items()
+    }
+    ft.train_step(model, opt, batch)
+    plan = ft._plans[opt]
+    ft.train_step(model, opt, batch)
+    assert ft._plans[opt] is plan
+    rng = np.random.default_rng(0)
+    for mod in ft.lora_modules(model).values():
+        mod.lora_b[...] = jnp.asarray(0.1 * rng.standard_normal(mod.lora_b.shape), jnp.float32)
+    want = float(ft.loss_fn(model, batch))
+    assert float(ft.train_step(model, opt, batch)) == pytest.approx(want, rel=1e-5)
+    assert ft._plans[opt] is plan
+    mod = next(iter(ft.lora_modules(model).values()))
+    mod.lora_b = nnx.LoRAParam(jnp.zeros(mod.lora_b.shape, jnp.float32))
+    want = float(ft.loss_fn(model, batch))
+    assert float(ft.train_step(model, opt, batch)) == pytest.approx(want, rel=1e-5)
+    assert ft._plans[opt] is not plan
