@@ -455,9 +455,9 @@ class Compiles:
             finally:
                 if then is not None:
                     then()
+        failed = functools.partial(self.draw_failures.add, cfg)  # the caller then compiles it, and sees why
         future = None
         for shape in shapes:
-            failed = functools.partial(self.draw_failures.add, cfg)  # the caller then compiles it, and sees why
             queued = self._queue((cfg, tuple(shape)), functools.partial(compile_each, [shape]), failed, then, urgent)
             future = queued or future
         return future

@@ -51,6 +51,12 @@ using Matrix = ffi::Buffer<ffi::F32, 2>;
 using Bf16Matrix = ffi::Buffer<ffi::BF16, 2>;
 using MatrixOut = ffi::ResultBuffer<ffi::F32, 2>;
 using Index = ffi::Buffer<ffi::S32, 0>;
+using Positions = ffi::Buffer<ffi::S32, 2>;  // [B, T] or [B, S] token positions / slots
+using Heads = ffi::Buffer<ffi::F32, 4>;      // [B, S, N, H]
+using HeadsOut = ffi::ResultBuffer<ffi::F32, 4>;
+using PositionsOut = ffi::ResultBuffer<ffi::S32, 2>;
+
+namespace {
 
 // The first of `count` rows of a [rows, ...] weight that `start` (a traced scalar) selects, clamped into
 // range as XLA's dynamic-slice clamps its start: a block of the weight read in place (the training loss's
@@ -58,12 +64,7 @@ using Index = ffi::Buffer<ffi::S32, 0>;
 int64_t block_start(const Index& start, int64_t rows, int64_t count) {
   return std::clamp<int64_t>(start.typed_data()[0], 0, std::max<int64_t>(0, rows - count));
 }
-using Positions = ffi::Buffer<ffi::S32, 2>;  // [B, T] or [B, S] token positions / slots
-using Heads = ffi::Buffer<ffi::F32, 4>;      // [B, S, N, H]
-using HeadsOut = ffi::ResultBuffer<ffi::F32, 4>;
-using PositionsOut = ffi::ResultBuffer<ffi::S32, 2>;
 
-namespace {
 
 #if defined(__AVX2__)
 inline float hsum8(__m256 v) {

@@ -8,12 +8,14 @@ regexes, checkpoints and sharding rules match.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 
-__all__ = ["dotted", "get_submodule", "set_submodule", "submodules"]
+__all__ = ["StaticGraph", "Walked", "dotted", "get_submodule", "set_submodule", "submodules", "walk"]
 
 
 def dotted(path: Sequence[Any]) -> str:
@@ -41,3 +43,102 @@ def set_submodule(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
         parent[int(path[-1])] = new
     else:
         setattr(parent, str(path[-1]), new)
+
+
+class StaticGraph:
+    """A model's GraphDef and its weights' tree structure as one jit static argument, hashed once. jit
+    hashes its static arguments at every call, and hashing a full-size GraphDef is slow (two or three
+    hashes per `generate` call; docs/benchmarks.md, "Decode core: host costs").
+
+    The programs take the weights as a flat tuple of arrays (`split_model`) and rebuild the model
+    inside (`merge`): jit flattens a tuple of arrays in C++, where an `nnx.State` of ~800 Variables
+    runs a Python flatten per Variable at every dispatch."""
+
+    __slots__ = ("_hash", "treedef", "value")
+
+    def __init__(self, value, treedef):
+        self.value, self.treedef = value, treedef
+        self._hash = hash((value, treedef))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StaticGraph) and (
+            (self.value is other.value and self.treedef is other.treedef)
+            or (self._hash == other._hash and self.value == other.value and self.treedef == other.treedef)
+        )
+
+    def merge(self, weights: tuple):
+        """The model of these weights (`split_model`'s leaves, or the tracers a program gets)."""
+        return nnx.merge(self.value, jax.tree_util.tree_unflatten(self.treedef, weights))
+
+
+_VARIABLE, _PYTREE, _SEQUENCE, _MAPPING = 1, 2, 3, 4
+_kinds: dict[type, int] = {}
+
+
+def _kind(value) -> int:
+    """What `walk` does with an attribute, by its type (cached: `isinstance` against nnx's
+    Variable metaclass also tests for tracers and hijax variables, and a walk makes ~30k calls)."""
+    t = type(value)
+    kind = _kinds.get(t)
+    if kind is None:
+        kind = _kinds[t] = (
+            _VARIABLE
+            if issubclass(t, nnx.Variable)
+            else _PYTREE
+            if issubclass(t, nnx.Pytree)
+            else _SEQUENCE
+            if issubclass(t, (list, tuple))
+            else _MAPPING
+            if issubclass(t, dict)
+            else 0
+        )
+    return kind
+
+
+def walk(node, out: list, variables: list | None = None) -> None:
+    """Append what `nnx.split(node)`'s GraphDef depends on: every attribute of every Module / Pytree
+    (nested containers too) in attribute order, by identity; Variables also to `variables` (if given).
+    A walk costs a small fraction of a split: what `decode.split.split_model` and `train_step` check
+    before reusing their last split (docs/benchmarks.md, "Decode core: host costs")."""
+    for value in vars(node).values():
+        out.append(value)
+        kind = _kind(value)
+        if kind == _VARIABLE:
+            if variables is not None:
+                variables.append(value)
+        elif kind == _PYTREE:
+            walk(value, out, variables)
+        elif kind in (_SEQUENCE, _MAPPING):
+            for item in value if kind == _SEQUENCE else value.values():
+                out.append(item)
+                if _kind(item) == _PYTREE:
+                    walk(item, out, variables)
+
+
+class Walked:
+    """The objects a `walk` met, by identity: `matches` says whether a later walk met the same ones in
+    the same order. Modules and arrays are held by weak references (a freed one fails the check, so an
+    id is never compared against a new object at a freed one's address); objects without one
+    (Variables, ints, tuples) by id only, so whoever keeps a `Walked` must keep them alive (the cached
+    GraphDef holds the static values; a Variable through its value's weak reference, or held)."""
+
+    __slots__ = ("ids", "refs")
+
+    def __init__(self, seen: list):
+        self.ids = [id(x) for x in seen]
+        self.refs = [_weak(x) for x in seen]
+
+    def matches(self, seen: list) -> bool:
+        return len(seen) == len(self.ids) and all(
+            id(x) == i and (r is None or r() is x) for x, i, r in zip(seen, self.ids, self.refs)
+        )
+
+
+def _weak(x):
+    try:
+        return weakref.ref(x)
+    except TypeError:  # Variables, ints, tuples: compared by id
+        return None

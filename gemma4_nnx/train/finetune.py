@@ -40,7 +40,7 @@ from flax import nnx, traverse_util
 from jax.ad_checkpoint import checkpoint_name
 
 from gemma4_nnx.model import layers, quant
-from gemma4_nnx.model.tree import dotted, set_submodule, submodules
+from gemma4_nnx.model.tree import StaticGraph, Walked, dotted, set_submodule, submodules, walk
 from gemma4_nnx.train import head_loss
 
 Array = jax.Array
@@ -464,37 +464,14 @@ def train_step(
     return loss
 
 
-class _Static:
-    """The step's static argument: the model's and the optimizer's GraphDefs and the trees of the three
-    leaf tuples, hashed once (jit hashes its static arguments at every call: ~15 ms for an E2B
-    GraphDef, `decode.split.StaticGraph`)."""
-
-    __slots__ = ("_hash", "graphdef", "opt_graphdef", "treedefs")
-
-    def __init__(self, graphdef, opt_graphdef, treedefs):
-        self.graphdef, self.opt_graphdef, self.treedefs = graphdef, opt_graphdef, treedefs
-        self._hash = hash((graphdef, opt_graphdef, treedefs))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Static) and (
-            self is other
-            or (
-                self._hash == other._hash
-                and (self.graphdef, self.opt_graphdef, self.treedefs)
-                == (other.graphdef, other.opt_graphdef, other.treedefs)
-            )
-        )
-
-
 class _Plan:
     """`train_step`'s split of one model and its optimizer: which Variable holds each leaf of the trained
-    variables, the frozen ones and the optimizer state, reused while a walk of their attributes finds
-    the same structure (`decode.split`'s walk, values left out: every step changes them). Splitting
-    and updating through nnx rebuilt a Variable per leaf and sorted every node's keys at each step
-    (~0.3 s a step on E2B's ~3,700 variables); the step now takes and returns flat tuples of arrays."""
+    variables, the frozen ones and the optimizer state, reused while a walk of their attributes meets
+    the same objects (`tree.walk`, values left out: every step changes them; the plan holds the
+    Variables, so their ids stay theirs). Splitting and updating through nnx rebuilt a Variable per
+    leaf and sorted every node's keys at each step (docs/benchmarks.md); the step takes and returns
+    flat tuples of arrays, and its static argument (both GraphDefs and the three leaf trees) is
+    hashed once."""
 
     def __init__(self, model, optimizer, seen: list):
         graphdef, params, frozen = nnx.split(model, optimizer.wrt, ...)
@@ -507,20 +484,12 @@ class _Plan:
                 raise ValueError("train_step: a variable of the model holds more than one array")
             self.variables.append(held)
             treedefs.append(treedef)
-        self.static = _Static(graphdef, opt_graphdef, tuple(treedefs))
+        self.static = StaticGraph((graphdef, opt_graphdef), tuple(treedefs))
         self.model, self.optimizer = weakref.ref(model), weakref.ref(optimizer)
-        from gemma4_nnx.decode.split import _weak
-
-        self.ids = [id(x) for x in seen]
-        self.refs = [_weak(x) for x in seen]
+        self.walked = Walked(seen)
 
     def matches(self, model, optimizer, seen: list) -> bool:
-        return (
-            self.model() is model
-            and self.optimizer() is optimizer
-            and len(seen) == len(self.ids)
-            and all(id(x) == i and (r is None or r() is x) for x, i, r in zip(seen, self.ids, self.refs))
-        )
+        return self.model() is model and self.optimizer() is optimizer and self.walked.matches(seen)
 
     def arguments(self) -> tuple:
         """(static, trained, frozen, optimizer state): the leaves as tuples of arrays. On one device each
@@ -529,7 +498,7 @@ class _Plan:
         zeros made the second step compile the whole step a second time)."""
         values = [tuple(v.get_raw_value() for v in vs) for vs in self.variables]
         arrays = [x for vs in values for x in vs if isinstance(x, jax.Array)]
-        if all(len(x.sharding.device_set) == 1 for x in arrays) and not all(x.committed for x in arrays):
+        if not all(x.committed for x in arrays) and all(len(x.sharding.device_set) == 1 for x in arrays):
             values = [tuple(_committed(x) for x in vs) for vs in values]
         return (self.static, *values)
 
@@ -545,11 +514,9 @@ _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _plan(model, optimizer) -> _Plan:
     """The last `_Plan` of this optimizer, or a new one when the model, the optimizer or their structure
     (modules, variables, static attributes, by identity) changed."""
-    from gemma4_nnx.decode.split import _structure
-
     seen: list = []
-    _structure(model, seen, [])
-    _structure(optimizer, seen, [])
+    walk(model, seen)
+    walk(optimizer, seen)
     plan = _plans.get(optimizer)
     if plan is None or not plan.matches(model, optimizer, seen):
         plan = _plans[optimizer] = _Plan(model, optimizer, seen)
@@ -583,17 +550,17 @@ def _committed(x):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(1, 3))
-def _update(static: _Static, params: tuple, frozen: tuple, opt_state: tuple, batch, accumulate, mesh):
-    """`train_step`'s program on the leaves (`_Plan.arguments`): (loss, trained leaves, optimizer state's
-    leaves), in the order they came."""
+def _update(static: StaticGraph, params: tuple, frozen: tuple, opt_state: tuple, batch, accumulate, mesh):
+    """`train_step`'s program on the leaves (`_Plan.arguments`; `static`: the model's and optimizer's
+    GraphDefs, the three leaf trees): (loss, trained leaves, optimizer state's leaves), in the order
+    they came."""
+    treedefs = static.treedef
     params, frozen, opt_state = (
-        jax.tree_util.tree_unflatten(t, x) for t, x in zip(static.treedefs, (params, frozen, opt_state))
+        jax.tree_util.tree_unflatten(t, x) for t, x in zip(treedefs, (params, frozen, opt_state))
     )
-    loss, params, opt_state = _update_states(
-        static.graphdef, static.opt_graphdef, params, frozen, opt_state, batch, accumulate, mesh
-    )
+    loss, params, opt_state = _update_states(*static.value, params, frozen, opt_state, batch, accumulate, mesh)
     out = []
-    for state, treedef in ((params, static.treedefs[0]), (opt_state, static.treedefs[2])):
+    for state, treedef in ((params, treedefs[0]), (opt_state, treedefs[2])):
         leaves, got = jax.tree_util.tree_flatten(state)
         if got != treedef:  # the step's outputs must come back leaf for leaf into the same Variables
             raise AssertionError(f"train_step: the updated state's tree changed:\n{got}\n{treedef}")

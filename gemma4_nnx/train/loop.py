@@ -450,7 +450,7 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="the projections' products (gemma4_nnx.model.layers.resolve_matmul); on a CPU with AVX512-BF16, "
         "cpu_kernels_bf16 multiplies bf16 weights (--dtype bfloat16, float32 activations) in bf16 products, "
-        "forward and backward, as torch's bf16 training does (an E2B-size LoRA step ~1.4x faster)",
+        "forward and backward, as torch's bf16 training does (faster: docs/fine-tuning.md)",
     )
     p.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
     p.add_argument("--save-every", type=int, default=100)
