@@ -196,11 +196,11 @@ def locate_nan(model, optimizer, batch) -> str:
     err, (loss, nans) = jax.jit(checkify.checkify(step, errors=checkify.nan_checks))(params, frozen, batch)
     where, exc = "", err.get_exception()
     tb = getattr(exc, "traceback_info", None)
-    if tb is not None:  # where the operation was traced: the frames outside site-packages, innermost last
-        import traceback
+    if tb is not None:  # where the operation was traced: this repository's frames, innermost last (the
+        import traceback  # chip's jax lives outside site-packages: only the path tells ours apart)
 
         frames = traceback.extract_tb(tb.as_python_traceback())
-        ours = [f"{f.filename}:{f.lineno} {f.name}" for f in frames if "site-packages" not in f.filename]
+        ours = [f"{f.filename}:{f.lineno} {f.name}" for f in frames if os.path.abspath(f.filename).startswith(ROOT)]
         where = "".join(f"\n    {x}" for x in ours[-8:])
     return (
         f"checkify ({time.perf_counter() - t:.1f} s): loss sum {float(loss):.4f}, {int(nans)} NaN gradient "

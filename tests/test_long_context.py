@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -95,6 +96,31 @@ def test_blockwise_attention_vision_spans_and_gradients_equal_whole_matrix():
     for name, a, c in zip("qkv", g_w, g_b, strict=True):
         err = float(jnp.max(jnp.abs(a - c)) / jnp.max(jnp.abs(a)))
         assert err <= 1e-5, f"d/d{name}: relative error {err:.3g}"
+
+
+def test_blockwise_attention_gradient_takes_no_gradient_through_the_running_maximum():
+    """The running maximum only shifts the exponentials (it cancels in acc / total), so autodiff must not
+    differentiate it: a max's derivative divides by the count of entries equal to it (an `eq` of the
+    operand and the max), and on a TPU v5e, where remat recomputes the scores, that count came out 0
+    for the 270M full fine-tune: 0 / 0, every gradient NaN from the first step. The gradient's program
+    holds no such comparison (the mask is made of orderings, not equalities), and its values stay
+    those of the whole-matrix softmax (the test above)."""
+    q, k, v, kpos, qpos = _case(2, 20, 4, 1, 8, 40, seed=7)
+
+    def loss(q, k, v):
+        kv = KV(k, v, jnp.asarray(kpos))
+        return jnp.sum(attention._blockwise_attend(q, kv, jnp.asarray(qpos), 6, 1.0, block=8))
+
+    counts = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*map(jnp.asarray, (q, k, v))).jaxpr)
+    assert counts.get("reduce_max", 0) > 0 and counts.get("eq", 0) == 0, counts
 
 
 def test_long_attention_takes_key_and_query_blocks():

@@ -249,7 +249,10 @@ def _blockwise_attend(
             if scale != 1.0:
                 scores = scores * jnp.float32(scale)
             scores = jnp.where(mask, scores, lowest)
-            new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+            # the shift cancels in acc / total, so it takes no gradient (as in `jax.nn.softmax`): autodiff
+            # of a max divides by the count of entries equal to it, which the chip's recomputation under
+            # remat made 0 (0 / 0: every gradient NaN from the first step, 270M full fine-tune on a v5e)
+            new_top = jax.lax.stop_gradient(jnp.maximum(top, jnp.max(scores, axis=-1)))
             p = jnp.exp(scores - new_top[..., None])
             rescale = jnp.exp(top - new_top)
             total = total * rescale + jnp.sum(p, axis=-1)
