@@ -313,3 +313,39 @@ def test_serve_sets_a_short_gil_switch_interval(tmp_path, capsys):
         assert sys.getswitchinterval() == pytest.approx(0.3e-3)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_server_mailbox_wakes_the_event_loop_once_per_batch_in_order():
+    """The engine thread hands a step's events for every stream to the server's event loop through one
+    `_Mailbox`: one `call_soon_threadsafe` (a write to the loop's self-pipe, and a wake-up) for all the
+    events posted before the loop drains them, not one per stream and token, each queue getting its
+    items in the order posted; a post after the drain wakes the loop again."""
+    import asyncio
+
+    from gemma4_nnx.serve.serving import _Mailbox
+
+    loop = asyncio.new_event_loop()
+    try:
+        wakes = []
+        plain = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), plain(*a))[1]
+        box = _Mailbox(loop)
+        queues = [asyncio.Queue() for _ in range(4)]
+
+        def step():  # one decode step's events for 64 streams, from another thread
+            for i in range(64):
+                box.post(queues[i % 4], i)
+
+        t = threading.Thread(target=step)
+        t.start()
+        t.join()
+        assert len(wakes) == 1
+        loop.run_until_complete(asyncio.sleep(0))  # the loop runs the drain
+        for q, queue in enumerate(queues):
+            assert [queue.get_nowait() for _ in range(queue.qsize())] == list(range(q, 64, 4))
+        box.post(queues[0], 64)
+        assert len(wakes) == 2
+        loop.run_until_complete(asyncio.sleep(0))
+        assert queues[0].get_nowait() == 64
+    finally:
+        loop.close()

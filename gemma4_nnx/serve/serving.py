@@ -85,6 +85,30 @@ class _Peeked:
         return self.first.pop() if self.first else await self.queue.get()
 
 
+class _Mailbox:
+    """Events handed from the engine thread to one event loop, the loop woken once per batch: each
+    `call_soon_threadsafe` writes to the loop's self-pipe (a system call, dear in a sandbox) and wakes
+    it, so a step of 64 streams cost 64 of them on the engine thread. `post` queues (queue, item) and
+    wakes the loop only when the box was empty; the loop's `_drain` hands every item over in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.lock = loop, [], threading.Lock()
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if len(self.items) > 1:  # a wake-up is on its way and will take this item too
+                return
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 async def _disconnected(http) -> None:
     """Return once the client has disconnected (the ASGI server's `http.disconnect` message; the
     body was read already, so nothing else arrives)."""
@@ -414,6 +438,14 @@ class Serving:
         self.in_flight = 0  # prompts admitted and not finished (touched on the event loop only)
         self.live: set = set()  # engine requests submitted and not finished (for the drain)
         self.draining = False
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}  # one per event loop (the server's)
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        box = self._mailboxes.get(loop)
+        if box is None:  # a loop closed since (tests run several) is dropped
+            self._mailboxes = {k: v for k, v in self._mailboxes.items() if not k.is_closed()}
+            box = self._mailboxes[loop] = _Mailbox(loop)
+        return box
 
     def drain(self, timeout: float) -> threading.Timer:
         """Stop admitting (503 from now on) and, after `timeout` seconds, end every request still in
@@ -767,7 +799,7 @@ class Serving:
             echo = [e for e in await asyncio.to_thread(self.echo, prompts, body) for _ in range(body.n or 1)]
         if not requests:  # max_tokens 0: the echo is the whole answer
             requests = [None] * len(echo)
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()  # filled by the engine thread's sinks
         events: asyncio.Queue | _Peeked = queue  # what this request reads
 
@@ -777,8 +809,7 @@ class Serving:
             def sink(ev: Event) -> None:
                 if timer is not None:
                     timer.event(ev)
-                with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
-                    loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
+                mailbox.post(queue, (i, ev))
 
             return sink
 
