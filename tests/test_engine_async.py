@@ -182,22 +182,24 @@ def test_a_new_prompt_bucket_compiles_off_the_serving_thread(model):
 
 
 def test_helper_queue_runs_urgent_jobs_first():
-    """The helper thread's queue: jobs a request waits for (urgent) run before those queued for later,
-    each kind in the order queued; a later job made urgent (`promote`) moves up; a shutdown cancels
-    what has not started, and the job running finishes."""
+    """The helper thread's queue: jobs a request waits for (urgent) run first, then those the running
+    rows want soon (their fused step programs), then those queued for later, each kind in the order
+    queued; a later job made urgent (`promote`) moves up; a shutdown cancels what has not started,
+    and the job running finishes."""
     from gemma4_nnx.decode.compiles import HelperQueue
 
     q, order, gate = HelperQueue(), [], threading.Event()
     held = q.submit("held", lambda: gate.wait(30) and order.append("held"))
     while not held.running():
         time.sleep(0.001)
-    jobs = [("later1", False), ("urgent1", True), ("later2", False), ("later3", False), ("urgent2", True)]
-    futures = {name: q.submit(name, lambda n=name: order.append(n), urgent) for name, urgent in jobs}
+    jobs = [("later1", False, False), ("soon1", False, True), ("urgent1", True, False), ("later2", False, False)]
+    jobs += [("later3", False, False), ("soon2", False, True), ("urgent2", True, False)]
+    futures = {name: q.submit(name, lambda n=name: order.append(n), urgent, soon) for name, urgent, soon in jobs}
     q.promote("later3")
     gate.set()
     for f in futures.values():
         f.result(30)
-    assert order == ["held", "urgent1", "later3", "urgent2", "later1", "later2"]
+    assert order == ["held", "urgent1", "later3", "urgent2", "soon1", "soon2", "later1", "later2"]
     gate.clear()
     running = q.submit("running", lambda: gate.wait(30) and "done")
     while not running.running():
@@ -349,3 +351,47 @@ def test_server_mailbox_wakes_the_event_loop_once_per_batch_in_order():
         assert queues[0].get_nowait() == 64
     finally:
         loop.close()
+
+
+def test_a_step_waiting_for_its_fused_program_reads_no_shapes(model):
+    """While a sampler's fused step program waits on the helper thread, every step asks for it again
+    (`Decoder.step`); the ask must cost a set lookup, not the abstract shapes of the weights, cache and
+    rows (milliseconds of the serving thread per step for E2B's arrays: the chip's 64-stream sweep ran
+    its steps apart while the helper compiled). With the helper held by another job, a request of 9
+    tokens reads those shapes once (the compile's queuing) and still gives `generate`'s tokens."""
+    engine = Engine(model, max_batch=2, max_length=32)
+    engine.decoder.fuse_after = 0
+    hold = threading.Event()
+    engine.decoder._queue(("hold",), hold.wait, lambda: None)
+    reads = []
+    abstract = engine.decoder._abstract_state
+    engine.decoder._abstract_state = lambda: (reads.append(1), abstract())[1]
+    prompt = fx.sample_ids(1, 5, seed=4)[0].tolist()
+    try:
+        got = [e.token for e in engine.submit(prompt, 9, stop_tokens=[])]
+        steps = engine.stats.decode_steps
+        ranks = [job[0] for job in engine.decoder._background._jobs]  # behind the held job
+    finally:
+        hold.set()
+        engine.close()
+    assert steps >= 8 and len(reads) == 1, (steps, len(reads))
+    assert ranks == [1]  # the fused step program, queued once, wanted soon (before later-queued jobs)
+    assert got == generate(model, [prompt], 9, stop_tokens=[], max_length=32).tokens[0]
+
+
+def test_row_keys_compile_per_power_of_two_and_equal_each_rows_own_key():
+    """The sampling keys of the requests joining together (`state._row_keys`) come from one program per
+    power-of-two count (not one per count: each new one compiled on the serving thread), and each row's
+    key is `fold_in(key(seed), row)` computed alone."""
+    import jax
+    import numpy as np
+
+    from gemma4_nnx.decode import state
+
+    before = state._row_keys_jit._cache_size()
+    for n in range(1, 10):
+        seeds, rows = [3 * i + 11 for i in range(n)], [(5 * i) % 7 for i in range(n)]
+        got = state._row_keys(seeds, rows)
+        want = [np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(s), r))) for s, r in zip(seeds, rows)]
+        np.testing.assert_array_equal(got, np.stack(want))
+    assert state._row_keys_jit._cache_size() - before <= 5  # counts 1, 2, 4, 8, 16

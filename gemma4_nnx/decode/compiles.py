@@ -172,10 +172,11 @@ def _listen() -> None:
 # ------------------------------------------------------------------------------------------- the decoder's share
 class HelperQueue:
     """The helper thread's jobs: one thread (a `ThreadPoolExecutor` of one: the process's exit stops it
-    as it stops any pool) running them one at a time, the **urgent** ones (a request waits in the queue
-    for them: its prompt's prefill program, its sampler) before the others (queued ahead for later:
-    the precompile's last supersets, fused steps, pacing widths), each kind in the order queued.
-    `submit(key, work, urgent)` returns the job's future; `promote(key)` makes a job still queued
+    as it stops any pool) running them one at a time: the **urgent** ones (a request waits in the queue
+    for them: its prompt's prefill program, its sampler), then those wanted **soon** (the rows running
+    now go faster with them: fused step and verify programs), then the others (queued ahead for
+    later: the precompile's last supersets, pacing widths), each kind in the order queued.
+    `submit(key, work, urgent, soon)` returns the job's future; `promote(key)` makes a job still queued
     urgent (a request now needs what was queued for later). Each submission adds one run of
     `_next` to the pool, which takes the most urgent job left, so every job runs once."""
 
@@ -184,13 +185,13 @@ class HelperQueue:
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gemma4-compile")
         self._lock = threading.Lock()
-        self._jobs: list[list] = []  # [rank (0 urgent, 1 later), sequence number, key, work, future]
+        self._jobs: list[list] = []  # [rank (0 urgent, 1 soon, 2 later), sequence number, key, work, future]
         self._order = itertools.count()
 
-    def submit(self, key, work, urgent: bool = False) -> Future:
+    def submit(self, key, work, urgent: bool = False, soon: bool = False) -> Future:
         future: Future = Future()
         with self._lock:
-            self._jobs.append([0 if urgent else 1, next(self._order), key, work, future])
+            self._jobs.append([0 if urgent else 1 if soon else 2, next(self._order), key, work, future])
         self._pool.submit(self._next)
         return future
 
@@ -285,8 +286,12 @@ class Compiles:
     def draw_shapes(self, joining: bool) -> list[tuple[int, bool, bool]]:
         """(rows drawn, indexed, with init) of every draw the engine makes: a step of the first m
         rows, or `joining` rows written first; m and the joining count each a `row_bucket`."""
-        sizes = sorted({self.row_bucket(n, joining) for n in range(1, self.rows + 1)})
-        return [(n, True, True) if joining else (n, n != self.rows, False) for n in sizes]
+        key = (joining, self.rows, self.row_factor)  # asked per pending request at every loop turn: kept
+        shapes = self.__dict__.setdefault("_draw_shapes", {})
+        if key not in shapes:
+            sizes = sorted({self.row_bucket(n, joining) for n in range(1, self.rows + 1)})
+            shapes[key] = [(n, True, True) if joining else (n, n != self.rows, False) for n in sizes]
+        return list(shapes[key])
 
     def draw_ready(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> bool:
         """Whether `cfg` draws at `shape` without compiling: its draw program ran or compiled, or (a
@@ -305,7 +310,10 @@ class Compiles:
         key = (cfg, self.stop_width, m)
         if key in self.step_failures:
             return None
-        args = (cfg, m, *self._abstract_state(), jax.tree.map(_abstract, self._mask(cfg, m, None)))
+
+        def args() -> tuple:
+            return (cfg, m, *self._abstract_state(), jax.tree.map(_abstract, self._mask(cfg, m, None)))
+
         # a failure: the serving thread goes on with the decode and draw programs
         return self._compile_ahead("step", key, _step_jit, args, self._steps_run, self.step_failures)
 
@@ -331,8 +339,11 @@ class Compiles:
         first real call runs the compiled program. Returns the future, or None (queued already,
         compiled, or stopped)."""
         key = (cfg, m, width)
-        args = (cfg, m, *self._abstract_state(), jax.ShapeDtypeStruct((m, width), jnp.int32))
-        args += (jax.ShapeDtypeStruct((m,), jnp.int32),)
+
+        def args() -> tuple:
+            rows = (jax.ShapeDtypeStruct((m, width), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.int32))
+            return (cfg, m, *self._abstract_state(), *rows)
+
         # a failure: the caller then compiles it itself, and sees the error
         return self._compile_ahead("verify", key, _verify_jit, args, self._verifies_run, self.verify_failures)
 
@@ -343,18 +354,23 @@ class Compiles:
         weights, cache, rows = (jax.tree.map(_abstract, t) for t in (self.weights, state.cache, state.rows))
         return self.graphdef, weights, cache, rows
 
-    def _compile_ahead(self, kind: str, key: tuple, jitted, args: tuple, done: set, failures: set):
-        """Compile `jitted` for the abstract `args` on the helper thread (jax's ahead-of-time compile fills
-        the cache its calls look in): `key` joins `done`, or `failures` if it raised. Returns the future,
-        or None (queued already, compiled, or stopped)."""
-        if key in done:
+    def _compile_ahead(self, kind: str, key: tuple, jitted, make_args, done: set, failures: set):
+        """Compile `jitted` for the abstract arguments `make_args()` on the helper thread (jax's
+        ahead-of-time compile fills the cache its calls look in): `key` joins `done`, or `failures` if it
+        raised. Returns the future, or None (queued already, compiled, or stopped). The arguments are
+        read on the calling thread, and only when the job is queued: the serving thread asks at every
+        step while the program compiles, and reading an E2B state's ~600 array shapes costs
+        milliseconds of it."""
+        if key in done or (kind, *key) in self._compiling or self._stopped:
             return None
+        args = make_args()
 
         def build() -> None:
             self._run(f"{kind} (background)", lambda: jitted.lower(*args).compile())
             done.add(key)
 
-        return self._queue((kind, *key), build, functools.partial(failures.add, key))
+        # soon: the rows running now go faster with it (the later-queued supersets serve rare requests)
+        return self._queue((kind, *key), build, functools.partial(failures.add, key), soon=True)
 
     def prefill_ready(self, rows: int, width: int, soft: bool = False) -> bool:
         """Whether the prefill program of `rows` joining rows (indexed) and chunks of `width` columns
@@ -406,7 +422,7 @@ class Compiles:
         real = (idx, ids, pos, valid, last, logits, c0, first)
         return (*jax.tree.map(_abstract, real), None, None if adapter is None else _abstract(adapter))
 
-    def _queue(self, job, build, failed, then=None, urgent: bool = False):
+    def _queue(self, job, build, failed, then=None, urgent: bool = False, soon: bool = False):
         """Queue `build()` (a compile) on the helper thread as `job` (in `_compiling` until it ends;
         `failed()` if it raises, `then()` after it either way); returns its future, or None when `job`
         is queued or running already (moved up if `urgent`) or the helper is stopped."""
@@ -430,7 +446,7 @@ class Compiles:
         if self._background is None:
             self._background = HelperQueue()
         self._compiling.add(job)
-        return self._background.submit(job, work, urgent)
+        return self._background.submit(job, work, urgent, soon)
 
     def compile_draws(self, cfg: DrawConfig, shapes, *, background: bool = False, then=None, urgent: bool = False):
         """Compile the draw program of `cfg` at each shape, ahead of time from placeholder rows (the

@@ -250,7 +250,13 @@ def _row_keys_jit(seeds: Array, rows: Array) -> Array:
 
 
 def _row_keys(seeds: Sequence[int], rows: Sequence[int]) -> np.ndarray:
-    return np.asarray(_row_keys_jit(np.asarray(seeds, np.int32), np.asarray(rows, np.int32)))
+    """The key data of each (seed, row). Computed for a power-of-two count (zeros after the real ones,
+    dropped): the program compiles once per such count, not once per number of requests joining on
+    the serving thread."""
+    n = len(seeds)
+    padded = np.zeros((2, 1 << max(n - 1, 0).bit_length()), np.int32)
+    padded[0, :n], padded[1, :n] = seeds, rows
+    return np.asarray(_row_keys_jit(padded[0], padded[1]))[:n]
 
 
 @functools.cache
