@@ -18,7 +18,9 @@ ids are sent by that many client threads (each waits for its previous request: v
 (all output tokens / wall time), TTFT p50/p99 (send to first token), TPOT p50/p99 (per request:
 (last token - first token) / (out - 1)), and the engine's host time per decode step over the run
 (`gemma4_engine_host_seconds_total` / `gemma4_decode_steps_total` deltas from /metrics).
---long-context adds an 8K-token prompt at concurrency 1 (128 out).
+--long-context adds an 8K-token prompt at concurrency 1 (128 out). --profile-engine FILE runs the warm
+server's engine thread under cProfile (from its first decode step; FILE, and its top by own time in
+FILE.txt): where the host time per step goes.
 """
 
 from __future__ import annotations
@@ -88,8 +90,39 @@ def serve(args) -> None:
         target_itl_ms="auto",
     )  # fmt: skip
     print(f"server: model in {t1 - t0:.1f} s, engine (precompile) in {time.perf_counter() - t1:.1f} s", flush=True)
+    if args.profile_engine:
+        _profile_engine(engine, args.profile_engine)
     listen = {"uds": args.uds} if args.uds else {"host": "127.0.0.1", "port": args.port}
     uvicorn.Server(uvicorn.Config(create_app(engine, "sweep"), **listen, log_level="warning")).run()
+
+
+def _profile_engine(engine, path: str, every: int = 100) -> None:
+    """cProfile the engine thread from its next decode step on, its stats written to `path` every `every`
+    steps (the server is stopped, not closed: a last dump at exit would not run)."""
+    import cProfile
+
+    prof, step, count = cProfile.Profile(), engine._step, [0]
+
+    def profiled(*a, **k):
+        if count[0] == 0:
+            prof.enable()  # on the engine thread: cProfile follows the thread that enables it
+        out = step(*a, **k)
+        count[0] += 1
+        if count[0] % every == 0:
+            prof.dump_stats(path)  # stops the profiler; on again at once
+            prof.enable()
+        return out
+
+    engine._step = profiled
+
+
+def _profile_summary(path: str, top: int = 40) -> str:
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(path, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 # ------------------------------------------------------------------------------------------- client side
@@ -159,9 +192,10 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def _launch(args, cache: str, target) -> tuple[subprocess.Popen, float, float]:
+def _launch(args, cache: str, target, profile: str | None = None) -> tuple[subprocess.Popen, float, float]:
     """Start the server; (process, launch to /health 200, launch to the first token of one request)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--compile-cache", cache]
+    cmd += ["--profile-engine", profile] if profile else []
     cmd += ["--max-batch", str(args.max_batch), "--max-length", str(args.max_length), "--port", str(args.port)]
     cmd += ["--precompile", *map(str, args.precompile)]
     cmd += ["--gil-switch-ms", str(args.gil_switch_ms)] if args.gil_switch_ms else []
@@ -250,6 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile-cache", help="the cache directory both launches share (default: a fresh tmp one)")
     p.add_argument("--gil-switch-ms", type=float, help="the server's (default: gemma4-serve's)")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument(
+        "--profile-engine", help="cProfile the warm server's engine thread: stats to this file, its top as FILE.txt"
+    )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -275,7 +312,7 @@ def main(argv=None) -> int:
     proc.wait()
     report["cold"] = {"launch_to_health_s": healthy, "launch_to_first_token_s": first}
     print(f"cold: /health after {healthy:.1f} s, first token after {first:.1f} s", flush=True)
-    proc, healthy, first = _launch(args, cache, target)
+    proc, healthy, first = _launch(args, cache, target, args.profile_engine)
     report["warm"] = {"launch_to_health_s": healthy, "launch_to_first_token_s": first}
     print(f"warm: /health after {healthy:.1f} s, first token after {first:.1f} s", flush=True)
     vocab = 262_144 if args.random == "e2b" else 128
@@ -299,6 +336,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if args.profile_engine and os.path.exists(args.profile_engine):
+        with open(args.profile_engine + ".txt", "w") as f:
+            f.write(_profile_summary(args.profile_engine))
     return 0
 
 

@@ -395,3 +395,31 @@ def test_row_keys_compile_per_power_of_two_and_equal_each_rows_own_key():
         want = [np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(s), r))) for s, r in zip(seeds, rows)]
         np.testing.assert_array_equal(got, np.stack(want))
     assert state._row_keys_jit._cache_size() - before <= 5  # counts 1, 2, 4, 8, 16
+
+
+def test_serving_thread_lowers_no_program_after_a_precompile(model):
+    """After a precompile, a request of a precompiled prompt length runs without any program lowered on
+    the engine thread: neither its steps' and draws' (precompiled, or fused on the helper thread) nor
+    small ones made on the way (the row indices of a step over fewer rows than the batch, the sampling
+    keys of the joining requests), each of which would stop every running stream while it compiles."""
+    import traceback
+
+    import jax
+
+    lowered, listening = [], [True]
+
+    def on_event(name, *args, **kwargs):
+        engine_thread = threading.current_thread().name.startswith("gemma4-engine")
+        if listening[0] and engine_thread and name == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append("".join(traceback.format_stack(limit=12)))
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    engine = Engine(model, max_batch=8, max_length=40, precompile=(7,))
+    prompt = fx.sample_ids(1, 7, seed=9)[0].tolist()
+    try:
+        got = [e.token for e in engine.submit(prompt, 6, stop_tokens=[], temperature=0.7, seed=5)]
+    finally:
+        listening[0] = False
+        engine.close()
+    assert not lowered, lowered[0]
+    assert got == generate(model, [prompt], 6, stop_tokens=[], temperature=0.7, seed=5, max_length=40).tokens[0]

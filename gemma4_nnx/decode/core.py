@@ -395,7 +395,8 @@ class Decoder(Compiles):
         (`cfg.constrained`). Returns the `Drawn` on the host (NumPy); fetch=False: on the device, its
         copy to the host started (the engine reads it back after dispatching the next step)."""
         key = self._draw_key(cfg, logits.logits.shape[0], idx is not None, init is not None)
-        idx = None if idx is None else jnp.asarray(idx, jnp.int32)
+        if idx is not None and not isinstance(idx, jax.Array):  # a transfer, no conversion program
+            idx = jax.device_put(np.asarray(idx, np.int32))
         rows, drawn = self._run(
             "draw",
             _draw_jit,
@@ -471,8 +472,8 @@ class Decoder(Compiles):
         """The row indices 0..m-1 on the device, kept (not a transfer per step); uncommitted, as
         `draw` makes them (the precompiled draws are keyed on that)."""
         heads = self.__dict__.setdefault("_heads", {})
-        if m not in heads:
-            heads[m] = jnp.arange(m, dtype=jnp.int32)
+        if m not in heads:  # a transfer: `jnp.arange` would compile a program on the serving thread
+            heads[m] = jax.device_put(np.arange(m, dtype=np.int32))
         return heads[m]
 
     def draft(self, m: int, k: int) -> Array:

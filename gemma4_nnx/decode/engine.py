@@ -82,6 +82,7 @@ from gemma4_nnx.decode.requests import (
 )
 from gemma4_nnx.decode.sampling import TOP_K_WIDTHS, RowFeatures, RowParams, top_k_width
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
+from gemma4_nnx.decode.state import compile_row_keys
 from gemma4_nnx.decode.text import FinishReason, TextStream
 from gemma4_nnx.model.cache import token_bytes
 
@@ -1220,6 +1221,7 @@ class Engine:
             [(kb, prompt_columns(n, self.prefill_chunk)[1]) for n in lengths for kb in joining],
             threads=self.compile_threads,
         )
+        compile_row_keys(self.decoder.rows)  # the joining requests' sampling keys (a small program per count)
         # the verify and draft programs of speculative decoding compile by running (all rows done:
         # nothing is written)
         for m in steps if self.speculative else ():  # every draft width a step can use (1, 2, 4, ... up to k)

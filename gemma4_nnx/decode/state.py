@@ -249,6 +249,17 @@ def _row_keys_jit(seeds: Array, rows: Array) -> Array:
     return jax.vmap(lambda s, r: jax.random.key_data(jax.random.fold_in(jax.random.key(s), r)))(seeds, rows)
 
 
+def compile_row_keys(rows: int) -> None:
+    """Compile (by running it on zeros) the sampling-key program of every count of joining rows up to
+    `rows` (one per power of two): an engine's precompile, so that none compiles on its serving thread."""
+    n = 1
+    while True:
+        _row_keys([0] * n, [0] * n)
+        if n >= rows:
+            return
+        n *= 2
+
+
 def _row_keys(seeds: Sequence[int], rows: Sequence[int]) -> np.ndarray:
     """The key data of each (seed, row). Computed for a power-of-two count (zeros after the real ones,
     dropped): the program compiles once per such count, not once per number of requests joining on
