@@ -359,8 +359,8 @@ class Compiles:
         ahead-of-time compile fills the cache its calls look in): `key` joins `done`, or `failures` if it
         raised. Returns the future, or None (queued already, compiled, or stopped). The arguments are
         read on the calling thread, and only when the job is queued: the serving thread asks at every
-        step while the program compiles, and reading an E2B state's ~600 array shapes costs
-        milliseconds of it."""
+        step while the program compiles, and reading the shapes of every weight, cache and row array
+        of a full-size model takes milliseconds of it."""
         if key in done or (kind, *key) in self._compiling or self._stopped:
             return None
         args = make_args()

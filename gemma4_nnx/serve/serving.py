@@ -88,8 +88,8 @@ class _Peeked:
 class _Mailbox:
     """Events handed from the engine thread to one event loop, the loop woken once per batch: each
     `call_soon_threadsafe` writes to the loop's self-pipe (a system call, dear in a sandbox) and wakes
-    it, so a step of 64 streams cost 64 of them on the engine thread. `post` queues (queue, item) and
-    wakes the loop only when the box was empty; the loop's `_drain` hands every item over in order."""
+    it, a cost the engine thread paid per stream and step. `post` queues (queue, item) and wakes the
+    loop only when the box was empty; the loop's `_drain` hands every item over in order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.items, self.lock = loop, [], threading.Lock()
