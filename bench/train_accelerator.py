@@ -137,7 +137,7 @@ def run(a: argparse.Namespace) -> dict:
     jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
     build_s = time.perf_counter() - t0
     print(f"built {a.model} ({a.method}, PLE {a.ple}) on {jax.default_backend()} in {build_s:.1f} s", flush=True)
-    model.remat = a.remat
+    model.remat = a.remat or False
     batches = [packed_rows(config, a.seq, a.batch, seed=i) for i in range(a.steps)]
     flops = model_flops_per_token(model, config, batches[-1], a.method)  # before LoRA wraps the projections
     wrt = loop.prepare(model, a.method, rank=a.rank, base_quant="keep")
@@ -239,7 +239,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
+    p.add_argument(
+        "--remat", nargs="?", const="full", choices=["full", "dots"],
+        help="recompute each layer in the backward pass: full (the bare flag), or dots (projections kept)",
+    )  # fmt: skip
     p.add_argument("--peak-tflops", type=float, default=197.0, help="the chip's peak (v5e bf16: 197)")
     p.add_argument("--check-finite", action="store_true", help="after each step, name the parameters not finite")
     p.add_argument(

@@ -239,7 +239,10 @@ def test_train_step_is_the_plain_update_and_returns_no_frozen_base():
         np.testing.assert_allclose(np.asarray(v[...]), np.asarray(theirs[p][...]), rtol=0, atol=1e-6, err_msg=str(p))
 
 
-def test_remat_step_equals_plain_step():
+@pytest.mark.parametrize("remat", [True, "dots"])
+def test_remat_step_equals_plain_step(remat):
+    """A training step with the layers rematerialized (all recomputed, or the projections' outputs kept:
+    `REMAT_POLICIES`) gives the plain step's loss and updates; an unknown policy is refused by name."""
     model = micro_model()
     ft.apply_lora(model, rank=4)
     ids = fx.sample_ids(2, 10, seed=5)
@@ -247,7 +250,7 @@ def test_remat_step_equals_plain_step():
         k: jnp.asarray(v) for k, v in ft.make_batch([list(r[:3]) for r in ids], [list(r[3:]) for r in ids]).items()
     }
     twin = nnx.clone(model)
-    twin.remat = True
+    twin.remat = remat
     opt, opt2 = ft.make_optimizer(model, optax.sgd(0.5)), ft.make_optimizer(twin, optax.sgd(0.5))
     # donate=False: the clone shares the model's arrays, which a donating step would delete
     l1, l2 = ft.train_step(model, opt, batch, donate=False), ft.train_step(twin, opt2, batch)
@@ -256,6 +259,9 @@ def test_remat_step_equals_plain_step():
     b = dict(nnx.to_flat_state(ft.adapter_state(twin)))
     for p, v in a:
         np.testing.assert_allclose(np.asarray(v[...]), np.asarray(b[p][...]), rtol=1e-5, atol=1e-6)
+    twin.remat = "everything"
+    with pytest.raises(ValueError, match="remat must be"):
+        ft.train_step(twin, opt2, batch)
 
 
 def test_masked_loss_ignores_prompt_and_padding():

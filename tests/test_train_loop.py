@@ -712,3 +712,15 @@ def test_finetune_command_matmul_reaches_the_products(tmp_path):
         losses[matmul] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert losses["cpu_kernels_bf16"] != losses["xla"]
     assert losses["cpu_kernels_bf16"] == pytest.approx(losses["xla"], rel=1e-2)
+
+
+def test_remat_flag_names_a_policy():
+    """`--remat` alone recomputes everything ("full"), `--remat dots` keeps the projections' outputs, no
+    flag none; an unknown policy is refused by argparse, naming the choices."""
+    base = ["--model", "m", "--data", "d", "--out", "o", "--steps", "1"]
+    parse = loop._parser().parse_args
+    assert parse(base).remat is None
+    assert parse([*base, "--remat"]).remat == "full"
+    assert parse([*base, "--remat", "dots"]).remat == "dots"
+    with pytest.raises(SystemExit):
+        parse([*base, "--remat", "some"])

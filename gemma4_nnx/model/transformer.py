@@ -93,6 +93,21 @@ class DecoderLayer(nnx.Module):
         return h2 * self.layer_scalar[...].astype(h2.dtype), kv, cache
 
 
+#: `Gemma4.remat`'s names: what the backward pass of a decoder layer keeps. "full" keeps nothing (every
+#: activation recomputed); "dots" keeps the outputs of matrix products without batch dimensions (the
+#: projections: q / k / v / o, the MLP, LoRA's), recomputing attention's products and the element-wise
+#: work, for more memory and less recompute.
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def remat_policy(remat: bool | str):
+    """The `jax.checkpoint` policy of `Gemma4.remat` (True: "full")."""
+    name = "full" if remat is True else remat
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat must be True, False or one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+    return REMAT_POLICIES[name]
+
+
 class Gemma4(nnx.Module):
     """Gemma 4 text model (`Gemma4ForCausalLM` equivalent) as an NNX module.
 
@@ -161,7 +176,9 @@ class Gemma4(nnx.Module):
             self.embed_audio = nnx.data(
                 MultimodalEmbedder(a.output_proj_dims or a.hidden_size, d, eps=a.rms_norm_eps, **tw)
             )
-        self.remat = False  # set True for training to rematerialize decoder layers
+        # training: True (or "full") recomputes each decoder layer's activations in the backward pass,
+        # "dots" all but its projections' outputs (`REMAT_POLICIES`)
+        self.remat: bool | str = False
 
     # ------------------------------------------------------------------ pieces
     def per_layer_inputs(self, ids: Array, e: Array) -> Array:
@@ -285,8 +302,10 @@ class Gemma4(nnx.Module):
                 ropes[key] = rope_tables(positions, spec.rope, spec.head_dim, self.dtype)
         published: dict[int, KV] = {}
         updated: dict[int, LayerCache | PagedCache] = {}
-        # `model.remat = True` (training): recompute each layer's activations in the backward pass.
-        call = nnx.remat(DecoderLayer.__call__) if self.remat else DecoderLayer.__call__
+        # `model.remat` (training): recompute each layer's activations in the backward pass.
+        call = DecoderLayer.__call__
+        if self.remat:
+            call = nnx.remat(call, policy=remat_policy(self.remat))
         for layer in self.layers:
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:

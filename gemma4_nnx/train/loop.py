@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gemma4_nnx.model import quant
 from gemma4_nnx.model.layers import MATMUL_OPTIONS
+from gemma4_nnx.model.transformer import REMAT_POLICIES
 from gemma4_nnx.sharding import DEFAULT_RULES, state_spec
 from gemma4_nnx.train import data
 from gemma4_nnx.train import finetune as ft
@@ -452,7 +453,14 @@ def _parser() -> argparse.ArgumentParser:
         "cpu_kernels_bf16 multiplies bf16 weights (--dtype bfloat16, float32 activations) in bf16 products, "
         "forward and backward, as torch's bf16 training does (faster: docs/fine-tuning.md)",
     )
-    p.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
+    p.add_argument(
+        "--remat",
+        nargs="?",
+        const="full",
+        choices=sorted(REMAT_POLICIES),
+        help="recompute each layer's activations in the backward pass (less memory): full (the default of the "
+        "bare flag), or dots (keep the projections' outputs: less recompute, more memory)",
+    )
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -532,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     wrt = prepare(
         model, args.method, rank=args.lora_rank, alpha=args.lora_alpha, base_quant=args.base_quant, seed=args.seed
     )
-    model.remat = args.remat
+    model.remat = args.remat or False
     loader = data.Loader(rows, args.batch_size * args.accumulate, seed=args.seed)
     mesh = None
     if args.data_parallel or args.fsdp or args.distributed or launch:
