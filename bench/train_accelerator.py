@@ -239,8 +239,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
+    from gemma4_nnx.model.transformer import REMAT_POLICIES
+
     p.add_argument(
-        "--remat", nargs="?", const="full", choices=["full", "dots"],
+        "--remat", nargs="?", const="full", choices=sorted(REMAT_POLICIES),
         help="recompute each layer in the backward pass: full (the bare flag), or dots (projections kept)",
     )  # fmt: skip
     p.add_argument("--peak-tflops", type=float, default=197.0, help="the chip's peak (v5e bf16: 197)")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from gemma4_nnx.decode.batching import pow2
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request
 from gemma4_nnx.decode.sampling import RowFeatures, RowParams, SamplingParams, bias_row
 from gemma4_nnx.model.cache import KVCache
@@ -252,12 +253,8 @@ def _row_keys_jit(seeds: Array, rows: Array) -> Array:
 def compile_row_keys(rows: int) -> None:
     """Compile (by running it on zeros) the sampling-key program of every count of joining rows up to
     `rows` (one per power of two): an engine's precompile, so that none compiles on its serving thread."""
-    n = 1
-    while True:
+    for n in sorted({pow2(k) for k in range(1, rows + 1)}):
         _row_keys([0] * n, [0] * n)
-        if n >= rows:
-            return
-        n *= 2
 
 
 def _row_keys(seeds: Sequence[int], rows: Sequence[int]) -> np.ndarray:
@@ -265,7 +262,7 @@ def _row_keys(seeds: Sequence[int], rows: Sequence[int]) -> np.ndarray:
     dropped): the program compiles once per such count, not once per number of requests joining on
     the serving thread."""
     n = len(seeds)
-    padded = np.zeros((2, 1 << max(n - 1, 0).bit_length()), np.int32)
+    padded = np.zeros((2, pow2(n)), np.int32)
     padded[0, :n], padded[1, :n] = seeds, rows
     return np.asarray(_row_keys_jit(padded[0], padded[1]))[:n]
 

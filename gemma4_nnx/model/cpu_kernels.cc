@@ -65,7 +65,6 @@ int64_t block_start(const Index& start, int64_t rows, int64_t count) {
   return std::clamp<int64_t>(start.typed_data()[0], 0, std::max<int64_t>(0, rows - count));
 }
 
-
 #if defined(__AVX2__)
 inline float hsum8(__m256 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -51,8 +51,8 @@ class StaticGraph:
     hashes per `generate` call; docs/benchmarks.md, "Decode core: host costs").
 
     The programs take the weights as a flat tuple of arrays (`split_model`) and rebuild the model
-    inside (`merge`): jit flattens a tuple of arrays in C++, where an `nnx.State` of ~800 Variables
-    runs a Python flatten per Variable at every dispatch."""
+    inside (`merge`): jit flattens a tuple of arrays in C++, where an `nnx.State` runs a Python flatten
+    per Variable at every dispatch."""
 
     __slots__ = ("_hash", "treedef", "value")
 
@@ -80,7 +80,8 @@ _kinds: dict[type, int] = {}
 
 def _kind(value) -> int:
     """What `walk` does with an attribute, by its type (cached: `isinstance` against nnx's
-    Variable metaclass also tests for tracers and hijax variables, and a walk makes ~30k calls)."""
+    Variable metaclass also tests for tracers and hijax variables, and a walk makes one call per
+    attribute of a full-size model)."""
     t = type(value)
     kind = _kinds.get(t)
     if kind is None:
