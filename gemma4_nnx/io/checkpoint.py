@@ -270,6 +270,7 @@ def load(
     matmul="auto",
     text_only=False,
     kept_blocks: str = "auto",
+    ple_host: bool | str | os.PathLike = False,
 ):
     """Restore a converted checkpoint (`gemma4-convert`) into a `Gemma4` model (a converted MTP
     assistant into a `Gemma4Assistant`).
@@ -301,6 +302,10 @@ def load(
         scales: ~1.2x the file's bytes for Q4_K_M) or "auto" (default: "stored" under the CPU kernels,
         which read blocks in place; "decoded" for other products; `quant.resolve_kept_blocks`). The
         checkpoint on disk holds the blocks either way; logits are bit for bit the same.
+      ple_host: leave the (float) PLE table in host memory, read through a memory map of a raw copy
+        (`ple_host_table`; True: the copy in the user's cache folder, a path: in that directory) and
+        looked up per batch (`layers.HostEmbedding`): E2B's largest array leaves device memory,
+        logits are bit for bit the same, and the table is frozen (LoRA and QLoRA train no PLE table).
     """
 
     from gemma4_nnx.model import layers
@@ -344,6 +349,14 @@ def load(
             )
         )
         paths = [p for p in paths if p[:1] != PLE_PATH] + [PLE_PATH + ("codes",), PLE_PATH + ("scales",)]
+    if ple_host:
+        if not isinstance(config, Gemma4Config):
+            raise ValueError(f"ple_host: {ckpt_dir} is an MTP assistant, which has no PLE table; leave ple_host out")
+        table = ple_host_table(ckpt_dir, dtype=param_dtype, where=ple_host)
+        model.embed_tokens_per_layer = layers.HostEmbedding(
+            layers.HostTable(table, table.filename), dtype=compute, matmul=product
+        )
+        paths = [p for p in paths if p[:1] != PLE_PATH]
     for module, fmt in quant.items():  # quantized projections / token table: codes, scales (, mins)
         module = tuple(int(k) if k.isdigit() else k for k in module)
         try:
@@ -445,6 +458,77 @@ def _restore(ckpt_dir: str, model, paths, where):
     return model
 
 
+#: Rows of the PLE table read and written at a time while its raw copy is made.
+PLE_COPY_ROWS = 4096
+
+
+def ple_cache_dir(where: str | os.PathLike | bool = True) -> str:
+    """Where `ple_host_table` keeps raw copies of PLE tables: True: the user's cache folder
+    (`$XDG_CACHE_HOME` or `~/.cache`, then `gemma4_nnx/ple`); a path: that directory."""
+    if where is True:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "gemma4_nnx", "ple")
+    return os.path.expanduser(os.fspath(where))
+
+
+def ple_host_table(ckpt_dir: str | os.PathLike, dtype=None, where: str | os.PathLike | bool = True):
+    """The float PLE table of converted checkpoint `ckpt_dir` as a read-only `np.memmap` [V, L*P] of a
+    raw copy in `ple_cache_dir(where)` (made on first use, row blocks at a time, so the table is never
+    whole in memory; reused while the checkpoint is unchanged). `dtype`: the table's dtype (None: as
+    stored). For `load(..., ple_host=...)`: the rows a batch looks up are read from the file, the
+    rest never become resident."""
+    import hashlib
+
+    import tensorstore as ts
+
+    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    meta = read_metadata(ckpt_dir)
+    config = load_config(ckpt_dir)
+    if not getattr(config, "use_ple", False):
+        raise ValueError(f"ple_host: {ckpt_dir} has no PLE table (its model does not use per-layer embeddings)")
+    if (meta.get("ple") or {}).get("bits"):
+        raise ValueError(
+            f"ple_host: {ckpt_dir} stores its PLE table int{meta['ple']['bits']}-quantized (already a "
+            "fraction of the float table, kept on the device); leave ple_host out, or convert with --ple none"
+        )
+    params = os.path.join(ckpt_dir, PARAMS_DIR)
+    spec = {
+        "driver": "zarr",
+        "kvstore": {"driver": "ocdbt", "base": f"file://{params}", "path": ".".join(PLE_PATH + ("embedding",))},
+    }
+    try:
+        stored = ts.open(spec, open=True, read=True).result()
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt_dir}: its PLE table cannot be read ({e}); convert the checkpoint again") from None
+    shape = tuple(int(d) for d in stored.shape)
+    want = (config.vocab_size_per_layer_input, config.num_hidden_layers * config.hidden_size_per_layer_input)
+    if shape != want:
+        raise CheckpointError(f"{ckpt_dir}: the PLE table is {shape}, its config says {want}; convert it again")
+    dt = np.dtype(_dtype(dtype, "dtype") or stored.dtype.numpy_dtype)
+    # Keyed by the checkpoint's identity and state: a changed or re-converted checkpoint gets a new copy.
+    h = hashlib.sha256(ckpt_dir.encode())
+    for name in (METADATA_FILE, os.path.join(PARAMS_DIR, "manifest.ocdbt")):
+        with contextlib.suppress(OSError):
+            st = os.stat(os.path.join(ckpt_dir, name))
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    folder = ple_cache_dir(where)
+    path = os.path.join(folder, f"{h.hexdigest()[:24]}-{shape[0]}x{shape[1]}-{dt.name}.bin")
+    nbytes = shape[0] * shape[1] * dt.itemsize
+    if not (os.path.isfile(path) and os.path.getsize(path) == nbytes):
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                for a in range(0, shape[0], PLE_COPY_ROWS):
+                    block = stored[a : min(shape[0], a + PLE_COPY_ROWS)].read().result()
+                    f.write(np.ascontiguousarray(block, dtype=dt).tobytes())
+            os.replace(tmp, path)  # a copy cut short never takes the final name
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    return np.memmap(path, dtype=dt, mode="r", shape=shape)
+
+
 def load_tokenizer(ckpt_dir: str | os.PathLike):
     """The tokenizer stored in a converted checkpoint (same as `gemma4_nnx.load_tokenizer`)."""
     from gemma4_nnx.tokenizer import load_tokenizer as _load
@@ -453,7 +537,7 @@ def load_tokenizer(ckpt_dir: str | os.PathLike):
 
 
 def add_load_flags(parser) -> None:
-    """`--dtype`, `--kept-blocks` and `--matmul`: the `load` options of every command that loads a
+    """`--dtype`, `--kept-blocks`, `--matmul` and `--ple-host`: the `load` options of every command that loads a
     checkpoint (`load_options` reads them back)."""
     from gemma4_nnx.model.layers import MATMUL_OPTIONS
 
@@ -482,6 +566,21 @@ def add_load_flags(parser) -> None:
         "xla, cpu_kernels, cpu_kernels_bf16 (bf16 activations in prefill products), cpu_kernels_int8 "
         "(int8 activations in decode products, as llama.cpp)",
     )
+    add_ple_host_flag(parser)
+
+
+def add_ple_host_flag(parser) -> None:
+    """`--ple-host [DIR]`: `load`'s `ple_host` (read back as `args.ple_host`: False, True or DIR)."""
+    parser.add_argument(
+        "--ple-host",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="DIR",
+        help="leave a converted checkpoint's float PLE table in host memory, read through a memory map of a raw "
+        "copy made on first use (in DIR, default the user's cache folder: $XDG_CACHE_HOME or ~/.cache, then "
+        "gemma4_nnx/ple) and gathered per batch: the same logits, the table's bytes off the device, the table frozen",
+    )
 
 
 def load_options(args) -> dict:
@@ -491,4 +590,5 @@ def load_options(args) -> dict:
         "compute_dtype": args.compute_dtype,
         "kept_blocks": args.kept_blocks,
         "matmul": args.matmul,
+        "ple_host": args.ple_host,
     }

@@ -111,8 +111,9 @@ def _bytes(arrays, want) -> int:
     return total
 
 
-def _stored_arrays(path: str, fmt: str, text_only: bool) -> list[tuple[tuple[int, ...], object]]:
-    """(shape, stored dtype) of every array a load of `path` reads, from headers / metadata."""
+def _stored_arrays(path: str, fmt: str, text_only: bool, ple_host: bool = False) -> list[tuple[tuple, object]]:
+    """(shape, stored dtype) of every array a load of `path` places on its devices, from headers /
+    metadata (`ple_host`: the PLE table stays on the host)."""
     import numpy as np
 
     if fmt == "hf":
@@ -142,7 +143,11 @@ def _stored_arrays(path: str, fmt: str, text_only: bool) -> list[tuple[tuple[int
         raise CheckpointError(f"{path}: the parameters' metadata is unreadable ({e}); convert it again") from None
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
-    return [(tuple(v.shape), np.dtype(v.dtype)) for k, v in ck.flatten(tree).items() if keep is None or k[0] in keep]
+    return [
+        (tuple(v.shape), np.dtype(v.dtype))
+        for k, v in ck.flatten(tree).items()
+        if (keep is None or k[0] in keep) and not (ple_host and tuple(k[:1]) == ck.PLE_PATH)
+    ]
 
 
 def _human(n: int) -> str:
@@ -237,6 +242,7 @@ def load_any(
     gm_config: str | None = None,
     kept_blocks: str = "auto",
     memory_limit: int | str | None = None,
+    ple_host: bool | str | os.PathLike = False,
 ):
     """Load checkpoint directory `path`, whatever its format, into a `Gemma4` (a `Gemma4Assistant` for
     an MTP assistant checkpoint). The model is built abstractly and filled in place: no random
@@ -269,6 +275,10 @@ def load_any(
         the parameters' bytes (`checkpoint_bytes`, from headers / metadata) are compared with the free
         memory of the devices they go to; a load that cannot fit raises `DeviceMemoryError` naming both
         and the flag that fixes it. Unchecked where a device's size is unknown (CPU without a limit).
+      ple_host: for a converted checkpoint with a float PLE table, leave the table in host memory
+        (a memory map of a raw copy; True: kept in the user's cache folder, a path: in that
+        directory) and gather the rows each batch looks up (`gemma4_nnx.io.checkpoint.load`): the
+        same logits, the table frozen, its bytes off the device. Other formats: convert first.
 
     Raises:
       FileNotFoundError: `path` does not exist.
@@ -316,7 +326,12 @@ def load_any(
         devices = sorted(sharding.device_set, key=lambda d: d.id)
     else:
         devices = [jax.devices()[0]]
-    arrays = _stored_arrays(path, fmt, text_only)
+    if ple_host and fmt != "orbax":
+        raise ValueError(
+            f"ple_host: reads the PLE table of a converted checkpoint; {path} is {fmt}: convert it once "
+            "with gemma4-convert (--ple none keeps the table float), then load that"
+        )
+    arrays = _stored_arrays(path, fmt, text_only, ple_host=bool(ple_host))
     floats = [jnp.dtype(d) for _, d in arrays if jnp.issubdtype(d, jnp.floating)]
     widest = param_dtype or max(floats, key=lambda d: d.itemsize, default=None)
     check_fits(path, _bytes(arrays, param_dtype), devices, dtype=widest, limit=memory_limit)
@@ -329,6 +344,7 @@ def load_any(
             matmul=matmul,
             text_only=text_only,
             kept_blocks=kept_blocks,
+            ple_host=ple_host,
         )
     if sharding is not None:  # from_hf and from_gm take a callable
         sharding = ck._sharding_fn(sharding)

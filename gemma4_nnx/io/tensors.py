@@ -22,6 +22,7 @@ from gemma4_nnx.config import AssistantConfig, AudioConfig, VisionConfig
 from gemma4_nnx.io.hf import assistant_name_map, name_map
 from gemma4_nnx.model import quant
 from gemma4_nnx.model.build import variables_by_path
+from gemma4_nnx.model.layers import HostEmbedding
 
 _ST_DTYPES = {
     np.dtype(np.float32): "F32",
@@ -122,6 +123,8 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
             value = merged[entry.path]
         elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), quant.QuantizedEmbedding):
             value = _dequantized_ple(model.embed_tokens_per_layer)
+        elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), HostEmbedding):
+            value = np.asarray(model.embed_tokens_per_layer.host.table)  # left on the host (`ple_host`)
         elif entry.path[:-1] in quantized:  # an int8/int4 matrix: written dequantized (float32)
             w = np.asarray(quant.dequantize_matrix(quantized[entry.path[:-1]]))
             value = w.T if entry.path[-1] == "kernel" else w

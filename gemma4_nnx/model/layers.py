@@ -7,6 +7,7 @@ H head dim, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -389,6 +390,65 @@ class Embedding(nnx.Module):
         """Tied logits: x [..., D] @ table.T -> [..., V] (with the CPU kernels, a bf16 table under
         float32 compute is read as stored: 0.8 GB per token for E2B instead of a float32 copy)."""
         return self.matmul.transposed(x, self.embedding[...], self.dtype)
+
+
+class HostTable:
+    """A read-only [V, F] table held by the host (a numpy array, typically `np.memmap` of a raw file),
+    carried as a static attribute: not a Variable, never traced or copied to a device."""
+
+    def __init__(self, table: np.ndarray, source: str = ""):
+        if table.ndim != 2:
+            raise ValueError(f"a host table is [rows, features], got shape {table.shape}")
+        self.table = table
+        self.source = source
+
+    def take(self, ids: np.ndarray, dtype=None) -> np.ndarray:
+        """table[ids] in `dtype` (default the table's) as `jnp.take` gives it: negative ids count from
+        the end, ids out of range give NaN rows."""
+        v = self.table.shape[0]
+        ids = np.asarray(ids, np.int64)
+        ids = np.where(ids < 0, ids + v, ids)
+        bad = (ids < 0) | (ids >= v)
+        rows = np.take(self.table, np.where(bad, 0, ids), axis=0).astype(dtype or self.table.dtype, copy=False)
+        if bad.any():
+            rows[bad] = np.nan
+        return rows
+
+    def __deepcopy__(self, memo):  # shared, like the file it maps
+        return self
+
+    def __repr__(self) -> str:
+        return f"HostTable({self.table.shape}, {self.table.dtype}, {self.source or 'in memory'})"
+
+
+class HostEmbedding(nnx.Module):
+    """A frozen embedding table left in host memory: each lookup gathers the rows its ids name on the
+    host (`jax.pure_callback`) and hands only those to the device.
+
+    The drop-in for `Embedding` where the table is large and only read (Gemma 4's PLE table, about half
+    of E2B's text weights): from a memory-mapped file (`gemma4_nnx.io.checkpoint.ple_host_table`)
+    only the pages of rows that are looked up become resident. Rows are those of `Embedding` bit for
+    bit, in the same form: widened on the host where `Embedding`'s kernel widens them (`take_rows`
+    on the CPU kernels' path), else in the program. It has no parameters, so no optimizer trains it
+    and no gradient reaches it; it has no tied head (`attend`).
+    """
+
+    def __init__(self, table: HostTable, *, dtype, scale: float = 1.0, matmul: Matmul = XLA):
+        self.host = table
+        self.num_embeddings, self.features = (int(d) for d in table.table.shape)
+        self.dtype = dtype
+        self.lookup_scale = float(np.asarray(scale, dtype=table.table.dtype).astype(np.float64))
+        # as `take_rows`: the CPU kernels' take hands over rows already widened, XLA's take converts them
+        self.widened = bool(matmul.takes(jnp.dtype(table.table.dtype), jnp.dtype(dtype)))
+
+    def __call__(self, ids: Array) -> Array:
+        ids = jnp.asarray(ids, jnp.int32)
+        kind = jnp.dtype(self.dtype) if self.widened else self.host.table.dtype
+        take = functools.partial(self.host.take, dtype=np.dtype(kind))
+        rows = jax.pure_callback(
+            take, jax.ShapeDtypeStruct(ids.shape + (self.features,), kind), ids, vmap_method="expand_dims"
+        ).astype(self.dtype)
+        return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
 
 def take_rows(matmul: Matmul, table: Array, ids: Array, dtype) -> Array:

@@ -461,6 +461,9 @@ def _parser() -> argparse.ArgumentParser:
         help="recompute each layer's activations in the backward pass (less memory): full (the default of the "
         "bare flag), or dots (keep the projections' outputs: less recompute, more memory)",
     )
+    from gemma4_nnx.io.checkpoint import add_ple_host_flag
+
+    add_ple_host_flag(p)  # lora / qlora on one device: the PLE table stays frozen on the host
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -505,6 +508,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.method == "full" and "peft" in args.export:
         p.error("--export peft writes an adapter; --method full trains no adapter (use --export hf or gguf)")
     launch = _launch(p, args)
+    if args.ple_host and args.method == "full":
+        p.error("--ple-host keeps the PLE table frozen on the host; --method full trains it: leave --ple-host out")
+    if args.ple_host and (args.data_parallel or args.fsdp or args.distributed or launch):
+        p.error("--ple-host: the table is read by one process for one device; leave it out of a sharded run")
     if args.distributed or launch:
         jax.distributed.initialize(**launch)
     from gemma4_nnx.decode.compiles import use_compile_cache
@@ -536,7 +543,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     compute = None if args.compute_dtype == "auto" else args.compute_dtype  # None: load_any's default_dtypes
     weights = "float32" if args.method == "full" else None if args.dtype == "auto" else args.dtype
-    model = load_any(args.model, dtype=weights, compute_dtype=compute, matmul=args.matmul, kind="model")
+    model = load_any(
+        args.model, dtype=weights, compute_dtype=compute, matmul=args.matmul, kind="model", ple_host=args.ple_host
+    )
     wrt = prepare(
         model, args.method, rank=args.lora_rank, alpha=args.lora_alpha, base_quant=args.base_quant, seed=args.seed
     )
