@@ -53,13 +53,21 @@ def batches(tokenizer: str, batch_size: int, steps: int) -> list[dict]:
 
 
 def ours(
-    method: str, ckpt: str, rows: list[dict], dtype: str, compute_dtype: str | None = None, matmul: str = "auto"
+    method: str,
+    ckpt: str,
+    rows: list[dict],
+    dtype: str,
+    compute_dtype: str | None = None,
+    matmul: str = "auto",
+    ple_host: bool | str = False,
 ) -> list[float]:
     import gemma4_nnx
     from gemma4_nnx.train import finetune as ft
     from gemma4_nnx.train import loop
 
-    model = gemma4_nnx.load_any(ckpt, dtype=dtype, compute_dtype=compute_dtype or dtype, matmul=matmul)
+    model = gemma4_nnx.load_any(
+        ckpt, dtype=dtype, compute_dtype=compute_dtype or dtype, matmul=matmul, ple_host=ple_host
+    )
     wrt = loop.prepare(model, method, rank=RANK, base_quant="int4")
     config = loop.TrainConfig(steps=len(rows), lr=LR, batch_size=len(rows[0]["input_ids"]))
     opt = ft.make_optimizer(model, loop.make_tx(config), wrt=wrt)
@@ -105,7 +113,7 @@ def worker(side: str, method: str, a: argparse.Namespace) -> None:
 
     rows = batches(a.tokenizer or a.ckpt, a.batch_size, a.steps)
     if side == "ours":
-        times = ours(method, a.ckpt, rows, a.dtype, a.compute_dtype, a.matmul)
+        times = ours(method, a.ckpt, rows, a.dtype, a.compute_dtype, a.matmul, a.ple_host)
     else:
         times = theirs(method, a.hf_dir, rows, a.dtype)
     tokens = sum(int(np.count_nonzero(b["segment_ids"])) for b in rows[1:])
@@ -126,6 +134,8 @@ def run(side: str, method: str, a: argparse.Namespace) -> dict:
     if a.compute_dtype:
         cmd += ["--compute-dtype", a.compute_dtype]
     cmd += ["--matmul", a.matmul]
+    if a.ple_host:
+        cmd += ["--ple-host"] + ([] if a.ple_host is True else [a.ple_host])
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", a.cores, *cmd]
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -152,6 +162,14 @@ def main() -> None:
         "--matmul",
         default="auto",
         help="ours: the projections' product (cpu_kernels_bf16: bf16 products, as torch's bf16)",
+    )
+    p.add_argument(
+        "--ple-host",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="DIR",
+        help="ours: the PLE table left in host memory (a memory map of a raw copy, made on first use; load_any)",
     )
     p.add_argument("--tokenizer", help="checkpoint whose tokenizer makes the batches (default: --ckpt)")
     p.add_argument("--repeats", type=int, default=1)
