@@ -80,6 +80,21 @@ def test_generate_equals_the_whole_table(ckpts):
         assert gemma4_nnx.generate(host, prompts, 6, stop_tokens=[], **kw).tokens == want
 
 
+def test_the_engine_serves_it_as_generate_does(ckpts):
+    """The server's engine (`gemma4-serve --ple-host`): the tokens `generate` gives the whole table."""
+    from gemma4_nnx.decode.engine import Engine
+
+    whole, host = _pair(ckpts)
+    prompts = [[2, 7, 11, 5], [3, 9, 4]]
+    want = gemma4_nnx.generate(whole, prompts, 5, stop_tokens=[]).tokens
+    engine = Engine(host, max_batch=2, max_length=32)
+    try:
+        got = [r.result() for r in [engine.submit(p, 5, stop_tokens=[]) for p in prompts]]
+    finally:
+        engine.close()
+    assert [list(g[0]) for g in got] == [list(w) for w in want]
+
+
 def test_lora_steps_equal_the_whole_table(ckpts):
     """Two AdamW steps of LoRA: the same losses and adapters bit for bit (no gradient reaches the table)."""
     models = _pair(ckpts)
