@@ -397,6 +397,39 @@ def test_row_keys_compile_per_power_of_two_and_equal_each_rows_own_key():
     assert state._row_keys_jit._cache_size() - before <= 5  # counts 1, 2, 4, 8, 16
 
 
+def test_greedy_steps_run_fused_from_the_first_after_a_precompile(model):
+    """The precompile compiles the greedy sampler's fused step programs (one per row count) in place
+    of its draws at the steps' shapes: a greedy request's every step is one "step" call from the
+    first (no decode + draw pair while a fused program compiles on the helper thread, which takes
+    `FUSE_AFTER` steps and, on an E2B, about a minute per row count on a TPU host), none compiled
+    after the precompile, and its tokens and logprobs are `generate`'s bit for bit."""
+    engine = Engine(model, max_batch=4, max_length=32, precompile=(5,))
+    calls: dict[str, int] = {}
+    run = engine.decoder._run
+
+    def counted(kind, fn, *args):
+        calls[kind] = calls.get(kind, 0) + 1
+        return run(kind, fn, *args)
+
+    engine.decoder._run = counted
+    prompt = fx.sample_ids(1, 5, seed=4)[0].tolist()
+
+    def step_compiles():  # (the helper thread's later jobs, the vocabulary-wide sampler, may run meanwhile)
+        return {k: v for k, v in engine.decoder.compiles.items() if k.startswith(("step", "decode"))}
+
+    try:
+        before = step_compiles()
+        got = [(e.token, e.logprob) for e in engine.submit(prompt, 7, stop_tokens=[])]
+        steps = engine.stats.decode_steps
+    finally:
+        engine.close()
+    assert steps == 6 and calls.get("step") == steps and "decode" not in calls, (steps, calls)
+    assert calls.get("draw") == 1, calls  # the first token's, after the prefill
+    assert step_compiles() == before, (before, engine.decoder.compiles)
+    ref = generate(model, [prompt], 7, stop_tokens=[], max_length=32, return_logprobs=True)
+    assert [t for t, _ in got] == ref.tokens[0] and [lp for _, lp in got] == ref.logprobs[0]
+
+
 def test_serving_thread_lowers_no_program_after_a_precompile(model):
     """After a precompile, a request of a precompiled prompt length runs without any program lowered on
     the engine thread: neither its steps' and draws' (precompiled, or fused on the helper thread) nor

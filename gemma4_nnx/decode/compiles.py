@@ -494,10 +494,11 @@ class Compiles:
         args = jax.tree.map(_abstract, (rows, idx, nxt, start, self._mask(cfg, n, None)))
         return _draw_jit.lower(cfg, *args)
 
-    def compile_together(self, steps=(), draws=(), prefills=(), threads: int = 1) -> None:
+    def compile_together(self, steps=(), draws=(), prefills=(), threads: int = 1, fused=()) -> None:
         """Compile ahead of time, `threads` at once, the decode program of each row count in `steps`,
-        the draw program of each (cfg, shape) in `draws` and the indexed prefill program of each (rows,
-        chunk width) in `prefills` (the engine's precompile; a first call finds them in jax's cache).
+        the draw program of each (cfg, shape) in `draws`, the indexed prefill program of each (rows,
+        chunk width) in `prefills` and the fused step program (`programs._step`) of each (cfg, m) in
+        `fused` (the engine's precompile; a first call finds them in jax's cache).
         Tracing and lowering run here one after another (they hold the GIL); XLA's compiles run on a
         pool of `threads`, side by side (they release it): an accelerator host's cores compile an E2B
         engine's ~30 programs together instead of one by one. The first failure raises here."""
@@ -519,6 +520,12 @@ class Compiles:
             ("draw", functools.partial(self._lower_draw, cfg, *shape), self._draws_run, self._draw_key(cfg, *shape))
             for cfg, shape in draws
         ]
+        jobs += [
+            ("step", functools.partial(_step_jit.lower, cfg, m, graphdef, weights, cache, rows,
+                                       jax.tree.map(_abstract, self._mask(cfg, m, None))),
+             self._steps_run, (cfg, self.stop_width, m))
+            for cfg, m in fused
+        ]  # fmt: skip
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="gemma4-precompile") as pool:
             running = []
             for kind, lower, done, key in jobs:

@@ -392,8 +392,9 @@ class Decoder(Compiles):
     ) -> Drawn:
         """Sample rows `idx` (None: every row) from `logits` (a `Next`); `init`: their initial state,
         written first (`build_rows` of the joining requests); `mask` [R, W] int32 token bitmasks
-        (`cfg.constrained`). Returns the `Drawn` on the host (NumPy); fetch=False: on the device, its
-        copy to the host started (the engine reads it back after dispatching the next step)."""
+        (`cfg.constrained`). Returns the `Drawn` on the host (NumPy); fetch=False: on the device as one
+        `PackedDrawn`, its copy to the host started (the engine reads it back after dispatching the
+        next step; `fetch_drawn`)."""
         key = self._draw_key(cfg, logits.logits.shape[0], idx is not None, init is not None)
         if idx is not None and not isinstance(idx, jax.Array):  # a transfer, no conversion program
             idx = jax.device_put(np.asarray(idx, np.int32))

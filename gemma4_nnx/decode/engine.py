@@ -319,9 +319,10 @@ class Engine:
       cache_dtype: default the model's compute dtype; "int8": codes with a float32 scale per token and
         head, dequantized inside attention (`cache.quantize_kv`; about half of bfloat16's bytes).
       precompile: prompt lengths to compile ahead (e.g. `(16, 64)`, or "all": every prompt bucket up to
-        max_length): before serving, every decode step program (each row count, `row_factor`, with
-        its greedy draw) and the prefill and first draw programs for those prompt buckets and every
-        joining row count are compiled (`compile_threads` at once), and a superset sampler (`DrawConfig.widest`)
+        max_length): before serving, every decode step program (each row count, `row_factor`, and
+        the greedy sampler's fused step of that count: greedy steps are one program from the first)
+        and the prefill and first draw programs for those prompt buckets and every joining row count
+        are compiled (`compile_threads` at once), and a superset sampler (`DrawConfig.widest`)
         at each top-k width (none, `sampling.TOP_K_WIDTHS`; the vocabulary-wide one, for a top_k above
         64, on a helper thread once serving starts), with alternatives. Afterwards no sampler compiles
         on the serving thread and no request waits for one: a request with new settings (a new top_k,
@@ -1197,10 +1198,11 @@ class Engine:
         self.decoder.finish(host_ended)
 
     def _precompile(self, prompt_lengths: Sequence[int] | str) -> None:
-        """Compile ahead, `compile_threads` at once, every decode step, the greedy and superset draws
-        and the prefills of `prompt_lengths`. Nothing runs (the state stays as it is): a first call
-        finds its program in jax's cache, and running every program once at start-up cost most of a
-        warm precompile on a CPU (docs/benchmarks.md, start-up on the TPU)."""
+        """Compile ahead, `compile_threads` at once, every decode step, the greedy sampler's fused steps
+        and first draws, the superset draws and the prefills of `prompt_lengths`. Nothing runs (the
+        state stays as it is): a first call finds its program in jax's cache, and running every
+        program once at start-up cost most of a warm precompile on a CPU (docs/benchmarks.md,
+        start-up on the TPU)."""
         greedy = DrawConfig(RowFeatures(), logprobs=True)
         steps = [m for m, _, _ in self.decoder.draw_shapes(joining=False)]
         shapes = self.decoder.draw_shapes(True) + self.decoder.draw_shapes(False)
@@ -1215,11 +1217,14 @@ class Engine:
             prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
         lengths = sorted({n for n in prompt_lengths if 0 < n < self.max_length})
         joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
+        # greedy steps run fused from the first (one dispatch, one array read back; an accelerator's
+        # host time per step): its fused step programs in place of its draws at the steps' shapes
         self.decoder.compile_together(
             steps,
-            [(cfg, shape) for cfg in (greedy, *supersets) for shape in shapes],
+            [(cfg, shape) for cfg in (greedy, *supersets) for shape in shapes if cfg is not greedy or shape[2]],
             [(kb, prompt_columns(n, self.prefill_chunk)[1]) for n in lengths for kb in joining],
             threads=self.compile_threads,
+            fused=[(greedy, m) for m in steps],
         )
         compile_row_keys(self.decoder.rows)  # the joining requests' sampling keys (a small program per count)
         # the verify and draft programs of speculative decoding compile by running (all rows done:

@@ -162,6 +162,13 @@ def _draw(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None
     return rows, Drawn(tok, lp, stopped, sub.done, active, top_tok, top_lp)
 
 
+def _draw_packed(cfg: DrawConfig, rows: RowState, idx, nxt: Next, init: RowState | None = None, mask=None):
+    """`_draw` as the draw program returns it: (rows, `PackedDrawn`), one array for the host to read
+    back (the fused step's form) where seven would each cost a transfer's bookkeeping."""
+    rows, drawn = _draw(cfg, rows, idx, nxt, init, mask)
+    return rows, PackedDrawn.pack(drawn)
+
+
 def _advance(sub: RowState, features: RowFeatures, emitted, n, stopped, hidden) -> RowState:
     """Rows `sub` [k] after each emitted its first n [k] tokens of `emitted` [k, S] (n = 0 for a
     done row, which stays as it was): the last emitted token is the one fed next, position and step
@@ -383,7 +390,7 @@ def _score(n_top: int, chunk: int, graphdef, weights, ids, valid, adapter=None):
 _prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
 _encode_jit = jax.jit(_encode, static_argnums=0)
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
-_draw_jit = jax.jit(_draw, static_argnums=0, donate_argnums=(1,))
+_draw_jit = jax.jit(_draw_packed, static_argnums=0, donate_argnums=(1,))
 _step_jit = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
 _verify_jit = jax.jit(_verify, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
