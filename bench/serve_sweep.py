@@ -9,7 +9,9 @@ Starts the server as a subprocess of this script (`--serve` mode: the same `crea
 bfloat16 weights on the device leaf by leaf (bench/accelerator.py's `build`), nothing read from disk),
 twice with the same compile cache directory (a fresh one, `--compile-cache`): the first launch is
 **cold** (every program compiles), the second **warm** (they load from the cache). Launch to first
-token = process start to the first streamed token of one request, /health polled meanwhile.
+token = process start to the first streamed token of one request (a prompt of the first precompiled
+length: the server's start, not the compile of a prompt bucket nobody asked it to precompile),
+/health polled meanwhile.
 
 On the warm server, for each concurrency in --concurrency (default 1 4 16 64) and each (in, out) in
 --shapes (default 128/128 and 1024/128), `--prompts-per-client` x concurrency requests of random token
@@ -193,7 +195,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _launch(args, cache: str, target, profile: str | None = None) -> tuple[subprocess.Popen, float, float]:
-    """Start the server; (process, launch to /health 200, launch to the first token of one request)."""
+    """Start the server; (process, launch to /health 200, launch to the first token of one request of
+    the first precompiled prompt length)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--compile-cache", cache]
     cmd += ["--profile-engine", profile] if profile else []
     cmd += ["--max-batch", str(args.max_batch), "--max-length", str(args.max_length), "--port", str(args.port)]
@@ -217,7 +220,10 @@ def _launch(args, cache: str, target, profile: str | None = None) -> tuple[subpr
             pass
         time.sleep(0.1)
     healthy = time.perf_counter() - t0
-    _, times = _complete(target, list(range(10, 26)), 2)
+    # the probe: a prompt of the first precompiled length (the sweep's own), so the figure is the
+    # server's start; a length no program was compiled for would add that compile to it
+    n = min(args.precompile) if args.precompile else 16
+    _, times = _complete(target, [10 + i % 16 for i in range(n)], 2)
     return proc, healthy, times[0] - t0
 
 
