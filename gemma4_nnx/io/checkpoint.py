@@ -477,8 +477,6 @@ def ple_host_table(ckpt_dir: str | os.PathLike, dtype=None, where: str | os.Path
     whole in memory; reused while the checkpoint is unchanged). `dtype`: the table's dtype (None: as
     stored). For `load(..., ple_host=...)`: the rows a batch looks up are read from the file, the
     rest never become resident."""
-    import hashlib
-
     import tensorstore as ts
 
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
@@ -505,28 +503,39 @@ def ple_host_table(ckpt_dir: str | os.PathLike, dtype=None, where: str | os.Path
     if shape != want:
         raise CheckpointError(f"{ckpt_dir}: the PLE table is {shape}, its config says {want}; convert it again")
     dt = np.dtype(_dtype(dtype, "dtype") or stored.dtype.numpy_dtype)
-    # Keyed by the checkpoint's identity and state: a changed or re-converted checkpoint gets a new copy.
+    path = os.path.join(ple_cache_dir(where), f"{_state_key(ckpt_dir)}-{shape[0]}x{shape[1]}-{dt.name}.bin")
+    if not (os.path.isfile(path) and os.path.getsize(path) == shape[0] * shape[1] * dt.itemsize):
+        _write_rows(stored, dt, path)
+    return np.memmap(path, dtype=dt, mode="r", shape=shape)
+
+
+def _state_key(ckpt_dir: str) -> str:
+    """A name for the state of converted checkpoint `ckpt_dir`: its path, and the size and time of its
+    metadata and of its parameters' manifest (a re-converted checkpoint gets another)."""
+    import hashlib
+
     h = hashlib.sha256(ckpt_dir.encode())
     for name in (METADATA_FILE, os.path.join(PARAMS_DIR, "manifest.ocdbt")):
         with contextlib.suppress(OSError):
             st = os.stat(os.path.join(ckpt_dir, name))
             h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    folder = ple_cache_dir(where)
-    path = os.path.join(folder, f"{h.hexdigest()[:24]}-{shape[0]}x{shape[1]}-{dt.name}.bin")
-    nbytes = shape[0] * shape[1] * dt.itemsize
-    if not (os.path.isfile(path) and os.path.getsize(path) == nbytes):
-        os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                for a in range(0, shape[0], PLE_COPY_ROWS):
-                    block = stored[a : min(shape[0], a + PLE_COPY_ROWS)].read().result()
-                    f.write(np.ascontiguousarray(block, dtype=dt).tobytes())
-            os.replace(tmp, path)  # a copy cut short never takes the final name
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-    return np.memmap(path, dtype=dt, mode="r", shape=shape)
+    return h.hexdigest()[:24]
+
+
+def _write_rows(stored, dtype: np.dtype, path: str) -> None:
+    """The rows of tensorstore array `stored` in `dtype`, raw, to `path`, `PLE_COPY_ROWS` at a time
+    (under a temporary name, renamed at the end: a copy cut short never takes the final name)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            for a in range(0, stored.shape[0], PLE_COPY_ROWS):
+                block = stored[a : min(stored.shape[0], a + PLE_COPY_ROWS)].read().result()
+                f.write(np.ascontiguousarray(block, dtype=dtype).tobytes())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def load_tokenizer(ckpt_dir: str | os.PathLike):
