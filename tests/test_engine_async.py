@@ -400,9 +400,9 @@ def test_row_keys_compile_per_power_of_two_and_equal_each_rows_own_key():
 def test_greedy_steps_run_fused_from_the_first_after_a_precompile(model):
     """The precompile compiles the greedy sampler's fused step programs (one per row count) in place
     of its draws at the steps' shapes: a greedy request's every step is one "step" call from the
-    first (no decode + draw pair while a fused program compiles on the helper thread, which takes
-    `FUSE_AFTER` steps and, on an E2B, about a minute per row count on a TPU host), none compiled
-    after the precompile, and its tokens and logprobs are `generate`'s bit for bit."""
+    first (no decode + draw pair while a fused program compiles on the helper thread, which starts
+    after `FUSE_AFTER` steps and is slow on an accelerator: docs/benchmarks.md), none compiled after
+    the precompile, and its tokens and logprobs are `generate`'s bit for bit."""
     engine = Engine(model, max_batch=4, max_length=32, precompile=(5,))
     calls: dict[str, int] = {}
     run = engine.decoder._run

@@ -311,11 +311,14 @@ class Compiles:
         if key in self.step_failures:
             return None
 
-        def args() -> tuple:
-            return (cfg, m, *self._abstract_state(), jax.tree.map(_abstract, self._mask(cfg, m, None)))
-
         # a failure: the serving thread goes on with the decode and draw programs
+        args = functools.partial(self._step_args, cfg, m)
         return self._compile_ahead("step", key, _step_jit, args, self._steps_run, self.step_failures)
+
+    def _step_args(self, cfg: DrawConfig, m: int, state: tuple | None = None) -> tuple:
+        """The fused step program's abstract arguments (`state`: `_abstract_state()`, read here if None)."""
+        state = self._abstract_state() if state is None else state
+        return (cfg, m, *state, jax.tree.map(_abstract, self._mask(cfg, m, None)))
 
     def cover(self, cfg: DrawConfig, shape: tuple[int, bool, bool]) -> DrawConfig | None:
         """The program to draw `cfg` with, at this shape, without compiling: `cfg` itself once it ran,
@@ -520,10 +523,10 @@ class Compiles:
             ("draw", functools.partial(self._lower_draw, cfg, *shape), self._draws_run, self._draw_key(cfg, *shape))
             for cfg, shape in draws
         ]
+        state = (graphdef, weights, cache, rows)
         jobs += [
-            ("step", functools.partial(_step_jit.lower, cfg, m, graphdef, weights, cache, rows,
-                                       jax.tree.map(_abstract, self._mask(cfg, m, None))),
-             self._steps_run, (cfg, self.stop_width, m))
+            ("step", functools.partial(_step_jit.lower, *self._step_args(cfg, m, state)), self._steps_run,
+             (cfg, self.stop_width, m))
             for cfg, m in fused
         ]  # fmt: skip
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="gemma4-precompile") as pool:

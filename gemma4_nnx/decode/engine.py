@@ -1218,10 +1218,12 @@ class Engine:
         lengths = sorted({n for n in prompt_lengths if 0 < n < self.max_length})
         joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
         # greedy steps run fused from the first (one dispatch, one array read back; an accelerator's
-        # host time per step): its fused step programs in place of its draws at the steps' shapes
+        # host time per step): its fused step programs in place of its draws at the steps' shapes, so
+        # of greedy draws only the first after a prefill (`init`)
+        draws = [(cfg, shape) for cfg in (greedy, *supersets) for shape in shapes if cfg != greedy or shape[2]]
         self.decoder.compile_together(
             steps,
-            [(cfg, shape) for cfg in (greedy, *supersets) for shape in shapes if cfg is not greedy or shape[2]],
+            draws,
             [(kb, prompt_columns(n, self.prefill_chunk)[1]) for n in lengths for kb in joining],
             threads=self.compile_threads,
             fused=[(greedy, m) for m in steps],
