@@ -163,14 +163,9 @@ def main() -> None:
         default="auto",
         help="ours: the projections' product (cpu_kernels_bf16: bf16 products, as torch's bf16)",
     )
-    p.add_argument(
-        "--ple-host",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="DIR",
-        help="ours: the PLE table left in host memory (a memory map of a raw copy, made on first use; load_any)",
-    )
+    from gemma4_nnx.io.checkpoint import add_ple_host_flag
+
+    add_ple_host_flag(p)  # ours: the PLE table left in host memory
     p.add_argument("--tokenizer", help="checkpoint whose tokenizer makes the batches (default: --ckpt)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--methods", nargs="+", default=["lora", "qlora", "full"])
