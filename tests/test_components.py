@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +137,25 @@ def test_moe_matches_dense_float64_enumeration():
     # Off the CPU 1e-4: a TPU's float32 tanh / exp (gelu, the router's softmax) are approximations good to
     # about five digits, and `ragged_dot` there is not held to `highest` (v5e: 4.1e-5 off float64).
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5 if jax.default_backend() == "cpu" else 1e-4)
+
+
+def test_bf16_experts_multiply_in_one_pass_under_highest_precision():
+    """A bf16 MoE's grouped matmuls are lowered at DEFAULT precision even where the user asked for
+    `highest` (as this suite does): their bf16 operands multiply exactly in one MXU pass, and on a TPU
+    `ragged_dot`'s Pallas kernel refuses float32 precision for bf16 operands ("Bad lhs type": the MoE
+    model did not compile on a v5e under `highest`). A float32 MoE keeps the precision asked for."""
+    from gemma4_nnx.model.moe import Experts
+
+    cfg = Gemma4Config(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, global_head_dim=8, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=8,
+    )  # fmt: skip
+    x, weights, index = jnp.ones((3, 16)), jnp.ones((3, 2)), jnp.asarray([[0, 1], [2, 3], [1, 2]], jnp.int32)
+    for dtype, want in ((jnp.bfloat16, "[DEFAULT, DEFAULT]"), (jnp.float32, "[HIGHEST, HIGHEST]")):
+        experts = Experts(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(experts)
+        with jax.default_matmul_precision("highest"):
+            text = jax.jit(lambda s, g=graphdef: nnx.merge(g, s)(x, weights, index)).lower(state).as_text()
+        found = re.findall(r"precision = (\[[A-Z]+, [A-Z]+\])", text)
+        assert found.count(want) == 2 and len(found) == 2, (dtype, found)

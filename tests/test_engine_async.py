@@ -379,6 +379,47 @@ def test_a_step_waiting_for_its_fused_program_reads_no_shapes(model):
     assert got == generate(model, [prompt], 9, stop_tokens=[], max_length=32).tokens[0]
 
 
+def test_a_prompt_waiting_for_its_prefill_program_reads_no_shapes_per_step(model, monkeypatch):
+    """A prompt whose prefill program compiles on the helper thread waits in the queue, and every step
+    of the running stream asks for that program again (`Engine._prefill_ready`); the ask must cost set
+    lookups, not the abstract shapes of the weights and cache (the fused step's twin, above: on the
+    chip's 16-stream sweep these reads were ~40% of the serving thread). With the helper held, a
+    40-token prompt (a new bucket) waits through several of the stream's steps, no array's shape is
+    read meanwhile (they were read when its compiles were queued), and both outputs are `generate`'s."""
+    from gemma4_nnx.decode import compiles
+
+    engine = Engine(model, max_batch=2, max_length=96, precompile=(16,))
+    deadline = time.time() + 120
+    while engine.decoder._compiling and time.time() < deadline:
+        time.sleep(0.01)
+    stream, late_prompt = fx.sample_ids(1, 9, seed=61)[0].tolist(), fx.sample_ids(1, 40, seed=62)[0].tolist()
+    hold, reads = threading.Event(), []
+    abstract = compiles._abstract
+    monkeypatch.setattr(compiles, "_abstract", lambda x: (reads.append(1), abstract(x))[1])
+    try:
+        held = engine.decoder._queue(("hold",), hold.wait, lambda: None)
+        while not held.running():
+            time.sleep(0.001)
+        running = engine.submit(stream, 40, stop_tokens=[])
+        while len(running.tokens) < 3:
+            time.sleep(0.002)
+        late = engine.submit(late_prompt, 5, stop_tokens=[])
+        while not any(job[0] == "prefill" for job in engine.decoder._compiling):
+            time.sleep(0.001)
+        waited_from, queued = len(running.tokens), len(reads)
+        while len(running.tokens) < waited_from + 6 and running.finish_reason is None:
+            time.sleep(0.002)
+        waited, read = len(running.tokens) - waited_from, len(reads) - queued
+        hold.set()
+        got_late, got_stream = late.result()[0], running.result()[0]
+    finally:
+        hold.set()
+        engine.close()
+    assert queued > 0 and waited >= 6 and read == 0, (queued, waited, read)
+    assert got_stream == generate(model, [stream], 40, stop_tokens=[], max_length=96).tokens[0]
+    assert got_late == generate(model, [late_prompt], 5, stop_tokens=[], max_length=96).tokens[0]
+
+
 def test_row_keys_compile_per_power_of_two_and_equal_each_rows_own_key():
     """The sampling keys of the requests joining together (`state._row_keys`) come from one program per
     power-of-two count (not one per count: each new one compiled on the serving thread), and each row's

@@ -110,6 +110,22 @@ def test_pallas_scale_and_paths_it_leaves_to_xla():
         pallas_attention.paged_decode(two, kv, jnp.asarray(q_pos), scale=1.0, interpret=True)
 
 
+def test_float32_queries_stay_on_xla_on_the_chip():
+    """On the chip (`pallas="tpu"`) the kernel takes bf16 queries only: Mosaic multiplies a float32 query
+    by bf16 keys in one bf16 pass at most (under `highest` it refused to compile: "Bad rhs type"), so a
+    float32 model over a bf16 pool gets XLA's result bit for bit (here on the CPU, where the old check
+    sent it to a Mosaic compile); the interpreter still takes float32 queries (the tests above), and a
+    bf16 query is the kernel's."""
+    rng = np.random.default_rng(2)
+    kv, q, q_pos, *_ = _pool(rng, 128)
+    q, q_pos = jnp.asarray(q), jnp.asarray(q_pos)
+    assert not pallas_attention.supported(q, kv, window=None)
+    assert pallas_attention.supported(q, kv, window=None, interpret=True)
+    assert pallas_attention.supported(q.astype(jnp.bfloat16), kv, window=None)
+    got = attend(q, kv, q_pos, window=None, scale=1.0, pallas="tpu")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(attend(q, kv, q_pos, window=None, scale=1.0)))
+
+
 @pytest.mark.slow  # ~15 s on 2 cores: two compiles of a model step, one through the kernel's interpreter
 def test_model_decode_step_through_the_kernel_equals_xla(monkeypatch):
     """A tiny model's decode step over a paged bf16 cache (global layers: one KV head, head_dim 256; the

@@ -389,15 +389,19 @@ class Compiles:
         needs one of them waits in the queue meanwhile, the running rows decode on (the engine's
         `_take_joining`): `urgent` makes `first` (the (rows, width) it needs; every shape when None)
         run before the helper's jobs for later, a shape already queued moved up. Returns the future
-        of the last job queued (None: all queued already, compiled, or stopped)."""
-        graphdef, weights = self.graphdef, jax.tree.map(_abstract, self.weights)
-        cache = jax.tree.map(_abstract, self.state.cache)  # read here: the serving thread replaces it
-        future = None
+        of the last job queued (None: all queued already, compiled, or stopped). The weights' and the
+        cache's shapes are read on the calling thread (the serving thread replaces the cache) and only
+        when a job is queued: the serving thread asks at every step while a request waits (as
+        `_compile_ahead`)."""
+        future, state = None, None
         for r, w in sorted({(r, w) for r, w in shapes if (r, w, False) not in self._prefills_run}):
             now = urgent and (first is None or first == (r, w))
+            if state is None and ("prefill", r, w) not in self._compiling and not self._stopped:
+                state = self._abstract_state()
 
-            def build(key=(r, w, False)) -> None:
+            def build(key=(r, w, False), state=state) -> None:
                 if key not in self._prefills_run:
+                    graphdef, weights, cache, _ = state
                     args = self._prefill_placeholders(*key[:2])
                     lower = functools.partial(_prefill_jit.lower, graphdef, weights, cache, *args)
                     self._run("prefill (background)", lambda: lower().compile())

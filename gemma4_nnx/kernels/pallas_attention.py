@@ -38,7 +38,9 @@ one query per row (prefill chunks, speculative verification), sliding windows (o
 rings, never pages), vision spans, int8 KV (the kernel's quantized path would broadcast the per-token
 scales to a float32 array of the pool's shape at every step), pools other than bf16 (the kernel rounds
 K / V to bf16 as it loads them), more than one KV head (E4B's global layers: the pool would have to be
-head-major), head dims not a multiple of 128.
+head-major), head dims not a multiple of 128, and on the chip float32 queries (a float32 model over a
+bf16 pool): Mosaic multiplies a float32 query by bf16 keys in one bf16 pass only (it rejects the float32
+precision the XLA path computes at), which would round the query; a bf16 query loses nothing there.
 """
 
 from __future__ import annotations
@@ -59,10 +61,14 @@ __all__ = ["BLOCK_TOKENS", "paged_decode", "supported"]
 BLOCK_TOKENS = 512
 
 
-def supported(q: Array, kv: KV, *, window: int | None, vision: bool = False, segments: bool = False) -> bool:
-    """Whether `paged_decode` computes this attention (static facts only: shapes and dtypes)."""
+def supported(
+    q: Array, kv: KV, *, window: int | None, vision: bool = False, segments: bool = False, interpret: bool = False
+) -> bool:
+    """Whether `paged_decode` computes this attention (static facts only: shapes and dtypes). On the chip
+    the queries must be bf16 (`interpret`: any float, Pallas's interpreter multiplies them exactly)."""
     return (
         kv.table is not None
+        and (interpret or q.dtype == jnp.bfloat16)
         and kv.k_scale is None
         and kv.k.dtype == jnp.bfloat16
         and kv.k.shape[2] == 1
@@ -87,11 +93,11 @@ def paged_decode(
     """q [B, 1, N, H] at positions q_pos [B, 1] (-1: idle row) over the paged `kv` (pool [P, S, 1, H],
     table [B', M], B' >= B: row b reads table row b) -> [B, 1, N, H] in q's dtype; an idle row gives
     zeros. `interpret`: run the kernel in Pallas's TPU interpreter (CPU tests)."""
-    if not supported(q, kv, window=None):
+    if not supported(q, kv, window=None, interpret=interpret):
         raise ValueError(
-            "paged_decode: needs one query per row, a paged bf16 pool with one KV head and head_dim a multiple "
-            f"of 128 (q {q.shape}, pool {kv.k.shape} {kv.k.dtype}, int8 {kv.k_scale is not None}); "
-            "use attention._xla_attend"
+            "paged_decode: needs one query per row (bf16 on the chip), a paged bf16 pool with one KV head and "
+            f"head_dim a multiple of 128 (q {q.shape} {q.dtype}, pool {kv.k.shape} {kv.k.dtype}, "
+            f"int8 {kv.k_scale is not None}); use attention._xla_attend"
         )
     b, _, n, h = q.shape
     blocks, size = kv.pos.shape
@@ -118,6 +124,7 @@ def paged_decode(
     if interpret:
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
             out = call()
-    else:
-        out = call()
+    else:  # bf16 queries and keys: one MXU pass is exact, and Mosaic refuses more for bf16 operands
+        with jax.default_matmul_precision("default"):
+            out = call()
     return out.astype(q.dtype).reshape(b, 1, n, h)

@@ -106,7 +106,12 @@ def attend(
     over a paged bf16 pool with one KV head go through JAX's Pallas `paged_attention` kernel, which reads
     the pool in place (`gemma4_nnx.kernels.pallas_attention`; everything else stays on XLA's path)."""
     if pallas is not None and pallas_attention.supported(
-        q, kv, window=window, vision=reach is not None or floor is not None, segments=segments is not None
+        q,
+        kv,
+        window=window,
+        vision=reach is not None or floor is not None,
+        segments=segments is not None,
+        interpret=pallas == "interpret",
     ):
         return pallas_attention.paged_decode(q, kv, q_pos, scale=scale, interpret=pallas == "interpret")
     if (

@@ -64,9 +64,12 @@ class Experts(nnx.Module):
         token = order // k
         sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
         xs = x[token].astype(self.dtype)
-        gu = jax.lax.ragged_dot(xs, self._dense(self.gate_up), sizes)
+        # bf16 operands: one MXU pass multiplies them exactly, and on a TPU the grouped matmul's Pallas
+        # kernel refuses more (a `jax_default_matmul_precision` of "highest" would stop it compiling)
+        precision = jax.lax.Precision.DEFAULT if self.dtype == jnp.bfloat16 else None
+        gu = jax.lax.ragged_dot(xs, self._dense(self.gate_up), sizes, precision=precision)
         h = gelu_tanh(gu[:, : self.width]) * gu[:, self.width :]
-        out = jax.lax.ragged_dot(h, self._dense(self.down), sizes)
+        out = jax.lax.ragged_dot(h, self._dense(self.down), sizes, precision=precision)
         out = (out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
         return jnp.zeros_like(x).at[token].add(out)
 
