@@ -110,6 +110,33 @@ def test_health_models_and_warmup_generation(served):
     assert [x.id for x in models.data] == [NAME]
 
 
+def test_warmup_waits_for_no_compile_after_a_precompile(served):
+    """The warm-up generation (what /ready waits for) uses a prompt of the first precompiled length, so
+    it runs on the precompile's programs: no prefill compiles after start-up (before, its one-token
+    prompt needed a prefill program of its own whenever --precompile left out short prompts, and on a
+    TPU the server reported ready seconds later)."""
+    from fastapi.testclient import TestClient
+
+    from gemma4_nnx.serve.app import create_app
+
+    model, tok, _, _ = served
+    engine = Engine(model, tok, max_batch=2, max_length=MAX_LENGTH, precompile=(40,))
+    try:
+        before = dict(engine.decoder.compiles)
+        with TestClient(create_app(engine, NAME)) as client:
+            deadline = time.time() + 120
+            while client.get("/ready").status_code != 200 and time.time() < deadline:
+                time.sleep(0.05)
+            assert client.get("/ready").json()["ready"]
+        after = dict(engine.decoder.compiles)
+    finally:
+        engine.close()
+    assert engine.precompiled_lengths == (40,)
+    assert engine.stats.completed >= 1
+    prefills = {k: (before.get(k, 0), v) for k, v in after.items() if k.startswith("prefill")}
+    assert all(b == a for b, a in prefills.values()), prefills
+
+
 def test_text_completion_greedy_equals_generate(served):
     model, tok, port, _ = served
     client = _client(port)

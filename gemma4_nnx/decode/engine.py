@@ -487,6 +487,9 @@ class Engine:
         if isinstance(precompile, str) and precompile != "all":
             raise RequestError(f"precompile must be prompt lengths or 'all', got {precompile!r}", "precompile")
         self._precompiled = bool(precompile)
+        #: the prompt lengths the precompile covered (ascending; () without one): the server's warm-up
+        #: prompt takes the first, so that it waits for no compile
+        self.precompiled_lengths: tuple[int, ...] = ()
         # a step whose fused program has not compiled runs as decode and draw; it compiles on the helper
         self.decoder.fuse_after = FUSE_AFTER
         if precompile:
@@ -1216,6 +1219,7 @@ class Engine:
         if prompt_lengths == "all":  # every prompt bucket a request can meet
             prompt_lengths = prompt_buckets(self.max_length - 1, self.prefill_chunk)
         lengths = sorted({n for n in prompt_lengths if 0 < n < self.max_length})
+        self.precompiled_lengths = tuple(lengths)
         joining = [kb for kb, _, _ in self.decoder.draw_shapes(joining=True)]
         # greedy steps run fused from the first (one dispatch, one array read back; an accelerator's
         # host time per step): its fused step programs in place of its draws at the steps' shapes, so

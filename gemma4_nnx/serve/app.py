@@ -195,7 +195,11 @@ def create_app(
         bos = tok.bos_id if tok is not None and tok.bos_id is not None else engine.model.config.bos_token_id
         try:  # every engine of a data-parallel server (`serve.data_parallel`) generates once
             for one in getattr(engine, "engines", [engine]):
-                tokens, _, reason, _ = one.submit([int(bos)], 2, temperature=0.0, stop_tokens=[]).result()
+                # a prompt of the first precompiled length: its prefill program is ready (a length the
+                # precompile left out would compile before the server reports ready)
+                lengths = getattr(one, "precompiled_lengths", ())
+                n = max(1, min(lengths[0], one.max_length - 2)) if lengths else 1
+                tokens, _, reason, _ = one.submit([int(bos)] * n, 2, temperature=0.0, stop_tokens=[]).result()
                 if len(tokens) != 2 or reason != "length":
                     raise EngineError(f"warm-up generated {tokens} ({reason}), expected 2 tokens")
             state["ready"] = True

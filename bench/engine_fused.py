@@ -1,0 +1,113 @@
+"""The engine's decode step as one fused program or as two (decode, then draw), side by side.
+
+    python bench/engine_fused.py                                   # tiny random model (CPU smoke run)
+    python bench/engine_fused.py --model e2b --json $OUT/fused.json   # a TPU host: E2B random bf16
+
+One engine (`max_batch` 64, precompiled as `gemma4-serve --precompile 128` does), for each concurrency
+in --concurrency: that many greedy requests of 128 random prompt tokens and --tokens new tokens at once,
+the steps fused (`programs._step`: what the precompile readies for greedy requests) and apart (the
+decode program, then the draw program: what a step runs until its fused program compiles), alternating,
+--repeats times each. Reports wall ms per decode step (the engine's `decode_steps` counter over the
+run's wall time, prefill included: the same in both) and the engine's host ms per step. The question
+it answers: whether the fused step costs more than decode + draw on a device (the chip's serving sweep
+of tree c073c31 ran slower at 1 and 16 streams with every step fused, at the same host time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _model(name: str):
+    if name == "tiny":
+        from tests.helpers import random_model
+
+        return random_model("e2b", seed=0, config={"max_position_embeddings": 16384})
+    from flax import nnx
+
+    from gemma4_nnx import Gemma4Config
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import accelerator  # random bf16 weights made on the device
+
+    return nnx.merge(*accelerator.build(Gemma4Config.e2b(), "bf16"))
+
+
+def _run(engine, prompts, tokens: int, fused: bool) -> tuple[float, float]:
+    """(wall ms per decode step, host ms per step) of one batch of requests."""
+    decoder = engine.decoder
+    if fused:
+        decoder.fuse_after, decoder._steps_run = engine._fuse_after, set(engine._fused)
+    else:  # every step as decode + draw: no fused program counts as compiled, none gets queued
+        decoder.fuse_after, decoder._steps_run = 10**9, set()
+    steps, host = engine.stats.decode_steps, engine.stats.host_seconds
+    t = time.perf_counter()
+    reqs = [engine.submit(p, tokens, stop_tokens=[]) for p in prompts]
+    for r in reqs:
+        r.result()
+    wall = time.perf_counter() - t
+    n = engine.stats.decode_steps - steps
+    return 1e3 * wall / n, 1e3 * (engine.stats.host_seconds - host) / n
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["tiny", "e2b"], default="tiny")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args(argv)
+
+    import numpy as np
+
+    from gemma4_nnx import Engine
+
+    model = _model(args.model)
+    t = time.perf_counter()
+    engine = Engine(model, max_batch=64, max_length=128 + args.tokens + 1, precompile=(128,))
+    print(f"engine (precompile) in {time.perf_counter() - t:.1f} s", flush=True)
+    engine._fuse_after, engine._fused = engine.decoder.fuse_after, set(engine.decoder._steps_run)
+    rng = np.random.default_rng(0)
+    report = {"model": args.model, "tokens": args.tokens, "points": []}
+    try:
+        for c in args.concurrency:
+            prompts = [rng.integers(10, model.config.vocab_size, 128).tolist() for _ in range(c)]
+            _run(engine, prompts, 4, True)  # every program of this row count used once (draws included)
+            _run(engine, prompts, 4, False)
+            got = {True: [], False: []}
+            for _ in range(args.repeats):
+                for fused in (True, False):
+                    got[fused].append(_run(engine, prompts, args.tokens, fused))
+            point = {"concurrency": c}
+            for fused, name in ((True, "fused"), (False, "apart")):
+                point[name] = {
+                    "wall_ms_per_step": statistics.median(w for w, _ in got[fused]),
+                    "host_ms_per_step": statistics.median(h for _, h in got[fused]),
+                    "runs": got[fused],
+                }
+            report["points"].append(point)
+            f, a = point["fused"], point["apart"]
+            print(
+                f"c={c:3d}: fused {f['wall_ms_per_step']:.2f} ms/step (host {f['host_ms_per_step']:.2f}), "
+                f"apart {a['wall_ms_per_step']:.2f} ms/step (host {a['host_ms_per_step']:.2f})",
+                flush=True,
+            )
+    finally:
+        engine.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
