@@ -383,7 +383,8 @@ def test_a_prompt_waiting_for_its_prefill_program_reads_no_shapes_per_step(model
     """A prompt whose prefill program compiles on the helper thread waits in the queue, and every step
     of the running stream asks for that program again (`Engine._prefill_ready`); the ask must cost set
     lookups, not the abstract shapes of the weights and cache (the fused step's twin, above: on the
-    chip's 16-stream sweep these reads were ~40% of the serving thread). With the helper held, a
+    chip, E2B's ~450 arrays made each ask milliseconds while the server's warm-up waited for its
+    prefill program, slowing the compile it waited for). With the helper held, a
     40-token prompt (a new bucket) waits through several of the stream's steps, no array's shape is
     read meanwhile (they were read when its compiles were queued), and both outputs are `generate`'s."""
     from gemma4_nnx.decode import compiles
