@@ -11,6 +11,9 @@ decode program, then the draw program: what a step runs until its fused program 
 run's wall time, prefill included: the same in both) and the engine's host ms per step. The question
 it answers: whether the fused step costs more than decode + draw on a device (the chip's serving sweep
 of tree c073c31 ran slower at 1 and 16 streams with every step fused, at the same host time).
+--hlo DIR also writes the optimized programs (the fused step, the decode, the draw) of each
+concurrency's row count there and counts in each the products reading the vocabulary-wide head (a
+fused program that multiplies the head more than once reads its weight more than once).
 """
 
 from __future__ import annotations
@@ -58,6 +61,36 @@ def _run(engine, prompts, tokens: int, fused: bool) -> tuple[float, float]:
     return 1e3 * wall / n, 1e3 * (engine.stats.host_seconds - host) / n
 
 
+def _programs(decoder, c: int, vocab: int, folder: str) -> dict[str, int]:
+    """Write the optimized fused step, decode and draw programs of c streams' row count to `folder`;
+    {program: products whose operands or result span the vocabulary} (ahead-of-time compiles, no run)."""
+    import re
+
+    from gemma4_nnx.decode import programs
+    from gemma4_nnx.decode.core import DrawConfig
+    from gemma4_nnx.decode.sampling import RowFeatures
+
+    os.makedirs(folder, exist_ok=True)
+    greedy = DrawConfig(RowFeatures(), logprobs=True)
+    m = decoder.row_bucket(c, joining=False)
+    graphdef, weights, cache, rows = decoder._abstract_state()
+    adapter = rows.adapter if decoder.banked else None
+    lowered = {
+        "fused": programs._step_jit.lower(*decoder._step_args(greedy, m)),
+        "decode": programs._decode_jit.lower(m, graphdef, weights, cache, rows.token, rows.pos, rows.done, adapter),
+        "draw": decoder._lower_draw(greedy, m, m != decoder.rows, False),
+    }
+    counts = {}
+    for name, low in lowered.items():
+        text = low.compile().as_text()
+        with open(os.path.join(folder, f"{name}_m{m}.hlo.txt"), "w") as f:
+            f.write(text)
+        ops = [ln for ln in text.splitlines() if re.search(r"= \S+ (dot|convolution)\(", ln)]
+        counts[name] = sum(str(vocab) in ln for ln in ops)
+    print(f"  m={m}: products spanning the vocabulary {counts}", flush=True)
+    return counts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["tiny", "e2b"], default="tiny")
@@ -65,12 +98,17 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--hlo", help="write the optimized programs here and count their head products")
     args = p.parse_args(argv)
 
     import numpy as np
 
     from gemma4_nnx import Engine
 
+    if args.hlo:  # the programs compiled for the runs load from here instead of compiling again
+        from gemma4_nnx.decode.generate import enable_compilation_cache
+
+        enable_compilation_cache(os.path.join(args.hlo, "cache"))
     model = _model(args.model)
     t = time.perf_counter()
     engine = Engine(model, max_batch=64, max_length=128 + args.tokens + 1, precompile=(128,))
@@ -94,6 +132,8 @@ def main(argv=None) -> int:
                     "host_ms_per_step": statistics.median(h for _, h in got[fused]),
                     "runs": got[fused],
                 }
+            if args.hlo:
+                point["head_products"] = _programs(engine.decoder, c, model.config.vocab_size, args.hlo)
             report["points"].append(point)
             f, a = point["fused"], point["apart"]
             print(
