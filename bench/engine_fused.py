@@ -29,21 +29,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _model(name: str):
-    if name == "tiny":
-        from tests.helpers import random_model
-
-        return random_model("e2b", seed=0, config={"max_position_embeddings": 16384})
-    from flax import nnx
-
-    from gemma4_nnx import Gemma4Config
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import accelerator  # random bf16 weights made on the device
-
-    return nnx.merge(*accelerator.build(Gemma4Config.e2b(), "bf16"))
-
-
 def _run(engine, prompts, tokens: int, fused: bool) -> tuple[float, float]:
     """(wall ms per decode step, host ms per step) of one batch of requests."""
     decoder = engine.decoder
@@ -109,6 +94,9 @@ def main(argv=None) -> int:
         from gemma4_nnx.decode.generate import enable_compilation_cache
 
         enable_compilation_cache(os.path.join(args.hlo, "cache"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from engine_host import _model  # the same tiny / E2B random models
+
     model = _model(args.model)
     t = time.perf_counter()
     engine = Engine(model, max_batch=64, max_length=128 + args.tokens + 1, precompile=(128,))
