@@ -227,6 +227,9 @@ def _launch(args, cache: str, target, profile: str | None = None) -> tuple[subpr
     return proc, healthy, times[0] - t0
 
 
+COMPILED = "gemma4_compiled_programs{"  # the /metrics series of `Engine.compiled_programs`
+
+
 def _sweep_point(target, c: int, n_in: int, n_out: int, per_client: int, vocab: int) -> dict:
     import random
 
@@ -269,6 +272,13 @@ def _sweep_point(target, c: int, n_in: int, n_out: int, per_client: int, vocab: 
         "host_ms_per_step": 1e3 * host / max(steps, 1),
         "host_cpu_ms_per_step": 1e3 * cpu / max(steps, 1),  # the rest of host_ms: waits for the GIL or a core
         "decode_steps": int(steps),
+        # programs the engine compiled during the phase, by kind ("... (background)": the helper thread,
+        # whose tracing shares the GIL with the serving thread): a phase beside compiles is not a clean one
+        "compiles": {
+            name[len(COMPILED) :].split('"')[1]: int(after[name] - before.get(name, 0))
+            for name in after
+            if name.startswith(COMPILED) and after[name] != before.get(name, 0)
+        },
     }
 
 
@@ -333,7 +343,8 @@ def main(argv=None) -> int:
                 print(
                     f"c={c:3d} {n_in}/{n_out}: {r['output_tok_s']:8.1f} tok/s  TTFT p50/p99 {r['ttft_p50_ms']:.0f}/"
                     f"{r['ttft_p99_ms']:.0f} ms  TPOT p50/p99 {r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms  "
-                    f"host {r['host_ms_per_step']:.3f} ms/step (ran {r['host_cpu_ms_per_step']:.3f})",
+                    f"host {r['host_ms_per_step']:.3f} ms/step (ran {r['host_cpu_ms_per_step']:.3f})"
+                    + (f"  compiled meanwhile {r['compiles']}" if r["compiles"] else ""),
                     flush=True,
                 )
     finally:
