@@ -29,11 +29,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _run(engine, prompts, tokens: int, fused: bool) -> tuple[float, float]:
-    """(wall ms per decode step, host ms per step) of one batch of requests."""
+def _run(engine, prompts, tokens: int, fused: tuple | None) -> tuple[float, float]:
+    """(wall ms per decode step, host ms per step) of one batch of requests; `fused`: the decoder's
+    (fuse_after, fused programs compiled) after the precompile, restored for fused steps (None: apart)."""
     decoder = engine.decoder
-    if fused:
-        decoder.fuse_after, decoder._steps_run = engine._fuse_after, set(engine._fused)
+    if fused is not None:
+        decoder.fuse_after, decoder._steps_run = fused[0], set(fused[1])
     else:  # every step as decode + draw: no fused program counts as compiled, none gets queued
         decoder.fuse_after, decoder._steps_run = 10**9, set()
     steps, host = engine.stats.decode_steps, engine.stats.host_seconds
@@ -101,18 +102,18 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     engine = Engine(model, max_batch=64, max_length=128 + args.tokens + 1, precompile=(128,))
     print(f"engine (precompile) in {time.perf_counter() - t:.1f} s", flush=True)
-    engine._fuse_after, engine._fused = engine.decoder.fuse_after, set(engine.decoder._steps_run)
+    precompiled = (engine.decoder.fuse_after, set(engine.decoder._steps_run))
     rng = np.random.default_rng(0)
     report = {"model": args.model, "tokens": args.tokens, "points": []}
     try:
         for c in args.concurrency:
             prompts = [rng.integers(10, model.config.vocab_size, 128).tolist() for _ in range(c)]
-            _run(engine, prompts, 4, True)  # every program of this row count used once (draws included)
-            _run(engine, prompts, 4, False)
+            _run(engine, prompts, 4, precompiled)  # every program of this row count used once (draws included)
+            _run(engine, prompts, 4, None)
             got = {True: [], False: []}
             for _ in range(args.repeats):
                 for fused in (True, False):
-                    got[fused].append(_run(engine, prompts, args.tokens, fused))
+                    got[fused].append(_run(engine, prompts, args.tokens, precompiled if fused else None))
             point = {"concurrency": c}
             for fused, name in ((True, "fused"), (False, "apart")):
                 point[name] = {
