@@ -103,8 +103,9 @@ def attend(
     (`paged_view`).
 
     pallas (`Matmul.pallas_attention`: "tpu", or "interpret" for CPU tests): decode rows (one query each,
-    bf16 on the chip) over a paged bf16 pool with one KV head go through JAX's Pallas `paged_attention` kernel, which reads
-    the pool in place (`gemma4_nnx.kernels.pallas_attention`; everything else stays on XLA's path)."""
+    bf16 on the chip) over a paged bf16 pool with one KV head go through JAX's Pallas `paged_attention`
+    kernel, which reads the pool in place (`gemma4_nnx.kernels.pallas_attention`; everything else stays on
+    XLA's path)."""
     if pallas is not None and pallas_attention.supported(
         q,
         kv,
