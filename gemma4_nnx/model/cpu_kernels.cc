@@ -41,6 +41,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#ifdef __linux__
+#include <sched.h>
+#endif
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -177,9 +181,23 @@ struct Tasks {
   }
 };
 
+// The cores this process may run on (its affinity mask: `taskset`, a container's CPU set).
+int64_t usable_cores() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// At most one helper fewer than the cores: the calling thread (XLA's executor, not a thread of the pool,
+// which has one per core) works too. One helper per pool thread put cores + 1 busy threads on the cores,
+// and a task claimed by a thread the OS then set aside held the whole call up until it ran again (the
+// short products of a prompt or a decode step ran slower by phases, as if one core fewer helped).
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  static const int64_t cores = usable_cores();
+  const int64_t helpers = std::min<int64_t>({pool.num_threads(), cores - 1, n - 1});
   if (helpers <= 0) {
     for (int64_t t = 0; t < n; ++t) fn(t);
     return;
