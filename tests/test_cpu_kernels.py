@@ -130,6 +130,21 @@ def test_products_skip_zero_rows(rows, zero):
         assert np.isnan(ref[:, 7]).all(), name  # the poisoned output: what a computed row gives
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [3, 7, 13, cpu_kernels.GEMM_ROWS_T - 1])
+def test_a_rows_product_does_not_depend_on_its_place_among_the_rows(rows):
+    """The decode form multiplies the rows of x in blocks that share each read of the weight (13 rows:
+    6 + 7); a row's sums must not depend on the block it lands in: the rows permuted give the outputs
+    permuted, bit for bit, for every product (float and int8 activations)."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 128)).astype(np.float32)
+    perm = rng.permutation(rows)
+    for name, f in _zero_rows_products():
+        f = jax.jit(f)
+        got, ref = np.asarray(f(jnp.asarray(x[perm]))), np.asarray(f(jnp.asarray(x)))
+        np.testing.assert_array_equal(got, ref[perm], err_msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["e2b", "moe"])
 @pytest.mark.parametrize("matmul", ["xla", pytest.param("cpu_kernels", marks=needs_kernels)])

@@ -10,6 +10,7 @@ rounding bound of the quantizer (error of a quantized projection), and the model
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -760,6 +761,29 @@ def test_int8_activations_on_stored_blocks_compute_llama_cpp_arithmetic(kind):
             assert np.all(err <= bound), (kind, rows, m, float(np.max(err / np.maximum(bound, 1e-30))))
         if rows == 13:
             assert not got[4].any()
+
+
+def _stored_product(x, raw, bits, act8, kind):
+    return cpu_kernels.qmatmul_t(x, raw, None, None, bits, act8, kind)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]))
+def test_stored_blocks_product_of_a_row_does_not_depend_on_its_place_among_the_rows(kind):
+    """GGUF blocks held as stored, below GEMM_ROWS_T rows (the decode form: rows of x in blocks that
+    share each unpacking of the weight, 13 rows as 6 + 7), float and int8 activations: the rows
+    permuted give the outputs permuted, bit for bit."""
+    rng = np.random.default_rng(ord(kind[1]) * 3 + len(kind))
+    k = 512 if kind.endswith("_K") else 384
+    raw = jnp.asarray(_random_blocks(rng, kind, 24, k))
+    fmt = quant.QuantFormat.of_block(kind)
+    for act8 in (False, True) if cpu_kernels.has_int8_dot() else (False,):
+        f = jax.jit(functools.partial(_stored_product, raw=raw, bits=fmt.bits, act8=act8, kind=kind))
+        for rows in (5, 13):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            perm = rng.permutation(rows)
+            got, ref = np.asarray(f(jnp.asarray(x[perm]))), np.asarray(f(jnp.asarray(x)))
+            np.testing.assert_array_equal(got, ref[perm], err_msg=f"{kind} act8={act8} rows={rows}")
 
 
 def test_block_format_metadata_round_trips_and_old_formats_still_read():

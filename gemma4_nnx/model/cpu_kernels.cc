@@ -153,15 +153,25 @@ constexpr int kRowBlock = 8;
 constexpr int kTileRows = 12;
 #endif
 
-// block(std::integral_constant<int, MB>{}, m) over rows [m, m + MB) of M: blocks of kRowBlock, then 4, 2, 1.
+// block(std::integral_constant<int, MB>{}, m) over rows [m, m + MB) of M, in as few blocks as kRowBlock
+// allows, of sizes that differ by at most one (13 rows: 6 + 7, not 8 + 4 + 1): each block reads the weight
+// once, and a block of one or two rows pays that read for little arithmetic. Every row's sums are the same
+// in any block (each row has its own accumulators, summed in the same order).
+template <int MB, typename Block>
+void row_block(int64_t rows, int64_t m, Block& block) {
+  if constexpr (MB > 1)
+    if (rows < MB) return row_block<MB - 1>(rows, m, block);
+  block(std::integral_constant<int, MB>{}, m);
+}
+
 template <typename Block>
 void for_row_blocks(int64_t M, Block&& block) {
-  int64_t m = 0;
-  if constexpr (kRowBlock == 8)
-    for (; m + 8 <= M; m += 8) block(std::integral_constant<int, 8>{}, m);
-  for (; m + 4 <= M; m += 4) block(std::integral_constant<int, 4>{}, m);
-  for (; m + 2 <= M; m += 2) block(std::integral_constant<int, 2>{}, m);
-  for (; m < M; ++m) block(std::integral_constant<int, 1>{}, m);
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  for (int64_t b = 0, m = 0; b < blocks; ++b) {
+    const int64_t rows = (M - m) / (blocks - b);
+    row_block<kRowBlock>(rows, m, block);
+    m += rows;
+  }
 }
 
 // fn(t) for t in [0, n) on the calling thread and XLA's intra-op pool. Tasks are claimed from an
@@ -1909,7 +1919,9 @@ inline void unpack_block(const uint8_t* src, Unpacked<T>& u) {
 }
 
 // acc[m] (and corr[m], subtracted at the end: the mins' terms, Q4_1's with the sign flipped) += block b
-// of a weight row times block b of rows m0 .. m0 + MB of x.
+// of a weight row times block b of rows m0 .. m0 + MB of x. corr's terms are explicit fused multiply-adds:
+// left to the compiler, `corr += a * b` was fused in some row-block sizes and not in others (a row's
+// result then depended on the block it was multiplied in).
 template <int MB, int T>
 inline void dot_block(const Unpacked<T>& u, const Q8Block* x32, const Q8KBlock* x256, int64_t B, int64_t b, int64_t m0,
                       F32x8* acc, float* corr) {
@@ -1926,13 +1938,13 @@ inline void dot_block(const Unpacked<T>& u, const Q8Block* x32, const Q8KBlock* 
       if constexpr (T != 14) {
         int32_t summ = 0;
         for (int j = 0; j < 8; ++j) summ += u.mn[j] * a.bsum[j];
-        corr[m] += (u.mw * a.d) * static_cast<float>(summ);
+        corr[m] = std::fma(u.mw * a.d, static_cast<float>(summ), corr[m]);
       }
     } else {
       const Q8Block& a = x32[(m0 + m) * B + b];
       const W32 x = w32_load(a.q);
       acc[m] = f32_fma(dot4(u.w[0], U::SIGNED ? w32_sign(x, u.signs[0]) : x), u.dw * a.d, acc[m]);
-      if constexpr (T == 3) corr[m] -= u.mw * a.s;
+      if constexpr (T == 3) corr[m] = std::fma(-u.mw, a.s, corr[m]);
     }
   }
 }
@@ -1989,12 +2001,12 @@ void llama_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, cons
   for (int64_t i = 0; i < M * B; ++i) kq ? quantize_q8_K(X + 256 * i, x256[i]) : quantize_q8_0(X + 32 * i, x32[i]);
   const Q8Block* a = x32.data();
   const Q8KBlock* k = x256.data();
-  // One group of rows of x (1, 2, 4 or kRowBlock: decode steps): each block unpacked in registers where
-  // the loop meets it. More groups (a 13-token prompt: 8 + 4 + 1): each weight row unpacked once for the
+  // One group of rows of x (up to kRowBlock: decode steps): each block unpacked in registers where
+  // the loop meets it. More groups (a 13-token prompt: 6 + 7): each weight row unpacked once for the
   // types whose unpacking costs (the 5th / 6th bits of Q5_0, Q5_K, Q6_K), not for nibbles and bytes,
   // where the row buffer's stores and loads cost more than unpacking again (measured: docs/benchmarks.md,
   // "Kernel tuning notes").
-  const bool one_group = M <= kRowBlock && (M & (M - 1)) == 0;
+  const bool one_group = M <= kRowBlock;
   auto run = [&](auto type) {
     constexpr int T = decltype(type)::value;
     constexpr bool costly_unpack = T == 6 || T == 13 || T == 14;
