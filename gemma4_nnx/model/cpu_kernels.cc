@@ -1971,8 +1971,8 @@ void llama_block_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256
 }
 
 // The same for every row of x at once: each weight row unpacked once into `row` (B blocks, in L1 for the
-// widths of Gemma's projections), then multiplied with the groups of rows of x (8, 4, 2, 1). With more
-// than one group each block was unpacked once per group (13 rows: 3 times).
+// widths of Gemma's projections), then multiplied with each group of rows of x (`for_row_blocks`), where
+// unpacking in registers would unpack each block once per group.
 template <int T>
 void llama_buffered_rows(const QWeight& q, const Q8Block* x32, const Q8KBlock* x256, float* __restrict__ out,
                          int64_t N, int64_t n0, int64_t n1, int64_t M) {
