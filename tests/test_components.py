@@ -140,10 +140,14 @@ def test_moe_matches_dense_float64_enumeration():
 
 
 def test_bf16_experts_multiply_in_one_pass_under_highest_precision():
-    """A bf16 MoE's grouped matmuls are lowered at DEFAULT precision even where the user asked for
-    `highest` (as this suite does): their bf16 operands multiply exactly in one MXU pass, and on a TPU
+    """A bf16 MoE's grouped matmuls ask for DEFAULT precision even where the user asked for `highest`
+    (as this suite does): their bf16 operands multiply exactly in one MXU pass, and on a TPU
     `ragged_dot`'s Pallas kernel refuses float32 precision for bf16 operands ("Bad lhs type": the MoE
-    model did not compile on a v5e under `highest`). A float32 MoE keeps the precision asked for."""
+    model did not compile on a v5e under `highest`). A float32 MoE keeps the precision asked for.
+
+    Read from the traced program (the `ragged_dot_general` equations' own precision: the same on every
+    backend) and, on the CPU, from the lowered text too (where `ragged_dot` stays one StableHLO op whose
+    precision shows what `highest` resolved to; on a TPU it lowers to a Pallas call that shows none)."""
     from gemma4_nnx.model.moe import Experts
 
     cfg = Gemma4Config(
@@ -152,10 +156,30 @@ def test_bf16_experts_multiply_in_one_pass_under_highest_precision():
         top_k_experts=2, moe_intermediate_size=8,
     )  # fmt: skip
     x, weights, index = jnp.ones((3, 16)), jnp.ones((3, 2)), jnp.asarray([[0, 1], [2, 3], [1, 2]], jnp.int32)
-    for dtype, want in ((jnp.bfloat16, "[DEFAULT, DEFAULT]"), (jnp.float32, "[HIGHEST, HIGHEST]")):
+    default, highest = ((p, p) for p in (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST))
+    for dtype, asked, lowered in (
+        (jnp.bfloat16, default, "[DEFAULT, DEFAULT]"),
+        (jnp.float32, highest, "[HIGHEST, HIGHEST]"),
+    ):
         experts = Experts(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(experts)
+        fn = jax.jit(lambda s, g=graphdef: nnx.merge(g, s)(x, weights, index))
         with jax.default_matmul_precision("highest"):
-            text = jax.jit(lambda s, g=graphdef: nnx.merge(g, s)(x, weights, index)).lower(state).as_text()
-        found = re.findall(r"precision = (\[[A-Z]+, [A-Z]+\])", text)
-        assert found.count(want) == 2 and len(found) == 2, (dtype, found)
+            jaxpr = fn.trace(state).jaxpr
+            text = fn.lower(state).as_text() if jax.default_backend() == "cpu" else None
+        eqns = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name.startswith("ragged_dot")]
+        assert [e.params["precision"] for e in eqns] == [asked, asked], (dtype, [e.params for e in eqns])
+        if text is not None:
+            found = re.findall(r"precision = (\[[A-Z]+, [A-Z]+\])", text)
+            assert found.count(lowered) == 2 and len(found) == 2, (dtype, found)
+
+
+def _all_eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters (pjit, scans)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
