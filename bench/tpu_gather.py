@@ -6,7 +6,7 @@ Part 1, the lookups alone (E2B's tables, random values made on the device): the 
 table [262144, 35 * 256] as bf16 and as the converter stores it in int4 (codes uint8 [V, 4480], float32 scales
 [V, 35]), and the token table [262144, 1536] in bf16 and int8 per channel (held: scales a vector). Each variant
 is one jitted function of (the tables, ids [B]); `LOOKUPS` lookups of different ids run inside one dispatch
-(unrolled; a sum of each lookup's first 128 columns is returned, so none is dropped), so a figure is the device's time per
+(unrolled; the sum of each lookup's first 128 columns is returned: none is dropped): a figure is the time per
 lookup, not the dispatch's. Variants:
 
 * `bf16`: `jnp.take` of the float table (what the bf16-PLE model does);
@@ -25,7 +25,6 @@ B = 1 and 8; `--hlo DIR` writes each compiled lookup (B=1) and the int4 step's o
 from __future__ import annotations
 
 import argparse
-import functools
 import gzip
 import json
 import os
@@ -39,10 +38,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accelerator import _decode, _fill, _programs, build  # noqa: E402
+from accelerator import _decode, _fill, _programs, build
 
-from gemma4_nnx import Gemma4Config  # noqa: E402
-from gemma4_nnx.model import quant  # noqa: E402
+from gemma4_nnx import Gemma4Config
+from gemma4_nnx.model import quant
 
 LOOKUPS = 32
 
@@ -52,7 +51,9 @@ def pallas_rows(table: jax.Array, ids: jax.Array, interpret: bool = False) -> ja
     b, w = ids.shape[0], table.shape[1]
 
     def kernel(ids_ref, table_ref, out_ref, sem):
-        copies = [pltpu.make_async_copy(table_ref.at[pl.ds(ids_ref[i], 1)], out_ref.at[pl.ds(i, 1)], sem) for i in range(b)]
+        copies = [
+            pltpu.make_async_copy(table_ref.at[pl.ds(ids_ref[i], 1)], out_ref.at[pl.ds(i, 1)], sem) for i in range(b)
+        ]
         for c in copies:
             c.start()
         for c in copies:
@@ -97,7 +98,9 @@ def variants(group: int, interpret: bool = False):
             jnp.concatenate([jax.lax.dynamic_slice_in_dim(t["codes"], i, 1) for i in ids]),
             jnp.concatenate([jax.lax.dynamic_slice_in_dim(t["scales"], i, 1) for i in ids]),
         ),
-        "int4_u32": lambda t, ids: deq(split_u32(jnp.take(t["codes_u32"], ids, axis=0)), jnp.take(t["scales"], ids, axis=0)),
+        "int4_u32": lambda t, ids: deq(
+            split_u32(jnp.take(t["codes_u32"], ids, axis=0)), jnp.take(t["scales"], ids, axis=0)
+        ),
         "int4_pallas": lambda t, ids: deq(
             split_u32(pallas_rows(t["codes_u32"], ids, interpret)), pallas_rows(t["scales"], ids, interpret)
         ),
@@ -162,10 +165,16 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--vocab", type=int, default=262144)
     ap.add_argument("--model-steps", action="store_true", help="E2B decode steps with bf16 / int4 PLE too")
+    ap.add_argument("--step-modes", default="bf16:0,bf16:4", help="MODE:PLE_BITS,... (bench/accelerator.py's modes)")
+    ap.add_argument("--variants", default="", help="the lookups' variants to time (default all; 'none': none)")
     ap.add_argument("--layers", type=int, default=0, help="the model's first N layers (a quick run)")
     args = ap.parse_args(argv)
     cfg = Gemma4Config.e2b()
-    width, group, hidden = cfg.num_hidden_layers * cfg.hidden_size_per_layer_input, cfg.hidden_size_per_layer_input, cfg.hidden_size
+    width, group, hidden = (
+        cfg.num_hidden_layers * cfg.hidden_size_per_layer_input,
+        cfg.hidden_size_per_layer_input,
+        cfg.hidden_size,
+    )
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "lookups": [], "steps": []}
     if args.hlo:
         os.makedirs(args.hlo, exist_ok=True)
@@ -183,7 +192,7 @@ def main(argv=None):
     fns = variants(group, interpret)
     hlo_text = []
     for name, fn in fns.items():
-        if name.startswith("_"):
+        if name.startswith("_") or (args.variants and name not in args.variants.split(",")):
             continue
         for b in [int(v) for v in args.batches.split(",")]:
             try:
@@ -202,21 +211,23 @@ def main(argv=None):
     from accelerator import smoke_config
 
     cfg = smoke_config(cfg, args.layers, 0 if args.vocab == 262144 else args.vocab)
-    for ple_bits in (None, 4):
-        graphdef, state = build(cfg, "bf16", ple_bits=ple_bits)
+    for spec in args.step_modes.split(","):
+        mode, ple_bits = spec.split(":")
+        ple_bits = int(ple_bits) or None
+        graphdef, state = build(cfg, mode, ple_bits=ple_bits)
         step, _ = _programs(graphdef)
         model = nnx.merge(graphdef, state)
         for b in (1, 8):
             cache = model.init_cache(b, 512)
             tok = jnp.zeros((b, 1), jnp.int32)
-            if args.hlo and ple_bits and b == 1:
+            if args.hlo and ple_bits and b == 1 and mode == "bf16":
                 text = step.lower(state, cache, tok, jnp.full((b, 1), 64, jnp.int32)).compile().as_text()
                 with gzip.open(os.path.join(args.hlo, "step_int4ple_b1.txt.gz"), "wt") as f:
                     f.write(text)
-                lines = [ln.strip()[:300] for ln in text.splitlines() if str(args.vocab) in ln]
-                emit("steps", {"ple_bits": 4, "batch": 1, "hlo_lines_with_vocab": lines[:60]})
+                copies = [ln.strip()[:200] for ln in text.splitlines() if " copy(" in ln and str(args.vocab) in ln]
+                emit("steps", {"mode": mode, "ple_bits": ple_bits, "batch": 1, "whole_table_copies": copies})
             secs, cache = _decode(step, state, cache, tok, 64, 32)
-            emit("steps", {"ple_bits": ple_bits, "batch": b, "ms_per_step": round(1e3 * secs / 32, 3)})
+            emit("steps", {"mode": mode, "ple_bits": ple_bits, "batch": b, "ms_per_step": round(1e3 * secs / 32, 3)})
             del cache
         del model, state, step
         jax.clear_caches()

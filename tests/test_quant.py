@@ -256,6 +256,39 @@ def test_embedding_gather_matches_full_dequant(bits: int) -> None:
     np.testing.assert_array_equal(out_bf16, expected64.astype(np.float32).astype(ml_dtypes.bfloat16))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_one_id_lookup_gathers_two_rows_and_returns_the_ids_row(bits: int) -> None:
+    """A lookup of one id (a batch-1 decode step) is a gather of two rows, never of one: XLA turns a
+    one-row gather into a dynamic slice, which on a TPU re-laid out the whole 8-bit table every step
+    (`quant.gather_rows`). The row it returns is the id's, bit for bit against float64, for ids in range,
+    negative (from the end) and out of range (NaN), scalar or shaped."""
+    rng = np.random.default_rng(10 + bits)
+    vocab, group, groups = 97, 16, 5
+    table = awkward_table(rng, vocab, group, groups).astype(np.float32)
+    emb = QuantizedEmbedding.from_float(table, bits, group, dtype=jnp.float32)
+    full64 = ref_dequant64(np.asarray(emb.codes[...]), np.asarray(emb.scales[...]), bits, group)
+    for ids in (jnp.int32(5), jnp.array([96]), jnp.array([[-3]]), jnp.array([[0]]), jnp.array([vocab])):
+        out = np.asarray(emb(ids))
+        assert out.shape == ids.shape + (80,)
+        i = int(np.asarray(ids).reshape(()))
+        if -vocab <= i < vocab:
+            np.testing.assert_array_equal(out.reshape(80), full64[i].astype(np.float32))
+        else:
+            assert np.isnan(out).all()
+        eqns = _eqns(jax.make_jaxpr(emb)(ids).jaxpr)
+        gathered = [int(np.prod(e.invars[1].aval.shape[:-1])) for e in eqns if e.primitive.name == "gather"]
+        assert len(gathered) == 2 and min(gathered) >= 2, gathered  # codes and scales, two rows each
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr`, those of the jaxprs nested in its equations (pjit) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            if hasattr(p, "jaxpr"):
+                yield from _eqns(getattr(p.jaxpr, "jaxpr", p.jaxpr))
+
+
 def test_embedding_never_dequantizes_the_whole_table() -> None:
     vocab, features = 97, 64
     emb = QuantizedEmbedding.from_float(np.random.default_rng(0).standard_normal((vocab, features)), 4, 16, jnp.float32)

@@ -97,6 +97,7 @@ __all__ = [
     "QuantizedLinear",
     "decode_kept_blocks",
     "dequantize_rows",
+    "gather_rows",
     "hold_for_int_dot",
     "pack_int4",
     "quantize",
@@ -421,6 +422,22 @@ def _stored_cols(taken: jax.Array, var) -> jax.Array:
     return taken[..., None] if var.get_value().ndim == 1 else taken
 
 
+def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """`jnp.take(table, ids, axis=0)` (its default mode: negative ids count from the end, ids out of range
+    give the fill value), always as a gather of at least two rows.
+
+    Why: XLA rewrites a gather of one row as a dynamic slice, and on a TPU the dynamic slice of an 8-bit
+    table (int4 codes packed two a byte, int8 codes) wants another tiling than the one the table is held
+    in, so a batch-1 step first copied the whole table into it: E2B's int4 PLE codes (1.2 GB) cost 3.6 ms
+    of a 6.4 ms step on a v5e, the int8 token table ~1 ms (bench/tpu_gather.py, docs/benchmarks.md). A
+    gather of two rows (the id's and row 0, dropped) stays a gather, which reads the rows in place.
+    Elsewhere it costs one more row's read."""
+    if ids.size != 1:
+        return jnp.take(table, ids, axis=0)
+    two = jnp.concatenate([ids.reshape(1), jnp.zeros((1,), ids.dtype)])
+    return jnp.take(table, two, axis=0)[:1].reshape(*ids.shape, *table.shape[1:])
+
+
 def dequantize_stored(codes: jax.Array, scales, mins, fmt: QuantFormat, dtype: Any = jnp.float32) -> jax.Array:
     """Stored arrays of `fmt` (rows of codes / blocks, any leading shape) -> float [..., cols] in `dtype`."""
     if fmt.block is not None:
@@ -638,10 +655,10 @@ class QuantizedEmbedding(nnx.Module):
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"ids must have an integer dtype, got {ids.dtype}")
-        codes = jnp.take(self.codes[...], ids, axis=0)  # [..., F or F/2, or the row's blocks]
+        codes = gather_rows(self.codes[...], ids)  # [..., F or F/2, or the row's blocks]
         # [..., F/group]; vectors held per output channel (`hold_for_int_dot`) are taken, then widened
-        scales = None if self.scales is None else _stored_cols(jnp.take(self.scales[...], ids, axis=0), self.scales)
-        mins = None if self.mins is None else _stored_cols(jnp.take(self.mins[...], ids, axis=0), self.mins)
+        scales = None if self.scales is None else _stored_cols(gather_rows(self.scales[...], ids), self.scales)
+        mins = None if self.mins is None else _stored_cols(gather_rows(self.mins[...], ids), self.mins)
         rows = dequantize_stored(codes, scales, mins, self.fmt, self.dtype)
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
