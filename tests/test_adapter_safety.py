@@ -416,7 +416,8 @@ def test_a_blocking_adapter_read_times_out_while_completions_go_on(world):
 def test_serve_cli_exits_when_a_lora_modules_read_blocks(tmp_path, capsys):
     """`gemma4-serve --lora-modules` naming an adapter whose Orbax metadata file is a FIFO exits 2 within
     --lora-load-timeout (1 s here), naming the flag, the adapter and the timeout, instead of hanging with
-    no output (the blocked read's thread is a daemon: it does not keep the process alive)."""
+    no output (the blocked read's thread is a daemon: it does not keep the process alive);
+    --lora-load-workers 0 exits 2 naming it, before the model loads."""
     from gemma4_nnx.serve.app import main
 
     fifos = _fifo_adapters(tiny_config(), tmp_path, ["blocking"])
@@ -429,3 +430,46 @@ def test_serve_cli_exits_when_a_lora_modules_read_blocks(tmp_path, capsys):
         assert f"--lora-modules ops={tmp_path / 'blocking'}" in err and "--lora-load-timeout 1 s" in err, err
     finally:
         _release(fifos)
+    assert main([str(tmp_path / "no-checkpoint"), "--port", "0", "--lora-load-workers", "0"]) == 2
+    assert "--lora-load-workers" in (err := capsys.readouterr().err) and "no-checkpoint" not in err, err
+
+
+def test_adapter_io_refuses_loads_beyond_its_threads_and_drops_a_late_result():
+    """`AdapterIO` alone (1 thread, 0.3 s): a second load while one runs within its time is 429 +
+    Retry-After at once; a load past its time answers 503 adapter_load_timeout and counts as stuck, a
+    further load then is 503 adapter_loads_stuck; when the stuck work returns, its result is undone
+    (the engine would unload it) and the thread is free again."""
+    import asyncio
+    import threading
+
+    from gemma4_nnx.serve.adapter_io import AdapterIO
+    from gemma4_nnx.serve.errors import ApiError
+
+    io, gate, undone = AdapterIO(workers=1, timeout=0.3), threading.Event(), []
+
+    async def scenario():
+        first = asyncio.ensure_future(io.run(lambda: gate.wait(30) and "loaded", "loading a", undo=undone.append))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as busy:
+            await io.run(lambda: "b", "loading b")
+        assert (busy.value.status, busy.value.code, busy.value.headers) == (
+            429,
+            "too_many_requests",
+            {"Retry-After": "1"},
+        )
+        with pytest.raises(ApiError) as late:
+            await first
+        assert (late.value.status, late.value.code, late.value.param) == (503, "adapter_load_timeout", "lora_path")
+        assert io.state() == {"workers": 1, "running": 1, "stuck": 1} and "--lora-load-timeout" in io.problem()
+        with pytest.raises(ApiError) as stuck:
+            await io.run(lambda: "c", "loading c")
+        assert (stuck.value.status, stuck.value.code) == (503, "adapter_loads_stuck")
+
+    asyncio.run(scenario())
+    assert undone == []
+    gate.set()
+    deadline = time.monotonic() + 10
+    while io.state()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert undone == ["loaded"] and io.problem() is None
+    assert io.call(lambda: "d", "loading d") == "d"

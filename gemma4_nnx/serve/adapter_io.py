@@ -49,7 +49,7 @@ class _Job:
         self.started = time.monotonic()
         self.done = threading.Event()
         self.result, self.error = None, None
-        self.abandoned = False
+        self.finished = self.abandoned = False  # fn returned / its caller stopped waiting (under the lock)
         self.undo = undo
         self.notify: Callable[[], None] | None = None
 
@@ -132,19 +132,21 @@ class AdapterIO:
         except BaseException as e:  # the caller's to raise (or nobody's, once abandoned)
             job.error = e
         with self._lock:
-            self._jobs.discard(job)
-            job.done.set()
+            job.finished = True
             undo = job.undo if job.abandoned and job.error is None else None
         if undo is not None:  # its caller was answered with an error: what it loaded is not served
             with contextlib.suppress(Exception):
                 undo(job.result)
+        with self._lock:  # the thread is free once the undo is done too
+            self._jobs.discard(job)
+        job.done.set()
         if job.notify is not None:
             job.notify()
 
     def _abandon(self, job: _Job) -> bool:
         """Stop waiting for `job`; False when it has finished meanwhile (its outcome stands)."""
         with self._lock:
-            if job.done.is_set():
+            if job.finished:
                 return False
             job.abandoned = True
             return True
@@ -164,8 +166,10 @@ class AdapterIO:
         """`fn()` on a load thread, waited for here (start-up's `--lora-modules`): its result, its
         exception, or ApiError (503) after the timeout / when every thread is busy."""
         job = self._start(fn, undo)
-        if not job.done.wait(self.timeout) and self._abandon(job):
-            raise self._timed_out(what)
+        if not job.done.wait(self.timeout):
+            if self._abandon(job):
+                raise self._timed_out(what)
+            job.done.wait()  # it finished just now: its thread is about to be free
         return job.outcome()
 
     async def run(self, fn: Callable, what: str, undo: Callable | None = None):
@@ -185,6 +189,7 @@ class AdapterIO:
         except TimeoutError:
             if self._abandon(job):
                 raise self._timed_out(what) from None
+            await finished.wait()  # it finished just now: its thread is about to be free
         return job.outcome()
 
 
