@@ -547,20 +547,20 @@ class Serving:
         files are read on an adapter thread (`adapter_io`: 503 past its timeout, 429 / 503 when its
         threads are busy), never on the executor the routes tokenize on."""
         self._runtime_lora()
-        name = body.lora_name
-        if name == self.model_name:
-            raise ApiError(f"lora_name {name!r} is the base model's name: choose another", "lora_name")
+        if body.lora_name == self.model_name:
+            raise ApiError(f"lora_name {body.lora_name!r} is the base model's name: choose another", "lora_name")
 
         def load() -> None:
-            self.engine.load_adapter(name, self.adapter_dir(body.lora_path))
+            self.engine.load_adapter(body.lora_name, self.adapter_dir(body.lora_path))
 
-        try:  # loaded after its caller got the timeout: unloaded again, never served
-            await self.adapter_io.run(
-                load, f"loading adapter {name!r}", undo=lambda _: self.engine.unload_adapter(name)
-            )
+        def undo(_) -> None:  # loaded after its caller got the timeout: unloaded again, never served
+            self.engine.unload_adapter(body.lora_name)
+
+        try:
+            await self.adapter_io.run(load, f"loading adapter {body.lora_name!r}", undo=undo)
         except RequestError as e:
             raise ApiError(str(e), e.param, code=e.code) from None
-        return f"Success: LoRA adapter '{name}' added successfully."
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     def unload_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
         """POST /v1/unload_lora_adapter: requests using the adapter finish with it; 404 when not loaded;
