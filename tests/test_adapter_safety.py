@@ -1,15 +1,20 @@
 """What a client can do to a server's LoRA adapters (`decode.adapters`, `serve.serving`, `serve.guard`):
 malformed adapter directories are 400s naming `lora_path` (never a 500, the server stays healthy and
 its outputs unchanged, bad values and server paths never echoed); runtime loading is off by default
-(403) and, when on, confined to `--lora-root` and behind `--admin-key`; adapters given at start-up
-cannot be unloaded; `gemma4-serve` with a bad `--lora-modules` adapter exits naming the file before it
-loads the model."""
+(403) and, when on, confined to `--lora-root` (every file in it resolved) and behind `--admin-key`;
+adapters given at start-up cannot be unloaded; `gemma4-serve` with a bad `--lora-modules` adapter exits
+naming the file before it loads the model; finite weights that overflow in the model are refused; a
+load that blocks in a read (a FIFO, a hung mount) answers within `--lora-load-timeout` while
+completions go on, and /ready reports it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -222,15 +227,18 @@ def test_serve_cli_refuses_bad_adapters_and_flags_before_loading_the_model(tmp_p
     assert not build_parser().parse_args([ckpt]).enable_runtime_lora
 
 
-def test_an_overflowing_adapter_leaves_every_later_request_unchanged(world):
-    """The issue's scenario with an adapter no check can refuse (finite values, 1e20 times a good
-    adapter's, whose product overflows to Inf and NaN in the forward pass): loaded at run time, two
-    requests through it (both rows), unloaded; then base and "ops" requests, two at a time (both rows),
-    equal what they gave before, tokens and logprobs."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def test_an_overflowing_adapter_leaves_every_later_request_unchanged(world, monkeypatch):
+    """An adapter whose forward pass overflows, should one pass the load's checks (finite values, 1e20
+    times a good adapter's, whose product overflows to Inf and NaN; the checks are switched off here,
+    the test after the next shows them refuse it): loaded at run time, two requests through it (both
+    rows), unloaded; then base and "ops" requests, two at a time (both rows), equal what they gave
+    before, tokens and logprobs."""
     from safetensors.numpy import load_file
 
+    from gemma4_nnx.decode.adapters import Adapters
+
+    monkeypatch.setattr(Adapters, "_bounded", lambda *a: None)
+    monkeypatch.setattr(Adapters, "_probe", lambda *a: None)
     engine, root, good, c, _ = world
     before = _reference(c)
     tensors = {n: x * np.float32(1e20) for n, x in load_file(os.path.join(good, WEIGHTS)).items()}
@@ -255,3 +263,213 @@ def test_an_overflowing_adapter_leaves_every_later_request_unchanged(world):
                 np.testing.assert_allclose(lps, before[model][1], rtol=0, atol=1e-5)
     assert engine.stats.max_rows_in_step == 2
     assert c.get("/health").status_code == 200
+
+
+def test_a_file_linked_out_of_the_root_is_refused_as_a_path_outside_it(world, tmp_path):
+    """An adapter directory inside the root whose weights file is a symbolic link to a file outside it
+    gets the one answer of a path outside the root (400 naming lora_path, the path not echoed), and
+    nothing loads; the same directory with the file linked to one inside the root loads."""
+    engine, root, good, c, _ = world
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(os.path.join(good, WEIGHTS), outside)
+    answers = {}
+    for name, target in (("linked-out", outside), ("linked-in", os.path.join(good, WEIGHTS))):
+        d = root / name
+        d.mkdir()
+        shutil.copy(os.path.join(good, CONFIG), d / CONFIG)
+        os.symlink(target, d / WEIGHTS)
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name}, headers=ADMIN)
+        answers[name] = r
+    r = answers["linked-out"]
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_path"), r.text
+    outside_root = c.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": str(tmp_path)}, headers=ADMIN)
+    assert r.json()["error"]["message"] == outside_root.json()["error"]["message"], r.text
+    assert answers["linked-in"].status_code == 200, answers["linked-in"].text
+    assert engine.adapter_names() == ["ops", "linked-in"]
+    assert c.post("/v1/unload_lora_adapter", json={"lora_name": "linked-in"}, headers=ADMIN).status_code == 200
+
+
+def _scaled_copy(root, name: str, source: str, factor: float) -> None:
+    """A copy of the PEFT adapter `source` under root as `name`, every lora_B times `factor` (float32,
+    finite)."""
+    from safetensors.numpy import load_file
+
+    tensors = {
+        n: x * np.float32(factor) if "lora_B" in n else x for n, x in load_file(os.path.join(source, WEIGHTS)).items()
+    }
+    assert all(np.isfinite(x).all() for x in tensors.values())
+    _peft(root, name, config=json.load(open(os.path.join(source, CONFIG))), tensors=tensors)
+
+
+def test_an_adapter_whose_finite_weights_overflow_is_refused_naming_the_module(world):
+    """Finite weights every file check passes, but whose products overflow in the model (the issue:
+    200, then NaN outputs), get 400 naming lora_path, the module and the file, and take no slot:
+    "ops"' attention adapter with lora_B x 1e30 overflows one update on a unit-scale input; an adapter
+    on every projection with lora_B x 1e16 passes that, but the MLP multiplies two such updates and a
+    forward pass overflows (measured: every prompt's logprobs NaN), which the probe forward pass finds.
+    A good adapter then loads into the free slot."""
+    engine, root, good, c, _ = world
+    every = model_from_config(engine.model.config, seed=3)
+    ft.apply_lora(every, rank=2, alpha=4, targets=ft.DEFAULT_TARGETS, rngs=nnx.Rngs(3))
+    for mod in ft.lora_modules(every).values():
+        mod.lora_b[...] = 0.3 * np.random.default_rng(3).standard_normal(mod.lora_b.shape).astype(np.float32)
+    every_dir = save_peft_adapter(every, root / "every")
+    _scaled_copy(root, "b30", good, 1e30)
+    _scaled_copy(root, "b16", every_dir, 1e16)
+    for name, why in (("b30", "overflows float32 on a unit-scale input"), ("b16", "a forward pass through it")):
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name}, headers=ADMIN)
+        err = r.json()["error"]
+        assert (r.status_code, err["param"]) == (400, "lora_path"), (name, r.text)
+        assert why in err["message"] and WEIGHTS in err["message"], err["message"]
+        assert "layers." in err["message"] and "_proj" in err["message"], err["message"]
+    assert engine.adapter_names() == ["ops"] and engine.adapters._free == [2]
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": "every", "lora_path": "every"}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert c.post("/v1/unload_lora_adapter", json={"lora_name": "every"}, headers=ADMIN).status_code == 200
+
+
+def _fifo_adapters(config, root, names) -> list[str]:
+    """Adapter directories of ours (lora.json + Orbax) under root whose Orbax metadata file is a FIFO:
+    reading it blocks until a writer opens it (a read from a hung network mount blocks for good).
+    Returns the FIFOs."""
+    model = model_from_config(config)
+    ft.apply_lora(model, rank=2, alpha=4, targets=ft.ATTENTION_TARGETS, rngs=nnx.Rngs(0))
+    first = ft.save_adapters(model, root / names[0])
+    for name in names[1:]:
+        shutil.copytree(first, root / name)
+    fifos = []
+    for name in names:
+        meta = os.path.join(root / name, "adapters", "_METADATA")
+        os.remove(meta)
+        os.mkfifo(meta)
+        fifos.append(meta)
+    return fifos
+
+
+def _release(fifos) -> None:
+    """Open each FIFO for writing and close it: readers blocked on it read end-of-file (their loads fail)."""
+    for f in fifos:
+        with contextlib.suppress(OSError):  # ENXIO: no reader waits on it
+            os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def _loads_ended(serving, fifos, seconds: float = 30) -> bool:
+    """Release the FIFOs until no adapter load thread runs (a reader may reach the FIFO late)."""
+    deadline = time.monotonic() + seconds
+    while serving.adapter_io.state()["running"] and time.monotonic() < deadline:
+        _release(fifos)
+        time.sleep(0.05)
+    return not serving.adapter_io.state()["running"]
+
+
+def test_a_blocking_adapter_read_times_out_while_completions_go_on(world):
+    """The issue's hang: an adapter whose Orbax metadata file is a FIFO (--lora-load-timeout 1 s, 2 load
+    threads). Its load answers 503 adapter_load_timeout within seconds; /ready turns 503 naming the stuck
+    load (/health stays 200: the engine serves); completions answer meanwhile; with both threads stuck a
+    good load is refused at once (503 adapter_loads_stuck) instead of hanging. Once the reads return (the
+    FIFOs opened for writing) the threads end, nothing they read is loaded, /ready is 200 again and the
+    good adapter loads."""
+    from fastapi.testclient import TestClient
+
+    from gemma4_nnx.serve.app import create_app
+
+    engine, root, *_ = world
+    app = create_app(
+        engine, "tiny", warmup=False, api_key="k", admin_key="adm", runtime_lora=True, lora_root=str(root),
+        lora_load_timeout=1.0, lora_load_workers=2,
+    )  # fmt: skip
+    fifos = _fifo_adapters(engine.model.config, root, ["fifo0", "fifo1"])
+    body = dict(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, ignore_eos=True)
+    try:
+        with TestClient(app) as c, ThreadPoolExecutor(2) as pool:
+
+            def load(name, path):  # from another thread: a hang fails the test instead of stalling it
+                body = {"lora_name": name, "lora_path": path}
+                return pool.submit(c.post, "/v1/load_lora_adapter", json=body, headers=ADMIN).result(30)
+
+            for i in range(2):
+                t0 = time.perf_counter()
+                r = load(f"stuck{i}", f"fifo{i}")
+                assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_load_timeout", r.text
+                assert r.json()["error"]["param"] == "lora_path" and time.perf_counter() - t0 < 10
+                ready = c.get("/ready")
+                assert ready.status_code == 503 and ready.json()["status"] == "adapter_loads_stuck", ready.text
+                assert (
+                    "--lora-load-timeout" in ready.json()["reason"] and ready.json()["adapter_loads"]["stuck"] == i + 1
+                )
+                assert c.get("/health").status_code == 200
+                done = pool.submit(c.post, "/v1/completions", json=body, headers=API).result(30)
+                assert done.status_code == 200, done.text
+            t0 = time.perf_counter()
+            r = load("more", "good")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_loads_stuck", r.text
+            assert time.perf_counter() - t0 < 5
+            assert _loads_ended(app.state.serving, fifos)
+            assert c.get("/ready").status_code == 200
+            assert engine.adapter_names() == ["ops"]
+            assert load("more", "good").status_code == 200
+            assert c.post("/v1/unload_lora_adapter", json={"lora_name": "more"}, headers=ADMIN).status_code == 200
+    finally:
+        _loads_ended(app.state.serving, fifos)
+
+
+def test_serve_cli_exits_when_a_lora_modules_read_blocks(tmp_path, capsys):
+    """`gemma4-serve --lora-modules` naming an adapter whose Orbax metadata file is a FIFO exits 2 within
+    --lora-load-timeout (1 s here), naming the flag, the adapter and the timeout, instead of hanging with
+    no output (the blocked read's thread is a daemon: it does not keep the process alive);
+    --lora-load-workers 0 exits 2 naming it, before the model loads."""
+    from gemma4_nnx.serve.app import main
+
+    fifos = _fifo_adapters(tiny_config(), tmp_path, ["blocking"])
+    try:
+        t0 = time.perf_counter()
+        code = main([str(tmp_path / "no-checkpoint"), "--port", "0", "--lora-modules", f"ops={tmp_path / 'blocking'}",
+                     "--lora-load-timeout", "1"])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and time.perf_counter() - t0 < 20, err
+        assert f"--lora-modules ops={tmp_path / 'blocking'}" in err and "--lora-load-timeout 1 s" in err, err
+    finally:
+        _release(fifos)
+    assert main([str(tmp_path / "no-checkpoint"), "--port", "0", "--lora-load-workers", "0"]) == 2
+    assert "--lora-load-workers" in (err := capsys.readouterr().err) and "no-checkpoint" not in err, err
+
+
+def test_adapter_io_refuses_loads_beyond_its_threads_and_drops_a_late_result():
+    """`AdapterIO` alone (1 thread, 0.3 s): a second load while one runs within its time is 429 +
+    Retry-After at once; a load past its time answers 503 adapter_load_timeout and counts as stuck, a
+    further load then is 503 adapter_loads_stuck; when the stuck work returns, its result is undone
+    (the engine would unload it) and the thread is free again."""
+    import asyncio
+    import threading
+
+    from gemma4_nnx.serve.adapter_io import AdapterIO
+    from gemma4_nnx.serve.errors import ApiError
+
+    io, gate, undone = AdapterIO(workers=1, timeout=0.3), threading.Event(), []
+
+    async def scenario():
+        first = asyncio.ensure_future(io.run(lambda: gate.wait(30) and "loaded", "loading a", undo=undone.append))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as busy:
+            await io.run(lambda: "b", "loading b")
+        assert (busy.value.status, busy.value.code, busy.value.headers) == (
+            429,
+            "too_many_requests",
+            {"Retry-After": "1"},
+        )
+        with pytest.raises(ApiError) as late:
+            await first
+        assert (late.value.status, late.value.code, late.value.param) == (503, "adapter_load_timeout", "lora_path")
+        assert io.state() == {"workers": 1, "running": 1, "stuck": 1} and "--lora-load-timeout" in io.problem()
+        with pytest.raises(ApiError) as stuck:
+            await io.run(lambda: "c", "loading c")
+        assert (stuck.value.status, stuck.value.code) == (503, "adapter_loads_stuck")
+
+    asyncio.run(scenario())
+    assert undone == []
+    gate.set()
+    deadline = time.monotonic() + 10
+    while io.state()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert undone == ["loaded"] and io.problem() is None
+    assert io.call(lambda: "d", "loading d") == "d"

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gemma4_nnx.decode.compiles import _version, compile_cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,3 +78,101 @@ def test_compile_cache_none_is_off_and_a_directory_gets_a_version_folder(tmp_pat
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def jax_cache_settings():
+    """jax's compile-cache settings restored (the suite's own cache) after a test that changes them."""
+    import jax
+    from jax._src import compilation_cache
+
+    names = (
+        "jax_enable_compilation_cache",
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+        "jax_persistent_cache_enable_xla_caches",
+    )
+    before = {n: getattr(jax.config, n) for n in names}
+    yield
+    for n, v in before.items():
+        jax.config.update(n, v)
+    compilation_cache.reset_cache()
+
+
+def _refused(where) -> str:
+    """use_compile_cache(where)'s warning, checking that it turned the cache off and returned None."""
+    import jax
+
+    from gemma4_nnx.decode.compiles import use_compile_cache
+
+    with pytest.warns(UserWarning, match="--compile-cache") as caught:
+        assert use_compile_cache(where) is None
+    assert not jax.config.jax_enable_compilation_cache
+    message = str(caught[0].message)
+    assert "GEMMA4_COMPILE_CACHE" in message and "not used" in message, message
+    return message
+
+
+def test_a_cache_directory_others_can_write_or_that_another_user_owns_is_not_used(tmp_path, jax_cache_settings):
+    """The entries are native code the server runs: a directory given with mode 0777, one owned by
+    another user, a symbolic link to the 0777 one, and our own directory with a version folder of mode
+    0777 inside are each refused (a warning naming the directory, the flag and the environment
+    variable; the cache off) and no folder is made inside a refused directory."""
+    open_ = tmp_path / "open"
+    open_.mkdir()
+    open_.chmod(0o777)
+    assert "may be written by group or others (mode 777)" in _refused(open_)
+    assert not list(open_.iterdir())
+    if os.geteuid() == 0:  # root can give a directory away; another user finds / owned by root
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 54321, 54321)
+    else:
+        foreign = Path("/")
+    assert "is owned by uid" in _refused(foreign)
+    assert not (foreign / f"gemma4_nnx-{_version()}").exists()
+    link = tmp_path / "link"
+    link.symlink_to(open_)
+    assert f"(a link to {open_})" in _refused(link)
+    own = tmp_path / "own"
+    (own / f"gemma4_nnx-{_version()}").mkdir(parents=True, mode=0o700)
+    own.chmod(0o700)
+    (own / f"gemma4_nnx-{_version()}").chmod(0o777)
+    assert f"gemma4_nnx-{_version()} may be written" in _refused(own)
+
+
+def test_a_new_cache_directory_is_private(tmp_path, jax_cache_settings):
+    """Folders the cache makes are 0700, its parents included (whatever the umask leaves); an existing
+    version folder of ours that others may read is narrowed to 0700."""
+    import stat
+
+    from gemma4_nnx.decode.compiles import use_compile_cache
+
+    path = use_compile_cache(tmp_path / "a" / "b")
+    assert path == tmp_path / "a" / "b" / f"gemma4_nnx-{_version()}"
+    for d in (tmp_path / "a", tmp_path / "a" / "b", path):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, (d, oct(d.stat().st_mode))
+    older = tmp_path / "older" / f"gemma4_nnx-{_version()}"
+    older.mkdir(parents=True)
+    older.chmod(0o755)
+    assert use_compile_cache(tmp_path / "older") == older
+    assert stat.S_IMODE(older.stat().st_mode) == 0o700
+
+
+def test_a_moved_cache_directory_keeps_its_entries_keys(tmp_path, jax_cache_settings):
+    """The same program compiled with the cache in two directories is stored under the same entry
+    names: the key does not hold the directory's path (jax's GPU autotuning cache, on by default, put
+    it in every program's compile options), so a moved or linked cache still gives warm starts."""
+    import jax
+    import numpy as np
+
+    from gemma4_nnx.decode.compiles import use_compile_cache
+
+    names = []
+    for where in ("one", "two"):
+        path = use_compile_cache(tmp_path / where)
+        jax.clear_caches()  # compiled again, not found in memory
+        jax.jit(lambda x: x * 3.0 + 1.0)(np.arange(4, dtype=np.float32)).block_until_ready()
+        names.append(sorted(p.name for p in path.iterdir()))
+    assert names[0] and names[0] == names[1], names

@@ -7,6 +7,13 @@ Face PEFT's (`adapter_config.json` + `adapter_model.safetensors`), checks it aga
 (rank <= the banks' rank, only banked projections, matching shapes) and writes it into a free slot
 of the decoder's weights: new arrays of the same shapes, so no program compiles again.
 
+Weights can be finite (every check on the files passes them) and still so large that the model's
+activations overflow, and the adapter's requests answer NaN. So before its name is served, each of
+a new adapter's updates is run on a unit-scale input (`_bounded`), and a forward pass through it
+scores a fixed probe prompt (`_probe`, `PROBE_TOKENS`: one program, compiled on the first load); an
+overflow in either refuses it, naming the module and the file. (A probe is a probe: an adapter
+could still overflow on other inputs; then only its own requests are affected.)
+
 Requests hold their adapter (`acquire` when queued, `release` when they end). Unloading removes the
 name at once (new requests naming it get "not found") and frees its slot when the last request
 using it has ended: running rows finish with the adapter they started with, and the slot cannot be
@@ -38,6 +45,9 @@ def _safe(e: Exception) -> str:
 
 NOT_FOUND = "model_not_found"
 
+#: Tokens of the probe prompt a new adapter is scored on before it is served (`Adapters.load`).
+PROBE_TOKENS = 16
+
 
 #: What a directory must hold to be an adapter (the one message for every path that is not one, so
 #: that a server's client learns nothing of which paths exist).
@@ -68,6 +78,13 @@ def read_adapter(path: str | os.PathLike, *, check=None) -> tuple[float, dict[st
     return meta["alpha"] / meta["rank"], weights
 
 
+def _weights_file(path) -> str:
+    """The file inside an adapter directory that holds its tensors (as the readers name it)."""
+    from gemma4_nnx.train.peft_io import CONFIG, WEIGHTS
+
+    return WEIGHTS if os.path.isfile(os.path.join(os.fspath(path), CONFIG)) else "adapters/"
+
+
 class Adapters:
     """LoRA adapters in the banks of `decoder`'s model (its weights are rewritten in place).
 
@@ -86,6 +103,8 @@ class Adapters:
         }
         self._lock = threading.Lock()
         self._loaded: dict[str, AdapterRef] = {}  # by name, in load order
+        self._probing: set[str] = set()  # names written to a slot, their probe forward pass running
+        self._base_finite = None  # where the base model's probe logprobs are finite (`_probe`)
         self._paths: dict[str, str] = {}
         self._users: collections.Counter[int] = collections.Counter()  # uid -> requests holding it
         self._unloaded: dict[int, int] = {}  # uid -> slot: unloaded, freed when its last request ends
@@ -108,7 +127,8 @@ class Adapters:
     def load(self, name: str, path: str | os.PathLike) -> AdapterRef:
         """Read the adapter at `path` and put it in a free slot under `name`. RequestError (400)
         naming "lora_name" (empty, already loaded), "lora_path" (unreadable, rank above the banks',
-        a module the banks do not hold, wrong shapes) or "max_loras" (every slot taken)."""
+        a module the banks do not hold, wrong shapes, a forward pass through it overflows: `_probe`) or
+        "max_loras" (every slot taken)."""
         if not isinstance(name, str) or not name.strip():
             raise RequestError(f"lora_name must be a non-empty string, got {name!r}", "lora_name")
         if self.get(name) is not None:
@@ -123,9 +143,10 @@ class Adapters:
             raise RequestError(
                 f"adapter {name!r}: lora_path could not be read ({type(e).__name__})", "lora_path"
             ) from None
+        self._bounded(name, scale, weights, path)
         a, b = self._padded(name, scale, weights)
         with self._lock:
-            if name in self._loaded:
+            if name in self._loaded or name in self._probing:
                 raise RequestError(f"adapter {name!r} is loaded already; unload it first", "lora_name")
             if not self._free:
                 raise RequestError(
@@ -133,11 +154,64 @@ class Adapters:
                     f"{self.max_loras}): unload one ({', '.join(self._loaded)}) or start with more",
                     "max_loras",
                 )
-            ref = AdapterRef(name, self._free.pop(0), next(self._uids))
-            self._write(ref.slot, a, b)
+            slot = self._free.pop(0)
+            self._probing.add(name)
+            self._write(slot, a, b)
+        try:  # the slot is written but not named yet: no request can decode with it
+            self._probe(name, slot, scale, weights, path)
+        except BaseException:
+            with self._lock:
+                self._probing.discard(name)
+                self._free.append(slot)
+                self._free.sort()
+            raise
+        with self._lock:
+            self._probing.discard(name)
+            ref = AdapterRef(name, slot, next(self._uids))
             self._loaded[name] = ref
             self._paths[name] = os.fspath(path)
         return ref
+
+    def _bounded(self, name: str, scale: float, weights: dict, path) -> None:
+        """RequestError naming "lora_path" and the module (and its file) whose update, `x @ A @ B * alpha / r`
+        of a unit-RMS input x (what the model's normalizations feed a projection), has a sum of squares
+        that overflows float32: finite weights whose output the next normalization cannot take (each
+        file check passes such an adapter, and its requests answered NaN)."""
+        for p, (a, b) in weights.items():
+            x = np.random.default_rng(0).standard_normal(a.shape[0]).astype(np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                y = (x @ a) @ b * np.float32(scale)
+                fine = np.isfinite(np.square(y).sum(dtype=np.float32))
+            if not fine:
+                raise RequestError(
+                    f"adapter {name!r}: the update of {p} (lora_A, lora_B in {_weights_file(path)}) overflows "
+                    "float32 on a unit-scale input: its weights are finite but far too large for the model",
+                    "lora_path",
+                )
+
+    def _probe(self, name: str, slot: int, scale: float, weights: dict, path) -> None:
+        """RequestError naming "lora_path" when the probe prompt scored through `slot` has a non-finite
+        logprob where the base model's is finite: the adapter's updates pass `_bounded` one by one, but
+        together overflow in the model. The message names the module whose update |A| |B| alpha / r is
+        largest, and the file holding it."""
+        tokens = [(1 + 7919 * i) % self.decoder.vocab_size for i in range(PROBE_TOKENS)]
+        if self._base_finite is None:  # the base model's own (an -inf it gives is not the adapter's)
+            self._base_finite = np.isfinite(self.decoder.score([tokens])[0].logprob)
+        logprob = np.asarray(self.decoder.score([tokens], adapter=slot)[0].logprob)
+        if np.isfinite(logprob)[self._base_finite].all():
+            return
+
+        def size(p: str) -> float:
+            a, b = weights[p]
+            return float(np.linalg.norm(a.astype(np.float64)) * np.linalg.norm(b.astype(np.float64)) * abs(scale))
+
+        worst = max(weights, key=size)
+        raise RequestError(
+            f"adapter {name!r}: a forward pass through it gives non-finite logprobs (its weights are finite but "
+            f"overflow in the model); its largest update is {worst} in {_weights_file(path)} "
+            f"(|A| |B| alpha / r = {size(worst):.3g}): lora_path is refused",
+            "lora_path",
+        )
 
     def check(self, shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]]) -> None:
         """ValueError unless every module of an adapter ({path: (a shape [in, r], b shape [r, out])},

@@ -19,10 +19,13 @@ shapes (`compile_verify`); the engine takes plain steps meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
+import stat
 import threading
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -91,18 +94,36 @@ def use_compile_cache(where: str | os.PathLike | None = "default") -> Path | Non
     (`--compile-cache`); it changes process-wide jax settings, so the package never calls it on
     import. Call it before the first compile: jax reads the setting once. "default" when jax's own
     setting names a directory already (`JAX_COMPILATION_CACHE_DIR`, the test suite's): that one
-    stays, as it is."""
+    stays, as it is.
+
+    The entries are native code this process will run, so the directory must be private: missing
+    folders are made 0700, and a directory (or a symbolic link to one) that another user owns or that
+    group / others may write is not used: a warning names it and the fix, and the cache is off
+    (`_private_dir`)."""
     if str(where) == "default" and jax.config.jax_compilation_cache_dir:
         return Path(jax.config.jax_compilation_cache_dir)
     path = compile_cache_dir(where)
-    if path is None:
+    problem = None if path is None else _private_dir(path)
+    if problem is not None:
+        warnings.warn(
+            f"gemma4_nnx: the compile cache {problem}: its entries are native code this process would run, so it "
+            "is not used (no compile cache this run). Fix its owner / mode (chown, chmod 700), or give a "
+            "directory of your own with --compile-cache DIR (env GEMMA4_COMPILE_CACHE), or 'none'",
+            stacklevel=2,
+        )
+    if path is None or problem is not None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", os.fspath(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # jax's default also keeps XLA's GPU autotuning results under the directory, and for that puts the
+    # directory's path in every program's compile options, which its cache key hashes: a cache moved,
+    # or reached through another path (a symbolic link, a volume mounted elsewhere), then missed every
+    # entry. The compiled programs themselves are what warm starts read.
+    with contextlib.suppress(AttributeError):  # a jax without the option
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     try:  # a cache jax already set up (or left off) in this process follows the new setting
         from jax._src import compilation_cache
 
@@ -110,6 +131,42 @@ def use_compile_cache(where: str | os.PathLike | None = "default") -> Path | Non
     except (ImportError, AttributeError):
         pass
     return path
+
+
+def _private_dir(path: Path) -> str | None:
+    """Make `path` (mode 0700, with its missing parents); None when it and its parent (the directory
+    given) are this user's and no one else may write them, else what is wrong, for a message; a
+    refused parent gets no folder made in it. Symbolic links are followed: a link to such a directory
+    is refused as it is. A cache folder of this user that others may read is narrowed to 0700 (its
+    entries, written with the process's umask, are then out of their reach)."""
+    try:
+        for d in (path.parent, path):
+            if not os.path.lexists(d):
+                _make_dirs(d)
+            info, real = os.stat(d), os.path.realpath(d)
+            where = f"directory {d}" + (f" (a link to {real})" if real != os.path.abspath(d) else "")
+            if not stat.S_ISDIR(info.st_mode):
+                return f"path {d} is not a directory"
+            if info.st_uid != os.geteuid():
+                return f"{where} is owned by uid {info.st_uid}, not by this process's user (uid {os.geteuid()})"
+            if info.st_mode & 0o022:
+                return f"{where} may be written by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+        if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+            os.chmod(path, 0o700)
+    except OSError as e:
+        return f"directory {path} cannot be made or read ({e.strerror})"
+    return None
+
+
+def _make_dirs(path: Path) -> None:
+    """`path` and its missing parents, each 0700 (`Path.mkdir(parents=True)` makes the parents 0777 less
+    the umask)."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700)  # the umask can only take bits away
 
 
 def default_compile_threads() -> int:

@@ -34,11 +34,11 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
 * `GET /v1/models`; `GET /health` (liveness: 200 while the process serves and its engine runs, 503
   once the engine has stopped or the warm-up failed) and `GET /ready` (readiness: 200 once a real
-  generation has succeeded at start-up, 503 before it and during the drain after SIGTERM; a failed
-  request changes neither); every response carries an `X-Request-ID` header (the request's own, or
-  a new one), also in error bodies and the access log (`request_ids`); `GET
-  /metrics` (Prometheus text format: latency histograms, tokens, responses by status, engine
-  counters; `serve.metrics`); `GET /stats`
+  generation has succeeded at start-up, 503 before it, during the drain after SIGTERM and while an
+  adapter load is stuck past --lora-load-timeout, `serve.adapter_io`; a failed request changes
+  neither); every response carries an `X-Request-ID` header (the request's own, or a new one), also
+  in error bodies and the access log (`request_ids`); `GET /metrics` (Prometheus text format: latency
+  histograms, tokens, responses by status, engine counters; `serve.metrics`); `GET /stats`
   (the engine's counters as JSON: decode steps, how many were shared by several requests, rows in
   flight, compilations).
 
@@ -72,6 +72,7 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import DEFAULT_MAX_SCORE_TOKENS, Engine, EngineError
+from gemma4_nnx.serve.adapter_io import DEFAULT_LORA_LOAD_TIMEOUT, DEFAULT_LORA_LOAD_WORKERS, AdapterIO
 from gemma4_nnx.serve.connections import http_protocol
 from gemma4_nnx.serve.data_parallel import DataParallelEngines, copy_model, device_groups
 from gemma4_nnx.serve.guard import (
@@ -154,6 +155,8 @@ def create_app(
     runtime_lora: bool = False,
     lora_root: str | None = None,
     admin_key: str | None = None,
+    lora_load_timeout: float = DEFAULT_LORA_LOAD_TIMEOUT,
+    lora_load_workers: int = DEFAULT_LORA_LOAD_WORKERS,
 ) -> FastAPI:
     """The FastAPI app over `engine` (or data-parallel engines: `serve.data_parallel`). `warmup`: run
     one real generation at start-up (on every engine); /ready is 503 until it has succeeded.
@@ -173,7 +176,9 @@ def create_app(
     `runtime_lora`: allow POST /v1/load_lora_adapter / unload_lora_adapter (off: 403), loading only from
     directories inside `lora_root` (required with it); the adapters the engine holds when the app is
     made (`--lora-modules`) cannot be unloaded by clients. `admin_key`: those two routes need it
-    instead of `api_key` (`guard.Guard`)."""
+    instead of `api_key` (`guard.Guard`). `lora_load_timeout`, `lora_load_workers`: an adapter load answers
+    within this many seconds (503 after; its thread counts as stuck until its read returns, and /ready is
+    503 meanwhile), at most this many run at once (stuck ones included; more are refused): `serve.adapter_io`."""
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -187,6 +192,7 @@ def create_app(
         video_limits=video_limits,
         runtime_lora=runtime_lora,
         lora_root=lora_root,
+        adapter_io=AdapterIO(lora_load_workers, lora_load_timeout),
     )
     state = {"ready": not warmup, "warmup_error": None, "created": int(time.time())}
 
@@ -249,15 +255,17 @@ def create_app(
     async def refused(request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    def probe(ok: bool, status: str) -> JSONResponse:
+    def probe(ok: bool, status: str, reason: str | None = None) -> JSONResponse:
         body = {
             "status": "ok" if ok else status,
+            "reason": reason,
             "ready": state["ready"],
             "engine_alive": engine.alive,
             "draining": serving.draining,
             "warmup_error": state["warmup_error"],
             # informative only: one failed request does not take the replica out (neither probe reads it)
             "last_error": engine.error if engine.last_outcome == "error" else None,
+            "adapter_loads": serving.adapter_io.state(),  # {workers, running, stuck}: `serve.adapter_io`
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -271,9 +279,12 @@ def create_app(
     @app.get("/ready")
     async def ready():
         """Readiness: send requests here. 200 once the warm-up generation has succeeded, while the
-        engine runs and the server is not draining; a failed request does not change it."""
-        ok = state["ready"] and engine.alive and not serving.draining
-        return probe(ok, "draining" if serving.draining else "starting" if engine.alive else "unavailable")
+        engine runs, the server is not draining and no adapter load is stuck past its timeout (its thread
+        cannot be cancelled: `serve.adapter_io`); a failed request does not change it."""
+        if serving.draining or not engine.alive or not state["ready"]:
+            return probe(False, "draining" if serving.draining else "starting" if engine.alive else "unavailable")
+        stuck = serving.adapter_io.problem()
+        return probe(stuck is None, "adapter_loads_stuck", stuck)
 
     @app.get("/metrics")
     async def prometheus():
@@ -310,7 +321,7 @@ def create_app(
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request):
         report_unknown_fields(request.scope, body, strict_requests)
-        return await asyncio.to_thread(serving.load_adapter, body)  # reads the files off the event loop
+        return await serving.load_adapter(body)  # the files are read on threads of their own (`adapter_io`)
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request):
@@ -438,6 +449,17 @@ def _target_itl(value: str) -> float | str | None:
 #: the event loop streaming many tokens, each of those waits took up to the whole interval, several a
 #: step (docs/serving.md).
 DEFAULT_GIL_SWITCH_MS = 0.25
+
+
+def _seconds(value: str) -> float:
+    """A timeout flag's seconds: > 0 and finite."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"give seconds > 0, got {value!r}")
+    return seconds
 
 
 def _gil_switch(value: str) -> float:
@@ -721,6 +743,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' with this key (not --api-key's) on the adapter load / unload "
         "routes (env GEMMA4_ADMIN_KEY)",
     )
+    p.add_argument(
+        "--lora-load-timeout",
+        type=_seconds,
+        default=DEFAULT_LORA_LOAD_TIMEOUT,
+        metavar="SECONDS",
+        help="an adapter load (--lora-modules at start-up, POST /v1/load_lora_adapter) that has not finished "
+        "after this long is answered 503 (start-up: exits): a blocking file or a hung mount. Its thread cannot be "
+        "cancelled; it counts as stuck until its read returns, /ready is 503 meanwhile, and what it loads then is "
+        f"dropped (default {DEFAULT_LORA_LOAD_TIMEOUT:g}; the first load also compiles the probe forward pass)",
+    )
+    p.add_argument(
+        "--lora-load-workers",
+        type=int,
+        default=DEFAULT_LORA_LOAD_WORKERS,
+        help="adapter loads run at once, each on a thread of its own (never the one requests are tokenized on); "
+        "more get 429 + Retry-After, or 503 when stuck loads hold every thread "
+        f"(default {DEFAULT_LORA_LOAD_WORKERS})",
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     from gemma4_nnx.io.checkpoint import add_load_flags
@@ -735,9 +775,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_lora_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag (and the adapter's file) for runtime-LoRA flags that do not fit and for
     --lora-modules adapters that cannot load: configs, headers and values are read and checked here,
-    before the model loads (shapes against the model are checked when the engine loads them)."""
+    before the model loads (shapes against the model are checked when the engine loads them), each read
+    within --lora-load-timeout (`_startup_load`)."""
     from gemma4_nnx.decode.adapters import read_adapter
 
+    io = AdapterIO(args.lora_load_workers, args.lora_load_timeout)  # ValueError naming a bad flag
     if args.enable_runtime_lora and not args.lora_root:
         raise ValueError(
             "--enable-runtime-lora (or VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs --lora-root DIR: the directory "
@@ -746,10 +788,19 @@ def _check_lora_args(args: argparse.Namespace) -> None:
     if args.lora_root and not os.path.isdir(args.lora_root):
         raise ValueError(f"--lora-root {args.lora_root} is not a directory")
     for name, path in args.lora_modules:
-        try:
-            read_adapter(path, check=lambda shapes: _check_rank(shapes, args.max_lora_rank))
-        except (ValueError, OSError) as e:
-            raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+        _startup_load(
+            io, name, path, lambda p=path: read_adapter(p, check=lambda s: _check_rank(s, args.max_lora_rank))
+        )
+
+
+def _startup_load(io: AdapterIO, name: str, path: str, fn) -> None:
+    """`fn()` (reading or loading the --lora-modules adapter `name`=`path`) on an adapter thread, within
+    --lora-load-timeout: a blocking file (a FIFO, a hung mount) stops the start-up with a message instead of
+    hanging it (the stuck thread is a daemon: it does not keep the process alive). ValueError naming both."""
+    try:
+        io.call(fn, "reading it")
+    except (ApiError, ValueError, OSError) as e:  # ApiError: the timeout
+        raise ValueError(f"--lora-modules {name}={path}: {e}") from None
 
 
 def _check_rank(shapes: dict, rank: int) -> None:
@@ -833,12 +884,13 @@ def make_engine(args: argparse.Namespace) -> Engine | DataParallelEngines:
             e.close()
         raise
     engine = engines[0] if len(engines) == 1 else DataParallelEngines(engines)
+    io = AdapterIO(1, args.lora_load_timeout)
     try:
         for name, path in args.lora_modules:  # a bad adapter stops the start-up, named
-            engine.load_adapter(name, path)
+            _startup_load(io, name, path, lambda n=name, p=path: engine.load_adapter(n, p))
     except ValueError as e:
         engine.close()
-        raise ValueError(f"--lora-modules: {e}") from None
+        raise ValueError(str(e)) from None
     return engine
 
 
@@ -925,6 +977,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime_lora=args.enable_runtime_lora,
         lora_root=args.lora_root,
         admin_key=args.admin_key,
+        lora_load_timeout=args.lora_load_timeout,
+        lora_load_workers=args.lora_load_workers,
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     _access_log()

@@ -23,6 +23,7 @@ from gemma4_nnx.decode.engine import Engine, EngineError, Event
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import AdapterRef, Request, normalize_seed
 from gemma4_nnx.decode.text import FinishReason
+from gemma4_nnx.serve.adapter_io import AdapterIO, outside_root
 from gemma4_nnx.serve.errors import ApiError
 from gemma4_nnx.serve.media import DEFAULT_VIDEO_LIMITS, VideoLimits, decode_audio, decode_image, decode_video
 from gemma4_nnx.serve.metrics import ServerMetrics
@@ -148,6 +149,15 @@ def _refused(e: RequestError, param: str | None) -> ApiError:
     if e.code == "model_not_found":
         return ApiError(str(e), param, status=404, code=e.code, type_="not_found_error")
     return ApiError(str(e), param, code=e.code)
+
+
+def _outside_root() -> ApiError:
+    """The one answer for an adapter path outside the root (or holding a link out of it)."""
+    return ApiError(
+        "lora_path must name an adapter directory inside the server's adapter root (--lora-root), "
+        "absolute or relative to it",
+        "lora_path",
+    )
 
 
 def shutting_down() -> ApiError:
@@ -415,6 +425,7 @@ class Serving:
         video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
         runtime_lora: bool = False,
         lora_root: str | os.PathLike | None = None,
+        adapter_io: AdapterIO | None = None,
     ):
         if runtime_lora and lora_root is None:
             raise ValueError(
@@ -426,6 +437,8 @@ class Serving:
         # the adapters given at start-up (--lora-modules) are the operator's: clients cannot unload them
         bank = getattr(engine, "adapters", None)
         self.pinned = frozenset(engine.adapter_names()) if bank is not None else frozenset()
+        # adapter loads read files on threads of their own, bounded in number and time (`adapter_io`)
+        self.adapter_io = AdapterIO() if adapter_io is None else adapter_io
         self.engine, self.model_name = engine, model_name
         self.processor = processor  # gemma4_nnx.processor.Processor of a multimodal model, else None
         self.video_limits = video_limits
@@ -518,25 +531,33 @@ class Serving:
 
     def adapter_dir(self, lora_path: str) -> str:
         """The real directory `lora_path` names (relative: under the adapter root), or 400 naming
-        "lora_path" when it lies outside the root (`--lora-root`); the same answer whether or not such
-        a path exists, and the value is not echoed."""
+        "lora_path" when it, or a file or folder in it (symbolic links resolved), lies outside the root
+        (`--lora-root`); the same answer whether or not such a path exists, and the value is not echoed.
+        File-system work: run it on an adapter thread (`adapter_io`)."""
         real = "" if "\0" in lora_path else os.path.realpath(os.path.join(self.lora_root, lora_path))
         if not real or os.path.commonpath([real, self.lora_root]) != self.lora_root or real == self.lora_root:
-            raise ApiError(
-                "lora_path must name an adapter directory inside the server's adapter root (--lora-root), "
-                "absolute or relative to it",
-                "lora_path",
-            )
+            raise _outside_root()
+        if outside_root(real, self.lora_root):  # a file in it linked to one outside: the same answer
+            raise _outside_root()
         return real
 
-    def load_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+    async def load_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         """POST /v1/load_lora_adapter: vLLM's plain-text answer, or 400 / 403 / 404 naming the field.
-        Off unless the server allows runtime loading (403); paths confined to the adapter root."""
+        Off unless the server allows runtime loading (403); paths confined to the adapter root. The
+        files are read on an adapter thread (`adapter_io`: 503 past its timeout, 429 / 503 when its
+        threads are busy), never on the executor the routes tokenize on."""
         self._runtime_lora()
         if body.lora_name == self.model_name:
             raise ApiError(f"lora_name {body.lora_name!r} is the base model's name: choose another", "lora_name")
-        try:
+
+        def load() -> None:
             self.engine.load_adapter(body.lora_name, self.adapter_dir(body.lora_path))
+
+        def undo(_) -> None:  # loaded after its caller got the timeout: unloaded again, never served
+            self.engine.unload_adapter(body.lora_name)
+
+        try:
+            await self.adapter_io.run(load, f"loading adapter {body.lora_name!r}", undo=undo)
         except RequestError as e:
             raise ApiError(str(e), e.param, code=e.code) from None
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
