@@ -31,7 +31,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   request's `model` names an adapter or the base model, rows of different adapters decode in one
   batch (`decode.lora_bank`); `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (vLLM's
   bodies; off unless `--enable-runtime-lora`, confined to `--lora-root`, behind `--admin-key`);
-  `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
+  `/v1/models` lists the adapters with `parent` = the base model (their paths only with
+  `--show-adapter-paths`; docs/serving.md).
 * `GET /v1/models`; `GET /health` (liveness: 200 while the process serves and its engine runs, 503
   once the engine has stopped or the warm-up failed) and `GET /ready` (readiness: 200 once a real
   generation has succeeded at start-up, 503 before it and during the drain after SIGTERM; a failed
@@ -72,6 +73,7 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import DEFAULT_MAX_SCORE_TOKENS, Engine, EngineError
+from gemma4_nnx.decode.requests import check_adapter_name
 from gemma4_nnx.serve.connections import http_protocol
 from gemma4_nnx.serve.data_parallel import DataParallelEngines, copy_model, device_groups
 from gemma4_nnx.serve.guard import (
@@ -154,6 +156,7 @@ def create_app(
     runtime_lora: bool = False,
     lora_root: str | None = None,
     admin_key: str | None = None,
+    show_adapter_paths: bool = False,
 ) -> FastAPI:
     """The FastAPI app over `engine` (or data-parallel engines: `serve.data_parallel`). `warmup`: run
     one real generation at start-up (on every engine); /ready is 503 until it has succeeded.
@@ -173,7 +176,11 @@ def create_app(
     `runtime_lora`: allow POST /v1/load_lora_adapter / unload_lora_adapter (off: 403), loading only from
     directories inside `lora_root` (required with it); the adapters the engine holds when the app is
     made (`--lora-modules`) cannot be unloaded by clients. `admin_key`: those two routes need it
-    instead of `api_key` (`guard.Guard`)."""
+    instead of `api_key` (`guard.Guard`). `show_adapter_paths`: /v1/models gives each adapter's server path as
+    its `root` (vLLM does; off: null, the server's file system is not shown to every key holder)."""
+    for name, key in (("api_key", api_key), ("admin_key", admin_key)):
+        if key is not None and not key.strip():
+            raise ValueError(f"{name} is empty, which would turn its check off: give the key, or None for no key")
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -301,8 +308,10 @@ def create_app(
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         card = dict(created=state["created"], max_model_len=engine.max_length)
-        adapters = [  # as vLLM lists them: root = the adapter's path, parent = the base model
-            ModelCard(id=name, root=engine.adapters.path(name), parent=model_name, **card)
+        adapters = [  # as vLLM lists them (parent = the base model), root = the path only when the operator asks
+            ModelCard(
+                id=name, root=engine.adapters.path(name) if show_adapter_paths else None, parent=model_name, **card
+            )
             for name in engine.adapter_names()
         ]
         return ModelList(data=[ModelCard(id=model_name, root=model_name, **card), *adapters])
@@ -412,24 +421,32 @@ def _lora_module(value: str) -> tuple[str, str]:
             raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not valid JSON ({e})") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
             raise argparse.ArgumentTypeError(f'--lora-modules: {value!r} needs string fields "name" and "path"')
-        return spec["name"], spec["path"]
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not name=path (or a JSON object)")
+        name, path = spec["name"], spec["path"]
+    else:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not name=path (or a JSON object)")
+    try:
+        check_adapter_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--lora-modules: the name of {path!r}: {e}") from None
     return name, path
 
 
 def _target_itl(value: str) -> float | str | None:
-    """`--target-itl-ms`: milliseconds > 0, 'auto' or 'off'."""
+    """`--target-itl-ms`: milliseconds in `pacing.TARGET_ITL_MS_RANGE`, 'auto' or 'off'."""
+    from gemma4_nnx.decode.pacing import TARGET_ITL_MS_RANGE
+
     word = value.strip().lower()
     if word in ("auto", "off", "none"):
         return "auto" if word == "auto" else None
     try:
         ms = float(value)
     except ValueError:
-        ms = 0.0
-    if not ms > 0 or ms == float("inf"):
-        raise argparse.ArgumentTypeError(f"give milliseconds > 0, 'auto' or 'off', got {value!r}")
+        ms = float("nan")
+    low, high = TARGET_ITL_MS_RANGE
+    if not low <= ms <= high:
+        raise argparse.ArgumentTypeError(f"give milliseconds in [{low:g}, {high:g}], 'auto' or 'off', got {value!r}")
     return ms
 
 
@@ -721,6 +738,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' with this key (not --api-key's) on the adapter load / unload "
         "routes (env GEMMA4_ADMIN_KEY)",
     )
+    p.add_argument(
+        "--show-adapter-paths",
+        action="store_true",
+        help="GET /v1/models gives each LoRA adapter's directory on the server as its `root`, as vLLM does "
+        "(default: null; the paths are the operator's, not every API key holder's)",
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     from gemma4_nnx.io.checkpoint import add_load_flags
@@ -730,6 +753,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compile_cache_flag(p)
     return p
+
+
+def _check_keys(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for an empty --api-key / --admin-key (or its variable set to ""): an
+    unset shell variable (`--api-key "$KEY"`) would otherwise turn the key check off without a word."""
+    for flag, env, key in (
+        ("--api-key", "GEMMA4_API_KEY", args.api_key),
+        ("--admin-key", "GEMMA4_ADMIN_KEY", args.admin_key),
+    ):
+        if key is not None and not key.strip():
+            raise ValueError(
+                f"{flag} is empty (or {env} is set to an empty string): an empty key would turn the check off. "
+                f"Give the key, or leave out both {flag} and {env} to serve without one"
+            )
 
 
 def _check_lora_args(args: argparse.Namespace) -> None:
@@ -885,6 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.uds is None:
             _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
+        _check_keys(args)
         _check_lora_args(args)  # before the model loads: a bad adapter is named at once
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -925,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime_lora=args.enable_runtime_lora,
         lora_root=args.lora_root,
         admin_key=args.admin_key,
+        show_adapter_paths=args.show_adapter_paths,
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     _access_log()
