@@ -126,7 +126,17 @@ except ImportError as e:  # pragma: no cover - the `serve` extra
         "gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' (fastapi, uvicorn)"
     ) from e
 
-__all__ = ["DEFAULT_GIL_SWITCH_MS", "DrainingServer", "build_parser", "create_app", "header_timeout_protocol", "main"]
+__all__ = [
+    "DEFAULT_GIL_SWITCH_MS",
+    "DEFAULT_UDS_MODE",
+    "DrainingServer",
+    "bind_unix_socket",
+    "build_parser",
+    "create_app",
+    "header_timeout_protocol",
+    "main",
+    "serve",
+]
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
@@ -477,7 +487,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--uds",
         metavar="PATH",
         help="serve the same API on this unix socket instead of --host/--port (TPU hosts without TCP, sidecars, "
-        "a reverse proxy); a stale socket file there is replaced",
+        "a reverse proxy); a stale socket file there is replaced, and the socket is removed at exit",
+    )
+    p.add_argument(
+        "--uds-mode",
+        type=_uds_mode,
+        default=DEFAULT_UDS_MODE,
+        metavar="OCTAL",
+        help="the --uds socket's file mode (default 0600: only this user can connect; e.g. 0660 lets the "
+        "socket's group in, a reverse proxy's). Without --api-key, a mode that lets others connect is warned of",
     )
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
     p.add_argument(
@@ -928,12 +946,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
         return 2
-    if not args.api_key and args.uds is None and not _loopback(args.host):
-        print(
-            f"gemma4-serve: warning: serving on {args.host} without --api-key: anyone who can reach this "
-            "port can use the model (put it behind a reverse proxy with TLS for exposure beyond one host)",
-            file=sys.stderr,
-        )
+    warning = _exposure_warning(args)
+    if warning is not None:
+        print(f"gemma4-serve: warning: {warning}", file=sys.stderr)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     if name in engine.adapter_names():
         print(f"gemma4-serve: error: --lora-modules name {name!r} is the base model's name", file=sys.stderr)
@@ -981,9 +996,96 @@ def main(argv: list[str] | None = None) -> int:
         # bound is the backstop
         timeout_graceful_shutdown=_DRAIN_MARGIN_S,
     )
-    DrainingServer(config, app.state.serving, args.drain_timeout).run()
-    engine.close()
+    try:
+        serve(DrainingServer(config, app.state.serving, args.drain_timeout), args.uds_mode)
+    except OSError as e:  # the --uds path cannot be bound
+        print(f"gemma4-serve: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()
     return 0
+
+
+def _exposure_warning(args: argparse.Namespace) -> str | None:
+    """What `main` warns of when the server runs without --api-key where others can reach it: a TCP address
+    beyond loopback, or a --uds socket whose mode lets other users connect (connecting takes write permission)."""
+    if args.api_key:
+        return None
+    if args.uds is not None:
+        if args.uds_mode & 0o022:
+            who = "the socket's group" if not args.uds_mode & 0o002 else "every local user"
+            return (
+                f"serving on unix socket {args.uds} (mode {args.uds_mode:04o}) without --api-key: {who} can use the "
+                "model; give --api-key or a narrower --uds-mode (default 0600)"
+            )
+        return None
+    if _loopback(args.host):
+        return None
+    return (
+        f"serving on {args.host} without --api-key: anyone who can reach this port can use the model (put it "
+        "behind a reverse proxy with TLS for exposure beyond one host)"
+    )
+
+
+#: `--uds-mode`'s default: only the server's user can connect to its socket (uvicorn's own would be 0666).
+DEFAULT_UDS_MODE = 0o600
+
+
+def _uds_mode(value: str) -> int:
+    """`--uds-mode`: an octal file mode that keeps the owner's read and write bits (connecting needs write)."""
+    try:
+        mode = int(value, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+        raise argparse.ArgumentTypeError(
+            "give an octal file mode of at most 0777 with the owner's read and write bits (e.g. 0600, 0660), "
+            f"got {value!r}"
+        )
+    return mode
+
+
+def bind_unix_socket(path: str, mode: int = DEFAULT_UDS_MODE):
+    """A unix stream socket bound at `path` with file mode `mode`, not listening yet: nobody can connect before
+    the mode is set (uvicorn's own socket is 0666, its path taking a stale file's mode). A stale socket file
+    at `path` is replaced; any other file there is an OSError naming --uds."""
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"--uds {path} exists and is not a socket: remove it or choose another path")
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, mode)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on --uds {path} ({e.strerror or e})") from None
+    return sock
+
+
+def serve(server: uvicorn.Server, uds_mode: int = DEFAULT_UDS_MODE) -> None:
+    """`server.run()`; with a unix socket (`config.uds`), on a socket of mode `uds_mode` (`bind_unix_socket`),
+    removed when the server stops (unless another file took its place meanwhile)."""
+    path = server.config.uds
+    if path is None:
+        return server.run()
+    sock = bind_unix_socket(path, uds_mode)
+    made = os.stat(path)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        try:
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _access_log() -> None:
