@@ -83,7 +83,7 @@ from gemma4_nnx.serve.guard import (
     Guard,
     report_unknown_fields,
 )
-from gemma4_nnx.serve.media import DEFAULT_VIDEO_LIMITS, VideoLimits
+from gemma4_nnx.serve.media import DEFAULT_MEDIA_LIMITS, DEFAULT_VIDEO_LIMITS, MediaLimits, VideoLimits
 from gemma4_nnx.serve.memory import DEFAULT_MEMORY_UTILIZATION, kv_cache_bytes
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
@@ -163,6 +163,7 @@ def create_app(
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
     video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+    media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
     runtime_lora: bool = False,
     lora_root: str | None = None,
     admin_key: str | None = None,
@@ -183,6 +184,8 @@ def create_app(
     for `previous_response_id` and GET /v1/responses/{id}, least recently used evicted beyond.
     `max_audio_seconds`: the longest audio file the speech endpoints take (400 naming `file` beyond).
     `video_limits`: the bytes, frames and seconds one chat `video_url` may hold (400 naming `messages` beyond).
+    `media_limits`: the images, audio clips, video frames and their soft tokens one request may carry, counted
+    before any is decoded (400 naming `messages` and the flag beyond).
     `runtime_lora`: allow POST /v1/load_lora_adapter / unload_lora_adapter (off: 403), loading only from
     directories inside `lora_root` (required with it); the adapters the engine holds when the app is
     made (`--lora-modules`) cannot be unloaded by clients. `admin_key`: those two routes need it
@@ -202,6 +205,7 @@ def create_app(
         metrics=metrics,
         processor=processor,
         video_limits=video_limits,
+        media_limits=media_limits,
         runtime_lora=runtime_lora,
         lora_root=lora_root,
     )
@@ -672,6 +676,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=video.max_seconds,
         help=f"the longest video (frames / fps) a chat video_url may carry, 400 beyond (default {video.max_seconds:g})",
     )
+    media = MediaLimits()
+    p.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=media.max_images,
+        metavar="N",
+        help="the most images one chat request may carry (all its messages, the earlier turns of a "
+        f"/v1/responses conversation too), counted before any is decoded, 400 beyond (default {media.max_images})",
+    )
+    p.add_argument(
+        "--max-audio-per-request",
+        type=int,
+        default=media.max_audio,
+        metavar="N",
+        help=f"the most audio clips one chat request may carry, 400 beyond (default {media.max_audio})",
+    )
+    p.add_argument(
+        "--max-video-frames-per-request",
+        type=int,
+        default=media.max_video_frames,
+        metavar="N",
+        help="the most sampled video frames one chat request may carry, each video counted at the frames it is "
+        "sampled to at most (the processor's num_frames, 32 for Gemma 4) before it is decoded, 400 beyond "
+        f"(default {media.max_video_frames}: two videos)",
+    )
+    p.add_argument(
+        "--max-media-tokens-per-request",
+        type=int,
+        default=media.max_tokens,
+        metavar="N",
+        help="the most soft tokens the images, clips and video frames of one chat request may take, each counted "
+        "at its budget (an image its max_soft_tokens, a frame the video's, a clip its 30 s) before any is decoded, "
+        f"400 beyond (default {media.max_tokens}); a request's media must also leave room in --max-length, "
+        "checked before they are preprocessed",
+    )
     p.add_argument(
         "--body-timeout",
         type=float,
@@ -941,6 +980,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.uds is None:
             _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
         _check_keys(args)
+        video_limits = VideoLimits(args.max_video_bytes, args.max_video_frames, args.max_video_seconds)
+        media_limits = MediaLimits(
+            args.max_images_per_request,
+            args.max_audio_per_request,
+            args.max_video_frames_per_request,
+            args.max_media_tokens_per_request,
+        )
         _check_lora_args(args)  # before the model loads: a bad adapter is named at once
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -974,7 +1020,8 @@ def main(argv: list[str] | None = None) -> int:
         strict_requests=args.strict_requests,
         max_stored_responses=args.max_stored_responses,
         max_audio_seconds=args.max_audio_seconds,
-        video_limits=VideoLimits(args.max_video_bytes, args.max_video_frames, args.max_video_seconds),
+        video_limits=video_limits,
+        media_limits=media_limits,
         runtime_lora=args.enable_runtime_lora,
         lora_root=args.lora_root,
         admin_key=args.admin_key,
