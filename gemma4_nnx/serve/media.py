@@ -259,7 +259,7 @@ DEFAULT_MEDIA_LIMITS = MediaLimits()
 
 
 def frames_per_video(processor, limits: VideoLimits = DEFAULT_VIDEO_LIMITS) -> int:
-    """The most frames one video is sampled to (`processor.sample_frame_indices`): `num_frames`, or with fps
+    """The most frames one video is sampled to (`gemma4_nnx.processor.sample_frame_indices`): `num_frames`, or with fps
     sampling `fps` a second of the longest video taken; never more than the frames a video may hold."""
     import math
 
