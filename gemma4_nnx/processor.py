@@ -1397,6 +1397,10 @@ class Processor:
     def soft_tokens_for_image(self, height: int, width: int) -> int:
         return _image_soft_tokens(height, width, self.config.image)
 
+    def soft_tokens_for_video_frame(self, height: int, width: int) -> int:
+        """Soft tokens each frame of a height x width video becomes (its budget is the video config's)."""
+        return _image_soft_tokens(height, width, self._video_config())
+
     def soft_tokens_for_audio(self, num_samples: int, sampling_rate: int) -> int:
         if self.config.kind == "unified":
             return _unified_audio_soft_tokens(num_samples, sampling_rate, self.config.audio)

@@ -473,3 +473,74 @@ def test_adapter_io_refuses_loads_beyond_its_threads_and_drops_a_late_result():
         time.sleep(0.01)
     assert undone == ["loaded"] and io.problem() is None
     assert io.call(lambda: "d", "loading d") == "d"
+
+
+def test_adapter_paths_are_off_the_model_list_unless_the_operator_asks(world):
+    """GET /v1/models lists the adapters with their base model as parent but not their server paths
+    (`root` null), unless the app is made with show_adapter_paths (`--show-adapter-paths`)."""
+    from fastapi.testclient import TestClient
+
+    from gemma4_nnx.serve.app import build_parser, create_app
+
+    engine, root, good, c, _ = world
+    r = c.get("/v1/models", headers=API)
+    cards = {m["id"]: m for m in r.json()["data"]}
+    assert cards["ops"]["parent"] == "tiny" and cards["ops"]["root"] is None, cards
+    assert str(root) not in r.text and good not in r.text, r.text
+    with TestClient(create_app(engine, "tiny", warmup=False, show_adapter_paths=True)) as shown:
+        cards = {m["id"]: m for m in shown.get("/v1/models").json()["data"]}
+    assert cards["ops"]["root"] == good, cards
+    assert build_parser().parse_args(["ckpt", "--show-adapter-paths"]).show_adapter_paths
+    assert not build_parser().parse_args(["ckpt"]).show_adapter_paths
+
+
+BAD_NAMES = {"10 KB": "a" * 10_000, "129 chars": "b" * 129, "CR/LF": "x\r\nINFO: forged", "ESC": "\x1b[31mred"}
+
+
+def test_adapter_names_are_bounded_and_printable(world):
+    """A load or unload naming an adapter of more than 128 characters, or one holding CR/LF or ESC, is a 400
+    naming lora_name that does not echo the name; the library (`Engine.load_adapter`) and `--lora-modules`
+    refuse the same names; 128 printable characters load and unload."""
+    import argparse
+
+    from gemma4_nnx.decode.errors import RequestError
+    from gemma4_nnx.serve.app import _lora_module
+
+    engine, _, good, c, _ = world
+    for case, name in BAD_NAMES.items():
+        for route, body in (("load", {"lora_name": name, "lora_path": "good"}), ("unload", {"lora_name": name})):
+            r = c.post(f"/v1/{route}_lora_adapter", json=body, headers=ADMIN)
+            err = r.json()["error"]
+            assert (r.status_code, err["param"]) == (400, "lora_name"), (case, route, r.text)
+            assert name not in err["message"] and name[:12] not in err["message"], (case, err["message"])
+        with pytest.raises(RequestError) as e:
+            engine.load_adapter(name, good)
+        assert e.value.param == "lora_name", case
+        with pytest.raises(argparse.ArgumentTypeError, match="--lora-modules"):
+            _lora_module(f"{name}={good}")
+    assert engine.adapter_names() == ["ops"]
+    longest = "n" * 128
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": longest, "lora_path": "good"}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert c.post("/v1/unload_lora_adapter", json={"lora_name": longest}, headers=ADMIN).status_code == 200
+    assert engine.adapter_names() == ["ops"]
+
+
+def test_empty_keys_are_refused_at_start(world, tmp_path, capsys, monkeypatch):
+    """`--api-key ""` / `--admin-key ""` (or their variables set to an empty string: an unset shell variable)
+    would turn the key check off: gemma4-serve exits 2 naming the flag and the variable, before it loads the
+    model (the checkpoint here does not exist); `create_app` refuses them too."""
+    from gemma4_nnx.serve.app import create_app, main
+
+    ckpt = str(tmp_path / "no-checkpoint")
+    for argv, flag in ((["--api-key", ""], "--api-key"), (["--admin-key", "  "], "--admin-key")):
+        assert main([ckpt, "--port", "0", *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} is empty" in err and "no-checkpoint" not in err, err
+    monkeypatch.setenv("GEMMA4_API_KEY", "")
+    assert main([ckpt, "--port", "0"]) == 2
+    assert "GEMMA4_API_KEY is set to an empty string" in capsys.readouterr().err
+    engine = world[0]
+    for key in ("api_key", "admin_key"):
+        with pytest.raises(ValueError, match=f"{key} is empty"):
+            create_app(engine, "tiny", warmup=False, **{key: ""})

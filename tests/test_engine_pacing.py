@@ -88,8 +88,9 @@ def model():
 
 
 def test_target_itl_is_validated_by_name(model):
-    """Bad values are refused naming `target_itl_ms`; "auto" paces to a multiple of the measured step."""
-    for bad in (0, -5, "fast", True):
+    """Bad values (not a number, outside [0.1, 60000] ms) are refused naming `target_itl_ms`; "auto" paces to a
+    multiple of the measured step."""
+    for bad in (0, -5, "fast", True, 5e-324, 0.09, 1e9, 60_001, float("inf"), float("nan")):
         with pytest.raises(RequestError, match="target_itl_ms") as e:
             Engine(model, max_batch=1, max_length=32, target_itl_ms=bad)
         assert e.value.param == "target_itl_ms"
@@ -160,14 +161,17 @@ def test_paced_prefill_follows_the_arithmetic_and_outputs_equal_generate(model):
 
 def test_serve_flag_reaches_the_engine_option(capsys):
     """`gemma4-serve --target-itl-ms` parses to the engine's option: 'auto' by default (3 times the
-    measured step), 'off' to prefill whole chunks, milliseconds; anything else is refused by name."""
+    measured step), 'off' to prefill whole chunks, milliseconds in [0.1, 60000]; anything else (1e9, 5e-324)
+    is refused by name."""
     pytest.importorskip("fastapi")
     from gemma4_nnx.serve.app import build_parser
 
     assert build_parser().parse_args(["ckpt"]).target_itl_ms == "auto"
     assert build_parser().parse_args(["ckpt", "--target-itl-ms", "off"]).target_itl_ms is None
     assert build_parser().parse_args(["ckpt", "--target-itl-ms", "45.5"]).target_itl_ms == 45.5
-    for bad in ("0", "-3", "fast", "inf"):
+    assert build_parser().parse_args(["ckpt", "--target-itl-ms", "0.1"]).target_itl_ms == 0.1
+    assert build_parser().parse_args(["ckpt", "--target-itl-ms", "60000"]).target_itl_ms == 60000
+    for bad in ("0", "-3", "fast", "inf", "nan", "1e9", "5e-324", "60000.5"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["ckpt", "--target-itl-ms", bad])
         assert "--target-itl-ms" in capsys.readouterr().err

@@ -1961,6 +1961,32 @@ def test_request_ids_in_headers_error_bodies_and_the_access_log(served, caplog):
     assert not any("has space" in line for line in lines)
 
 
+def test_the_access_log_quotes_what_the_client_controls(caplog):
+    """A path holding CR/LF (a forged log line) or ESC (a terminal escape), percent-encoded in the request,
+    is logged percent-encoded again, as uvicorn's access log wrote it: one line per request, no raw CR, LF
+    or ESC in it; so are a query string's and a method's odd bytes."""
+    import logging
+
+    from fastapi.testclient import TestClient
+    from starlette.applications import Starlette
+
+    from gemma4_nnx.serve.request_ids import ACCESS_LOGGER, RequestIds
+
+    app = Starlette()  # no routes: every request a 404, as an unknown path gets (before any key check)
+    forged = 'INFO:     127.0.0.1:1 "GET /admin" 200 0.1ms request_id=x'
+    with TestClient(RequestIds(app)) as c, caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
+        assert c.get("/health%0d%0a" + forged.replace(" ", "%20").replace('"', "%22")).status_code == 404
+        assert c.get("/v1/models%1b[31mred%1b[0m?x=%0a").status_code == 404
+        assert c.request("GE\x1bT", "/x").status_code == 404
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == ACCESS_LOGGER]
+    assert len(lines) == 3, lines
+    for line in lines:
+        assert not any(ch in line for ch in "\r\n\x1b"), repr(line)
+    assert '"GET /health%0D%0AINFO%3A%20%20%20%20%20127.0.0.1%3A1%20%22GET%20/admin%22' in lines[0], lines[0]
+    assert '"GET /v1/models%1B%5B31mred%1B%5B0m?x=%0a" 404' in lines[1], lines[1]
+    assert '"GE%1BT /x" 404' in lines[2], lines[2]
+
+
 def test_metrics_list_in_the_docs(served):
     """docs/serving.md's metrics table names exactly the families a scrape returns (the prefix cache's
     only with --prefix-cache-mb, off here; the engines' loads only with --data-parallel-size > 1)."""

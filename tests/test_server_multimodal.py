@@ -485,3 +485,102 @@ def test_video_frames_take_the_request_budget(served):
             text, add_bos=True
         )
         assert video.num_soft_tokens == (60 if budget is None else 126)  # 48x80 px frames at 70; 72x112 px at 140
+
+
+# ----------------------------------------------------------------------------- per-request media limits
+
+
+def _count_media_work(monkeypatch) -> list[str]:
+    """The names of the decoding and preprocessing functions called from now on (data URLs read, video
+    files opened, images / clips / videos made into arrays), in order."""
+    from gemma4_nnx import processor
+    from gemma4_nnx.serve import media
+
+    calls: list[str] = []
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(media, "_data_url", counted("data URL", media._data_url))
+    monkeypatch.setattr(processor, "read_video", counted("read_video", processor.read_video))
+    for name in ("preprocess_image", "preprocess_audio", "preprocess_video"):
+        monkeypatch.setattr(processor.Processor, name, counted(name, getattr(processor.Processor, name)))
+    return calls
+
+
+def _refusal(port, content, **extra) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(port).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": content}], max_tokens=2, extra_body=extra or None
+        )
+    return e.value.body
+
+
+def test_media_beyond_the_per_request_limits_are_refused_before_decoding(served, monkeypatch):
+    """The server's defaults: 17 one-pixel PNGs (--max-images-per-request 16), 9 audio clips
+    (--max-audio-per-request 8), 33 videos of 2 sampled frames (66 > --max-video-frames-per-request 64), and 8
+    images at max_soft_tokens 1120 (8960 soft tokens > --max-media-tokens-per-request 8192) are each a 400
+    naming `messages` and the flag, chat and /tokenize alike; nothing of them is decoded or preprocessed (no
+    data URL read, no array made: counted), so the memory an array per image would take is never spent."""
+    port = served[3]
+    png = _data_url(_png(0, size=(1, 1))[0])
+    image = {"type": "image_url", "image_url": {"url": png}}
+    clip = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    cases = [
+        ([image] * 17, {}, "17 images", "at most 16 per request (--max-images-per-request)"),
+        ([clip] * 9, {}, "9 audio clips", "(--max-audio-per-request)"),
+        ([video] * 33, {}, "33 videos of up to 2 sampled frames (66 frames)", "(--max-video-frames-per-request)"),
+        (
+            [image] * 8,
+            {"mm_processor_kwargs": {"max_soft_tokens": 1120}},
+            "8960 soft tokens (8 images at 1120",
+            "at most 8192 per request (--max-media-tokens-per-request)",
+        ),
+    ]
+    calls = _count_media_work(monkeypatch)
+    for content, extra, what, limit in cases:
+        body = _refusal(port, content, **extra)
+        assert body["param"] == "messages" and body["code"] == "too_many_media", body
+        assert what in body["message"] and limit in body["message"], body
+        status, answer = _tokenize_status(
+            port, {"model": NAME, "messages": [{"role": "user", "content": content}], **extra}
+        )
+        assert status == 400 and limit in answer["error"]["message"], answer
+    assert calls == [], calls
+    ok = _refusal(port, [image] * 16 + [{"type": "text", "text": "x"}])  # within the counts: the context is next
+    assert "--max-length" in ok["message"], ok
+
+
+def _tokenize_status(port, body: dict) -> tuple[int, dict]:
+    import urllib.error
+
+    try:
+        return 200, _tokenize(port, body)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_media_that_cannot_fit_the_context_are_refused_before_preprocessing(served, monkeypatch):
+    """16 one-pixel PNGs pass the counts, but at the server's budget of 70 each becomes 64 soft tokens and
+    its 2 delimiters: 1056 prompt tokens, more than the context (max_length 256). Refused with a 400 naming
+    `messages`, --max-length and the count, after reading the images' headers only: no image preprocessed.
+    The same images fit one at a time (the reference: the processor's own count)."""
+    _, _, processor, port, _ = served
+    png, img = _png(0, size=(1, 1))
+    assert processor.preprocess_image(img).num_soft_tokens == 64
+    image = {"type": "image_url", "image_url": {"url": _data_url(png)}}
+    calls = _count_media_work(monkeypatch)
+    body = _refusal(port, [image] * 16)
+    assert body["param"] == "messages" and body["code"] == "context_length_exceeded", body
+    assert "take 1056 prompt tokens" in body["message"] and "context of 256 tokens (--max-length)" in body["message"]
+    assert calls == ["data URL"] * 16, calls  # each header read, nothing preprocessed
+    calls.clear()
+    out = _client(port).chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": [image]}], max_tokens=1, temperature=0
+    )
+    assert out.usage.prompt_tokens > 64 and calls == ["data URL", "preprocess_image"], calls

@@ -32,7 +32,7 @@ import numpy as np
 
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.lora_bank import LoRABankLinear
-from gemma4_nnx.decode.requests import AdapterRef
+from gemma4_nnx.decode.requests import AdapterRef, check_adapter_name
 
 __all__ = ["Adapters", "read_adapter"]
 
@@ -125,12 +125,11 @@ class Adapters:
 
     # ------------------------------------------------------------------ load / unload
     def load(self, name: str, path: str | os.PathLike) -> AdapterRef:
-        """Read the adapter at `path` and put it in a free slot under `name`. RequestError (400)
-        naming "lora_name" (empty, already loaded), "lora_path" (unreadable, rank above the banks',
-        a module the banks do not hold, wrong shapes, a forward pass through it overflows: `_probe`) or
+        """Read the adapter at `path` and put it in a free slot under `name`. RequestError (400) naming
+        "lora_name" (empty, too long or unprintable, already loaded), "lora_path" (unreadable, rank above the
+        banks', a module the banks do not hold, wrong shapes, a forward pass through it overflows: `_probe`) or
         "max_loras" (every slot taken)."""
-        if not isinstance(name, str) or not name.strip():
-            raise RequestError(f"lora_name must be a non-empty string, got {name!r}", "lora_name")
+        check_adapter_name(name)
         if self.get(name) is not None:
             raise RequestError(f"adapter {name!r} is loaded already; unload it first", "lora_name")
         try:

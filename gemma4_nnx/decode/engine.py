@@ -70,7 +70,7 @@ from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
 from gemma4_nnx.decode.compiles import FUSE_AFTER, default_compile_threads
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified, fetch_drawn
 from gemma4_nnx.decode.errors import RequestError
-from gemma4_nnx.decode.pacing import MIN_PACED_WIDTH, Pacer
+from gemma4_nnx.decode.pacing import MIN_PACED_WIDTH, TARGET_ITL_MS_RANGE, Pacer
 from gemma4_nnx.decode.prefix import PrefixCache
 from gemma4_nnx.decode.requests import (
     MAX_TOP_LOGPROBS,
@@ -398,11 +398,14 @@ class Engine:
         chunk = prefill_chunk or AUTO_PREFILL_CHUNK
         max_num_batched_tokens = chunk if max_num_batched_tokens is None else max_num_batched_tokens
         check_int(max_num_batched_tokens, "max_num_batched_tokens", lo=chunk)
+        low, high = TARGET_ITL_MS_RANGE
         if target_itl_ms not in (None, "auto") and (
-            isinstance(target_itl_ms, bool) or not isinstance(target_itl_ms, numbers.Real) or not target_itl_ms > 0
+            isinstance(target_itl_ms, bool)
+            or not isinstance(target_itl_ms, numbers.Real)
+            or not low <= target_itl_ms <= high
         ):
             raise RequestError(
-                f"target_itl_ms must be None, 'auto' or a number of milliseconds > 0, got {target_itl_ms!r}",
+                f"target_itl_ms must be None, 'auto' or milliseconds in [{low:g}, {high:g}], got {target_itl_ms!r}",
                 "target_itl_ms",
             )
         check_int(max_score_tokens, "max_score_tokens", lo=1, optional=True)

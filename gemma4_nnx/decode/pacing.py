@@ -30,12 +30,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-__all__ = ["AUTO_ITL_FACTOR", "MIN_PACED_WIDTH", "Pacer"]
+__all__ = ["AUTO_ITL_FACTOR", "MIN_PACED_WIDTH", "TARGET_ITL_MS_RANGE", "Pacer"]
 
 #: The target of `Engine(target_itl_ms="auto")` (`gemma4-serve`'s default), as a multiple of the measured
 #: decode step without prefill: a running stream's gap while a prompt prefills beside it stays within
 #: about this many of its steps, whatever the machine and the model.
 AUTO_ITL_FACTOR = 3.0
+
+#: The inter-token latencies (ms) a target may name: below 0.1 ms no decode step keeps it (every prefill
+#: runs its narrowest chunk, as at 0.1 ms), above a minute it paces nothing ('off' says that).
+TARGET_ITL_MS_RANGE = (0.1, 60_000.0)
 
 #: The narrowest chunk a paced prefill runs (columns per joining row): the least a waiting prompt
 #: advances between two decode steps. 16: `batching.MIN_PROMPT_BUCKET`, a program the engine has for

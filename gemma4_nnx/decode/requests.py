@@ -18,10 +18,12 @@ from gemma4_nnx.decode.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from gemma4_nnx.decode.sampling import SamplingParams
 
 __all__ = [
+    "MAX_ADAPTER_NAME_CHARS",
     "MAX_TOP_LOGPROBS",
     "SEED_MODULUS",
     "AdapterRef",
     "Request",
+    "check_adapter_name",
     "check_int",
     "check_top_logprobs",
     "make_request",
@@ -34,6 +36,28 @@ SEED_MODULUS = 1 << 31
 
 #: The most alternatives per token a request may ask for (`top_logprobs`; vLLM's default limit).
 MAX_TOP_LOGPROBS = 20
+
+
+#: The longest LoRA adapter name (a request's `model`, echoed in responses, /v1/models and errors).
+MAX_ADAPTER_NAME_CHARS = 128
+
+
+def check_adapter_name(name) -> str:
+    """`name` when it can name an adapter: a string of 1 to `MAX_ADAPTER_NAME_CHARS` printable characters,
+    not all spaces (no CR, LF, tabs or other control characters: it is echoed in responses and logs); else
+    a RequestError naming "lora_name" that does not repeat the value."""
+    if not isinstance(name, str) or not name.strip():
+        raise RequestError("lora_name must be a non-empty string", "lora_name")
+    if len(name) > MAX_ADAPTER_NAME_CHARS:
+        raise RequestError(
+            f"lora_name has {len(name)} characters; an adapter name has at most {MAX_ADAPTER_NAME_CHARS}",
+            "lora_name",
+        )
+    if not name.isprintable():
+        raise RequestError(
+            "lora_name holds a control character (CR, LF, tab, ESC, ...); use printable characters", "lora_name"
+        )
+    return name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,8 @@ Endpoints (shapes as in the OpenAI API reference; the request models are in `pro
   request's `model` names an adapter or the base model, rows of different adapters decode in one
   batch (`decode.lora_bank`); `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (vLLM's
   bodies; off unless `--enable-runtime-lora`, confined to `--lora-root`, behind `--admin-key`);
-  `/v1/models` lists the adapters with `parent` = the base model (docs/serving.md).
+  `/v1/models` lists the adapters with `parent` = the base model (their paths only with
+  `--show-adapter-paths`; docs/serving.md).
 * `GET /v1/models`; `GET /health` (liveness: 200 while the process serves and its engine runs, 503
   once the engine has stopped or the warm-up failed) and `GET /ready` (readiness: 200 once a real
   generation has succeeded at start-up, 503 before it, during the drain after SIGTERM and while an
@@ -72,6 +73,7 @@ import time
 from contextlib import asynccontextmanager
 
 from gemma4_nnx.decode.engine import DEFAULT_MAX_SCORE_TOKENS, Engine, EngineError
+from gemma4_nnx.decode.requests import check_adapter_name
 from gemma4_nnx.serve.adapter_io import DEFAULT_LORA_LOAD_TIMEOUT, DEFAULT_LORA_LOAD_WORKERS, AdapterIO
 from gemma4_nnx.serve.connections import http_protocol
 from gemma4_nnx.serve.data_parallel import DataParallelEngines, copy_model, device_groups
@@ -82,7 +84,7 @@ from gemma4_nnx.serve.guard import (
     Guard,
     report_unknown_fields,
 )
-from gemma4_nnx.serve.media import DEFAULT_VIDEO_LIMITS, VideoLimits
+from gemma4_nnx.serve.media import DEFAULT_MEDIA_LIMITS, DEFAULT_VIDEO_LIMITS, MediaLimits, VideoLimits
 from gemma4_nnx.serve.memory import DEFAULT_MEMORY_UTILIZATION, kv_cache_bytes
 from gemma4_nnx.serve.metrics import CONTENT_TYPE_LATEST, CountResponses, ServerMetrics
 from gemma4_nnx.serve.precheck import PRECHECK_BYTES, Precheck
@@ -125,7 +127,17 @@ except ImportError as e:  # pragma: no cover - the `serve` extra
         "gemma4_nnx.serve needs the `serve` extra: pip install 'gemma4_nnx[serve]' (fastapi, uvicorn)"
     ) from e
 
-__all__ = ["DEFAULT_GIL_SWITCH_MS", "DrainingServer", "build_parser", "create_app", "header_timeout_protocol", "main"]
+__all__ = [
+    "DEFAULT_GIL_SWITCH_MS",
+    "DEFAULT_UDS_MODE",
+    "DrainingServer",
+    "bind_unix_socket",
+    "build_parser",
+    "create_app",
+    "header_timeout_protocol",
+    "main",
+    "serve",
+]
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error body)"},
@@ -152,11 +164,13 @@ def create_app(
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
     video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+    media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
     runtime_lora: bool = False,
     lora_root: str | None = None,
     admin_key: str | None = None,
     lora_load_timeout: float = DEFAULT_LORA_LOAD_TIMEOUT,
     lora_load_workers: int = DEFAULT_LORA_LOAD_WORKERS,
+    show_adapter_paths: bool = False,
 ) -> FastAPI:
     """The FastAPI app over `engine` (or data-parallel engines: `serve.data_parallel`). `warmup`: run
     one real generation at start-up (on every engine); /ready is 503 until it has succeeded.
@@ -173,12 +187,19 @@ def create_app(
     for `previous_response_id` and GET /v1/responses/{id}, least recently used evicted beyond.
     `max_audio_seconds`: the longest audio file the speech endpoints take (400 naming `file` beyond).
     `video_limits`: the bytes, frames and seconds one chat `video_url` may hold (400 naming `messages` beyond).
+    `media_limits`: the images, audio clips, video frames and their soft tokens one request may carry, counted
+    before any is decoded (400 naming `messages` and the flag beyond).
     `runtime_lora`: allow POST /v1/load_lora_adapter / unload_lora_adapter (off: 403), loading only from
     directories inside `lora_root` (required with it); the adapters the engine holds when the app is
     made (`--lora-modules`) cannot be unloaded by clients. `admin_key`: those two routes need it
     instead of `api_key` (`guard.Guard`). `lora_load_timeout`, `lora_load_workers`: an adapter load answers
     within this many seconds (503 after; its thread counts as stuck until its read returns, and /ready is
-    503 meanwhile), at most this many run at once (stuck ones included; more are refused): `serve.adapter_io`."""
+    503 meanwhile), at most this many run at once (stuck ones included; more are refused): `serve.adapter_io`.
+    `show_adapter_paths`: /v1/models gives each adapter's server path as
+    its `root` (vLLM does; off: null, the server's file system is not shown to every key holder)."""
+    for name, key in (("api_key", api_key), ("admin_key", admin_key)):
+        if key is not None and not key.strip():
+            raise ValueError(f"{name} is empty, which would turn its check off: give the key, or None for no key")
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -190,6 +211,7 @@ def create_app(
         metrics=metrics,
         processor=processor,
         video_limits=video_limits,
+        media_limits=media_limits,
         runtime_lora=runtime_lora,
         lora_root=lora_root,
         adapter_io=AdapterIO(lora_load_workers, lora_load_timeout),
@@ -312,8 +334,10 @@ def create_app(
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         card = dict(created=state["created"], max_model_len=engine.max_length)
-        adapters = [  # as vLLM lists them: root = the adapter's path, parent = the base model
-            ModelCard(id=name, root=engine.adapters.path(name), parent=model_name, **card)
+        adapters = [  # as vLLM lists them (parent = the base model), root = the path only when the operator asks
+            ModelCard(
+                id=name, root=engine.adapters.path(name) if show_adapter_paths else None, parent=model_name, **card
+            )
             for name in engine.adapter_names()
         ]
         return ModelList(data=[ModelCard(id=model_name, root=model_name, **card), *adapters])
@@ -423,24 +447,32 @@ def _lora_module(value: str) -> tuple[str, str]:
             raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not valid JSON ({e})") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
             raise argparse.ArgumentTypeError(f'--lora-modules: {value!r} needs string fields "name" and "path"')
-        return spec["name"], spec["path"]
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not name=path (or a JSON object)")
+        name, path = spec["name"], spec["path"]
+    else:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules: {value!r} is not name=path (or a JSON object)")
+    try:
+        check_adapter_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--lora-modules: the name of {path!r}: {e}") from None
     return name, path
 
 
 def _target_itl(value: str) -> float | str | None:
-    """`--target-itl-ms`: milliseconds > 0, 'auto' or 'off'."""
+    """`--target-itl-ms`: milliseconds in `pacing.TARGET_ITL_MS_RANGE`, 'auto' or 'off'."""
+    from gemma4_nnx.decode.pacing import TARGET_ITL_MS_RANGE
+
     word = value.strip().lower()
     if word in ("auto", "off", "none"):
         return "auto" if word == "auto" else None
     try:
         ms = float(value)
     except ValueError:
-        ms = 0.0
-    if not ms > 0 or ms == float("inf"):
-        raise argparse.ArgumentTypeError(f"give milliseconds > 0, 'auto' or 'off', got {value!r}")
+        ms = float("nan")
+    low, high = TARGET_ITL_MS_RANGE
+    if not low <= ms <= high:
+        raise argparse.ArgumentTypeError(f"give milliseconds in [{low:g}, {high:g}], 'auto' or 'off', got {value!r}")
     return ms
 
 
@@ -482,7 +514,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--uds",
         metavar="PATH",
         help="serve the same API on this unix socket instead of --host/--port (TPU hosts without TCP, sidecars, "
-        "a reverse proxy); a stale socket file there is replaced",
+        "a reverse proxy); a stale socket file there is replaced, and the socket is removed at exit",
+    )
+    p.add_argument(
+        "--uds-mode",
+        type=_uds_mode,
+        default=DEFAULT_UDS_MODE,
+        metavar="OCTAL",
+        help="the --uds socket's file mode (default 0600: only this user can connect; e.g. 0660 lets the "
+        "socket's group in, a reverse proxy's). Without --api-key, a mode that lets others connect is warned of",
     )
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
     p.add_argument(
@@ -659,6 +699,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=video.max_seconds,
         help=f"the longest video (frames / fps) a chat video_url may carry, 400 beyond (default {video.max_seconds:g})",
     )
+    media = MediaLimits()
+    p.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=media.max_images,
+        metavar="N",
+        help="the most images one chat request may carry (all its messages, the earlier turns of a "
+        f"/v1/responses conversation too), counted before any is decoded, 400 beyond (default {media.max_images})",
+    )
+    p.add_argument(
+        "--max-audio-per-request",
+        type=int,
+        default=media.max_audio,
+        metavar="N",
+        help=f"the most audio clips one chat request may carry, 400 beyond (default {media.max_audio})",
+    )
+    p.add_argument(
+        "--max-video-frames-per-request",
+        type=int,
+        default=media.max_video_frames,
+        metavar="N",
+        help="the most sampled video frames one chat request may carry, each video counted at the frames it is "
+        "sampled to at most (the processor's num_frames, 32 for Gemma 4) before it is decoded, 400 beyond "
+        f"(default {media.max_video_frames}: two videos)",
+    )
+    p.add_argument(
+        "--max-media-tokens-per-request",
+        type=int,
+        default=media.max_tokens,
+        metavar="N",
+        help="the most soft tokens the images, clips and video frames of one chat request may take, each counted "
+        "at its budget (an image its max_soft_tokens, a frame the video's, a clip its 30 s) before any is decoded, "
+        f"400 beyond (default {media.max_tokens}); a request's media must also leave room in --max-length, "
+        "checked before they are preprocessed",
+    )
     p.add_argument(
         "--body-timeout",
         type=float,
@@ -761,6 +836,12 @@ def build_parser() -> argparse.ArgumentParser:
         "more get 429 + Retry-After, or 503 when stuck loads hold every thread "
         f"(default {DEFAULT_LORA_LOAD_WORKERS})",
     )
+    p.add_argument(
+        "--show-adapter-paths",
+        action="store_true",
+        help="GET /v1/models gives each LoRA adapter's directory on the server as its `root`, as vLLM does "
+        "(default: null; the paths are the operator's, not every API key holder's)",
+    )
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     from gemma4_nnx.io.checkpoint import add_load_flags
@@ -770,6 +851,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compile_cache_flag(p)
     return p
+
+
+def _check_keys(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for an empty --api-key / --admin-key (or its variable set to ""): an
+    unset shell variable (`--api-key "$KEY"`) would otherwise turn the key check off without a word."""
+    for flag, env, key in (
+        ("--api-key", "GEMMA4_API_KEY", args.api_key),
+        ("--admin-key", "GEMMA4_ADMIN_KEY", args.admin_key),
+    ):
+        if key is not None and not key.strip():
+            raise ValueError(
+                f"{flag} is empty (or {env} is set to an empty string): an empty key would turn the check off. "
+                f"Give the key, or leave out both {flag} and {env} to serve without one"
+            )
 
 
 def _check_lora_args(args: argparse.Namespace) -> None:
@@ -937,17 +1032,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.uds is None:
             _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
+        _check_keys(args)
+        video_limits = VideoLimits(args.max_video_bytes, args.max_video_frames, args.max_video_seconds)
+        media_limits = MediaLimits(
+            args.max_images_per_request,
+            args.max_audio_per_request,
+            args.max_video_frames_per_request,
+            args.max_media_tokens_per_request,
+        )
         _check_lora_args(args)  # before the model loads: a bad adapter is named at once
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
         return 2
-    if not args.api_key and args.uds is None and not _loopback(args.host):
-        print(
-            f"gemma4-serve: warning: serving on {args.host} without --api-key: anyone who can reach this "
-            "port can use the model (put it behind a reverse proxy with TLS for exposure beyond one host)",
-            file=sys.stderr,
-        )
+    warning = _exposure_warning(args)
+    if warning is not None:
+        print(f"gemma4-serve: warning: {warning}", file=sys.stderr)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     if name in engine.adapter_names():
         print(f"gemma4-serve: error: --lora-modules name {name!r} is the base model's name", file=sys.stderr)
@@ -973,12 +1073,14 @@ def main(argv: list[str] | None = None) -> int:
         strict_requests=args.strict_requests,
         max_stored_responses=args.max_stored_responses,
         max_audio_seconds=args.max_audio_seconds,
-        video_limits=VideoLimits(args.max_video_bytes, args.max_video_frames, args.max_video_seconds),
+        video_limits=video_limits,
+        media_limits=media_limits,
         runtime_lora=args.enable_runtime_lora,
         lora_root=args.lora_root,
         admin_key=args.admin_key,
         lora_load_timeout=args.lora_load_timeout,
         lora_load_workers=args.lora_load_workers,
+        show_adapter_paths=args.show_adapter_paths,
         processor=load_processor(args.checkpoint) if engine.decoder.config.multimodal else None,
     )
     _access_log()
@@ -996,9 +1098,96 @@ def main(argv: list[str] | None = None) -> int:
         # bound is the backstop
         timeout_graceful_shutdown=_DRAIN_MARGIN_S,
     )
-    DrainingServer(config, app.state.serving, args.drain_timeout).run()
-    engine.close()
+    try:
+        serve(DrainingServer(config, app.state.serving, args.drain_timeout), args.uds_mode)
+    except OSError as e:  # the --uds path cannot be bound
+        print(f"gemma4-serve: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()
     return 0
+
+
+def _exposure_warning(args: argparse.Namespace) -> str | None:
+    """What `main` warns of when the server runs without --api-key where others can reach it: a TCP address
+    beyond loopback, or a --uds socket whose mode lets other users connect (connecting takes write permission)."""
+    if args.api_key:
+        return None
+    if args.uds is not None:
+        if args.uds_mode & 0o022:
+            who = "the socket's group" if not args.uds_mode & 0o002 else "every local user"
+            return (
+                f"serving on unix socket {args.uds} (mode {args.uds_mode:04o}) without --api-key: {who} can use the "
+                "model; give --api-key or a narrower --uds-mode (default 0600)"
+            )
+        return None
+    if _loopback(args.host):
+        return None
+    return (
+        f"serving on {args.host} without --api-key: anyone who can reach this port can use the model (put it "
+        "behind a reverse proxy with TLS for exposure beyond one host)"
+    )
+
+
+#: `--uds-mode`'s default: only the server's user can connect to its socket (uvicorn's own would be 0666).
+DEFAULT_UDS_MODE = 0o600
+
+
+def _uds_mode(value: str) -> int:
+    """`--uds-mode`: an octal file mode that keeps the owner's read and write bits (connecting needs write)."""
+    try:
+        mode = int(value, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+        raise argparse.ArgumentTypeError(
+            "give an octal file mode of at most 0777 with the owner's read and write bits (e.g. 0600, 0660), "
+            f"got {value!r}"
+        )
+    return mode
+
+
+def bind_unix_socket(path: str, mode: int = DEFAULT_UDS_MODE):
+    """A unix stream socket bound at `path` with file mode `mode`, not listening yet: nobody can connect before
+    the mode is set (uvicorn's own socket is 0666, its path taking a stale file's mode). A stale socket file
+    at `path` is replaced; any other file there is an OSError naming --uds."""
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"--uds {path} exists and is not a socket: remove it or choose another path")
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, mode)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on --uds {path} ({e.strerror or e})") from None
+    return sock
+
+
+def serve(server: uvicorn.Server, uds_mode: int = DEFAULT_UDS_MODE) -> None:
+    """`server.run()`; with a unix socket (`config.uds`), on a socket of mode `uds_mode` (`bind_unix_socket`),
+    removed when the server stops (unless another file took its place meanwhile)."""
+    path = server.config.uds
+    if path is None:
+        return server.run()
+    sock = bind_unix_socket(path, uds_mode)
+    made = os.stat(path)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        try:
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _access_log() -> None:

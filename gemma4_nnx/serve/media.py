@@ -19,15 +19,19 @@ from gemma4_nnx.processor import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, check_image_s
 from gemma4_nnx.serve.errors import ApiError
 
 __all__ = [
+    "DEFAULT_MEDIA_LIMITS",
     "DEFAULT_VIDEO_LIMITS",
     "MAX_AUDIO_SECONDS",
     "MAX_IMAGE_PIXELS",
     "MAX_IMAGE_SIDE",
+    "MediaLimits",
     "VideoLimits",
+    "check_media_counts",
     "decode_audio",
     "decode_audio_file",
     "decode_image",
     "decode_video",
+    "load_image",
 ]
 
 #: The audio encoder sees at most 30 s (the feature extractor's max_length, 480000 samples at 16 kHz);
@@ -56,8 +60,9 @@ def _data_url(url: str, where: str, kind: str, example: str) -> bytes:
     return _b64(payload, where)
 
 
-def decode_image(url: str, where: str):
-    """A PIL image (RGB conversion is the processor's) from a `data:image/...;base64,` URL."""
+def decode_image(url: str, where: str, load: bool = True):
+    """A PIL image (RGB conversion is the processor's) from a `data:image/...;base64,` URL. `load` False:
+    its header only is read (its size checked), the pixels decoded later by `load_image`."""
     from PIL import Image
 
     raw = _data_url(url, where, "image", "png")
@@ -67,10 +72,18 @@ def decode_image(url: str, where: str):
             check_image_size(*img.size, f"'{where}'")  # before a pixel is decoded
         except ValueError as e:
             raise ApiError(str(e), "messages", code="image_too_large") from None
-        img.load()
     except ApiError:
         raise
     except Exception as e:  # PIL raises many types for a damaged or unknown file
+        raise ApiError(f"'{where}': not a readable image ({type(e).__name__}: {e})", "messages") from None
+    return load_image(img, where) if load else img
+
+
+def load_image(img, where: str):
+    """`img` (from `decode_image(..., load=False)`) with its pixels decoded; a damaged file is a 400."""
+    try:
+        img.load()
+    except Exception as e:  # PIL raises many types for a damaged file
         raise ApiError(f"'{where}': not a readable image ({type(e).__name__}: {e})", "messages") from None
     return img
 
@@ -178,8 +191,11 @@ DEFAULT_VIDEO_LIMITS = VideoLimits()
 
 
 def decode_video(url: str, where: str, processor, limits: VideoLimits = DEFAULT_VIDEO_LIMITS):
-    """The `VideoInputs` (sampled, preprocessed frames) of a `data:video/...;base64,` URL, decoded by PyAV
-    (`Processor.read_video`); every problem is a 400 naming `messages`."""
+    """(sampled frames [T, H, W, 3] uint8, fps, their indices) of a `data:video/...;base64,` URL, decoded by
+    PyAV (`processor.read_video` with the processor's video settings; `Processor.preprocess_video(frames, fps,
+    frame_indices=indices)` makes them the model's arrays); every problem is a 400 naming `messages`."""
+    from gemma4_nnx.processor import read_video
+
     raw = _data_url(url, where, "video", "mp4")
     if len(raw) > limits.max_bytes:
         raise ApiError(
@@ -189,8 +205,12 @@ def decode_video(url: str, where: str, processor, limits: VideoLimits = DEFAULT_
             code="video_too_large",
         )
     try:
-        return processor.read_video(
-            raw, max_frames=limits.max_frames, max_seconds=limits.max_seconds, max_pixels=MAX_IMAGE_PIXELS
+        return read_video(
+            raw,
+            config=processor.config.video,
+            max_frames=limits.max_frames,
+            max_seconds=limits.max_seconds,
+            max_pixels=MAX_IMAGE_PIXELS,
         )
     except ImportError:
         raise ApiError(
@@ -202,3 +222,91 @@ def decode_video(url: str, where: str, processor, limits: VideoLimits = DEFAULT_
         if "(max_frames)" in str(e) or "(max_seconds)" in str(e):
             hint = f" (--max-video-frames {limits.max_frames}, --max-video-seconds {limits.max_seconds:g})"
         raise ApiError(f"'{where}': {e}{hint}", "messages") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaLimits:
+    """What one chat request's media may be, counted from its parts before any of them is decoded
+    (`gemma4-serve --max-images-per-request / --max-audio-per-request / --max-video-frames-per-request /
+    --max-media-tokens-per-request`): its images, its audio clips, the frames its videos are sampled to at
+    most (a video counts the processor's `num_frames`, 32 for Gemma 4), and the soft tokens all of them may
+    take, each counted at its budget (the most it can become: an image the request's or the server's
+    `max_soft_tokens`, a frame the video budget, a clip its 30 s). Every preprocessed image or frame is a
+    float32 array of its budget (280 soft tokens: 7.7 MB), so these bound a request's memory before it is
+    spent; 400 naming `messages` and the flag beyond."""
+
+    max_images: int = 16
+    max_audio: int = 8
+    max_video_frames: int = 64
+    max_tokens: int = 8192
+
+    def __post_init__(self):
+        for name, flag in (
+            ("max_images", "--max-images-per-request"),
+            ("max_audio", "--max-audio-per-request"),
+            ("max_video_frames", "--max-video-frames-per-request"),
+            ("max_tokens", "--max-media-tokens-per-request"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"{flag} ({name}) must be an int >= 0, got {value!r}. Fix: pass a limit (0: none taken)"
+                )
+
+
+#: The limits `gemma4-serve` applies without --max-*-per-request options.
+DEFAULT_MEDIA_LIMITS = MediaLimits()
+
+
+def frames_per_video(processor, limits: VideoLimits = DEFAULT_VIDEO_LIMITS) -> int:
+    """The most frames one video is sampled to (`gemma4_nnx.processor.sample_frame_indices`): `num_frames`, or with fps
+    sampling `fps` a second of the longest video taken; never more than the frames a video may hold."""
+    import math
+
+    cfg = processor.config.video
+    if not cfg.do_sample_frames:
+        return limits.max_frames
+    if cfg.num_frames is not None:
+        return min(cfg.num_frames, limits.max_frames)
+    return min(limits.max_frames, max(1, math.floor(cfg.fps * limits.max_seconds)))
+
+
+def check_media_counts(
+    kinds: list[str], processor, limits: MediaLimits = DEFAULT_MEDIA_LIMITS, video: VideoLimits = DEFAULT_VIDEO_LIMITS
+) -> None:
+    """A 400 naming `messages` and the flag when the media parts of one request (their `type`s, in order) hold
+    more images, audio clips or video frames than `limits` take, or more soft tokens at their budgets.
+    Nothing is decoded: a request of many one-pixel images costs its body, not an array per image."""
+    images, clips, videos = (kinds.count(k) for k in ("image_url", "input_audio", "video_url"))
+    per_video = frames_per_video(processor, video)
+    frames = videos * per_video
+    counts = (
+        (images, limits.max_images, f"{images} images", "--max-images-per-request"),
+        (clips, limits.max_audio, f"{clips} audio clips", "--max-audio-per-request"),
+        (
+            frames,
+            limits.max_video_frames,
+            f"{videos} videos of up to {per_video} sampled frames ({frames} frames)",
+            "--max-video-frames-per-request",
+        ),
+    )
+    for count, cap, what, flag in counts:
+        if count > cap:
+            raise ApiError(
+                f"'messages' holds {what}; this server takes at most {cap} per request ({flag}): split the "
+                "media over several requests",
+                "messages",
+                code="too_many_media",
+            )
+    cfg, rate = processor.config, processor.config.audio.sampling_rate
+    clip_tokens = processor.soft_tokens_for_audio(int(MAX_AUDIO_SECONDS * rate), rate)
+    tokens = images * cfg.image.max_soft_tokens + frames * cfg.video.max_soft_tokens + clips * clip_tokens
+    if tokens > limits.max_tokens:
+        raise ApiError(
+            f"'messages': its media may take {tokens} soft tokens ({images} images at {cfg.image.max_soft_tokens}, "
+            f"{frames} video frames at {cfg.video.max_soft_tokens}, {clips} audio clips at {clip_tokens}); this "
+            f"server takes at most {limits.max_tokens} per request (--max-media-tokens-per-request): send fewer "
+            "media or a smaller mm_processor_kwargs.max_soft_tokens",
+            "messages",
+            code="too_many_media",
+        )

@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from gemma4_nnx.config.vision import SUPPORTED_SOFT_TOKENS
-from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS
+from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, check_adapter_name
 
 __all__ = [
     "UNKNOWN_FIELDS_HEADER",
@@ -613,7 +613,11 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "gemma4_nnx"
-    root: str | None = Field(None, description="The base model's id, or a LoRA adapter's path (vLLM's field).")
+    root: str | None = Field(
+        None,
+        description="The base model's id; a LoRA adapter's path on the server when it runs with "
+        "--show-adapter-paths (vLLM's field), else null.",
+    )
     parent: str | None = Field(None, description="A LoRA adapter's base model id (vLLM's field); null for the base.")
     max_model_len: int = Field(description="The server's --max-length (prompt + new tokens per request), as vLLM.")
 
@@ -686,12 +690,22 @@ class LoadLoRAAdapterRequest(_Api):
     lora_name: StrictStr
     lora_path: StrictStr
 
+    @field_validator("lora_name")
+    @classmethod
+    def _name(cls, v):
+        return check_adapter_name(v)  # 1-128 printable characters (`decode.requests`)
+
 
 class UnloadLoRAAdapterRequest(_Api):
     """POST /v1/unload_lora_adapter (vLLM's shape; vLLM's `lora_int_id` is accepted and ignored)."""
 
     lora_name: StrictStr
     lora_int_id: StrictInt | None = None
+
+    @field_validator("lora_name")
+    @classmethod
+    def _name(cls, v):
+        return check_adapter_name(v)
 
 
 class DetokenizeRequest(_Api):

@@ -8,7 +8,9 @@ as `error.request_id` (the routes', the guard's and the validation errors': any 
 status 400 or above whose body holds an `error` object), and logged with the method, path, status
 and duration on the `gemma4_nnx.access` logger, one line per request (gemma4-serve prints it in place
 of uvicorn's own access log). A header that does not qualify is not echoed or logged (a new id
-replaces it), so a client cannot write arbitrary text into the log.
+replaces it), and the path (percent-decoded by the server) is logged percent-encoded again, as uvicorn's
+access log wrote it, the query, method and client address with every byte but visible ASCII encoded:
+a client cannot write a line of its own (CR/LF) or a terminal escape (ESC) into the log.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import logging
 import re
 import time
+import urllib.parse
 import uuid
 
 __all__ = ["ACCESS_LOGGER", "REQUEST_ID_HEADER", "SCOPE_KEY", "RequestIds", "request_id"]
@@ -78,17 +81,28 @@ class RequestIds:
         finally:
             if self.log.isEnabledFor(logging.INFO):
                 client = scope.get("client")
-                path = scope.get("path", "")
                 query = scope.get("query_string", b"")
                 self.log.info(
                     '%s "%s %s" %s %.1fms request_id=%s',
-                    f"{client[0]}:{client[1]}" if client else "-",
-                    scope.get("method", ""),
-                    path + ("?" + query.decode("latin-1") if query else ""),
+                    _quoted(f"{client[0]}:{client[1]}") if client else "-",
+                    _quoted(scope.get("method", "")),
+                    # the path percent-encoded again (it was decoded), as uvicorn's access log writes it
+                    urllib.parse.quote(scope.get("path", "")) + ("?" + _quoted(query) if query else ""),
                     held.get("status", "-"),
                     1000 * (time.perf_counter() - start),
                     rid,
                 )
+
+
+#: Bytes a client-controlled log field keeps as they are: visible ASCII but the quote and the backslash.
+_LOG_SAFE = bytes(c for c in range(0x21, 0x7F) if c not in b'"\\')
+
+
+def _quoted(value: str | bytes) -> str:
+    """`value` with every byte outside `_LOG_SAFE` (CR, LF, ESC, spaces, quotes, non-ASCII) percent-encoded: a
+    client-controlled field is one token of the access line and writes no line or terminal escape of its own."""
+    raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
+    return urllib.parse.quote_from_bytes(raw, safe=_LOG_SAFE)
 
 
 def _with_id(body: bytes, rid: str) -> bytes:

@@ -20,12 +20,22 @@ from collections.abc import Callable
 
 from gemma4_nnx.chat_tools import ToolCallParser, parse_tool_calls
 from gemma4_nnx.decode.engine import Engine, EngineError, Event
-from gemma4_nnx.decode.errors import RequestError
+from gemma4_nnx.decode.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from gemma4_nnx.decode.requests import AdapterRef, Request, normalize_seed
 from gemma4_nnx.decode.text import FinishReason
 from gemma4_nnx.serve.adapter_io import AdapterIO, outside_root
 from gemma4_nnx.serve.errors import ApiError
-from gemma4_nnx.serve.media import DEFAULT_VIDEO_LIMITS, VideoLimits, decode_audio, decode_image, decode_video
+from gemma4_nnx.serve.media import (
+    DEFAULT_MEDIA_LIMITS,
+    DEFAULT_VIDEO_LIMITS,
+    MediaLimits,
+    VideoLimits,
+    check_media_counts,
+    decode_audio,
+    decode_image,
+    decode_video,
+    load_image,
+)
 from gemma4_nnx.serve.metrics import ServerMetrics
 from gemma4_nnx.serve.protocol import (
     ChatChoice,
@@ -265,17 +275,31 @@ def completion_prompts(tokenizer, body: CompletionRequest, max_prompts: int) -> 
 
 
 def chat_prompt(
-    tokenizer, body: ChatCompletionRequest, processor=None, video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS
+    tokenizer,
+    body: ChatCompletionRequest,
+    processor=None,
+    video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+    media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
+    max_length: int | None = None,
 ) -> tuple[list[int], object | None]:
     """The token ids of a chat request, rendered in Gemma 4's chat format, and its images / audio /
     videos (`Media`, None without any). Each image, clip or video of a user message becomes one
     `<|image|>` / `<|audio|>` / `<|video|>` at its place in the text, expanded into its soft-token
     placeholders (a video: its frames with their timestamps) by `processor`
     (`gemma4_nnx.processor.Processor`); without a processor (the precheck's length estimate) they
-    stay one token each. `video_limits`: what one video may hold (400 beyond)."""
+    stay one token each. `video_limits`: what one video may hold, `media_limits`: what the request's media may
+    be, counted before any is decoded; `max_length`: the context their placeholders must leave room in, checked
+    before they are preprocessed (400s beyond)."""
     if tokenizer is None:
         raise ApiError("chat needs a tokenizer; this server has none")
-    return _encode_chat(tokenizer, body, processor=processor, video_limits=video_limits)
+    return _encode_chat(
+        tokenizer,
+        body,
+        processor=processor,
+        video_limits=video_limits,
+        media_limits=media_limits,
+        max_length=max_length,
+    )
 
 
 def _chat_messages(body) -> list[dict]:
@@ -317,7 +341,13 @@ def _uses_tools(body) -> bool:
 
 
 def _encode_chat(
-    tokenizer, body, processor=None, video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS, **options
+    tokenizer,
+    body,
+    processor=None,
+    video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+    media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
+    max_length: int | None = None,
+    **options,
 ) -> tuple[list[int], object | None]:
     messages = _chat_messages(body)
     thinking = body.chat_template_kwargs.enable_thinking if body.chat_template_kwargs else False
@@ -332,7 +362,7 @@ def _encode_chat(
     budget = getattr(body, "max_soft_tokens", None)  # `MediaOptions`: the request's image budget
     if processor is not None and budget is not None:
         processor = processor.with_max_soft_tokens(budget)
-    media = _chat_media(body, processor, video_limits) if processor is not None else None
+    media = _chat_media(body, processor, video_limits, media_limits, max_length) if processor is not None else None
     if media is not None:
         images, audios, videos, media = media
         try:
@@ -342,36 +372,63 @@ def _encode_chat(
     return tokenizer.encode(text, add_bos=True), media
 
 
-def _chat_media(body, processor, video_limits: VideoLimits):
+def _chat_media(body, processor, video_limits: VideoLimits, media_limits: MediaLimits, max_length: int | None):
     """(image inputs, audio inputs, video inputs, `Media`) of the request's media parts, or None. The
-    pixel rows hold images and videos' frames in the order of their parts (= of their placeholders)."""
+    pixel rows hold images and videos' frames in the order of their parts (= of their placeholders).
+
+    Memory is spent last: the parts are counted against `media_limits` before any is decoded; then each is
+    opened as far as its soft-token count needs (an image's header, a clip's samples, a video's sampled
+    frames), and the prompt tokens they take compared with `max_length` (None: not compared, /tokenize);
+    only then are they preprocessed into the model's float32 arrays."""
     from gemma4_nnx.model.multimodal import Media
     from gemma4_nnx.processor import ImageInputs, batch_audio, batch_images
 
-    vision, audios = [], []
-    for i, m in enumerate(body.messages):
-        for j, part in enumerate(m.media_parts):
-            where = f"messages.{i}.content.{j}"
-            try:
-                if part.type == "image_url":
-                    vision.append(processor.preprocess_image(decode_image(part.image_url.url, where)))
-                elif part.type == "video_url":
-                    vision.append(decode_video(part.video_url.url, where, processor, video_limits))
-                else:
-                    rate = processor.config.audio.sampling_rate
-                    wave = part.input_audio._waveform  # (decoded already: a speech endpoint's window)
-                    if wave is None:
-                        wave = decode_audio(part.input_audio.data, where, rate)
-                    audios.append(processor.preprocess_audio(wave, rate))
-            except (ValueError, TypeError) as e:
-                raise ApiError(f"'{where}': {e}", "messages") from None
-    if not vision and not audios:
+    parts = [(f"messages.{i}.content.{j}", p) for i, m in enumerate(body.messages) for j, p in enumerate(m.media_parts)]
+    if not parts:
         return None
+    check_media_counts([p.type for _, p in parts], processor, media_limits, video_limits)
+    opened = [_open_media(where, part, processor, video_limits) for where, part in parts]
+    placeholders = sum(n for n, _ in opened)
+    if max_length is not None and placeholders + 2 > max_length:  # <bos>, and one token to generate
+        raise ApiError(
+            f"'messages': its images, audio and video take {placeholders} prompt tokens (soft tokens and their "
+            f"delimiters), which leaves no room in this server's context of {max_length} tokens (--max-length): "
+            "send fewer or smaller media, or a smaller mm_processor_kwargs.max_soft_tokens",
+            "messages",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    vision, audios = [], []
+    for (where, part), (_, prepare) in zip(parts, opened, strict=True):
+        try:
+            (audios if part.type == "input_audio" else vision).append(prepare())
+        except (ValueError, TypeError) as e:
+            raise ApiError(f"'{where}': {e}", "messages") from None
     images = [v for v in vision if isinstance(v, ImageInputs)]
     videos = [v for v in vision if not isinstance(v, ImageInputs)]
     pix, pos = batch_images(vision) if vision else (None, None)
     feats, mask = batch_audio(audios) if audios else (None, None)
     return images, audios, videos, Media(pix, pos, feats, mask)
+
+
+def _open_media(where: str, part, processor, video_limits: VideoLimits) -> tuple[int, Callable[[], object]]:
+    """(prompt tokens the part takes, a function preprocessing it) of one media part, decoded only as far as
+    that count needs: an image's header, a clip's samples, a video's sampled frames (uint8)."""
+    try:
+        if part.type == "image_url":
+            img = decode_image(part.image_url.url, where, load=False)
+            n = processor.soft_tokens_for_image(img.height, img.width) + 2  # <|image> ... <image|>
+            return n, lambda: processor.preprocess_image(load_image(img, where))
+        if part.type == "video_url":
+            frames, fps, indices = decode_video(part.video_url.url, where, processor, video_limits)
+            n = len(frames) * (processor.soft_tokens_for_video_frame(*frames.shape[1:3]) + 2)
+            return n, lambda: processor.preprocess_video(frames, fps, frame_indices=indices)
+        rate = processor.config.audio.sampling_rate
+        wave = part.input_audio._waveform  # (decoded already: a speech endpoint's window)
+        if wave is None:
+            wave = decode_audio(part.input_audio.data, where, rate)
+        return processor.soft_tokens_for_audio(len(wave), rate) + 2, lambda: processor.preprocess_audio(wave, rate)
+    except (ValueError, TypeError) as e:
+        raise ApiError(f"'{where}': {e}", "messages") from None
 
 
 def _need_tool_tokens(tokenizer) -> None:
@@ -423,6 +480,7 @@ class Serving:
         metrics: ServerMetrics | None = None,
         processor=None,
         video_limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+        media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
         runtime_lora: bool = False,
         lora_root: str | os.PathLike | None = None,
         adapter_io: AdapterIO | None = None,
@@ -442,6 +500,7 @@ class Serving:
         self.engine, self.model_name = engine, model_name
         self.processor = processor  # gemma4_nnx.processor.Processor of a multimodal model, else None
         self.video_limits = video_limits
+        self.media_limits = media_limits
         self.metrics = metrics
         self.max_tokens = max_tokens
         self.queue_timeout = queue_timeout
@@ -587,14 +646,21 @@ class Serving:
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], object | None]:
         if self.processor is None and any(m.media_parts for m in body.messages):
             raise ApiError("this model takes text only (no vision / audio tower loaded): send text content", "messages")
-        return chat_prompt(self.tokenizer, body, self.processor, self.video_limits)
+        return chat_prompt(
+            self.tokenizer, body, self.processor, self.video_limits, self.media_limits, self.engine.max_length
+        )
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         """POST /tokenize: the ids the completion / chat routes would run for this text or chat."""
         tok = self._need_tokenizer()
         if body.messages is not None:
             ids = _encode_chat(
-                tok, body, self.processor, self.video_limits, add_generation_prompt=body.add_generation_prompt
+                tok,
+                body,
+                self.processor,
+                self.video_limits,
+                self.media_limits,
+                add_generation_prompt=body.add_generation_prompt,
             )[0]
         else:
             ids = tok.encode(body.prompt, add_bos=body.add_special_tokens)
