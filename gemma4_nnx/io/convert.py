@@ -749,11 +749,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "src",
         help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
-        "a Gemma 3, Gemma 4 or Gemma 4 MTP assistant .gguf file (needs the gguf package), or a checkpoint of "
+        "a Gemma 3, Gemma 4 or Gemma 4 MTP assistant .gguf file (needs the gguf package), a checkpoint of "
         "Google's gemma library "
-        "(see --gm-config)",
+        "(see --gm-config), or a Hugging Face Hub id (OWNER/NAME[@REVISION]: its safetensors downloaded "
+        "through huggingface_hub's cache)",
     )
-    p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")
+    p.add_argument(
+        "dst",
+        nargs="?",
+        help="output checkpoint directory (must not exist unless --overwrite); left out for a Hub id: the "
+        "cache the commands load it from (--model-cache), converted there once and its path printed",
+    )
     p.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -815,6 +821,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="always show the progress bar (default: when stderr is a terminal)",
     )
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
+    from gemma4_nnx.io.hub import add_hub_flags
+
+    add_hub_flags(p, conversion=False)  # its --dtype / --ple / --quantize / --group are the options
     return p
 
 
@@ -835,8 +844,15 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     t0 = time.monotonic()
     try:
+        src = _source(args)
+        if args.dst is None:  # a Hub id into the cache (`_source` checked)
+            from gemma4_nnx.io import hub
+
+            options = {"dtype": args.dtype, "ple": args.ple, "quantize": args.quantize, "group": args.group}
+            print(hub.resolve(args.src, options, cache=args.model_cache))
+            return 0
         out = convert(
-            args.src,
+            src,
             args.dst,
             dtype=args.dtype,
             ple=args.ple,
@@ -857,6 +873,37 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(130)
     print(f"gemma4-convert: wrote {out} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return 0
+
+
+def _source(args) -> str | None:
+    """SRC as a local path: a Hub id's snapshot folder (downloaded), or as given; None when DST is left
+    out (a Hub id converted into the cache, which keys only --dtype / --ple / --quantize / --group)."""
+    from gemma4_nnx.io import hub
+
+    if not hub.looks_like_id(args.src):
+        if args.dst is None:
+            raise ValueError(
+                f"dst: missing; give the output directory for {args.src} (only a Hub id goes to the cache)"
+            )
+        return args.src
+    if args.dst is None:
+        given = [
+            f
+            for f, v in (
+                ("--text-only", args.text_only),
+                ("--calibration", args.calibration),
+                ("--gm-config", args.gm_config),
+                ("--overwrite", args.overwrite),
+            )
+            if v
+        ]
+        if given:
+            raise ValueError(f"{' / '.join(given)}: not kept apart in the cache; give DST to convert with them")
+        hub.parse_id(args.src)
+        return None
+    if args.gm_config is not None:
+        raise ValueError(f"--gm-config: {args.src} is a Hub id (safetensors), not a gm checkpoint; leave it out")
+    return hub.download(*hub.parse_id(args.src))
 
 
 def _fail(message: str) -> None:

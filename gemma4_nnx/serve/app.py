@@ -453,7 +453,11 @@ def _gil_switch(value: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-serve", description="OpenAI-compatible server for a Gemma 4 checkpoint")
-    p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
+    p.add_argument(
+        "checkpoint",
+        help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any), or a Hugging Face Hub id "
+        "(OWNER/NAME[@REVISION]: converted once into --model-cache)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -721,7 +725,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' with this key (not --api-key's) on the adapter load / unload "
         "routes (env GEMMA4_ADMIN_KEY)",
     )
-    p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
+    p.add_argument(
+        "--model-name",
+        help="the model id clients send (default: a Hub id as given, without @REVISION; else the checkpoint "
+        "directory's name)",
+    )
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     from gemma4_nnx.io.checkpoint import add_load_flags
 
@@ -875,6 +883,7 @@ def _kv_pool_bytes(args: argparse.Namespace, model, mesh, quiet: bool = False) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gemma4_nnx.io.hub import checkpoint_arg
     from gemma4_nnx.processor import load_processor
 
     args = build_parser().parse_args(argv)
@@ -886,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.uds is None:
             _check_port(args.host, args.port)  # before the model loads: a clash is reported at once
         _check_lora_args(args)  # before the model loads: a bad adapter is named at once
+        hub_id = checkpoint_arg(args)  # a Hub id: its converted copy (converted on the first start)
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
@@ -896,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
             "port can use the model (put it behind a reverse proxy with TLS for exposure beyond one host)",
             file=sys.stderr,
         )
-    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    name = args.model_name or hub_id or os.path.basename(os.path.normpath(args.checkpoint))
     if name in engine.adapter_names():
         print(f"gemma4-serve: error: --lora-modules name {name!r} is the base model's name", file=sys.stderr)
         engine.close()
