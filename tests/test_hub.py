@@ -311,3 +311,65 @@ def test_generate_cli_takes_an_id_and_names_its_flags(hub_env, capsys):
     assert main([hub_env.snapshot, "--prompt", "hi", "--quantize", "int8"]) == 2
     err = capsys.readouterr().err
     assert "--quantize" in err and "gemma4-convert" in err, err
+
+
+@pytest.mark.parametrize(
+    ("method", "key"), [("lora", "bfloat16-ple_int4-quantize_keep"), ("full", "bfloat16-ple_none-quantize_none")]
+)
+def test_finetune_cli_loads_an_id_converted_for_its_method(hub_env, tmp_path, monkeypatch, method, key):
+    """`gemma4-finetune --model ID` trains on the converted copy (its tokenizer too): the defaults for
+    LoRA, every weight float for --method full (which trains the PLE table and the projections). The
+    load itself is stopped: what is checked is the folder it is given."""
+    from gemma4_nnx.io import loader
+    from gemma4_nnx.train import loop
+
+    class Loaded(Exception):
+        pass
+
+    def stop(path, **kw):
+        raise Loaded(path)
+
+    monkeypatch.setattr(loader, "load_any", stop)
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"text": "hello world"}) + "\n")
+    with pytest.raises(Loaded) as e:
+        loop.main(
+            ["--model", REPO, "--data", str(train), "--out", str(tmp_path / "run"), "--method", method, "--steps", "1"]
+        )
+    assert str(e.value) == str(hub_env.models / "test-org--tiny-gemma4" / COMMIT / key)
+
+
+def test_serve_cli_loads_the_converted_copy_and_names_the_model_by_its_id(hub_env, monkeypatch):
+    """`gemma4-serve ID@REV` starts its engine on the converted copy and serves it under the id
+    without the revision (as vLLM names a model by its argument). The engine and the app are stubbed:
+    what is checked is the folder and the name they are given."""
+    from gemma4_nnx.serve import app
+
+    class Served(Exception):
+        pass
+
+    seen = {}
+
+    def engine(args):
+        seen["checkpoint"] = args.checkpoint
+        decoder = SimpleNamespace(config=SimpleNamespace(multimodal=False))
+        return SimpleNamespace(adapter_names=list, max_batch=1, max_length=8, decoder=decoder, close=lambda: None)
+
+    def create_app(engine, name, **kw):
+        raise Served(name)
+
+    monkeypatch.setattr(app, "make_engine", engine)
+    monkeypatch.setattr(app, "create_app", create_app)
+    with pytest.raises(Served, match=f"^{REPO}$"):
+        app.main([f"{REPO}@main", "--port", "0"])
+    assert seen["checkpoint"] == str(
+        hub_env.models / "test-org--tiny-gemma4" / COMMIT / "bfloat16-ple_int4-quantize_keep"
+    )
+
+
+def test_export_cli_takes_an_id_with_its_tokenizer(hub_env, tmp_path):
+    """`gemma4-export ID OUT` exports the converted copy, tokenizer files included."""
+    from gemma4_nnx.io.export import main
+
+    assert main([REPO, str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
