@@ -547,8 +547,7 @@ def load_tokenizer(ckpt_dir: str | os.PathLike):
 
 def add_load_flags(parser) -> None:
     """`--dtype`, `--kept-blocks`, `--matmul` and `--ple-host`: the `load` options of every command that loads a
-    checkpoint (`load_options` reads them back); and how a Hugging Face Hub id given as the checkpoint is
-    converted (`gemma4_nnx.io.hub.add_hub_flags`: `--model-cache`, `--quantize`, `--ple`)."""
+    checkpoint (`load_options` reads them back)."""
     from gemma4_nnx.model.layers import MATMUL_OPTIONS
 
     parser.add_argument(
@@ -577,9 +576,6 @@ def add_load_flags(parser) -> None:
         "(int8 activations in decode products, as llama.cpp)",
     )
     add_ple_host_flag(parser)
-    from gemma4_nnx.io.hub import add_hub_flags
-
-    add_hub_flags(parser)
 
 
 def add_ple_host_flag(parser) -> None:

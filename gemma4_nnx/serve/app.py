@@ -734,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gemma4_nnx.io.checkpoint import add_load_flags
 
     add_load_flags(p)
+    from gemma4_nnx.io.hub import add_hub_flags
+
+    add_hub_flags(p)  # a Hub id as the checkpoint: --model-cache, --quantize, --ple
     from gemma4_nnx.decode.compiles import add_compile_cache_flag
 
     add_compile_cache_flag(p)
