@@ -47,7 +47,10 @@ IGNORE_PATTERNS = ("*/*",)
 
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-_FIX_LOCAL = "or download the model yourself (`hf download OWNER/NAME --local-dir DIR`) and pass that folder"
+
+
+def _fix_local(repo: str) -> str:
+    return f"or download the model yourself (`hf download {repo} --local-dir DIR`) and pass that folder"
 
 
 class HubError(ValueError):
@@ -174,7 +177,7 @@ def _error(e: Exception, repo: str, revision: str | None) -> HubError | None:
             f"{repo} is gated on the Hugging Face Hub and {_token_state()}. Fix: accept its terms at "
             f"https://huggingface.co/{repo} with your account, then log in here (`hf auth login`, or "
             f"`huggingface-cli login` with older huggingface_hub) or set HF_TOKEN to a token of that account; "
-            f"{_FIX_LOCAL}"
+            f"{_fix_local(repo)}"
         )
     if isinstance(e, errors.RepositoryNotFoundError):
         return HubError(
@@ -195,7 +198,7 @@ def _error(e: Exception, repo: str, revision: str | None) -> HubError | None:
         )
         return HubError(
             f"{at}: not in the Hugging Face cache ({_hub_cache()}) and {why}. Fix: run once with network "
-            f"access (HF_HUB_OFFLINE unset) to download it, {_FIX_LOCAL}"
+            f"access (HF_HUB_OFFLINE unset) to download it, {_fix_local(repo)}"
         )
     return None
 
@@ -276,7 +279,7 @@ def _commit(repo: str, revision: str | None, root: Path) -> str:
     )
     raise HubError(
         f"{repo}@{rev}: not in the Hugging Face cache ({_hub_cache()}) nor converted in {root}, and {why}. "
-        f"Fix: run once with network access (HF_HUB_OFFLINE unset) to download it, {_FIX_LOCAL}"
+        f"Fix: run once with network access (HF_HUB_OFFLINE unset) to download it, {_fix_local(repo)}"
     )
 
 
