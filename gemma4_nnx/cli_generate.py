@@ -2,7 +2,9 @@
 
 CKPT is a converted Orbax checkpoint directory (`gemma4-convert`), an HF checkpoint directory
 (config.json + *.safetensors) or a gm checkpoint with its hf_config.json, loaded with
-`gemma4_nnx.load_any`. The tokenizer is read from the same directory (or `--tokenizer`).
+`gemma4_nnx.load_any`, or a Hugging Face Hub id (`google/gemma-4-E2B-it[@revision]`), downloaded and
+converted once into a local cache (`gemma4_nnx.io.hub`; `--quantize`, `--ple`, `--model-cache`). The
+tokenizer is read from the same directory (or `--tokenizer`).
 
 Prompts and BOS: `--prompt` text is encoded with exactly one leading <bos> (the tokenizer's BOS
 rule: prepended unless the text already starts with <bos>); `--chat` wraps the message in Gemma 4's
@@ -27,7 +29,11 @@ import time
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-generate", description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
+    p.add_argument(
+        "checkpoint",
+        help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any), or a Hugging Face Hub id "
+        "(OWNER/NAME[@REVISION]: converted once into --model-cache)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text prompt (one <bos> is prepended)")
     src.add_argument("--chat", help="a user message, formatted as a Gemma 4 chat turn")
@@ -53,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gemma4_nnx.io.checkpoint import add_load_flags
 
     add_load_flags(p)
+    from gemma4_nnx.io.hub import add_hub_flags
+
+    add_hub_flags(p)  # a Hub id as the checkpoint: --model-cache, --quantize, --ple
     from gemma4_nnx.decode.compiles import add_compile_cache_flag
 
     add_compile_cache_flag(p)
@@ -111,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from gemma4_nnx.decode.generate import enable_compilation_cache, generate_stream
     from gemma4_nnx.io.checkpoint import load_options
+    from gemma4_nnx.io.hub import checkpoint_arg
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.tokenizer import END_OF_CHANNEL, ThinkingSplitter, load_tokenizer
 
     enable_compilation_cache(args.compile_cache)
     try:
         t0 = time.perf_counter()
+        checkpoint_arg(args)  # a Hub id: its converted copy (converted on the first start)
         tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
         processor = items = None
         if args.image or args.audio or args.video:  # the files first: a bad one fails before the weights load

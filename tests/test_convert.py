@@ -23,7 +23,8 @@ import pytest
 import gemma4_nnx
 from gemma4_nnx.io import hf
 from gemma4_nnx.io.checkpoint import load
-from gemma4_nnx.io.convert import convert, main
+from gemma4_nnx.io.convert import convert
+from gemma4_nnx.io.convert_cli import main
 from gemma4_nnx.io.hf_config import read_text_config
 from tests import hf_fixtures as fx
 from tests.helpers import make_tiny_hf
@@ -307,11 +308,11 @@ def test_bad_option_value_exits_with_usage(tmp_path, capsys):
 
 
 def test_console_command_error_has_no_traceback(tmp_path):
-    """The real process: python -m gemma4_nnx.io.convert (what the `gemma4-convert` script runs)."""
+    """The real process: python -m gemma4_nnx.io.convert_cli (what the `gemma4-convert` script runs)."""
     src = make_tiny_hf(tmp_path / "src")
     os.remove(os.path.join(src, "config.json"))
     p = subprocess.run(
-        [sys.executable, "-m", "gemma4_nnx.io.convert", src, str(tmp_path / "ck")],
+        [sys.executable, "-m", "gemma4_nnx.io.convert_cli", src, str(tmp_path / "ck")],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -322,7 +323,7 @@ def test_console_command_error_has_no_traceback(tmp_path):
 
 _KILLABLE = textwrap.dedent("""
     import sys, time
-    import gemma4_nnx.io.convert
+    import gemma4_nnx.io.convert, gemma4_nnx.io.convert_cli
     conv = sys.modules["gemma4_nnx.io.convert"]  # the module (the package attribute is the function)
     real, n = conv.read_tensor, [0]
     def slow(info, rows=None):
@@ -332,7 +333,7 @@ _KILLABLE = textwrap.dedent("""
             time.sleep(600)
         return real(info, rows)
     conv.read_tensor = slow
-    conv.main(sys.argv[1:])
+    sys.modules["gemma4_nnx.io.convert_cli"].main(sys.argv[1:])
 """)
 
 

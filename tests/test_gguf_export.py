@@ -125,7 +125,7 @@ def test_keep_import_keeps_the_ple_table_as_the_file_stores_it(tmp_path, tokeniz
     `gguf`'s dequantization of the file's tensor and the logits are those of the whole file dequantized
     (`--ple none`). An explicit `--ple int4` still quantizes it."""
     from gemma4_nnx.io.checkpoint import read_metadata
-    from gemma4_nnx.io.convert import main
+    from gemma4_nnx.io.convert_cli import main
     from gemma4_nnx.io.loader import load_any
 
     src, model = _tiny(tmp_path, tokenizer_dir, hidden_size_per_layer_input=16)  # rows of 6 x 16: Q8_0 blocks
@@ -583,7 +583,7 @@ def test_assistant_q8_0_blocks_kept_exactly(tmp_path, tokenizer_dir):
     """A Q8_0 assistant GGUF through `gemma4-convert --quantize keep`: its matrices held as the file's blocks
     (each `gguf`'s dequantization exactly), drafting as the float import within float32 rounding; written
     back with `gemma4-export --format gguf --quantize keep`, every tensor is the file's, byte for byte."""
-    from gemma4_nnx.io.convert import main as convert_main
+    from gemma4_nnx.io.convert_cli import main as convert_main
     from gemma4_nnx.io.export import main as export_main
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.io.tensors import hf_tensors

@@ -258,7 +258,8 @@ def test_a_loaded_per_channel_checkpoint_is_held_for_the_dot_and_exports_its_sto
     HF export's tensors) is byte for byte what the plain product's load of the same checkpoint holds
     (that the held layout computes the plain product's logits: test_decode_step_never_makes_a_float_weight)."""
     from gemma4_nnx.io.checkpoint import load
-    from gemma4_nnx.io.convert import build_parser, convert
+    from gemma4_nnx.io.convert import convert
+    from gemma4_nnx.io.convert_cli import build_parser
     from tests.helpers import make_tiny_hf
 
     assert build_parser().parse_args(["a", "b", "--quantize", "int4", "--group", "channel"]).group == "channel"

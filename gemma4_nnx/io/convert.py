@@ -14,7 +14,6 @@ scales: 36.7 MB for E2B), not the model.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -31,7 +30,6 @@ from gemma4_nnx.config import ASSISTANT_MODEL_TYPE
 from gemma4_nnx.io import checkpoint as ck
 from gemma4_nnx.io.compressed import PackedWeight, packed_scheme, split_packed
 from gemma4_nnx.io.hf import (
-    CheckpointError,
     Entry,
     TensorInfo,
     assistant_tensors,
@@ -737,138 +735,3 @@ def _replace(tmp: str, dst: str) -> None:
     _fsync_dir(os.path.dirname(dst))
     if old:
         shutil.rmtree(old, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------- command line
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="gemma4-convert",
-        description="Convert a Hugging Face Gemma 4 checkpoint (config.json + safetensors) into a gemma4_nnx "
-        "Orbax checkpoint, with the per-layer-embedding table pre-quantized.",
-    )
-    p.add_argument(
-        "src",
-        help="HF model directory (config.json, model.safetensors or an index, tokenizer), "
-        "a Gemma 3, Gemma 4 or Gemma 4 MTP assistant .gguf file (needs the gguf package), or a checkpoint of "
-        "Google's gemma library "
-        "(see --gm-config)",
-    )
-    p.add_argument("dst", help="output checkpoint directory (must not exist unless --overwrite)")
-    p.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=None,
-        help="stored dtype of float parameters (default: float32 for a GGUF file's float tensors under "
-        "--quantize keep, as the file stores them; bfloat16 otherwise)",
-    )
-    p.add_argument(
-        "--ple",
-        choices=tuple(PLE_MODES),
-        default=None,
-        help="per-layer-embedding table storage: int4/int8 codes + float32 scale per (token, layer), "
-        "or none (float, --dtype). Default: a .gguf file under --quantize keep keeps the table as the file "
-        "stores it (its blocks or its float tensor, like every other tensor); int4 otherwise",
-    )
-    p.add_argument(
-        "--quantize",
-        choices=QUANTIZE_MODES,
-        default="keep",
-        help="projections and token embedding: keep a GGUF's own blocks (the PLE table's too, unless --ple) / "
-        "a QAT grid exactly (default), "
-        "quantize to llama.cpp's Q4_K_M mix of GGUF blocks (q4_k_m: 4-bit k-quants, 6 bits where it "
-        "matters; the 4-bit mode to pick), to int8 or int4 (group-wise symmetric), or none (float, --dtype)",
-    )
-    p.add_argument(
-        "--group",
-        type=_group_arg,
-        default=None,
-        help="columns per scale for --quantize int8/int4 (default 128 / 32), or 'channel': one scale per output "
-        "channel (the form a TPU multiplies fastest: codes straight into one integer dot)",
-    )
-    p.add_argument(
-        "--calibration",
-        default=None,
-        metavar="FILE",
-        help="with --quantize q4_k_m: a UTF-8 text the float model reads once; each projection's rounding "
-        "is weighted by the mean squared activation of its inputs (llama.cpp's importance matrix)",
-    )
-    p.add_argument(
-        "--text-only",
-        action="store_true",
-        help="drop the vision / audio towers of a multimodal checkpoint (text prompts only, less memory)",
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing gemma4_nnx checkpoint at DST")
-    p.add_argument(
-        "--gm-config",
-        default=None,
-        metavar="CONFIG",
-        help="SRC is a checkpoint of Google's gemma library (gm): the model it holds, as a preset "
-        "(e2b, e4b, 31b, 26b-a4b) or an HF config.json (default: SRC/hf_config.json, written by "
-        "gemma4-export --format gm)",
-    )
-    bar = p.add_mutually_exclusive_group()
-    bar.add_argument(
-        "--progress",
-        dest="progress",
-        action="store_true",
-        default=None,
-        help="always show the progress bar (default: when stderr is a terminal)",
-    )
-    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show it")
-    return p
-
-
-def _group_arg(text: str) -> int | str:
-    """--group: an integer, or "channel"."""
-    if text == "channel":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an even integer or 'channel', got {text!r}") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`gemma4-convert SRC DST [--dtype] [--ple] [--overwrite]`; exits non-zero with a one-paragraph
-    message (no traceback) on bad input."""
-    args = build_parser().parse_args(argv)
-    _quiet_libraries()
-    t0 = time.monotonic()
-    try:
-        out = convert(
-            args.src,
-            args.dst,
-            dtype=args.dtype,
-            ple=args.ple,
-            overwrite=args.overwrite,
-            progress=args.progress,
-            gm_config=args.gm_config,
-            quantize=args.quantize,
-            group=args.group,
-            text_only=args.text_only,
-            calibration=args.calibration,
-        )
-    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
-        _fail(str(e))
-    except OSError as e:
-        _fail(f"{e.strerror or e} ({e.filename})" if getattr(e, "filename", None) else str(e))
-    except KeyboardInterrupt:
-        print("\ngemma4-convert: interrupted; nothing was written to the destination", file=sys.stderr)
-        sys.exit(130)
-    print(f"gemma4-convert: wrote {out} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-    return 0
-
-
-def _fail(message: str) -> None:
-    print(f"gemma4-convert: error: {message}", file=sys.stderr)
-    sys.exit(1)
-
-
-def _quiet_libraries() -> None:
-    import logging
-
-    logging.getLogger("absl").setLevel(logging.ERROR)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -128,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a gemma4_nnx checkpoint (or an HF "
         "directory, e.g. with --adapters) to HF safetensors + config.json, or to Google's gemma library.",
     )
-    p.add_argument("ckpt", help="converted checkpoint directory (gemma4-convert), HF model directory or gm checkpoint")
+    p.add_argument(
+        "ckpt",
+        help="converted checkpoint directory (gemma4-convert), HF model directory or gm checkpoint, or a Hugging "
+        "Face Hub id (converted once into the cache: gemma4_nnx.io.hub)",
+    )
     p.add_argument("out", help="output directory (created)")
     p.add_argument(
         "--dtype",
@@ -164,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from gemma4_nnx.io import hub
+
+        if hub.looks_like_id(args.ckpt):  # the converted copy: its tokenizer files go with the export
+            args.ckpt = hub.resolve(args.ckpt)
         model = load_any(args.ckpt)
         if args.adapters:
             from gemma4_nnx.train.finetune import load_adapters, merge_lora

@@ -10,6 +10,10 @@ Which format a directory holds is decided by the files in it (`checkpoint_format
   `gemma4_nnx.io.gm.from_gm` with the model named by `gm_config` or the `hf_config.json` that
   `gemma4-export --format gm` writes beside it.
 
+`path` may also be a Hugging Face Hub id (`google/gemma-4-E2B-it`, `owner/name@revision`) when it is not
+an existing local path: downloaded and converted once into a local cache, which later loads read
+(`gemma4_nnx.io.hub`).
+
 The CLIs (`gemma4-generate`, `gemma4-serve`, `gemma4-export`), the speculative assistant loader and
 the demo all load through here.
 """
@@ -198,7 +202,8 @@ def checkpoint_format(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"checkpoint {path} does not exist: give a gemma4-convert output, an HF model directory or a gm checkpoint"
+            f"checkpoint {path} does not exist: give a gemma4-convert output, an HF model directory or a gm "
+            "checkpoint, or a Hugging Face Hub id (OWNER/NAME, e.g. google/gemma-4-E2B-it)"
         )
     if not os.path.isdir(path):
         hint = " (a GGUF file: convert it first with `gemma4-convert FILE DST`)" if path.endswith(".gguf") else ""
@@ -243,13 +248,17 @@ def load_any(
     kept_blocks: str = "auto",
     memory_limit: int | str | None = None,
     ple_host: bool | str | os.PathLike = False,
+    convert_options=None,
 ):
     """Load checkpoint directory `path`, whatever its format, into a `Gemma4` (a `Gemma4Assistant` for
     an MTP assistant checkpoint). The model is built abstractly and filled in place: no random
     weights, no second copy.
 
     Args:
-      path: a `gemma4-convert` output, an HF model directory or a gm checkpoint (module docstring).
+      path: a `gemma4-convert` output, an HF model directory or a gm checkpoint (module docstring), or a
+        Hugging Face Hub id (`owner/name[@revision]`, when no local path of that name exists): downloaded
+        and converted once into the cache of `gemma4_nnx.io.hub` (`$GEMMA4_MODEL_CACHE`, default
+        ~/.cache/gemma4_nnx/models), then loaded from there; the folder is printed on stderr.
       dtype: the float parameters' dtype ("bfloat16", "float32", a jnp dtype). None: as stored for a
         converted or gm checkpoint; for an HF directory the backend's (`default_dtypes`: float32 on
         CPU, bfloat16 on TPU / GPU).
@@ -278,13 +287,20 @@ def load_any(
       ple_host: for a converted checkpoint with a float PLE table, leave the table in host memory
         (a memory map of a raw copy; True: kept in the user's cache folder, a path: in that
         directory) and gather the rows each batch looks up (`gemma4_nnx.io.checkpoint.load`): the
-        same logits, the table frozen, its bytes off the device. Other formats: convert first.
+        same logits, the table frozen, its bytes off the device. Other formats: convert first. A Hub
+        id is then converted with a float PLE table (`ple="none"`) unless `convert_options` says.
+      convert_options: for a Hub id, how it is converted (`gemma4_nnx.io.convert.convert`'s `dtype`,
+        `ple`, `quantize`, `group`; default its defaults: bfloat16, int4 PLE, quantize "keep"); each
+        set of options is converted once and kept. Not accepted with a local path (convert it yourself).
 
     Raises:
       FileNotFoundError: `path` does not exist.
       ValueError (CheckpointError): `path` is of no known format (the message names what was looked
         for), holds another `kind`, or does not match its config; a bad argument (named).
+      ValueError (`gemma4_nnx.io.hub.HubError`): a Hub id that is malformed, unknown, gated without a
+        token, not cached while offline, or without safetensors weights (the message names the fix).
     """
+    from gemma4_nnx.io import hub
     from gemma4_nnx.model.quant import check_kept_blocks
 
     path = os.fspath(path)
@@ -295,6 +311,13 @@ def load_any(
         raise ValueError("mesh / sharding: give one of them (a mesh places by the declared partitioning)")
     param_dtype = ck._dtype(dtype, "dtype")
     compute = ck._dtype(compute_dtype, "compute_dtype")
+    if hub.looks_like_id(path):  # the arguments above are checked before a download
+        path = hub.resolve(path, convert_options, ple_host=bool(ple_host))
+    elif convert_options is not None:
+        raise ValueError(
+            f"convert_options: says how a Hugging Face Hub id is converted; {path} is a local path: convert it "
+            "with gemma4_nnx.io.convert.convert (gemma4-convert) and load the result, or leave convert_options out"
+        )
     fmt = checkpoint_format(path)
     default_weights, default_compute = default_dtypes()
     compute = compute or default_compute

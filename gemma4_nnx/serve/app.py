@@ -507,7 +507,11 @@ def _gil_switch(value: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gemma4-serve", description="OpenAI-compatible server for a Gemma 4 checkpoint")
-    p.add_argument("checkpoint", help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any)")
+    p.add_argument(
+        "checkpoint",
+        help="converted (Orbax), HF or gm checkpoint directory (gemma4_nnx.load_any), or a Hugging Face Hub id "
+        "(OWNER/NAME[@REVISION]: converted once into --model-cache)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -842,11 +846,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="GET /v1/models gives each LoRA adapter's directory on the server as its `root`, as vLLM does "
         "(default: null; the paths are the operator's, not every API key holder's)",
     )
-    p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
+    p.add_argument(
+        "--model-name",
+        help="the model id clients send (default: a Hub id as given, without @REVISION; else the checkpoint "
+        "directory's name)",
+    )
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model or directory (default: CKPT)")
     from gemma4_nnx.io.checkpoint import add_load_flags
 
     add_load_flags(p)
+    from gemma4_nnx.io.hub import add_hub_flags
+
+    add_hub_flags(p)  # a Hub id as the checkpoint: --model-cache, --quantize, --ple
     from gemma4_nnx.decode.compiles import add_compile_cache_flag
 
     add_compile_cache_flag(p)
@@ -1022,6 +1033,7 @@ def _kv_pool_bytes(args: argparse.Namespace, model, mesh, quiet: bool = False) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gemma4_nnx.io.hub import checkpoint_arg
     from gemma4_nnx.processor import load_processor
 
     args = build_parser().parse_args(argv)
@@ -1041,6 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_media_tokens_per_request,
         )
         _check_lora_args(args)  # before the model loads: a bad adapter is named at once
+        hub_id = checkpoint_arg(args)  # a Hub id: its converted copy (converted on the first start)
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"gemma4-serve: error: {e}", file=sys.stderr)
@@ -1048,7 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
     warning = _exposure_warning(args)
     if warning is not None:
         print(f"gemma4-serve: warning: {warning}", file=sys.stderr)
-    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    name = args.model_name or hub_id or os.path.basename(os.path.normpath(args.checkpoint))
     if name in engine.adapter_names():
         print(f"gemma4-serve: error: --lora-modules name {name!r} is the base model's name", file=sys.stderr)
         engine.close()

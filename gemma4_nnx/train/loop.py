@@ -416,7 +416,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gemma4-finetune", description="Fine-tuning (LoRA, QLoRA, full) of a Gemma 4 checkpoint."
     )
-    p.add_argument("--model", required=True, help="checkpoint directory (converted, HF or gm; with its tokenizer)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory (converted, HF or gm; with its tokenizer), or a Hugging Face Hub id "
+        "(OWNER/NAME[@REVISION]: converted once into --model-cache, with a float PLE table for --method full "
+        "or --ple-host)",
+    )
     p.add_argument("--data", required=True, nargs="+", help="training JSONL file(s)")
     p.add_argument("--eval", nargs="*", default=None, help="held-out JSONL file(s)")
     p.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, adapters/ or model/")
@@ -464,6 +470,9 @@ def _parser() -> argparse.ArgumentParser:
     from gemma4_nnx.io.checkpoint import add_ple_host_flag
 
     add_ple_host_flag(p)  # lora / qlora on one device: the PLE table stays frozen on the host
+    from gemma4_nnx.io.hub import add_hub_flags
+
+    add_hub_flags(p, conversion=False)  # a Hub id's conversion follows --method / --ple-host (`main`)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -520,12 +529,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("gemma4_nnx").setLevel(logging.INFO)
 
+    from gemma4_nnx.io.hub import checkpoint_arg
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.tokenizer import load_tokenizer
 
     checkpoints = os.path.join(args.out, "checkpoints")
     if os.path.isdir(checkpoints) and os.listdir(checkpoints) and not args.resume:
         p.error(f"--out {args.out} holds a run already; pass --resume to continue it")
+    try:  # a Hub id: its converted copy; full fine-tuning trains every weight, so all float
+        hub_id = checkpoint_arg(args, "model", {"ple": "none", "quantize": "none"} if args.method == "full" else None)
+    except ValueError as e:
+        p.error(f"--model: {e}")
     tok = load_tokenizer(args.model)
     rows = _read_rows(args.data, tok, args, "training data")
     eval_rows = _read_rows(args.eval, tok, args, "eval data") if args.eval else None
@@ -580,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         ft.save_adapters(model, os.path.join(args.out, "adapters"))
         log.info("adapters written to %s", os.path.join(args.out, "adapters"))
-    export(model, args.model, args.out, args.export)
+    export(model, args.model, args.out, args.export, base_name=hub_id)
 
 
 def _launch(p: argparse.ArgumentParser, args) -> dict[str, Any]:
@@ -621,11 +635,12 @@ def _read_rows(paths, tok, args, what: str) -> dict[str, np.ndarray]:
 EXPORTS = {"peft": "peft", "hf": "merged-hf", "gguf": "merged.gguf"}
 
 
-def export(model, base: str, out: str, kinds) -> dict[str, str]:
+def export(model, base: str, out: str, kinds, base_name: str | None = None) -> dict[str, str]:
     """Write the trained run for use elsewhere: "peft" (the adapter in HF PEFT's format: `peft`, vLLM's
     --lora-modules), "hf" (the merged model as an HF directory, with the base's tokenizer files), "gguf"
     (the merged model as a Q8_0 GGUF for llama.cpp / Ollama: `gguf_export`). `to_hf` / `to_gguf` merge
-    the adapters on the fly; `model` is unchanged."""
+    the adapters on the fly; `model` is unchanged. `base_name`: the base model as the adapter names it
+    (a Hub id; default the absolute path of `base`)."""
     from gemma4_nnx.io.export import to_hf
     from gemma4_nnx.io.gguf_export import to_gguf
     from gemma4_nnx.train.peft_io import save_peft_adapter
@@ -634,7 +649,7 @@ def export(model, base: str, out: str, kinds) -> dict[str, str]:
     for kind in kinds or ():
         path = os.path.join(out, EXPORTS[kind])
         if kind == "peft":
-            save_peft_adapter(model, path, base_model=os.path.abspath(base))
+            save_peft_adapter(model, path, base_model=base_name or os.path.abspath(base))
         elif kind == "hf":
             to_hf(model, path, copy_from=base)
         else:
