@@ -19,7 +19,8 @@ lookup, not the dispatch's. Variants:
 * `int8_tok` / `bf16_tok`: the token table's lookup.
 
 Part 2 (`--model-steps`): E2B's greedy decode step (bench/accelerator.py's) with the PLE table bf16 and int4 at
-B = 1 and 8; `--hlo DIR` writes each compiled lookup (B=1) and the int4 step's optimized HLO (gzip) to DIR.
+B = 1 and 8; `--hlo DIR` writes each compiled lookup (B=1) and the int4 step's optimized HLO (gzip) to DIR;
+`--profile DIR` a perfetto trace of 8 B=1 steps per mode (`bench/trace_ops.py` sums it per op).
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def main(argv=None):
     ap.add_argument("--step-modes", default="bf16:0,bf16:4", help="MODE:PLE_BITS,... (bench/accelerator.py's modes)")
     ap.add_argument("--variants", default="", help="the lookups' variants to time (default all; 'none': none)")
     ap.add_argument("--layers", type=int, default=0, help="the model's first N layers (a quick run)")
+    ap.add_argument("--profile", default="", help="a folder for a profile (perfetto trace) of 8 B=1 steps per mode")
     args = ap.parse_args(argv)
     cfg = Gemma4Config.e2b()
     width, group, hidden = (
@@ -228,6 +230,10 @@ def main(argv=None):
                 emit("steps", {"mode": mode, "ple_bits": ple_bits, "batch": 1, "whole_table_copies": copies})
             secs, cache = _decode(step, state, cache, tok, 64, 32)
             emit("steps", {"mode": mode, "ple_bits": ple_bits, "batch": b, "ms_per_step": round(1e3 * secs / 32, 3)})
+            if args.profile and b == 1:  # 8 more steps under the profiler: the device's time per op
+                where = os.path.join(args.profile, f"{mode}-ple{ple_bits or 16}")
+                with jax.profiler.trace(where, create_perfetto_trace=True):
+                    _, cache = _decode(step, state, cache, tok, 100, 8)
             del cache
         del model, state, step
         jax.clear_caches()
