@@ -213,9 +213,16 @@ def main(argv=None):
     from accelerator import smoke_config
 
     cfg = smoke_config(cfg, args.layers, 0 if args.vocab == 262144 else args.vocab)
+    lookup = quant.QuantizedEmbedding.__call__
     for spec in args.step_modes.split(","):
-        mode, ple_bits = spec.split(":")
+        mode, ple_bits, *how = spec.split(":")
         ple_bits = int(ple_bits) or None
+        # MODE:BITS:barrier: the looked-up rows pass an optimization barrier (made once, never re-fused per use)
+        barrier = how == ["barrier"]
+        quant.QuantizedEmbedding.__call__ = (
+            (lambda self, ids: jax.lax.optimization_barrier(lookup(self, ids))) if barrier else lookup
+        )
+        mode_name = mode + (":barrier" if barrier else "")
         graphdef, state = build(cfg, mode, ple_bits=ple_bits)
         step, _ = _programs(graphdef)
         model = nnx.merge(graphdef, state)
@@ -229,9 +236,11 @@ def main(argv=None):
                 copies = [ln.strip()[:200] for ln in text.splitlines() if " copy(" in ln and str(args.vocab) in ln]
                 emit("steps", {"mode": mode, "ple_bits": ple_bits, "batch": 1, "whole_table_copies": copies})
             secs, cache = _decode(step, state, cache, tok, 64, 32)
-            emit("steps", {"mode": mode, "ple_bits": ple_bits, "batch": b, "ms_per_step": round(1e3 * secs / 32, 3)})
+            emit(
+                "steps", {"mode": mode_name, "ple_bits": ple_bits, "batch": b, "ms_per_step": round(1e3 * secs / 32, 3)}
+            )
             if args.profile and b == 1:  # 8 more steps under the profiler: the device's time per op
-                where = os.path.join(args.profile, f"{mode}-ple{ple_bits or 16}")
+                where = os.path.join(args.profile, f"{mode}-ple{ple_bits or 16}{'-barrier' if barrier else ''}")
                 with jax.profiler.trace(where, create_perfetto_trace=True):
                     _, cache = _decode(step, state, cache, tok, 100, 8)
             del cache
