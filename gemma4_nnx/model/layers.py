@@ -18,7 +18,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from gemma4_nnx.config import RopeSpec
-from gemma4_nnx.model import cpu_kernels
+from gemma4_nnx.kernels import cpu_kernels
 
 Array = jax.Array
 
@@ -122,7 +122,7 @@ class Matmul:
     Chosen once, when the model is built or loaded (`resolve_matmul`), and stored on each projection
     (frozen and hashable: part of the graph definition, so two models with the same choice share
     compiled programs). With `cpu_kernels=True`, a bf16 kernel under float32 compute goes through
-    `gemma4_nnx.model.cpu_kernels` (reads the kernel as 2 bytes per weight instead of converting all
+    `gemma4_nnx.kernels.cpu_kernels` (reads the kernel as 2 bytes per weight instead of converting all
     of it first); every other product is XLA's.
     """
 
