@@ -2010,7 +2010,7 @@ void llama_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, cons
   // One group of rows of x (up to kRowBlock: decode steps): each block unpacked in registers where
   // the loop meets it. More groups (a 13-token prompt: 6 + 7): each weight row unpacked once for the
   // types whose unpacking costs (the 5th / 6th bits of Q5_0, Q5_K, Q6_K), not for nibbles and bytes,
-  // where the row buffer's stores and loads cost more than unpacking again (measured: docs/benchmarks.md,
+  // where the row buffer's stores and loads cost more than unpacking again (measured: docs/benchmarks-notes.md,
   // "Kernel tuning notes").
   const bool one_group = M <= kRowBlock;
   auto run = [&](auto type) {
