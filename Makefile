@@ -41,7 +41,7 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The CPU kernels' other code paths (GEMMA4_NNX_CPU_ISA, gemma4_nnx/model/cpu_kernels.py): `make test`
+# The CPU kernels' other code paths (GEMMA4_NNX_CPU_ISA, gemma4_nnx/kernels/cpu_kernels.py): `make test`
 # runs what this CPU has; this runs the kernels' tests again on the AVX2 path (where the CPU has
 # AVX-512, which that run took) and on the generic path (plain vector extensions).
 # The kernel-level tests (each kernel against a float64 / NumPy reference) and the quicker model ones run on

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from gemma4_nnx.model import cpu_kernels
+    from gemma4_nnx.kernels import cpu_kernels
 
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
     run = jax.jit(cpu_kernels.attend, static_argnums=(5, 6))

@@ -13,7 +13,7 @@ Before/after a change of our own: `--baseline-tree DIR` times gemma4_nnx from an
 transformers worker's place (`git worktree add /tmp/base REV`), same prompts, same interleaving.
 
 Ours: float32 compute; weights kept bf16 as stored (`--weights bf16`, the default: products run in
-gemma4_nnx.model.cpu_kernels, which read 2 bytes per weight) or converted to float32 up front
+gemma4_nnx.kernels.cpu_kernels, which read 2 bytes per weight) or converted to float32 up front
 (`--weights f32`: XLA's float32 dots, 4 bytes per weight). The per-layer-embedding table is only
 gathered (B rows per step) and is quantized to int4 (group 256) as `gemma4-convert` does by default
 (1.2 GB instead of 4.7 GB bf16). So the PLE rows differ from the bf16 ones by int4 rounding; every

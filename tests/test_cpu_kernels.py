@@ -1,4 +1,4 @@
-"""The CPU kernels for bfloat16 weights under float32 compute (gemma4_nnx/model/cpu_kernels.py).
+"""The CPU kernels for bfloat16 weights under float32 compute (gemma4_nnx/kernels/cpu_kernels.py).
 
 They must compute the exact products of the stored bf16 values (differences from XLA's float32 dot
 are summation order only), be what a bf16 model actually runs on one CPU device, differentiate like
@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 
 from gemma4_nnx import generate
-from gemma4_nnx.model import cpu_kernels, layers
+from gemma4_nnx.kernels import cpu_kernels
+from gemma4_nnx.model import layers
 from gemma4_nnx.model.cache import KVCache
 from tests import hf_fixtures as fx
 from tests.helpers import PROMPTS, attention_f64, random_model

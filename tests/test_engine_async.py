@@ -443,7 +443,7 @@ def test_greedy_steps_run_fused_from_the_first_after_a_precompile(model):
     """The precompile compiles the greedy sampler's fused step programs (one per row count) in place
     of its draws at the steps' shapes: a greedy request's every step is one "step" call from the
     first (no decode + draw pair while a fused program compiles on the helper thread, which starts
-    after `FUSE_AFTER` steps and is slow on an accelerator: docs/benchmarks.md), none compiled after
+    after `FUSE_AFTER` steps and is slow on an accelerator: docs/benchmarks.md, "Start-up"), none compiled after
     the precompile, and its tokens and logprobs are `generate`'s bit for bit."""
     engine = Engine(model, max_batch=4, max_length=32, precompile=(5,))
     calls: dict[str, int] = {}

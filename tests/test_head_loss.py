@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemma4_nnx.model import cpu_kernels
+from gemma4_nnx.kernels import cpu_kernels
 from gemma4_nnx.model.layers import XLA, Matmul, softcap
 from gemma4_nnx.train import finetune as ft
 from gemma4_nnx.train import head_loss as hl

@@ -13,7 +13,7 @@ import pytest
 from gemma4_nnx.decode.blocks import BlockPool, blocks_for
 from gemma4_nnx.decode.engine import Engine
 from gemma4_nnx.decode.text import FinishReason
-from gemma4_nnx.model import cpu_kernels
+from gemma4_nnx.kernels import cpu_kernels
 from gemma4_nnx.model.attention import attend
 from gemma4_nnx.model.cache import KV, paged_view
 from tests import hf_fixtures as fx

@@ -23,7 +23,8 @@ from flax import nnx
 
 from gemma4_nnx.io.checkpoint import load
 from gemma4_nnx.io.convert import convert
-from gemma4_nnx.model import cpu_kernels, layers, quant
+from gemma4_nnx.kernels import cpu_kernels
+from gemma4_nnx.model import layers, quant
 from gemma4_nnx.model.build import variables_by_path
 from tests.helpers import PROMPTS, make_tiny_hf, random_model
 

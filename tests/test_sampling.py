@@ -403,8 +403,8 @@ def test_token_logprobs_match_float64() -> None:
     got = np.asarray(jax.jit(token_logprobs)(jnp.asarray(logits), jnp.asarray(tokens)))
     ref = log_softmax64(logits)[np.arange(6), tokens]
     # CPU: float32 rounding of x - max - log(sum exp). Off the CPU, 5e-5: a TPU's float32 exp / log are
-    # approximations good to about five digits (docs/benchmarks.md, TPU; a logprob was 2.1e-5 from
-    # float64 on a v5e, past the CPU's 1e-5).
+    # approximations good to about five digits (a logprob was 2.1e-5 from float64 in a run of
+    # `make test-accelerator` on a v5e, past the CPU's 1e-5).
     atol = 1e-5 if jax.default_backend() == "cpu" else 5e-5
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=atol)
     assert got.shape == (6,) and got.dtype == np.float32

@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gemma4_nnx.model import cpu_kernels
+from gemma4_nnx.kernels import cpu_kernels
 from gemma4_nnx.train import data, loop
 from gemma4_nnx.train import finetune as ft
 from tests import hf_fixtures as fx

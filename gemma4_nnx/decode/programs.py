@@ -351,7 +351,7 @@ def _draft(k: int, m: int, a_graphdef, a_weights, graphdef, weights, cache: KVCa
         return (tok, state.astype(jnp.float32)), tok
 
     # Unrolled: as an XLA loop, a few steps ran many times slower on XLA:CPU (bf16 weights; cause
-    # not pinned down; docs/benchmarks.md, "Decode core: host costs"). k is small.
+    # not pinned down; docs/benchmarks-notes.md, "Decode core: host costs"). k is small.
     _, drafts = jax.lax.scan(body, (sub.token, sub.hidden), None, length=k, unroll=True)
     return drafts.T
 

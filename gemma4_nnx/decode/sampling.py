@@ -51,7 +51,7 @@ Cost on a 262144-token vocabulary
 
 On XLA:CPU plain temperature or min-p sampling is dominated by the random
 numbers, and top-k or top-p cost far more, because XLA:CPU implements
-``top_k`` with a sort (timings: docs/benchmarks.md, "Sampling on XLA:CPU").
+``top_k`` with a sort (timings: docs/benchmarks-notes.md, "Sampling on XLA:CPU").
 Accelerator timings have not been measured.
 
 Kept sets are expressed as a per-row *threshold* on the logit value (keep
@@ -329,7 +329,7 @@ def argmax(logits: jax.Array) -> jax.Array:
 
     XLA:CPU runs argmax as one reduction over (value, index) pairs that it does not vectorize, at
     every decode step; the two plain reductions it becomes here are vectorized and several times
-    faster (docs/benchmarks.md). Elsewhere the two forms cost about the same, and the two-reduction
+    faster (docs/benchmarks-notes.md). Elsewhere the two forms cost about the same, and the two-reduction
     form is not safe there: on a TPU v5e, greedy decoding of a bf16 model through it returned index
     ``V`` (one past the vocabulary) because no logit compared equal to their max (XLA recomputes the
     fused logits in each reduction, not always to the same bits), so off the CPU it is `jnp.argmax`, with

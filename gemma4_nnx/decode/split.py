@@ -49,7 +49,7 @@ def split_model(model) -> tuple[StaticGraph, tuple]:
     structure) and the weights as a flat tuple of arrays (`StaticGraph.merge` rebuilds the model).
     Reuses the last split of the same model while its structure is unchanged: splitting walks every
     node through nnx's general machinery (at every `generate` call), a walk of the attributes costs
-    a small fraction of that (docs/benchmarks.md, "Decode core: host costs").
+    a small fraction of that (docs/benchmarks-notes.md, "Decode core: host costs").
 
     The reuse is checked at every call: the same Modules, Variables, static attribute values and
     Variable values, by identity, in the same order; anything else (quantizing, LoRA, a new layer,

@@ -11,6 +11,9 @@
 * `pallas_attention`: decode attention over the paged KV pool on a TPU by JAX's Pallas
   `paged_attention` kernel, which reads the pool and its block table in place (`matmul="pallas"`; opt-in
   until it has run on a chip); prefill, int8 pools and several KV heads keep XLA's gathers.
-* The CPU kernels (C++ through XLA's FFI) still live in `gemma4_nnx.model.cpu_kernels` (their source
-  `cpu_kernels.cc` beside it); they may move here.
+* `cpu_kernels`: the CPU kernels (C++ through XLA's FFI; source `cpu_kernels.cc` beside it, compiled
+  on first use): products of bf16 weights and of int8 / int4 codes in float32, decode-size attention
+  over the KV cache and its writes in place (`matmul="cpu_kernels"`, "cpu_kernels_bf16",
+  "cpu_kernels_int8"; on one CPU device `matmul="auto"` takes their attention always, their products
+  for bf16 or quantized weights under float32 compute).
 """

@@ -7,8 +7,8 @@ in their stored layout (no copy or re-layout of the weight, at load or in a step
 
 Why: XLA's forms of a group-wise product (`xla_int`'s blocked contraction over groups, or dequantize then
 dot) materialize per-group partial sums or a float weight in HBM and ran at 10-17% of a TPU v5e's HBM
-bandwidth (docs/benchmarks.md). Here the same arithmetic happens in VMEM, one tile of output rows at a
-time:
+bandwidth (docs/benchmarks-notes.md, "Where int4 loses: the layout"). Here the same arithmetic happens
+in VMEM, one tile of output rows at a time:
 
 * the grid runs over tiles of `block_n` output rows ``n``; a tile's codes ``[block_n, K or K/2]`` and
   scales ``[block_n, G]`` (and mins) are one block each (the whole width K: the scales' layout puts the
@@ -37,7 +37,8 @@ Off a TPU the kernel runs only in the interpreter (`interpret=True`: tests). `ma
 (`gemma4_nnx.model.layers.resolve_matmul`) takes it for group-wise formats on a TPU while x has at most
 `MAX_ROWS` rows; everything else takes `xla_int`'s path. On a TPU v5e (bench/tpu_qdot.py, E2B's gate
 projection) both forms compiled and matched float64, faster than `xla_int`'s blocked group-wise form but
-not than bf16: the unpacking, not HBM, bounds them (figures: docs/benchmarks.md).
+not than bf16: the unpacking, not HBM, bounds them (figures: docs/benchmarks-notes.md, "The Pallas kernel
+for group-wise products").
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ MAX_ROWS = 16
 
 #: Default tile: output rows per grid step and code bytes per in-kernel chunk (bench/tpu_qdot.py sweeps;
 #: bench/accelerator.py --pallas-tile sets them for a model's products). 512 rows: among the fastest
-#: tiles on a TPU v5e (docs/benchmarks.md).
+#: tiles on a TPU v5e (docs/benchmarks-notes.md, "The Pallas kernel for group-wise products").
 BLOCK_N = 512
 CHUNK = 512
 
@@ -65,7 +66,8 @@ INTERPRET = False
 
 #: int4 codes made bf16 by bitcasts (`_kernel4`; block_n a multiple of 32, N even) rather than by
 #: integer-to-float conversions (`_kernel`, as int8's). Both are exact on a TPU v5e; the bitcast form
-#: takes several rows of x better (bench/tpu_qdot.py has both; docs/benchmarks.md).
+#: takes several rows of x better (bench/tpu_qdot.py has both; docs/benchmarks-notes.md, "The Pallas
+#: kernel for group-wise products").
 BITCAST = True
 
 

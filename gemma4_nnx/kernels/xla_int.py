@@ -29,7 +29,7 @@ without ever building W in float:
   held as a native ``jnp.int4`` (``jnp.uint4``, asymmetric) array ``[N, K]``, made on the host from the
   stored bytes (`native_int4`, ml_dtypes; XLA packs it two codes a byte on the chip) and fed straight to
   the dot: on a TPU v5e one such E2B matrix ran at 2.12x bf16 where the nibble split ran at 1.27x
-  (docs/benchmarks.md). `packed_int4` gives the stored bytes back.
+  (docs/benchmarks-notes.md, "Where int4 loses: the layout"). `packed_int4` gives the stored bytes back.
 * **Asymmetric** codes (``value = code * scale - min``: GGUF Q4_1 / Q4_K / Q5_K, decoded at load):
   ``sum_k x_k (q_k s - m) = s * (x . q) - m * sum_k x_k`` per group, so the mins need only the group
   sums of x (``[T, G] @ mins^T``).
@@ -108,7 +108,8 @@ def nibbles(codes: jax.Array, asym: bool) -> tuple[jax.Array, jax.Array]:
 #: zero rows, their outputs dropped: the same values). XLA:TPU computes a dot of one row as an elementwise
 #: product and a reduction on the vector unit, converting every code to float32 there (and, for E2B's tied
 #: int8 table, copying it to another tiling at every step: bench/tpu_int8_gap.py's HLO summary); from 8
-#: rows (a sublane tile) it runs on the matrix unit, faster (figures: docs/benchmarks.md, TPU v5e).
+#: rows (a sublane tile) it runs on the matrix unit, faster (figures: docs/benchmarks-notes.md, "Where the
+#: whole int8 model loses against its matrices" and "The tied head alone").
 MIN_DOT_ROWS = 8
 
 

@@ -4,7 +4,7 @@
 (Gemma 4's MTP drafter over the target's KV cache), `attention`
 (one module, per-layer geometry), `cache` (the KV cache pytree), `layers` (norms, RoPE, MLP,
 embeddings, the projection product chosen once per model), `moe`, `quant` (the quantized PLE
-table), `cpu_kernels` (CPU products of bf16 weights in float32).
+table). The backend kernels those products and attention call live in `gemma4_nnx.kernels`.
 """
 
 from gemma4_nnx.model.assistant import Gemma4Assistant

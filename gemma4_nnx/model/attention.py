@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
-from gemma4_nnx.kernels import pallas_attention
-from gemma4_nnx.model import cpu_kernels
+from gemma4_nnx.kernels import cpu_kernels, pallas_attention
 from gemma4_nnx.model.cache import KV, LayerCache, PagedCache, dequantized, kv_rows, paged_view
 from gemma4_nnx.model.layers import XLA, Matmul, RMSNorm, apply_rope, linear
 from gemma4_nnx.model.multimodal import VisionSpan

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_nnx.config import Gemma4Config, LayerSpec
-from gemma4_nnx.model import cpu_kernels
+from gemma4_nnx.kernels import cpu_kernels
 
 Array = jax.Array
 

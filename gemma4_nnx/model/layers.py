@@ -18,7 +18,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from gemma4_nnx.config import RopeSpec
-from gemma4_nnx.model import cpu_kernels
+from gemma4_nnx.kernels import cpu_kernels
 
 Array = jax.Array
 
@@ -122,7 +122,7 @@ class Matmul:
     Chosen once, when the model is built or loaded (`resolve_matmul`), and stored on each projection
     (frozen and hashable: part of the graph definition, so two models with the same choice share
     compiled programs). With `cpu_kernels=True`, a bf16 kernel under float32 compute goes through
-    `gemma4_nnx.model.cpu_kernels` (reads the kernel as 2 bytes per weight instead of converting all
+    `gemma4_nnx.kernels.cpu_kernels` (reads the kernel as 2 bytes per weight instead of converting all
     of it first); every other product is XLA's.
     """
 
@@ -204,8 +204,10 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     single CPU device with the kernels available, attention over the KV cache uses them too
     (`Matmul.cpu_attention`), whatever the weights' dtype.
     Off the CPU, "auto" is "xla_int", on a TPU with the Pallas paged decode attention (`TPU_AUTO`: its
-    kernel read the pool 1.2-4x faster than XLA's gathers on a v5e, docs/benchmarks.md); "pallas"'s
-    quantized product ran exactly there but was not faster than bf16, so "auto" leaves it out.
+    kernel read the pool 1.2-4x faster than XLA's gathers on a v5e: docs/benchmarks-notes.md, "Paged
+    decode attention: XLA's gathers against the Pallas kernel"); "pallas"'s quantized product ran exactly
+    there but was not faster than bf16 (the same page, "The Pallas kernel for group-wise products"), so
+    "auto" leaves it out.
     "xla": always XLA; quantized weights are dequantized to the compute dtype next to their product (the
     exact fallback). "xla_int": XLA, with quantized weights' codes fed to the dot as integers and the
     scales applied to its output (`Matmul.int_dot`, `gemma4_nnx.kernels.xla_int`). "pallas": "xla_int" with
@@ -216,8 +218,8 @@ def resolve_matmul(option: MatmulOption | Matmul, *, dtype, param_dtype, quantiz
     "cpu_kernels": the kernels for every bf16 weight, or a ValueError saying why not.
     "cpu_kernels_bf16": "cpu_kernels" whose bf16 projections multiply inputs of 8+ rows (prefill, and
     decode steps of batches of 8+) rounded to bf16 with AVX512-BF16 dot instructions
-    (`Matmul.bf16_products`: faster than float32 products there, see docs/benchmarks.md; fewer rows stay
-    float32; needs a CPU with avx512_bf16).
+    (`Matmul.bf16_products`: faster than float32 products there, docs/benchmarks-notes.md, "Kernel rates
+    behind the row thresholds"; fewer rows stay float32; needs a CPU with avx512_bf16).
     "cpu_kernels_int8": "cpu_kernels" whose code products of fewer than 24 rows (decode, short prompts)
     round their inputs to int8 per 32 columns and sum integer products, as llama.cpp does
     (`Matmul.int8_activations`): int4 codes with AVX512-VNNI (several times the float32 int4 product) or

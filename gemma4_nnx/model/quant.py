@@ -472,7 +472,7 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
     """
     f = mod.fmt
     if mod.matmul.cpu_kernels and jnp.dtype(dtype) == jnp.float32:
-        from gemma4_nnx.model import cpu_kernels
+        from gemma4_nnx.kernels import cpu_kernels
 
         return cpu_kernels.qmatmul_t(
             x.astype(dtype),

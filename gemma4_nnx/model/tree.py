@@ -48,7 +48,7 @@ def set_submodule(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
 class StaticGraph:
     """A model's GraphDef and its weights' tree structure as one jit static argument, hashed once. jit
     hashes its static arguments at every call, and hashing a full-size GraphDef is slow (two or three
-    hashes per `generate` call; docs/benchmarks.md, "Decode core: host costs").
+    hashes per `generate` call; docs/benchmarks-notes.md, "Decode core: host costs").
 
     The programs take the weights as a flat tuple of arrays (`split_model`) and rebuild the model
     inside (`merge`): jit flattens a tuple of arrays in C++, where an `nnx.State` runs a Python flatten
@@ -103,7 +103,7 @@ def walk(node, out: list, variables: list | None = None) -> None:
     """Append what `nnx.split(node)`'s GraphDef depends on: every attribute of every Module / Pytree
     (nested containers too) in attribute order, by identity; Variables also to `variables` (if given).
     A walk costs a small fraction of a split: what `decode.split.split_model` and `train_step` check
-    before reusing their last split (docs/benchmarks.md, "Decode core: host costs")."""
+    before reusing their last split (docs/benchmarks-notes.md, "Decode core: host costs")."""
     for value in vars(node).values():
         out.append(value)
         kind = _kind(value)

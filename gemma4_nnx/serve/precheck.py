@@ -3,7 +3,7 @@
 Parsing JSON, validating it and tokenizing all hold Python's GIL, so a worker *thread* does not keep
 the event loop free: before this check, an 8 MiB body held `/health` for seconds while it was parsed
 and tokenized, only to be refused in the end for exceeding the context (the figures are in
-docs/benchmarks.md, "Huge bodies"). Bodies of at least
+docs/benchmarks-notes.md, "Huge bodies"). Bodies of at least
 `PRECHECK_BYTES` therefore go first to one helper process (spawned, holding its own copy of the
 tokenizer), which parses and validates them with the same request models and tokenizes them with
 the same functions as the routes (`serving.completion_prompts`, `serving.chat_prompt`). A request
@@ -29,7 +29,7 @@ from gemma4_nnx.serve.errors import ApiError
 __all__ = ["PRECHECK_BYTES", "Precheck"]
 
 #: Bodies from this size on are checked in the helper process (smaller ones cost the event loop
-#: little even in the worst shape we found: docs/benchmarks.md, "Huge bodies").
+#: little even in the worst shape we found: docs/benchmarks-notes.md, "Huge bodies").
 PRECHECK_BYTES = 256 * 1024
 _ROUTES = {"/v1/completions": False, "/v1/chat/completions": True, "/v1/responses": "responses"}
 _tokenizer = None  # in the helper process

@@ -469,9 +469,9 @@ class _Plan:
     variables, the frozen ones and the optimizer state, reused while a walk of their attributes meets
     the same objects (`tree.walk`, values left out: every step changes them; the plan holds the
     Variables, so their ids stay theirs). Splitting and updating through nnx rebuilt a Variable per
-    leaf and sorted every node's keys at each step (docs/benchmarks.md); the step takes and returns
-    flat tuples of arrays, and its static argument (both GraphDefs and the three leaf trees) is
-    hashed once."""
+    leaf and sorted every node's keys at each step (on E2B the step's host time, cProfiled, fell from
+    0.31 to 0.027 s without them); the step takes and returns flat tuples of arrays, and its static
+    argument (both GraphDefs and the three leaf trees) is hashed once."""
 
     def __init__(self, model, optimizer, seen: list):
         graphdef, params, frozen = nnx.split(model, optimizer.wrt, ...)

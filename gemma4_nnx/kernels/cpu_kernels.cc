@@ -200,14 +200,21 @@ int64_t usable_cores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// At most one helper fewer than the cores: the calling thread (XLA's executor, not a thread of the pool,
-// which has one per core) works too. One helper per pool thread put cores + 1 busy threads on the cores,
-// and a task claimed by a thread the OS then set aside held the whole call up until it ran again (the
-// short products of a prompt or a decode step ran slower by phases, as if one core fewer helped).
+// The threads a call's tasks run on: the calling thread (XLA's executor, not a thread of the pool, which
+// has one per core) and at most one helper fewer than the cores. One helper per pool thread put cores + 1
+// busy threads on the cores, and a task claimed by a thread the OS then set aside held the whole call up
+// until it ran again (the short products of a prompt or a decode step ran slower by phases, as if one
+// core fewer helped). The one count both for `parallel_for` and for sizing tasks (`rows_per_task`, the
+// blocked products' panels per task, the column form's partial sums): planning for the pool's threads + 1
+// while fewer ran left the last round of tasks to part of the cores.
+int64_t workers(ffi::ThreadPool& pool) {
+  static const int64_t cores = usable_cores();
+  return 1 + std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), cores - 1));
+}
+
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  static const int64_t cores = usable_cores();
-  const int64_t helpers = std::min<int64_t>({pool.num_threads(), cores - 1, n - 1});
+  const int64_t helpers = std::min<int64_t>(workers(pool) - 1, n - 1);
   if (helpers <= 0) {
     for (int64_t t = 0; t < n; ++t) fn(t);
     return;
@@ -219,8 +226,6 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   tasks->run();
   while (tasks->finished.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
-
-int64_t workers(ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads() + 1); }
 
 // Whether row x[0:K] is all zeros (+0 or -0). A live row usually stops the scan at its first element.
 inline bool zero_row(const float* x, int64_t K) {
@@ -645,7 +650,8 @@ ffi::Error Cols(ffi::ThreadPool pool, Matrix x, Bf16Matrix w, Index start, Matri
       return;
     }
     // Each task streams a contiguous block of rows of w (in memory order) into its own [rows, N] partial
-    // sum; the partial sums are added at the end.
+    // sum; the partial sums are added at the end (two per worker: their count, and so the order of the
+    // sums, follows the cores, never the rows of x).
     const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(2 * workers(pool), K / 128));
     std::vector<float> part(static_cast<size_t>(nt * rows * N));
     parallel_for(pool, nt, [&](int64_t t) {
@@ -2004,7 +2010,7 @@ void llama_rows(ffi::ThreadPool& pool, const float* X, float* Y, int64_t M, cons
   // One group of rows of x (up to kRowBlock: decode steps): each block unpacked in registers where
   // the loop meets it. More groups (a 13-token prompt: 6 + 7): each weight row unpacked once for the
   // types whose unpacking costs (the 5th / 6th bits of Q5_0, Q5_K, Q6_K), not for nibbles and bytes,
-  // where the row buffer's stores and loads cost more than unpacking again (measured: docs/benchmarks.md,
+  // where the row buffer's stores and loads cost more than unpacking again (measured: docs/benchmarks-notes.md,
   // "Kernel tuning notes").
   const bool one_group = M <= kRowBlock;
   auto run = [&](auto type) {

@@ -88,7 +88,7 @@ __all__ = [
 #: decode kernels. The column-form decode kernel keeps [M, N] partial sums and falls behind the blocked
 #: product from 8 rows; the row forms (token table, int8 / int4 codes) multiply 8 rows of x per pass over
 #: the weight and stay fast up to ~24 rows. The rates behind these thresholds (1536 x 6144, 2 cores) are
-#: on the benchmarks page (docs/benchmarks.md, "Kernel rates behind the row thresholds").
+#: with the measurements behind the code (docs/benchmarks-notes.md, "Kernel rates behind the row thresholds").
 GEMM_ROWS_COLS = 8  # bf16 kernels [in, out]: `matmul`
 GEMM_ROWS_T = 24  # weights stored [out, in]: `matmul_t` (bf16 table), `qmatmul_t` (codes)
 
