@@ -118,6 +118,9 @@ class Gemma4(nnx.Module):
     `matmul` picks the product of every projection once, here ("auto": the CPU bf16 kernels where they
     pay and are available, else XLA; "xla"; "cpu_kernels"; see `layers.resolve_matmul`).
 
+    `scan_layers`: run the decoder layers as a scan over their repeating block (`gemma4_nnx.model.scan`,
+    the no-cache forward: training and scoring); `scan.unscan_layers` turns it back (the default form).
+
     The model holds weights only. A KV cache is an explicit pytree (`init_cache` returns one) passed
     in and returned: `model(ids, positions, cache=cache) -> (logits, cache)`.
     """
@@ -130,6 +133,7 @@ class Gemma4(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
         matmul: MatmulOption | Matmul = "auto",
+        scan_layers: bool = False,
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
@@ -177,8 +181,12 @@ class Gemma4(nnx.Module):
                 MultimodalEmbedder(a.output_proj_dims or a.hidden_size, d, eps=a.rms_norm_eps, **tw)
             )
         # training: True (or "full") recomputes each decoder layer's activations in the backward pass,
-        # "dots" all but its projections' outputs (`REMAT_POLICIES`)
+        # "dots" all but its projections' outputs (`REMAT_POLICIES`); a scanned model: each repeated block as one
         self.remat: bool | str = False
+        if scan_layers:
+            from gemma4_nnx.model.scan import scan_layers as scan
+
+            scan(self)
 
     # ------------------------------------------------------------------ pieces
     def per_layer_inputs(self, ids: Array, e: Array) -> Array:
@@ -300,13 +308,15 @@ class Gemma4(nnx.Module):
             key = (spec.type, spec.head_dim)
             if key not in ropes:
                 ropes[key] = rope_tables(positions, spec.rope, spec.head_dim, self.dtype)
+        if not isinstance(self.layers, nnx.List):  # `scan_layers`: a `scan.LayerStack`
+            h, select = self._scanned(h, ropes, positions, k_pos, ple, span, segment_ids, select, cache)
         published: dict[int, KV] = {}
         updated: dict[int, LayerCache | PagedCache] = {}
         # `model.remat` (training): recompute each layer's activations in the backward pass.
         call = DecoderLayer.__call__
         if self.remat:
             call = nnx.remat(call, policy=remat_policy(self.remat))
-        for layer in self.layers:
+        for layer in self.layers if isinstance(self.layers, nnx.List) else ():
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:
                 h, positions, k_pos, ple, ropes, span = _take_rows((h, positions, k_pos, ple, ropes, span), select)
@@ -334,6 +344,19 @@ class Gemma4(nnx.Module):
         h = self.norm(h)
         out = h if return_hidden else self.logits(h)
         return out if cache is None else (out, cache.with_layers(updated))
+
+    def _scanned(self, h, ropes, positions, k_pos, ple, span, segment_ids, select, cache):
+        """The layers of a scanned model (`scan.LayerStack`): (h, select still to take)."""
+        from gemma4_nnx.model.scan import Inputs
+
+        if cache is not None:
+            raise ValueError(
+                "cache: a model with scanned layers runs the no-cache forward (training, scoring); "
+                "gemma4_nnx.unscan_layers(model) gives the unrolled model that decodes"
+            )
+        inputs = Inputs(ropes, positions, k_pos, ple, span, segment_ids)
+        first = self.config.first_kv_shared_layer
+        return self.layers(h, inputs, select=select, first_shared=first, remat=self.remat)
 
     # ------------------------------------------------------------------ images and audio
     def _vision_ids(self) -> Array:
