@@ -166,7 +166,7 @@ def test_conversion_both_ways_gives_back_the_same_model():
 
 
 def test_built_scanned_and_cache_refused():
-    config = th.tiny_config(num_hidden_layers=2, layer_types=[S, S], num_kv_shared_layers=0)
+    config = th.tiny_config(num_kv_shared_layers=0)  # [S, F] x2
     model = Gemma4(config, scan_layers=True)
     assert isinstance(model.layers, LayerStack) and model.layers.parts[0].repeats == 2
     with pytest.raises(ValueError, match="unscan_layers"):
