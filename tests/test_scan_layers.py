@@ -264,3 +264,34 @@ def test_scanned_program_does_not_grow_with_depth():
     assert unrolled[1] > 1.6 * unrolled[0], unrolled
     assert scanned[1] < 1.02 * scanned[0], scanned
     assert scanned[0] < unrolled[0], (scanned, unrolled)
+
+
+# ---------------------------------------------------------------------------- gemma4-finetune
+@pytest.mark.slow
+def test_finetune_command_scan_layers_trains_like_unrolled(tmp_path):
+    """`gemma4-finetune --scan-layers` (LoRA, block remat) logs the losses of the unrolled run within the
+    float32 bound and writes its adapters, in the unrolled form (`helpers.update_error` on lora_b, which
+    starts at zero: Adam's first steps turn float32 noise in near-zero gradients into element-wise
+    differences, so the comparison is over all elements, as in test_train_loop)."""
+    import json
+
+    from gemma4_nnx.train import loop
+
+    ckpt = th.make_tiny_hf(tmp_path / "ckpt", tokenizer=True, **CASES["e2b_small"][1])
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 1)}) + "\n" for i in range(8)))
+    args = ["--model", ckpt, "--data", str(train), "--batch-size", "2", "--max-len", "16", "--lora-rank", "2"]
+    args += ["--steps", "2", "--lr", "1e-2", "--no-progress", "--compute-dtype", "float32", "--remat"]
+    losses, lora_b = {}, {}
+    for name, extra in (("unrolled", []), ("scanned", ["--scan-layers"])):
+        loop.main([*args, "--out", str(tmp_path / name), *extra])
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(x)["loss"] for x in lines]
+        lora_b[name] = {k: b for k, (_, b) in ft.read_adapters(tmp_path / name / "adapters")[1].items()}
+    np.testing.assert_allclose(losses["scanned"], losses["unrolled"], rtol=RTOL)
+    assert sorted(lora_b["scanned"]) == sorted(lora_b["unrolled"]) and "layers.7.mlp.down_proj" in lora_b["scanned"]
+    zero = {k: np.zeros_like(b) for k, b in lora_b["unrolled"].items()}
+    err = th.update_error(lora_b["scanned"], lora_b["unrolled"], zero)
+    assert err <= 3e-2, f"the adapters differ from the unrolled run's by {err:.3g} of their update"
+    with pytest.raises(SystemExit):
+        loop.main([*args, "--out", str(tmp_path / "bad"), "--scan-layers", "--fsdp"])
