@@ -24,7 +24,7 @@ run never holds both: every donor precedes every consumer).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemma4_nnx.model.cache import KV
-from gemma4_nnx.model.transformer import DecoderLayer, _take_rows, remat_policy
 
 __all__ = ["LayerStack", "Repeat", "plan_runs", "scan_layers", "unscan_layers"]
 
@@ -84,6 +83,10 @@ def plan_runs(signatures: Sequence) -> list[tuple[int, int, int]]:
     return plan_runs(signatures[:start]) + [best] + tail
 
 
+def _call(layer, *args):
+    return layer(*args)
+
+
 def _run_layer(layer, call, h, inputs: Inputs, ple: Array | None, published: dict) -> tuple[Array, KV]:
     spec = layer.spec
     shared = published[spec.kv_donor] if spec.is_consumer else None
@@ -113,7 +116,9 @@ class Repeat(nnx.Module):
                 out.append(layer)
         return out
 
-    def __call__(self, h: Array, inputs: Inputs, published: dict, remat: bool | str) -> Array:
+    def __call__(self, h: Array, inputs: Inputs, published: dict, remat: Callable | None) -> Array:
+        """The run over h [B, S, D]: one scan step a repeat (each a checkpoint when `remat`: a
+        `jax.checkpoint` with its policy); the K/V of the donors it holds added to `published`."""
         p, n = self.period, self.repeats
         b, s = h.shape[:2]
         first = self.specs[0].index
@@ -133,16 +138,14 @@ class Repeat(nnx.Module):
             weights, r, ple_r = xs
             slots = dict(slots)
             for j, layer in enumerate(nnx.merge(graphdef, weights)):
-                h, kv = _run_layer(
-                    layer, DecoderLayer.__call__, h, inputs, None if ple_r is None else ple_r[:, :, j], published
-                )
+                h, kv = _run_layer(layer, _call, h, inputs, None if ple_r is None else ple_r[:, :, j], published)
                 for d, (rd, jd) in donors.items():
                     if jd == j:  # the donor's own repeat writes its slot; the others keep it
                         slots[d] = tuple(jnp.where(r == rd, new, old) for new, old in zip((kv.k, kv.v), slots[d]))
             return (h, slots), None
 
-        if remat:  # one block per checkpoint: its layers' activations recomputed in the backward pass
-            body = jax.checkpoint(body, policy=remat_policy(remat), prevent_cse=False)
+        if remat is not None:  # one block per checkpoint: its layers' activations recomputed in the backward pass
+            body = remat(body)
         (h, slots), _ = jax.lax.scan(body, (h, slots), (state, jnp.arange(n), ple))
         published.update({d: KV(k, v, inputs.k_pos) for d, (k, v) in slots.items()})
         return h
@@ -171,30 +174,27 @@ class LayerStack(nnx.Module):
         return [x for part in self.parts for x in (part.unrolled() if isinstance(part, Repeat) else [part])]
 
     def __call__(
-        self, h: Array, inputs: Inputs, *, select: Array | None, first_shared: int, remat: bool | str
-    ) -> tuple[Array, Array | None]:
-        """The layers over h [B, S, D] (no cache); `select` [B, K] taken before the part that starts at
-        `first_shared` (`Gemma4.__call__`). Returns (h, select still to take, or None)."""
-        call = DecoderLayer.__call__
-        if remat:
-            call = nnx.remat(call, policy=remat_policy(remat))
+        self, h: Array, inputs: Inputs, *, call: Callable, remat: Callable | None, take: tuple | None = None
+    ) -> tuple[Array, bool]:
+        """The layers over h [B, S, D] (no cache): the unrolled ones through `call` (`DecoderLayer.__call__`,
+        maybe under `nnx.remat`), the runs each block under `remat` (a `jax.checkpoint`) if given. `take`
+        (index, fn): (h, inputs) = fn(h, inputs) before the part that starts at layer `index`
+        (`Gemma4.__call__`'s `select`). Returns (h, whether `take` was applied)."""
         published: dict[int, KV] = {}
+        taken = False
         for part in self.parts:
             spec = part.specs[0] if isinstance(part, Repeat) else part.spec
-            if select is not None and spec.index == first_shared:
-                h, q_pos, k_pos, ple, ropes, span = _take_rows(
-                    (h, inputs.q_pos, inputs.k_pos, inputs.ple, inputs.ropes, inputs.span), select
-                )
-                inputs, select = Inputs(ropes, q_pos, k_pos, ple, span, inputs.segments), None
+            if take is not None and spec.index == take[0]:
+                h, inputs = take[1](h, inputs)
+                taken = True
             if isinstance(part, Repeat):
                 h = part(h, inputs, published, remat)
                 continue
-            h, kv = _run_layer(
-                part, call, h, inputs, None if inputs.ple is None else inputs.ple[:, :, spec.index], published
-            )
+            ple = None if inputs.ple is None else inputs.ple[:, :, spec.index]
+            h, kv = _run_layer(part, call, h, inputs, ple, published)
             if spec.stores_kv:
                 published[spec.index] = kv
-        return h, select
+        return h, taken
 
 
 def scan_layers(model: nnx.Module) -> nnx.Module:

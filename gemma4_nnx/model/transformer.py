@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,7 @@ from gemma4_nnx.model.layers import (
 )
 from gemma4_nnx.model.moe import MoEBlock
 from gemma4_nnx.model.multimodal import MultimodalEmbedder, VisionSpan, check_counts, concrete, place, vision_span
+from gemma4_nnx.model.scan import Inputs, LayerStack
 
 Array = jax.Array
 
@@ -184,9 +187,7 @@ class Gemma4(nnx.Module):
         # "dots" all but its projections' outputs (`REMAT_POLICIES`); a scanned model: each repeated block as one
         self.remat: bool | str = False
         if scan_layers:
-            from gemma4_nnx.model.scan import scan_layers as scan
-
-            scan(self)
+            self.layers = LayerStack(self.layers)
 
     # ------------------------------------------------------------------ pieces
     def per_layer_inputs(self, ids: Array, e: Array) -> Array:
@@ -308,14 +309,14 @@ class Gemma4(nnx.Module):
             key = (spec.type, spec.head_dim)
             if key not in ropes:
                 ropes[key] = rope_tables(positions, spec.rope, spec.head_dim, self.dtype)
-        if not isinstance(self.layers, nnx.List):  # `scan_layers`: a `scan.LayerStack`
-            h, select = self._scanned(h, ropes, positions, k_pos, ple, span, segment_ids, select, cache)
         published: dict[int, KV] = {}
         updated: dict[int, LayerCache | PagedCache] = {}
         # `model.remat` (training): recompute each layer's activations in the backward pass.
         call = DecoderLayer.__call__
         if self.remat:
             call = nnx.remat(call, policy=remat_policy(self.remat))
+        if isinstance(self.layers, LayerStack):  # `scan_layers`
+            h, select = self._scanned(call, h, Inputs(ropes, positions, k_pos, ple, span, segment_ids), select, cache)
         for layer in self.layers if isinstance(self.layers, nnx.List) else ():
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:
@@ -345,18 +346,24 @@ class Gemma4(nnx.Module):
         out = h if return_hidden else self.logits(h)
         return out if cache is None else (out, cache.with_layers(updated))
 
-    def _scanned(self, h, ropes, positions, k_pos, ple, span, segment_ids, select, cache):
-        """The layers of a scanned model (`scan.LayerStack`): (h, select still to take)."""
-        from gemma4_nnx.model.scan import Inputs
-
+    def _scanned(self, call, h: Array, inputs: Inputs, select: Array | None, cache) -> tuple[Array, Array | None]:
+        """The layers of a scanned model (`scan.LayerStack`): (h, `select` if still to take)."""
         if cache is not None:
             raise ValueError(
                 "cache: a model with scanned layers runs the no-cache forward (training, scoring); "
                 "gemma4_nnx.unscan_layers(model) gives the unrolled model that decodes"
             )
-        inputs = Inputs(ropes, positions, k_pos, ple, span, segment_ids)
-        first = self.config.first_kv_shared_layer
-        return self.layers(h, inputs, select=select, first_shared=first, remat=self.remat)
+
+        def take(h, x: Inputs):  # the rows `select` keeps, before the first KV consumer
+            h, q_pos, k_pos, ple, ropes, span = _take_rows((h, x.q_pos, x.k_pos, x.ple, x.ropes, x.span), select)
+            return h, x._replace(ropes=ropes, q_pos=q_pos, k_pos=k_pos, ple=ple, span=span)
+
+        block = None  # each repeated block one checkpoint
+        if self.remat:
+            block = functools.partial(jax.checkpoint, policy=remat_policy(self.remat), prevent_cse=False)
+        at = self.config.first_kv_shared_layer
+        h, taken = self.layers(h, inputs, call=call, remat=block, take=None if select is None else (at, take))
+        return h, None if taken else select
 
     # ------------------------------------------------------------------ images and audio
     def _vision_ids(self) -> Array:
