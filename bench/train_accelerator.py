@@ -141,6 +141,10 @@ def run(a: argparse.Namespace) -> dict:
     batches = [packed_rows(config, a.seq, a.batch, seed=i) for i in range(a.steps)]
     flops = model_flops_per_token(model, config, batches[-1], a.method)  # before LoRA wraps the projections
     wrt = loop.prepare(model, a.method, rank=a.rank, base_quant="keep")
+    if a.scan_layers:  # after the wrappers, as gemma4-finetune --scan-layers does
+        from gemma4_nnx.model.scan import scan_layers
+
+        scan_layers(model)
     tc = loop.TrainConfig(steps=a.steps, lr=1e-4, batch_size=a.batch, clip_norm=1.0)
     opt = ft.make_optimizer(model, loop.make_tx(tc), wrt=wrt)
     times, losses = [], []
@@ -160,6 +164,7 @@ def run(a: argparse.Namespace) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     return {
         "model": a.model, "method": a.method, "ple": a.ple, "dtype": a.dtype, "seq": a.seq, "batch": a.batch,
+        "scan_layers": a.scan_layers,
         "remat": a.remat, "rank": a.rank, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
         "build_s": round(build_s, 1), "first_steps_s": [round(t, 2) for t in times[: len(batches) - len(timed)]],
         "step_s": round(seconds / len(timed), 4), "tokens_per_s": round(tps, 1),
@@ -245,6 +250,7 @@ def main() -> None:
         "--remat", nargs="?", const="full", choices=sorted(REMAT_POLICIES),
         help="recompute each layer in the backward pass: full (the bare flag), or dots (projections kept)",
     )  # fmt: skip
+    p.add_argument("--scan-layers", action="store_true", help="the layers as a scan over their repeating block")
     p.add_argument("--peak-tflops", type=float, default=197.0, help="the chip's peak (v5e bf16: 197)")
     p.add_argument("--check-finite", action="store_true", help="after each step, name the parameters not finite")
     p.add_argument(

@@ -21,6 +21,7 @@ from gemma4_nnx.io.loader import load_any
 from gemma4_nnx.model import Gemma4, Gemma4Assistant, KVCache
 from gemma4_nnx.model.multimodal import Media
 from gemma4_nnx.model.quant import QuantizedEmbedding
+from gemma4_nnx.model.scan import scan_layers, unscan_layers
 from gemma4_nnx.sharding import make_mesh, shard_batch, shard_cache, shard_model, sharding_for
 from gemma4_nnx.tokenizer import (
     StreamDecoder,
@@ -83,6 +84,7 @@ __all__ = [
     "merge_lora",
     "perplexity",
     "save_adapters",
+    "scan_layers",
     "shard_batch",
     "shard_cache",
     "shard_model",
@@ -91,4 +93,5 @@ __all__ = [
     "to_gm",
     "to_hf",
     "train_step",
+    "unscan_layers",
 ]

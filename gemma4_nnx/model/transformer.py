@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,7 @@ from gemma4_nnx.model.layers import (
 )
 from gemma4_nnx.model.moe import MoEBlock
 from gemma4_nnx.model.multimodal import MultimodalEmbedder, VisionSpan, check_counts, concrete, place, vision_span
+from gemma4_nnx.model.scan import Inputs, LayerStack
 
 Array = jax.Array
 
@@ -118,6 +121,9 @@ class Gemma4(nnx.Module):
     `matmul` picks the product of every projection once, here ("auto": the CPU bf16 kernels where they
     pay and are available, else XLA; "xla"; "cpu_kernels"; see `layers.resolve_matmul`).
 
+    `scan_layers`: run the decoder layers as a scan over their repeating block (`gemma4_nnx.model.scan`,
+    the no-cache forward: training and scoring); `scan.unscan_layers` turns it back (the default form).
+
     The model holds weights only. A KV cache is an explicit pytree (`init_cache` returns one) passed
     in and returned: `model(ids, positions, cache=cache) -> (logits, cache)`.
     """
@@ -130,6 +136,7 @@ class Gemma4(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
         matmul: MatmulOption | Matmul = "auto",
+        scan_layers: bool = False,
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
@@ -177,8 +184,10 @@ class Gemma4(nnx.Module):
                 MultimodalEmbedder(a.output_proj_dims or a.hidden_size, d, eps=a.rms_norm_eps, **tw)
             )
         # training: True (or "full") recomputes each decoder layer's activations in the backward pass,
-        # "dots" all but its projections' outputs (`REMAT_POLICIES`)
+        # "dots" all but its projections' outputs (`REMAT_POLICIES`); a scanned model: each repeated block as one
         self.remat: bool | str = False
+        if scan_layers:
+            self.layers = LayerStack(self.layers)
 
     # ------------------------------------------------------------------ pieces
     def per_layer_inputs(self, ids: Array, e: Array) -> Array:
@@ -306,7 +315,9 @@ class Gemma4(nnx.Module):
         call = DecoderLayer.__call__
         if self.remat:
             call = nnx.remat(call, policy=remat_policy(self.remat))
-        for layer in self.layers:
+        if isinstance(self.layers, LayerStack):  # `scan_layers`
+            h, select = self._scanned(call, h, Inputs(ropes, positions, k_pos, ple, span, segment_ids), select, cache)
+        for layer in self.layers if isinstance(self.layers, nnx.List) else ():
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:
                 h, positions, k_pos, ple, ropes, span = _take_rows((h, positions, k_pos, ple, ropes, span), select)
@@ -334,6 +345,25 @@ class Gemma4(nnx.Module):
         h = self.norm(h)
         out = h if return_hidden else self.logits(h)
         return out if cache is None else (out, cache.with_layers(updated))
+
+    def _scanned(self, call, h: Array, inputs: Inputs, select: Array | None, cache) -> tuple[Array, Array | None]:
+        """The layers of a scanned model (`scan.LayerStack`): (h, `select` if still to take)."""
+        if cache is not None:
+            raise ValueError(
+                "cache: a model with scanned layers runs the no-cache forward (training, scoring); "
+                "gemma4_nnx.unscan_layers(model) gives the unrolled model that decodes"
+            )
+
+        def take(h, x: Inputs):  # the rows `select` keeps, before the first KV consumer
+            h, q_pos, k_pos, ple, ropes, span = _take_rows((h, x.q_pos, x.k_pos, x.ple, x.ropes, x.span), select)
+            return h, x._replace(ropes=ropes, q_pos=q_pos, k_pos=k_pos, ple=ple, span=span)
+
+        block = None  # each repeated block one checkpoint
+        if self.remat:
+            block = functools.partial(jax.checkpoint, policy=remat_policy(self.remat), prevent_cse=False)
+        at = self.config.first_kv_shared_layer
+        h, taken = self.layers(h, inputs, call=call, remat=block, take=None if select is None else (at, take))
+        return h, None if taken else select
 
     # ------------------------------------------------------------------ images and audio
     def _vision_ids(self) -> Array:

@@ -176,6 +176,10 @@ def apply_lora(
     alpha = float(rank if alpha is None else alpha)
     if alpha <= 0:
         raise ValueError(f"alpha must be positive, got {alpha}")
+    from gemma4_nnx.model.scan import is_scanned
+
+    if is_scanned(model):
+        raise ValueError("model: its layers are scanned; apply LoRA first, then gemma4_nnx.scan_layers(model)")
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     chosen = projections(model, targets)
     for path, lin in chosen:

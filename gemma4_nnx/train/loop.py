@@ -467,6 +467,13 @@ def _parser() -> argparse.ArgumentParser:
         help="recompute each layer's activations in the backward pass (less memory): full (the default of the "
         "bare flag), or dots (keep the projections' outputs: less recompute, more memory)",
     )
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="compile the layers as a scan over their repeating block (gemma4_nnx.model.scan): a compile that does "
+        "not grow with depth; with --remat, each block is recomputed as one. The run's checkpoints hold the "
+        "stacked form (resume with the flag too); adapters and exports are written unrolled as always",
+    )
     from gemma4_nnx.io.checkpoint import add_ple_host_flag
 
     add_ple_host_flag(p)  # lora / qlora on one device: the PLE table stays frozen on the host
@@ -519,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     launch = _launch(p, args)
     if args.ple_host and args.method == "full":
         p.error("--ple-host keeps the PLE table frozen on the host; --method full trains it: leave --ple-host out")
+    if args.scan_layers and args.fsdp:
+        p.error("--scan-layers: the sharding table places the unrolled layers; leave out --fsdp or --scan-layers")
     if args.ple_host and (args.data_parallel or args.fsdp or args.distributed or launch):
         p.error("--ple-host: the table is read by one process for one device; leave it out of a sharded run")
     if args.distributed or launch:
@@ -564,6 +573,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         model, args.method, rank=args.lora_rank, alpha=args.lora_alpha, base_quant=args.base_quant, seed=args.seed
     )
     model.remat = args.remat or False
+    if args.scan_layers:  # after the wrappers (`prepare`): alike layers are stacked with their adapters
+        from gemma4_nnx.model.scan import scan_layers
+
+        scan_layers(model)
     loader = data.Loader(rows, args.batch_size * args.accumulate, seed=args.seed)
     mesh = None
     if args.data_parallel or args.fsdp or args.distributed or launch:
@@ -586,6 +599,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if trainer._manager.latest_step() != trainer.step:
         trainer.save(force=True)
         trainer._manager.wait_until_finished()
+    from gemma4_nnx.model.scan import unscan_layers
+
+    unscan_layers(model)  # what is written out is the unrolled model's (the name map's paths)
     if args.method == "full":
         from gemma4_nnx.io.export import to_hf
 

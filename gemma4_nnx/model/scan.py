@@ -1,0 +1,216 @@
+"""Decoder layers run as a `jax.lax.scan` over their repeating pattern (`scan_layers`).
+
+Gemma 4's layers repeat a short block (E2B: sliding x4, global, then the KV-sharing layers in the same
+pattern; E4B, 31B, 26B-A4B and Gemma 3: sliding x5, global). `scan_layers(model)` replaces
+`model.layers` by a `LayerStack`: each longest run of >= 2 repeats of a block of alike layers (same
+module structure and parameter shapes, same `LayerSpec` but for `index` and `stores_kv`) becomes one
+`Repeat`, whose block's parameters are stacked on a leading axis [R, ...] and which runs one scan step
+per repeat; the odd layers before, between and after the runs stay unrolled. The program then holds
+each block once, so its size and compile time do not grow with depth (docs/benchmarks.md, "Compile
+time: layers as a scan").
+
+`unscan_layers(model)` gives the unrolled model back, the reference form that everything else reads
+(checkpoints and the name map, LoRA / quantization wrappers, the KV cache and decoding): the two forms
+hold the same values, moved between per-layer arrays and stacked ones. Wrap first (LoRA, quantized
+projections), then scan: layers wrapped differently are not alike and stay apart.
+
+Per-layer facts inside a block come from its layers' `LayerSpec`s, which are equal across the repeats
+up to `index` and `stores_kv`. KV sharing: a donor (`stores_kv`) inside a scanned run writes its K/V
+into a slot of the scan's carry in the repeat that holds it, so the consumer layers after it read the
+K/V of the same forward, as in the unrolled loop; consumers read their donors from earlier parts (a
+run never holds both: every donor precedes every consumer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemma4_nnx.model.cache import KV
+
+__all__ = ["LayerStack", "Repeat", "plan_runs", "scan_layers", "unscan_layers"]
+
+Array = jax.Array
+
+
+class Inputs(NamedTuple):
+    """What every decoder layer of one forward reads besides the stream: RoPE tables by (type, head
+    dim), query / key positions [B, S], PLE [B, S, L, P] (or None), the vision span, packed segments."""
+
+    ropes: dict
+    q_pos: Array
+    k_pos: Array
+    ple: Array | None
+    span: Any
+    segments: Array | None
+
+
+def _signature(layer: nnx.Module) -> tuple:
+    """What two layers must share to run as the same scan step: their GraphDef with the spec's index
+    and `stores_kv` left out (wrappers, static attributes, geometry, donor) and every variable's shape
+    and dtype."""
+    spec = layer.spec
+    layer.spec = dataclasses.replace(spec, index=0, stores_kv=False)
+    try:
+        graphdef = nnx.graphdef(layer)
+    finally:
+        layer.spec = spec
+    shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(nnx.state(layer)))
+    return graphdef, shapes
+
+
+def plan_runs(signatures: Sequence) -> list[tuple[int, int, int]]:
+    """[(start, period, repeats)] covering the layers in order: the longest run of >= 2 repeats of one
+    block (fewest layers per block first, then the earliest), then the same on what is left before and
+    after it; a layer in no run is (i, 1, 1)."""
+    n, best = len(signatures), None
+    for p in range(1, n // 2 + 1):
+        for start in range(n - 2 * p + 1):
+            block, r = signatures[start : start + p], 1
+            while signatures[start + r * p : start + (r + 1) * p] == block:
+                r += 1
+            if r >= 2 and (best is None or r * p > best[1] * best[2]):
+                best = (start, p, r)
+    if best is None:
+        return [(i, 1, 1) for i in range(n)]
+    start, p, r = best
+    tail = [(s + start + p * r, q, k) for s, q, k in plan_runs(signatures[start + p * r :])]
+    return plan_runs(signatures[:start]) + [best] + tail
+
+
+def _call(layer, *args):
+    return layer(*args)
+
+
+def _run_layer(layer, call, h, inputs: Inputs, ple: Array | None, published: dict) -> tuple[Array, KV]:
+    spec = layer.spec
+    shared = published[spec.kv_donor] if spec.is_consumer else None
+    rope = inputs.ropes[(spec.type, spec.head_dim)]
+    h, kv, _ = call(layer, h, rope, inputs.q_pos, inputs.k_pos, ple, shared, None, inputs.span, inputs.segments)
+    return h, kv
+
+
+class Repeat(nnx.Module):
+    """`repeats` runs of a block of `period` alike layers: the block's layers hold every repeat's
+    parameters stacked [repeats, ...]; `specs` the `LayerSpec` of each layer covered, in order."""
+
+    def __init__(self, layers: Sequence[nnx.Module], period: int):
+        self.period, self.repeats = period, len(layers) // period
+        self.specs = tuple(layer.spec for layer in layers)
+        for j in range(period):
+            _stack_into(layers[j::period])
+        self.block = nnx.List(list(layers[:period]))
+
+    def unrolled(self) -> list[nnx.Module]:
+        """The layers covered, each with its own arrays again and its own `LayerSpec`."""
+        graphdef, state = nnx.split(self.block)
+        out = []
+        for r in range(self.repeats):
+            for j, layer in enumerate(nnx.merge(graphdef, jax.tree.map(lambda x, r=r: x[r], state))):
+                layer.spec = self.specs[r * self.period + j]
+                out.append(layer)
+        return out
+
+    def __call__(self, h: Array, inputs: Inputs, published: dict, remat: Callable | None) -> Array:
+        """The run over h [B, S, D]: one scan step a repeat (each a checkpoint when `remat`: a
+        `jax.checkpoint` with its policy); the K/V of the donors it holds added to `published`."""
+        p, n = self.period, self.repeats
+        b, s = h.shape[:2]
+        first = self.specs[0].index
+        # donor index -> (repeat, place in the block) of the donors this run holds
+        donors = {spec.index: divmod(k, p) for k, spec in enumerate(self.specs) if spec.stores_kv}
+        slots = {
+            d: (jnp.zeros((b, s, spec.num_kv_heads, spec.head_dim), h.dtype),) * 2
+            for d, spec in ((d, self.specs[r * p + j]) for d, (r, j) in donors.items())
+        }
+        ple = inputs.ple
+        if ple is not None:  # [B, S, L, P] -> [R, B, S, period, P]: each repeat's slice of the layers
+            ple = jnp.moveaxis(ple[:, :, first : first + n * p].reshape(b, s, n, p, -1), 2, 0)
+        graphdef, state = nnx.split(self.block)
+
+        def body(carry, xs):
+            h, slots = carry
+            weights, r, ple_r = xs
+            slots = dict(slots)
+            for j, layer in enumerate(nnx.merge(graphdef, weights)):
+                h, kv = _run_layer(layer, _call, h, inputs, None if ple_r is None else ple_r[:, :, j], published)
+                for d, (rd, jd) in donors.items():
+                    if jd == j:  # the donor's own repeat writes its slot; the others keep it
+                        slots[d] = tuple(jnp.where(r == rd, new, old) for new, old in zip((kv.k, kv.v), slots[d]))
+            return (h, slots), None
+
+        if remat is not None:  # one block per checkpoint: its layers' activations recomputed in the backward pass
+            body = remat(body)
+        (h, slots), _ = jax.lax.scan(body, (h, slots), (state, jnp.arange(n), ple))
+        published.update({d: KV(k, v, inputs.k_pos) for d, (k, v) in slots.items()})
+        return h
+
+
+def _stack_into(layers: Sequence[nnx.Module]) -> None:
+    """The first layer's variables hold every layer's values stacked [len(layers), ...], leaf by leaf;
+    the others' arrays are dropped as they are stacked (at most one leaf held twice)."""
+    held = [[v for _, v in nnx.iter_graph(layer) if isinstance(v, nnx.Variable)] for layer in layers]
+    for i, var in enumerate(held[0]):
+        value = jnp.stack([vs[i].get_value() for vs in held])
+        for vs in held[1:]:
+            vs[i].set_value(None)
+        var.set_value(value)
+
+
+class LayerStack(nnx.Module):
+    """A model's decoder layers as `parts`: `Repeat`s (scanned) and single `DecoderLayer`s (unrolled)."""
+
+    def __init__(self, layers: Sequence[nnx.Module]):
+        layers = list(layers)
+        runs = plan_runs([_signature(layer) for layer in layers])
+        self.parts = nnx.List([layers[a] if r == 1 else Repeat(layers[a : a + p * r], p) for a, p, r in runs])
+
+    def unrolled(self) -> list[nnx.Module]:
+        return [x for part in self.parts for x in (part.unrolled() if isinstance(part, Repeat) else [part])]
+
+    def __call__(
+        self, h: Array, inputs: Inputs, *, call: Callable, remat: Callable | None, take: tuple | None = None
+    ) -> tuple[Array, bool]:
+        """The layers over h [B, S, D] (no cache): the unrolled ones through `call` (`DecoderLayer.__call__`,
+        maybe under `nnx.remat`), the runs each block under `remat` (a `jax.checkpoint`) if given. `take`
+        (index, fn): (h, inputs) = fn(h, inputs) before the part that starts at layer `index`
+        (`Gemma4.__call__`'s `select`). Returns (h, whether `take` was applied)."""
+        published: dict[int, KV] = {}
+        taken = False
+        for part in self.parts:
+            spec = part.specs[0] if isinstance(part, Repeat) else part.spec
+            if take is not None and spec.index == take[0]:
+                h, inputs = take[1](h, inputs)
+                taken = True
+            if isinstance(part, Repeat):
+                h = part(h, inputs, published, remat)
+                continue
+            ple = None if inputs.ple is None else inputs.ple[:, :, spec.index]
+            h, kv = _run_layer(part, call, h, inputs, ple, published)
+            if spec.stores_kv:
+                published[spec.index] = kv
+        return h, taken
+
+
+def scan_layers(model: nnx.Module) -> nnx.Module:
+    """`model` (a `Gemma4`) with its decoder layers as a `LayerStack`, in place; returned. Apply LoRA
+    or quantized projections before (`unscan_layers` gives the unrolled model back)."""
+    if not isinstance(model.layers, LayerStack):
+        model.layers = LayerStack(model.layers)
+    return model
+
+
+def unscan_layers(model: nnx.Module) -> nnx.Module:
+    """`model` with its decoder layers unrolled again (one `DecoderLayer` each), in place; returned."""
+    if isinstance(model.layers, LayerStack):
+        model.layers = nnx.List(model.layers.unrolled())
+    return model
+
+
+def is_scanned(model: nnx.Module) -> bool:
+    return isinstance(getattr(model, "layers", None), LayerStack)
