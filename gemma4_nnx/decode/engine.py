@@ -940,6 +940,8 @@ class Engine:
                 self.decoder.release(slot)
             return
         self.stats.prefill_chunks += 1
+        if self.pacer is None:  # (a paced chunk counts its own, `_paced_width`) the next gap is not a step's alone
+            self._cols += len(adm.idx) * adm.chunk
         try:
             next(adm.chunks)
             return
@@ -1048,7 +1050,10 @@ class Engine:
             if req is None:  # preempted for an older row
                 continue
             lag = previous.steps if previous is not None and _holds(previous, slot, req) else 0
-            length = min(len(req.prompt) + len(req.tokens) + lag + steps - 1 + extra, self.max_length)
+            need = len(req.prompt) + len(req.tokens) + lag + extra  # a step's positions
+            if steps > 1:  # and a burst's later ones, up to the row's last (its last token is never fed)
+                need = max(need, min(need + steps - 1, len(req.prompt) + req.request.max_tokens - 1))
+            length = min(need, self.max_length)
             while not self.decoder.reserve(slot, length):
                 if self.prefix is not None and self.prefix.evict():
                     continue
