@@ -133,6 +133,7 @@ def _cases(model):
     return out
 
 
+@pytest.mark.slow
 def test_bursts_equal_generate_with_rows_joining_and_leaving(model, engine):
     """Seven requests through 2 rows of bursts of 4: they join between bursts while others run
     (staggered submits, more requests than rows) and leave mid-burst (a stop token, a stop string,
@@ -318,3 +319,17 @@ def test_decode_steps_is_checked_by_name(model, bad):
     with pytest.raises(RequestError, match="decode_steps") as e:
         Engine(model, max_batch=1, max_length=16, decode_steps=bad)
     assert e.value.param == "decode_steps"
+
+
+def test_serve_decode_steps_flag(capsys):
+    """`gemma4-serve --decode-steps`: 'auto' by default, a number of steps, or refused by name."""
+    pytest.importorskip("fastapi")
+    from gemma4_nnx.serve.app import build_parser
+
+    assert build_parser().parse_args(["ckpt"]).decode_steps == "auto"
+    assert build_parser().parse_args(["ckpt", "--decode-steps", "4"]).decode_steps == 4
+    assert build_parser().parse_args(["ckpt", "--decode-steps", "AUTO"]).decode_steps == "auto"
+    for bad in ("0", "65", "-1", "fast", "2.5"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["ckpt", "--decode-steps", bad])
+        assert "--decode-steps" in capsys.readouterr().err
