@@ -261,29 +261,29 @@ def test_a_failing_sink_or_a_slow_consumer_affects_no_other_stream(model, engine
 def test_auto_bursts_grow_from_measured_steps(model):
     """`decode_steps="auto"`: single steps until a row count's steps are measured (a fake clock here:
     1 ms a step), then bursts of `auto_steps` of them (8 at 1 ms), their program compiled on the
-    helper thread meanwhile (never on the serving thread); the output is `generate`'s."""
+    helper thread meanwhile (never on the serving thread); seeded sampled output is `generate`'s."""
     engine = Engine(model, max_batch=ROWS, max_length=LENGTH, decode_steps="auto")
     engine.decoder.fuse_after = 0  # the engine's own threshold is FUSE_AFTER steps of a sampler
     ticks = iter(range(10**6))
     engine.bursts.clock = lambda: next(ticks) * 1e-3
-    prompt = _prompt(5, seed=39)
+    prompt, kw = _prompt(5, seed=39), dict(temperature=0.8, seed=9, stop_tokens=[], **SAMPLING)
     try:
         assert engine.bursts.steps(1) == 1
-        first = engine.submit(prompt, 12, stop_tokens=[], **SAMPLING).result()[0]
+        first = engine.submit(prompt, 12, **kw).result()[0]
         assert engine.bursts.steps(1) == AUTO_MAX_STEPS
         deadline = time.time() + 300
         while engine.decoder._compiling and time.time() < deadline:
             time.sleep(0.01)
         before = _stats(engine)
         with _Calls(engine) as calls:
-            second = engine.submit(prompt, 20, stop_tokens=[], **SAMPLING).result()[0]
+            second = engine.submit(prompt, 20, **kw).result()[0]
         steps, dispatches = (a - b for a, b in zip(_stats(engine), before, strict=True))
         serving = {k: v for k, v in engine.decoder.compiles.items() if "background" not in k}
     finally:
         engine.close()
     assert (steps, dispatches) == (19, 3) and calls.get("burst") == 3, (steps, dispatches, calls)
     assert "burst" not in serving and engine.decoder.compiles.get("burst (background)") == 1
-    ref = _ref(model, prompt, 20, stop_tokens=[], **SAMPLING).tokens[0]
+    ref = _ref(model, prompt, 20, **kw).tokens[0]
     assert first == ref[:12] and second == ref
 
 
