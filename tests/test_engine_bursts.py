@@ -333,3 +333,23 @@ def test_serve_decode_steps_flag(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["ckpt", "--decode-steps", bad])
         assert "--decode-steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("decode_steps", [4, "auto", 1])
+def test_a_fixed_burst_size_precompiles_the_greedy_bursts(model, monkeypatch, decode_steps):
+    """A precompile with `decode_steps=4` compiles ahead the greedy sampler's bursts of 4 at every row
+    count a step runs (greedy requests then burst from their first step, as they take fused steps);
+    "auto" sizes bursts at run time (compiled on the helper thread then), 1 has none. (The compiles
+    themselves are left out here: what is asked of `compile_together` is checked.)"""
+    from gemma4_nnx.decode import engine as engine_module
+    from gemma4_nnx.decode.core import Decoder
+
+    asked = []
+    monkeypatch.setattr(Decoder, "compile_together", lambda self, *a, **kw: asked.append(kw["bursts"]))
+    monkeypatch.setattr(Decoder, "compile_draws", lambda self, *a, **kw: None)
+    monkeypatch.setattr(engine_module, "compile_row_keys", lambda rows: None)
+    engine = Engine(model, max_batch=ROWS, max_length=LENGTH, precompile=(5,), decode_steps=decode_steps)
+    engine.close()
+    greedy = engine._config([engine.validate([3, 4, 5], 4, stop_tokens=[])])
+    want = [(greedy, m, 4) for m in (1, 2)] if decode_steps == 4 else []
+    assert asked == [want]
