@@ -5,9 +5,10 @@
     python bench/serve_sweep.py --random e2b --uds /tmp/g4.sock --long-context   # a TPU host: no TCP
 
 Starts the server as a subprocess of this script (`--serve` mode: the same `create_app` and uvicorn as
-`gemma4-serve`, over a checkpoint or random weights: `--random e2b` makes `Gemma4Config.e2b()`'s random
-bfloat16 weights on the device leaf by leaf (bench/accelerator.py's `build`), nothing read from disk),
-twice with the same compile cache directory (a fresh one, `--compile-cache`): the first launch is
+`gemma4-serve`, with its defaults (`--decode-steps` passes its flag through), over a checkpoint or
+random weights: `--random e2b` makes `Gemma4Config.e2b()`'s random bfloat16 weights on the device
+leaf by leaf (bench/accelerator.py's `build`), nothing read from disk), twice with the same compile
+cache directory (a fresh one, `--compile-cache`): the first launch is
 **cold** (every program compiles), the second **warm** (they load from the cache). Launch to first
 token = process start to the first streamed token of one request (a prompt of the first precompiled
 length: the server's start, not the compile of a prompt bucket nobody asked it to precompile),
@@ -62,6 +63,11 @@ def _model(args):
     return nnx.merge(*accelerator.build(Gemma4Config.e2b(), "bf16")), None
 
 
+def _decode_steps(value: str) -> int | str:
+    """`--decode-steps`: 'auto' or a number (the server's `Engine` checks its range)."""
+    return value if value == "auto" else int(value)
+
+
 def _tokenizer(path):
     import gemma4_nnx
 
@@ -86,10 +92,11 @@ def serve(args) -> None:
     t0 = time.perf_counter()
     model, tok = _model(args)
     t1 = time.perf_counter()
-    # gemma4-serve's defaults: a paced prefill beside running streams (`--target-itl-ms auto`)
+    # gemma4-serve's defaults: a paced prefill beside running streams (`--target-itl-ms auto`), bursts
+    # of decode steps (`--decode-steps auto`, or as given)
     engine = Engine(
         model, tok, max_batch=args.max_batch, max_length=args.max_length, precompile=tuple(args.precompile),
-        target_itl_ms="auto",
+        target_itl_ms="auto", decode_steps=args.decode_steps,
     )  # fmt: skip
     print(f"server: model in {t1 - t0:.1f} s, engine (precompile) in {time.perf_counter() - t1:.1f} s", flush=True)
     if args.profile_engine:
@@ -202,6 +209,7 @@ def _launch(args, cache: str, target, profile: str | None = None) -> tuple[subpr
     cmd += ["--max-batch", str(args.max_batch), "--max-length", str(args.max_length), "--port", str(args.port)]
     cmd += ["--precompile", *map(str, args.precompile)]
     cmd += ["--gil-switch-ms", str(args.gil_switch_ms)] if args.gil_switch_ms else []
+    cmd += ["--decode-steps", str(args.decode_steps)]
     cmd += ["--checkpoint", args.checkpoint] if args.checkpoint else ["--random", args.random]
     if args.uds:
         cmd += ["--uds", args.uds]
@@ -256,6 +264,8 @@ def _sweep_point(target, c: int, n_in: int, n_out: int, per_client: int, vocab: 
     ttft = [times[0] - sent for sent, times in results if times]
     tpot = [(times[-1] - times[0]) / (len(times) - 1) for _, times in results if len(times) > 1]
     steps = after["gemma4_decode_steps_total"] - before["gemma4_decode_steps_total"]
+    # (a tree from before bursts has no dispatch counter: one step each)
+    dispatches = after.get("gemma4_decode_dispatches_total", 0) - before.get("gemma4_decode_dispatches_total", 0)
     host = after["gemma4_engine_host_seconds_total"] - before["gemma4_engine_host_seconds_total"]
     cpu = after["gemma4_engine_host_cpu_seconds_total"] - before["gemma4_engine_host_cpu_seconds_total"]
     tokens = sum(len(times) for _, times in results)
@@ -272,6 +282,7 @@ def _sweep_point(target, c: int, n_in: int, n_out: int, per_client: int, vocab: 
         "host_ms_per_step": 1e3 * host / max(steps, 1),
         "host_cpu_ms_per_step": 1e3 * cpu / max(steps, 1),  # the rest of host_ms: waits for the GIL or a core
         "decode_steps": int(steps),
+        "steps_per_dispatch": steps / dispatches if dispatches else 1.0,  # bursts (`--decode-steps`)
         # programs the engine compiled during the phase, by kind ("... (background)": the helper thread,
         # whose tracing shares the GIL with the serving thread): a phase beside compiles is not a clean one
         "compiles": {
@@ -299,6 +310,12 @@ def main(argv=None) -> int:
     p.add_argument("--precompile", type=int, nargs="*", default=None, help="default: the shapes' prompt lengths")
     p.add_argument("--compile-cache", help="the cache directory both launches share (default: a fresh tmp one)")
     p.add_argument("--gil-switch-ms", type=float, help="the server's (default: gemma4-serve's)")
+    p.add_argument(
+        "--decode-steps",
+        type=_decode_steps,
+        default="auto",
+        help="decode steps per dispatch, an int or 'auto' (gemma4-serve's --decode-steps; default: its default)",
+    )
     p.add_argument("--json", help="also write the figures here")
     p.add_argument(
         "--profile-engine", help="cProfile the warm server's engine thread: stats to this file, its top as FILE.txt"
@@ -343,7 +360,8 @@ def main(argv=None) -> int:
                 print(
                     f"c={c:3d} {n_in}/{n_out}: {r['output_tok_s']:8.1f} tok/s  TTFT p50/p99 {r['ttft_p50_ms']:.0f}/"
                     f"{r['ttft_p99_ms']:.0f} ms  TPOT p50/p99 {r['tpot_p50_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms  "
-                    f"host {r['host_ms_per_step']:.3f} ms/step (ran {r['host_cpu_ms_per_step']:.3f})"
+                    f"host {r['host_ms_per_step']:.3f} ms/step (ran {r['host_cpu_ms_per_step']:.3f}), "
+                    f"{r['steps_per_dispatch']:.2f} steps/dispatch"
                     + (f"  compiled meanwhile {r['compiles']}" if r["compiles"] else ""),
                     flush=True,
                 )

@@ -91,9 +91,9 @@ def pytest_collection_modifyitems(config, items):
 HEAVY_FILES = (
     "test_server.py", "test_quantized.py", "test_gemma3_real.py", "test_speculative.py", "test_train_loop.py",
     "test_notebooks.py", "test_serve_tp.py", "test_serve_dp.py", "test_finetune.py", "test_engine_async.py",
-    "test_constraints.py", "test_multi_lora.py", "test_server_multimodal.py", "test_engine_pacing.py",
-    "test_compile_cache.py", "test_parity.py", "test_sharding.py", "test_isolation.py", "test_adapter_safety.py",
-    "test_penalties.py", "test_serve_uds.py", "test_responses.py", "test_logprobs.py",
+    "test_engine_bursts.py", "test_constraints.py", "test_multi_lora.py", "test_server_multimodal.py",
+    "test_engine_pacing.py", "test_compile_cache.py", "test_parity.py", "test_sharding.py", "test_isolation.py",
+    "test_adapter_safety.py", "test_penalties.py", "test_serve_uds.py", "test_responses.py", "test_logprobs.py",
 )  # fmt: skip
 
 

@@ -159,19 +159,26 @@ def _run_one(engine, prompt, kw):
 
 
 @pytest.mark.slow
-def test_a_pool_too_small_for_all_preempts_and_equals_solo(model, solo):
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_a_pool_too_small_for_all_preempts_and_equals_solo(model, solo, decode_steps):
     """6 requests of 39-71 tokens (2-3 blocks of 32 each) on 4 rows sharing a pool of 7 blocks:
     rows run out mid-decode, the newest is preempted and recomputed from its tokens; each request's
     tokens equal its solo run (greedy and seeded sampled), logprobs within float32 rounding of a
-    prefill instead of decode steps; every block comes back."""
+    prefill instead of decode steps; every block comes back. With bursts of 4 steps (their programs
+    of 4 rows compiled ahead) too: a burst reserves its rows' blocks ahead, or takes one step when
+    the pool cannot give them, before anyone is preempted."""
     probe = Engine(model, max_batch=1, max_length=96)
     block_bytes = probe.block_bytes
     probe.close()
-    engine = Engine(model, max_batch=4, max_length=96, kv_cache_bytes=7 * block_bytes)
+    engine = Engine(model, max_batch=4, max_length=96, kv_cache_bytes=7 * block_bytes, decode_steps=decode_steps)
+    if decode_steps > 1:  # the greedy rows' and the sampled (or mixed) rows' bursts
+        cfgs = {engine._config([engine.validate(PROMPTS[0], NEW, **kw)]) for kw in _kws()[:2]}
+        engine.decoder.compile_together(bursts=[(cfg, 4, decode_steps) for cfg in cfgs], threads=2)
     try:
         assert engine.pool.blocks == 7
         got = _run(engine, _kws())
         assert engine.stats.preemptions > 0
+        assert (engine.stats.decode_dispatches < engine.stats.decode_steps) == (decode_steps > 1)
         engine.pool.check()
         assert engine.pool.used == 0
     finally:

@@ -14,7 +14,9 @@ step), one per (sampler, m); the engine's decoder (`fuse_after`) runs a step who
 not compiled as two, the decode program (one per m, whatever the sampler) and the draw, and once a
 sampler has taken `FUSE_AFTER` such steps at m its fused program compiles there (`compile_step`): a
 sampler used for a few steps only costs no compile of the whole model's step, and the serving thread
-never compiles one. Verify programs (speculative decoding) compile there ahead of time from abstract
+never compiles one. A burst (several steps in one program, `programs._burst`), one per (sampler, m,
+steps), compiles there too, queued with its sampler's fused step (`burst_ready`); meanwhile the
+engine takes single steps. Verify programs (speculative decoding) compile there ahead of time from abstract
 shapes (`compile_verify`); the engine takes plain steps meanwhile."""
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_nnx.decode.batching import pow2
-from gemma4_nnx.decode.programs import PROGRAMS, _decode_jit, _draw_jit, _prefill_jit, _step_jit, _verify_jit
+from gemma4_nnx.decode.programs import (
+    PROGRAMS,
+    _burst_jit,
+    _decode_jit,
+    _draw_jit,
+    _prefill_jit,
+    _step_jit,
+    _verify_jit,
+)
 from gemma4_nnx.decode.state import DrawConfig, Next
 
 __all__ = [
@@ -298,6 +308,8 @@ class Compiles:
         self._verifies_run: set[tuple] = set()  # (cfg, m, width) of every verify program run or compiled
         self._steps_run: set[tuple] = set()  # (cfg, stop width, m) of every fused step program run or compiled
         self.step_failures: set[tuple] = set()  # ... whose background compile raised
+        self._bursts_run: set[tuple] = set()  # (cfg, stop width, m, steps) of every burst program run or compiled
+        self.burst_failures: set[tuple] = set()  # ... whose background compile raised
         # None: a step compiles its fused program when it has not (`generate_stream`); a number (the
         # engine's): a step whose fused program has not compiled runs the decode and draw programs,
         # and after this many such steps of its (sampler, m) the fused one compiles on the helper thread
@@ -371,6 +383,26 @@ class Compiles:
         # a failure: the serving thread goes on with the decode and draw programs
         args = functools.partial(self._step_args, cfg, m)
         return self._compile_ahead("step", key, _step_jit, args, self._steps_run, self.step_failures)
+
+    def burst_ready(self, cfg: DrawConfig, m: int, steps: int, queue: bool = True) -> bool:
+        """Whether the burst program of `cfg` (`steps` decode steps of the first m rows,
+        `programs._burst`) has run or compiled. When not (and `queue`), its compile is queued on the
+        helper thread once `cfg`'s single steps at m are due their fused program (it compiled, or
+        they passed `fuse_after`: the burst compiles after it), so a sampler used for a few steps
+        compiles no burst; a failed compile is not queued again (the engine keeps single steps)."""
+        key = (cfg, self.stop_width, m, steps)
+        if key in self._bursts_run:
+            return True
+        due = self.fuse_after is None or self.step_ready(cfg, m)
+        due = due or self._apart_steps.get((cfg, self.stop_width, m), 0) > self.fuse_after
+        if queue and due and key not in self.burst_failures and not cfg.constrained:
+            args = functools.partial(self._burst_args, cfg, m, steps)
+            self._compile_ahead("burst", key, _burst_jit, args, self._bursts_run, self.burst_failures)
+        return False
+
+    def _burst_args(self, cfg: DrawConfig, m: int, steps: int, state: tuple | None = None) -> tuple:
+        """The burst program's abstract arguments (`state`: `_abstract_state()`, read here if None)."""
+        return (cfg, m, steps, *(self._abstract_state() if state is None else state))
 
     def _step_args(self, cfg: DrawConfig, m: int, state: tuple | None = None) -> tuple:
         """The fused step program's abstract arguments (`state`: `_abstract_state()`, read here if None)."""
@@ -558,11 +590,12 @@ class Compiles:
         args = jax.tree.map(_abstract, (rows, idx, nxt, start, self._mask(cfg, n, None)))
         return _draw_jit.lower(cfg, *args)
 
-    def compile_together(self, steps=(), draws=(), prefills=(), threads: int = 1, fused=()) -> None:
+    def compile_together(self, steps=(), draws=(), prefills=(), threads: int = 1, fused=(), bursts=()) -> None:
         """Compile ahead of time, `threads` at once, the decode program of each row count in `steps`,
         the draw program of each (cfg, shape) in `draws`, the indexed prefill program of each (rows,
-        chunk width) in `prefills` and the fused step program (`programs._step`) of each (cfg, m) in
-        `fused` (the engine's precompile; a first call finds them in jax's cache).
+        chunk width) in `prefills`, the fused step program (`programs._step`) of each (cfg, m) in
+        `fused` and the burst program (`programs._burst`) of each (cfg, m, steps) in `bursts` (the
+        engine's precompile; a first call finds them in jax's cache).
         Tracing and lowering run here one after another (they hold the GIL); XLA's compiles run on a
         pool of `threads`, side by side (they release it): an accelerator host's cores compile an E2B
         engine's ~30 programs together instead of one by one. The first failure raises here."""
@@ -589,6 +622,11 @@ class Compiles:
             ("step", functools.partial(_step_jit.lower, *self._step_args(cfg, m, state)), self._steps_run,
              (cfg, self.stop_width, m))
             for cfg, m in fused
+        ]  # fmt: skip
+        jobs += [
+            ("burst", functools.partial(_burst_jit.lower, *self._burst_args(cfg, m, k, state)), self._bursts_run,
+             (cfg, self.stop_width, m, k))
+            for cfg, m, k in bursts
         ]  # fmt: skip
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="gemma4-precompile") as pool:
             running = []

@@ -36,6 +36,7 @@ from gemma4_nnx.decode.compiles import Compiles, compiled_programs, verify_width
 from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.lora_bank import has_banks
 from gemma4_nnx.decode.programs import (
+    _burst_jit,
     _copy_blocks_jit,
     _decode_jit,
     _draft_jit,
@@ -54,6 +55,7 @@ from gemma4_nnx.decode.programs import (
 from gemma4_nnx.decode.requests import MAX_TOP_LOGPROBS, Request
 from gemma4_nnx.decode.split import split_model
 from gemma4_nnx.decode.state import (
+    Burst,
     DecodeState,
     DrawConfig,
     Drawn,
@@ -91,7 +93,7 @@ _SCORE_ROWS = 64
 SCORE_POSITIONS = 4096
 
 
-def _fetched(drawn: Drawn | PackedDrawn, fetch: bool) -> Drawn | PackedDrawn:
+def _fetched(drawn: Drawn | PackedDrawn, fetch: bool) -> Drawn | Burst | PackedDrawn:
     """`drawn` on the host (fetch; a `PackedDrawn` unpacked), or on the device with its copy to the
     host started (`fetch_drawn` reads it back)."""
     if not fetch:
@@ -101,8 +103,8 @@ def _fetched(drawn: Drawn | PackedDrawn, fetch: bool) -> Drawn | PackedDrawn:
     return fetch_drawn(drawn)
 
 
-def fetch_drawn(drawn: Drawn | PackedDrawn) -> Drawn:
-    """A device `Drawn` (or `PackedDrawn`) read back to the host as a `Drawn`."""
+def fetch_drawn(drawn: Drawn | PackedDrawn) -> Drawn | Burst:
+    """A device `Drawn` (or `PackedDrawn`) read back to the host as a `Drawn` (a burst's: a `Burst`)."""
     out = jax.device_get(drawn)
     return out.unpack() if isinstance(out, PackedDrawn) else out
 
@@ -447,6 +449,21 @@ class Decoder(Compiles):
             self._mask(cfg, m, mask),
         )
         self._steps_run.add(key)
+        self.state = DecodeState(cache, rows)
+        return _fetched(drawn, fetch)
+
+    def burst(self, cfg: DrawConfig, m: int, steps: int, fetch: bool = True) -> Burst | PackedDrawn:
+        """Up to `steps` decode steps of the first m rows and their draws in one program
+        (`programs._burst`: `step`'s program in a loop on the device, which stops once every one of
+        the m rows is done): one dispatch, one array read back. Returns the host `Burst`;
+        fetch=False: the device `PackedDrawn` [steps, m, C], its copy to the host started
+        (`fetch_drawn` reads it back as a `Burst`). Its program compiles here on first use; the
+        engine runs it only once `burst_ready` (compiled ahead or on the helper thread)."""
+        self._sync_table()
+        cache, rows, drawn = self._run(
+            "burst", _burst_jit, cfg, m, steps, self.graphdef, self.weights, self.state.cache, self.state.rows
+        )
+        self._bursts_run.add((cfg, self.stop_width, m, steps))
         self.state = DecodeState(cache, rows)
         return _fetched(drawn, fetch)
 

@@ -32,6 +32,15 @@ token on the host); preemption reads the step in flight back first. `EngineStats
 serving thread's time outside waits in a read-back (per decode step at `/metrics`), `host_cpu_seconds`
 the part of it the thread ran (the rest it waited for Python's lock or a core).
 
+Bursts (`decode_steps`, `decode.bursts`): a dispatch may run several decode steps of the rows in one
+program (`Decoder.burst`: the fused step in a loop on the device, each step's token fed to the next
+there, stops and `max_tokens` decided there), read back as one array, one dispatch behind like a
+step; the host then hands each row's tokens to its stream one event each, and a stop string or a
+cancel ends the row there (the burst's later tokens of that row are never shown). A dispatch takes
+one step while a prompt waits to join (it joins between two dispatches), for rows with a grammar or
+speculative drafts, while its sampler's burst program compiles on the helper thread, and when the
+block pool cannot give every row the blocks of the whole burst (before it preempts anyone).
+
 Sampling: a request with seed `s` draws from `fold_in(fold_in(key(s), 0), step)` exactly like row 0
 of `generate(..., seed=s)`, so greedy *and* seeded sampled output equal `generate` for the same prompt.
 
@@ -67,6 +76,7 @@ import numpy as np
 
 from gemma4_nnx.decode.batching import AUTO_PREFILL_CHUNK, PromptBatch, pow2, prompt_buckets, prompt_columns
 from gemma4_nnx.decode.blocks import BLOCK_SIZE, blocks_for
+from gemma4_nnx.decode.bursts import Bursts
 from gemma4_nnx.decode.compiles import FUSE_AFTER, default_compile_threads
 from gemma4_nnx.decode.core import Decoder, DrawConfig, Drawn, Scored, Verified, fetch_drawn
 from gemma4_nnx.decode.errors import RequestError
@@ -82,7 +92,7 @@ from gemma4_nnx.decode.requests import (
 )
 from gemma4_nnx.decode.sampling import TOP_K_WIDTHS, RowFeatures, RowParams, top_k_width
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
-from gemma4_nnx.decode.state import compile_row_keys
+from gemma4_nnx.decode.state import Burst, compile_row_keys
 from gemma4_nnx.decode.text import FinishReason, TextStream
 from gemma4_nnx.model.cache import token_bytes
 
@@ -152,6 +162,7 @@ class EngineStats:
     """Counters since the engine started."""
 
     decode_steps: int = 0  # shared decode steps run
+    decode_dispatches: int = 0  # decode programs dispatched (a burst runs several steps in one)
     shared_decode_steps: int = 0  # ... of which decoded more than one request
     max_rows_in_step: int = 0  # most requests decoded in one step
     rows_decoded: int = 0  # sum over steps of the requests decoded
@@ -259,6 +270,8 @@ class _InFlight:
     rows: list[tuple[int, int, EngineRequest]]
     out: Drawn
     cols: int = 0  # prompt columns prefilled between the step before and this one (`decode.pacing`)
+    steps: int = 1  # the decode steps it may run (a burst's, `Decoder.burst`: some may not run)
+    m: int = 0  # the rows it decodes (the first m)
 
     def __post_init__(self):
         self.by_slot = {slot: req for slot, _, req in self.rows}
@@ -350,6 +363,14 @@ class Engine:
       compile_threads: the precompile's programs compiled at once (XLA compiles without Python's lock;
         tracing stays one at a time). Default: the process's cores, at most 8
         (`compiles.default_compile_threads`).
+      decode_steps: decode steps one dispatch runs (a burst, `Decoder.burst`: one program, one
+        read-back; `decode.bursts`): an int in [1, 64], or "auto" (`gemma4-serve`'s default): per row
+        count, the largest power of two up to 8 whose measured steps take at most 50 ms. A dispatch
+        takes one step while a prompt waits to join, for rows with a grammar or speculative drafts,
+        while the burst program of its sampler and row count compiles on the helper thread (with a
+        precompile and a fixed number, the greedy sampler's are compiled ahead), and when the block
+        pool cannot hold the whole burst. Outputs are the same tokens (greedy and seeded, equal to
+        `generate`); a stream receives them a burst at a time. Default 1: one step per dispatch.
     """
 
     def __init__(
@@ -373,8 +394,10 @@ class Engine:
         max_lora_rank: int = 16,
         row_factor: int | None = None,
         compile_threads: int | None = None,
+        decode_steps: int | str = 1,
     ):
         check_int(max_batch, "max_batch", lo=1)
+        self.bursts = Bursts(decode_steps)
         check_int(compile_threads, "compile_threads", lo=1, optional=True)
         self.compile_threads = compile_threads or default_compile_threads()
         check_int(row_factor, "row_factor", lo=2, optional=True)
@@ -730,6 +753,7 @@ class Engine:
                 else:
                     if previous is not None:
                         self._deliver_in_flight(previous)
+                    self.bursts.pause()
                     if self.pacer is not None:
                         self.pacer.pause()
             except Exception as e:
@@ -916,6 +940,8 @@ class Engine:
                 self.decoder.release(slot)
             return
         self.stats.prefill_chunks += 1
+        if self.pacer is None:  # (a paced chunk counts its own, `_paced_width`) the next gap is not a step's alone
+            self._cols += len(adm.idx) * adm.chunk
         try:
             next(adm.chunks)
             return
@@ -1009,24 +1035,30 @@ class Engine:
                 out[j] = c.mask()
         return out
 
-    def _grow_rows(self, previous: _InFlight | None) -> _InFlight | None:
-        """Give every decoding row the blocks of the positions its next step writes, oldest request
-        first (a row in `previous`, the step in flight, is one token further than the host has seen).
-        When the pool is dry: drop prefix snapshots, then read `previous` back (a preempted row is
+    def _grow_rows(self, previous: _InFlight | None, steps: int = 1) -> tuple[_InFlight | None, int]:
+        """Give every decoding row the blocks of the positions its next `steps` steps write, oldest
+        request first (a row in `previous`, the dispatch in flight, is up to its steps further than the
+        host has seen). When the pool is dry: drop prefix snapshots, then take one step instead of a
+        burst (no row is preempted for a burst's blocks), then read `previous` back (a preempted row is
         recomputed from its tokens: all of them) and preempt the newest decoding row (its blocks go
         back; it waits at the head of the queue and is recomputed from its tokens, `fed`), down to the
         row itself; a row alone with the whole pool that still cannot grow ends ("length"). Returns
-        `previous`, or None once it was read back."""
+        (`previous`, or None once it was read back; the steps every row has the blocks of)."""
         extra = self.speculative.k if self.speculative else 0
         for slot in sorted(self._decoding(), key=self._order.__getitem__):
             req = self._slots[slot]
             if req is None:  # preempted for an older row
                 continue
-            lag = int(previous is not None and _holds(previous, slot, req))
-            length = min(len(req.prompt) + len(req.tokens) + lag + extra, self.max_length)
+            lag = previous.steps if previous is not None and _holds(previous, slot, req) else 0
+            need = len(req.prompt) + len(req.tokens) + lag + extra  # a step's positions
+            if steps > 1:  # and a burst's later ones, up to the row's last (its last token is never fed)
+                need = max(need, min(need + steps - 1, len(req.prompt) + req.request.max_tokens - 1))
+            length = min(need, self.max_length)
             while not self.decoder.reserve(slot, length):
                 if self.prefix is not None and self.prefix.evict():
                     continue
+                if steps > 1:  # the blocks some rows took for the burst, they use in their next steps
+                    return self._grow_rows(previous)
                 if previous is not None:
                     self._deliver_in_flight(previous)
                     return self._grow_rows(None)
@@ -1037,7 +1069,7 @@ class Engine:
                     self._preempt(victim)
                 if victim == slot:
                     break
-        return previous
+        return previous, steps
 
     def _vacate(self, slot: int) -> EngineRequest:
         """Take `slot`'s request off its row: the row is done on the device and its blocks go back."""
@@ -1065,24 +1097,26 @@ class Engine:
         req.emit(Event(None, req.stream.end(FinishReason.LENGTH), None, FinishReason.LENGTH))
 
     def _stepping(self, previous: _InFlight | None) -> list[int]:
-        """The decoding slots the next step decodes: all but those that end by length with the step
-        in flight (`previous`), which the host knows without reading it back."""
+        """The decoding slots the next step decodes: all but those that end by length with the
+        dispatch in flight (`previous`), which the host knows without reading it back (a row active
+        in a burst runs every one of its steps until it ends)."""
         active = self._decoding()
         if previous is None:
             return active
-        ending = {slot for slot, _, req in previous.rows if len(req.tokens) + 1 >= req.request.max_tokens}
+        ending = {slot for slot, _, req in previous.rows if len(req.tokens) + previous.steps >= req.request.max_tokens}
         return [i for i in active if i not in ending or not _holds(previous, i, self._slots[i])]
 
     def _step(self, previous: _InFlight | None) -> None:
-        """Dispatch one decode step of the decoding rows, then read back `previous` (last turn's step):
-        the device runs the new step while the host handles the previous one's tokens (async
-        scheduling: stops and max_tokens are decided on the device, so a row that ended there is a
-        done row in the new step; a row the host ends, a stop string or a cancel, is marked done
-        after it, and its extra token is never read). A step that needs the previous tokens on the
-        host first (a grammar's mask, speculative drafts from the history) reads `previous` back
-        first: synchronous."""
+        """Dispatch one decode step (or a burst of them) of the decoding rows, then read back
+        `previous` (last turn's dispatch): the device runs the new one while the host handles the
+        previous one's tokens (async scheduling: stops and max_tokens are decided on the device, so a
+        row that ended there is a done row in the new one; a row the host ends, a stop string or a
+        cancel, is marked done after it, and its extra tokens are never read). A step that needs the
+        previous tokens on the host first (a grammar's mask, speculative drafts from the history)
+        reads `previous` back first: synchronous."""
+        most = self._burst_limit()
         if self.pool is not None:
-            previous = self._grow_rows(previous)
+            previous, most = self._grow_rows(previous, most)
         active = self._stepping(previous)
         if active:
             cfg = self._step_config(active)
@@ -1099,12 +1133,9 @@ class Engine:
         m = self.decoder.row_bucket(active[-1] + 1, joining=False)
         rows = [(slot, slot, self._slots[slot]) for slot in active]
         cols, self._cols = self._cols, 0
-        n = len(active)
-        self.stats.decode_steps += 1
-        self.stats.rows_decoded += n
-        self.stats.shared_decode_steps += int(n > 1)
-        self.stats.max_rows_in_step = max(self.stats.max_rows_in_step, n)
+        self.stats.decode_dispatches += 1
         if self.drafting is not None:
+            self._count_steps([len(active)])
             histories = {i: self._slots[i].prompt + tuple(self._slots[i].tokens) for i in active}
             out, drafted, accepted = self.drafting.step(
                 self.decoder, cfg, histories, m, compile_ahead=self._precompiled
@@ -1113,22 +1144,62 @@ class Engine:
                 self.stats.verify_steps += 1
                 self.stats.drafted_tokens += drafted
                 self.stats.accepted_tokens += accepted
-            self._deliver_in_flight(_InFlight(rows, out, cols), fetched=True)
-        elif cfg.constrained:
-            out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m,
-                                    self._masks(self._slots[:m], m), fetch=False)  # fmt: skip
-            self._deliver_in_flight(_InFlight(rows, out, cols))
+            self._deliver_in_flight(_InFlight(rows, out, cols, m=m), fetched=True)
+            return
+        program = self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg
+        if cfg.constrained:
+            self._count_steps([len(active)])
+            out = self.decoder.step(program, m, self._masks(self._slots[:m], m), fetch=False)
+            self._deliver_in_flight(_InFlight(rows, out, cols, m=m))
+            return
+        steps = self._burst_steps(cfg, program, m, most)
+        if steps > 1:  # counted when read back: the steps it ran
+            out = self.decoder.burst(cfg, m, steps, fetch=False)
         else:
-            out = self.decoder.step(self.decoder.cover(cfg, (m, m != self.max_batch, False)) or cfg, m, fetch=False)
-            self._in_flight = _InFlight(rows, out, cols)
-            if not self._overlap:  # bench/engine_host.py: read back at once, as before async scheduling
-                self._in_flight = None
-                if previous is not None:
-                    self._deliver_in_flight(previous)
-                self._deliver_in_flight(_InFlight(rows, out, cols))
-            elif previous is not None:
-                self.stats.async_steps += 1
+            self._count_steps([len(active)])
+            out = self.decoder.step(program, m, fetch=False)
+        self._in_flight = _InFlight(rows, out, cols, steps, m)
+        if not self._overlap:  # bench/engine_host.py: read back at once, as before async scheduling
+            self._in_flight = None
+            if previous is not None:
                 self._deliver_in_flight(previous)
+            self._deliver_in_flight(_InFlight(rows, out, cols, steps, m))
+        elif previous is not None:
+            self.stats.async_steps += 1
+            self._deliver_in_flight(previous)
+
+    def _count_steps(self, rows_per_step: Sequence[int]) -> None:
+        """Decode steps run, with the rows each decoded."""
+        for n in rows_per_step:
+            self.stats.decode_steps += 1
+            self.stats.rows_decoded += n
+            self.stats.shared_decode_steps += int(n > 1)
+            self.stats.max_rows_in_step = max(self.stats.max_rows_in_step, n)
+
+    def _burst_limit(self) -> int:
+        """The most decode steps the next dispatch may run (`decode.bursts`): 1 with speculative
+        drafts (a row's next step needs the host) or while a prompt waits to join (it joins between
+        two dispatches: a burst would delay it), and for rows with a grammar (`_step`)."""
+        if self.bursts.most == 1 or self.drafting is not None or self._joining is not None:
+            return 1
+        if None in self._slots:  # a free row: a request that may take it waits
+            with self._cv:
+                if any(not r.waiting for r in self._pending):
+                    return 1
+        return self.bursts.most
+
+    def _burst_steps(self, cfg: DrawConfig, program: DrawConfig, m: int, most: int) -> int:
+        """The steps the next dispatch of m rows runs: the burst size (`Bursts.steps`, at most
+        `most`) once `cfg`'s own burst program of it is ready (else its compile is queued on the
+        helper thread, and meanwhile a smaller one that is ready runs, or one step); 1 while `cfg`
+        draws with another program (`program`: its superset, until its own compiles)."""
+        steps = min(most, self.bursts.steps(m))
+        if steps < 2 or program != cfg:
+            return 1
+        if self.decoder.burst_ready(cfg, m, steps):
+            return steps
+        smaller = (1 << i for i in range(steps.bit_length() - 1, 0, -1) if 1 << i < steps)
+        return next((k for k in smaller if self.decoder.burst_ready(cfg, m, k, queue=False)), 1)
 
     def _step_config(self, active: list[int]) -> DrawConfig:
         """`_config` of these slots' requests, kept while the same requests decode (it walks every
@@ -1147,13 +1218,23 @@ class Engine:
         return out
 
     def _deliver_in_flight(self, step: _InFlight, fetched: bool = False) -> None:
-        """Read a decode step back (unless `fetched`) and deliver its tokens; the pacer measures the
-        gap since the step before (`decode.pacing`)."""
-        self._deliver(step.rows, step.out if fetched else self._fetch(step.out))
-        if self.pacer is not None:  # a gap in which the serving thread compiled is no step's measure
-            compiles = sum(v for k, v in list(self.decoder.compiles.items()) if "background" not in k)
-            self.pacer.gap(step.cols, measure=compiles == self._compiles_seen)
-            self._compiles_seen = compiles
+        """Read a decode step (or burst) back (unless `fetched`) and deliver its tokens; the pacer
+        measures the gap since the step before (`decode.pacing`: single steps only), and the burst
+        size the time per step (`decode.bursts`)."""
+        out = step.out if fetched else self._fetch(step.out)
+        ran = 1
+        if isinstance(out, Burst):
+            rows = out.rows_per_step()
+            self._count_steps(rows)
+            ran = len(rows)
+        self._deliver(step.rows, out)
+        # a gap in which the serving thread compiled is no step's measure
+        compiles = sum(v for k, v in list(self.decoder.compiles.items()) if "background" not in k)
+        measure = compiles == self._compiles_seen
+        self._compiles_seen = compiles
+        self.bursts.delivered(step.m, ran, step.cols, measure)
+        if self.pacer is not None:
+            self.pacer.gap(step.cols, measure=measure and step.steps == 1)
 
     def _deliver(self, rows: Sequence[tuple[int, int, EngineRequest]], out: Drawn | Verified) -> None:
         """For each (slot, j, req): record the slot's new tokens (row j of `out`: one, or several after a
@@ -1228,12 +1309,16 @@ class Engine:
         # host time per step): its fused step programs in place of its draws at the steps' shapes, so
         # of greedy draws only the first after a prefill (`init`)
         draws = [(cfg, shape) for cfg in (greedy, *supersets) for shape in shapes if cfg != greedy or shape[2]]
+        # a fixed burst size: the greedy sampler's bursts too ("auto" sizes them from measured steps,
+        # then they compile on the helper thread)
+        bursts = [(greedy, m, self.bursts.most) for m in steps if self.bursts.most > 1 and not self.bursts.auto]
         self.decoder.compile_together(
             steps,
             draws,
             [(kb, prompt_columns(n, self.prefill_chunk)[1]) for n in lengths for kb in joining],
             threads=self.compile_threads,
             fused=[(greedy, m) for m in steps],
+            bursts=bursts,
         )
         compile_row_keys(self.decoder.rows)  # the joining requests' sampling keys (a small program per count)
         # the verify and draft programs of speculative decoding compile by running (all rows done:

@@ -1,6 +1,6 @@
 """The decode core's jitted programs: pure functions of the weights, the cache and the rows' state.
 
-Five programs do the work of both drivers (`generate` and the engine, through `core.Decoder`):
+Six programs do the work of both drivers (`generate` and the engine, through `core.Decoder`):
 
 * `prefill`: one chunk of right-padded prompts written into rows `idx` of the cache (all rows for
   `generate`; the joining rows, gathered, cleared and scattered back, for the engine); returns each
@@ -14,6 +14,9 @@ Five programs do the work of both drivers (`generate` and the engine, through `c
   joining). Program per (rows, `DrawConfig`): the static features in use, not their values.
 * `step`: `decode` of m rows and `draw` of them in one program, the engine's (and
   `generate_stream`'s) step: one dispatch per token. Program per (m, `DrawConfig`, cache shape).
+* `burst`: up to s `step`s of the first m rows in one program (a `while_loop` whose body is `step`:
+  each step's tokens fed to the next on the device), the engine's several steps per dispatch.
+  Program per (m, s, `DrawConfig`, cache shape).
 * `loop`: `generate`'s whole decode on device, a `jax.lax.while_loop` whose body is `decode` +
   `draw`. Program per (rows, output length, cache shape, `DrawConfig`).
 
@@ -122,6 +125,31 @@ def _step(cfg: DrawConfig, m: int, graphdef, weights, cache: KVCache, rows: RowS
     idx = None if m == rows.token.shape[0] else jnp.arange(m, dtype=jnp.int32)
     rows, drawn = _draw(cfg, rows, idx, nxt, None, mask)
     return cache, rows, PackedDrawn.pack(drawn)
+
+
+def _burst(cfg: DrawConfig, m: int, steps: int, graphdef, weights, cache: KVCache, rows: RowState):
+    """Up to `steps` `_step`s of the first m rows in one program (the engine's burst: one dispatch,
+    one array read back for them all). Each step is `_step` itself, so a row's tokens, keys
+    (`fold_in(row key, step)`), stop tokens, limits and penalties are those of as many single steps;
+    a row that ends mid-burst is a done row in the steps after (masked, it writes nothing), and the
+    loop stops once every one of the m rows is done. Returns (cache, rows, `PackedDrawn` [steps, m,
+    C]: step i's draws, zeros (inactive) for the steps not run). Not for constrained rows (their
+    masks come from the host at every step)."""
+    if cfg.constrained:
+        raise ValueError("a burst cannot run constrained rows: their token masks come from the host each step")
+    out = jnp.zeros((steps, m, 5 + 2 * cfg.top_logprobs), jnp.int32)
+
+    def cond(carry):
+        i, _, rows, _ = carry
+        return (i < steps) & ~jnp.all(rows.done[:m])
+
+    def body(carry):
+        i, cache, rows, out = carry
+        cache, rows, drawn = _step(cfg, m, graphdef, weights, cache, rows)
+        return i + 1, cache, rows, out.at[i].set(drawn.data)
+
+    _, cache, rows, out = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, rows, out))
+    return cache, rows, PackedDrawn(out)
 
 
 def _allowed(mask, vocab_size: int):
@@ -392,6 +420,7 @@ _encode_jit = jax.jit(_encode, static_argnums=0)
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
 _draw_jit = jax.jit(_draw_packed, static_argnums=0, donate_argnums=(1,))
 _step_jit = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+_burst_jit = jax.jit(_burst, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
 _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 5), donate_argnums=(3,))
 _verify_jit = jax.jit(_verify, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 _draft_jit = jax.jit(_draft, static_argnums=(0, 1, 2, 4))
@@ -443,6 +472,7 @@ PROGRAMS = {
     "decode": _decode_jit,
     "draw": _draw_jit,
     "step": _step_jit,
+    "burst": _burst_jit,
     "loop": _loop_jit,
     "verify": _verify_jit,
     "draft": _draft_jit,

@@ -3,9 +3,10 @@
 `RowState` (each batch row's token, position, key, step, limit, stop tokens, penalty state, sampling
 parameters, hidden state) and the KV cache together are `DecodeState`, the one typed pytree a decode
 carries; `Next` (next-token logits), `Drawn` (one draw; `PackedDrawn`, its one-array form for the
-read-back) and `Verified` (one speculative step) are what the programs (`decode.programs`) hand
-back; `DrawConfig` names a draw program's static features; `Scored` and `Snapshot` are what
-`Decoder.score` and `Decoder.snapshot` return.
+read-back, which also carries the draws of several steps: a `Burst` once read back) and `Verified`
+(one speculative step) are what the programs (`decode.programs`) hand back; `DrawConfig` names a
+draw program's static features; `Scored` and `Snapshot` are what `Decoder.score` and
+`Decoder.snapshot` return.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ from gemma4_nnx.model.cache import KVCache
 
 Array = jax.Array
 
-__all__ = ["DecodeState", "DrawConfig", "Drawn", "Next", "PackedDrawn", "RowState", "Scored", "Snapshot", "Verified"]
+__all__ = [
+    "Burst",
+    "DecodeState",
+    "DrawConfig",
+    "Drawn",
+    "Next",
+    "PackedDrawn",
+    "RowState",
+    "Scored",
+    "Snapshot",
+    "Verified",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -162,13 +174,36 @@ class Drawn:
         return [list(zip(self.top_token[j].tolist(), self.top_logprob[j].tolist(), strict=True))]
 
 
+@dataclasses.dataclass(frozen=True)
+class Burst:
+    """The draws of several decode steps run in one program (`programs._burst`), on the host: one
+    `Drawn` per step, in order. A row's tokens are those of the steps it was active in (a row that
+    ended mid-burst, or every row after the program stopped early, reads inactive), so `emitted` and
+    `alternatives` are `Drawn`'s over the whole burst."""
+
+    steps: tuple[Drawn, ...]
+
+    def emitted(self, j: int) -> list[tuple[int, float, bool, bool]]:
+        return [t for d in self.steps for t in d.emitted(j)]
+
+    def alternatives(self, j: int) -> list[list[tuple[int, float]]]:
+        return [a for d in self.steps for a in d.alternatives(j)]
+
+    def rows_per_step(self) -> list[int]:
+        """The active rows of each step that ran (a step with none did not run)."""
+        counts = [int(np.count_nonzero(d.active)) for d in self.steps]
+        return [n for n in counts if n]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedDrawn:
     """A `Drawn` as one int32 array, data [k, 5 + 2n]: token, the logprob's float32 bits, stopped,
     done, active, then the n top tokens and the n top logprobs' bits. What the fused step program
     returns (`programs._step`): the engine reads one array back per step, not seven (each array read
-    costs the host a transfer's bookkeeping); `unpack` gives the `Drawn` bit for bit."""
+    costs the host a transfer's bookkeeping); `unpack` gives the `Drawn` bit for bit. A burst of s
+    steps (`programs._burst`) returns data [s, k, 5 + 2n], one such array per step stacked, which
+    `unpack` gives as a `Burst`."""
 
     data: Array
 
@@ -184,9 +219,11 @@ class PackedDrawn:
         data = jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
         return PackedDrawn(jnp.concatenate([data, d.top_token.astype(jnp.int32), bits(d.top_logprob)], axis=1))
 
-    def unpack(self) -> Drawn:
-        """On the host (`data` a NumPy array): the `Drawn` it packs."""
+    def unpack(self) -> Drawn | Burst:
+        """On the host (`data` a NumPy array): the `Drawn` it packs (a `Burst` of several steps)."""
         a = np.asarray(self.data)
+        if a.ndim == 3:
+            return Burst(tuple(PackedDrawn(x).unpack() for x in a))
         n = (a.shape[1] - 5) // 2
         return Drawn(
             a[:, 0],

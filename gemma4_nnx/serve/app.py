@@ -476,6 +476,20 @@ def _target_itl(value: str) -> float | str | None:
     return ms
 
 
+def _decode_steps(value: str) -> int | str:
+    """`--decode-steps`: an int in [1, `bursts.MAX_DECODE_STEPS`] or 'auto'."""
+    from gemma4_nnx.decode.bursts import MAX_DECODE_STEPS
+
+    word = value.strip().lower()
+    if word == "auto":
+        return word
+    if word.isdigit() and 1 <= int(word) <= MAX_DECODE_STEPS:
+        return int(word)
+    raise argparse.ArgumentTypeError(
+        f"give decode steps per dispatch in [1, {MAX_DECODE_STEPS}] or 'auto', got {value!r}"
+    )
+
+
 #: `--gil-switch-ms`'s default: how long a Python thread may hold the GIL while another waits for it
 #: (Python's own default is 5 ms). The engine thread takes the lock back after every call into XLA; beside
 #: the event loop streaming many tokens, each of those waits took up to the whole interval, several a
@@ -550,6 +564,15 @@ def build_parser() -> argparse.ArgumentParser:
         "chunk (16 columns up to the chunk) that fits the target, at least 16 columns a step; a new prompt's "
         "first token comes later. Default 'auto': 3 times the measured decode step. 'off': one whole chunk per "
         "step (outputs exactly generate's, a running stream waits for each chunk)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=_decode_steps,
+        default="auto",
+        help="decode steps one dispatch runs on the device (a burst: one program, one read-back, the host's work "
+        "per dispatch paid once for them all; a stream receives their tokens together). Default 'auto': per batch "
+        "size, the largest power of two up to 8 whose measured steps take at most 50 ms. 1: a dispatch per step. "
+        "Rows with a grammar or speculative drafts, and dispatches while a prompt waits to join, take one step",
     )
     p.add_argument(
         "--gil-switch-ms",
@@ -974,6 +997,7 @@ def make_engine(args: argparse.Namespace) -> Engine | DataParallelEngines:
                     prefill_chunk=args.prefill_chunk,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     target_itl_ms=args.target_itl_ms,
+                    decode_steps=args.decode_steps,
                     max_score_tokens=args.max_score_tokens,
                     precompile="all" if "all" in (args.precompile or ()) else (args.precompile or None),
                     mesh=mesh,

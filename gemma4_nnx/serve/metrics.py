@@ -79,6 +79,11 @@ class _EngineCollector:
         for name, doc, value in (
             ("generation_tokens", "Tokens generated", st.tokens_generated),
             ("decode_steps", "Decode steps run (each for every active row)", st.decode_steps),
+            (
+                "decode_dispatches",
+                "Decode programs dispatched (a burst, --decode-steps, runs several steps in one)",
+                st.decode_dispatches,
+            ),
             ("decode_rows", "Sum over decode steps of the rows decoded (occupancy = this / steps)", st.rows_decoded),
             ("prefills", "Admissions (one prefill of one or more prompts)", st.prefills),
             ("prefill_rows", "Prompts prefilled", st.prefill_rows),
