@@ -235,6 +235,23 @@ def test_prefill_and_first_draw_are_one_program(models, monkeypatch):
     assert kinds == ["first", "loop"]
 
 
+def test_sampling_keys_of_a_seed_seen_before_take_no_program(models, monkeypatch):
+    """The rows' keys (`fold_in(key(seed), row)`) of a seed met before come from the host's table:
+    no program runs for them (a device round trip per call), and they are the same keys."""
+    from gemma4_nnx.decode import state
+
+    calls: list[int] = []
+    program = state._row_keys_jit
+    monkeypatch.setattr(state, "_row_keys_jit", lambda *a: (calls.append(1), program(*a))[1])
+    monkeypatch.setattr(state, "_known_keys", {})
+    kw = dict(temperature=1.0, seed=12345, stop_tokens=[])
+    first = generate(models("e2b"), PROMPTS, 4, **kw).tokens
+    assert len(calls) == 1
+    assert generate(models("e2b"), PROMPTS, 4, **kw).tokens == first and len(calls) == 1
+    want = [np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(12345), r))) for r in range(3)]
+    np.testing.assert_array_equal(state._row_keys([12345] * 3, [0, 1, 2]), np.stack(want))
+
+
 @pytest.mark.slow
 def test_logprobs_are_raw_model_log_softmax(models):
     model = models("moe")
