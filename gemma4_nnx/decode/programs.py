@@ -410,7 +410,7 @@ def _score(n_top: int, chunk: int, graphdef, weights, ids, valid, adapter=None):
 # arguments; the cache (and the rows' state) are donated.
 _prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
 _encode_jit = jax.jit(_encode, static_argnums=0)
-_first_jit = jax.jit(_first, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+_first_jit = jax.jit(_first, static_argnums=(0, 1, 2), donate_argnums=(4,))  # the rows come from the host
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
 _draw_jit = jax.jit(_draw_packed, static_argnums=0, donate_argnums=(1,))
 _step_jit = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
