@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import gemma4_nnx
-from gemma4_nnx.io import convert as cv
+from gemma4_nnx.io import convert_cli as cv
 from gemma4_nnx.io import export
 from gemma4_nnx.io import gm as G
 from gemma4_nnx.io.hf import CheckpointError, SafetensorsFile, ignored_names
