@@ -112,24 +112,58 @@ def heaviest_files_first(items):
     return [it for _, group in sorted(files.items(), key=key) for it in group]
 
 
-_FILE_SECONDS: dict[str, float] = {}
+_FILE_SECONDS: dict[str, list[float]] = {}  # file -> [wall seconds, CPU seconds]
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process (every thread) and of its children that have ended (subprocess servers)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's CPU time (setup, call, teardown) rides on its reports to the controller: wall time on
+    a shared machine says more about the neighbours than about the test."""
+    start = _cpu_seconds()
+    item.user_properties.append(("cpu_start", start))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    start = dict(item.user_properties).get("cpu_start")
+    if start is not None and call.when == "teardown":
+        report.user_properties.append(("cpu_seconds", _cpu_seconds() - start))
+        if os.environ.get("GEMMA4_NNX_TEST_TIMES"):  # a line per test as it ends, for a run cut short
+            with open(os.environ["GEMMA4_NNX_TEST_TIMES"], "a") as f:
+                f.write(f"{_cpu_seconds() - start:.2f} {item.nodeid}\n")
 
 
 def pytest_runtest_logreport(report):
-    """Per-file time (setup, call and teardown of its tests) for the summary below; under xdist the
-    controller receives every worker's reports."""
+    """Per-file wall and CPU time (setup, call and teardown of its tests) for the summary below; under
+    xdist the controller receives every worker's reports."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         name = report.nodeid.split("::")[0]
-        _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+        entry = _FILE_SECONDS.setdefault(name, [0.0, 0.0])
+        entry[0] += report.duration
+        entry[1] += dict(report.user_properties).get("cpu_seconds", 0.0) if report.when == "teardown" else 0.0
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The 25 test files that took longest (where a run's time goes; HEAVY_FILES is ordered by it)."""
+    """The 25 test files that took the most CPU time (this process's threads and the subprocesses it
+    waited for: where a run's time goes; HEAVY_FILES is ordered by it), with their wall time."""
     if _FILE_SECONDS and not os.environ.get("PYTEST_XDIST_WORKER"):
-        top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:25]
-        terminalreporter.write_sep("=", "slowest test files (seconds, setup + call + teardown)")
-        for name, seconds in top:
-            terminalreporter.write_line(f"{seconds:8.1f} {name}")
+        top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1][1])[:25]
+        terminalreporter.write_sep("=", "slowest test files (wall seconds, CPU seconds; setup + call + teardown)")
+        for name, (seconds, cpu) in top:
+            terminalreporter.write_line(f"{seconds:8.1f} {cpu:8.1f} {name}")
+        total = sum(cpu for _, cpu in _FILE_SECONDS.values())
+        terminalreporter.write_line(f"{'':8} {total:8.1f} CPU seconds in all")
 
 
 @pytest.fixture(scope="session")
