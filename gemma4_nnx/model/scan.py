@@ -95,6 +95,10 @@ def _run_layer(layer, call, h, inputs: Inputs, ple: Array | None, published: dic
     return call(layer, h, rope, inputs.q_pos, inputs.k_pos, ple, shared, cache, inputs.span, inputs.segments)
 
 
+def _stacked(trees: Sequence) -> Any:
+    return jax.tree.map(lambda *x: jnp.stack(x), *trees)
+
+
 def _with_table(c, table):
     """A layer cache as the layer takes it (`KVCache.layer`: a pool with the block table) or as the
     scan stacks it (table None: one table for every layer, not stacked)."""
@@ -196,7 +200,7 @@ class Repeat(nnx.Module):
             return self.specs[r * p + j].index
 
         owners = [j for j in range(p) if not self.specs[j].is_consumer]
-        stacked = {j: jax.tree.map(lambda *x: jnp.stack(x), *(cache.layers[index(r, j)] for r in range(n))) for j in owners}
+        stacked = {j: _stacked([cache.layers[index(r, j)] for r in range(n)]) for j in owners}
         donors = self._donors()
         donor_places = {j for _, j in donors.values()}
         graphdef, state = nnx.split(self.block)
