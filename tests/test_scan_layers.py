@@ -232,6 +232,8 @@ def test_scanned_engine_gives_unrolled_greedy_tokens(greedy_reference):
         assert [r.result()[0] for r in reqs] == want.tokens
     finally:
         engine.close()
+    with pytest.raises(ValueError, match="max_loras: LoRA adapter banks wrap the unrolled layers"):
+        Engine(scanned, max_loras=1)  # the banks' paths are the unrolled layers'
 
 
 # ---------------------------------------------------------------------------- training
