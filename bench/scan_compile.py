@@ -23,8 +23,8 @@ from flax import nnx
 
 from gemma4_nnx import Engine, generate
 from gemma4_nnx.io.hf_config import read_text_config
-from gemma4_nnx.model.cache import KVCache
 from gemma4_nnx.model.build import abstract_model
+from gemma4_nnx.model.cache import KVCache
 from gemma4_nnx.model.scan import scan_layers
 from gemma4_nnx.train import finetune as ft
 

@@ -1,6 +1,7 @@
 """Decoder layers as a scan over their repeating block (`gemma4_nnx.model.scan`) against the unrolled
-model, the reference form: forward logits, LoRA and full fine-tuning gradients and steps, the
-conversion both ways, and a program whose size does not grow with depth.
+model, the reference form: forward logits, decoding through a KV cache (the cached forward, `generate`,
+the `Engine`), LoRA and full fine-tuning gradients and steps, the conversion both ways, and a program
+whose size does not grow with depth.
 
 The bound. The scanned and the unrolled forms run the same float32 operations in the same order per
 layer, but XLA compiles them as different programs (a loop body with its weights sliced out of stacked
@@ -12,6 +13,9 @@ bound is float32 rounding, not an approximation: `RTOL` = 2e-5 of the largest lo
 float32 ulps of it). Gradients take the softmax of the logits, whose relative error is the logits'
 absolute error, up to 2e-5 * 30 (the softcap) = 6e-4: `GRAD_RTOL` of the largest gradient compared
 (measured: up to 4e-5; the unrolled model with and without remat, two programs that fuse alike, 1e-6).
+Decoding takes the same bound: prefill and decode logits through the cache (measured: 5e-7 of the largest
+logit, E2B-like, k_eq_v, MoE and Gemma 3, dense and paged caches), logprobs within `RTOL` * 30 (a
+log-softmax moves by the logits' absolute error), greedy tokens equal (no near-tie on these models).
 A wrong layer's weights, `layer_scalar`, PLE slice or donor K/V moves the
 values by orders of magnitude more (checked below: the scanned form of a model whose layer 1 is
 changed is far outside the bound).
