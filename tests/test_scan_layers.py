@@ -189,29 +189,30 @@ def _cached_logits(model, ids, chunk: int, cache) -> np.ndarray:
     return np.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8])
-def test_scanned_cached_forward_equals_unrolled(cache_dtype):
+def test_scanned_cached_forward_equals_unrolled():
     """Prefill (a ring read as [ring ; chunk]) and decode steps (rings written in place: the CPU kernels)
-    through a dense cache (`Gemma4.init_cache`; int8: codes and scales stacked alike), E2B-like: the
-    donors 2 and 3, whose K/V the consumers 4-7 read, sit in the second repeat of the first scanned run."""
+    through a dense cache (`Gemma4.init_cache`), E2B-like: the donors 2 and 3, whose K/V the consumers
+    4-7 read, sit in the second repeat of the first scanned run. (The paged pool and an int8 cache:
+    the `generate` and `Engine` tests.)"""
     ref, scanned = _pair("e2b_small")
     ids = fx.sample_ids(2, 9, seed=3)
-    want = _cached_logits(ref, ids, 7, ref.init_cache(2, 16, cache_dtype))
-    _assert_close(_cached_logits(scanned, ids, 7, scanned.init_cache(2, 16, cache_dtype)), want, "cached logits")
+    want = _cached_logits(ref, ids, 7, ref.init_cache(2, 16))
+    _assert_close(_cached_logits(scanned, ids, 7, scanned.init_cache(2, 16)), want, "cached logits")
 
 
 @pytest.fixture(scope="module")
 def greedy_reference():
     """(unrolled model, prompts, options, `generate`'s result): `helpers.random_model`'s E2B-like weights at
-    8 layers ([S, F] x2 donors, x2 consumers), a prompt longer than the prefill chunk and two shorter."""
+    8 layers ([S, F] x2 donors, x2 consumers), a prompt longer than the prefill chunk and two shorter,
+    an int8 KV cache (codes and scales, rings and the paged pool, stacked alike)."""
     ref = th.random_model("e2b", seed=5, config=CASES["e2b_small"][1])
     prompts = [fx.sample_ids(1, n, seed=6 + n)[0].tolist() for n in (13, 5, 6)]
-    kw = dict(max_length=32, prefill_chunk=8, stop_tokens=[])
+    kw = dict(max_length=32, prefill_chunk=8, cache_dtype="int8", stop_tokens=[])
     return ref, prompts, kw, generate(ref, prompts, 8, return_logprobs=True, **kw)
 
 
 def test_scanned_generate_gives_unrolled_greedy_tokens(greedy_reference):
-    """`generate` (paged cache, a prompt prefilled in two chunks, the on-device decode loop) with the
+    """`generate` (paged int8 cache, a prompt prefilled in two chunks, the on-device decode loop) with the
     scanned model: the unrolled model's greedy tokens, and logprobs within the bound."""
     ref, prompts, kw, want = greedy_reference
     got = generate(scan_layers(nnx.clone(ref)), prompts, 8, return_logprobs=True, **kw)
@@ -228,9 +229,8 @@ def test_scanned_engine_gives_unrolled_greedy_tokens(greedy_reference):
 
     ref, prompts, kw, want = greedy_reference
     scanned = scan_layers(nnx.clone(ref))
-    engine = Engine(
-        scanned, _CharTokenizer(), max_batch=2, max_length=kw["max_length"], prefill_chunk=kw["prefill_chunk"]
-    )
+    opts = {k: kw[k] for k in ("max_length", "prefill_chunk", "cache_dtype")}
+    engine = Engine(scanned, _CharTokenizer(), max_batch=2, **opts)
     try:
         reqs = [engine.submit(p, 8, stop_tokens=[]) for p in prompts]
         assert [r.result()[0] for r in reqs] == want.tokens
