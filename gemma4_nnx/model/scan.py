@@ -10,8 +10,10 @@ each block once, so its size and compile time do not grow with depth (docs/bench
 time: layers as a scan").
 
 `unscan_layers(model)` gives the unrolled model back, the reference form that everything else reads
-(checkpoints and the name map, LoRA / quantization wrappers, the KV cache and decoding): the two forms
-hold the same values, moved between per-layer arrays and stacked ones. Wrap first (LoRA, quantized
+(checkpoints and the name map, LoRA / quantization wrappers, sharding rules): the two forms hold the
+same values, moved between per-layer arrays and stacked ones. Both run the no-cache forward (training,
+scoring) and the cached one (prefill chunks and decode steps of the decode core); the KV cache keeps its
+per-layer layout, stacked per block place inside the program (`Repeat._cached`). Wrap first (LoRA, quantized
 projections), then scan: layers wrapped differently are not alike and stay apart.
 
 Per-layer facts inside a block come from its layers' `LayerSpec`s, which are equal across the repeats
