@@ -1,6 +1,7 @@
 """Decoder layers as a scan over their repeating block (`gemma4_nnx.model.scan`) against the unrolled
-model, the reference form: forward logits, LoRA and full fine-tuning gradients and steps, the
-conversion both ways, and a program whose size does not grow with depth.
+model, the reference form: forward logits, decoding through a KV cache (the cached forward, `generate`,
+the `Engine`), LoRA and full fine-tuning gradients and steps, the conversion both ways, and a program
+whose size does not grow with depth.
 
 The bound. The scanned and the unrolled forms run the same float32 operations in the same order per
 layer, but XLA compiles them as different programs (a loop body with its weights sliced out of stacked
@@ -12,6 +13,9 @@ bound is float32 rounding, not an approximation: `RTOL` = 2e-5 of the largest lo
 float32 ulps of it). Gradients take the softmax of the logits, whose relative error is the logits'
 absolute error, up to 2e-5 * 30 (the softcap) = 6e-4: `GRAD_RTOL` of the largest gradient compared
 (measured: up to 4e-5; the unrolled model with and without remat, two programs that fuse alike, 1e-6).
+Decoding takes the same bound: prefill and decode logits through the cache (measured: 5e-7 of the largest
+logit, E2B-like, k_eq_v, MoE and Gemma 3, dense and paged caches), logprobs within `RTOL` * 30 (a
+log-softmax moves by the logits' absolute error), greedy tokens equal (no near-tie on these models).
 A wrong layer's weights, `layer_scalar`, PLE slice or donor K/V moves the
 values by orders of magnitude more (checked below: the scanned form of a model whose layer 1 is
 changed is far outside the bound).
@@ -26,7 +30,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gemma4_nnx import Gemma4
+from gemma4_nnx import Gemma4, generate
 from gemma4_nnx.io.hf_config import read_text_config
 from gemma4_nnx.model.scan import LayerStack, Repeat, plan_runs, scan_layers, unscan_layers
 from gemma4_nnx.model.tree import dotted
@@ -165,12 +169,75 @@ def test_conversion_both_ways_gives_back_the_same_model():
         np.testing.assert_array_equal(np.asarray(b.get_value()), np.asarray(a.get_value()), err_msg=dotted(path))
 
 
-def test_built_scanned_and_cache_refused():
+def test_built_scanned():
     config = th.tiny_config(num_kv_shared_layers=0)  # [S, F] x2
     model = Gemma4(config, scan_layers=True)
     assert isinstance(model.layers, LayerStack) and model.layers.parts[0].repeats == 2
-    with pytest.raises(ValueError, match="unscan_layers"):
-        model(np.ones((1, 3), np.int32), np.arange(3)[None], cache=model.init_cache(1, 8))
+
+
+# ---------------------------------------------------------------------------- decoding (a KV cache)
+def _cached_logits(model, ids, chunk: int, cache) -> np.ndarray:
+    """Logits [B, T, V] of a prefill of `chunk` tokens then one decode step per token, through `cache`."""
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda s, x, p, c: nnx.merge(graphdef, s)(x, p, cache=c))
+    b, t = ids.shape
+    logits, cache = fwd(state, ids[:, :chunk], np.broadcast_to(np.arange(chunk), (b, chunk)), cache)
+    out = [logits]
+    for i in range(chunk, t):
+        logits, cache = fwd(state, ids[:, i : i + 1], np.full((b, 1), i), cache)
+        out.append(logits)
+    return np.concatenate(out, axis=1)
+
+
+def test_scanned_cached_forward_equals_unrolled():
+    """Prefill (a ring read as [ring ; chunk]) and decode steps (rings written in place: the CPU kernels)
+    through a dense cache (`Gemma4.init_cache`), E2B-like: the donors 2 and 3, whose K/V the consumers
+    4-7 read, sit in the second repeat of the first scanned run. (The paged pool and an int8 cache:
+    the `generate` and `Engine` tests.)"""
+    ref, scanned = _pair("e2b_small")
+    ids = fx.sample_ids(2, 9, seed=3)
+    want = _cached_logits(ref, ids, 7, ref.init_cache(2, 16))
+    _assert_close(_cached_logits(scanned, ids, 7, scanned.init_cache(2, 16)), want, "cached logits")
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    """(unrolled model, prompts, options, `generate`'s result): `helpers.random_model`'s E2B-like weights at
+    8 layers ([S, F] x2 donors, x2 consumers), a prompt longer than the prefill chunk and two shorter,
+    an int8 KV cache (codes and scales, rings and the paged pool, stacked alike)."""
+    ref = th.random_model("e2b", seed=5, config=CASES["e2b_small"][1])
+    prompts = [fx.sample_ids(1, n, seed=6 + n)[0].tolist() for n in (13, 5, 6)]
+    kw = dict(max_length=32, prefill_chunk=8, cache_dtype="int8", stop_tokens=[])
+    return ref, prompts, kw, generate(ref, prompts, 8, return_logprobs=True, **kw)
+
+
+def test_scanned_generate_gives_unrolled_greedy_tokens(greedy_reference):
+    """`generate` (paged int8 cache, a prompt prefilled in two chunks, the on-device decode loop) with the
+    scanned model: the unrolled model's greedy tokens, and logprobs within the bound."""
+    ref, prompts, kw, want = greedy_reference
+    got = generate(scan_layers(nnx.clone(ref)), prompts, 8, return_logprobs=True, **kw)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(np.array(got.logprobs), np.array(want.logprobs), atol=RTOL * 30)
+
+
+def test_scanned_engine_gives_unrolled_greedy_tokens(greedy_reference):
+    """The serving `Engine` on the scanned model (3 requests through 2 rows: rows joining a running batch,
+    prefill of taken rows, decode steps over a paged cache): each request's greedy tokens are
+    `generate`'s on the unrolled model."""
+    from gemma4_nnx import Engine
+    from tests.test_engine_async import _CharTokenizer
+
+    ref, prompts, kw, want = greedy_reference
+    scanned = scan_layers(nnx.clone(ref))
+    opts = {k: kw[k] for k in ("max_length", "prefill_chunk", "cache_dtype")}
+    engine = Engine(scanned, _CharTokenizer(), max_batch=2, **opts)
+    try:
+        reqs = [engine.submit(p, 8, stop_tokens=[]) for p in prompts]
+        assert [r.result()[0] for r in reqs] == want.tokens
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="max_loras: LoRA adapter banks wrap the unrolled layers"):
+        Engine(scanned, max_loras=1)  # the banks' paths are the unrolled layers'
 
 
 # ---------------------------------------------------------------------------- training

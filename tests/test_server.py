@@ -666,6 +666,28 @@ def test_speculative_config_with_an_assistant_directory(checkpoint, tmp_path):
         make_engine(bad)
 
 
+def test_scan_layers_flag_serves_the_scanned_model_with_the_same_tokens(served, checkpoint):
+    """`gemma4-serve CKPT --scan-layers`: the engine's model has its layers stacked at load (E2B-like: the
+    4 sliding donors one scanned run, the 4 consumers another) and a greedy request gives `generate`'s
+    tokens on the unrolled model; with LoRA adapters (banks on the unrolled layers) the start is refused
+    by flag name."""
+    from gemma4_nnx.model.scan import is_scanned
+    from gemma4_nnx.serve.app import build_parser, make_engine
+
+    model, tok = served[0], served[1]
+    args = ["--max-batch", "1", "--max-length", str(MAX_LENGTH), "--precompile"]
+    engine = make_engine(build_parser().parse_args([str(checkpoint), "--scan-layers", *args]))
+    try:
+        assert is_scanned(engine.model) and not is_scanned(model)
+        ids = tok.encode("hello world", add_bos=True)
+        tokens = engine.submit(ids, 6, stop_tokens=[]).result()[0]
+        assert tokens == _ref(model, tok, ids, 6, stop_tokens=[])[2].tokens[0]
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="--scan-layers: --max-loras"):
+        make_engine(build_parser().parse_args([str(checkpoint), "--scan-layers", "--max-loras", "1", *args]))
+
+
 # ----------------------------------------------------------------------------- guard rails (issue 18, first part)
 def _app_client(engine, **kw):
     from fastapi.testclient import TestClient

@@ -292,12 +292,33 @@ class _Admission:
         return {slot for slot, _ in self.pairs}
 
 
+def _check_scanned(model, max_loras: int, mesh) -> None:
+    """A model with scanned layers (`gemma4_nnx.scan_layers`) serves alone on one device: the adapter
+    banks and the sharding rules name the unrolled layers' paths."""
+    from gemma4_nnx.model.scan import is_scanned
+
+    if not is_scanned(model):
+        return
+    if max_loras:
+        raise ValueError(
+            "max_loras: LoRA adapter banks wrap the unrolled layers; serve the unrolled model "
+            "(gemma4_nnx.unscan_layers(model); gemma4-serve without --scan-layers) or pass max_loras=0"
+        )
+    if mesh is not None:
+        raise ValueError(
+            "mesh: tensor-parallel sharding follows the unrolled layers' paths; serve the unrolled model "
+            "(gemma4_nnx.unscan_layers(model); gemma4-serve without --scan-layers) or pass mesh=None"
+        )
+
+
 class Engine:
     """Continuous-batching generation over one model.
 
     Args:
       model: a `Gemma4` (e.g. from `gemma4_nnx.load`); it is not changed (the engine's decoder owns
-        the KV cache).
+        the KV cache). A model with scanned layers (`gemma4_nnx.scan_layers`, `gemma4-serve
+        --scan-layers`) runs its prefill and decode programs as a scan over the repeated block
+        (compiles that do not grow with depth; the same tokens), on one device, without LoRA banks.
       tokenizer: optional; needed for stop strings and text in events.
       max_batch: rows decoded together (requests beyond it wait for a free row).
       max_length: the longest sequence (prompt + max_tokens) of one request. Default: the model's
@@ -432,6 +453,7 @@ class Engine:
                 "target_itl_ms",
             )
         check_int(max_score_tokens, "max_score_tokens", lo=1, optional=True)
+        _check_scanned(model, max_loras, mesh)
         self.max_score_tokens = max_score_tokens or max(DEFAULT_MAX_SCORE_TOKENS, max_length)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_length, self.prefill_chunk = max_batch, max_length, prefill_chunk

@@ -207,24 +207,29 @@ class LayerCache:
         their entries, and the returned cache has all B rows. The returned K/V then has B rows too
         (row i of the queries reads row i), except for the [ring ; new] concatenation (b rows).
         clear_tail: `PagedCache.update`'s; nothing to do here (no kernel reads a ring past its masks)."""
-        b, s = new.pos.shape
+        s = new.pos.shape[1]
         new = _encode(new, self.k.dtype)
         if self.ring and not (in_place and window is not None and s - 1 <= self.size - window):
-
-            def joined(x, y):
-                return None if x is None else jnp.concatenate([x[:b], y], axis=1)
-
-            seen = KV(
-                joined(self.k, new.k),
-                joined(self.v, new.v),
-                joined(self.pos, new.pos),
-                None,
-                joined(self.k_scale, new.k_scale),
-                joined(self.v_scale, new.v_scale),
-            )
-            return seen, self._write(new, in_place)
+            return self.joined(new), self._write(new, in_place)
         written = self._write(new, in_place)
         return written.kv(), written
+
+    def joined(self, new: KV) -> KV:
+        """[this ring's first b rows ; the b rows of `new` (encoded)] along the slots: what a ring's
+        new queries attend over when their tokens are written after (`update`)."""
+        b = new.pos.shape[0]
+
+        def join(x, y):
+            return None if x is None else jnp.concatenate([x[:b], y], axis=1)
+
+        return KV(
+            join(self.k, new.k),
+            join(self.v, new.v),
+            join(self.pos, new.pos),
+            None,
+            join(self.k_scale, new.k_scale),
+            join(self.v_scale, new.v_scale),
+        )
 
     def kv(self) -> KV:
         """What attention reads of this cache."""

@@ -10,8 +10,10 @@ each block once, so its size and compile time do not grow with depth (docs/bench
 time: layers as a scan").
 
 `unscan_layers(model)` gives the unrolled model back, the reference form that everything else reads
-(checkpoints and the name map, LoRA / quantization wrappers, the KV cache and decoding): the two forms
-hold the same values, moved between per-layer arrays and stacked ones. Wrap first (LoRA, quantized
+(checkpoints and the name map, LoRA / quantization wrappers, sharding rules): the two forms hold the
+same values, moved between per-layer arrays and stacked ones. Both run the no-cache forward (training,
+scoring) and the cached one (prefill chunks and decode steps of the decode core); the KV cache keeps its
+per-layer layout, stacked per block place inside the program (`Repeat._cached`). Wrap first (LoRA, quantized
 projections), then scan: layers wrapped differently are not alike and stay apart.
 
 Per-layer facts inside a block come from its layers' `LayerSpec`s, which are equal across the repeats
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemma4_nnx.model.cache import KV
+from gemma4_nnx.model.cache import KV, KVCache, PagedCache
 
 __all__ = ["LayerStack", "Repeat", "plan_runs", "scan_layers", "unscan_layers"]
 
@@ -87,12 +89,33 @@ def _call(layer, *args):
     return layer(*args)
 
 
-def _run_layer(layer, call, h, inputs: Inputs, ple: Array | None, published: dict) -> tuple[Array, KV]:
+def _run_layer(layer, call, h, inputs: Inputs, ple: Array | None, published: dict, cache=None) -> tuple:
+    """(h, the K/V the layer attended over, its updated cache or None)."""
     spec = layer.spec
     shared = published[spec.kv_donor] if spec.is_consumer else None
     rope = inputs.ropes[(spec.type, spec.head_dim)]
-    h, kv, _ = call(layer, h, rope, inputs.q_pos, inputs.k_pos, ple, shared, None, inputs.span, inputs.segments)
-    return h, kv
+    return call(layer, h, rope, inputs.q_pos, inputs.k_pos, ple, shared, cache, inputs.span, inputs.segments)
+
+
+def _stacked(trees: Sequence) -> Any:
+    return jax.tree.map(lambda *x: jnp.stack(x), *trees)
+
+
+def _with_table(c, table):
+    """A layer cache as the layer takes it (`KVCache.layer`: a pool with the block table) or as the
+    scan stacks it (table None: one table for every layer, not stacked)."""
+    return dataclasses.replace(c, table=table) if isinstance(c, PagedCache) else c
+
+
+def _seen(written, table, tail: KV | None, old) -> KV:
+    """What a donor's layer attended over (its consumers read it), from its cache after the forward:
+    a ring's [old ring ; new tokens] when its queries read that concatenation (`tail`: the new tokens,
+    `LayerCache.joined`), else the written cache itself (a pool through the block table)."""
+    if tail is not None:
+        return old.joined(tail)
+    if isinstance(written, PagedCache):
+        return KV(written.k, written.v, written.pos, table, written.k_scale, written.v_scale)
+    return written.kv()
 
 
 class Repeat(nnx.Module):
@@ -116,21 +139,34 @@ class Repeat(nnx.Module):
                 out.append(layer)
         return out
 
-    def __call__(self, h: Array, inputs: Inputs, published: dict, remat: Callable | None) -> Array:
+    def _donors(self) -> dict[int, tuple[int, int]]:
+        """donor index -> (repeat, place in the block) of the donors this run holds."""
+        return {spec.index: divmod(k, self.period) for k, spec in enumerate(self.specs) if spec.stores_kv}
+
+    def _ple(self, ple: Array | None) -> Array | None:
+        """PLE [B, S, L, P] -> [R, B, S, period, P]: each repeat's slice of the layers."""
+        if ple is None:
+            return None
+        p, n, first = self.period, self.repeats, self.specs[0].index
+        b, s = ple.shape[:2]
+        return jnp.moveaxis(ple[:, :, first : first + n * p].reshape(b, s, n, p, -1), 2, 0)
+
+    def __call__(
+        self, h: Array, inputs: Inputs, published: dict, remat: Callable | None, cache: KVCache | None = None
+    ) -> tuple[Array, dict]:
         """The run over h [B, S, D]: one scan step a repeat (each a checkpoint when `remat`: a
-        `jax.checkpoint` with its policy); the K/V of the donors it holds added to `published`."""
+        `jax.checkpoint` with its policy); the K/V of the donors it holds added to `published`.
+        With a `cache` (decoding): see `_cached`. Returns (h, {layer index: its updated cache})."""
+        if cache is not None:
+            return self._cached(h, inputs, published, cache)
         p, n = self.period, self.repeats
         b, s = h.shape[:2]
-        first = self.specs[0].index
-        # donor index -> (repeat, place in the block) of the donors this run holds
-        donors = {spec.index: divmod(k, p) for k, spec in enumerate(self.specs) if spec.stores_kv}
+        donors = self._donors()
         slots = {
             d: (jnp.zeros((b, s, spec.num_kv_heads, spec.head_dim), h.dtype),) * 2
             for d, spec in ((d, self.specs[r * p + j]) for d, (r, j) in donors.items())
         }
-        ple = inputs.ple
-        if ple is not None:  # [B, S, L, P] -> [R, B, S, period, P]: each repeat's slice of the layers
-            ple = jnp.moveaxis(ple[:, :, first : first + n * p].reshape(b, s, n, p, -1), 2, 0)
+        ple = self._ple(inputs.ple)
         graphdef, state = nnx.split(self.block)
 
         def body(carry, xs):
@@ -138,7 +174,8 @@ class Repeat(nnx.Module):
             weights, r, ple_r = xs
             slots = dict(slots)
             for j, layer in enumerate(nnx.merge(graphdef, weights)):
-                h, kv = _run_layer(layer, _call, h, inputs, None if ple_r is None else ple_r[:, :, j], published)
+                ple_j = None if ple_r is None else ple_r[:, :, j]
+                h, kv, _ = _run_layer(layer, _call, h, inputs, ple_j, published)
                 for d, (rd, jd) in donors.items():
                     if jd == j:  # the donor's own repeat writes its slot; the others keep it
                         slots[d] = tuple(jnp.where(r == rd, new, old) for new, old in zip((kv.k, kv.v), slots[d]))
@@ -148,7 +185,50 @@ class Repeat(nnx.Module):
             body = remat(body)
         (h, slots), _ = jax.lax.scan(body, (h, slots), (state, jnp.arange(n), ple))
         published.update({d: KV(k, v, inputs.k_pos) for d, (k, v) in slots.items()})
-        return h
+        return h, {}
+
+    def _cached(self, h: Array, inputs: Inputs, published: dict, cache: KVCache) -> tuple[Array, dict]:
+        """The run with a KV cache (prefill chunks, decode steps). The caches of the layers at each
+        place of the block that owns one (the same kind and shape in every repeat) are stacked
+        [R, ...] and scanned with the weights, each repeat reading and writing its own; the cache's
+        public layout (`KVCache.layers`, one entry a layer: what the engine, the prefix cache and the
+        paged block manager read) is kept, so the stacking happens here, in the program. A donor's
+        consumers read what it attended over (`_seen`), rebuilt after the scan from its written cache
+        (and, for a ring read as [ring ; new], from the new tokens' K/V, which the scan emits)."""
+        p, n = self.period, self.repeats
+        s = h.shape[1]
+
+        def index(r, j):
+            return self.specs[r * p + j].index
+
+        owners = [j for j in range(p) if not self.specs[j].is_consumer]
+        stacked = {j: _stacked([cache.layers[index(r, j)] for r in range(n)]) for j in owners}
+        donors = self._donors()
+        donor_places = {j for _, j in donors.values()}
+        graphdef, state = nnx.split(self.block)
+
+        def body(h, xs):
+            weights, caches, ple_r = xs
+            written, tails = {}, {}
+            for j, layer in enumerate(nnx.merge(graphdef, weights)):
+                ple_j = None if ple_r is None else ple_r[:, :, j]
+                own = _with_table(caches[j], cache.table) if j in caches else None
+                h, kv, own = _run_layer(layer, _call, h, inputs, ple_j, published, own)
+                if own is None:
+                    continue
+                written[j] = _with_table(own, None)
+                if j in donor_places and kv.table is None and kv.pos.shape[1] != own.pos.shape[1]:
+                    last = (None if x is None else x[:, -s:] for x in (kv.k, kv.v, kv.pos))
+                    scales = (None if x is None else x[:, -s:] for x in (kv.k_scale, kv.v_scale))
+                    tails[j] = KV(*last, None, *scales)  # the new tokens' K/V, as the ring stores them
+            return h, (written, tails)
+
+        h, (written, tails) = jax.lax.scan(body, h, (state, stacked, self._ple(inputs.ple)))
+        updated = {index(r, j): jax.tree.map(lambda x, r=r: x[r], written[j]) for j in owners for r in range(n)}
+        for d, (rd, jd) in donors.items():
+            tail = jax.tree.map(lambda x, r=rd: x[r], tails[jd]) if jd in tails else None
+            published[d] = _seen(updated[d], cache.table, tail, cache.layers[d])
+        return h, updated
 
 
 def _stack_into(layers: Sequence[nnx.Module]) -> None:
@@ -174,13 +254,22 @@ class LayerStack(nnx.Module):
         return [x for part in self.parts for x in (part.unrolled() if isinstance(part, Repeat) else [part])]
 
     def __call__(
-        self, h: Array, inputs: Inputs, *, call: Callable, remat: Callable | None, take: tuple | None = None
-    ) -> tuple[Array, bool]:
-        """The layers over h [B, S, D] (no cache): the unrolled ones through `call` (`DecoderLayer.__call__`,
+        self,
+        h: Array,
+        inputs: Inputs,
+        *,
+        call: Callable,
+        remat: Callable | None,
+        take: tuple | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[Array, bool, dict]:
+        """The layers over h [B, S, D]: the unrolled ones through `call` (`DecoderLayer.__call__`,
         maybe under `nnx.remat`), the runs each block under `remat` (a `jax.checkpoint`) if given. `take`
         (index, fn): (h, inputs) = fn(h, inputs) before the part that starts at layer `index`
-        (`Gemma4.__call__`'s `select`). Returns (h, whether `take` was applied)."""
+        (`Gemma4.__call__`'s `select`). `cache`: a `KVCache` the layers read and write (decoding).
+        Returns (h, whether `take` was applied, {layer index: its updated cache})."""
         published: dict[int, KV] = {}
+        updated: dict = {}
         taken = False
         for part in self.parts:
             spec = part.specs[0] if isinstance(part, Repeat) else part.spec
@@ -188,13 +277,17 @@ class LayerStack(nnx.Module):
                 h, inputs = take[1](h, inputs)
                 taken = True
             if isinstance(part, Repeat):
-                h = part(h, inputs, published, remat)
+                h, written = part(h, inputs, published, remat, cache)
+                updated.update(written)
                 continue
             ple = None if inputs.ple is None else inputs.ple[:, :, spec.index]
-            h, kv = _run_layer(part, call, h, inputs, ple, published)
+            own = cache.layer(spec.index) if cache is not None and not spec.is_consumer else None
+            h, kv, own = _run_layer(part, call, h, inputs, ple, published, own)
+            if own is not None:
+                updated[spec.index] = own
             if spec.stores_kv:
                 published[spec.index] = kv
-        return h, taken
+        return h, taken, updated
 
 
 def scan_layers(model: nnx.Module) -> nnx.Module:

@@ -121,8 +121,9 @@ class Gemma4(nnx.Module):
     `matmul` picks the product of every projection once, here ("auto": the CPU bf16 kernels where they
     pay and are available, else XLA; "xla"; "cpu_kernels"; see `layers.resolve_matmul`).
 
-    `scan_layers`: run the decoder layers as a scan over their repeating block (`gemma4_nnx.model.scan`,
-    the no-cache forward: training and scoring); `scan.unscan_layers` turns it back (the default form).
+    `scan_layers`: run the decoder layers as a scan over their repeating block (`gemma4_nnx.model.scan`:
+    the no-cache forward of training and scoring, and the cached one of prefill and decode steps);
+    `scan.unscan_layers` turns it back (the default form).
 
     The model holds weights only. A KV cache is an explicit pytree (`init_cache` returns one) passed
     in and returned: `model(ids, positions, cache=cache) -> (logits, cache)`.
@@ -316,7 +317,8 @@ class Gemma4(nnx.Module):
         if self.remat:
             call = nnx.remat(call, policy=remat_policy(self.remat))
         if isinstance(self.layers, LayerStack):  # `scan_layers`
-            h, select = self._scanned(call, h, Inputs(ropes, positions, k_pos, ple, span, segment_ids), select, cache)
+            inputs = Inputs(ropes, positions, k_pos, ple, span, segment_ids)
+            h, select, updated = self._scanned(call, h, inputs, select, cache)
         for layer in self.layers if isinstance(self.layers, nnx.List) else ():
             spec = layer.spec
             if select is not None and spec.index == c.first_kv_shared_layer:
@@ -346,13 +348,9 @@ class Gemma4(nnx.Module):
         out = h if return_hidden else self.logits(h)
         return out if cache is None else (out, cache.with_layers(updated))
 
-    def _scanned(self, call, h: Array, inputs: Inputs, select: Array | None, cache) -> tuple[Array, Array | None]:
-        """The layers of a scanned model (`scan.LayerStack`): (h, `select` if still to take)."""
-        if cache is not None:
-            raise ValueError(
-                "cache: a model with scanned layers runs the no-cache forward (training, scoring); "
-                "gemma4_nnx.unscan_layers(model) gives the unrolled model that decodes"
-            )
+    def _scanned(self, call, h: Array, inputs: Inputs, select: Array | None, cache) -> tuple:
+        """The layers of a scanned model (`scan.LayerStack`): (h, `select` if still to take, the
+        updated layer caches)."""
 
         def take(h, x: Inputs):  # the rows `select` keeps, before the first KV consumer
             h, q_pos, k_pos, ple, ropes, span = _take_rows((h, x.q_pos, x.k_pos, x.ple, x.ropes, x.span), select)
@@ -362,8 +360,9 @@ class Gemma4(nnx.Module):
         if self.remat:
             block = functools.partial(jax.checkpoint, policy=remat_policy(self.remat), prevent_cse=False)
         at = self.config.first_kv_shared_layer
-        h, taken = self.layers(h, inputs, call=call, remat=block, take=None if select is None else (at, take))
-        return h, None if taken else select
+        taking = None if select is None else (at, take)
+        h, taken, updated = self.layers(h, inputs, call=call, remat=block, take=taking, cache=cache)
+        return h, None if taken else select, updated
 
     # ------------------------------------------------------------------ images and audio
     def _vision_ids(self) -> Array:

@@ -544,6 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
     p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="compile the layers as a scan over their repeating block (gemma4_nnx.scan_layers, stacked at load): "
+        "the prefill and decode programs hold each block once, so the precompile does not grow with depth; "
+        "the same tokens. Each step copies the scanned layers' KV caches: slower decode at long contexts. "
+        "One device per engine (no --tensor-parallel-size), no LoRA adapters",
+    )
+    p.add_argument(
         "--max-length", type=int, help="context per request: prompt + max_tokens (default: the model's context)"
     )
     p.add_argument(
@@ -975,6 +983,9 @@ def make_engine(args: argparse.Namespace) -> Engine | DataParallelEngines:
     max_loras = len(args.lora_modules) if args.max_loras is None else args.max_loras
     if max_loras < len(args.lora_modules):
         raise ValueError(f"--max-loras {max_loras} is fewer than the {len(args.lora_modules)} --lora-modules")
+    if args.scan_layers and (tp != 1 or max_loras):
+        what = "--tensor-parallel-size" if tp != 1 else "--max-loras / --lora-modules"
+        raise ValueError(f"--scan-layers: {what} needs the unrolled layers; leave out --scan-layers or {what}")
     if args.max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
@@ -984,6 +995,10 @@ def make_engine(args: argparse.Namespace) -> Engine | DataParallelEngines:
 
         placement = {"sharding": jax.sharding.SingleDeviceSharding(groups[0][0])}
     model = load_any(args.checkpoint, **placement, **load_options(args))
+    if args.scan_layers:  # after the load's wrappers (quantized projections): alike layers stacked with them
+        from gemma4_nnx.model.scan import scan_layers
+
+        scan_layers(model)
     engines = []
     try:
         for i, mesh in enumerate(meshes):
