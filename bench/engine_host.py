@@ -47,6 +47,8 @@ def main(argv=None) -> int:
         "--model", choices=["tiny", "e2b"], default="tiny", help="the tests' tiny random model, or E2B random bf16"
     )
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--precompile", action="store_true", help="precompile every row count (else on first use)")
+    p.add_argument("--row-factor", type=int, default=4, help="the engine's row_factor (4: fewer programs)")
     args = p.parse_args(argv)
     import jax
 
@@ -57,7 +59,10 @@ def main(argv=None) -> int:
     length = max(len(x) for x in _prompts(3)) + args.tokens + 1
     # one engine for every run (its programs compiled once): max(rows) rows, a run of r requests decodes
     # the first r; the burst setting is swapped between runs (`Engine.bursts`)
-    engine = Engine(model, tok, max_batch=max(args.rows), max_length=length, precompile=(16,))
+    engine = Engine(
+        model, tok, max_batch=max(args.rows), max_length=length, precompile=(16,) if args.precompile else None,
+        row_factor=args.row_factor,
+    )  # fmt: skip
     results = []
     try:
         for rows in args.rows:

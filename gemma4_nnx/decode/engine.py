@@ -157,6 +157,27 @@ class Event:
     top: list[tuple[int, float]] | None = None
 
 
+class _DeferredEvent(Event):
+    """An `Event` whose text is a `text.Piece` until first read: decoded then, on the reader's thread
+    (the server's event loop, the iterating caller), not on the engine's (`TextStream(defer=True)`)."""
+
+    @property
+    def text(self) -> str:
+        text = self.__dict__["_text"]
+        if not isinstance(text, str):
+            text = self.__dict__["_text"] = str(text)
+        return text
+
+    @text.setter
+    def text(self, value) -> None:
+        self.__dict__["_text"] = value
+
+
+def _event(token, text, logprob, reason, top=None) -> Event:
+    """An `Event`, deferred when its text is a `Piece` (`TextStream.feed` of a deferred stream)."""
+    return (Event if isinstance(text, str) else _DeferredEvent)(token, text, logprob, reason, top=top)
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Counters since the engine started."""
@@ -669,7 +690,12 @@ class Engine:
             self.adapters.acquire(request.adapter)
             on_end = functools.partial(self.adapters.release, request.adapter)
         req = EngineRequest(
-            request, TextStream(self.tokenizer, request.stop_strings, show_stop_token=False), sink, constraint, on_end
+            request,
+            # no stop strings: the text is decoded by the events' reader, not on the engine thread
+            TextStream(self.tokenizer, request.stop_strings, show_stop_token=False, defer=True),
+            sink,
+            constraint,
+            on_end,
         )
         with self._cv:
             self._pending.append(req)
@@ -1094,7 +1120,7 @@ class Engine:
         """`req` ends ("length") holding no row: its sequence outgrew the whole block pool."""
         req.finish_reason = FinishReason.LENGTH
         self.stats.completed += 1
-        req.emit(Event(None, req.stream.end(FinishReason.LENGTH), None, FinishReason.LENGTH))
+        req.emit(_event(None, req.stream.end(FinishReason.LENGTH), None, FinishReason.LENGTH))
 
     def _stepping(self, previous: _InFlight | None) -> list[int]:
         """The decoding slots the next step decodes: all but those that end by length with the
@@ -1243,12 +1269,11 @@ class Engine:
         or was cancelled while this step was in flight) is skipped: its token was never its own."""
         host_ended = np.zeros(self.max_batch, bool)
         ended = []
-        for slot, j, req in rows:
-            if self._slots[slot] is not req:
-                continue
+        rows = [(slot, j, req) for slot, j, req in rows if self._slots[slot] is req]
+        for (slot, j, req), emitted in zip(rows, out.emitted_rows([j for _, j, _ in rows]), strict=True):
             want = req.request.top_logprobs
             tops = out.alternatives(j) if want else None
-            for i, (tok, lp, stopped, done) in enumerate(out.emitted(j)):
+            for i, (tok, lp, stopped, done) in enumerate(emitted):
                 req.tokens.append(tok)
                 if req.constraint is not None and not stopped:
                     req.constraint.consume(tok)
@@ -1270,7 +1295,7 @@ class Engine:
                     else:
                         self.stats.completed += 1
                         self.last_outcome = "ok"
-                req.emit(Event(tok, text, lp, reason, top=tops[i][:want] if want else None))
+                req.emit(_event(tok, text, lp, reason, tops[i][:want] if want else None))
                 if reason is None and req.sink_error is not None:  # its consumer failed: free the row now
                     req.finish_reason = FinishReason.ERROR
                     self._slots[slot] = None
