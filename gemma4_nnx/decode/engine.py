@@ -141,7 +141,9 @@ class Event:
 
     token: the new id (None on the final event of a cancelled/failed request).
     text: the text this token makes visible (tokenizer given; stop tokens and stop strings are not
-      shown; text that may start a stop string is held back until decided).
+      shown; text that may start a stop string is held back until decided). For a request without
+      stop strings it is decoded when first read, on the reader's thread (`TextStream(defer=True)`):
+      the engine thread decodes only the rows whose stop strings need the text.
     logprob: the token's log-probability under the raw model distribution.
     top: the request's `top_logprobs` most likely (id, logprob) pairs of that distribution, best first
       (None when it asked for none).
