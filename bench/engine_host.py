@@ -12,8 +12,9 @@ dispatch per step (or per burst of `--decode-steps`) from Python (`Engine._run`)
 stream (wall / tokens) after a warm-up run (every program compiled), the engine with async scheduling
 and synchronous (`Engine._overlap`, alternating runs in one process), the engine's own measure of its
 host time per step and per dispatch (`EngineStats.host_seconds / decode_steps`: the serving thread's
-time outside waits on the device), and with --profile the cProfile of the engine thread's loop over
-one async run, sorted by own time. --text gives the engine the tests' tiny tokenizer, so each token is
+time outside waits on the device; "ran": `host_cpu_seconds`, the part it ran on a core, steadier on a
+shared machine), and with --profile the cProfile of the engine thread's loop over one async run,
+sorted by own time, and its Python function calls per token (a count: the same on a busy machine). --text gives the engine the tests' tiny tokenizer, so each token is
 detokenized too (what a server does); --stop-string adds a stop string that never matches to every
 request (the matcher's per-token work). Each engine's warm-up runs are followed by a wait for the
 helper thread's compiles (fused step and burst programs), so the runs measured run the bursts.
@@ -85,11 +86,14 @@ def _line(r: dict) -> str:
     gen = f"generate {r['generate_ms_per_token']:.3f} ms/token; " if "generate_ms_per_token" in r else ""
     parts = [
         f"engine {name} {r[f'engine_{name}_ms_per_token']:.3f} ms/token, host "
-        f"{r[f'engine_{name}_host_ms_per_step']:.3f} ms/step {r[f'engine_{name}_host_ms_per_dispatch']:.3f} "
+        f"{r[f'engine_{name}_host_ms_per_step']:.3f} ms/step (ran {r[f'engine_{name}_host_cpu_ms_per_step']:.3f}) "
+        f"{r[f'engine_{name}_host_ms_per_dispatch']:.3f} "
         f"ms/dispatch ({r[f'engine_{name}_steps_per_dispatch']:.1f} steps each)"
         for name in ("async", "sync")
     ]
-    return f"rows {r['rows']:3d} decode_steps {r['decode_steps']!s:4s}: {gen}" + "; ".join(parts)
+    calls = r.get("engine_python_calls_per_token")
+    calls = f"; {calls:.1f} Python calls/token on the engine thread" if calls else ""
+    return f"rows {r['rows']:3d} decode_steps {r['decode_steps']!s:4s}: {gen}" + "; ".join(parts) + calls
 
 
 def _prompts(rows: int) -> list[list[int]]:
@@ -130,15 +134,17 @@ def measure(engine, model, rows: int, args) -> dict:
             time.sleep(0.05)
     times = {True: [], False: []}
     host = {True: 0.0, False: 0.0}
+    cpu = {True: 0.0, False: 0.0}
     steps = {True: 0, False: 0}
     dispatches = {True: 0, False: 0}
     for _ in range(args.repeats):  # async and synchronous alternating, same process and programs
         for overlap in (True, False):
             engine._overlap = overlap
             s = engine.stats
-            before = s.host_seconds, s.decode_steps, s.decode_dispatches
+            before = s.host_seconds, s.decode_steps, s.decode_dispatches, s.host_cpu_seconds
             times[overlap].append(run())
             host[overlap] += s.host_seconds - before[0]
+            cpu[overlap] += s.host_cpu_seconds - before[3]
             steps[overlap] += s.decode_steps - before[1]
             dispatches[overlap] += s.decode_dispatches - before[2]
     if prof is not None:
@@ -148,10 +154,13 @@ def measure(engine, model, rows: int, args) -> dict:
         figures[f"engine_{name}_ms_per_token"] = 1e3 * min(times[overlap]) / n
         figures[f"engine_{name}_host_ms_per_step"] = 1e3 * host[overlap] / max(steps[overlap], 1)
         figures[f"engine_{name}_host_ms_per_dispatch"] = 1e3 * host[overlap] / max(dispatches[overlap], 1)
+        figures[f"engine_{name}_host_cpu_ms_per_step"] = 1e3 * cpu[overlap] / max(steps[overlap], 1)
         figures[f"engine_{name}_steps_per_dispatch"] = steps[overlap] / max(dispatches[overlap], 1)
     if prof is not None:
+        stats = pstats.Stats(prof)
+        figures["engine_python_calls_per_token"] = stats.total_calls / (rows * n)
         print(f"--- cProfile of the engine thread, rows {rows}, decode_steps {figures['decode_steps']}, one async run")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        stats.sort_stats("tottime").print_stats(25)
     return figures
 
 
