@@ -16,8 +16,9 @@ time outside waits on the device; "ran": `host_cpu_seconds`, the part it ran on 
 shared machine), and with --profile the cProfile of the engine thread's loop over one async run,
 sorted by own time, and its Python function calls per token (a count: the same on a busy machine).
 --text gives the engine the tests' tiny tokenizer, so each token is detokenized too (what a server
-does); --stop-string adds a stop string that never matches to every request (the matcher's work). Each engine's warm-up runs are followed by a wait for the
-helper thread's compiles (fused step and burst programs), so the runs measured run the bursts.
+does); --stop-string adds a stop string that never matches to every request (the matcher's work).
+Each engine's warm-up runs are followed by a wait for the helper thread's compiles (fused step and
+burst programs), so the runs measured run the bursts.
 """
 
 from __future__ import annotations
