@@ -353,6 +353,33 @@ def test_server_mailbox_wakes_the_event_loop_once_per_batch_in_order():
         loop.close()
 
 
+def test_streamed_chunks_written_from_a_template_equal_the_pydantic_chunks():
+    """The server's plain streamed chunks (`serving._Chunks`: text or content, no logprobs, no tool
+    call; the event loop writes one per token of every stream) are the very text `_sse` gives of the
+    pydantic chunk: same keys in the same order, escapes (quotes, backslashes, control characters),
+    non-ASCII kept as is, a delta's absent fields left out, every finish reason."""
+    from gemma4_nnx.serve.protocol import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        ChatDelta,
+        CompletionChoice,
+        CompletionResponse,
+    )
+    from gemma4_nnx.serve.serving import _Chunks, _sse
+
+    ctx = dict(id='cmpl-\u00e9"x', created=1733580000, model='gemma "4" \\ é')
+    texts = ["", "a", 'é "q" \\ \n\t\x01\x7f \u2713 \U0001f642 </s>']
+    for i, reason in ((0, None), (3, "stop"), (1, "length")):
+        for text in texts:
+            want = _sse(CompletionResponse(**ctx, choices=[CompletionChoice(index=i, text=text, finish_reason=reason)]))
+            assert _Chunks(ctx, "text_completion").completion(i, text, reason) == want
+        for content, reasoning in ((texts[2], None), (None, texts[2]), ("a", "b"), (None, None)):
+            delta = ChatDelta(content=content, reasoning_content=reasoning)
+            choice = ChatChunkChoice(index=i, delta=delta, finish_reason=reason or "tool_calls")
+            want = _sse(ChatCompletionChunk(**ctx, choices=[choice]))
+            assert _Chunks(ctx, "chat.completion.chunk").chat(i, content, reasoning, reason or "tool_calls") == want
+
+
 def test_a_step_waiting_for_its_fused_program_reads_no_shapes(model):
     """While a sampler's fused step program waits on the helper thread, every step asks for it again
     (`Decoder.step`); the ask must cost a set lookup, not the abstract shapes of the weights, cache and

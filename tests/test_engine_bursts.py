@@ -7,6 +7,7 @@ the requests use); models are the tiny torch-free builds of tests/helpers.py.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -353,3 +354,39 @@ def test_a_fixed_burst_size_precompiles_the_greedy_bursts(model, monkeypatch, de
     greedy = engine._config([engine.validate([3, 4, 5], 4, stop_tokens=[])])
     want = [(greedy, m, 4) for m in (1, 2)] if decode_steps == 4 else []
     assert asked == [want]
+
+
+class _CountingTokenizer(_CharTokenizer):
+    """`_CharTokenizer` counting its decodes by the name of the thread that runs them."""
+
+    def __init__(self):
+        self.threads = collections.Counter()
+
+    def decode(self, ids, skip_special=False):
+        self.threads[threading.current_thread().name] += 1
+        return super().decode(ids, skip_special)
+
+
+def test_text_without_stop_strings_is_decoded_by_its_reader_not_the_engine_thread(model, engine, monkeypatch):
+    """A request with no stop string needs no text to know why it ends, so the engine thread decodes
+    none of it: its events' text is decoded when read (here, on this thread), in the stream's order
+    whichever event is read first, and equals `generate`'s (a stop token mid-burst, its text not
+    shown; max_tokens). A request with a stop string is decoded on the engine thread (it decides
+    the stop there), and its text is `generate`'s too."""
+    tok = _CountingTokenizer()
+    monkeypatch.setattr(engine, "tokenizer", tok)
+    prompt, kw = _prompt(5, seed=31), dict(seed=3, **SAMPLING)
+    free = _ref(model, prompt, 12, stop_tokens=[], **kw).tokens[0]
+    at = _mid(free, lambda j: free[j] not in free[:j])
+    for stops in ([free[at]], []):
+        events = list(engine.submit(prompt, 12, stop_tokens=stops, **kw))
+        assert tok.threads["gemma4-engine"] == 0, tok.threads
+        texts = [e.text for e in reversed(events)][::-1]  # the last read first: every piece before it decodes
+        ref = _ref(model, prompt, 12, stop_tokens=stops, **kw)
+        want = ref.texts[0] if not stops else _CharTokenizer().decode(ref.tokens[0][:-1])
+        assert "".join(texts) == want and len(texts) == (at + 1 if stops else 12)
+        assert tok.threads["gemma4-engine"] == 0 and tok.threads[threading.current_thread().name] > 0
+    stop = _CharTokenizer().decode(free[at - 1 : at + 1])
+    text = engine.submit(prompt, 12, stop_tokens=[], stop_strings=[stop], **kw).result()[1]
+    assert text == _ref(model, prompt, 12, stop_tokens=[], stop_strings=[stop], **kw).texts[0]
+    assert tok.threads["gemma4-engine"] > 0

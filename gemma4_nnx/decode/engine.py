@@ -141,7 +141,9 @@ class Event:
 
     token: the new id (None on the final event of a cancelled/failed request).
     text: the text this token makes visible (tokenizer given; stop tokens and stop strings are not
-      shown; text that may start a stop string is held back until decided).
+      shown; text that may start a stop string is held back until decided). For a request without
+      stop strings it is decoded when first read, on the reader's thread (`TextStream(defer=True)`):
+      the engine thread decodes only the rows whose stop strings need the text.
     logprob: the token's log-probability under the raw model distribution.
     top: the request's `top_logprobs` most likely (id, logprob) pairs of that distribution, best first
       (None when it asked for none).
@@ -155,6 +157,27 @@ class Event:
     finish_reason: FinishReason | None = None
     error: str | None = None
     top: list[tuple[int, float]] | None = None
+
+
+class _DeferredEvent(Event):
+    """An `Event` whose text is a `text.Piece` until first read: decoded then, on the reader's thread
+    (the server's event loop, the iterating caller), not on the engine's (`TextStream(defer=True)`)."""
+
+    @property
+    def text(self) -> str:
+        text = self.__dict__["_text"]
+        if not isinstance(text, str):
+            text = self.__dict__["_text"] = str(text)
+        return text
+
+    @text.setter
+    def text(self, value) -> None:
+        self.__dict__["_text"] = value
+
+
+def _event(token, text, logprob, reason, top=None) -> Event:
+    """An `Event`, deferred when its text is a `Piece` (`TextStream.feed` of a deferred stream)."""
+    return (Event if isinstance(text, str) else _DeferredEvent)(token, text, logprob, reason, top=top)
 
 
 @dataclasses.dataclass
@@ -202,7 +225,9 @@ class EngineRequest:
         self.request = request
         self.constraint = constraint  # a `constraints.Constraint` when the request has a grammar
         self.stream = stream
-        self._queue: queue.Queue[Event] | None = None if sink is not None else queue.Queue()
+        # SimpleQueue: a put takes no Python-level lock or condition (queue.Queue's cost the engine
+        # thread a few microseconds per token)
+        self._queue: queue.SimpleQueue[Event] | None = None if sink is not None else queue.SimpleQueue()
         self._sink = sink if sink is not None else self._queue.put
         self.tokens: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -691,7 +716,12 @@ class Engine:
             self.adapters.acquire(request.adapter)
             on_end = functools.partial(self.adapters.release, request.adapter)
         req = EngineRequest(
-            request, TextStream(self.tokenizer, request.stop_strings, show_stop_token=False), sink, constraint, on_end
+            request,
+            # no stop strings: the text is decoded by the events' reader, not on the engine thread
+            TextStream(self.tokenizer, request.stop_strings, show_stop_token=False, defer=True),
+            sink,
+            constraint,
+            on_end,
         )
         with self._cv:
             self._pending.append(req)
@@ -1116,7 +1146,7 @@ class Engine:
         """`req` ends ("length") holding no row: its sequence outgrew the whole block pool."""
         req.finish_reason = FinishReason.LENGTH
         self.stats.completed += 1
-        req.emit(Event(None, req.stream.end(FinishReason.LENGTH), None, FinishReason.LENGTH))
+        req.emit(_event(None, req.stream.end(FinishReason.LENGTH), None, FinishReason.LENGTH))
 
     def _stepping(self, previous: _InFlight | None) -> list[int]:
         """The decoding slots the next step decodes: all but those that end by length with the
@@ -1265,12 +1295,11 @@ class Engine:
         or was cancelled while this step was in flight) is skipped: its token was never its own."""
         host_ended = np.zeros(self.max_batch, bool)
         ended = []
-        for slot, j, req in rows:
-            if self._slots[slot] is not req:
-                continue
+        rows = [(slot, j, req) for slot, j, req in rows if self._slots[slot] is req]
+        for (slot, j, req), emitted in zip(rows, out.emitted_rows([j for _, j, _ in rows]), strict=True):
             want = req.request.top_logprobs
             tops = out.alternatives(j) if want else None
-            for i, (tok, lp, stopped, done) in enumerate(out.emitted(j)):
+            for i, (tok, lp, stopped, done) in enumerate(emitted):
                 req.tokens.append(tok)
                 if req.constraint is not None and not stopped:
                     req.constraint.consume(tok)
@@ -1292,7 +1321,7 @@ class Engine:
                     else:
                         self.stats.completed += 1
                         self.last_outcome = "ok"
-                req.emit(Event(tok, text, lp, reason, top=tops[i][:want] if want else None))
+                req.emit(_event(tok, text, lp, reason, tops[i][:want] if want else None))
                 if reason is None and req.sink_error is not None:  # its consumer failed: free the row now
                     req.finish_reason = FinishReason.ERROR
                     self._slots[slot] = None

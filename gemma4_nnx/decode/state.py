@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -173,6 +174,10 @@ class Drawn:
             return []
         return [list(zip(self.top_token[j].tolist(), self.top_logprob[j].tolist(), strict=True))]
 
+    def emitted_rows(self, js: Sequence[int]) -> list[list[tuple[int, float, bool, bool]]]:
+        """`emitted(j)` of each of rows `js`, read out as arrays (one conversion per column, not per row)."""
+        return _emitted_rows([self.token, self.logprob, self.stopped, self.done, self.active], js, steps=False)
+
 
 @dataclasses.dataclass(frozen=True)
 class Burst:
@@ -189,10 +194,25 @@ class Burst:
     def alternatives(self, j: int) -> list[list[tuple[int, float]]]:
         return [a for d in self.steps for a in d.alternatives(j)]
 
+    def emitted_rows(self, js: Sequence[int]) -> list[list[tuple[int, float, bool, bool]]]:
+        """`emitted(j)` of each of rows `js`: the steps' columns stacked [steps, rows] and read out once."""
+        names = ("token", "logprob", "stopped", "done", "active")
+        return _emitted_rows([np.stack([getattr(d, n) for d in self.steps]) for n in names], js, steps=True)
+
     def rows_per_step(self) -> list[int]:
         """The active rows of each step that ran (a step with none did not run)."""
         counts = [int(np.count_nonzero(d.active)) for d in self.steps]
         return [n for n in counts if n]
+
+
+def _emitted_rows(columns: list[np.ndarray], js: Sequence[int], steps: bool) -> list[list[tuple]]:
+    """Rows `js`'s (token, logprob, stopped, done) of the steps each was active in, from the columns
+    token, logprob, stopped, done, active ([steps, rows] when `steps`, else [rows]): each column
+    converted to Python values in one call (a NumPy scalar read costs as much as a whole small row),
+    the active steps kept by `itertools.compress`."""
+    idx = np.asarray(js, np.intp)
+    cols = [(c[:, idx] if steps else c[None, idx]).T.tolist() for c in columns]
+    return [list(itertools.compress(zip(t, lp, st, dn), act)) for t, lp, st, dn, act in zip(*cols)]
 
 
 @jax.tree_util.register_dataclass
@@ -333,6 +353,9 @@ class Verified:
             list(zip(self.top_token[j, i].tolist(), self.top_logprob[j, i].tolist(), strict=True))
             for i in range(int(self.count[j]))
         ]
+
+    def emitted_rows(self, js: Sequence[int]) -> list[list[tuple[int, float, bool, bool]]]:
+        return [self.emitted(j) for j in js]
 
     def emitted(self, j: int) -> list[tuple[int, float, bool, bool]]:
         """Row j's new tokens on the host, as `Drawn.emitted` (the flags belong to the last one)."""

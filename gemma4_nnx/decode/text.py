@@ -6,10 +6,12 @@ why it ended; `generate`, `generate_stream` and the engine each keep one per row
 
 from __future__ import annotations
 
+import collections
 import enum
+import threading
 from collections.abc import Sequence
 
-__all__ = ["FinishReason", "StopMatcher", "TextStream"]
+__all__ = ["FinishReason", "Piece", "StopMatcher", "TextStream"]
 
 
 class FinishReason(enum.StrEnum):
@@ -63,6 +65,21 @@ class StopMatcher:
         return out
 
 
+class Piece:
+    """The text of one token of a deferred `TextStream`, decoded when first read (`str(piece)` or
+    `TextStream.resolve`, on the reader's thread): a stream without stop strings needs no text to know
+    why its row ends, so the thread that feeds tokens (the engine's) does not decode them."""
+
+    __slots__ = ("_stream", "final", "stopped", "text", "token")
+
+    def __init__(self, stream: TextStream, token: int | None, stopped: bool, final: bool):
+        self._stream, self.token, self.stopped, self.final = stream, token, stopped, final
+        self.text: str | None = None  # once decoded
+
+    def __str__(self) -> str:
+        return self._stream.resolve(self)
+
+
 class TextStream:
     """One row's output: feed each new token; get the text it makes visible and, once, why it ended.
 
@@ -70,25 +87,35 @@ class TextStream:
     (`StopMatcher`: text that may begin one is held back). show_stop_token: whether a stop token's own
     text (e.g. "<turn|>") is part of the output (`generate` keeps it, the server does not).
     Multi-byte characters are held back until complete (`Tokenizer.stream_decoder`).
+    defer: with a tokenizer and no stop strings, `feed` and `end` return a `Piece` in place of the
+    text (its finish reason does not depend on the text): the pieces are decoded in order when read,
+    each one decoding every earlier piece first, so the text is the same whoever reads it and when.
     """
 
-    def __init__(self, tokenizer=None, stop_strings: Sequence[str] = (), *, show_stop_token: bool = True):
+    def __init__(
+        self, tokenizer=None, stop_strings: Sequence[str] = (), *, show_stop_token: bool = True, defer: bool = False
+    ):
         self._decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self._matcher = StopMatcher(stop_strings) if stop_strings else None
         self._show_stop = show_stop_token
         self.reason: FinishReason | None = None
+        self.deferred = defer and self._decoder is not None and self._matcher is None
+        self._pending: collections.deque[Piece] = collections.deque()  # fed, not decoded yet (in order)
+        self._lock = threading.Lock()  # one reader decodes at a time
 
-    def feed(self, token: int, *, stopped: bool, last: bool) -> tuple[str, FinishReason | None]:
+    def feed(self, token: int, *, stopped: bool, last: bool) -> tuple[str | Piece, FinishReason | None]:
         """token: the row's new id; stopped: it is a stop token; last: the row reached its length.
-        Returns (visible text, finish reason or None while the row runs)."""
+        Returns (visible text, finish reason or None while the row runs); the text a `Piece` when
+        `deferred`."""
         if self.reason is not None:
             raise RuntimeError("TextStream.feed after the row has finished")
         reason = FinishReason.STOP if stopped else FinishReason.LENGTH if last else None
+        self.reason = reason
+        if self.deferred:
+            return self._defer(token, stopped, reason is not None), reason
         text = ""
         if self._decoder is not None:
-            text = self._decoder.flush() if stopped and not self._show_stop else self._decoder.feed(token)
-            if reason is not None:
-                text += self._decoder.flush()
+            text = self._decode(token, stopped, reason is not None)
             if self._matcher is not None:
                 text = self._matcher.feed(text)
                 if self._matcher.hit:
@@ -98,11 +125,34 @@ class TextStream:
         self.reason = reason
         return text, reason
 
-    def end(self, reason: FinishReason) -> str:
+    def _decode(self, token: int | None, stopped: bool, final: bool) -> str:
+        """The decoder's text for a token (None: the end, no token): a stop token's text only when
+        shown, and what the decoder holds once the row ends."""
+        if token is None or (stopped and not self._show_stop):
+            return self._decoder.flush()
+        text = self._decoder.feed(token)
+        return text + self._decoder.flush() if final else text
+
+    def _defer(self, token: int | None, stopped: bool, final: bool) -> Piece:
+        piece = Piece(self, token, stopped, final)
+        self._pending.append(piece)
+        return piece
+
+    def resolve(self, piece: Piece) -> str:
+        """`piece`'s text, decoding it and every piece fed before it that is not decoded yet."""
+        with self._lock:
+            while piece.text is None:
+                p = self._pending.popleft()
+                p.text = self._decode(p.token, p.stopped, p.final)
+        return piece.text
+
+    def end(self, reason: FinishReason) -> str | Piece:
         """The row ends without a new token (`reason`): the text still held back."""
+        self.reason = reason
+        if self.deferred:
+            return self._defer(None, False, True)
         text = self._decoder.flush() if self._decoder is not None else ""
         if self._matcher is not None:
             text = self._matcher.feed(text)
             text = "" if self._matcher.hit else text + self._matcher.flush()
-        self.reason = reason
         return text
