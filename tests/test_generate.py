@@ -7,6 +7,7 @@ directly in JAX with perturbed random weights; the transformers comparison uses 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -21,6 +22,7 @@ from gemma4_nnx.decode.batching import bucket_shapes
 from gemma4_nnx.decode.compiles import Compiles
 from gemma4_nnx.decode.core import Decoder, compiled_programs
 from gemma4_nnx.decode.generate import release_decoders
+from gemma4_nnx.decode.split import split_model
 from tests import hf_fixtures as fx
 from tests.helpers import PROMPTS, build_hf_json, random_model
 
@@ -233,6 +235,42 @@ def test_prefill_and_first_draw_are_one_program(models, monkeypatch):
     kinds.clear()
     generate(model, PROMPTS, 6, stop_tokens=[])
     assert kinds == ["first", "loop"]
+
+
+def test_the_one_program_start_draws_what_prefill_then_draw_do(models, monkeypatch):
+    """The first tokens of `Decoder.first` (prefill and draw in one program) are those of `prefill`
+    then `draw` as two programs (the engine's way), their logprobs to the bit: within one program XLA
+    would fuse the softcap's last product into the sampler's sums as FMAs (the logprobs ~1e-6 apart)
+    but for the conditional around the draw. Rows that are all done draw nothing and stay as they were."""
+    model = models("e2b")
+    kw = dict(temperature=0.8, seed=3, top_k=20, repetition_penalty=1.3, return_logprobs=True, stop_tokens=[])
+    seen = {}
+    first = Decoder.first
+
+    def fused(self, cfg, batch, init, clear=False):
+        seen.update(decoder=self, cfg=cfg, batch=batch)
+        return first(self, cfg, batch, init, clear)
+
+    def apart(self, cfg, batch, init, clear=False):
+        self.state = dataclasses.replace(self.state, rows=self._place(init))
+        return self.draw(cfg, self.prefill(batch))
+
+    for greedy in (True, False):
+        call = dict(kw, temperature=0.0) if greedy else kw
+        monkeypatch.setattr(Decoder, "first", fused)
+        one = _fresh(model, PROMPTS, 1, **call)
+        monkeypatch.setattr(Decoder, "first", apart)
+        two = _fresh(model, PROMPTS, 1, **call)
+        assert one.tokens == two.tokens
+        assert one.logprobs == two.logprobs, (one.logprobs, two.logprobs)
+    decoder = seen["decoder"]
+    decoder.weights = split_model(model)[1]  # the call gave them back (`_Idle.release`)
+    idle = decoder.build_rows([None] * decoder.rows)
+    drawn = first(decoder, seen["cfg"], seen["batch"], idle)
+    assert not drawn.active.any() and drawn.done.all()
+    kept = jax.device_get(decoder.state.rows)
+    for name in ("token", "pos", "step", "done"):
+        np.testing.assert_array_equal(getattr(kept, name), getattr(idle, name), err_msg=name)
 
 
 def test_sampling_keys_of_a_seed_seen_before_take_no_program(models, monkeypatch):

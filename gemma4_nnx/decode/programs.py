@@ -110,13 +110,31 @@ def _first(
     """`generate`'s start in one program: a prompt of one chunk prefilled into every row (`_prefill`:
     every row fresh, each row's last token in this chunk), then its first draw (`_draw` of every row
     from `rows`, their initial state). clear: empty the cache first (`KVCache.cleared`: one used by
-    an earlier call holds nothing of it then). Returns (cache, rows, `PackedDrawn`)."""
+    an earlier call holds nothing of it then). Returns (cache, rows, `PackedDrawn`), bit for bit
+    those of `prefill` and `draw` as two programs (the engine's way)."""
     if clear:
         cache = cache.cleared()
     fresh = jnp.ones(ids.shape[0], bool)
     cache, nxt = _prefill(graphdef, weights, cache, None, ids, positions, valid, last, None, 0, fresh, soft, adapter)
-    rows, drawn = _draw(cfg, rows, None, nxt)
+    # The draw sits in a conditional, a fusion boundary XLA keeps: fused with the prefill, the
+    # softcap's last product is recomputed inside the sampler's fusions, where XLA's CPU backend lets
+    # LLVM contract it with their sums into FMAs (AllowFPOpFusion=Fast, always), and the first token's
+    # logprob rounds ~1e-6 away from the draw program's, which reads the logits as stored. An
+    # optimization barrier does not do it: the CPU compiler expands barriers before fusion.
+    rows, drawn = jax.lax.cond(
+        jnp.any(~rows.done), functools.partial(_draw, cfg), functools.partial(_drawn_none, cfg), rows, None, nxt
+    )
     return cache, rows, PackedDrawn.pack(drawn)
+
+
+def _drawn_none(cfg: DrawConfig, rows: RowState, idx, nxt: Next):
+    """`_draw`'s result when every row is done: the rows as they were, no token drawn (none active)."""
+    k, n = nxt.logits.shape[0], cfg.top_logprobs
+    zeros = jnp.zeros(k, bool)
+    return rows, Drawn(
+        jnp.zeros(k, jnp.int32), jnp.zeros(k, jnp.float32), zeros, rows.done, zeros,
+        jnp.zeros((k, n), jnp.int32), jnp.zeros((k, n), jnp.float32),
+    )  # fmt: skip
 
 
 def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done, adapter=None):
