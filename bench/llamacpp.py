@@ -4,6 +4,7 @@
         .venv-llamacpp/bin/pip install --no-binary llama-cpp-python llama-cpp-python   # once, ~15 min
     .venv/bin/python bench/llamacpp.py                       # ~6 min on 2 cores
     .venv/bin/python bench/llamacpp.py --ours auto cpu_kernels_int8 cpu_kernels_int8:stored   # three of ours
+    .venv/bin/python bench/llamacpp.py --prompts 13 --baseline-tree /tmp/base   # ours before / after a change
 
 llama.cpp runs through llama-cpp-python (built from source, CPU, native; a benchmark-only virtualenv,
 never a dependency of the package). Ours runs the checkpoint `gemma4-convert` writes from the same
@@ -109,6 +110,13 @@ def main(argv=None) -> int:
         help="our variants, each its own worker in the same alternation: load(matmul=MATMUL, kept_blocks=KEPT), "
         "e.g. auto cpu_kernels_int8 cpu_kernels_int8:stored",
     )
+    p.add_argument(
+        "--baseline-tree",
+        metavar="DIR",
+        help="also time each --ours variant from another checkout (e.g. `git worktree add /tmp/base REV`), in the "
+        "same alternation: a before/after comparison of our own code beside llama.cpp",
+    )
+    p.add_argument("--no-llama", action="store_true", help="ours only (no llama.cpp worker, no ratios)")
     a = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     import gemma4_nnx
@@ -119,30 +127,37 @@ def main(argv=None) -> int:
     text = open(os.path.join(ROOT, "tests", "data", "public_domain.txt"), encoding="utf-8").read()
     ids = tok.encode(text, add_bos=True)
     pin = ["taskset", "-c", a.cores]
-    variants = [(v.split(":") + [None])[:2] for v in a.ours]
+    variants = [(v.split(":") + [None])[:2] + [ROOT, ""] for v in a.ours]
+    if a.baseline_tree:  # each variant before and after, side by side
+        variants = [
+            v for m, k, _, _ in variants for v in ([m, k, a.baseline_tree, "before: "], [m, k, ROOT, "after: "])
+        ]
     rows = []
     for length in a.prompts:
         prompts = [[ids[0]] + ids[1 + 97 * i : 1 + 97 * i + length - 1] for i in range(8)]
         common = {"prompts": prompts, "threads": a.threads}
         ours = [
-            Worker(OURS, dict(common, ckpt=ckpt, matmul=m, kept_blocks=k), executable=[*pin, sys.executable])
-            for m, k in variants
+            Worker(OURS, dict(common, ckpt=ckpt, matmul=m, kept_blocks=k), root=root, executable=[*pin, sys.executable])
+            for m, k, root, _ in variants
         ]
-        llama = Worker(LLAMA, dict(common, gguf=gguf), executable=[*pin, a.llama_python])
+        llama = None if a.no_llama else Worker(LLAMA, dict(common, gguf=gguf), executable=[*pin, a.llama_python])
         for w in ours:  # compile / warm up
             w.time(1, a.new), w.time(8, a.new)
-        llama.time(1, a.new)
+        if llama:
+            llama.time(1, a.new)
         po, p8, pl = [[] for _ in ours], [[] for _ in ours], []
         for _ in range(a.repeats):  # alternate
             for i, w in enumerate(ours):
                 po[i].append(_pair(w, 1, a.new))
-                pl.append(_pair(llama, 1, a.new))
+                if llama:
+                    pl.append(_pair(llama, 1, a.new))
                 p8[i].append(_pair(w, 8, a.new))
-        for w in [*ours, llama]:
+        for w in [*ours, *([llama] if llama else [])]:
             w.close()
-        ll = _figures(pl, 1, a.new)
-        for (m, k), o1, o8 in zip(variants, po, p8):
-            rows.append((length, f"{m}" + (f", {k}" if k else ""), _figures(o1, 1, a.new), ll, _figures(o8, 8, a.new)))
+        ll = _figures(pl, 1, a.new) if llama else {"ttft_ms": float("nan"), "decode_tok_s": float("nan")}
+        for (m, k, _, label), o1, o8 in zip(variants, po, p8):
+            name = f"{label}{m}" + (f", {k}" if k else "")
+            rows.append((length, name, _figures(o1, 1, a.new), ll, _figures(o8, 8, a.new)))
             print(
                 json.dumps(
                     {"prompt": length, "ours": rows[-1][1], "b1": rows[-1][2], "llama.cpp": ll, "b8": rows[-1][4]}

@@ -9,7 +9,14 @@ its KV cache), `io` (checkpoint formats), `decode` (the decode core, `generate`,
 from gemma4_nnx.config import AssistantConfig, Gemma4Config, LayerSpec, RopeSpec
 from gemma4_nnx.decode.engine import Engine, EngineError
 from gemma4_nnx.decode.errors import RequestError
-from gemma4_nnx.decode.generate import GenerateResult, StreamStep, enable_compilation_cache, generate, generate_stream
+from gemma4_nnx.decode.generate import (
+    GenerateResult,
+    StreamStep,
+    enable_compilation_cache,
+    generate,
+    generate_stream,
+    release_decoders,
+)
 from gemma4_nnx.decode.sampling import SamplingParams
 from gemma4_nnx.decode.text import FinishReason
 from gemma4_nnx.io.checkpoint import load
@@ -83,6 +90,7 @@ __all__ = [
     "masked_lm_loss",
     "merge_lora",
     "perplexity",
+    "release_decoders",
     "save_adapters",
     "scan_layers",
     "shard_batch",

@@ -7,17 +7,26 @@ directly in JAX with perturbed random weights; the transformers comparison uses 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import gemma4_nnx
 from gemma4_nnx import generate, generate_stream
 from gemma4_nnx.decode.batching import bucket_shapes
-from gemma4_nnx.decode.core import compiled_programs
+from gemma4_nnx.decode.compiles import Compiles
+from gemma4_nnx.decode.core import Decoder, compiled_programs
+from gemma4_nnx.decode.generate import release_decoders
+from gemma4_nnx.decode.split import split_model
 from tests import hf_fixtures as fx
 from tests.helpers import PROMPTS, build_hf_json, random_model
+
+generate_module = importlib.import_module("gemma4_nnx.decode.generate")  # the package exports the function
 
 F32_TOL = 1e-4
 WINDOW = fx.WINDOW
@@ -130,6 +139,157 @@ def test_one_new_token_equals_the_first_of_more(models):
     assert stopped.logprobs == one.logprobs
 
 
+# ----------------------------------------------------------------------------- decoders kept between calls
+@pytest.fixture
+def built(monkeypatch):
+    """The decoders `generate` builds (a list, one entry each), starting with none kept."""
+    count: list[int] = []
+
+    class Counted(Decoder):
+        def __init__(self, *args, **kwargs):
+            count.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "Decoder", Counted)
+    release_decoders()
+    yield count
+    release_decoders()
+
+
+def _fresh(model, prompts, n, **kw):
+    """`generate` on a decoder of its own (none kept from an earlier call)."""
+    release_decoders()
+    out = generate(model, prompts, n, **kw)
+    release_decoders()
+    return out
+
+
+def test_calls_of_the_same_shapes_reuse_one_decoder_with_a_fresh_ones_output(models, built):
+    """Calls of the same shapes (Bb 4, T 32) run on one decoder, whatever their prompts, sampler or
+    chunking; each gives exactly (tokens and logprobs, bit for bit) what a decoder of its own gives,
+    though the cache held a longer sequence of the call before (a ring that wrapped: window 4)."""
+    model = models("e2b")
+    short = [p[:2] for p in PROMPTS]  # the same buckets, less of the cache written
+    calls = [
+        (PROMPTS, dict(temperature=0.9, seed=1, return_logprobs=True)),
+        (short, dict(return_logprobs=True)),
+        (PROMPTS, dict(prefill_chunk=4, return_logprobs=True)),  # several chunks: `Decoder.reset`
+        (short, dict(temperature=0.7, top_k=5, seed=2, return_logprobs=True)),
+    ]
+    want = [_fresh(model, prompts, 9, stop_tokens=[], **kw) for prompts, kw in calls]
+    assert len(built) == 4
+    got = [generate(model, prompts, 9, stop_tokens=[], **kw) for prompts, kw in calls]
+    assert len(built) == 5, "calls of the same shapes must share one decoder"
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens and g.logprobs == w.logprobs
+    assert got[0].tokens != got[1].tokens  # the calls differ: a stale row would show
+
+
+def test_a_weight_change_gives_the_new_weights_output(built):
+    """After `nnx.update` of the weights, the next call runs the new weights: a new decoder (the
+    model's split changed), the same output as a decoder of its own, not the old weights' output."""
+    model = random_model("plain", seed=5)
+
+    def run(fn=generate):
+        out = fn(model, PROMPTS, 8, stop_tokens=[], return_logprobs=True)
+        return out.tokens, out.logprobs
+
+    before = run()
+    assert run() == before and len(built) == 1
+    rng = np.random.default_rng(0)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree_util.tree_map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32), params))
+    after = run()
+    assert len(built) == 2
+    assert after == run(_fresh)
+    assert after != before  # the change shows in the output: stale weights would not pass
+
+
+def test_a_decoder_in_use_is_not_shared(models, built):
+    """A stream still running holds its decoder: a call of the same shapes meanwhile builds its own,
+    and both give their own tokens."""
+    model = models("e2b")
+    want = _fresh(model, PROMPTS, 5, stop_tokens=[]).tokens
+    stream = generate_stream(model, PROMPTS, 5, stop_tokens=[])
+    first = next(stream)
+    assert generate(model, PROMPTS, 5, stop_tokens=[]).tokens == want
+    rest = list(stream)
+    assert [[s.tokens[r] for s in [first, *rest]] for r in range(3)] == want
+    assert len(built) == 3
+
+
+def test_prefill_and_first_draw_are_one_program(models, monkeypatch):
+    """A prompt of one chunk: its prefill and the first draw are one program (`first`), one dispatch;
+    with more tokens, the decode loop the only other."""
+    model = models("e2b")
+    kinds: list[str] = []
+    run = Compiles._run
+
+    def counted(self, kind, fn, *args):
+        kinds.append(kind)
+        return run(self, kind, fn, *args)
+
+    monkeypatch.setattr(Compiles, "_run", counted)
+    generate(model, PROMPTS, 1, stop_tokens=[])
+    assert kinds == ["first"]
+    kinds.clear()
+    generate(model, PROMPTS, 6, stop_tokens=[])
+    assert kinds == ["first", "loop"]
+
+
+def test_the_one_program_start_draws_what_prefill_then_draw_do(models, monkeypatch):
+    """The first tokens of `Decoder.first` (prefill and draw in one program) are those of `prefill`
+    then `draw` as two programs (the engine's way), their logprobs to the bit: within one program XLA
+    would fuse the softcap's last product into the sampler's sums as FMAs (the logprobs ~1e-6 apart)
+    but for the conditional around the draw. Rows that are all done draw nothing and stay as they were."""
+    model = models("e2b")
+    kw = dict(temperature=0.8, seed=3, top_k=20, repetition_penalty=1.3, return_logprobs=True, stop_tokens=[])
+    seen = {}
+    first = Decoder.first
+
+    def fused(self, cfg, batch, init, clear=False):
+        seen.update(decoder=self, cfg=cfg, batch=batch)
+        return first(self, cfg, batch, init, clear)
+
+    def apart(self, cfg, batch, init, clear=False):
+        self.state = dataclasses.replace(self.state, rows=self._place(init))
+        return self.draw(cfg, self.prefill(batch))
+
+    for greedy in (True, False):
+        call = dict(kw, temperature=0.0) if greedy else kw
+        monkeypatch.setattr(Decoder, "first", fused)
+        one = _fresh(model, PROMPTS, 1, **call)
+        monkeypatch.setattr(Decoder, "first", apart)
+        two = _fresh(model, PROMPTS, 1, **call)
+        assert one.tokens == two.tokens
+        assert one.logprobs == two.logprobs, (one.logprobs, two.logprobs)
+    decoder = seen["decoder"]
+    decoder.weights = split_model(model)[1]  # the call gave them back (`_Idle.release`)
+    idle = decoder.build_rows([None] * decoder.rows)
+    drawn = first(decoder, seen["cfg"], seen["batch"], idle)
+    assert not drawn.active.any() and drawn.done.all()
+    kept = jax.device_get(decoder.state.rows)
+    for name in ("token", "pos", "step", "done"):
+        np.testing.assert_array_equal(getattr(kept, name), getattr(idle, name), err_msg=name)
+
+
+def test_sampling_keys_of_a_seed_seen_before_take_no_program(models, monkeypatch):
+    """The rows' keys (`fold_in(key(seed), row)`) of a seed met before come from the host's table:
+    no program runs for them (a device round trip per call), and they are the same keys."""
+    from gemma4_nnx.decode import state
+
+    calls: list[int] = []
+    program = state._row_keys_jit
+    monkeypatch.setattr(state, "_row_keys_jit", lambda *a: (calls.append(1), program(*a))[1])
+    monkeypatch.setattr(state, "_known_keys", {})
+    kw = dict(temperature=1.0, seed=12345, stop_tokens=[])
+    first = generate(models("e2b"), PROMPTS, 4, **kw).tokens
+    assert len(calls) == 1
+    assert generate(models("e2b"), PROMPTS, 4, **kw).tokens == first and len(calls) == 1
+    want = [np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(12345), r))) for r in range(3)]
+    np.testing.assert_array_equal(state._row_keys([12345] * 3, [0, 1, 2]), np.stack(want))
+
+
 @pytest.mark.slow
 def test_logprobs_are_raw_model_log_softmax(models):
     model = models("moe")
@@ -191,22 +351,22 @@ def test_sampling_is_reproducible_and_temperature_to_zero_is_greedy(models):
 # ----------------------------------------------------------------------------- compilation bound
 @pytest.mark.slow
 def test_compilations_equal_the_bucket_bound():
-    """Programs compiled = one prefill per (Bb, Pb, T) + one decode loop per (Bb, Nb, T) + one first-token
-    draw per Bb, bounded by 2 * #(Bb, Pb, Nb) + #Bb; a second pass over the same buckets compiles
-    nothing at all (no XLA compile events)."""
+    """Programs compiled = one prefill-and-first-draw per (Bb, Pb, T) + one decode loop per (Bb, Nb, T),
+    bounded by 2 * #(Bb, Pb, Nb); a second pass over the same buckets compiles nothing at all (no XLA
+    compile events). With chunks, a prompt of several takes the chunk program and a draw per Bb."""
     model = random_model("plain", seed=1, vocab_size=131)  # a vocabulary no other test uses: fresh programs
     static = dict(stop_tokens=[5, 7])
     calls = [(1, 3, 5), (1, 12, 9), (3, 5, 5), (4, 16, 3), (1, 20, 5), (2, 9, 17)]
     ctx = model.config.max_position_embeddings
     shapes = [bucket_shapes(b, p, n, max_length=None, context=ctx, prefill_chunk=None) for b, p, n in calls]
     triples = {(bb, pb, nb) for bb, pb, nb, _ in shapes}
-    batch_buckets = {s[0] for s in shapes}
     expected = {
-        "prefill": len({(bb, pb, t) for bb, pb, _, t in shapes}),
+        "first": len({(bb, pb, t) for bb, pb, _, t in shapes}),
         "loop": len({(bb, nb, t) for bb, _, nb, t in shapes}),
-        "draw": len(batch_buckets),
+        "prefill": 0,  # every prompt is one chunk: prefilled by `first`, with the first draw
+        "draw": 0,
     }
-    bound = 2 * len(triples) + len(batch_buckets)
+    bound = 2 * len(triples)
 
     def run_all():
         for b, p, n in calls:
@@ -218,7 +378,7 @@ def test_compilations_equal_the_bucket_bound():
     after = compiled_programs()
     delta = {k: after[k] - before[k] for k in expected}
     assert delta == expected, (delta, expected)
-    assert sum(delta.values()) == bound == 11, (sum(delta.values()), bound)  # 5 triples, 3 batch buckets
+    assert sum(delta.values()) == bound == 8, (sum(delta.values()), bound)  # 4 triples
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -233,7 +393,9 @@ def test_compilations_equal_the_bucket_bound():
     for p in (3, 12, 20, 30):
         generate(model, [fx.sample_ids(1, p, seed=p)[0].tolist()], 4, max_length=64, prefill_chunk=8, **static)
     after = compiled_programs()
-    assert after["prefill"] - before["prefill"] == 1  # the [1, 8] chunk program, for every prompt length
+    assert after["prefill"] - before["prefill"] == 1  # the [1, 8] chunk program, for every longer prompt
+    assert after["first"] - before["first"] == 1  # the 3-token prompt: one chunk, with its first draw
+    assert after["draw"] - before["draw"] == 1  # the longer prompts' first draw (Bb = 1)
     assert after["loop"] == before["loop"]  # (Bb=1, Nb=16, T=64) was compiled above
 
 

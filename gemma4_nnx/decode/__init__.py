@@ -10,7 +10,14 @@ draw / loop ...), `split` (the model's weights as a program argument) and `compi
 from gemma4_nnx.decode.core import Decoder, compiled_programs
 from gemma4_nnx.decode.engine import Engine, EngineError, EngineRequest, Event
 from gemma4_nnx.decode.errors import RequestError
-from gemma4_nnx.decode.generate import GenerateResult, StreamStep, enable_compilation_cache, generate, generate_stream
+from gemma4_nnx.decode.generate import (
+    GenerateResult,
+    StreamStep,
+    enable_compilation_cache,
+    generate,
+    generate_stream,
+    release_decoders,
+)
 from gemma4_nnx.decode.sampling import SamplingParams
 from gemma4_nnx.decode.text import FinishReason
 
@@ -29,4 +36,5 @@ __all__ = [
     "enable_compilation_cache",
     "generate",
     "generate_stream",
+    "release_decoders",
 ]

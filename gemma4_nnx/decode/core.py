@@ -43,6 +43,7 @@ from gemma4_nnx.decode.programs import (
     _draw_jit,
     _empty_cache_jit,
     _encode_jit,
+    _first_jit,
     _loop_jit,
     _prefill_jit,
     _restore_jit,
@@ -311,6 +312,45 @@ class Decoder(Compiles):
                 next(chunks)
             except StopIteration as done:
                 return done.value
+
+    def first(self, cfg: DrawConfig, batch: PromptBatch, init: RowState, clear: bool = False) -> Drawn:
+        """`prefill` of a batch of every row whose prompt is one chunk (`batch.end <= batch.chunk`)
+        and the first `draw` (rows of `init`, the requests' initial state) as one program
+        (`programs._first`): one dispatch, the host arrays moved by it. clear: empty the cache
+        first (one used by an earlier batch; always the same for a cache shape: it keys the program).
+        Returns the host `Drawn`."""
+        if batch.end > batch.chunk:
+            raise ValueError(
+                f"Decoder.first: the prompt spans {batch.end} columns, more than one chunk ({batch.chunk})"
+            )
+        r = batch.ids.shape[0]
+        ids, pos, valid, soft = batch.columns(0, batch.chunk)
+        adapter = np.zeros(r, np.int32) if self.banked else None
+        ids, pos, last = np.asarray(ids, np.int32), np.asarray(pos, np.int32), np.asarray(batch.last, np.int32)
+        host = (init, ids, pos, np.asarray(valid), last, adapter)
+        # Without a mesh the host arrays go into the call as they are: jit moves them to the weights'
+        # device in C++ (~20 us for all), where a `device_put` takes ~20 us an array (23 of them).
+        # They are host arrays at every call, so the program compiles once.
+        rows, ids, pos, valid, last, adapter = host if self.mesh is None else self._place(host)
+        self._sync_table()
+        cache, rows, drawn = self._run(
+            "first",
+            _first_jit,
+            cfg,
+            clear,
+            self.graphdef,
+            self.weights,
+            self.state.cache,
+            rows,
+            ids,
+            pos,
+            valid,
+            last,
+            None if soft is None else jnp.asarray(soft, self.dtype),
+            adapter,
+        )
+        self.state = DecodeState(cache, rows)
+        return fetch_drawn(drawn)
 
     def prefill_chunks(
         self,

@@ -5,12 +5,16 @@ How a call runs
 1. Every prompt is validated (`requests.make_request`) and the batch is right-padded into a
    `[Bb, Pb]` `PromptBatch` (`batching`: `Bb` and `Pb` bucketed). Rows that pad the batch to `Bb` are
    empty (done from the start).
-2. A `core.Decoder` of `Bb` rows allocates the KV cache (an explicit pytree it owns; the model is not
-   changed) and the rows' state (per-row keys, limits, stop tokens, sampling parameters).
+2. A `core.Decoder` of `Bb` rows holds the KV cache (an explicit pytree it owns; the model is not
+   changed) and the rows' state (per-row keys, limits, stop tokens, sampling parameters). A decoder
+   with a small cache (`REUSE_CACHE_BYTES`) is kept when the call ends and serves the next call of
+   the same shapes on the same model (`_Idle`: its cache cleared, the model's current weights),
+   which saves its construction (~1.5 ms of host time); `release_decoders()` drops them.
 3. Prefill runs the padded prompt (in chunks of `prefill_chunk` columns if set, else of
    `batching.AUTO_PREFILL_CHUNK` for longer prompts without images) and keeps only each
    row's last real position (`Gemma4.__call__(select=...)`, which also skips the KV-consumer layers
-   for every other position: exact, reference §8.4). The first token is drawn from it.
+   for every other position: exact, reference §8.4). The first token is drawn from it; a prompt of
+   one chunk is prefilled and drawn from in one program (`Decoder.first`).
 4. Decode: `generate` runs the whole loop on device (`Decoder.loop`, one `jax.lax.while_loop`) until
    every row has produced a stop token or `max_new_tokens`; `generate_stream` runs the same decode
    step and draw from Python (`Decoder.step`) and yields after each step. Text, stop strings and
@@ -30,13 +34,15 @@ Shapes are rounded up to powers of two (`batching`):
 
 For one model and one setting of the static options (which sampling processors are on, whether
 logprobs are returned; the *values* of temperature, top-k, ... and the stop tokens are traced), the
-programs are: a prefill per distinct `(Bb, Pb or C, T)`, a decode loop per distinct `(Bb, Nb, T)`
-(`generate_stream`: a decode step per `(Bb, T)`), and a draw (first-token sampler) per `Bb`. **Bound:
-at most `2 * #triples + #batch buckets` compilations, where a triple is a distinct `(Bb, Pb or C,
-Nb)`.** So prompts of lengths 1..2^k (k >= 4), batch sizes 1..2^j and max_new_tokens up to 2^m
-(m >= 4) compile at most `(j+1) * (2 * (k-3) * (m-3) + 1)` programs; with `prefill_chunk` the prompt
-length drops out: `(j+1) * (2 * (m-3) + 1)`. Besides these, only jax's tiny eager ops (zeroed cache,
-per-row keys) compile, once per shape. A warm call in a seen bucket compiles nothing.
+programs are: a prefill with the first draw (`first`) per distinct `(Bb, Pb or C, T)`, a decode loop
+per distinct `(Bb, Nb, T)` (`generate_stream`: a decode step per `(Bb, T)`), and for prompts of
+several chunks the chunk prefill per `(Bb, C, T)` and a draw (first-token sampler) per `Bb`.
+**Bound: at most `2 * #triples` compilations without chunks, `3 * #triples + #batch buckets` with,
+where a triple is a distinct `(Bb, Pb or C, Nb)`.** So prompts of lengths 1..2^k (4 <= k, 2^k <=
+`AUTO_PREFILL_CHUNK`), batch sizes 1..2^j and max_new_tokens up to 2^m (m >= 4) compile at most
+`(j+1) * 2 * (k-3) * (m-3)` programs; with `prefill_chunk` the prompt length drops out:
+`(j+1) * (3 * (m-3) + 1)`. Besides these, only jax's tiny eager ops (zeroed cache, per-row keys)
+compile, once per shape. A warm call in a seen bucket compiles nothing.
 `core.compiled_programs` reports the counts; tests/test_generate.py checks them.
 `enable_compilation_cache(dir)` keeps compiled programs on disk across processes.
 """
@@ -45,6 +51,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -55,9 +63,17 @@ from gemma4_nnx.decode.errors import RequestError
 from gemma4_nnx.decode.requests import Request, check_int, make_request
 from gemma4_nnx.decode.sampling import RowParams, SamplingParams
 from gemma4_nnx.decode.speculative import Drafting, SpeculativeConfig, speculative_config
+from gemma4_nnx.decode.split import split_model
 from gemma4_nnx.decode.text import FinishReason, TextStream
 
-__all__ = ["GenerateResult", "StreamStep", "enable_compilation_cache", "generate", "generate_stream"]
+__all__ = [
+    "GenerateResult",
+    "StreamStep",
+    "enable_compilation_cache",
+    "generate",
+    "generate_stream",
+    "release_decoders",
+]
 
 
 # ------------------------------------------------------------------------------------------- results
@@ -146,6 +162,71 @@ class GenerateOptions:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)}
 
 
+# ------------------------------------------------------------------------------------------- reuse
+#: A decoder whose KV cache is at most this many bytes is kept, when its call ends, for the next call of
+#: the same shapes on the same model (`_Idle`); a larger one is built per call (its prefill dwarfs that).
+REUSE_CACHE_BYTES = 64 << 20
+#: The most idle decoders kept per model (the most recently used).
+REUSE_DECODERS = 4
+
+
+class _Idle:
+    """Decoders whose `generate` call has ended, per model (a weak reference) and shapes, for the
+    next call of those shapes: building a decoder and its cache costs ~1.5 ms of host time a call, a
+    sixth of the 270M's 13-token first token on 2 cores (docs/benchmarks-notes.md, "Decode core: host
+    costs"). A call takes its decoder out (two calls never share one) and puts it back when it ends
+    (`release`; a call that raised or a stream left unfinished does not). An idle decoder holds no
+    weights: the call that takes it gives it the model's current split (`split_model`), and a model
+    split anew (its structure or any weight changed: quantizing, a LoRA merge, `nnx.update`) drops
+    its idle decoders, so a reused decoder always runs the weights a fresh one would. Its cache holds
+    the last call's keys and values until its first program clears it (`Decoder.first(clear=True)`,
+    or `reset`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: Decoder}
+
+    def take(self, model, key: tuple) -> Decoder | None:
+        """The idle decoder of `model` for `key`, given the model's weights, or None."""
+        graphdef, weights = split_model(model)
+        with self._lock:
+            idle = self._models.get(model)
+            if not idle:
+                return None
+            if next(iter(idle.values())).graphdef is not graphdef:  # the model was split anew
+                idle.clear()
+                return None
+            decoder = idle.pop(key, None)
+        if decoder is not None:
+            decoder.weights = weights
+        return decoder
+
+    def release(self, model, key: tuple, decoder: Decoder) -> None:
+        """`decoder` (of `model`, `key`) is free again: kept without its weights, the oldest of the
+        model's dropped beyond `REUSE_DECODERS`."""
+        decoder.weights = None
+        with self._lock:
+            idle = self._models.setdefault(model, {})
+            if idle and next(iter(idle.values())).graphdef is not decoder.graphdef:
+                idle.clear()  # kept for an older split of the model
+            idle.pop(key, None)
+            idle[key] = decoder  # the most recent last
+            while len(idle) > REUSE_DECODERS:
+                del idle[next(iter(idle))]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._models = weakref.WeakKeyDictionary()
+
+
+_idle = _Idle()
+
+
+def release_decoders() -> None:
+    """Drop every decoder `generate` keeps for reuse (and with them their KV caches' memory)."""
+    _idle.clear()
+
+
 # ------------------------------------------------------------------------------------------- start
 @dataclasses.dataclass
 class _Run:
@@ -157,6 +238,14 @@ class _Run:
     first: Drawn  # the first tokens (host)
     new_bucket: int
     speculative: SpeculativeConfig | None = None
+    model: object = None
+    reuse: tuple | None = None  # the decoder's key in `_idle` (None: not kept after the call)
+
+    def release(self) -> None:
+        """The call has ended: its decoder is free for the next call of these shapes."""
+        if self.reuse is not None:
+            _idle.release(self.model, self.reuse, self.decoder)
+            self.reuse = None
 
 
 def _start(model, prompts, max_new_tokens, opts: GenerateOptions) -> _Run:
@@ -209,21 +298,46 @@ def _start(model, prompts, max_new_tokens, opts: GenerateOptions) -> _Run:
     )
     params = requests[0].params
     features = RowParams.of([params], config.vocab_size)[1]
-    decoder = Decoder(
-        model,
+    shapes = dict(
         rows=bb,
         max_length=t,
         cache_dtype=opts.cache_dtype,
         stop_width=max(4, pow2(len(requests[0].stop_tokens))),
         vocab_width=config.vocab_size if params.uses_vocab_state else 1,
         speculative_tokens=spec.k if spec else 0,
-        assistant=spec.assistant if spec else None,
-        requests=requests + [None] * (bb - len(requests)),
     )
-    soft = decoder.soft_tokens(requests)
-    logits = decoder.prefill(PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk, soft=soft))
+    key = _reuse_key(shapes, spec)
+    decoder = None if key is None else _idle.take(model, key)
+    reused = decoder is not None
+    if decoder is None:
+        decoder = Decoder(model, assistant=spec.assistant if spec else None, **shapes)
+        if key is not None and decoder.state.cache.nbytes > REUSE_CACHE_BYTES:
+            key = None
+    padded = requests + [None] * (bb - len(requests))
+    batch = PromptBatch.build([r.prompt for r in requests], bb, prefill_chunk, soft=decoder.soft_tokens(requests))
     cfg = DrawConfig(features, bool(opts.return_logprobs))
-    return _Run(requests, decoder, cfg, decoder.draw(cfg, logits), nb, spec)
+    if batch.end <= batch.chunk:  # one program: prefill and the first draw
+        first = decoder.first(cfg, batch, decoder.build_rows(padded), clear=key is not None)
+    else:
+        if reused:
+            decoder.reset(padded)
+        else:
+            decoder.start(padded)
+        first = decoder.draw(cfg, decoder.prefill(batch))
+    return _Run(requests, decoder, cfg, first, nb, spec, model, key)
+
+
+def _reuse_key(shapes: dict, spec: SpeculativeConfig | None) -> tuple | None:
+    """A decoder's key among the idle ones (`_Idle`), or None when it is not kept (an assistant
+    drafts: the decoder holds its weights)."""
+    if spec is not None and spec.assistant is not None:
+        return None
+    key = tuple(shapes.values())
+    try:
+        hash(key)
+    except TypeError:  # a cache_dtype that cannot key a dict
+        return None
+    return key
 
 
 # ------------------------------------------------------------------------------------------- drivers
@@ -265,8 +379,9 @@ def generate(
     `batching.AUTO_PREFILL_CHUNK` tokens, chunks of that beyond; prompts with images in one).
     `seed`: with a fixed seed, output is reproducible (row r draws from fold_in(key(seed), r)).
     `cache_dtype`: default the compute dtype; "int8": codes with a float32 scale per token and head,
-    dequantized inside attention (`cache.quantize_kv`). The KV cache lives for the call only; the model is
-    not changed (a plain `model(ids)` works at any time).
+    dequantized inside attention (`cache.quantize_kv`). The model is not changed (a plain `model(ids)`
+    works at any time); a small KV cache is kept for the next call of the same shapes (`_Idle`;
+    `release_decoders()` frees it).
     `speculative`: draft and verify several tokens per step (`decode.speculative`), e.g.
     `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}`:
     greedy output is the same as without it, sampled output has the same distribution; the result
@@ -282,6 +397,7 @@ def generate(
         steps = list(_stream(run, max_new_tokens, tokenizer, return_logprobs))
         return _collect(steps, len(prompts), return_logprobs, tokenizer)
     out, lps, lengths = run.decoder.loop(run.cfg, run.first, run.new_bucket)
+    run.release()
     tokens, reasons, logprobs = [], [], []
     for r, req in enumerate(run.requests):
         toks = out[r, : lengths[r]].tolist()
@@ -362,6 +478,7 @@ def _stream(run: _Run, max_new_tokens: int, tokenizer, return_logprobs: bool) ->
                 drafting.accepted[:b] if spec else None,
             )
         if all(reasons[r] is not None for r in range(b)):
+            run.release()
             return
         # Rows the host ended (a stop string) stop on the device too.
         host_ended = [reasons[r] is not None and not (emitted[r] and emitted[r][-1][3]) for r in range(b)]

@@ -6,6 +6,9 @@ Six programs do the work of both drivers (`generate` and the engine, through `co
   `generate`; the joining rows, gathered, cleared and scattered back, for the engine); returns each
   row's next-token logits once its last prompt token has been seen. Program per (rows, chunk width,
   cache shape).
+* `first`: `prefill` of a one-chunk prompt into every row and `draw` of every row's first token in
+  one program, `generate`'s start (one dispatch, one array read back). Program per (rows, prompt
+  width, cache shape, `DrawConfig`).
 * `decode`: one token for each of the first m rows (m a power of two covering every active row); done
   rows are masked (key position -1: they write nothing). Program per (m, cache shape).
 * `draw`: sample the next token of rows `idx` from their logits with each row's own parameters
@@ -93,9 +96,45 @@ def _prefill(
     c = ids.shape[1]
     local = jnp.clip(last - c0, 0, c - 1)
     new, part = _forward(graphdef, weights, part, ids, positions, valid, local[:, None], soft, adapter)
-    here = (last >= c0) & (last < c0 + c)
     cache = part if idx is None else cache.put(idx, part)
+    if nxt is None:  # one chunk holds every row's last token (`_first`)
+        return cache, new
+    here = (last >= c0) & (last < c0 + c)
     return cache, jax.tree_util.tree_map(lambda a, b: jnp.where(here[:, None], a, b), new, nxt)
+
+
+def _first(
+    cfg: DrawConfig, clear: bool, graphdef, weights, cache: KVCache, rows: RowState, ids, positions, valid, last, soft,
+    adapter=None,
+):  # fmt: skip
+    """`generate`'s start in one program: a prompt of one chunk prefilled into every row (`_prefill`:
+    every row fresh, each row's last token in this chunk), then its first draw (`_draw` of every row
+    from `rows`, their initial state). clear: empty the cache first (`KVCache.cleared`: one used by
+    an earlier call holds nothing of it then). Returns (cache, rows, `PackedDrawn`), bit for bit
+    those of `prefill` and `draw` as two programs (the engine's way)."""
+    if clear:
+        cache = cache.cleared()
+    fresh = jnp.ones(ids.shape[0], bool)
+    cache, nxt = _prefill(graphdef, weights, cache, None, ids, positions, valid, last, None, 0, fresh, soft, adapter)
+    # The draw sits in a conditional, a fusion boundary XLA keeps: fused with the prefill, the
+    # softcap's last product is recomputed inside the sampler's fusions, where XLA's CPU backend lets
+    # LLVM contract it with their sums into FMAs (AllowFPOpFusion=Fast, always), and the first token's
+    # logprob rounds ~1e-6 away from the draw program's, which reads the logits as stored. An
+    # optimization barrier does not do it: the CPU compiler expands barriers before fusion.
+    rows, drawn = jax.lax.cond(
+        jnp.any(~rows.done), functools.partial(_draw, cfg), functools.partial(_drawn_none, cfg), rows, None, nxt
+    )
+    return cache, rows, PackedDrawn.pack(drawn)
+
+
+def _drawn_none(cfg: DrawConfig, rows: RowState, idx, nxt: Next):
+    """`_draw`'s result when every row is done: the rows as they were, no token drawn (none active)."""
+    k, n = nxt.logits.shape[0], cfg.top_logprobs
+    zeros = jnp.zeros(k, bool)
+    return rows, Drawn(
+        jnp.zeros(k, jnp.int32), jnp.zeros(k, jnp.float32), zeros, rows.done, zeros,
+        jnp.zeros((k, n), jnp.int32), jnp.zeros((k, n), jnp.float32),
+    )  # fmt: skip
 
 
 def _decode(m: int, graphdef, weights, cache: KVCache, token, pos, done, adapter=None):
@@ -417,6 +456,7 @@ def _score(n_top: int, chunk: int, graphdef, weights, ids, valid, adapter=None):
 # arguments; the cache (and the rows' state) are donated.
 _prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(2,))
 _encode_jit = jax.jit(_encode, static_argnums=0)
+_first_jit = jax.jit(_first, static_argnums=(0, 1, 2), donate_argnums=(4,))  # the rows come from the host
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=(3,))
 _draw_jit = jax.jit(_draw_packed, static_argnums=0, donate_argnums=(1,))
 _step_jit = jax.jit(_step, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
@@ -468,6 +508,7 @@ _set_rows_jit = jax.jit(
 #: Every jitted program by name (`compiles.compiled_programs` counts their compiled variants).
 PROGRAMS = {
     "prefill": _prefill_jit,
+    "first": _first_jit,
     "encode": _encode_jit,
     "decode": _decode_jit,
     "draw": _draw_jit,

@@ -311,17 +311,31 @@ def compile_row_keys(rows: int) -> None:
     """Compile (by running it on zeros) the sampling-key program of every count of joining rows up to
     `rows` (one per power of two): an engine's precompile, so that none compiles on its serving thread."""
     for n in sorted({pow2(k) for k in range(1, rows + 1)}):
-        _row_keys([0] * n, [0] * n)
+        _row_keys_jit(np.zeros(n, np.int32), np.zeros(n, np.int32))
+
+
+#: Key data of the (seed, row) pairs met so far (`_row_keys`; a pure function of the pair): a call
+#: of `generate` with a seed seen before makes no device round trip for its keys.
+_known_keys: dict[tuple[int, int], np.ndarray] = {}
+_KNOWN_KEYS = 4096
 
 
 def _row_keys(seeds: Sequence[int], rows: Sequence[int]) -> np.ndarray:
-    """The key data of each (seed, row). Computed for a power-of-two count (zeros after the real ones,
-    dropped): the program compiles once per such count, not once per number of requests joining on
-    the serving thread."""
-    n = len(seeds)
-    padded = np.zeros((2, pow2(n)), np.int32)
-    padded[0, :n], padded[1, :n] = seeds, rows
-    return np.asarray(_row_keys_jit(padded[0], padded[1]))[:n]
+    """The key data of each (seed, row). Pairs not met before are computed for a power-of-two count
+    (zeros after the real ones, dropped): the program compiles once per such count, not once per
+    number of requests joining on the serving thread."""
+    pairs = [(int(s), int(r)) for s, r in zip(seeds, rows, strict=True)]
+    known = {p: _known_keys.get(p) for p in pairs}  # this call's own view: other threads may clear the table
+    new = [p for p, data in known.items() if data is None]
+    if new:
+        padded = np.zeros((2, pow2(len(new))), np.int32)
+        padded[:, : len(new)] = np.array(new, np.int32).T
+        computed = dict(zip(new, np.asarray(_row_keys_jit(padded[0], padded[1]))))
+        known.update(computed)
+        if len(_known_keys) + len(new) > _KNOWN_KEYS:
+            _known_keys.clear()
+        _known_keys.update(computed)
+    return np.stack([known[p] for p in pairs])
 
 
 @functools.cache

@@ -465,6 +465,19 @@ class KVCache:
         """Forget rows (bool [B]) so their slots can take a new sequence (paged rows: their table)."""
         return self._map_rows(lambda c: dataclasses.replace(c, pos=jnp.where(rows[:, None], -1, c.pos)))
 
+    def cleared(self) -> KVCache:
+        """The cache as `init` makes it (every slot empty, keys, values and scales zero, pools
+        included), the table kept: a cache used before, holding nothing of it."""
+
+        def clear(c):
+            zero = {f: None if getattr(c, f) is None else jnp.zeros_like(getattr(c, f)) for f in _KV_FIELDS}
+            return dataclasses.replace(c, pos=jnp.full_like(c.pos, -1), **zero)
+
+        return KVCache({i: clear(c) for i, c in self.layers.items()}, self.table)
+
+
+_KV_FIELDS = ("k", "v", "k_scale", "v_scale")
+
 
 def take_rows(tree, rows: Array):
     """Rows `rows` [k] of every [B, ...] leaf of `tree` (an index >= B reads the last row)."""
