@@ -516,7 +516,7 @@ def test_serving_thread_lowers_no_program_after_a_precompile(model):
             lowered.append("".join(traceback.format_stack(limit=12)))
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
-    engine = Engine(model, max_batch=8, max_length=40, precompile=(7,))
+    engine = Engine(model, max_batch=4, max_length=40, precompile=(7,))
     prompt = fx.sample_ids(1, 7, seed=9)[0].tolist()
     try:
         got = [e.token for e in engine.submit(prompt, 6, stop_tokens=[], temperature=0.7, seed=5)]
