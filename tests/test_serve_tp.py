@@ -54,8 +54,12 @@ def post(port, body):
 def serve(tp):
     # a precompile (for the new-setting check) on one device and TP=2; TP=8 compiles on first use
     precompile = ["--precompile", "8"] if tp < 8 else ["--precompile"]
+    # the one-device server, the reference, takes one step per dispatch; the sharded ones run bursts of
+    # 4 steps (a fixed size: the precompile compiles the greedy bursts; "auto", the default, waits for
+    # measured steps, which requests this short never give): their tokens equal the single steps' too
+    steps = ["--decode-steps", "1" if tp == 1 else "4"]
     args = build_parser().parse_args([ckpt, "--tensor-parallel-size", str(tp), "--max-batch", "4",
-                                      "--max-length", "64", *precompile])
+                                      "--max-length", "64", *precompile, *steps])
     engine = make_engine(args)
     port = free_port()
     config = uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="warning")
@@ -84,6 +88,7 @@ REQUESTS = [
 ]
 report = {"devices": len(jax.devices())}
 for tp in (1, 2, 8):
+    start = time.time()
     engine, server, port = serve(tp)
     outs = []
     for body in REQUESTS:
@@ -119,6 +124,9 @@ for tp in (1, 2, 8):
         "weights_split": sum(1 for x in weights if not x.sharding.is_fully_replicated),
         "compiled": engine.compiled_programs(),
         "new_setting": new_setting,
+        "dispatches": engine.stats.decode_dispatches,
+        "decode_steps": engine.stats.decode_steps,
+        "seconds": round(time.time() - start, 1),  # where the module's time goes (the report in the log)
     }
     server.should_exit = True
     engine.close()
@@ -137,13 +145,17 @@ def report():
 @pytest.mark.parametrize("tp", ["2", "8"])
 def test_tensor_parallel_server_serves_the_one_device_tokens(report, tp):
     """Greedy and seeded sampled completions, one at a time and concurrently (sharing decode steps),
-    equal the one-device server's, text for text."""
+    equal the one-device server's (one step per dispatch), text for text, with the sharded servers'
+    bursts of 4 steps (`--decode-steps 4`)."""
     assert report["devices"] == 8
     one, many = report["1"], report[tp]
     assert many["texts"] == one["texts"]
     assert many["concurrent"] == one["texts"] and one["concurrent"] == one["texts"]
     assert all(t for texts in one["texts"] for t in texts)  # something was generated
     assert len(set(one["texts"][2] + one["texts"][3])) == 2  # the seeded draws are not trivial repeats
+    assert one["dispatches"] == one["decode_steps"]  # the reference ran one step per dispatch
+    if tp == "2":  # its greedy bursts were precompiled: some dispatches ran several steps
+        assert many["dispatches"] < many["decode_steps"], many
 
 
 def test_tensor_parallel_server_really_shards(report):
