@@ -62,12 +62,14 @@ def random_model(
 ) -> Gemma4:
     """A tiny float32 model with weights perturbed like the HF fixtures (norms away from 1, large
     final norm so the softcap is non-linear), built without torch. config: HF config fields to
-    override (e.g. a longer context)."""
+    override (e.g. a longer context). Built abstractly (`abstract_model`) and filled from NumPy: every
+    variable gets its value below, and an eager init would compile one random program per weight shape
+    (~6 CPU seconds per test module, whose programs `_release_compiled_programs` drops)."""
     d = dict(fx.VARIANTS[variant], model_type="gemma4_text", **(config or {}))
     if vocab_size is not None:
         d.update(vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size)
     config = read_text_config(d)
-    model = Gemma4(config, dtype=jnp.float32, param_dtype=param_dtype, rngs=nnx.Rngs(seed), matmul=matmul)
+    model = abstract_model(config, jnp.float32, param_dtype, matmul)
     rng = np.random.default_rng(seed)
     for path, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Variable):
