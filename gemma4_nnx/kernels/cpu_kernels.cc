@@ -2393,19 +2393,24 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
     if ((int64_t{1} << shift) != PS || table.dimensions()[0] < B || kpos.dimensions()[0] != kd[0] ||
         kpos.dimensions()[1] != PS)
       return ffi::Error::InvalidArgument("gemma4_attend: a pool [P, S (a power of two), K, H], kpos [P, S], table [>= B, M]");
-  } else if (kd[0] < B || kpos.dimensions()[0] != kd[0] || kpos.dimensions()[1] != T) {
-    return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H], k [Bc >= B, T, K, H] and kpos [Bc, T] disagree");
   }
+  // not paged: table [1, 1] holds the cache row query row 0 reads (a stacked cache's layer: its rows from there)
+  const int64_t first = paged || table.element_count() < 1 ? 0 : table.typed_data()[0];
+  if (!paged && (first < 0 || first + B > kd[0] || kpos.dimensions()[0] != kd[0] || kpos.dimensions()[1] != T))
+    return ffi::Error::InvalidArgument(
+        "gemma4_attend: q [B, S, N, H], k [Bc >= first + B, T, K, H] and kpos [Bc, T] disagree");
   if (kd[3] != H || KH < 1 || N % KH != 0 || qpos.dimensions()[0] != B || qpos.dimensions()[1] != S)
     return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H], k [., ., K, H] and qpos [B, S] disagree");
   const int32_t* tbl = paged ? table.typed_data() : nullptr;
+  const int64_t skip = first * T * KH;  // elements of the rows before `first`, per head dim (scales: per slot head)
+  const int32_t* kp = kpos.typed_data() + first * T;
   if (k.element_type() == ffi::DataType::F32)
-    attend(pool, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()),
-           reinterpret_cast<const float*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(), out->typed_data(),
-           B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
+    attend(pool, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()) + skip * H,
+           reinterpret_cast<const float*>(v.untyped_data()) + skip * H, kp, qpos.typed_data(), out->typed_data(), B,
+           S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
   else if (k.element_type() == ffi::DataType::BF16)
-    attend(pool, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()),
-           reinterpret_cast<const uint16_t*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(),
+    attend(pool, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()) + skip * H,
+           reinterpret_cast<const uint16_t*>(v.untyped_data()) + skip * H, kp, qpos.typed_data(),
            out->typed_data(), B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
   else if (k.element_type() == ffi::DataType::S8) {
     // scales [Bc, T, KH] (or [P, PS, KH]) float32: one per slot and KV head
@@ -2413,10 +2418,11 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
         static_cast<int64_t>(k_scale.element_count()) * H != static_cast<int64_t>(k.element_count()) ||
         v_scale.element_count() != k_scale.element_count())
       return ffi::Error::InvalidArgument("gemma4_attend: int8 k / v need float32 scales [..., K] per slot and head");
-    attend(pool, q.typed_data(), reinterpret_cast<const int8_t*>(k.untyped_data()),
-           reinterpret_cast<const int8_t*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(),
-           out->typed_data(), B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0],
-           reinterpret_cast<const float*>(k_scale.untyped_data()), reinterpret_cast<const float*>(v_scale.untyped_data()));
+    attend(pool, q.typed_data(), reinterpret_cast<const int8_t*>(k.untyped_data()) + skip * H,
+           reinterpret_cast<const int8_t*>(v.untyped_data()) + skip * H, kp, qpos.typed_data(), out->typed_data(), B,
+           S, N, T, KH, H, window, scale, tbl, M, shift, kd[0],
+           reinterpret_cast<const float*>(k_scale.untyped_data()) + skip,
+           reinterpret_cast<const float*>(v_scale.untyped_data()) + skip);
   } else
     return ffi::Error::InvalidArgument("gemma4_attend: k / v must be float32, bfloat16 or int8");
   return ffi::Error::Success();
