@@ -46,6 +46,7 @@ __all__ = [
     "cache_size",
     "head_rows",
     "kv_rows",
+    "of_stack",
     "paged_view",
     "put_head_rows",
     "put_rows",
@@ -111,10 +112,20 @@ def _encode(new: KV, dtype) -> KV:
 def kv_rows(kv: KV, m: int) -> KV:
     """The first m rows of `kv` (of its table when paged: the pool is every row's; from row `first`
     when it has one)."""
+    lead = kv.pos.ndim - 1  # 2: a stack's layer (`stack_view`): its leaves [R, X, ...] read as [R * X, ...]
     if kv.first is not None:
-        rows = (jax.lax.dynamic_slice_in_dim(x, kv.first, m) for x in (kv.k, kv.v, kv.pos))
-        scales = (None if x is None else jax.lax.dynamic_slice_in_dim(x, kv.first, m) for x in (kv.k_scale, kv.v_scale))
+        rows = (jax.lax.dynamic_slice_in_dim(_flat(x, lead), kv.first, m) for x in (kv.k, kv.v, kv.pos))
+        scales = (
+            None if x is None else jax.lax.dynamic_slice_in_dim(_flat(x, lead), kv.first, m)
+            for x in (kv.k_scale, kv.v_scale)
+        )
         return KV(*rows, None, *scales)
+    if lead > 1:
+        kv = KV(
+            *(None if x is None else _flat(x, lead) for x in (kv.k, kv.v, kv.pos)),
+            kv.table,
+            *(None if x is None else _flat(x, lead) for x in (kv.k_scale, kv.v_scale)),
+        )
     if kv.table is None:
         return head_rows(kv, m)
     return kv if kv.table.shape[0] == m else dataclasses.replace(kv, table=kv.table[:m])
@@ -157,8 +168,8 @@ class LayerCache:
     ring: bool = dataclasses.field(default=False, metadata=dict(static=True))
     k_scale: Array | None = None  # int8 k / v: [B, T, K] float32
     v_scale: Array | None = None
-    # One layer of a stacked cache (`stack_view`: the layers' rows one after another, [R * B, T, ...]):
-    # its first row (int32 []); its rows are [first, first + B). None: every row is this layer's.
+    # One layer of a stack (`stack_view`: leaves [R, B, T, ...], read as the layers' rows one after
+    # another): its first row there (int32 []). None: a layer's own cache.
     first: Array | None = None
 
     @classmethod
@@ -199,7 +210,11 @@ class LayerCache:
             rows, slots = slots // self.size, slots % self.size
 
         def put(x, y):
-            return None if x is None else x.at[rows, slots].set(y.astype(x.dtype), mode="drop")
+            if x is None:
+                return None
+            if not flat:
+                return x.at[rows, slots].set(y.astype(x.dtype), mode="drop")
+            return _flat(x, 2).at[rows, slots].set(y.astype(x.dtype), mode="drop").reshape(x.shape)
 
         return dataclasses.replace(
             self,
@@ -240,7 +255,7 @@ class LayerCache:
         def join(x, y):
             if x is None:
                 return None
-            mine = x[:b] if self.first is None else jax.lax.dynamic_slice_in_dim(x, self.first, b)
+            mine = x[:b] if self.first is None else jax.lax.dynamic_slice_in_dim(_flat(x, 2), self.first, b)
             return jnp.concatenate([mine, y], axis=1)
 
         return KV(
@@ -307,7 +322,8 @@ class PagedCache:
         owner of the block left there would reach the row; zeroed, they weigh exactly nothing."""
         if clear_tail and in_place:
             raise ValueError("PagedCache.update: clear_tail is for the Pallas kernel's path, not in_place")
-        blocks, size = self.pos.shape
+        size = self.pos.shape[-1]
+        blocks, lead = self.pos.size // size, self.pos.ndim  # a stack's layer (`stack_view`): every layer's blocks
         b = new.pos.shape[0]
         new = _encode(new, self.k.dtype)
         table = self.table[:b]
@@ -328,7 +344,7 @@ class PagedCache:
             def put(x, y, slots=slots):
                 if x is None:
                     return None
-                flat = x.reshape(blocks * size, *x.shape[2:])
+                flat = x.reshape(blocks * size, *x.shape[lead:])
                 return (
                     flat.at[slots.reshape(-1)]
                     .set(y.reshape(slots.size, *y.shape[2:]).astype(x.dtype), mode="drop")
@@ -563,23 +579,27 @@ def _stack_groups(layers: dict, groups: tuple[tuple[int, ...], ...]) -> dict:
 
 
 def stack_view(stack: LayerCache | PagedCache, r: Array, table: Array | None) -> LayerCache | PagedCache:
-    """Layer `r` (int32 []) of a stack (leaves [R, ...]) as a layer's cache that reads and writes it in
-    place: the leaves' first two axes merged (no copy) and, for a ring or plain cache, its rows from
-    `first` = r * B; for a pool, the block table [B, M] moved to its blocks (r * P + id; none: R * P)."""
-    merged = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), stack)
+    """Layer `r` (int32 []) of a stack (leaves [R, X, ...]) as a layer's cache that reads and writes it
+    where it lies (the stack's layers' rows, or blocks, one after another): a ring or plain cache its
+    rows from `first` = r * B; a pool through the block table [B, M] moved to its blocks (r * P + id;
+    none: R * P)."""
+    layers, per = stack.pos.shape[:2]
     if isinstance(stack, PagedCache):
-        blocks = stack.pos.shape[1]
-        moved = jnp.where(table < blocks, table + r * blocks, stack.pos.shape[0] * blocks)
-        return dataclasses.replace(merged, table=moved.astype(jnp.int32))
-    return dataclasses.replace(merged, first=(r * stack.pos.shape[1]).astype(jnp.int32))
+        moved = jnp.where(table < per, table + r * per, layers * per)
+        return dataclasses.replace(stack, table=moved.astype(jnp.int32))
+    return dataclasses.replace(stack, first=(r * per).astype(jnp.int32))
 
 
-def from_view(view: LayerCache | PagedCache, stack: LayerCache | PagedCache) -> LayerCache | PagedCache:
-    """The stack `view` (`stack_view` of `stack`, written) is a layer of, leaves [R, ...] again."""
-    view = (
+def of_stack(view: LayerCache | PagedCache) -> LayerCache | PagedCache:
+    """The stack a `stack_view` (written) is a layer of."""
+    return (
         dataclasses.replace(view, table=None) if isinstance(view, PagedCache) else dataclasses.replace(view, first=None)
     )
-    return jax.tree.map(lambda v, s: v.reshape(s.shape), view, stack)
+
+
+def _flat(x: Array, lead: int) -> Array:
+    """x with its first `lead` axes as one (a stack's layers' rows, or a pool's slots, one after another)."""
+    return x.reshape(-1, *x.shape[lead:])
 
 
 _KV_FIELDS = ("k", "v", "k_scale", "v_scale")

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemma4_nnx.model.cache import KV, KVCache, PagedCache, from_view, stack_view
+from gemma4_nnx.model.cache import KV, KVCache, PagedCache, of_stack, stack_view
 
 __all__ = ["LayerStack", "Repeat", "cache_stacks", "plan_runs", "scan_layers", "unscan_layers"]
 
@@ -222,7 +222,7 @@ class Repeat(nnx.Module):
                 h, kv, own = _run_layer(layer, _call, h, inputs, ple_j, published, own)
                 if own is None:
                     continue
-                stacks[j] = from_view(own, stacks[j])
+                stacks[j] = of_stack(own)
                 if j in donor_places and kv.table is None and kv.pos.shape[1] != own.pos.shape[1]:
                     last = (None if x is None else x[:, -s:] for x in (kv.k, kv.v, kv.pos))
                     scales = (None if x is None else x[:, -s:] for x in (kv.k_scale, kv.v_scale))
@@ -232,8 +232,7 @@ class Repeat(nnx.Module):
         (h, stacks), tails = jax.lax.scan(body, (h, stacks), (state, jnp.arange(n), self._ple(inputs.ple)))
         for d, (rd, jd) in donors.items():
             tail = jax.tree.map(lambda x, r=rd: x[r], tails[jd]) if jd in tails else None
-            old = stack_view(cache.stacks[keys[jd]], jnp.int32(rd), cache.table) if held[jd] else None
-            old = cache.layer(d) if old is None else old
+            old = stack_view(cache.stacks[keys[jd]], jnp.int32(rd), cache.table) if held[jd] else cache.layer(d)
             published[d] = _seen(stack_view(stacks[jd], jnp.int32(rd), cache.table), tail, old)
         updated = {}
         for j, key in keys.items():
