@@ -226,10 +226,10 @@ def _blockwise_attend(
     Differentiable; the backward pass recomputes each block (`jax.checkpoint`) instead of keeping its
     probabilities."""
     b, s, n, h = q.shape
-    t, k_heads = kv.slots, kv.k.shape[2]
+    t, k_heads = kv.slots, kv.k.shape[-2]
     paged = kv.table is not None
     if paged:
-        block = max(block, kv.pos.shape[1])  # whole pages (both powers of two)
+        block = max(block, kv.pos.shape[-1])  # whole pages (both powers of two)
     block = min(block, t)
     qg = q.reshape(b, s, k_heads, n // k_heads, h)
     lowest = jnp.finfo(jnp.float32).min
@@ -237,7 +237,7 @@ def _blockwise_attend(
     @jax.checkpoint
     def step(carry, i):
         if paged:
-            pages = block // kv.pos.shape[1]
+            pages = block // kv.pos.shape[-1]
             view = paged_view(kv, i * pages, pages)
             mask = visibility(q_pos, view.pos, window, reach, floor)
         else:

@@ -80,7 +80,7 @@ class KV:
     @property
     def slots(self) -> int:
         """Key slots per row (T; M * S when paged)."""
-        return self.pos.shape[1] if self.table is None else self.table.shape[1] * self.pos.shape[1]
+        return self.pos.shape[1] if self.table is None else self.table.shape[1] * self.pos.shape[-1]
 
 
 def quantize_kv(x: Array) -> tuple[Array, Array]:
@@ -112,20 +112,13 @@ def _encode(new: KV, dtype) -> KV:
 def kv_rows(kv: KV, m: int) -> KV:
     """The first m rows of `kv` (of its table when paged: the pool is every row's; from row `first`
     when it has one)."""
-    lead = kv.pos.ndim - 1  # 2: a stack's layer (`stack_view`): its leaves [R, X, ...] read as [R * X, ...]
-    if kv.first is not None:
-        rows = (jax.lax.dynamic_slice_in_dim(_flat(x, lead), kv.first, m) for x in (kv.k, kv.v, kv.pos))
-        scales = (
-            None if x is None else jax.lax.dynamic_slice_in_dim(_flat(x, lead), kv.first, m)
-            for x in (kv.k_scale, kv.v_scale)
-        )
-        return KV(*rows, None, *scales)
-    if lead > 1:
-        kv = KV(
-            *(None if x is None else _flat(x, lead) for x in (kv.k, kv.v, kv.pos)),
-            kv.table,
-            *(None if x is None else _flat(x, lead) for x in (kv.k_scale, kv.v_scale)),
-        )
+    if kv.first is not None:  # a stack's layer (`stack_view`): its rows [first, first + B) of the layers'
+        per = kv.pos.shape[1]
+
+        def rows(x):
+            return None if x is None else jax.lax.dynamic_index_in_dim(x, kv.first // per, keepdims=False)[:m]
+
+        return KV(rows(kv.k), rows(kv.v), rows(kv.pos), None, rows(kv.k_scale), rows(kv.v_scale))
     if kv.table is None:
         return head_rows(kv, m)
     return kv if kv.table.shape[0] == m else dataclasses.replace(kv, table=kv.table[:m])
@@ -136,14 +129,18 @@ def paged_view(kv: KV, first: Array | int = 0, count: int | None = None) -> KV:
     K, H], pos [B, count * S]; columns past the table and blocks that hold another position than
     their place stands for read as empty (position -1)."""
     table = kv.table
-    blocks, size = kv.pos.shape
+    size, lead = kv.pos.shape[-1], kv.pos.ndim - 1  # lead 2: a stack's layer (`stack_view`), pools [R, P, ...]
+    blocks = kv.pos.size // size
     b, m = table.shape
     count = m if count is None else count
     cols = jnp.asarray(first, jnp.int32) + jnp.arange(count, dtype=jnp.int32)
     ids = jnp.where(cols < m, jnp.take(table, jnp.minimum(cols, m - 1), axis=1), blocks)  # [B, count]
+    at = ids if lead == 1 else jnp.divmod(ids, kv.pos.shape[1])  # (layer, block): no reshape of the stack
 
     def gather(x, fill=0):
-        return None if x is None else x.at[ids].get(mode="fill", fill_value=fill).reshape(b, count * size, *x.shape[2:])
+        if x is None:
+            return None
+        return x.at[at].get(mode="fill", fill_value=fill).reshape(b, count * size, *x.shape[lead + 1 :])
 
     pos = gather(kv.pos, -1)
     want = (cols[:, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(-1)
@@ -214,7 +211,8 @@ class LayerCache:
                 return None
             if not flat:
                 return x.at[rows, slots].set(y.astype(x.dtype), mode="drop")
-            return _flat(x, 2).at[rows, slots].set(y.astype(x.dtype), mode="drop").reshape(x.shape)
+            layer, row = jnp.divmod(rows, x.shape[1])  # no reshape of the stack (`_KV_FIELDS`' note)
+            return x.at[layer, row, slots].set(y.astype(x.dtype), mode="drop")
 
         return dataclasses.replace(
             self,
@@ -255,7 +253,10 @@ class LayerCache:
         def join(x, y):
             if x is None:
                 return None
-            mine = x[:b] if self.first is None else jax.lax.dynamic_slice_in_dim(_flat(x, 2), self.first, b)
+            if self.first is None:
+                mine = x[:b]
+            else:
+                mine = jax.lax.dynamic_index_in_dim(x, self.first // x.shape[1], keepdims=False)[:b]
             return jnp.concatenate([mine, y], axis=1)
 
         return KV(
@@ -344,12 +345,12 @@ class PagedCache:
             def put(x, y, slots=slots):
                 if x is None:
                     return None
+                y = y.reshape(slots.size, *y.shape[2:]).astype(x.dtype)
+                if lead == 3:  # a stack's layer: (layer, block, offset), no reshape of the stack
+                    block, offset = jnp.divmod(slots.reshape(-1), size)
+                    return x.at[jnp.divmod(block, x.shape[1]) + (offset,)].set(y, mode="drop")
                 flat = x.reshape(blocks * size, *x.shape[lead:])
-                return (
-                    flat.at[slots.reshape(-1)]
-                    .set(y.reshape(slots.size, *y.shape[2:]).astype(x.dtype), mode="drop")
-                    .reshape(x.shape)
-                )
+                return flat.at[slots.reshape(-1)].set(y, mode="drop").reshape(x.shape)
 
             k, v, pos = put(self.k, new.k), put(self.v, new.v), put(self.pos, new.pos)
             scales = dict(k_scale=put(self.k_scale, new.k_scale), v_scale=put(self.v_scale, new.v_scale))
@@ -595,11 +596,6 @@ def of_stack(view: LayerCache | PagedCache) -> LayerCache | PagedCache:
     return (
         dataclasses.replace(view, table=None) if isinstance(view, PagedCache) else dataclasses.replace(view, first=None)
     )
-
-
-def _flat(x: Array, lead: int) -> Array:
-    """x with its first `lead` axes as one (a stack's layers' rows, or a pool's slots, one after another)."""
-    return x.reshape(-1, *x.shape[lead:])
 
 
 _KV_FIELDS = ("k", "v", "k_scale", "v_scale")
