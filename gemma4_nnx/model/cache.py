@@ -22,6 +22,10 @@ from positions: ragged batches, ring wrap-around and padding need no special cas
 counts only when the position it holds is the one its place in the row's table stands for (a block
 that changed owners keeps stale positions, which then never show).
 
+A scanned model (`gemma4_nnx.model.scan`) holds the caches of the layers at one place of its repeated
+block as one stack, every leaf [R, ...] (`KVCache.stacks`), which its scan reads and writes in place
+(`stack_view`); the row operations map over a stack's layers.
+
 Shapes: B batch rows, T slots, K KV heads, H head dim; pools: P blocks of S = block_size slots.
 """
 
