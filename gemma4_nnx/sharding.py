@@ -81,6 +81,10 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^layers\.\d+\.(k|v)$", ("batch", "cache_seq", "cache_heads", None)),
     (r"^layers\.\d+\.pos$", ("batch", "cache_seq")),
     (r"^layers\.\d+\.(k|v)_scale$", ("batch", "cache_seq", "cache_heads")),  # an int8 cache's scales
+    # a scanned model's stacks (`KVCache.stacks`): the same, after a leading axis of the stacked layers
+    (r"^stacks\.[^.]+\.(k|v)$", (None, "batch", "cache_seq", "cache_heads", None)),
+    (r"^stacks\.[^.]+\.pos$", (None, "batch", "cache_seq")),
+    (r"^stacks\.[^.]+\.(k|v)_scale$", (None, "batch", "cache_seq", "cache_heads")),
     (r"^table$", (None, None)),  # the paged layers' block table: every device reads any row's blocks
     (r"(^|\.)(scale|layer_scalar|per_expert_scale)$", (None,)),  # norms and scalars: replicated
 )

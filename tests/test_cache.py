@@ -10,6 +10,7 @@ from flax import nnx
 from gemma4_nnx import Gemma4, Gemma4Config
 from gemma4_nnx.io.hf_config import read_text_config
 from gemma4_nnx.model.cache import KV, KVCache, LayerCache, cache_bytes
+from tests import helpers as th
 from tests import hf_fixtures as fx
 
 KIB, MIB = 1024, 1024 * 1024
@@ -92,3 +93,49 @@ def test_rows_of_a_cache_are_taken_and_put_back_exactly():
         np.testing.assert_array_equal(k[[0, 2]], old[[0, 2]] + 1)
         np.testing.assert_array_equal(k[[1, 3]], old[[1, 3]])  # untouched, and index 4 was dropped
     assert cache.nbytes == sum(2 * c.k.size * c.k.dtype.itemsize for c in cache.layers.values())
+
+
+def test_row_operations_on_stacked_layers_equal_them_per_layer():
+    """A cache held stacked (`KVCache.init(stacks=...)`, a scanned model's layout: here layers 0 and 2,
+    1 and 3 of [S, F] x2, rings and a paged int8 pool) and the same cache held per layer go through
+    the engine's row operations (take / put, reset, forget_from, rows_only snapshots, cleared) alike:
+    every layer's cache (`layer(i)`) equal, element for element."""
+    config = th.tiny_config(num_kv_shared_layers=0)
+    groups = ((0, 2), (1, 3))
+    rng = np.random.default_rng(1)
+    flat = KVCache.init(config, 3, 16, jnp.int8, block_size=4)
+    flat = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.integers(-1, 9, x.shape), x.dtype), flat)
+    flat = flat.with_table(jnp.asarray(rng.permutation(flat.table.size).reshape(flat.table.shape), jnp.int32))
+    stacked = KVCache(
+        {},
+        flat.table,
+        {g: jax.tree_util.tree_map(lambda *x: jnp.stack(x), *[flat.layers[i] for i in g]) for g in groups},
+    )
+    assert jax.tree.map(jnp.shape, KVCache.init(config, 3, 16, jnp.int8, block_size=4, stacks=groups)) == jax.tree.map(
+        jnp.shape, stacked
+    )
+    rows = jnp.asarray([2, 0, 3])
+
+    def ops(c: KVCache) -> list[KVCache]:
+        part = c.take(rows)
+        changed = jax.tree_util.tree_map(lambda x: x + 1 if x.dtype != jnp.int32 else x, part.rows_only())
+        return [
+            part,
+            c.put(rows, changed),
+            c.reset(jnp.asarray([False, True, False])),
+            c.forget_from(jnp.asarray([5, 9, 2])),
+            c.rows_only().take(rows[:2]),
+            c.cleared(),
+        ]
+
+    for want, got in zip(*jax.jit(lambda a, b: (ops(a), ops(b)))(flat, stacked), strict=True):  # one compile
+        assert not got.layers and set(got.stacks) <= set(groups)
+        for i in want.layers:
+            for name, a, b in zip(
+                "k v pos table k_scale v_scale".split(), _leaves(want.layer(i)), _leaves(got.layer(i))
+            ):
+                np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"layer {i} {name}")
+
+
+def _leaves(c):
+    return [getattr(c, f, None) for f in ("k", "v", "pos", "table", "k_scale", "v_scale")]

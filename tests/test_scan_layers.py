@@ -32,7 +32,9 @@ from flax import nnx
 
 from gemma4_nnx import Gemma4, generate
 from gemma4_nnx.io.hf_config import read_text_config
-from gemma4_nnx.model.scan import LayerStack, Repeat, plan_runs, scan_layers, unscan_layers
+from gemma4_nnx.model.attention import Attention
+from gemma4_nnx.model.cache import KVCache
+from gemma4_nnx.model.scan import LayerStack, Repeat, cache_stacks, plan_runs, scan_layers, unscan_layers
 from gemma4_nnx.model.tree import dotted
 from gemma4_nnx.train import finetune as ft
 from tests import helpers as th
@@ -189,15 +191,65 @@ def _cached_logits(model, ids, chunk: int, cache) -> np.ndarray:
     return np.concatenate(out, axis=1)
 
 
-def test_scanned_cached_forward_equals_unrolled():
-    """Prefill (a ring read as [ring ; chunk]) and decode steps (rings written in place: the CPU kernels)
-    through a dense cache (`Gemma4.init_cache`), E2B-like: the donors 2 and 3, whose K/V the consumers
-    4-7 read, sit in the second repeat of the first scanned run. (The paged pool and an int8 cache:
-    the `generate` and `Engine` tests.)"""
+def _xla_attention(model):
+    """`model` with every attention on XLA's path (the accelerators'), not the CPU kernels."""
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, Attention):
+            m.cpu_attention = False
+    return model
+
+
+def _paged(model, rows: int, length: int, dtype=jnp.int8) -> KVCache:
+    """A paged cache of the decode core's layout (a scanned model's stacked), every row its blocks."""
+    cache = KVCache.init(model.config, rows, length, dtype, block_size=4, stacks=cache_stacks(model))
+    return cache.with_table(np.arange(cache.table.size, dtype=np.int32).reshape(cache.table.shape))
+
+
+@pytest.mark.parametrize("path", ["kernels", "xla"])
+def test_scanned_cached_forward_equals_unrolled(path):
+    """Prefill (a ring read as [ring ; chunk]) and decode steps through the cache a scanned model holds
+    stacked per block place (`KVCache.stacks`), E2B-like: the donors 2 and 3, whose K/V the consumers
+    4-7 read, sit in the second repeat of the first scanned run. "kernels": a dense cache
+    (`Gemma4.init_cache`), rings written in place and read by the CPU kernels from their layer's rows
+    of the stack; "xla": XLA's attention (the accelerators') over a paged int8 pool and int8 rings."""
     ref, scanned = _pair("e2b_small")
     ids = fx.sample_ids(2, 9, seed=3)
-    want = _cached_logits(ref, ids, 7, ref.init_cache(2, 16))
-    _assert_close(_cached_logits(scanned, ids, 7, scanned.init_cache(2, 16)), want, "cached logits")
+    if path == "kernels":
+        assert cache_stacks(scanned) and scanned.init_cache(2, 16).stacks  # a scanned model's cache: stacked
+        want = _cached_logits(ref, ids, 7, ref.init_cache(2, 16))
+        _assert_close(_cached_logits(scanned, ids, 7, scanned.init_cache(2, 16)), want, "cached logits")
+        return
+    ref, scanned = _xla_attention(ref), _xla_attention(scanned)
+    want = _cached_logits(ref, ids, 7, _paged(ref, 2, 16))
+    _assert_close(_cached_logits(scanned, ids, 7, _paged(scanned, 2, 16)), want, "cached logits")
+
+
+def test_scanned_decode_step_copies_no_cache():
+    """The scanned decode step reads and writes the stacked cache where it lies: the compiled program's
+    temporaries (`memory_analysis`) are the unrolled program's plus what the scan slices per repeat
+    (one repeat's weights of each run), never a copy of the cache, which here is 4x that bound (the
+    cache the scan stacked and split back inside the program, before `KVCache.stacks`, took one copy
+    of every scanned layer's cache at least: all of this model's donors)."""
+    ref, scanned = _pair("e2b_small")
+
+    def temp_bytes(model):
+        cache = _paged(model, 2, 2048, jnp.float32)
+        graphdef, state = nnx.split(model)
+        step = jax.jit(lambda s, x, p, c: nnx.merge(graphdef, s)(x, p, cache=c), donate_argnums=(3,))
+        ids = np.ones((2, 1), np.int32)
+        compiled = step.lower(state, ids, np.full((2, 1), 9, np.int32), cache).compile()
+        return compiled.memory_analysis().temp_size_in_bytes, cache.nbytes
+
+    repeat = sum(
+        x.nbytes // part.repeats
+        for part in scanned.layers.parts
+        if isinstance(part, Repeat)
+        for x in jax.tree.leaves(nnx.state(part.block))
+    )
+    (unrolled, cache), (got, _) = temp_bytes(ref), temp_bytes(scanned)
+    bound = unrolled + repeat
+    assert cache > 4 * bound, (cache, bound)
+    assert got <= bound, f"the scanned step's temporaries: {got} bytes > {unrolled} (unrolled) + {repeat} (a repeat)"
 
 
 @pytest.fixture(scope="module")
@@ -208,32 +260,38 @@ def greedy_reference():
     ref = th.random_model("e2b", seed=5, config=CASES["e2b_small"][1])
     prompts = [fx.sample_ids(1, n, seed=6 + n)[0].tolist() for n in (13, 5, 6)]
     kw = dict(max_length=32, prefill_chunk=8, cache_dtype="int8", stop_tokens=[])
-    return ref, prompts, kw, generate(ref, prompts, 8, return_logprobs=True, **kw)
+    return ref, prompts, kw, generate(ref, prompts, 10, return_logprobs=True, **kw)
 
 
 def test_scanned_generate_gives_unrolled_greedy_tokens(greedy_reference):
     """`generate` (paged int8 cache, a prompt prefilled in two chunks, the on-device decode loop) with the
     scanned model: the unrolled model's greedy tokens, and logprobs within the bound."""
     ref, prompts, kw, want = greedy_reference
-    got = generate(scan_layers(nnx.clone(ref)), prompts, 8, return_logprobs=True, **kw)
+    got = generate(scan_layers(nnx.clone(ref)), prompts, 10, return_logprobs=True, **kw)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(np.array(got.logprobs), np.array(want.logprobs), atol=RTOL * 30)
 
 
 def test_scanned_engine_gives_unrolled_greedy_tokens(greedy_reference):
     """The serving `Engine` on the scanned model (3 requests through 2 rows: rows joining a running batch,
-    prefill of taken rows, decode steps over a paged cache): each request's greedy tokens are
-    `generate`'s on the unrolled model."""
+    prefill of taken rows, decode steps over a paged cache, all held stacked per block place), then the
+    first prompt again, from the prefix cache (a snapshot of its rows' rings taken from the stacks and
+    put back): each request's greedy tokens are `generate`'s on the unrolled model."""
     from gemma4_nnx import Engine
     from tests.test_engine_async import _CharTokenizer
 
     ref, prompts, kw, want = greedy_reference
     scanned = scan_layers(nnx.clone(ref))
     opts = {k: kw[k] for k in ("max_length", "prefill_chunk", "cache_dtype")}
-    engine = Engine(scanned, _CharTokenizer(), max_batch=2, **opts)
+    engine = Engine(scanned, _CharTokenizer(), max_batch=2, prefix_cache_bytes=1 << 20, **opts)
     try:
-        reqs = [engine.submit(p, 8, stop_tokens=[]) for p in prompts]
-        assert [r.result()[0] for r in reqs] == want.tokens
+        assert engine.decoder.state.cache.stacks and engine.prefix is not None
+        reqs = [engine.submit(p, 9, stop_tokens=[]) for p in prompts]
+        assert [r.result()[0] for r in reqs] == [t[:9] for t in want.tokens]
+        # the first request's snapshot at its end (prompt and output but the last token) serves this prompt
+        again = engine.submit(prompts[0] + want.tokens[0][:9], 1, stop_tokens=[])
+        assert again.result()[0] == want.tokens[0][9:]
+        assert engine.prefix.stats.hits == 1, engine.prefix.stats
     finally:
         engine.close()
     with pytest.raises(ValueError, match="max_loras: LoRA adapter banks wrap the unrolled layers"):

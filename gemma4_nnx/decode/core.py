@@ -68,6 +68,7 @@ from gemma4_nnx.decode.state import (
     Verified,
 )
 from gemma4_nnx.model.cache import KVCache
+from gemma4_nnx.model.scan import cache_stacks
 
 Array = jax.Array
 
@@ -156,6 +157,7 @@ class Decoder(Compiles):
         self._init_compiles()
         self.row_factor = row_factor  # the ratio of one program's rows to the next smaller's (`row_bucket`)
         self.config = model.config
+        self.stacks = cache_stacks(model)  # a scanned model's cache: each block place's layers one stack
         self.graphdef, self.weights = split_model(model)
         # the model carries adapter banks (`decode.lora_bank`): programs get the rows' slots
         self.banked = has_banks(model)
@@ -197,12 +199,14 @@ class Decoder(Compiles):
     def reset(self, requests: Sequence[Request | None] | None = None) -> None:
         """A fresh cache, and rows of these requests (None, the default: empty (done) rows)."""
 
-        geometry = (self.rows, self.max_length, self.cache_dtype, self.ring_extra, self.block_size, self.blocks)
+        geometry = (
+            self.rows, self.max_length, self.cache_dtype, self.ring_extra, self.block_size, self.blocks, self.stacks
+        )  # fmt: skip
 
         def init():
-            rows, length, dtype, extra, block_size, blocks = geometry
+            rows, length, dtype, extra, block_size, blocks, stacks = geometry
             return KVCache.init(
-                self.config, rows, length, dtype, ring_extra=extra, block_size=block_size, blocks=blocks
+                self.config, rows, length, dtype, ring_extra=extra, block_size=block_size, blocks=blocks, stacks=stacks
             )
 
         if self.mesh is not None:  # created in place, shard by shard

@@ -537,7 +537,7 @@ class Engine:
         self.drafting = Drafting(self.speculative, max_batch) if self.speculative else None
         self.prefix: PrefixCache | None = None
         if prefix_cache_bytes:
-            rings = [c.size for c in self.decoder.state.cache.layers.values() if c.ring]
+            rings = [c.size for c in self.decoder.state.cache.caches() if c.ring]
             ring = (min(rings), model.config.sliding_window) if rings else None
             self.prefix = PrefixCache(prefix_cache_bytes, ring, release=self.decoder.release_snapshot)
             self._row_bytes = self.decoder.state.cache.rows_only().nbytes // max_batch

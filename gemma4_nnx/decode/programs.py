@@ -473,10 +473,10 @@ def _empty_cache_jit(sharding):
     device; None: jax's default), so no `device_put` of ~50 arrays follows."""
     placed = {} if sharding is None else {"out_shardings": sharding}
     return jax.jit(
-        lambda config, rows, length, dtype, extra, block_size, blocks: KVCache.init(
-            config, rows, length, dtype, ring_extra=extra, block_size=block_size, blocks=blocks
+        lambda config, rows, length, dtype, extra, block_size, blocks, stacks: KVCache.init(
+            config, rows, length, dtype, ring_extra=extra, block_size=block_size, blocks=blocks, stacks=stacks
         ),
-        static_argnums=(0, 1, 2, 3, 4, 5, 6),
+        static_argnums=(0, 1, 2, 3, 4, 5, 6, 7),
         **placed,
     )
 
@@ -487,15 +487,15 @@ def _copy_blocks(cache: KVCache, src, dst) -> KVCache:
     def copy(x):
         return None if x is None else x.at[dst].set(x[src])
 
-    layers = {
-        i: dataclasses.replace(
+    def pool(c):
+        if not isinstance(c, PagedCache):
+            return c
+        return dataclasses.replace(
             c, k=copy(c.k), v=copy(c.v), pos=copy(c.pos), k_scale=copy(c.k_scale), v_scale=copy(c.v_scale)
         )
-        if isinstance(c, PagedCache)
-        else c
-        for i, c in cache.layers.items()
-    }
-    return KVCache(layers, cache.table)
+
+    layers = {i: pool(c) for i, c in cache.layers.items()}
+    return KVCache(layers, cache.table, {k: jax.vmap(pool)(c) for k, c in cache.stacks.items()})
 
 
 _snapshot_jit = jax.jit(lambda cache, idx: cache.rows_only().take(idx))

@@ -59,6 +59,8 @@ using Positions = ffi::Buffer<ffi::S32, 2>;  // [B, T] or [B, S] token positions
 using Heads = ffi::Buffer<ffi::F32, 4>;      // [B, S, N, H]
 using HeadsOut = ffi::ResultBuffer<ffi::F32, 4>;
 using PositionsOut = ffi::ResultBuffer<ffi::S32, 2>;
+using CachePositions = ffi::Buffer<ffi::S32>;  // [B, T], [P, S] or a stack's [R, X, Y]
+using CachePositionsOut = ffi::ResultBuffer<ffi::S32>;
 
 namespace {
 
@@ -2378,11 +2380,15 @@ void attend(ffi::ThreadPool& pool, const float* Q, const E* K, const E* V, const
 }
 
 ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  Positions kpos, Positions qpos, Positions table, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
+                  CachePositions kpos, Positions qpos, Positions table, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale,
                   HeadsOut out, int64_t window, float scale, bool paged) {
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (kd.size() != 4 || !same_dims(v.dimensions(), kd) || k.element_type() != v.element_type())
+  auto qd = q.dimensions(), kd0 = k.dimensions(), pd0 = kpos.dimensions();
+  // a stacked cache ([R, B, T, K, H] / [R, P, S, K, H], kpos [R, B, T]): its layers' rows (blocks) one after another
+  const bool stacked = kd0.size() == 5 && pd0.size() == 3;
+  if ((kd0.size() != 4 && !stacked) || !same_dims(v.dimensions(), kd0) || k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("gemma4_attend: k and v must be [B, T, K, H] (or [P, S, K, H]) of one dtype");
+  const int64_t kd[4] = {stacked ? kd0[0] * kd0[1] : kd0[0], kd0[stacked + 1], kd0[stacked + 2], kd0[stacked + 3]};
+  const int64_t pd[2] = {stacked ? pd0[0] * pd0[1] : pd0[0], pd0[stacked + 1]};
   const int64_t B = qd[0], S = qd[1], N = qd[2], H = qd[3], KH = kd[2];
   int64_t T = kd[1], M = 0, shift = 0;
   if (paged) {  // k: a pool [P, PS, KH, H]; table [>= B, M]
@@ -2390,22 +2396,26 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
     M = table.dimensions()[1];
     T = M * PS;
     while ((int64_t{1} << shift) < PS) ++shift;
-    if ((int64_t{1} << shift) != PS || table.dimensions()[0] < B || kpos.dimensions()[0] != kd[0] ||
-        kpos.dimensions()[1] != PS)
+    if ((int64_t{1} << shift) != PS || table.dimensions()[0] < B || pd[0] != kd[0] || pd[1] != PS)
       return ffi::Error::InvalidArgument("gemma4_attend: a pool [P, S (a power of two), K, H], kpos [P, S], table [>= B, M]");
-  } else if (kd[0] < B || kpos.dimensions()[0] != kd[0] || kpos.dimensions()[1] != T) {
-    return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H], k [Bc >= B, T, K, H] and kpos [Bc, T] disagree");
   }
+  // not paged: table [1, 1] holds the cache row query row 0 reads (a stacked cache's layer: its rows from there)
+  const int64_t first = paged || table.element_count() < 1 ? 0 : table.typed_data()[0];
+  if (!paged && (first < 0 || first + B > kd[0] || pd[0] != kd[0] || pd[1] != T))
+    return ffi::Error::InvalidArgument(
+        "gemma4_attend: q [B, S, N, H], k [Bc >= first + B, T, K, H] and kpos [Bc, T] disagree");
   if (kd[3] != H || KH < 1 || N % KH != 0 || qpos.dimensions()[0] != B || qpos.dimensions()[1] != S)
     return ffi::Error::InvalidArgument("gemma4_attend: q [B, S, N, H], k [., ., K, H] and qpos [B, S] disagree");
   const int32_t* tbl = paged ? table.typed_data() : nullptr;
+  const int64_t skip = first * T * KH;  // elements of the rows before `first`, per head dim (scales: per slot head)
+  const int32_t* kp = kpos.typed_data() + first * T;
   if (k.element_type() == ffi::DataType::F32)
-    attend(pool, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()),
-           reinterpret_cast<const float*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(), out->typed_data(),
-           B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
+    attend(pool, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()) + skip * H,
+           reinterpret_cast<const float*>(v.untyped_data()) + skip * H, kp, qpos.typed_data(), out->typed_data(), B,
+           S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
   else if (k.element_type() == ffi::DataType::BF16)
-    attend(pool, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()),
-           reinterpret_cast<const uint16_t*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(),
+    attend(pool, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()) + skip * H,
+           reinterpret_cast<const uint16_t*>(v.untyped_data()) + skip * H, kp, qpos.typed_data(),
            out->typed_data(), B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0]);
   else if (k.element_type() == ffi::DataType::S8) {
     // scales [Bc, T, KH] (or [P, PS, KH]) float32: one per slot and KV head
@@ -2413,10 +2423,11 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
         static_cast<int64_t>(k_scale.element_count()) * H != static_cast<int64_t>(k.element_count()) ||
         v_scale.element_count() != k_scale.element_count())
       return ffi::Error::InvalidArgument("gemma4_attend: int8 k / v need float32 scales [..., K] per slot and head");
-    attend(pool, q.typed_data(), reinterpret_cast<const int8_t*>(k.untyped_data()),
-           reinterpret_cast<const int8_t*>(v.untyped_data()), kpos.typed_data(), qpos.typed_data(),
-           out->typed_data(), B, S, N, T, KH, H, window, scale, tbl, M, shift, kd[0],
-           reinterpret_cast<const float*>(k_scale.untyped_data()), reinterpret_cast<const float*>(v_scale.untyped_data()));
+    attend(pool, q.typed_data(), reinterpret_cast<const int8_t*>(k.untyped_data()) + skip * H,
+           reinterpret_cast<const int8_t*>(v.untyped_data()) + skip * H, kp, qpos.typed_data(), out->typed_data(), B,
+           S, N, T, KH, H, window, scale, tbl, M, shift, kd[0],
+           reinterpret_cast<const float*>(k_scale.untyped_data()) + skip,
+           reinterpret_cast<const float*>(v_scale.untyped_data()) + skip);
   } else
     return ffi::Error::InvalidArgument("gemma4_attend: k / v must be float32, bfloat16 or int8");
   return ffi::Error::Success();
@@ -2428,21 +2439,25 @@ ffi::Error Attend(ffi::ThreadPool pool, Heads q, ffi::AnyBuffer k, ffi::AnyBuffe
 // the cache (new [Bn <= B, S, ...]); the other rows are left as they are. flat (a block pool [P, PS,
 // ...]): slots index the pool's P * PS slots as one row, whatever row the entry came from. K / V may
 // have any trailing dims ([.., K, H] values, [.., K] int8 scales); a slot is their product.
-ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, Positions pos, ffi::AnyBuffer k_new,
+ffi::Error KvWrite(ffi::AnyBuffer k, ffi::AnyBuffer v, CachePositions pos, ffi::AnyBuffer k_new,
                    ffi::AnyBuffer v_new, Positions pos_new, Positions slots,
                    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                   PositionsOut pos_out, bool flat) {
+                   CachePositionsOut pos_out, bool flat) {
   auto kd = k.dimensions(), nd = k_new.dimensions();
-  if (kd.size() < 2 || nd.size() != kd.size() || !same_dims(v.dimensions(), kd) ||
+  // flat: any cache whose positions have one entry per slot (a pool [P, PS, ...]; a stack [R, X, Y, ...])
+  const size_t lead = flat ? pos.dimensions().size() : 2;  // the cache's slot axes
+  if (kd.size() < lead || nd.size() != kd.size() - lead + 2 || !same_dims(v.dimensions(), kd) ||
       !same_dims(v_new.dimensions(), nd) || k_new.element_type() != k.element_type() ||
       v_new.element_type() != k.element_type() || v.element_type() != k.element_type())
     return ffi::Error::InvalidArgument("gemma4_kv_write: cache [B, T, ...] and new [B, S, ...] of one dtype");
-  const int64_t B = kd[0], T = kd[1], S = nd[1], Bn = nd[0];
+  int64_t B = kd[0], T = 1;
+  for (size_t i = 1; i < lead; ++i) T *= kd[i];
+  const int64_t S = nd[1], Bn = nd[0];
   bool same = true;
-  for (size_t i = 2; i < kd.size(); ++i) same = same && nd[i] == kd[i];
+  for (size_t i = lead; i < kd.size(); ++i) same = same && nd[i - lead + 2] == kd[i];
+  for (size_t i = 0; i < lead; ++i) same = same && pos.dimensions()[i] == kd[i];
   if (!same || (!flat && Bn > B) || slots.dimensions()[0] != Bn || slots.dimensions()[1] != S ||
-      pos_new.dimensions()[0] != Bn || pos_new.dimensions()[1] != S || pos.dimensions()[0] != B ||
-      pos.dimensions()[1] != T)
+      pos_new.dimensions()[0] != Bn || pos_new.dimensions()[1] != S)
     return ffi::Error::InvalidArgument("gemma4_kv_write: shapes disagree");
   char* ko = static_cast<char*>(k_out->untyped_data());
   char* vo = static_cast<char*>(v_out->untyped_data());
@@ -2520,7 +2535,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Attend, Attend,
                                   .Arg<Heads>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<Positions>()
+                                  .Arg<CachePositions>()
                                   .Arg<Positions>()
                                   .Arg<Positions>()
                                   .Arg<ffi::AnyBuffer>()
@@ -2533,12 +2548,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4KvWrite, KvWrite,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<Positions>()
+                                  .Arg<CachePositions>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Positions>()
                                   .Arg<Positions>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<Positions>()
+                                  .Ret<CachePositions>()
                                   .Attr<bool>("flat"));

@@ -464,14 +464,15 @@ def attend(
     table: Array | None = None,
     k_scale: Array | None = None,
     v_scale: Array | None = None,
+    first: Array | None = None,
 ) -> Array:
-    """Attention of q [B, S, N, H] float32 over k / v [Bc, T, K, H] (float32 or bfloat16; Bc >= B, query
-    row b reads cache row b) -> [B, S, N, H] float32: query head n reads KV head n // (N / K); key t is
-    visible to query s when kpos[b, t] >= 0, kpos <= qpos[b, s] and, with a window W,
-    kpos > qpos - W (`attention.visibility`); softmax of
-    scale * q.k over the visible keys, in float32. Reads only visible slots, so its cost follows the
-    tokens seen, not the cache size. A query that sees no key gives zeros (XLA's masked softmax gives
-    the mean of all values there). Not differentiable (`attention.attend` wraps it).
+    """Attention of q [B, S, N, H] float32 over k / v [Bc, T, K, H] (float32 or bfloat16; Bc >= first + B,
+    query row b reads cache row first + b: `first` int32 [], default 0) -> [B, S, N, H] float32: query
+    head n reads KV head n // (N / K); key t is visible to query s when kpos[b, t] >= 0, kpos <= qpos[b, s]
+    and, with a window W, kpos > qpos - W (`attention.visibility`); softmax of scale * q.k over the visible
+    keys, in float32. Reads only visible slots, so its cost follows the tokens seen, not the cache size. A
+    query that sees no key gives zeros (XLA's masked softmax gives the mean of all values there). Not
+    differentiable (`attention.attend` wraps it).
 
     table [>= B, M] int32 (a paged cache, `cache.PagedCache`): k / v are a pool [P, S, K, H] (S a power
     of two) and kpos [P, S]; row b's slot t is offset t % S of block table[b, t // S] (an entry >= P:
@@ -488,7 +489,7 @@ def attend(
         v,
         kpos.astype(jnp.int32),
         qpos.astype(jnp.int32),
-        table.astype(jnp.int32) if paged else jnp.zeros((1, 1), jnp.int32),
+        table.astype(jnp.int32) if paged else jnp.reshape(0 if first is None else first, (1, 1)).astype(jnp.int32),
         jnp.zeros((1,), jnp.float32) if k_scale is None else k_scale.astype(jnp.float32),
         jnp.zeros((1,), jnp.float32) if v_scale is None else v_scale.astype(jnp.float32),
         window=int(window or 0),

@@ -68,6 +68,7 @@ def supported(
     the queries must be bf16 (`interpret`: any float, Pallas's interpreter multiplies them exactly)."""
     return (
         kv.table is not None
+        and kv.k.ndim == 4  # not a stack's layer (`cache.stack_view`)
         and (interpret or q.dtype == jnp.bfloat16)
         and kv.k_scale is None
         and kv.k.dtype == jnp.bfloat16

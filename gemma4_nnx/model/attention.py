@@ -97,9 +97,9 @@ def attend(
     of the mean of all values (padding rows only).
 
     kv may have more rows than q (a cache of which the decode core steps the first B rows): query row
-    b reads row b; the kernel reads the cache where it is, XLA's path takes the first B rows. A paged
-    kv (`KV.table`) is read through its table: by the kernel in place, by XLA a key block at a time
-    (`paged_view`).
+    b reads row b (row `KV.first` + b: a stacked cache's layer); the kernel reads the cache where it is,
+    XLA's path takes those B rows. A paged kv (`KV.table`) is read through its table: by the kernel in
+    place, by XLA a key block at a time (`paged_view`).
 
     pallas (`Matmul.pallas_attention`: "tpu", or "interpret" for CPU tests): decode rows (one query each,
     bf16 on the chip) over a paged bf16 pool with one KV head go through JAX's Pallas `paged_attention`
@@ -122,6 +122,10 @@ def attend(
         and q.dtype == jnp.float32
         and q.shape[1] <= cpu_kernels.ATTEND_QUERIES
     ):
+        if kv.first is not None:  # one layer of a stacked cache (`cache.stack_view`; decoding: no gradient)
+            return cpu_kernels.attend(
+                q, kv.k, kv.v, kv.pos, q_pos, window, scale, None, kv.k_scale, kv.v_scale, kv.first
+            )
         return _kernel_attend(q, kv.k, kv.v, kv.pos, q_pos, kv.table, (kv.k_scale, kv.v_scale), window, scale)
     return _xla_attend(q, kv_rows(kv, q.shape[0]), q_pos, window, scale, reach, floor, segments, segments)
 
@@ -222,10 +226,10 @@ def _blockwise_attend(
     Differentiable; the backward pass recomputes each block (`jax.checkpoint`) instead of keeping its
     probabilities."""
     b, s, n, h = q.shape
-    t, k_heads = kv.slots, kv.k.shape[2]
+    t, k_heads = kv.slots, kv.k.shape[-2]
     paged = kv.table is not None
     if paged:
-        block = max(block, kv.pos.shape[1])  # whole pages (both powers of two)
+        block = max(block, kv.pos.shape[-1])  # whole pages (both powers of two)
     block = min(block, t)
     qg = q.reshape(b, s, k_heads, n // k_heads, h)
     lowest = jnp.finfo(jnp.float32).min
@@ -233,7 +237,7 @@ def _blockwise_attend(
     @jax.checkpoint
     def step(carry, i):
         if paged:
-            pages = block // kv.pos.shape[1]
+            pages = block // kv.pos.shape[-1]
             view = paged_view(kv, i * pages, pages)
             mask = visibility(q_pos, view.pos, window, reach, floor)
         else:

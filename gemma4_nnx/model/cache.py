@@ -22,6 +22,10 @@ from positions: ragged batches, ring wrap-around and padding need no special cas
 counts only when the position it holds is the one its place in the row's table stands for (a block
 that changed owners keeps stale positions, which then never show).
 
+A scanned model (`gemma4_nnx.model.scan`) holds the caches of the layers at one place of its repeated
+block as one stack, every leaf [R, ...] (`KVCache.stacks`), which its scan reads and writes in place
+(`stack_view`); the row operations map over a stack's layers.
+
 Shapes: B batch rows, T slots, K KV heads, H head dim; pools: P blocks of S = block_size slots.
 """
 
@@ -46,9 +50,11 @@ __all__ = [
     "cache_size",
     "head_rows",
     "kv_rows",
+    "of_stack",
     "paged_view",
     "put_head_rows",
     "put_rows",
+    "stack_view",
     "take_rows",
     "token_bytes",
 ]
@@ -67,6 +73,9 @@ class KV:
     table: Array | None = None
     k_scale: Array | None = None  # int8 k / v: a float32 scale per slot and head ([B, T, K] / [P, S, K])
     v_scale: Array | None = None
+    # not paged: the cache row query row 0 reads (int32 []; query row b reads row first + b), where k / v /
+    # pos hold more layers' rows than this one's (a stacked cache's layer, `LayerCache.first`); None: 0
+    first: Array | None = None
 
     @property
     def rows(self) -> int:
@@ -75,7 +84,7 @@ class KV:
     @property
     def slots(self) -> int:
         """Key slots per row (T; M * S when paged)."""
-        return self.pos.shape[1] if self.table is None else self.table.shape[1] * self.pos.shape[1]
+        return self.pos.shape[1] if self.table is None else self.table.shape[1] * self.pos.shape[-1]
 
 
 def quantize_kv(x: Array) -> tuple[Array, Array]:
@@ -105,7 +114,15 @@ def _encode(new: KV, dtype) -> KV:
 
 
 def kv_rows(kv: KV, m: int) -> KV:
-    """The first m rows of `kv` (of its table when paged: the pool is every row's)."""
+    """The first m rows of `kv` (of its table when paged: the pool is every row's; from row `first`
+    when it has one)."""
+    if kv.first is not None:  # a stack's layer (`stack_view`): its rows [first, first + B) of the layers'
+        per = kv.pos.shape[1]
+
+        def rows(x):
+            return None if x is None else jax.lax.dynamic_index_in_dim(x, kv.first // per, keepdims=False)[:m]
+
+        return KV(rows(kv.k), rows(kv.v), rows(kv.pos), None, rows(kv.k_scale), rows(kv.v_scale))
     if kv.table is None:
         return head_rows(kv, m)
     return kv if kv.table.shape[0] == m else dataclasses.replace(kv, table=kv.table[:m])
@@ -116,14 +133,18 @@ def paged_view(kv: KV, first: Array | int = 0, count: int | None = None) -> KV:
     K, H], pos [B, count * S]; columns past the table and blocks that hold another position than
     their place stands for read as empty (position -1)."""
     table = kv.table
-    blocks, size = kv.pos.shape
+    size, lead = kv.pos.shape[-1], kv.pos.ndim - 1  # lead 2: a stack's layer (`stack_view`), pools [R, P, ...]
+    blocks = kv.pos.size // size
     b, m = table.shape
     count = m if count is None else count
     cols = jnp.asarray(first, jnp.int32) + jnp.arange(count, dtype=jnp.int32)
     ids = jnp.where(cols < m, jnp.take(table, jnp.minimum(cols, m - 1), axis=1), blocks)  # [B, count]
+    at = ids if lead == 1 else jnp.divmod(ids, kv.pos.shape[1])  # (layer, block): no reshape of the stack
 
     def gather(x, fill=0):
-        return None if x is None else x.at[ids].get(mode="fill", fill_value=fill).reshape(b, count * size, *x.shape[2:])
+        if x is None:
+            return None
+        return x.at[at].get(mode="fill", fill_value=fill).reshape(b, count * size, *x.shape[lead + 1 :])
 
     pos = gather(kv.pos, -1)
     want = (cols[:, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(-1)
@@ -148,6 +169,9 @@ class LayerCache:
     ring: bool = dataclasses.field(default=False, metadata=dict(static=True))
     k_scale: Array | None = None  # int8 k / v: [B, T, K] float32
     v_scale: Array | None = None
+    # One layer of a stack (`stack_view`: leaves [R, B, T, ...], read as the layers' rows one after
+    # another): its first row there (int32 []). None: a layer's own cache.
+    first: Array | None = None
 
     @classmethod
     def zeros(cls, batch_size: int, size: int, num_kv_heads: int, head_dim: int, *, ring: bool, dtype) -> LayerCache:
@@ -159,7 +183,7 @@ class LayerCache:
 
     @property
     def size(self) -> int:
-        return self.pos.shape[1]
+        return self.pos.shape[-1]  # [B, T], or a stack's [R, B, T]
 
     def _write(self, new: KV, in_place: bool) -> LayerCache:
         """Store `new` (already encoded: `_encode`)."""
@@ -169,19 +193,30 @@ class LayerCache:
         last = jnp.max(new.pos, axis=1, keepdims=True)
         keep = (new.pos >= 0) & (new.pos > last - self.size)
         slots = jnp.where(keep, new.pos % self.size, self.size)  # out of range -> dropped
+        flat = self.first is not None  # a stacked layer: slots of the whole stack, its rows from `first`
+        if flat:
+            row = self.first + jnp.arange(b, dtype=jnp.int32)[:, None]
+            slots = jnp.where(slots < self.size, row * self.size + slots, self.pos.size)
         if in_place:
-            k, v, pos = cpu_kernels.kv_write(self.k, self.v, self.pos, new.k, new.v, new.pos, slots)
+            k, v, pos = cpu_kernels.kv_write(self.k, self.v, self.pos, new.k, new.v, new.pos, slots, flat=flat)
             scales = {}
             if self.k_scale is not None:  # the scales [B, T, K]: written as a cache of their own
                 ks, vs, pos = cpu_kernels.kv_write(
-                    self.k_scale, self.v_scale, pos, new.k_scale, new.v_scale, new.pos, slots
+                    self.k_scale, self.v_scale, pos, new.k_scale, new.v_scale, new.pos, slots, flat=flat
                 )
                 scales = dict(k_scale=ks, v_scale=vs)
             return dataclasses.replace(self, k=k, v=v, pos=pos, **scales)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
+        if flat:  # the row and slot of each flat index (a dropped one: a row past the stack)
+            rows, slots = slots // self.size, slots % self.size
 
         def put(x, y):
-            return None if x is None else x.at[rows, slots].set(y.astype(x.dtype), mode="drop")
+            if x is None:
+                return None
+            if not flat:
+                return x.at[rows, slots].set(y.astype(x.dtype), mode="drop")
+            layer, row = jnp.divmod(rows, x.shape[1])  # no reshape of the stack (`_KV_FIELDS`' note)
+            return x.at[layer, row, slots].set(y.astype(x.dtype), mode="drop")
 
         return dataclasses.replace(
             self,
@@ -220,7 +255,13 @@ class LayerCache:
         b = new.pos.shape[0]
 
         def join(x, y):
-            return None if x is None else jnp.concatenate([x[:b], y], axis=1)
+            if x is None:
+                return None
+            if self.first is None:
+                mine = x[:b]
+            else:
+                mine = jax.lax.dynamic_index_in_dim(x, self.first // x.shape[1], keepdims=False)[:b]
+            return jnp.concatenate([mine, y], axis=1)
 
         return KV(
             join(self.k, new.k),
@@ -233,10 +274,12 @@ class LayerCache:
 
     def kv(self) -> KV:
         """What attention reads of this cache."""
-        return KV(self.k, self.v, self.pos, None, self.k_scale, self.v_scale)
+        return KV(self.k, self.v, self.pos, None, self.k_scale, self.v_scale, self.first)
 
 
-jax.tree_util.register_dataclass(LayerCache, data_fields=["k", "v", "pos", "k_scale", "v_scale"], meta_fields=["ring"])
+jax.tree_util.register_dataclass(
+    LayerCache, data_fields=["k", "v", "pos", "k_scale", "v_scale", "first"], meta_fields=["ring"]
+)
 
 
 def _scales(shape, dtype) -> tuple[Array, Array] | tuple[()]:
@@ -269,7 +312,7 @@ class PagedCache:
 
     @property
     def block_size(self) -> int:
-        return self.pos.shape[1]
+        return self.pos.shape[-1]
 
     def update(
         self, new: KV, *, window: int | None = None, in_place: bool = False, clear_tail: bool = False
@@ -284,7 +327,8 @@ class PagedCache:
         owner of the block left there would reach the row; zeroed, they weigh exactly nothing."""
         if clear_tail and in_place:
             raise ValueError("PagedCache.update: clear_tail is for the Pallas kernel's path, not in_place")
-        blocks, size = self.pos.shape
+        size = self.pos.shape[-1]
+        blocks, lead = self.pos.size // size, self.pos.ndim  # a stack's layer (`stack_view`): every layer's blocks
         b = new.pos.shape[0]
         new = _encode(new, self.k.dtype)
         table = self.table[:b]
@@ -305,12 +349,12 @@ class PagedCache:
             def put(x, y, slots=slots):
                 if x is None:
                     return None
-                flat = x.reshape(blocks * size, *x.shape[2:])
-                return (
-                    flat.at[slots.reshape(-1)]
-                    .set(y.reshape(slots.size, *y.shape[2:]).astype(x.dtype), mode="drop")
-                    .reshape(x.shape)
-                )
+                y = y.reshape(slots.size, *y.shape[2:]).astype(x.dtype)
+                if lead == 3:  # a stack's layer: (layer, block, offset), no reshape of the stack
+                    block, offset = jnp.divmod(slots.reshape(-1), size)
+                    return x.at[jnp.divmod(block, x.shape[1]) + (offset,)].set(y, mode="drop")
+                flat = x.reshape(blocks * size, *x.shape[lead:])
+                return flat.at[slots.reshape(-1)].set(y, mode="drop").reshape(x.shape)
 
             k, v, pos = put(self.k, new.k), put(self.v, new.v), put(self.pos, new.pos)
             scales = dict(k_scale=put(self.k_scale, new.k_scale), v_scale=put(self.v_scale, new.v_scale))
@@ -336,16 +380,23 @@ class KVCache:
     """The caches of every KV-owning layer of a batch: `layers[i]` is layer i's `LayerCache` (or
     `PagedCache`, whose rows are `table`'s).
 
+    `stacks[(i0, i1, ...)]`: the caches of layers i0, i1, ... (one place of a scanned model's repeated
+    block, `gemma4_nnx.model.scan`) held as one, each leaf stacked [R, ...] in that order, which those
+    layers then lack in `layers`. A scanned forward reads and writes a stack where it lies (`stack_view`);
+    `layer(i)` gives one of its layers (a copy). `init(stacks=...)` makes them.
+
     Row operations (the decode core's continuous batching) are pure functions returning a new cache:
     `take` / `put` gather and scatter rows, `reset` forgets rows (positions -1: nothing of a row's
     previous sequence stays visible). A step of the first m rows passes the whole cache: the layers
     write and read its first m rows (`LayerCache.update`, `attention.attend`). Paged layers' rows are
     their table rows, which whoever owns the cache sets (`with_table`): `take` / `put` / `reset` /
-    `forget_from` leave the pools alone.
+    `forget_from` leave the pools alone. A stack's rows are its leaves' axis 1 (each row operation
+    mapped over its layers).
     """
 
     layers: dict[int, LayerCache | PagedCache]
     table: Array | None = None  # [B, M] int32: the paged layers' block table
+    stacks: dict[tuple[int, ...], LayerCache | PagedCache] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def init(
@@ -358,6 +409,7 @@ class KVCache:
         ring_extra: int = 0,
         block_size: int | None = None,
         blocks: int | None = None,
+        stacks: tuple[tuple[int, ...], ...] = (),
     ) -> KVCache:
         """Empty caches: a `sliding_window`-slot ring per sliding donor (a plain cache when the context
         is no longer than the window), `max_length` slots per global donor, none for consumers.
@@ -368,7 +420,10 @@ class KVCache:
 
         block_size: page the global donors: a pool of `blocks` blocks of that many slots each (default
         enough for every row's `max_length`) and an empty table of ceil(max_length / block_size)
-        columns per row (`with_table` gives rows their blocks)."""
+        columns per row (`with_table` gives rows their blocks).
+
+        stacks: groups of donor layers whose caches are held stacked (`stacks`; a scanned model's
+        `scan.cache_stacks`), each of layers with caches of one kind and shape."""
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"KVCache.init: batch_size ({batch_size}) and max_length ({max_length}) must be >= 1")
         layers, table = {}, None
@@ -387,47 +442,74 @@ class KVCache:
             layers[spec.index] = LayerCache.zeros(
                 batch_size, size, spec.num_kv_heads, spec.head_dim, ring=ring, dtype=dtype
             )
-        return cls(layers, table if any(isinstance(c, PagedCache) for c in layers.values()) else None)
+        paged = table if any(isinstance(c, PagedCache) for c in layers.values()) else None
+        return cls(layers, paged, _stack_groups(layers, stacks))
+
+    def caches(self) -> list[LayerCache | PagedCache]:
+        """Every layer's cache and every stack (leaves [R, ...])."""
+        return [*self.layers.values(), *self.stacks.values()]
 
     @property
     def batch_size(self) -> int:
         if self.table is not None:
             return self.table.shape[0]
-        return next(iter(self.layers.values())).pos.shape[0]
+        return self.caches()[0].pos.shape[-2]
 
     @property
     def nbytes(self) -> int:
         """Bytes of K and V and their int8 scales (positions excluded; pools whole)."""
         return sum(
             int(x.size) * x.dtype.itemsize
-            for c in self.layers.values()
+            for c in self.caches()
             for x in (c.k, c.v, c.k_scale, c.v_scale)
             if x is not None
         )
 
+    def _stacked(self, index: int) -> tuple[tuple[int, ...], int] | None:
+        """(the key of the stack holding layer `index`, its place in it), or None."""
+        return next(((key, key.index(index)) for key in self.stacks if index in key), None)
+
     def layer(self, index: int) -> LayerCache | PagedCache:
-        """Layer `index`'s cache for a forward pass (a paged one with the table attached)."""
-        c = self.layers[index]
+        """Layer `index`'s cache for a forward pass (a paged one with the table attached; one of a
+        stack: taken out of it, a copy)."""
+        held = self._stacked(index) if index not in self.layers else None
+        c = self.layers[index] if held is None else jax.tree.map(lambda x: x[held[1]], self.stacks[held[0]])
         return dataclasses.replace(c, table=self.table) if isinstance(c, PagedCache) else c
 
-    def with_layers(self, layers: dict[int, LayerCache | PagedCache]) -> KVCache:
-        """This cache with these layers' caches (what a forward pass returns; tables taken off)."""
-        merged = dict(self.layers)
+    def with_layers(self, layers: dict) -> KVCache:
+        """This cache with these layers' caches (what a forward pass returns; tables taken off): a
+        layer index's cache, or a stack's key's whole stack; a layer of a stack is written into it."""
+        merged, stacks = dict(self.layers), dict(self.stacks)
         for i, c in layers.items():
-            merged[i] = dataclasses.replace(c, table=None) if isinstance(c, PagedCache) else c
-        return KVCache(merged, self.table)
+            c = dataclasses.replace(c, table=None) if isinstance(c, PagedCache) else c
+            held = None if isinstance(i, tuple) or i in merged else self._stacked(i)
+            if isinstance(i, tuple):
+                stacks[i] = c
+            elif held is None:
+                merged[i] = c
+            else:
+                key, r = held
+                stacks[key] = jax.tree.map(lambda s, x, r=r: s.at[r].set(x), stacks[key], c)
+        return KVCache(merged, self.table, stacks)
 
     def with_table(self, table: Array) -> KVCache:
         """This cache with a new block table [B, M] (the pools unchanged)."""
-        return KVCache(self.layers, table)
+        return KVCache(self.layers, table, self.stacks)
 
     def rows_only(self) -> KVCache:
         """The per-row layers alone (rings and plain caches, no pools, no table): what a row's
         snapshot copies; its paged part is the blocks it holds."""
-        return KVCache({i: c for i, c in self.layers.items() if not isinstance(c, PagedCache)})
+        return KVCache(
+            {i: c for i, c in self.layers.items() if not isinstance(c, PagedCache)},
+            None,
+            {k: c for k, c in self.stacks.items() if not isinstance(c, PagedCache)},
+        )
 
     def _map_rows(self, fn) -> KVCache:
-        return KVCache({i: c if isinstance(c, PagedCache) else fn(c) for i, c in self.layers.items()}, self.table)
+        """`fn` on every per-row cache (mapped over a stack's layers); pools unchanged."""
+        layers = {i: c if isinstance(c, PagedCache) else fn(c) for i, c in self.layers.items()}
+        stacks = {k: c if isinstance(c, PagedCache) else jax.vmap(fn)(c) for k, c in self.stacks.items()}
+        return KVCache(layers, self.table, stacks)
 
     def forget_from(self, lengths: Array) -> KVCache:
         """Forget every slot holding a position >= lengths[row] (int [B]): rejected draft tokens (in a
@@ -435,15 +517,16 @@ class KVCache:
         out = self._map_rows(lambda c: dataclasses.replace(c, pos=jnp.where(c.pos >= lengths[:, None], -1, c.pos)))
         if self.table is None:
             return out
-        layers = {}
-        for i, c in out.layers.items():
-            if isinstance(c, PagedCache):
-                held = c.pos.at[self.table].get(mode="fill", fill_value=-1)  # [B, M, S]
-                held = jnp.where(held >= lengths[:, None, None], -1, held)
-                # a block shared by rows holds positions below all their lengths: written back unchanged
-                c = dataclasses.replace(c, pos=c.pos.at[self.table].set(held, mode="drop"))
-            layers[i] = c
-        return KVCache(layers, self.table)
+
+        def forget(c):
+            held = c.pos.at[self.table].get(mode="fill", fill_value=-1)  # [B, M, S]
+            held = jnp.where(held >= lengths[:, None, None], -1, held)
+            # a block shared by rows holds positions below all their lengths: written back unchanged
+            return dataclasses.replace(c, pos=c.pos.at[self.table].set(held, mode="drop"))
+
+        layers = {i: forget(c) if isinstance(c, PagedCache) else c for i, c in out.layers.items()}
+        stacks = {k: jax.vmap(forget)(c) if isinstance(c, PagedCache) else c for k, c in out.stacks.items()}
+        return KVCache(layers, self.table, stacks)
 
     def take(self, rows: Array) -> KVCache:
         """Rows `rows` [k] (an index >= batch_size reads the last row; `put` drops it again); pools
@@ -454,12 +537,16 @@ class KVCache:
     def put(self, rows: Array, part: KVCache) -> KVCache:
         """Write `part` (k rows) into rows `rows` [k]; indices >= batch_size are dropped. `part`'s
         pools replace these (a forward pass over taken rows wrote them); layers `part` lacks stay."""
-        layers = {}
-        for i, c in self.layers.items():
-            p = part.layers.get(i)
-            layers[i] = c if p is None else p if isinstance(c, PagedCache) else put_rows(c, rows, p)
+
+        def one(c, p, stacked: bool):
+            if p is None or isinstance(c, PagedCache):
+                return c if p is None else p
+            return jax.vmap(lambda c, p: put_rows(c, rows, p))(c, p) if stacked else put_rows(c, rows, p)
+
+        layers = {i: one(c, part.layers.get(i), False) for i, c in self.layers.items()}
+        stacks = {k: one(c, part.stacks.get(k), True) for k, c in self.stacks.items()}
         table = self.table if part.table is None else put_rows(self.table, rows, part.table)
-        return KVCache(layers, table)
+        return KVCache(layers, table, stacks)
 
     def reset(self, rows: Array) -> KVCache:
         """Forget rows (bool [B]) so their slots can take a new sequence (paged rows: their table)."""
@@ -473,7 +560,46 @@ class KVCache:
             zero = {f: None if getattr(c, f) is None else jnp.zeros_like(getattr(c, f)) for f in _KV_FIELDS}
             return dataclasses.replace(c, pos=jnp.full_like(c.pos, -1), **zero)
 
-        return KVCache({i: clear(c) for i, c in self.layers.items()}, self.table)
+        return KVCache(
+            {i: clear(c) for i, c in self.layers.items()}, self.table, {k: clear(c) for k, c in self.stacks.items()}
+        )
+
+
+def _stack_groups(layers: dict, groups: tuple[tuple[int, ...], ...]) -> dict:
+    """`layers`' caches of each group stacked [len(group), ...] (taken out of `layers`), by group."""
+    stacks = {}
+    for group in groups:
+        group = tuple(int(i) for i in group)
+        caches = [layers.get(i) for i in group]
+        shapes = {str(jax.tree.map(lambda x: (x.shape, x.dtype), c)) if c is not None else None for c in caches}
+        if len(group) < 2 or None in shapes or len(shapes) != 1:
+            raise ValueError(
+                f"KVCache.init: stacks: group {group} must name >= 2 donor layers whose caches have one kind and "
+                f"shape (a scanned model's `scan.cache_stacks(model)`)"
+            )
+        stacks[group] = jax.tree.map(lambda *x: jnp.stack(x), *caches)
+        for i in group:
+            del layers[i]
+    return stacks
+
+
+def stack_view(stack: LayerCache | PagedCache, r: Array, table: Array | None) -> LayerCache | PagedCache:
+    """Layer `r` (int32 []) of a stack (leaves [R, X, ...]) as a layer's cache that reads and writes it
+    where it lies (the stack's layers' rows, or blocks, one after another): a ring or plain cache its
+    rows from `first` = r * B; a pool through the block table [B, M] moved to its blocks (r * P + id;
+    none: R * P)."""
+    layers, per = stack.pos.shape[:2]
+    if isinstance(stack, PagedCache):
+        moved = jnp.where(table < per, table + r * per, layers * per)
+        return dataclasses.replace(stack, table=moved.astype(jnp.int32))
+    return dataclasses.replace(stack, first=(r * per).astype(jnp.int32))
+
+
+def of_stack(view: LayerCache | PagedCache) -> LayerCache | PagedCache:
+    """The stack a `stack_view` (written) is a layer of."""
+    return (
+        dataclasses.replace(view, table=None) if isinstance(view, PagedCache) else dataclasses.replace(view, first=None)
+    )
 
 
 _KV_FIELDS = ("k", "v", "k_scale", "v_scale")

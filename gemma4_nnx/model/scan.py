@@ -12,9 +12,10 @@ time: layers as a scan").
 `unscan_layers(model)` gives the unrolled model back, the reference form that everything else reads
 (checkpoints and the name map, LoRA / quantization wrappers, sharding rules): the two forms hold the
 same values, moved between per-layer arrays and stacked ones. Both run the no-cache forward (training,
-scoring) and the cached one (prefill chunks and decode steps of the decode core); the KV cache keeps its
-per-layer layout, stacked per block place inside the program (`Repeat._cached`). Wrap first (LoRA, quantized
-projections), then scan: layers wrapped differently are not alike and stay apart.
+scoring) and the cached one (prefill chunks and decode steps of the decode core), whose KV cache holds the
+caches of each block place's layers as one stack (`KVCache.stacks`, `cache_stacks`), read and written in
+place by the scan (`Repeat._cached`). Wrap first (LoRA, quantized projections), then scan: layers wrapped
+differently are not alike and stay apart.
 
 Per-layer facts inside a block come from its layers' `LayerSpec`s, which are equal across the repeats
 up to `index` and `stores_kv`. KV sharing: a donor (`stores_kv`) inside a scanned run writes its K/V
@@ -33,9 +34,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemma4_nnx.model.cache import KV, KVCache, PagedCache
+from gemma4_nnx.model.cache import KV, KVCache, PagedCache, of_stack, stack_view
 
-__all__ = ["LayerStack", "Repeat", "plan_runs", "scan_layers", "unscan_layers"]
+__all__ = ["LayerStack", "Repeat", "cache_stacks", "plan_runs", "scan_layers", "unscan_layers"]
 
 Array = jax.Array
 
@@ -102,19 +103,19 @@ def _stacked(trees: Sequence) -> Any:
 
 
 def _with_table(c, table):
-    """A layer cache as the layer takes it (`KVCache.layer`: a pool with the block table) or as the
-    scan stacks it (table None: one table for every layer, not stacked)."""
+    """A pool with this block table (None: as a stack holds it, one table for every layer)."""
     return dataclasses.replace(c, table=table) if isinstance(c, PagedCache) else c
 
 
-def _seen(written, table, tail: KV | None, old) -> KV:
-    """What a donor's layer attended over (its consumers read it), from its cache after the forward:
-    a ring's [old ring ; new tokens] when its queries read that concatenation (`tail`: the new tokens,
-    `LayerCache.joined`), else the written cache itself (a pool through the block table)."""
+def _seen(written, tail: KV | None, old) -> KV:
+    """What a donor's layer attended over (its consumers read it), from its cache after the forward
+    (`stack_view` of its stack: its rows or blocks where they lie): a ring's [old ring ; new tokens]
+    when its queries read that concatenation (`tail`: the new tokens, `LayerCache.joined`), else the
+    written cache itself (a pool through its block table)."""
     if tail is not None:
         return old.joined(tail)
     if isinstance(written, PagedCache):
-        return KV(written.k, written.v, written.pos, table, written.k_scale, written.v_scale)
+        return KV(written.k, written.v, written.pos, written.table, written.k_scale, written.v_scale)
     return written.kv()
 
 
@@ -189,45 +190,56 @@ class Repeat(nnx.Module):
 
     def _cached(self, h: Array, inputs: Inputs, published: dict, cache: KVCache) -> tuple[Array, dict]:
         """The run with a KV cache (prefill chunks, decode steps). The caches of the layers at each
-        place of the block that owns one (the same kind and shape in every repeat) are stacked
-        [R, ...] and scanned with the weights, each repeat reading and writing its own; the cache's
-        public layout (`KVCache.layers`, one entry a layer: what the engine, the prefix cache and the
-        paged block manager read) is kept, so the stacking happens here, in the program. A donor's
-        consumers read what it attended over (`_seen`), rebuilt after the scan from its written cache
-        (and, for a ring read as [ring ; new], from the new tokens' K/V, which the scan emits)."""
+        place of the block that owns one (the same kind and shape in every repeat) are one stack
+        [R, ...] (`KVCache.stacks`, what `init_cache` / the decode core make for a scanned model: see
+        `cache_stacks`), carried through the scan: each repeat reads and writes its layer where it
+        lies (`cache.stack_view`), so a step copies no cache. A cache that holds them per layer
+        (`KVCache.init` without `stacks`) is stacked here and split back after (copies of those
+        caches in every program). A donor's consumers read what it attended over (`_seen`), rebuilt
+        after the scan from its written cache (and, for a ring read as [ring ; new], from the new
+        tokens' K/V, which the scan emits)."""
         p, n = self.period, self.repeats
         s = h.shape[1]
-
-        def index(r, j):
-            return self.specs[r * p + j].index
-
-        owners = [j for j in range(p) if not self.specs[j].is_consumer]
-        stacked = {j: _stacked([cache.layers[index(r, j)] for r in range(n)]) for j in owners}
+        keys = {
+            j: tuple(self.specs[r * p + j].index for r in range(n)) for j in range(p) if not self.specs[j].is_consumer
+        }
+        held = {j: key in cache.stacks for j, key in keys.items()}
+        stacks = {
+            j: cache.stacks[key] if held[j] else _stacked([cache.layer(i) for i in key]) for j, key in keys.items()
+        }
+        stacks = {j: _with_table(c, None) for j, c in stacks.items()}
         donors = self._donors()
         donor_places = {j for _, j in donors.values()}
         graphdef, state = nnx.split(self.block)
 
-        def body(h, xs):
-            weights, caches, ple_r = xs
-            written, tails = {}, {}
+        def body(carry, xs):
+            h, stacks = carry
+            weights, r, ple_r = xs
+            stacks, tails = dict(stacks), {}
             for j, layer in enumerate(nnx.merge(graphdef, weights)):
                 ple_j = None if ple_r is None else ple_r[:, :, j]
-                own = _with_table(caches[j], cache.table) if j in caches else None
+                own = stack_view(stacks[j], r, cache.table) if j in stacks else None
                 h, kv, own = _run_layer(layer, _call, h, inputs, ple_j, published, own)
                 if own is None:
                     continue
-                written[j] = _with_table(own, None)
+                stacks[j] = of_stack(own)
                 if j in donor_places and kv.table is None and kv.pos.shape[1] != own.pos.shape[1]:
                     last = (None if x is None else x[:, -s:] for x in (kv.k, kv.v, kv.pos))
                     scales = (None if x is None else x[:, -s:] for x in (kv.k_scale, kv.v_scale))
                     tails[j] = KV(*last, None, *scales)  # the new tokens' K/V, as the ring stores them
-            return h, (written, tails)
+            return (h, stacks), tails
 
-        h, (written, tails) = jax.lax.scan(body, h, (state, stacked, self._ple(inputs.ple)))
-        updated = {index(r, j): jax.tree.map(lambda x, r=r: x[r], written[j]) for j in owners for r in range(n)}
+        (h, stacks), tails = jax.lax.scan(body, (h, stacks), (state, jnp.arange(n), self._ple(inputs.ple)))
         for d, (rd, jd) in donors.items():
             tail = jax.tree.map(lambda x, r=rd: x[r], tails[jd]) if jd in tails else None
-            published[d] = _seen(updated[d], cache.table, tail, cache.layers[d])
+            old = stack_view(cache.stacks[keys[jd]], jnp.int32(rd), cache.table) if held[jd] else cache.layer(d)
+            published[d] = _seen(stack_view(stacks[jd], jnp.int32(rd), cache.table), tail, old)
+        updated = {}
+        for j, key in keys.items():
+            if held[j]:
+                updated[key] = stacks[j]
+            else:  # split back into the layers' own entries
+                updated.update({i: jax.tree.map(lambda x, r=r: x[r], stacks[j]) for r, i in enumerate(key)})
         return h, updated
 
 
@@ -303,6 +315,21 @@ def unscan_layers(model: nnx.Module) -> nnx.Module:
     if isinstance(model.layers, LayerStack):
         model.layers = nnx.List(model.layers.unrolled())
     return model
+
+
+def cache_stacks(model: nnx.Module) -> tuple[tuple[int, ...], ...]:
+    """The groups of layers whose KV caches a scanned model reads as one stack (`KVCache.init`'s
+    `stacks`): per run, per place of its block that owns a cache, that place's layers in order; ()
+    for an unrolled model."""
+    if not is_scanned(model):
+        return ()
+    return tuple(
+        tuple(part.specs[r * part.period + j].index for r in range(part.repeats))
+        for part in model.layers.parts
+        if isinstance(part, Repeat)
+        for j in range(part.period)
+        if not part.specs[j].is_consumer
+    )
 
 
 def is_scanned(model: nnx.Module) -> bool:

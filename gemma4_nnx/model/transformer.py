@@ -29,7 +29,7 @@ from gemma4_nnx.model.layers import (
 )
 from gemma4_nnx.model.moe import MoEBlock
 from gemma4_nnx.model.multimodal import MultimodalEmbedder, VisionSpan, check_counts, concrete, place, vision_span
-from gemma4_nnx.model.scan import Inputs, LayerStack
+from gemma4_nnx.model.scan import Inputs, LayerStack, cache_stacks
 
 Array = jax.Array
 
@@ -208,9 +208,10 @@ class Gemma4(nnx.Module):
         return scale_f32(u + t, 2.0**-0.5)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """An empty KV cache for `batch_size` rows and `max_length` positions (`KVCache.init`); the
-        model itself is not changed. `dtype`: default the compute dtype."""
-        return KVCache.init(self.config, batch_size, max_length, dtype or self.dtype)
+        """An empty KV cache for `batch_size` rows and `max_length` positions (`KVCache.init`; a scanned
+        model's stacked as its scan reads it, `scan.cache_stacks`); the model itself is not changed.
+        `dtype`: default the compute dtype."""
+        return KVCache.init(self.config, batch_size, max_length, dtype or self.dtype, stacks=cache_stacks(self))
 
     # ------------------------------------------------------------------ forward
     def __call__(

@@ -548,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile the layers as a scan over their repeating block (gemma4_nnx.scan_layers, stacked at load): "
         "the prefill and decode programs hold each block once, so the precompile does not grow with depth; "
-        "the same tokens. Each step copies the scanned layers' KV caches: slower decode at long contexts. "
+        "the same tokens; the KV cache is held stacked per block and read and written in place. "
         "One device per engine (no --tensor-parallel-size), no LoRA adapters",
     )
     p.add_argument(
