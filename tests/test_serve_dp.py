@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 from tests.helpers import ScriptRun
 
 _SCRIPT = r"""
-import json, os, tempfile, threading, time, urllib.request
+import json, os, resource, tempfile, threading, time, urllib.request
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
@@ -44,6 +44,11 @@ with open(os.path.join(root, "tokenizer.json"), "rb") as f, open(os.path.join(hf
     g.write(f.read())
 gemma4_nnx.convert(hf_dir, ckpt, dtype="float32")
 
+def cpu_seconds():  # this process's, all threads: where the module's time goes (the report in the log)
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return round(r.ru_utime + r.ru_stime, 1)
+
+cpu = {"build": cpu_seconds()}
 N = 8
 PROMPTS = [tok.encode(t) for t in ("the model reads the text", "hello world", "a longer prompt about the chat model")]
 base = gemma4_nnx.load(ckpt)
@@ -56,10 +61,12 @@ for mod in ft.lora_modules(adapted).values():
 adapter_dir = ft.save_adapters(adapted, os.path.join(root, "a1"))
 ref["a1"] = [list(t) for t in generate(ft.merge_lora(adapted), PROMPTS, N, stop_tokens=[]).tokens]
 
+cpu["reference"] = round(cpu_seconds() - sum(cpu.values()), 1)
+
 def devices_of(tree):
     return sorted({d.id for x in jax.tree_util.tree_leaves(tree) for d in x.devices()})
 
-report = {"ref": ref}
+report = {"ref": ref, "cpu_seconds": cpu}
 for dp, tp in ((2, 1), (2, 2)):
     args = build_parser().parse_args([ckpt, "--data-parallel-size", str(dp), "--tensor-parallel-size", str(tp),
                                       "--max-batch", "2", "--max-length", "64", "--precompile",
@@ -69,6 +76,7 @@ for dp, tp in ((2, 1), (2, 2)):
     out = {}
     with ServerThread(engine, "tiny") as server:  # the warm-up ran on every engine before /ready
         warmed = [e.stats.completed for e in engines]
+        cpu[f"{dp}x{tp} start"] = round(cpu_seconds() - sum(cpu.values()), 1)  # load, engines, warm-ups
         reqs = [(name, i, engine.submit(p, N, stop_tokens=[], adapter=engine.adapter(name) if name != "base" else None))
                 for i, p in enumerate(PROMPTS) for name in ("base", "a1")]  # all at once: 6 requests, 2 rows each
         out["tokens"] = {f"{name}/{i}": r.result()[0] for name, i, r in reqs}
@@ -90,6 +98,7 @@ for dp, tp in ((2, 1), (2, 2)):
     out["banks_split"] = [sum(1 for x in b if not x.sharding.is_fully_replicated) for b in banks]
     report[f"{dp}x{tp}"] = out
     engine.close()
+    cpu[f"{dp}x{tp} requests"] = round(cpu_seconds() - sum(cpu.values()), 1)
 print("REPORT " + json.dumps(report))
 """
 

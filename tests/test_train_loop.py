@@ -156,25 +156,27 @@ def test_finetune_command_trains_resumes_and_writes_adapters(tmp_path):
     assert (tmp_path / "run" / "merged-hf" / "tokenizer.json").is_file()
 
 
-# Data parallel: the same 3 steps (8 rows a batch, one per device) in 1 process x 8 CPU devices and in
-# 2 processes x 4 (jax.distributed over gloo), each a fresh interpreter (the device count is fixed when
-# jax starts).
-DP_SCRIPT = """
+# Data parallel, the library and the command: the same steps (8 rows a batch, one per device) in 1 process x 8
+# CPU devices and in 2 processes x 4 (jax.distributed over gloo), each a fresh interpreter (the device count
+# is fixed when jax starts). One pair of processes and one reference process serve both tests below (an
+# interpreter start, the distributed set-up and each process's compiles, once): each process first runs
+# `gemma4-finetune` (`loop.main`: 2 processes by hand with `--coordinator-address --num-processes
+# --process-id`, which starts jax.distributed, or `--data-parallel` in 1 process), then `loop.Trainer` on
+# the micro model, replicated and (2 processes) FSDP.
+MULTI_SCRIPT = """
 import json, os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
 import jax
-if {processes} > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize("localhost:{port}", num_processes={processes}, process_id={pid})
 import numpy as np
 from flax import nnx
 import gemma4_nnx
 from gemma4_nnx.train import data, loop
 from tests.test_train_loop import adapters, lora_micro, make_rows
+loop.main({argv!r})
 config = loop.TrainConfig(steps=3, lr=1e-2, batch_size=8)
 from jax.experimental.multihost_utils import process_allgather
-report = dict(devices=jax.device_count())
-for fsdp in (False, True) if {processes} > 1 else (False,):  # FSDP: the base and adapters split too
+report = dict(devices=jax.device_count(), processes=jax.process_count())
+for fsdp in (False, True) if jax.process_count() > 1 else (False,):  # FSDP: the base and adapters split too
     mesh = gemma4_nnx.make_mesh(fsdp=8)
     trainer = loop.Trainer(lora_micro(), data.Loader(make_rows(), 8, seed=1), config, mesh=mesh, fsdp=fsdp)
     losses = trainer.run()
@@ -185,19 +187,38 @@ print("REPORT " + json.dumps(report))
 """
 
 
-@pytest.mark.slow
-def test_two_processes_train_like_one():
-    """2 processes x 4 devices, replicated and FSDP (base and adapters split over the 8 devices, across
-    the processes) = 1 process x 8 devices replicated."""
+@pytest.fixture(scope="module")
+def multi_process(tmp_path_factory):
+    """The runs of `MULTI_SCRIPT`: (1 process's report, the 2 processes' reports, the command's run
+    directory and flags); the command over a tiny checkpoint and a JSONL file, 2 steps."""
     import socket
 
+    base = tmp_path_factory.mktemp("multi")
+    ckpt = make_tiny_hf(
+        base / "ckpt", tokenizer=True, num_hidden_layers=2, layer_types=(fx.S, fx.F), num_kv_shared_layers=0
+    )
+    train = base / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 1)}) + "\n" for i in range(16)))
+    args = ["--model", ckpt, "--data", str(train), "--batch-size", "8", "--max-len", "16", "--lora-rank", "2"]
+    args += ["--steps", "2", "--lr", "1e-2", "--no-progress"]
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
-    runs = [ScriptRun(DP_SCRIPT.format(devices=8, processes=1, port=0, pid=0), "dp1")]
-    runs += [ScriptRun(DP_SCRIPT.format(devices=4, processes=2, port=port, pid=i), f"dp2_{i}") for i in range(2)]
-    one, *two = [r.report(timeout=400) for r in runs]
-    assert one["devices"] == two[0]["devices"] == 8
+    one = [*args, "--out", str(base / "one"), "--data-parallel"]
+    launch = ["--coordinator-address", f"localhost:{port}", "--num-processes", "2"]
+    two = [[*args, "--out", str(base / "two"), *launch, "--process-id", str(i)] for i in range(2)]
+    runs = [ScriptRun(MULTI_SCRIPT.format(devices=8, argv=one), "multi1")]
+    runs += [ScriptRun(MULTI_SCRIPT.format(devices=4, argv=argv), f"multi2_{i}") for i, argv in enumerate(two)]
+    first, *pair = [r.report(timeout=600) for r in runs]
+    return first, pair, base, args
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(multi_process):
+    """2 processes x 4 devices, replicated and FSDP (base and adapters split over the 8 devices, across
+    the processes) = 1 process x 8 devices replicated."""
+    one, two, _, _ = multi_process
+    assert one["devices"] == two[0]["devices"] == 8 and two[0]["processes"] == 2
     for other in [r[kind] for r in two for kind in ("dp", "fsdp")]:
         # the same per-device sums; only the cross-device reduction (gloo vs in-process) may add them in
         # another order. Losses: float32 rounding. Adapters: Adam moves each weight by about lr per step
@@ -210,58 +231,29 @@ def test_two_processes_train_like_one():
     assert one["dp"]["losses"][0] != one["dp"]["losses"][-1], "no training happened"
 
 
-# The command line's multi-process launch: `gemma4-finetune --coordinator-address --num-processes
-# --process-id` in 2 processes x 4 CPU devices against `--data-parallel` in 1 process x 8.
-CLI_SCRIPT = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
-from gemma4_nnx.train import loop
-loop.main({argv!r})
-print("REPORT {{}}")
-"""
-
-
 @pytest.mark.slow
-def test_finetune_command_two_processes_train_like_one(tmp_path, capsys):
+def test_finetune_command_two_processes_train_like_one(multi_process, capsys):
     """`gemma4-finetune` started by hand as 2 processes x 4 devices (`--coordinator-address HOST:PORT
     --num-processes 2 --process-id I`, a free localhost port) logs the losses and saves the adapters of
     `--data-parallel` in 1 process x 8 devices; a wrong launch flag exits naming it."""
-    import socket
-
-    ckpt = make_tiny_hf(
-        tmp_path / "ckpt", tokenizer=True, num_hidden_layers=2, layer_types=(fx.S, fx.F), num_kv_shared_layers=0
-    )
-    train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 1)}) + "\n" for i in range(16)))
-    args = ["--model", ckpt, "--data", str(train), "--batch-size", "8", "--max-len", "16", "--lora-rank", "2"]
-    args += ["--steps", "2", "--lr", "1e-2", "--no-progress"]
+    _, _, base, args = multi_process
     for bad, match in (
         (["--coordinator-address", "localhost:1"], "--num-processes, --process-id"),
         (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
         (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"], "--process-id"),
     ):
         with pytest.raises(SystemExit):
-            loop.main([*args, "--out", str(tmp_path / "bad"), *bad])
+            loop.main([*args, "--out", str(base / "bad"), *bad])
         assert match in capsys.readouterr().err
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        port = sock.getsockname()[1]
-    one = [*args, "--out", str(tmp_path / "one"), "--data-parallel"]
-    launch = ["--coordinator-address", f"localhost:{port}", "--num-processes", "2"]
-    two = [[*args, "--out", str(tmp_path / "two"), *launch, "--process-id", str(i)] for i in range(2)]
-    runs = [ScriptRun(CLI_SCRIPT.format(devices=8, argv=one), "cli1")]
-    runs += [ScriptRun(CLI_SCRIPT.format(devices=4, argv=argv), f"cli2_{i}") for i, argv in enumerate(two)]
-    for r in runs:
-        r.report(timeout=400)
     losses = {
-        k: [json.loads(x)["loss"] for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+        k: [json.loads(x)["loss"] for x in (base / k / "metrics.jsonl").read_text().splitlines()]
         for k in ("one", "two")
     }
     assert len(losses["one"]) == 2 and losses["one"][0] != losses["one"][1], losses
     np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-6)  # cross-device sums in another order
     (_, want), (_, got) = (
-        ft.read_adapters(tmp_path / "one" / "adapters"),
-        ft.read_adapters(tmp_path / "two" / "adapters"),
+        ft.read_adapters(base / "one" / "adapters"),
+        ft.read_adapters(base / "two" / "adapters"),
     )
     assert sorted(got) == sorted(want)
     for path, (a, b) in want.items():  # as in test_two_processes_train_like_one: Adam's ~lr steps, 1e-3 * lr
