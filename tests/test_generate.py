@@ -164,6 +164,7 @@ def _fresh(model, prompts, n, **kw):
     return out
 
 
+@pytest.mark.slow
 def test_calls_of_the_same_shapes_reuse_one_decoder_with_a_fresh_ones_output(models, built):
     """Calls of the same shapes (Bb 4, T 32) run on one decoder, whatever their prompts, sampler or
     chunking; each gives exactly (tokens and logprobs, bit for bit) what a decoder of its own gives,
@@ -205,6 +206,7 @@ def test_a_weight_change_gives_the_new_weights_output(built):
     assert after != before  # the change shows in the output: stale weights would not pass
 
 
+@pytest.mark.slow
 def test_a_decoder_in_use_is_not_shared(models, built):
     """A stream still running holds its decoder: a call of the same shapes meanwhile builds its own,
     and both give their own tokens."""
@@ -237,6 +239,7 @@ def test_prefill_and_first_draw_are_one_program(models, monkeypatch):
     assert kinds == ["first", "loop"]
 
 
+@pytest.mark.slow
 def test_the_one_program_start_draws_what_prefill_then_draw_do(models, monkeypatch):
     """The first tokens of `Decoder.first` (prefill and draw in one program) are those of `prefill`
     then `draw` as two programs (the engine's way), their logprobs to the bit: within one program XLA
