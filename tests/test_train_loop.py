@@ -289,6 +289,7 @@ def codes(model) -> dict:
     return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model)) if p[-1] in ("codes", "scales")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_qlora_steps_keep_codes_and_train_like_lora_on_the_dequantized_base(rows, bits):
     """QLoRA = LoRA on a float base holding the dequantized weights: the same losses (float rounding:
@@ -315,6 +316,7 @@ def test_qlora_steps_keep_codes_and_train_like_lora_on_the_dequantized_base(rows
     assert err <= 3e-2, f"QLoRA adapters differ from the dequantized base's LoRA by {err:.3g} of their update"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_step_holds_no_whole_logits_and_no_second_copy_of_the_weights(monkeypatch, method):
     """The compiled step (XLA's memory_analysis) on a 2-layer model with a 16384-token vocabulary, 4
@@ -685,6 +687,7 @@ def test_the_training_step_compiles_once(rows, caplog):
     assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="needs AVX512-BF16 (avx512_bf16) in the CPU kernels")
 def test_finetune_command_matmul_reaches_the_products(tmp_path):
     """`gemma4-finetune --dtype bfloat16 --matmul cpu_kernels_bf16` trains through the bf16 products:
