@@ -429,17 +429,21 @@ def test_assistant_drafts_see_only_the_accepted_sequence(assisted):
     assert not any(c.ring for c in KVCache.init(target.config, 1, 64, jnp.float32, ring_extra=64).layers.values())
 
     @nnx.jit
-    def prefix(target, ids):
-        """The target over ids [1, T] in a cache that evicts nothing (ring_extra=64 makes it a plain
-        cache): (the cache, the last hidden state). Jitted: one program per length (run eagerly, every
-        op compiled for each new length took ~2.4x the CPU)."""
+    def prefix(target, ids, n):
+        """The target over the first n of ids [1, 32] (the rest padding, at position -1 as a prompt
+        batch pads) in a cache that evicts nothing (ring_extra=64 makes it a plain cache): (the cache,
+        the last token's hidden state). Jitted, one width for every length: one program (one per
+        length cost ~10 compiles of the target; run eagerly, every op compiled for each new length)."""
         cache = KVCache.init(target.config, 1, 64, jnp.float32, ring_extra=64)
-        h, cache = target(ids, jnp.arange(ids.shape[1])[None], cache=cache, return_hidden=True)
-        return cache, h[:, -1]
+        cols = jnp.arange(ids.shape[1])[None]
+        h, cache = target(ids, jnp.where(cols < n, cols, -1), cache=cache, return_hidden=True)
+        return cache, jax.lax.dynamic_index_in_dim(h, n - 1, axis=1, keepdims=False)
 
     def fresh(seq):
         """The assistant's input afresh: the target over seq[:-1], its last hidden state, the last token."""
-        cache, last = prefix(target, jnp.asarray([seq[:-1]]))
+        ids = np.zeros((1, 32), np.int32)
+        ids[0, : len(seq) - 1] = seq[:-1]
+        cache, last = prefix(target, jnp.asarray(ids), len(seq) - 1)
         return assistant.donor_kv(target.config, cache), last, jnp.asarray([seq[-1]])
 
     def first_step(kv, state, token, pos):
