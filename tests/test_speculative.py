@@ -260,8 +260,9 @@ def test_engine_rows_accept_their_own_drafts(models):
     prompts = PROMPTS + [PROMPTS[0] * 2, PROMPTS[2][:4]]
     plain = [generate(model, [p], n, stop_tokens=[]).tokens[0] for p in prompts]
     drafter = _Table(prompts, plain, "half")
-    # no precompile: what runs compiles on first use (the compile-ahead of verify programs is the next test's)
-    engine = Engine(model, max_batch=4, max_length=64, speculative=_config(drafter))
+    # no precompile: what runs compiles on first use (the compile-ahead of verify programs is the next test's);
+    # two rows (five requests: more than the rows), the next test's engine shape: its programs compiled once
+    engine = Engine(model, max_batch=2, max_length=64, speculative=_config(drafter))
     try:
         reqs = [engine.submit(p, n, stop_tokens=[]) for p in prompts]
         assert [r.result()[0] for r in reqs] == plain
@@ -292,7 +293,9 @@ def test_new_sampling_settings_compile_their_verify_program_ahead(models):
     n = 12
     plain = [generate(model, [p], n, stop_tokens=[]).tokens[0] for p in PROMPTS]
     drafter = _Table(PROMPTS, plain, "oracle")
-    engine = Engine(model, max_batch=4, max_length=64, speculative=_config(drafter), precompile=(16,))
+    # two rows (the greedy pair, then the third greedy row and the sampled one: the same admissions each
+    # round): two row counts' verify programs to precompile, not three; the property is the settings'
+    engine = Engine(model, max_batch=2, max_length=64, speculative=_config(drafter), precompile=(16,))
 
     def settle():
         deadline = time.time() + 300
@@ -301,7 +304,7 @@ def test_new_sampling_settings_compile_their_verify_program_ahead(models):
         assert not engine.decoder._compiling
 
     def run():
-        with engine._cv:  # one admission: the same step shapes each round
+        with engine._cv:  # submitted together: the same admissions and step shapes each round
             greedy = [engine.submit(p, n, stop_tokens=[], top_logprobs=2) for p in PROMPTS]
             sampled = engine.submit(PROMPTS[0], n, stop_tokens=[], temperature=0.8, top_k=5, seed=1)
         return [list(r) for r in greedy], sampled.result()[0]
