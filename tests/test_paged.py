@@ -247,11 +247,13 @@ def test_server_with_a_small_pool_answers_everyone_as_alone(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     import gemma4_nnx
-    from tests.helpers import ServerThread, build_hf_json, random_model
+    from tests.helpers import ServerThread, build_hf_json, model_from_config, tiny_config
 
     build_hf_json(tmp_path / "tokenizer.json")
     tok = gemma4_nnx.load_tokenizer(tmp_path)
-    model = random_model("e2b", seed=3, vocab_size=tok.vocab_size)
+    # the module's 4-layer model over the tokenizer's vocabulary (10 layers compiled ~2x longer; the pool's
+    # behaviour does not depend on depth)
+    model = model_from_config(tiny_config(vocab_size=tok.vocab_size, vocab_size_per_layer_input=tok.vocab_size), 3)
     probe = Engine(model, max_batch=1, max_length=96)
     block_bytes = probe.block_bytes
     probe.close()

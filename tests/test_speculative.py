@@ -260,8 +260,9 @@ def test_engine_rows_accept_their_own_drafts(models):
     prompts = PROMPTS + [PROMPTS[0] * 2, PROMPTS[2][:4]]
     plain = [generate(model, [p], n, stop_tokens=[]).tokens[0] for p in prompts]
     drafter = _Table(prompts, plain, "half")
-    # no precompile: what runs compiles on first use (the compile-ahead of verify programs is the next test's)
-    engine = Engine(model, max_batch=4, max_length=64, speculative=_config(drafter))
+    # no precompile: what runs compiles on first use (the compile-ahead of verify programs is the next test's);
+    # two rows (five requests: more than the rows), the next test's engine shape: its programs compiled once
+    engine = Engine(model, max_batch=2, max_length=64, speculative=_config(drafter))
     try:
         reqs = [engine.submit(p, n, stop_tokens=[]) for p in prompts]
         assert [r.result()[0] for r in reqs] == plain
@@ -292,7 +293,9 @@ def test_new_sampling_settings_compile_their_verify_program_ahead(models):
     n = 12
     plain = [generate(model, [p], n, stop_tokens=[]).tokens[0] for p in PROMPTS]
     drafter = _Table(PROMPTS, plain, "oracle")
-    engine = Engine(model, max_batch=4, max_length=64, speculative=_config(drafter), precompile=(16,))
+    # two rows (the greedy pair, then the third greedy row and the sampled one: the same admissions each
+    # round): two row counts' verify programs to precompile, not three; the property is the settings'
+    engine = Engine(model, max_batch=2, max_length=64, speculative=_config(drafter), precompile=(16,))
 
     def settle():
         deadline = time.time() + 300
@@ -301,7 +304,7 @@ def test_new_sampling_settings_compile_their_verify_program_ahead(models):
         assert not engine.decoder._compiling
 
     def run():
-        with engine._cv:  # one admission: the same step shapes each round
+        with engine._cv:  # submitted together: the same admissions and step shapes each round
             greedy = [engine.submit(p, n, stop_tokens=[], top_logprobs=2) for p in PROMPTS]
             sampled = engine.submit(PROMPTS[0], n, stop_tokens=[], temperature=0.8, top_k=5, seed=1)
         return [list(r) for r in greedy], sampled.result()[0]
@@ -429,17 +432,21 @@ def test_assistant_drafts_see_only_the_accepted_sequence(assisted):
     assert not any(c.ring for c in KVCache.init(target.config, 1, 64, jnp.float32, ring_extra=64).layers.values())
 
     @nnx.jit
-    def prefix(target, ids):
-        """The target over ids [1, T] in a cache that evicts nothing (ring_extra=64 makes it a plain
-        cache): (the cache, the last hidden state). Jitted: one program per length (run eagerly, every
-        op compiled for each new length took ~2.4x the CPU)."""
+    def prefix(target, ids, n):
+        """The target over the first n of ids [1, 32] (the rest padding, at position -1 as a prompt
+        batch pads) in a cache that evicts nothing (ring_extra=64 makes it a plain cache): (the cache,
+        the last token's hidden state). Jitted, one width for every length: one program (one per
+        length cost ~10 compiles of the target; run eagerly, every op compiled for each new length)."""
         cache = KVCache.init(target.config, 1, 64, jnp.float32, ring_extra=64)
-        h, cache = target(ids, jnp.arange(ids.shape[1])[None], cache=cache, return_hidden=True)
-        return cache, h[:, -1]
+        cols = jnp.arange(ids.shape[1])[None]
+        h, cache = target(ids, jnp.where(cols < n, cols, -1), cache=cache, return_hidden=True)
+        return cache, jax.lax.dynamic_index_in_dim(h, n - 1, axis=1, keepdims=False)
 
     def fresh(seq):
         """The assistant's input afresh: the target over seq[:-1], its last hidden state, the last token."""
-        cache, last = prefix(target, jnp.asarray([seq[:-1]]))
+        ids = np.zeros((1, 32), np.int32)
+        ids[0, : len(seq) - 1] = seq[:-1]
+        cache, last = prefix(target, jnp.asarray(ids), len(seq) - 1)
         return assistant.donor_kv(target.config, cache), last, jnp.asarray([seq[-1]])
 
     def first_step(kv, state, token, pos):
