@@ -231,14 +231,26 @@ def test_export_refuses_bad_input_and_leaves_nothing(tmp_path, tokenizer_dir):
     assert gguf.GGUFReader(str(tmp_path / "cli.gguf")).fields["general.file_type"].contents() == 7
 
 
-def test_gemma4_moe_gguf_keeps_expert_blocks(tmp_path, tokenizer_dir):
+@pytest.fixture(scope="module")
+def moe_q4_k_m_kept(tmp_path_factory, tokenizer_dir):
+    """A tiny MoE model (its HF directory and the model), its Q4_K_M GGUF and that file's `--quantize keep`
+    checkpoint: built once, three tests read them."""
+    from gemma4_nnx.io.convert import convert
+
+    tmp_path = tmp_path_factory.mktemp("moe_keep")
+    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
+    return src, model, path, convert(path, tmp_path / "keep", quantize="keep", progress=False)
+
+
+def test_gemma4_moe_gguf_keeps_expert_blocks(tmp_path, moe_q4_k_m_kept):
     """`--quantize keep` of a MoE GGUF keeps each expert stack's blocks as a quantized stack whose values
     are `gguf`'s dequantization of the file's blocks, and the model gives the float import's logits."""
     from gemma4_nnx.io.convert import convert
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.model import quant
 
-    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
+    src, model, _, _ = moe_q4_k_m_kept
     path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q8_0")
     kept = load_any(convert(path, tmp_path / "keep", quantize="keep", progress=False), matmul="xla")
     floats = load_any(convert(path, tmp_path / "none", quantize="none", dtype="float32", progress=False))
@@ -288,15 +300,12 @@ def test_kept_blocks_write_back_byte_for_byte(kind):
         assert encode_rows(c, s, None, QuantFormat(bits, group), 512) is None
 
 
-def test_keep_export_gives_back_the_imported_file(tmp_path, tokenizer_dir):
+def test_keep_export_gives_back_the_imported_file(tmp_path, moe_q4_k_m_kept):
     """A Q4_K_M MoE GGUF imported with `keep` and exported with `keep`: every tensor, quantized or float,
     is the file's own, byte for byte and type for type."""
-    from gemma4_nnx.io.convert import convert
     from gemma4_nnx.io.loader import load_any
 
-    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
-    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
-    ckpt = convert(path, tmp_path / "keep", quantize="keep", progress=False)
+    _, _, path, ckpt = moe_q4_k_m_kept
     out = to_gguf(load_any(ckpt), tmp_path / "again.gguf", tokenizer_dir=ckpt, quantize="keep")
     a, b = ({t.name: t for t in gguf.GGUFReader(str(f)).tensors} for f in (path, out))
     assert sorted(a) == sorted(b)
@@ -354,7 +363,7 @@ def test_q4_k_m_export_with_calibration_writes_weighted_blocks(tmp_path, tokeniz
         to_gguf(model, tmp_path / "x.gguf", tokenizer_dir=src, quantize="q8_0", calibration=text)
 
 
-def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_them(tmp_path, tokenizer_dir):
+def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_them(moe_q4_k_m_kept):
     """A `keep` checkpoint holds the file's blocks, and by default (`kept_blocks="auto"`, also of
     `load_any` and both CLIs) the model holds them as the file does: its quantized weights take exactly
     the bytes of the GGUF's quantized tensors (issue 50's bound is 1.02x). `load(kept_blocks="decoded")`
@@ -370,15 +379,12 @@ def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_t
 
     from gemma4_nnx import cli_generate
     from gemma4_nnx.io.checkpoint import load
-    from gemma4_nnx.io.convert import convert
     from gemma4_nnx.io.gguf_blocks import decode_rows
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.model import quant
     from gemma4_nnx.serve import app
 
-    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
-    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
-    ckpt = convert(path, tmp_path / "keep", quantize="keep", progress=False)
+    _, _, path, ckpt = moe_q4_k_m_kept
     stored, decoded = load_any(ckpt), load(ckpt, kept_blocks="decoded")
     held, flat = quant.quantization_of(stored), quant.quantization_of(decoded)
     assert sorted(held) == sorted(flat) and {f.block for f in held.values()} >= {"Q4_K", "Q6_K"}
