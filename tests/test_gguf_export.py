@@ -18,6 +18,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.helpers import GEMMA4_VARIANTS as VARIANTS
 from tests.helpers import build_hf_json, make_tiny_hf
@@ -263,7 +264,8 @@ def test_gemma4_moe_gguf_keeps_expert_blocks(tmp_path, moe_q4_k_m_kept):
             np.testing.assert_array_equal(np.asarray(quant.dequantize_matrix(stack)), want)
     ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
     # the same values; only the order of float32 sums differs (the dequantized-weight matmul against the float one)
-    np.testing.assert_allclose(np.asarray(kept(ids)), np.asarray(floats(ids)), atol=2e-4)
+    run = nnx.jit(lambda m, x: m(x))  # eagerly each op of each model compiles on its own
+    np.testing.assert_allclose(np.asarray(run(kept, ids)), np.asarray(run(floats, ids)), atol=2e-4)
 
 
 def _blocks(kind: str, rows: int = 4, cols: int = 512) -> np.ndarray:
@@ -325,11 +327,12 @@ def test_export_merges_lora(tmp_path, tokenizer_dir):
     for mod in lora_modules(model).values():
         mod.lora_b[...] = jnp.full(mod.lora_b.shape, 0.05, jnp.float32)
     ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
-    want = np.asarray(model(ids))
+    run = nnx.jit(lambda m, x: m(x))  # eagerly each op of each model compiles on its own
+    want = np.asarray(run(model, ids))
     back = from_hf(gguf_to_hf_dir(to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src), tmp_path / "b"))
-    got = np.asarray(back(ids))
+    got = np.asarray(run(back, ids))
     np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()))
-    base = np.asarray(from_hf(src, dtype=jnp.float32)(ids))
+    base = np.asarray(run(from_hf(src, dtype=jnp.float32), ids))
     assert np.abs(base - want).max() > 1e-2  # the adapters do move the logits: the test can fail
 
 
@@ -374,8 +377,6 @@ def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_t
     inside every step); any other value is a ValueError naming `kept_blocks` and
     the choices."""
     import dataclasses
-
-    from flax import nnx
 
     from gemma4_nnx import cli_generate
     from gemma4_nnx.io.checkpoint import load
