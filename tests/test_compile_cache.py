@@ -32,7 +32,7 @@ jax.monitoring.register_event_listener(event)
 path = use_compile_cache(sys.argv[1])  # what the CLIs do at start
 from gemma4_nnx import generate
 from tests.helpers import PROMPTS, random_model
-generate(random_model("e2b", seed=1), [PROMPTS[0]], 3, stop_tokens=[])
+generate(random_model("plain", seed=1), [PROMPTS[0]], 3, stop_tokens=[])
 print(json.dumps({"path": str(path), "compile_s": compile_s[0], "hits": hits[0]}))
 """
 

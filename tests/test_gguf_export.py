@@ -18,6 +18,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.helpers import GEMMA4_VARIANTS as VARIANTS
 from tests.helpers import build_hf_json, make_tiny_hf
@@ -231,14 +232,26 @@ def test_export_refuses_bad_input_and_leaves_nothing(tmp_path, tokenizer_dir):
     assert gguf.GGUFReader(str(tmp_path / "cli.gguf")).fields["general.file_type"].contents() == 7
 
 
-def test_gemma4_moe_gguf_keeps_expert_blocks(tmp_path, tokenizer_dir):
+@pytest.fixture(scope="module")
+def moe_q4_k_m_kept(tmp_path_factory, tokenizer_dir):
+    """A tiny MoE model (its HF directory and the model), its Q4_K_M GGUF and that file's `--quantize keep`
+    checkpoint: built once, three tests read them."""
+    from gemma4_nnx.io.convert import convert
+
+    tmp_path = tmp_path_factory.mktemp("moe_keep")
+    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
+    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
+    return src, model, path, convert(path, tmp_path / "keep", quantize="keep", progress=False)
+
+
+def test_gemma4_moe_gguf_keeps_expert_blocks(tmp_path, moe_q4_k_m_kept):
     """`--quantize keep` of a MoE GGUF keeps each expert stack's blocks as a quantized stack whose values
     are `gguf`'s dequantization of the file's blocks, and the model gives the float import's logits."""
     from gemma4_nnx.io.convert import convert
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.model import quant
 
-    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
+    src, model, _, _ = moe_q4_k_m_kept
     path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q8_0")
     kept = load_any(convert(path, tmp_path / "keep", quantize="keep", progress=False), matmul="xla")
     floats = load_any(convert(path, tmp_path / "none", quantize="none", dtype="float32", progress=False))
@@ -251,7 +264,8 @@ def test_gemma4_moe_gguf_keeps_expert_blocks(tmp_path, tokenizer_dir):
             np.testing.assert_array_equal(np.asarray(quant.dequantize_matrix(stack)), want)
     ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
     # the same values; only the order of float32 sums differs (the dequantized-weight matmul against the float one)
-    np.testing.assert_allclose(np.asarray(kept(ids)), np.asarray(floats(ids)), atol=2e-4)
+    run = nnx.jit(lambda m, x: m(x))  # eagerly each op of each model compiles on its own
+    np.testing.assert_allclose(np.asarray(run(kept, ids)), np.asarray(run(floats, ids)), atol=2e-4)
 
 
 def _blocks(kind: str, rows: int = 4, cols: int = 512) -> np.ndarray:
@@ -288,15 +302,12 @@ def test_kept_blocks_write_back_byte_for_byte(kind):
         assert encode_rows(c, s, None, QuantFormat(bits, group), 512) is None
 
 
-def test_keep_export_gives_back_the_imported_file(tmp_path, tokenizer_dir):
+def test_keep_export_gives_back_the_imported_file(tmp_path, moe_q4_k_m_kept):
     """A Q4_K_M MoE GGUF imported with `keep` and exported with `keep`: every tensor, quantized or float,
     is the file's own, byte for byte and type for type."""
-    from gemma4_nnx.io.convert import convert
     from gemma4_nnx.io.loader import load_any
 
-    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
-    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
-    ckpt = convert(path, tmp_path / "keep", quantize="keep", progress=False)
+    _, _, path, ckpt = moe_q4_k_m_kept
     out = to_gguf(load_any(ckpt), tmp_path / "again.gguf", tokenizer_dir=ckpt, quantize="keep")
     a, b = ({t.name: t for t in gguf.GGUFReader(str(f)).tensors} for f in (path, out))
     assert sorted(a) == sorted(b)
@@ -316,11 +327,12 @@ def test_export_merges_lora(tmp_path, tokenizer_dir):
     for mod in lora_modules(model).values():
         mod.lora_b[...] = jnp.full(mod.lora_b.shape, 0.05, jnp.float32)
     ids = jnp.asarray([[2, 5, 100, 200, 300, 7, 9, 11]])
-    want = np.asarray(model(ids))
+    run = nnx.jit(lambda m, x: m(x))  # eagerly each op of each model compiles on its own
+    want = np.asarray(run(model, ids))
     back = from_hf(gguf_to_hf_dir(to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src), tmp_path / "b"))
-    got = np.asarray(back(ids))
+    got = np.asarray(run(back, ids))
     np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()))
-    base = np.asarray(from_hf(src, dtype=jnp.float32)(ids))
+    base = np.asarray(run(from_hf(src, dtype=jnp.float32), ids))
     assert np.abs(base - want).max() > 1e-2  # the adapters do move the logits: the test can fail
 
 
@@ -354,7 +366,7 @@ def test_q4_k_m_export_with_calibration_writes_weighted_blocks(tmp_path, tokeniz
         to_gguf(model, tmp_path / "x.gguf", tokenizer_dir=src, quantize="q8_0", calibration=text)
 
 
-def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_them(tmp_path, tokenizer_dir):
+def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_them(moe_q4_k_m_kept):
     """A `keep` checkpoint holds the file's blocks, and by default (`kept_blocks="auto"`, also of
     `load_any` and both CLIs) the model holds them as the file does: its quantized weights take exactly
     the bytes of the GGUF's quantized tensors (issue 50's bound is 1.02x). `load(kept_blocks="decoded")`
@@ -366,19 +378,14 @@ def test_kept_blocks_load_stored_by_default_and_decoded_as_the_old_keep_stored_t
     the choices."""
     import dataclasses
 
-    from flax import nnx
-
     from gemma4_nnx import cli_generate
     from gemma4_nnx.io.checkpoint import load
-    from gemma4_nnx.io.convert import convert
     from gemma4_nnx.io.gguf_blocks import decode_rows
     from gemma4_nnx.io.loader import load_any
     from gemma4_nnx.model import quant
     from gemma4_nnx.serve import app
 
-    src, model = _tiny(tmp_path, tokenizer_dir, **VARIANTS["moe"])
-    path = to_gguf(model, tmp_path / "m.gguf", tokenizer_dir=src, quantize="q4_k_m")
-    ckpt = convert(path, tmp_path / "keep", quantize="keep", progress=False)
+    _, _, path, ckpt = moe_q4_k_m_kept
     stored, decoded = load_any(ckpt), load(ckpt, kept_blocks="decoded")
     held, flat = quant.quantization_of(stored), quant.quantization_of(decoded)
     assert sorted(held) == sorted(flat) and {f.block for f in held.values()} >= {"Q4_K", "Q6_K"}

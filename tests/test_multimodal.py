@@ -404,7 +404,8 @@ def test_generate_and_engine_with_images_and_audio_match_transformers(checkpoint
         assert len(engine.prefix) == 0
         swapped = dataclasses.replace(media[0], input_features=x["feats"][1:] * 3.0)
         again = engine.submit(ROWS[0], n, media=swapped, stop_tokens=[]).result()
-        fresh = generate(model, ROWS[:1], n, media=[swapped], stop_tokens=[], return_logprobs=True)
+        # both rows again (the shapes `generate` above compiled; rows are independent): row 0's reference
+        fresh = generate(model, ROWS, n, media=[swapped, media[1]], stop_tokens=[], return_logprobs=True)
         assert again[0] == fresh.tokens[0] and close(again[3], fresh.logprobs[0])
         engine.submit([2, *range(5, 19)], n, stop_tokens=[]).result()  # a text prompt is kept
         assert len(engine.prefix) > 0
