@@ -32,6 +32,7 @@ Shapes: B batch rows, T slots, K KV heads, H head dim; pools: P blocks of S = bl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -433,17 +434,22 @@ class KVCache:
             width = -(-max_length // block_size)
             blocks = batch_size * width if blocks is None else blocks
             table = jnp.full((batch_size, width), blocks, jnp.int32)
+        makers = {}  # layer index -> its empty cache's constructor
         for spec in config.cache_layers:
             size = cache_size(spec, config, max_length, ring_extra)
             ring = spec.is_sliding and size < max_length
             if block_size is not None and not ring:
-                layers[spec.index] = PagedCache.zeros(blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype)
+                makers[spec.index] = functools.partial(
+                    PagedCache.zeros, blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype
+                )
                 continue
-            layers[spec.index] = LayerCache.zeros(
-                batch_size, size, spec.num_kv_heads, spec.head_dim, ring=ring, dtype=dtype
+            makers[spec.index] = functools.partial(
+                LayerCache.zeros, batch_size, size, spec.num_kv_heads, spec.head_dim, ring=ring, dtype=dtype
             )
-        paged = table if any(isinstance(c, PagedCache) for c in layers.values()) else None
-        return cls(layers, paged, _stack_groups(layers, stacks))
+        paged = table if any(m.func == PagedCache.zeros for m in makers.values()) else None
+        grouped = _stack_groups(makers, stacks)
+        layers = {i: make() for i, make in makers.items() if not any(i in key for key in grouped)}
+        return cls(layers, paged, grouped)
 
     def caches(self) -> list[LayerCache | PagedCache]:
         """Every layer's cache and every stack (leaves [R, ...])."""
@@ -565,21 +571,20 @@ class KVCache:
         )
 
 
-def _stack_groups(layers: dict, groups: tuple[tuple[int, ...], ...]) -> dict:
-    """`layers`' caches of each group stacked [len(group), ...] (taken out of `layers`), by group."""
+def _stack_groups(makers: dict, groups: tuple[tuple[int, ...], ...]) -> dict:
+    """Each group's empty caches made stacked [len(group), ...] at once (no per-layer caches made and
+    copied: a stacked pool is allocated once), by group; `makers`: layer index -> its constructor."""
     stacks = {}
     for group in groups:
         group = tuple(int(i) for i in group)
-        caches = [layers.get(i) for i in group]
-        shapes = {str(jax.tree.map(lambda x: (x.shape, x.dtype), c)) if c is not None else None for c in caches}
+        shapes = {str(jax.eval_shape(makers[i])) if i in makers else None for i in group}
         if len(group) < 2 or None in shapes or len(shapes) != 1:
             raise ValueError(
                 f"KVCache.init: stacks: group {group} must name >= 2 donor layers whose caches have one kind and "
                 f"shape (a scanned model's `scan.cache_stacks(model)`)"
             )
-        stacks[group] = jax.tree.map(lambda *x: jnp.stack(x), *caches)
-        for i in group:
-            del layers[i]
+        make = makers[group[0]]
+        stacks[group] = jax.vmap(lambda _, make=make: make())(jnp.arange(len(group)))  # unbatched: broadcast
     return stacks
 
 

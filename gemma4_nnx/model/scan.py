@@ -188,6 +188,13 @@ class Repeat(nnx.Module):
         published.update({d: KV(k, v, inputs.k_pos) for d, (k, v) in slots.items()})
         return h, {}
 
+    def cache_keys(self) -> dict[int, tuple[int, ...]]:
+        """{place j of the block that owns a cache: the indices of its layers, one a repeat} (a key of
+        `KVCache.stacks`)."""
+        p, n = self.period, self.repeats
+        owners = [j for j in range(p) if not self.specs[j].is_consumer]
+        return {j: tuple(self.specs[r * p + j].index for r in range(n)) for j in owners}
+
     def _cached(self, h: Array, inputs: Inputs, published: dict, cache: KVCache) -> tuple[Array, dict]:
         """The run with a KV cache (prefill chunks, decode steps). The caches of the layers at each
         place of the block that owns one (the same kind and shape in every repeat) are one stack
@@ -198,11 +205,9 @@ class Repeat(nnx.Module):
         caches in every program). A donor's consumers read what it attended over (`_seen`), rebuilt
         after the scan from its written cache (and, for a ring read as [ring ; new], from the new
         tokens' K/V, which the scan emits)."""
-        p, n = self.period, self.repeats
+        n = self.repeats
         s = h.shape[1]
-        keys = {
-            j: tuple(self.specs[r * p + j].index for r in range(n)) for j in range(p) if not self.specs[j].is_consumer
-        }
+        keys = self.cache_keys()
         held = {j: key in cache.stacks for j, key in keys.items()}
         stacks = {
             j: cache.stacks[key] if held[j] else _stacked([cache.layer(i) for i in key]) for j, key in keys.items()
@@ -323,13 +328,7 @@ def cache_stacks(model: nnx.Module) -> tuple[tuple[int, ...], ...]:
     for an unrolled model."""
     if not is_scanned(model):
         return ()
-    return tuple(
-        tuple(part.specs[r * part.period + j].index for r in range(part.repeats))
-        for part in model.layers.parts
-        if isinstance(part, Repeat)
-        for j in range(part.period)
-        if not part.specs[j].is_consumer
-    )
+    return tuple(key for part in model.layers.parts if isinstance(part, Repeat) for key in part.cache_keys().values())
 
 
 def is_scanned(model: nnx.Module) -> bool:
