@@ -266,8 +266,21 @@ def test_a_loaded_per_channel_checkpoint_is_held_for_the_dot_and_exports_its_sto
     ckpt = convert(make_tiny_hf(tmp_path / "hf"), tmp_path / "c", quantize="int4", group="channel", progress=False)
     held, plain = load(ckpt, matmul="xla_int"), load(ckpt, matmul="xla")
     mods = dict(quant.submodules(plain, (quant.QuantizedLinear, quant.QuantizedEmbedding)))
-    ple = mods.pop(("embed_tokens_per_layer",))  # group-wise (a group per layer's slice): kept as stored
-    assert ple.scales[...].shape[1] > 1 and quant.get_submodule(held, ("embed_tokens_per_layer",)).scales[...].ndim == 2
+    # the PLE table is group-wise (a group per layer's slice): its scales held padded to 128 columns (on a
+    # TPU a [V, G < 128] array is held column-major and a gather of rows copied it whole every step); its
+    # rows looked up equal the stored layout's bit for bit: one id (the two-row gather), several, a
+    # negative one, one out of range (NaN rows)
+    ple, ple_held = mods.pop(("embed_tokens_per_layer",)), held.embed_tokens_per_layer
+    groups = ple.scales[...].shape[1]
+    assert 1 < groups < quant.GATHER_COLUMNS
+    assert ple_held.scales[...].shape == (ple.num_embeddings, quant.GATHER_COLUMNS)
+    assert not np.asarray(ple_held.scales[...][:, groups:]).any()
+    for a, b in zip(quant.stored_arrays(ple_held), quant.stored_arrays(ple), strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes())
+    v = ple.num_embeddings
+    for ids in (np.array([[7]]), np.array([[3, v - 1, 0], [-2, v + 5, 11]])):
+        got, want = (np.asarray(jax.jit(m.__call__)(jnp.asarray(ids, jnp.int32))) for m in (ple_held, ple))
+        assert got.shape == want.shape and got.tobytes() == want.tobytes(), ids
     assert len(mods) > 3
     for path, stored in mods.items():
         mod = quant.get_submodule(held, path)

@@ -345,7 +345,7 @@ def load(
         n = config.num_hidden_layers * config.hidden_size_per_layer_input
         model.embed_tokens_per_layer = nnx.eval_shape(
             lambda: QuantizedEmbedding(
-                config.vocab_size_per_layer_input, n, bits=bits, group=ple["group"], dtype=compute
+                config.vocab_size_per_layer_input, n, bits=bits, group=ple["group"], dtype=compute, matmul=product
             )
         )
         paths = [p for p in paths if p[:1] != PLE_PATH] + [PLE_PATH + ("codes",), PLE_PATH + ("scales",)]

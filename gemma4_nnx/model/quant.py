@@ -399,27 +399,49 @@ def _set_params(mod, codes, scales, mins) -> None:
         setattr(mod, name, nnx.Param(arr))
 
 
-def _stored_shape(a):
+def _stored_shape(a, groups: int | None = None):
     """A scales / mins array as stored, [rows, G]: a vector held per output channel (`hold_for_int_dot`) as
-    its column [rows, 1]."""
-    return None if a is None else a[:, None] if a.ndim == 1 else a
+    its column [rows, 1]; a table's columns held padded (`hold_for_int_dot`) as their first `groups`."""
+    if a is None:
+        return None
+    if a.ndim == 1:
+        return a[:, None]
+    return a[..., :groups] if groups is not None and a.shape[-1] > groups else a
+
+
+def _groups(mod) -> int | None:
+    """A quantized table's or projection's scales per row as stored (None for GGUF blocks)."""
+    if mod.fmt.block is not None:
+        return None
+    cols = mod.features if isinstance(mod, QuantizedEmbedding) else mod.in_features
+    return cols // mod.fmt.group
 
 
 def _mins(mod):
-    return None if mod.mins is None else _stored_shape(mod.mins[...])
+    return None if mod.mins is None else _stored_shape(mod.mins[...], _groups(mod))
 
 
 def _scales(mod):
-    return None if mod.scales is None else _stored_shape(mod.scales[...])
+    return None if mod.scales is None else _stored_shape(mod.scales[...], _groups(mod))
 
 
 def _raw(var):
     return None if var is None else var[...]
 
 
-def _stored_cols(taken: jax.Array, var) -> jax.Array:
-    """Rows taken from a scales / mins variable, as stored rows [..., G] (a held vector's: [..., 1])."""
-    return taken[..., None] if var.get_value().ndim == 1 else taken
+def _unpadded(var, groups: int | None):
+    """A scales / mins variable as the integer dot takes it: a held vector as it is, held padded columns
+    (`hold_for_int_dot`) cut to the stored G."""
+    a = _raw(var)
+    return a if a is None or a.ndim == 1 else _stored_shape(a, groups)
+
+
+def _stored_cols(taken: jax.Array, var, groups: int | None) -> jax.Array:
+    """Rows taken from a scales / mins variable, as stored rows [..., G] (a held vector's: [..., 1]; held
+    padded columns: their first G)."""
+    if var.get_value().ndim == 1:
+        return taken[..., None]
+    return taken[..., :groups] if groups is not None and taken.shape[-1] > groups else taken
 
 
 def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -491,7 +513,8 @@ def matmul_t(x: jax.Array, mod, dtype) -> jax.Array:
             codes, scales, mins = mod.codes[...], _scales(mod), _mins(mod)
             return pallas_qmatmul.qmatmul_t(x.astype(dtype), codes, scales, mins, f.bits, f.group, dtype)
         if x.shape[-1] == f.group or rows <= xla_int.blocked_rows(f.group):
-            return xla_int.qmatmul_t(x, mod.codes[...], _raw(mod.scales), _raw(mod.mins), f.bits, f.group, dtype)
+            scales, mins = (_unpadded(v, _groups(mod)) for v in (mod.scales, mod.mins))
+            return xla_int.qmatmul_t(x, mod.codes[...], scales, mins, f.bits, f.group, dtype)
     w = dequantize_matrix(mod, dtype)
     return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
 
@@ -657,8 +680,9 @@ class QuantizedEmbedding(nnx.Module):
             raise ValueError(f"ids must have an integer dtype, got {ids.dtype}")
         codes = gather_rows(self.codes[...], ids)  # [..., F or F/2, or the row's blocks]
         # [..., F/group]; vectors held per output channel (`hold_for_int_dot`) are taken, then widened
-        scales = None if self.scales is None else _stored_cols(gather_rows(self.scales[...], ids), self.scales)
-        mins = None if self.mins is None else _stored_cols(gather_rows(self.mins[...], ids), self.mins)
+        g = _groups(self)
+        scales = None if self.scales is None else _stored_cols(gather_rows(self.scales[...], ids), self.scales, g)
+        mins = None if self.mins is None else _stored_cols(gather_rows(self.mins[...], ids), self.mins, g)
         rows = dequantize_stored(codes, scales, mins, self.fmt, self.dtype)
         return rows * jnp.asarray(self.lookup_scale, self.dtype) if self.lookup_scale != 1.0 else rows
 
@@ -908,25 +932,52 @@ def _holds(mod) -> bool:
     return mod.fmt.group == cols
 
 
+#: a gathered table's scales / mins are held padded to a multiple of this many columns (`hold_for_int_dot`)
+GATHER_COLUMNS = 128
+
+
+def _padded_groups(mod) -> int:
+    """The columns `hold_for_int_dot` pads a group-wise table's scales / mins to (0: none): a multiple of
+    `GATHER_COLUMNS`, for a table whose rows are gathered per token off the CPU (the integer dot's
+    product: `Matmul.int_dot`) and whose scales per row are not one or such a multiple already.
+
+    Why: on a TPU an f32 [V, G] array with G < 128 (E2B's int4 PLE table: [262144, 35]) is held
+    column-major (XLA's choice, so as not to pad every row to 128 lanes), and a gather of rows needs
+    it row-major: each decode step copied the whole array first (0.35 ms of E2B's batch-1 step on a
+    v5e, docs/benchmarks.md). Padded to 128 columns it is held row-major (E2B: 134 MB against 37)."""
+    if not isinstance(mod, QuantizedEmbedding) or not mod.matmul.int_dot or mod.fmt.block:
+        return 0
+    g = _groups(mod)
+    return 0 if g == 1 or g % GATHER_COLUMNS == 0 else -(-g // GATHER_COLUMNS) * GATHER_COLUMNS
+
+
+def _pad_columns(a: np.ndarray, cols: int) -> np.ndarray:
+    return a if a.shape[-1] == cols else np.pad(a, ((0, 0), (0, cols - a.shape[-1])))
+
+
 def hold_for_int_dot(model: nnx.Module) -> list[str]:
     """Hold every quantized matrix of `model` whose product is the integer dot (`matmul="xla_int"`, "auto"
     off the CPU) and that has one scale per output channel in that product's layout
     (`gemma4_nnx.kernels.xla_int`, "the held layout"): scales and mins as vectors [rows] (a [rows, 1] float32 array
     can take 128 times its bytes on a TPU), and a projection's int4 codes as a native `jnp.int4` /
     `jnp.uint4` array [rows, cols], made on the host (a token table keeps its packed codes: its rows are
-    gathered too). In place, one module at a time, each array placed as the one it replaces; returns
-    the dotted paths held. The twin of `decode_kept_blocks`: called where a model is loaded
-    (`checkpoint.load`) or quantized (`quantize`); the checkpoint keeps the stored layout, and
-    `stored_arrays` gives it back byte for byte."""
+    gathered too); a group-wise table gathered per token (E2B's PLE) holds its scales and mins padded to
+    `GATHER_COLUMNS` columns (`_padded_groups`: the padding is zeros, never read). In place, one module at
+    a time, each array placed as the one it replaces; returns the dotted paths held. The twin of
+    `decode_kept_blocks`: called where a model is loaded (`checkpoint.load`) or quantized (`quantize`); the
+    checkpoint keeps the stored layout, and `stored_arrays` gives it back byte for byte."""
     from gemma4_nnx.kernels import xla_int
 
     done = []
     for path, mod in submodules(model, (QuantizedLinear, QuantizedEmbedding)):
-        if not _holds(mod) or mod.scales[...].ndim == 1:
+        if _holds(mod) and mod.scales[...].ndim == 2:
+            held = {"scales": lambda a: a[:, 0], "mins": lambda a: a[:, 0]}
+            if isinstance(mod, QuantizedLinear) and mod.fmt.bits == 4:  # a table's packed rows are gathered too
+                held["codes"] = lambda a, asym=mod.fmt.asym: xla_int.native_int4(a, asym)
+        elif (cols := _padded_groups(mod)) and mod.scales[...].shape[-1] != cols:
+            held = {"scales": lambda a, c=cols: _pad_columns(a, c), "mins": lambda a, c=cols: _pad_columns(a, c)}
+        else:
             continue
-        held = {"scales": lambda a: a[:, 0], "mins": lambda a: a[:, 0]}
-        if isinstance(mod, QuantizedLinear) and mod.fmt.bits == 4:  # a table's packed rows are gathered too
-            held["codes"] = lambda a, asym=mod.fmt.asym: xla_int.native_int4(a, asym)
         for name, relayout in held.items():
             old = getattr(mod, name)
             if old is None:
@@ -952,7 +1003,8 @@ def stored_arrays(mod) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None
     )
     if xla_int.native(codes):
         codes = xla_int.packed_int4(codes)
-    return codes, _stored_shape(scales), _stored_shape(mins)
+    g = _groups(mod) if isinstance(mod, (QuantizedLinear, QuantizedEmbedding)) else None
+    return codes, _stored_shape(scales, g), _stored_shape(mins, g)
 
 
 def quantization_of(model: nnx.Module) -> dict[str, QuantFormat]:
