@@ -23,7 +23,8 @@ ids are sent by that many client threads (each waits for its previous request: v
 (`gemma4_engine_host_seconds_total` / `gemma4_decode_steps_total` deltas from /metrics).
 --long-context adds an 8K-token prompt at concurrency 1 (128 out). --profile-engine FILE runs the warm
 server's engine thread under cProfile (from its first decode step; FILE, and its top by own time in
-FILE.txt): where the host time per step goes.
+FILE.txt): where the host time per step goes. --warmup N runs each point untimed first (up to N rounds, until
+one compiles nothing): with `--decode-steps auto` the bursts compile once a row count's steps are measured.
 """
 
 from __future__ import annotations
@@ -293,6 +294,28 @@ def _sweep_point(target, c: int, n_in: int, n_out: int, per_client: int, vocab: 
     }
 
 
+def _compiled(target) -> dict[str, float]:
+    return {k: v for k, v in _metrics(target).items() if k.startswith(COMPILED)}
+
+
+def _warm_up(target, c: int, n_in: int, n_out: int, per_client: int, vocab: int, rounds: int) -> None:
+    """Untimed rounds of a point until one compiles nothing (at most `rounds`), each followed by a wait
+    for the helper thread's queue to empty (`gemma4_compiles_pending` 0, at most 300 s): "auto" bursts
+    measure a row count's steps, then compile its burst in the background (and may grow it once more),
+    so a point measured cold would time single steps."""
+    for i in range(rounds):
+        before = _compiled(target)
+        _sweep_point(target, c, n_in, n_out, per_client, vocab)
+        start = time.perf_counter()
+        while _metrics(target).get("gemma4_compiles_pending", 0) > 0 and time.perf_counter() - start < 300.0:
+            time.sleep(0.5)
+        seen = _compiled(target)
+        new = {k: seen[k] - before.get(k, 0) for k in seen if seen[k] != before.get(k, 0)}
+        print(f"  warm-up {i + 1} at c={c}: waited {time.perf_counter() - start:.1f} s for compiles: {new}", flush=True)
+        if not new:
+            return
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -315,6 +338,13 @@ def main(argv=None) -> int:
         type=_decode_steps,
         default="auto",
         help="decode steps per dispatch, an int or 'auto' (gemma4-serve's --decode-steps; default: its default)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="before each point, up to N untimed rounds of it, until one compiles nothing ('auto' bursts compile "
+        "in the background once a row count's steps are measured)",
     )
     p.add_argument("--json", help="also write the figures here")
     p.add_argument(
@@ -355,6 +385,8 @@ def main(argv=None) -> int:
     try:
         for n_in, n_out in shapes:
             for c in [1] if n_in > 4096 else args.concurrency:
+                if args.warmup:
+                    _warm_up(target, c, n_in, n_out, args.prompts_per_client, vocab, args.warmup)
                 r = _sweep_point(target, c, n_in, n_out, args.prompts_per_client, vocab)
                 report["points"].append(r)
                 print(

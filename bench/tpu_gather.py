@@ -18,7 +18,8 @@ lookup, not the dispatch's. Variants:
 * `int4_pallas`: a Pallas kernel that copies each id's row from HBM by DMA (the uint32 codes and the scales);
 * `int8_tok` / `bf16_tok`: the token table's lookup.
 
-Part 2 (`--model-steps`): E2B's greedy decode step (bench/accelerator.py's) with the PLE table bf16 and int4 at
+Part 2 (`--model-steps`): E2B's greedy decode step (bench/accelerator.py's) with the PLE table bf16 and int4 (its
+scales held padded to 128 columns, and `:unpadded` as stored) at
 B = 1 and 8; `--hlo DIR` writes each compiled lookup (B=1) and the int4 step's optimized HLO (gzip) to DIR;
 `--profile DIR` a perfetto trace of 8 B=1 steps per mode (`bench/trace_ops.py` sums it per op).
 """
@@ -166,7 +167,11 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--vocab", type=int, default=262144)
     ap.add_argument("--model-steps", action="store_true", help="E2B decode steps with bf16 / int4 PLE too")
-    ap.add_argument("--step-modes", default="bf16:0,bf16:4", help="MODE:PLE_BITS,... (bench/accelerator.py's modes)")
+    ap.add_argument(
+        "--step-modes",
+        default="bf16:0,bf16:4,bf16:4:unpadded",
+        help="MODE:PLE_BITS[:barrier|:unpadded],... (bench/accelerator.py's modes; unpadded: the PLE scales as stored)",
+    )
     ap.add_argument("--variants", default="", help="the lookups' variants to time (default all; 'none': none)")
     ap.add_argument("--layers", type=int, default=0, help="the model's first N layers (a quick run)")
     ap.add_argument("--profile", default="", help="a folder for a profile (perfetto trace) of 8 B=1 steps per mode")
@@ -217,13 +222,18 @@ def main(argv=None):
     for spec in args.step_modes.split(","):
         mode, ple_bits, *how = spec.split(":")
         ple_bits = int(ple_bits) or None
-        # MODE:BITS:barrier: the looked-up rows pass an optimization barrier (made once, never re-fused per use)
-        barrier = how == ["barrier"]
+        # MODE:BITS:barrier: the looked-up rows pass an optimization barrier (made once, never re-fused per use);
+        # MODE:BITS:unpadded: the table's scales held as stored, [V, 35] (before `quant._padded_groups`)
+        barrier, unpadded = how == ["barrier"], how == ["unpadded"]
         quant.QuantizedEmbedding.__call__ = (
             (lambda self, ids: jax.lax.optimization_barrier(lookup(self, ids))) if barrier else lookup
         )
-        mode_name = mode + (":barrier" if barrier else "")
+        mode_name = mode + (":barrier" if barrier else ":unpadded" if unpadded else "")
+        padded = quant._padded_groups
+        if unpadded:
+            quant._padded_groups = lambda mod: 0
         graphdef, state = build(cfg, mode, ple_bits=ple_bits)
+        quant._padded_groups = padded
         step, _ = _programs(graphdef)
         model = nnx.merge(graphdef, state)
         for b in (1, 8):
@@ -231,16 +241,17 @@ def main(argv=None):
             tok = jnp.zeros((b, 1), jnp.int32)
             if args.hlo and ple_bits and b == 1 and mode == "bf16":
                 text = step.lower(state, cache, tok, jnp.full((b, 1), 64, jnp.int32)).compile().as_text()
-                with gzip.open(os.path.join(args.hlo, "step_int4ple_b1.txt.gz"), "wt") as f:
+                name = f"step_int4ple{'_unpadded' if unpadded else ''}_b1.txt.gz"
+                with gzip.open(os.path.join(args.hlo, name), "wt") as f:
                     f.write(text)
                 copies = [ln.strip()[:200] for ln in text.splitlines() if " copy(" in ln and str(args.vocab) in ln]
-                emit("steps", {"mode": mode, "ple_bits": ple_bits, "batch": 1, "whole_table_copies": copies})
+                emit("steps", {"mode": mode_name, "ple_bits": ple_bits, "batch": 1, "whole_table_copies": copies})
             secs, cache = _decode(step, state, cache, tok, 64, 32)
             emit(
                 "steps", {"mode": mode_name, "ple_bits": ple_bits, "batch": b, "ms_per_step": round(1e3 * secs / 32, 3)}
             )
             if args.profile and b == 1:  # 8 more steps under the profiler: the device's time per op
-                where = os.path.join(args.profile, f"{mode}-ple{ple_bits or 16}{'-barrier' if barrier else ''}")
+                where = os.path.join(args.profile, f"{mode_name.replace(':', '-')}-ple{ple_bits or 16}")
                 with jax.profiler.trace(where, create_perfetto_trace=True):
                     _, cache = _decode(step, state, cache, tok, 100, 8)
             del cache

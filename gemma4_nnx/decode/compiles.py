@@ -323,6 +323,11 @@ class Compiles:
         self.verify_failures: set[tuple] = set()  # (cfg, m, width) whose background compile raised
         self._stopped = False
 
+    @property
+    def compiles_pending(self) -> int:
+        """Compiles queued or running on the helper thread (`/metrics`: `gemma4_compiles_pending`)."""
+        return len(self._compiling)
+
     def stop_compiling(self) -> None:
         """Drop the background compiles not yet started (the one running finishes: a compile cannot be
         interrupted) and queue no more, so a closed engine leaves no helper thread working for

@@ -110,6 +110,11 @@ class _EngineCollector:
             ("requests_waiting", "Requests queued for a row", e.pending),
             ("batch_rows", "Batch rows (--max-batch)", e.max_batch),
             ("engine_alive", "1 while the engine thread runs", int(e.alive)),
+            (
+                "compiles_pending",
+                "Programs queued or compiling on the helper thread (bursts, new samplers, prompt buckets)",
+                sum(x.decoder.compiles_pending for x in getattr(e, "engines", [e])),
+            ),
             ("kv_blocks_used", "KV pool blocks held by rows and prefix snapshots", e.pool.used if e.pool else 0),
             ("kv_blocks_free", "KV pool blocks free", e.pool.free if e.pool else 0),
             ("kv_block_tokens", "Tokens per KV pool block", e.pool.block_size if e.pool else 0),
