@@ -4,6 +4,7 @@
     python bench/verify_cost.py /tmp/e2b-random             # ~5 min on 2 cores
     python bench/verify_cost.py checkpoints/gemma3-270m     # a converted checkpoint works too
     python bench/verify_cost.py /tmp/e2b-random --assistant  # + an E2B-assistant-shaped drafter's cost
+    python3 bench/verify_cost.py --random e2b --assistant --batches 1 16   # a TPU host: weights made there
 
 The decoder's own programs (`Decoder.step` and `Decoder.verify`) on rows holding a 128-token
 prompt, medians of --repeats after a warm-up call each. From the cost ratio c(k) and a per-token
@@ -34,13 +35,21 @@ sys.path.insert(0, ROOT)
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="HF directory (config.json + safetensors) or a converted checkpoint")
+    p.add_argument("checkpoint", nargs="?", help="HF directory (config.json + safetensors) or a converted checkpoint")
+    p.add_argument(
+        "--random",
+        choices=["e2b"],
+        help="instead: E2B-shaped random bf16 weights made on the device (bench/accelerator.py's build; a TPU host)",
+    )
+    p.add_argument("--layers", type=int, default=0, help="with --random: the first N layers (a quick run)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     p.add_argument("--assistant", action="store_true", help="time an E2B-assistant-shaped drafter too")
     a = p.parse_args(argv)
+    if (a.checkpoint is None) == (a.random is None):
+        p.error("give a checkpoint or --random e2b")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
@@ -48,15 +57,25 @@ def main(argv=None) -> int:
 
     from gemma4_nnx.io.loader import checkpoint_format, load_any
 
-    # a converted checkpoint as stored; an HF directory with bf16 weights
-    model = load_any(a.checkpoint, None if checkpoint_format(a.checkpoint) == "orbax" else jnp.bfloat16)
+    if a.random:
+        from flax import nnx
+
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        from accelerator import build, smoke_config
+
+        from gemma4_nnx import Gemma4Config
+
+        model = nnx.merge(*build(smoke_config(Gemma4Config.e2b(), a.layers), "bf16"))
+    else:  # a converted checkpoint as stored; an HF directory with bf16 weights
+        model = load_any(a.checkpoint, None if checkpoint_format(a.checkpoint) == "orbax" else jnp.bfloat16)
     print(
-        f"jax {jax.__version__}, {os.cpu_count()} CPUs; {a.checkpoint}: {model.config.num_hidden_layers} layers, "
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPUs; {a.checkpoint or a.random}: "
+        f"{model.config.num_hidden_layers} layers, "
         f"hidden {model.config.hidden_size}, matmul {model.matmul}",
         flush=True,
     )
     rng = np.random.default_rng(0)
-    assistant = _e2b_like_assistant(model.config) if a.assistant else None
+    assistant = _e2b_like_assistant(model.config, model.embed_tokens.dtype) if a.assistant else None
     head = "verify + draft" if assistant is not None else "verify"
     print("\n| batch | plain step (ms) | " + " | ".join(f"k={k}: {head} ms (x plain)" for k in a.k) + " |")
     print("|---|---|" + "---|" * len(a.k))
@@ -82,7 +101,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _e2b_like_assistant(target):
+def _e2b_like_assistant(target, dtype):
     """A random bf16 assistant of the published E2B-assistant shape, fitted to `target`'s geometry."""
     import jax.numpy as jnp
     from flax import nnx
@@ -116,7 +135,8 @@ def _e2b_like_assistant(target):
             text_config=text,
         )
     )
-    return Gemma4Assistant(config, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    # the target's compute dtype (float32 on a CPU, bf16 on an accelerator: bench/accelerator.py's build)
+    return Gemma4Assistant(config, dtype=dtype, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
 def _measure(model, b: int, ks: list[int], repeats: int, rng, assistant=None):
