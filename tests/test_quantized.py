@@ -179,13 +179,16 @@ def test_quantized_cached_decode_equals_full_forward():
     model = random_model("e2b")
     quant.quantize(model, 4, 8)
     ids = jnp.asarray([PROMPTS[1]])
-    full = np.asarray(model(ids))
+    # jitted: the prefill, the step (compiled once, run 6 times) and the full forward are three programs;
+    # eagerly every op of each compiled on its own
+    run = nnx.jit(lambda m, x, p, c: m(x, p, cache=c))
+    full = np.asarray(nnx.jit(lambda m, x: m(x))(model, ids))
     cache = model.init_cache(1, 16)
     pos = jnp.arange(ids.shape[1])[None]
-    logits, cache = model(ids[:, :4], pos[:, :4], cache=cache)
+    logits, cache = run(model, ids[:, :4], pos[:, :4], cache)
     steps = [np.asarray(logits)]
     for t in range(4, ids.shape[1]):
-        logits, cache = model(ids[:, t : t + 1], pos[:, t : t + 1], cache=cache)
+        logits, cache = run(model, ids[:, t : t + 1], pos[:, t : t + 1], cache)
         steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-4, rtol=0)
 

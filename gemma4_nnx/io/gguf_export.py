@@ -130,8 +130,8 @@ def to_gguf(
     if calibration is not None and quantize != "q4_k_m":
         raise ValueError(f"calibration: only used with quantize='q4_k_m', not {quantize!r}")
     weights = _importance(model, calibration, tokenizer_dir) if calibration is not None else {}
-    tensors, dtypes = _gguf_tensors(model, arch)
     kept = _kept_blocks(model, arch) if quantize == "keep" else {}
+    tensors, dtypes = _gguf_tensors(model, arch, kept)
     types = _block_types(config, tensors, quantize, dtypes)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), arch)
@@ -161,9 +161,10 @@ def to_gguf(
 
 
 # ---------------------------------------------------------------------------- tensors
-def _gguf_tensors(model, arch: str) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
+def _gguf_tensors(model, arch: str, kept=()) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
     """({GGUF name: float32 array in HF layout}, {GGUF name: the parameter's own dtype}), in llama.cpp's
-    order (global tensors, then by layer).
+    order (global tensors, then by layer). The matrices named in `kept` (GGUF names: written from their
+    stored blocks) are not dequantized: a `jax.ShapeDtypeStruct` of the array stands in for each.
 
     An assistant's centroid head (`masked_embedding.*`, the E2B / E4B assistants) is left out, as llama.cpp's
     converter leaves it out (`Gemma4AssistantModel.filter_tensors`; its loader takes no such tensor): the
@@ -175,7 +176,8 @@ def _gguf_tensors(model, arch: str) -> tuple[dict[str, np.ndarray], dict[str, np
         config = config.text
     names = gguf_tensor_names(config.num_hidden_layers, arch)
     out, dtypes = {}, {}
-    for hf, x in hf_tensors(model).items():
+    shapes_only = {hf for hf, name in names.items() if name in kept}
+    for hf, x in hf_tensors(model, shapes_only=shapes_only).items():
         name = names.get(hf)
         if name is None and arch == ASSISTANT_ARCH and hf.startswith("masked_embedding."):
             continue
@@ -185,7 +187,7 @@ def _gguf_tensors(model, arch: str) -> tuple[dict[str, np.ndarray], dict[str, np
         if arch == "gemma3" and name.endswith("norm.weight"):
             x = x + np.float32(1.0)
         dtypes[name] = x.dtype
-        out[name] = np.ascontiguousarray(x, np.float32)
+        out[name] = x if hf in shapes_only else np.ascontiguousarray(x, np.float32)
     if arch != "gemma3" and any(t == "full_attention" for t in config.layer_types):
         r = config.rope_full
         pairs = config.global_head_dim // 2

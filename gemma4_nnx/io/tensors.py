@@ -87,11 +87,14 @@ def _dequantized_ple(module, chunk: int = 4096) -> np.ndarray:
     return np.concatenate(rows, axis=0)
 
 
-def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, np.ndarray]:
+def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf", *, shapes_only=frozenset()) -> dict[str, np.ndarray]:
     """{HF name (with the `model.` prefix): array in HF layout} for every entry of the name map.
 
     `dtype`: None keeps each parameter's own dtype; else a dtype (or "bfloat16"/"float32"/"float16")
     every float tensor is cast to. `layout`: "hf" (`Gemma4ForCausalLM`) or "google" (`LAYOUTS`).
+    `shapes_only`: HF names of quantized matrices not to dequantize: a `jax.ShapeDtypeStruct` of the
+    array (HF shape, dtype) stands in for each, in its place (for writers that write those matrices from
+    their stored codes: `to_gguf`'s kept blocks). Other names in it are written as arrays.
     """
     if isinstance(dtype, str):
         if dtype not in DTYPE_NAMES:
@@ -125,11 +128,12 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
             value = _dequantized_ple(model.embed_tokens_per_layer)
         elif entry.path[:1] == _PLE and isinstance(getattr(model, _PLE[0], None), HostEmbedding):
             value = np.asarray(model.embed_tokens_per_layer.host.table)  # left on the host (`ple_host`)
-        elif entry.path[:-1] in quantized:  # an int8/int4 matrix: written dequantized (float32)
-            w = np.asarray(quant.dequantize_matrix(quantized[entry.path[:-1]]))
-            value = w.T if entry.path[-1] == "kernel" else w
-        elif entry.path in quantized:  # an int8/int4 expert stack [E, out, in] -> ours [E, in, out]
-            value = np.swapaxes(np.asarray(quant.dequantize_matrix(quantized[entry.path])), 1, 2)
+        elif entry.path[:-1] in quantized or entry.path in quantized:  # written dequantized (float32)
+            name = hf_file_name(entry, assistant, prefix)
+            value = _dequantized(entry, quantized, abstract=name in shapes_only)
+            if isinstance(value, jax.ShapeDtypeStruct):
+                out[name] = jax.ShapeDtypeStruct(value.shape, target if target is not None else value.dtype)
+                continue
         elif entry.path in variables:
             value = np.asarray(jax.device_get(variables[entry.path].get_value()))
         else:
@@ -150,6 +154,27 @@ def hf_tensors(model: nnx.Module, dtype=None, layout: str = "hf") -> dict[str, n
         kind = out[prefix + "embed_tokens.weight"].dtype
         out.update({prefix + k: v.astype(kind) for k, v in consumer_kv(config).items()})
     return out
+
+
+def _dequantized(entry, quantized: dict, abstract: bool = False):
+    """The float32 matrix of the quantized module at `entry` in our layout (an int8 / int4 / block matrix
+    [out, in] as the kernel [in, out]; an expert stack [E, out, in] as ours [E, in, out]); `abstract`: the
+    `jax.ShapeDtypeStruct` of its HF array instead (nothing dequantized)."""
+    stack = entry.path in quantized
+    mod = quantized[entry.path if stack else entry.path[:-1]]
+    turned = stack or entry.path[-1] == "kernel"  # the last two axes swapped
+    if abstract:  # `dequantize_matrix`'s shape, from the module's sizes
+        if isinstance(mod, quant.QuantizedStack):
+            rows = (mod.experts, mod.out_features, mod.in_features)
+        elif isinstance(mod, quant.QuantizedEmbedding):
+            rows = (mod.num_embeddings, mod.features)
+        else:
+            rows = (mod.out_features, mod.in_features)
+        shape = (*rows[:-2], rows[-1], rows[-2]) if turned else rows
+        # `nnx_shape` maps HF -> ours; its transforms are their own inverses, so it maps ours -> HF too
+        return jax.ShapeDtypeStruct(entry.nnx_shape(shape), np.float32)
+    w = np.asarray(quant.dequantize_matrix(mod))
+    return np.swapaxes(w, -1, -2) if turned else w
 
 
 def hf_file_name(entry, assistant: bool = False, prefix: str = "model.") -> str:
