@@ -280,7 +280,9 @@ def test_a_failing_background_compile_does_not_strand_the_request(model):
     vocabulary-wide superset, for a top_k above 64, which it compiles after start-up), the request is
     not left waiting: the engine thread compiles it as without a precompile, and the output is still
     generate()'s."""
-    engine = Engine(model, max_batch=1, max_length=32, precompile=(16,))
+    # the previous test's engine shape (2 rows, 32 positions, prompts of 16): its precompile finds every
+    # program in the run's compile cache
+    engine = Engine(model, max_batch=2, max_length=32, precompile=(16,))
     try:
 
         def broken(*args):

@@ -66,7 +66,11 @@ class _Calls:
 
 
 def _ref(model, prompt, max_tokens, **kw):
-    return generate(model, [prompt], max_tokens, max_length=LENGTH, tokenizer=_CharTokenizer(), **kw)
+    """`generate` of the prompt alone, with logprobs: every reference of the module (at most 16 tokens)
+    takes one new-token bucket and one sampler per temperature: one set of programs."""
+    return generate(
+        model, [prompt], max_tokens, max_length=LENGTH, tokenizer=_CharTokenizer(), return_logprobs=True, **kw
+    )
 
 
 def _prompt(n, seed):
@@ -84,8 +88,8 @@ def _ran_bursts(engine, before) -> bool:
 
 
 def test_a_burst_is_one_dispatch_of_several_steps_equal_to_generate(model, engine):
-    """A request of 20 tokens: its first from the prefill's draw, the other 19 from bursts of 4 steps,
-    each one program call (`burst`: no single step, no decode + draw pair), 5 dispatches for 19 steps
+    """A request of 16 tokens: its first from the prefill's draw, the other 15 from bursts of 4 steps,
+    each one program call (`burst`: no single step, no decode + draw pair), 4 dispatches for 15 steps
     (the last burst stops after 3: the row reached max_tokens). Greedy and seeded sampling (top-k,
     top-p, min-p, penalties, a logit bias) give `generate`'s tokens and logprobs bit for bit (the
     burst's body is the fused step, as `generate`'s loop body is)."""
@@ -94,11 +98,11 @@ def test_a_burst_is_one_dispatch_of_several_steps_equal_to_generate(model, engin
         prompt = _prompt(6, seed=21)
         before = _stats(engine)
         with _Calls(engine) as calls:
-            tokens, _, reason, lps = engine.submit(prompt, 20, **kw).result()
+            tokens, _, reason, lps = engine.submit(prompt, 16, **kw).result()
         steps, dispatches = (a - b for a, b in zip(_stats(engine), before, strict=True))
-        assert calls == {"prefill": 1, "draw": 1, "burst": 5}, calls
-        assert (steps, dispatches) == (19, 5)
-        ref = _ref(model, prompt, 20, return_logprobs=True, **kw)
+        assert calls == {"prefill": 1, "draw": 1, "burst": 4}, calls
+        assert (steps, dispatches) == (15, 4)
+        ref = _ref(model, prompt, 16, **kw)
         assert tokens == ref.tokens[0] and reason == FinishReason.LENGTH
         assert lps == ref.logprobs[0]
 
@@ -217,15 +221,15 @@ def test_a_cancel_mid_burst_ends_the_row_at_the_next_token(model, engine):
             done.set()
 
     before = _stats(engine)
-    beside = engine.submit(other, 20, stop_tokens=[], **SAMPLING)
+    beside = engine.submit(other, 16, stop_tokens=[], **SAMPLING)
     while len(beside.tokens) < 2:
         time.sleep(0.002)
-    req = engine.submit(prompt, 20, stop_tokens=[], sink=sink, **SAMPLING)
+    req = engine.submit(prompt, 16, stop_tokens=[], sink=sink, **SAMPLING)
     assert done.wait(120)
     got = beside.result()[0]
-    ref = _ref(model, prompt, 20, stop_tokens=[], **SAMPLING).tokens[0]
+    ref = _ref(model, prompt, 16, stop_tokens=[], **SAMPLING).tokens[0]
     assert [e.token for e in seen] == ref[:3] and seen[-1].finish_reason == FinishReason.CANCELLED
-    assert got == _ref(model, other, 20, stop_tokens=[], **SAMPLING).tokens[0]
+    assert got == _ref(model, other, 16, stop_tokens=[], **SAMPLING).tokens[0]
     assert engine.active_rows == 0 and _ran_bursts(engine, before)
 
 
@@ -243,21 +247,21 @@ def test_a_failing_sink_or_a_slow_consumer_affects_no_other_stream(model, engine
             raise RuntimeError("client went away")
 
     with pytest.warns(UserWarning, match="sink raised"):
-        bad = engine.submit(prompts[0], 20, stop_tokens=[], sink=failing, **SAMPLING)
-        slow = engine.submit(prompts[1], 20, stop_tokens=[], **SAMPLING)
+        bad = engine.submit(prompts[0], 16, stop_tokens=[], sink=failing, **SAMPLING)
+        slow = engine.submit(prompts[1], 16, stop_tokens=[], **SAMPLING)
         slow_events = []
         for event in slow:
             slow_events.append(event)
             if len(slow_events) == 1:  # the slow consumer sleeps until the other stream is done
-                fast = engine.submit(prompts[2], 20, stop_tokens=[], **SAMPLING)
+                fast = engine.submit(prompts[2], 16, stop_tokens=[], **SAMPLING)
                 fast_tokens = fast.result()[0]
                 assert slow.finish_reason is not None  # the engine did not wait for its reader
     deadline = time.time() + 30
     while bad.finish_reason is None and time.time() < deadline:
         time.sleep(0.01)
     assert bad.finish_reason == FinishReason.ERROR and len(got) == 3
-    assert [e.token for e in slow_events] == _ref(model, prompts[1], 20, stop_tokens=[], **SAMPLING).tokens[0]
-    assert fast_tokens == _ref(model, prompts[2], 20, stop_tokens=[], **SAMPLING).tokens[0]
+    assert [e.token for e in slow_events] == _ref(model, prompts[1], 16, stop_tokens=[], **SAMPLING).tokens[0]
+    assert fast_tokens == _ref(model, prompts[2], 16, stop_tokens=[], **SAMPLING).tokens[0]
     assert engine.active_rows == 0 and _ran_bursts(engine, before)
 
 

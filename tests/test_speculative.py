@@ -79,6 +79,12 @@ def _config(drafter, k=K, adaptive=False):
 PROMPTS = [fx.sample_ids(1, n, seed=30 + n)[0].tolist() for n in (3, 11, 6)]  # 11 > 2 x window 4
 
 
+def _plain(model, prompts, n, **kw):
+    """Greedy `generate`. The e2b model's references take the greedy test's shapes (3 prompts: 4 rows,
+    prompts within the 16 bucket, at most 16 new tokens, 32 positions): its programs."""
+    return generate(model, prompts, n, stop_tokens=kw.pop("stop_tokens", []), **kw)
+
+
 @pytest.mark.parametrize("variant", ["e2b", "k_eq_v"])
 @pytest.mark.parametrize("mode", ["oracle", "half", "wrong"])
 def test_greedy_speculation_equals_plain_greedy(models, variant, mode):
@@ -86,9 +92,9 @@ def test_greedy_speculation_equals_plain_greedy(models, variant, mode):
     and acceptance is what the drafter deserves (all, some, none)."""
     model = models(variant)
     n = 14
-    plain = generate(model, PROMPTS, n, stop_tokens=[])
+    plain = _plain(model, PROMPTS, n)
     drafter = _Table(PROMPTS, plain.tokens, mode)
-    spec = generate(model, PROMPTS, n, stop_tokens=[], speculative=_config(drafter))
+    spec = _plain(model, PROMPTS, n, speculative=_config(drafter))
     assert spec.tokens == plain.tokens, (mode, spec.tokens, plain.tokens)
     assert spec.finish_reasons == plain.finish_reasons
     assert all(0 <= a <= d for a, d in zip(spec.accepted, spec.drafted)) and sum(spec.drafted) > 0
@@ -103,10 +109,10 @@ def test_greedy_speculation_equals_plain_greedy(models, variant, mode):
 def test_stop_token_inside_an_accepted_run(models):
     """A stop token in the middle of accepted drafts ends the row there, as plain decoding does."""
     model = models("e2b")
-    free = generate(model, PROMPTS, 14, stop_tokens=[])
+    free = _plain(model, PROMPTS, 14)
     stop = free.tokens[1][5]
-    plain = generate(model, PROMPTS, 14, stop_tokens=[stop])
-    spec = generate(model, PROMPTS, 14, stop_tokens=[stop], speculative=_config(_Table(PROMPTS, free.tokens, "oracle")))
+    plain = _plain(model, PROMPTS, 14, stop_tokens=[stop])
+    spec = _plain(model, PROMPTS, 14, stop_tokens=[stop], speculative=_config(_Table(PROMPTS, free.tokens, "oracle")))
     assert spec.tokens == plain.tokens and spec.finish_reasons == plain.finish_reasons
     assert spec.tokens[1][-1] == stop and spec.finish_reasons[1] == "stop"
 
@@ -153,7 +159,7 @@ def test_rejected_positions_leave_no_trace(models):
     dec.start(reqs)
     cfg = DrawConfig()
     dec.draw(cfg, dec.prefill(PromptBatch.build([r.prompt for r in reqs], 2)))
-    plain_next = generate(model, PROMPTS[:2], 3, stop_tokens=[]).tokens
+    plain_next = _plain(model, PROMPTS, 3).tokens  # the module's shapes: the greedy test's programs
     pos_before = np.asarray(dec.state.rows.pos)
     wrong = np.array([[(plain_next[r][1] + 1) % 128] * K for r in range(2)], np.int32)
     out = dec.verify(cfg, wrong, np.array([K, K], np.int32))
@@ -180,19 +186,17 @@ def test_sampled_speculation_has_the_target_distribution():
     prompt = [2, 5, 7, 1]
     kw = dict(temperature=0.9, top_k=8, stop_tokens=[])
 
-    def probs(seqs):
-        """Filtered next-token distributions after each sequence (as the sampler draws)."""
-        from gemma4_nnx.decode.sampling import SamplingParams, filter_logits
+    from gemma4_nnx.decode.sampling import SamplingParams, filter_logits
 
-        logits = model(jnp.asarray(seqs))[:, -1].astype(jnp.float32)
-        return np.asarray(
-            jax.nn.softmax(filter_logits(logits, SamplingParams(**{k: kw[k] for k in ("temperature", "top_k")})), -1),
-            np.float64,
-        )
-
-    p1 = probs([prompt])[0]
-    p2 = probs([prompt + [a] for a in range(v)])  # [t1, t2]
-    p3 = probs([prompt + [a, b] for a, b in itertools.product(range(v), range(v))]).reshape(v, v, v)
+    # the filtered next-token distributions (as the sampler draws) after prompt, prompt + [a] and
+    # prompt + [a, b], from one forward over every prompt + [a, b] (causal: position i sees tokens <= i)
+    seqs = [prompt + [a, b] for a, b in itertools.product(range(v), range(v))]
+    logits = model(jnp.asarray(seqs)).astype(jnp.float32).reshape(-1, v)
+    params = SamplingParams(**{k: kw[k] for k in ("temperature", "top_k")})
+    probs = np.asarray(jax.nn.softmax(filter_logits(logits, params), -1), np.float64).reshape(v, v, len(prompt) + 2, v)
+    p1 = probs[0, 0, len(prompt) - 1]
+    p2 = probs[:, 0, len(prompt)]  # [t1, t2]
+    p3 = probs[:, :, len(prompt) + 1]
     want2 = p1 @ p2
     want3 = np.einsum("a,ab,abc->c", p1, p2, p3)
     likely = int(np.argmax(want2))
@@ -258,7 +262,8 @@ def test_engine_rows_accept_their_own_drafts(models):
     model = models("e2b")
     n = 12
     prompts = PROMPTS + [PROMPTS[0] * 2, PROMPTS[2][:4]]
-    plain = [generate(model, [p], n, stop_tokens=[]).tokens[0] for p in prompts]
+    # each prompt's plain tokens (rows are independent), three prompts a call: the module's shapes
+    plain = _plain(model, prompts[:3], n).tokens + _plain(model, [*prompts[3:], PROMPTS[0]], n).tokens[:2]
     drafter = _Table(prompts, plain, "half")
     # no precompile: what runs compiles on first use (the compile-ahead of verify programs is the next test's);
     # two rows (five requests: more than the rows), the next test's engine shape: its programs compiled once
@@ -291,8 +296,11 @@ def test_new_sampling_settings_compile_their_verify_program_ahead(models):
 
     model = models("e2b")
     n = 12
-    plain = [generate(model, [p], n, stop_tokens=[]).tokens[0] for p in PROMPTS]
-    drafter = _Table(PROMPTS, plain, "oracle")
+    # the drafter's continuations run K tokens past the requests' n: every step proposes K drafts, so
+    # each sampler and row count verifies K columns (one program) rather than each width (three)
+    longer = _plain(model, PROMPTS, n + K).tokens
+    plain = [t[:n] for t in longer]
+    drafter = _Table(PROMPTS, longer, "oracle")
     # two rows (the greedy pair, then the third greedy row and the sampled one: the same admissions each
     # round): two row counts' verify programs to precompile, not three; the property is the settings'
     engine = Engine(model, max_batch=2, max_length=64, speculative=_config(drafter), precompile=(16,))
@@ -491,7 +499,10 @@ def test_engine_with_an_assistant(assisted):
 
     target, assistant = assisted("e2b", True)
     prompts, n = _small_prompts() + [_small_prompts()[0] * 2], 12
-    plain = [generate(target, [p], n, stop_tokens=[]).tokens[0] for p in prompts]
+    # each prompt's plain tokens, three prompts a call (rows are independent): the shapes of
+    # test_assistant_speculation_equals_plain_greedy's plain run
+    plain = generate(target, prompts[:3], n, stop_tokens=[]).tokens
+    plain += generate(target, prompts[3:] + prompts[:2], n, stop_tokens=[]).tokens[:1]
     spec = {"method": "assistant", "model": assistant, "num_speculative_tokens": K, "adaptive": False}
     engine = Engine(target, max_batch=2, max_length=64, speculative=spec)
     try:

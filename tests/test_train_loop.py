@@ -129,6 +129,7 @@ def test_finetune_command_trains_resumes_and_writes_adapters(tmp_path):
     train.write_text("".join(json.dumps({"text": "hello world " * (i % 3 + 1)}) + "\n" for i in range(12)))
     args = ["--model", ckpt, "--data", str(train), "--eval", str(train), "--out", str(tmp_path / "run")]
     args += ["--batch-size", "2", "--max-len", "16", "--lora-rank", "2", "--save-every", "1", "--eval-every", "2"]
+    args += ["--lr", "1e-2"]  # cli_run's: its LoRA runs (`library`) take this run's compiled step
     loop.main([*args, "--steps", "3"])
     with pytest.raises(SystemExit):  # the run exists: continuing it needs --resume
         loop.main([*args, "--steps", "3"])
