@@ -219,7 +219,9 @@ def test_video_frames_logits_match_transformers(checkpoint, loaded, inputs):
 
 
 def test_cached_decode_after_multimodal_prefill_equals_full_forward(loaded, inputs):
+    import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     model = loaded
     x = inputs
@@ -229,17 +231,20 @@ def test_cached_decode_after_multimodal_prefill_equals_full_forward(loaded, inpu
     cache = model.init_cache(2, 64)
     positions = np.where(x["mask"].astype(bool), np.arange(x["ids"].shape[1])[None], -1)
     soft = model.soft_tokens(x["ids"], x["pix"], x["pos"], x["feats"], x["fmask"])
-    logits, cache = model(
-        x["ids"][:, :split], positions[:, :split], x["mask"][:, :split], cache=cache, soft_tokens=soft[:, :split]
-    )
+    # jitted (a program for the prefill, one for the steps; eagerly every op compiled on its own), over
+    # the split model: the shared fixture's Variables stay as they are
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda s, i, p, m, c, e: nnx.merge(graphdef, s)(i, p, m, cache=c, soft_tokens=e))
+    logits, cache = fwd(state, x["ids"][:, :split], positions[:, :split], x["mask"][:, :split], cache, soft[:, :split])
     got = [np.asarray(logits)]
     for t in range(split, x["ids"].shape[1]):
-        step, cache = model(
+        step, cache = fwd(
+            state,
             x["ids"][:, t : t + 1],
             positions[:, t : t + 1],
             x["mask"][:, t : t + 1],
-            cache=cache,
-            soft_tokens=soft[:, t : t + 1],
+            cache,
+            soft[:, t : t + 1],
         )
         got.append(np.asarray(step))
     got = np.concatenate(got, axis=1)
