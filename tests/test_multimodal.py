@@ -94,6 +94,17 @@ def _ours(model, x, **kw) -> np.ndarray:
     )
 
 
+def _jitted(model):
+    """`model`'s forward jitted over its split (eagerly, every op compiles on its own): the calls of one
+    shape share a program, and the model's Variables stay as they are."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, ids, kw: nnx.merge(graphdef, s)(ids, **kw))
+    return lambda ids, **kw: forward(state, ids, kw)
+
+
 def _max_err(a, b, mask) -> float:
     return float(np.abs(a - b)[mask.astype(bool)].max())
 
@@ -158,7 +169,8 @@ def test_bidirectional_vision_attention_matches_transformers(tmp_path, inputs):
             pixel_values=torch.tensor(x["pix"]),
             image_position_ids=torch.tensor(x["pos"]),
         ).logits.numpy()
-    ours = np.asarray(model(x["ids"], attention_mask=x["mask"], pixel_values=x["pix"], image_position_ids=x["pos"]))
+    forward = _jitted(model)  # one program for both calls (images, then video frames)
+    ours = np.asarray(forward(x["ids"], attention_mask=x["mask"], pixel_values=x["pix"], image_position_ids=x["pos"]))
     err = _max_err(ours, ref, x["mask"])
     assert err < MM_TOL, f"max |logit error| {err:.2e}"
     assert _max_err(causal, ref, x["mask"]) > 1e-3, "the test prompt must exercise the bidirectional mask"
@@ -174,7 +186,7 @@ def test_bidirectional_vision_attention_matches_transformers(tmp_path, inputs):
             num_frames_per_video=torch.tensor([2, 1]),
             mm_token_type_ids=torch.tensor(np.where(np.isin(vid, list(vision_ids)), 2, 0)),
         ).logits.numpy()
-    ours = np.asarray(model(vid, attention_mask=x["mask"], pixel_values=x["pix"], image_position_ids=x["pos"]))
+    ours = np.asarray(forward(vid, attention_mask=x["mask"], pixel_values=x["pix"], image_position_ids=x["pos"]))
     err = _max_err(ours, ref, x["mask"])
     assert err < MM_TOL, f"video frames: max |logit error| {err:.2e}"
     assert _max_err(causal, ref, x["mask"]) > 1e-3, "the frames must attend both ways too"
@@ -208,18 +220,21 @@ def test_video_frames_logits_match_transformers(checkpoint, loaded, inputs):
             video_position_ids=torch.tensor(pos[1:]),
             num_frames_per_video=torch.tensor([2]),
         ).logits.numpy()
-    ours = np.asarray(loaded(ids, pixel_values=pix, image_position_ids=pos))
+    forward = _jitted(loaded)  # one program for the three calls below
+    ours = np.asarray(forward(ids, pixel_values=pix, image_position_ids=pos))
     err = float(np.abs(ours - ref).max())
     assert err < MM_TOL, f"max |logit error| {err:.2e}"
-    as_images = np.asarray(loaded(ids_with(t["image_token_id"]), pixel_values=pix, image_position_ids=pos))
+    as_images = np.asarray(forward(ids_with(t["image_token_id"]), pixel_values=pix, image_position_ids=pos))
     assert np.array_equal(ours, as_images)
     # the frames are placed in order: swapped frames (same soft-token counts) give other logits
-    swapped = np.asarray(loaded(ids, pixel_values=pix[[0, 2, 1]], image_position_ids=pos[[0, 2, 1]]))
+    swapped = np.asarray(forward(ids, pixel_values=pix[[0, 2, 1]], image_position_ids=pos[[0, 2, 1]]))
     assert float(np.abs(swapped - ref).max()) > 1e-2
 
 
 def test_cached_decode_after_multimodal_prefill_equals_full_forward(loaded, inputs):
+    import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     model = loaded
     x = inputs
@@ -229,17 +244,20 @@ def test_cached_decode_after_multimodal_prefill_equals_full_forward(loaded, inpu
     cache = model.init_cache(2, 64)
     positions = np.where(x["mask"].astype(bool), np.arange(x["ids"].shape[1])[None], -1)
     soft = model.soft_tokens(x["ids"], x["pix"], x["pos"], x["feats"], x["fmask"])
-    logits, cache = model(
-        x["ids"][:, :split], positions[:, :split], x["mask"][:, :split], cache=cache, soft_tokens=soft[:, :split]
-    )
+    # jitted (a program for the prefill, one for the steps; eagerly every op compiled on its own), over
+    # the split model: the shared fixture's Variables stay as they are
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda s, i, p, m, c, e: nnx.merge(graphdef, s)(i, p, m, cache=c, soft_tokens=e))
+    logits, cache = fwd(state, x["ids"][:, :split], positions[:, :split], x["mask"][:, :split], cache, soft[:, :split])
     got = [np.asarray(logits)]
     for t in range(split, x["ids"].shape[1]):
-        step, cache = model(
+        step, cache = fwd(
+            state,
             x["ids"][:, t : t + 1],
             positions[:, t : t + 1],
             x["mask"][:, t : t + 1],
-            cache=cache,
-            soft_tokens=soft[:, t : t + 1],
+            cache,
+            soft[:, t : t + 1],
         )
         got.append(np.asarray(step))
     got = np.concatenate(got, axis=1)

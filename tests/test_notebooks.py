@@ -37,8 +37,8 @@ class Spec:
     texts: tuple[str, ...] = ()  # strings its printed output must contain
 
 
-# Measured on 2 shared CPU cores (mostly XLA compilation): 01 ~85 s, 02 ~70 s, 03 ~35 s, 04 ~52 s (its
-# 4 training steps of the 270M: 39 s, most of it the compile); the limits leave room for a slower or busier
+# Measured on 2 shared CPU cores (mostly XLA compilation): 01 ~85 s, 02 ~70 s, 03 ~35 s, 04 ~45 s (its
+# 2 training steps of the 270M: 32 s, most of it the compile); the limits leave room for a slower or busier
 # machine.
 NOTEBOOKS: dict[str, Spec] = {
     "01_load_and_generate.ipynb": Spec(600, real_weights=True, texts=(" Berlin. The capital of",)),

@@ -209,11 +209,12 @@ def test_a_prompt_larger_than_the_pool_is_refused_by_name(model):
 def test_random_submit_and_cancel_leaks_no_block(model):
     """Requests submitted and cancelled at random points on a small pool with prefix caching: every
     request ends, and afterwards the only blocks held are the prefix snapshots'; dropping those frees
-    the whole pool."""
+    the whole pool. The rows and pool of the preemption test above (4 rows, 7 blocks: about two of the
+    14 requests at once), whose programs this engine reuses."""
     probe = Engine(model, max_batch=1, max_length=96)
     block_bytes = probe.block_bytes
     probe.close()
-    engine = Engine(model, max_batch=3, max_length=96, kv_cache_bytes=6 * block_bytes, prefix_cache_bytes=1 << 20)
+    engine = Engine(model, max_batch=4, max_length=96, kv_cache_bytes=7 * block_bytes, prefix_cache_bytes=1 << 20)
     rng = np.random.default_rng(3)
     try:
         reqs = []
