@@ -110,33 +110,6 @@ def test_health_models_and_warmup_generation(served):
     assert [x.id for x in models.data] == [NAME]
 
 
-def test_warmup_waits_for_no_compile_after_a_precompile(served):
-    """The warm-up generation (what /ready waits for) uses a prompt of the first precompiled length, so
-    it runs on the precompile's programs: no prefill compiles after start-up (before, its one-token
-    prompt needed a prefill program of its own whenever --precompile left out short prompts, and on a
-    TPU the server reported ready seconds later)."""
-    from fastapi.testclient import TestClient
-
-    from gemma4_nnx.serve.app import create_app
-
-    model, tok, _, _ = served
-    engine = Engine(model, tok, max_batch=1, max_length=MAX_LENGTH, precompile=(40,))
-    try:
-        before = dict(engine.decoder.compiles)
-        with TestClient(create_app(engine, NAME)) as client:
-            deadline = time.time() + 120
-            while client.get("/ready").status_code != 200 and time.time() < deadline:
-                time.sleep(0.05)
-            assert client.get("/ready").json()["ready"]
-        after = dict(engine.decoder.compiles)
-    finally:
-        engine.close()
-    assert engine.precompiled_lengths == (40,)
-    assert engine.stats.completed >= 1
-    prefills = {k: (before.get(k, 0), v) for k, v in after.items() if k.startswith("prefill")}
-    assert all(b == a for b, a in prefills.values()), prefills
-
-
 def test_text_completion_greedy_equals_generate(served):
     model, tok, port, _ = served
     client = _client(port)
@@ -349,14 +322,20 @@ def test_mixed_sampling_settings_share_steps_and_each_equals_generate(served):
     assert engine.stats.shared_decode_steps > before
 
 
-@pytest.mark.slow
-def test_precompile_compiles_every_decode_step_and_prefill_ahead():
-    """Engine(precompile=(16,)) compiles the decode step for each power-of-two row count and the
-    16-token prefill for each power-of-two number of joining rows, each once, side by side on its
-    compile threads (`compile_threads=2`: XLA's compile of every decode, prefill and draw program ran
-    there), and requests with short prompts then compile none of those programs on any other thread
-    (their arguments match the programs compiled ahead); their tokens equal `generate`'s."""
+def test_precompile_compiles_every_program_ahead_and_the_warmup_uses_them():
+    """Engine(precompile=(20,)) compiles the decode step for each power-of-two row count and the
+    32-token prefill (20 tokens' bucket) for each power-of-two number of joining rows, each once, side by
+    side on its compile threads (`compile_threads=2`: XLA's compile of every decode, prefill and draw
+    program ran there). The server's warm-up generation (what /ready waits for) then uses a prompt of the
+    first precompiled length, so it runs on the precompile's programs (before, its one-token prompt needed
+    the 16-token prefill of its own whenever --precompile left out short prompts, and on a TPU the server
+    reported ready seconds later); requests with prompts of that bucket compile none of those programs
+    on any other thread either (their arguments match the programs compiled ahead); their tokens equal
+    `generate`'s. (One engine for both: its precompile is most of the cost.)"""
+    from fastapi.testclient import TestClient
     from jax._src import dispatch, monitoring
+
+    from gemma4_nnx.serve.app import create_app
 
     # a vocabulary no other test uses: fresh programs; at most 64 (sampling.TOP_K_WIDTHS[-1]), so the
     # precompile queues no vocabulary-wide sampler on the helper thread (it would compile beside the test)
@@ -370,12 +349,23 @@ def test_precompile_compiles_every_decode_step_and_prefill_ahead():
     monitoring.register_event_duration_secs_listener(on_event)
     engine = None
     try:
-        engine = Engine(model, max_batch=2, max_length=32, precompile=(16,), compile_threads=2)
+        engine = Engine(model, max_batch=2, max_length=32, precompile=(20,), compile_threads=2)
+        assert engine.precompiled_lengths == (20,)
         assert [f for f, _ in compiled].count("_decode") == 2 and [f for f, _ in compiled].count("_prefill") == 2
-        prompts = [[2, 5, 7], [2, 9]]
+        before = dict(engine.decoder.compiles)
+        with TestClient(create_app(engine, NAME)) as client:
+            deadline = time.time() + 120
+            while client.get("/ready").status_code != 200 and time.time() < deadline:
+                time.sleep(0.05)
+            assert client.get("/ready").json()["ready"]
+        assert engine.stats.completed >= 1
+        prefills = {k: (before.get(k, 0), v) for k, v in engine.decoder.compiles.items() if k.startswith("prefill")}
+        assert all(b == a for b, a in prefills.values()), prefills
+        prompts = [[2, 5, 7] * 6, [2, 9] * 9]  # 18 tokens: the 32-token bucket
         reqs = [engine.submit(p, 6, stop_tokens=[]) for p in prompts]
         got = [r.result()[0] for r in reqs]
-        # the requests' first calls found every decode, prefill and draw program compiled (none again)
+        # the warm-up's and the requests' first calls found every decode, prefill and draw program
+        # compiled (none again)
         assert {t.split("_")[0] for _, t in compiled} == {"gemma4-precompile"}, compiled
     finally:
         monitoring.unregister_event_duration_listener(on_event)
@@ -1152,7 +1142,7 @@ def test_precompile_all_covers_every_prompt_bucket():
     """Engine(precompile="all") compiles the prefill of every prompt bucket up to max_length (16 and
     32 here); prompts of any length then compile no prefill; a bad value names the argument. One row:
     half the programs of two (the prefill of every joining row count is
-    test_precompile_compiles_every_decode_step_and_prefill_ahead's)."""
+    test_precompile_compiles_every_program_ahead_and_the_warmup_uses_them's)."""
     from gemma4_nnx.decode.errors import RequestError
 
     # a vocabulary no other test uses (fresh programs), at most 64: no vocabulary-wide sampler compiling
@@ -1621,7 +1611,8 @@ def test_prefix_cache_serves_a_conversation_as_without_it(served):
     from prometheus_client.parser import text_string_to_metric_families
 
     model, tok, port, _ = served
-    engine = Engine(model, tok, max_batch=2, max_length=MAX_LENGTH, prefix_cache_bytes=1 << 28)
+    # the served engine's rows and context: the programs prefix caching does not change are compiled already
+    engine = Engine(model, tok, max_batch=MAX_BATCH, max_length=MAX_LENGTH, prefix_cache_bytes=1 << 28)
     messages, plain, cached = [], [], []
     try:
         with _app_client(engine) as c:
@@ -1926,7 +1917,8 @@ def test_one_failed_request_takes_neither_probe_down(served):
     from gemma4_nnx.serve.app import create_app
 
     model, tok, _, _ = served
-    engine = Engine(model, tok, max_batch=1, max_length=MAX_LENGTH)
+    # the served engine's shapes: its programs (compiled by the tests before) serve this one too
+    engine = Engine(model, tok, max_batch=MAX_BATCH, max_length=MAX_LENGTH)
     try:
         with TestClient(create_app(engine, NAME, warmup=False)) as c:
             c.app.state.status["ready"] = False  # as before the warm-up has run
