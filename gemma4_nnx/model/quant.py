@@ -404,8 +404,11 @@ def _stored_shape(a, groups: int | None = None):
     its column [rows, 1]; a table's columns held padded (`hold_for_int_dot`) as their first `groups`."""
     if a is None:
         return None
-    if a.ndim == 1:
-        return a[:, None]
+    return a[:, None] if a.ndim == 1 else _cut(a, groups)
+
+
+def _cut(a, groups: int | None):
+    """Rows of a scales / mins array held padded (`_padded_groups`) cut to the stored `groups` columns."""
     return a[..., :groups] if groups is not None and a.shape[-1] > groups else a
 
 
@@ -439,9 +442,7 @@ def _unpadded(var, groups: int | None):
 def _stored_cols(taken: jax.Array, var, groups: int | None) -> jax.Array:
     """Rows taken from a scales / mins variable, as stored rows [..., G] (a held vector's: [..., 1]; held
     padded columns: their first G)."""
-    if var.get_value().ndim == 1:
-        return taken[..., None]
-    return taken[..., :groups] if groups is not None and taken.shape[-1] > groups else taken
+    return taken[..., None] if var.get_value().ndim == 1 else _cut(taken, groups)
 
 
 def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -974,7 +975,12 @@ def hold_for_int_dot(model: nnx.Module) -> list[str]:
             held = {"scales": lambda a: a[:, 0], "mins": lambda a: a[:, 0]}
             if isinstance(mod, QuantizedLinear) and mod.fmt.bits == 4:  # a table's packed rows are gathered too
                 held["codes"] = lambda a, asym=mod.fmt.asym: xla_int.native_int4(a, asym)
-        elif (cols := _padded_groups(mod)) and mod.scales[...].shape[-1] != cols:
+        # not the token table: it is also the tied head, whose product would cut the padding every step
+        elif (
+            mod is not getattr(model, "embed_tokens", None)
+            and (cols := _padded_groups(mod))
+            and mod.scales[...].shape[-1] != cols
+        ):
             held = {"scales": lambda a, c=cols: _pad_columns(a, c), "mins": lambda a, c=cols: _pad_columns(a, c)}
         else:
             continue
